@@ -1,0 +1,30 @@
+"""Where tessera keeps prepared models: one configurable directory (`TESSERA_HOME`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DECODER_MODEL = "smollm2-135m-instruct"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+
+def tessera_home() -> Path:
+    """`$TESSERA_HOME`, default `~/.cache/tessera`."""
+    return Path(os.environ.get("TESSERA_HOME", Path.home() / ".cache" / "tessera")).expanduser()
+
+
+def models_dir() -> Path:
+    return tessera_home() / "models"
+
+
+def default_decoder_dir() -> Path:
+    return models_dir() / DECODER_MODEL
+
+
+def default_embedding_dir() -> Path:
+    return models_dir() / EMBEDDING_MODEL
+
+
+def default_adapter_root() -> Path:
+    return tessera_home() / "adapters"

@@ -1,0 +1,142 @@
+"""Server lifecycle shared by every service: options, interceptors, health, reflection, SIGTERM.
+
+Every service calls `serve(...)` with its servicers; health starts NOT_SERVING, flips to SERVING
+once the service's model is loaded, and back to NOT_SERVING on SIGTERM before the drain
+(`server.stop(grace)`), as in grpc's python examples and TGI's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import status_of
+
+log = logging.getLogger(__name__)
+
+# Large enough for the biggest allowed image and for adapter weights pulled by decoders;
+# anything past it is refused with RESOURCE_EXHAUSTED by grpc itself, never a hang.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+DEFAULT_PORTS = {"gateway": 50051, "vision": 50052, "decoder": 50053, "pooling": 50054, "adapters": 50055}
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """The backstop: domain errors become their status; anything unexpected is logged and INTERNAL."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as error:  # noqa: BLE001 - this is the backstop
+                    await _abort(context, method, error)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as error:  # noqa: BLE001
+                    await _abort(context, method, error)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+    code, message = status_of(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method, exc_info=error)
+    else:
+        log.info("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    return grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors], options=CHANNEL_OPTIONS)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """A client channel with the same message limits as the servers."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def serve(
+    name: str,
+    address: str,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+    start: Callable[[], Awaitable[None]] | None = None,
+    stop: Callable[[], Awaitable[None]] | None = None,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    grace_s: float = 5.0,
+) -> None:
+    """Run one service until SIGTERM/SIGINT.
+
+    Args:
+        name: service name for logs.
+        address: "host:port" to bind.
+        register: adds servicers to the server; returns their full service names
+            (for health and reflection).
+        start: awaited after the port is bound and before health says SERVING (model load).
+        stop: awaited after the drain (release engines, close channels).
+    """
+    server = create_server(interceptors)
+    service_names = list(register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"{name}: cannot bind {address}")
+    await server.start()
+    not_serving, serving = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+    for service in ["", *service_names]:
+        await health_servicer.set(service, not_serving)
+    if start is not None:
+        await start()
+    for service in ["", *service_names]:
+        await health_servicer.set(service, serving)
+    log.info("%s serving on %s", name, address)
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("%s: draining", name)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    if stop is not None:
+        await stop()
+    log.info("%s stopped", name)

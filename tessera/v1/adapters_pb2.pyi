@@ -1,0 +1,88 @@
+from tessera.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "digest", "rank", "target_modules", "lora_alpha", "use_rslora", "path", "generation", "state")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    USE_RSLORA_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    lora_alpha: float
+    use_rslora: bool
+    path: str
+    generation: int
+    state: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., path: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "replace")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    replace: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class GetAdapterRequest(_message.Message):
+    __slots__ = ("name", "include_weights")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    include_weights: bool
+    def __init__(self, name: _Optional[str] = ..., include_weights: _Optional[bool] = ...) -> None: ...
+
+class AdapterTensor(_message.Message):
+    __slots__ = ("module", "lora_a", "lora_b")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    LORA_A_FIELD_NUMBER: _ClassVar[int]
+    LORA_B_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    lora_a: _tensor_pb2.Tensor
+    lora_b: _tensor_pb2.Tensor
+    def __init__(self, module: _Optional[str] = ..., lora_a: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lora_b: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class AdapterWeights(_message.Message):
+    __slots__ = ("info", "tensors")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    info: AdapterInfo
+    tensors: _containers.RepeatedCompositeFieldContainer[AdapterTensor]
+    def __init__(self, info: _Optional[_Union[AdapterInfo, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[AdapterTensor, _Mapping]]] = ...) -> None: ...

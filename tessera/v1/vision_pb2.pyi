@@ -1,0 +1,66 @@
+from tessera.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ImageInput(_message.Message):
+    __slots__ = ("data", "data_uri")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DATA_URI_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    data_uri: str
+    def __init__(self, data: _Optional[bytes] = ..., data_uri: _Optional[str] = ...) -> None: ...
+
+class EncodedImage(_message.Message):
+    __slots__ = ("rows", "grid_thw", "mrope_section", "content_hash")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    MROPE_SECTION_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    rows: _tensor_pb2.Tensor
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    mrope_section: _containers.RepeatedScalarFieldContainer[int]
+    content_hash: str
+    def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., mrope_section: _Optional[_Iterable[int]] = ..., content_hash: _Optional[str] = ...) -> None: ...
+
+class EncodeImagesRequest(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class EncodeImagesResponse(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[EncodedImage]
+    def __init__(self, images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ...) -> None: ...
+
+class VisionInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VisionInfo(_message.Message):
+    __slots__ = ("encoder", "revision", "output_width", "image_size", "patch_size", "max_image_bytes", "max_image_pixels", "max_images_per_request", "mrope_section")
+    ENCODER_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MROPE_SECTION_FIELD_NUMBER: _ClassVar[int]
+    encoder: str
+    revision: str
+    output_width: int
+    image_size: int
+    patch_size: int
+    max_image_bytes: int
+    max_image_pixels: int
+    max_images_per_request: int
+    mrope_section: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, encoder: _Optional[str] = ..., revision: _Optional[str] = ..., output_width: _Optional[int] = ..., image_size: _Optional[int] = ..., patch_size: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ...) -> None: ...
