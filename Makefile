@@ -1,0 +1,35 @@
+# tessera: `make demo` sets everything up and shows the cluster working; `make test` runs the suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: setup models up demo test proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch is pinned in pyproject (CPU build from this machine's disk); the rest from PyPI.
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+models: setup
+	$(BIN)/tessera models prepare
+
+up: models
+	$(BIN)/tessera up
+
+demo: models
+	$(BIN)/tessera demo
+
+test: models
+	$(BIN)/python -m pytest -q
+
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. protos/tessera/v1/*.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

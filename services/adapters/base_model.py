@@ -1,0 +1,55 @@
+"""Linear-module shapes of a Llama-family base model, read from its config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class BaseModelShapes:
+    """module name -> (in_features, out_features) for every LoRA-targetable linear.
+
+    Names follow transformers' Llama layout: `model.layers.{i}.self_attn.{q,k,v,o}_proj` and
+    `model.layers.{i}.mlp.{gate,up,down}_proj`; head_dim defaults to hidden_size / num_attention_heads
+    as in LlamaConfig.
+    """
+
+    modules: dict[str, LinearShape]
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> BaseModelShapes:
+        """Raises ValueError when config.json lacks a field the layout needs."""
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = config.get("text_config", config)  # VL checkpoints nest the decoder's config
+        try:
+            hidden = int(config["hidden_size"])
+            intermediate = int(config["intermediate_size"])
+            num_heads = int(config["num_attention_heads"])
+            num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+            num_layers = int(config["num_hidden_layers"])
+        except KeyError as missing:
+            raise ValueError(f"base model config.json in {model_dir} lacks {missing}") from None
+        head_dim = int(config.get("head_dim") or hidden // num_heads)
+        per_layer = {
+            "self_attn.q_proj": LinearShape(hidden, num_heads * head_dim),
+            "self_attn.k_proj": LinearShape(hidden, num_kv_heads * head_dim),
+            "self_attn.v_proj": LinearShape(hidden, num_kv_heads * head_dim),
+            "self_attn.o_proj": LinearShape(num_heads * head_dim, hidden),
+            "mlp.gate_proj": LinearShape(hidden, intermediate),
+            "mlp.up_proj": LinearShape(hidden, intermediate),
+            "mlp.down_proj": LinearShape(intermediate, hidden),
+        }
+        modules = {f"model.layers.{i}.{suffix}": shape
+                   for i in range(num_layers) for suffix, shape in per_layer.items()}
+        return cls(modules)

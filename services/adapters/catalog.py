@@ -1,0 +1,115 @@
+"""The registry's persistent catalog: one SQLite row per adapter name.
+
+Rows survive restarts, so a new registry process on the same file lists the same adapters.
+Unloaded names keep their row (state "unloaded") so a later load of the same name continues
+its generation count: a decoder never sees generation numbers repeat for a name.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+READY = "ready"
+UNLOADED = "unloaded"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    alpha REAL NOT NULL,
+    use_rslora INTEGER NOT NULL,
+    targets TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    created_at REAL NOT NULL
+)
+"""
+_COLUMNS = "name, path, digest, rank, alpha, use_rslora, targets, generation, state, created_at"
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """What the registry knows about a name.
+
+    Attributes:
+        path: POSIX path relative to the adapter root.
+        digest: sha256 hex of the effective weights (see lora.weights_digest).
+        targets: sorted module names.
+        generation: 1 on first load, +1 on every later load of the name.
+        created_at: unix seconds of the load that produced this generation.
+    """
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    targets: tuple[str, ...]
+    generation: int
+    state: str
+    created_at: float
+
+    @classmethod
+    def _from_row(cls, row: tuple) -> AdapterRecord:
+        name, path, digest, rank, alpha, rslora, targets, generation, state, created_at = row
+        return cls(name, path, digest, int(rank), float(alpha), bool(rslora), tuple(json.loads(targets)),
+                   int(generation), state, float(created_at))
+
+
+class Catalog:
+    """Thread-safe access to the SQLite catalog (one connection, one lock)."""
+
+    def __init__(self, db_path: Path) -> None:
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(_SCHEMA)
+
+    def get(self, name: str) -> AdapterRecord | None:
+        """The row for `name` in any state, or None."""
+        with self._lock:
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM adapters WHERE name = ?", (name,)).fetchone()
+        return AdapterRecord._from_row(row) if row else None
+
+    def list_ready(self) -> list[AdapterRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM adapters WHERE state = ? ORDER BY name", (READY,)).fetchall()
+        return [AdapterRecord._from_row(row) for row in rows]
+
+    def put_ready(self, name: str, path: str, digest: str, rank: int, alpha: float, use_rslora: bool,
+                  targets: list[str], expected_generation: int) -> AdapterRecord | None:
+        """Write generation `expected_generation + 1` for `name` as ready.
+
+        Returns None (and writes nothing) if the stored generation is no longer
+        `expected_generation` (0 = no row): a concurrent load won the race.
+        """
+        generation = expected_generation + 1
+        values = (name, path, digest, rank, alpha, int(use_rslora), json.dumps(sorted(targets)), generation,
+                  READY, time.time())
+        with self._lock:
+            current = self._db.execute("SELECT generation FROM adapters WHERE name = ?", (name,)).fetchone()
+            if (current[0] if current else 0) != expected_generation:
+                return None
+            self._db.execute(f"INSERT OR REPLACE INTO adapters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", values)
+        return AdapterRecord._from_row(values)
+
+    def mark_unloaded(self, name: str) -> bool:
+        """Set a ready name to unloaded; False if it was not ready."""
+        with self._lock:
+            cursor = self._db.execute("UPDATE adapters SET state = ? WHERE name = ? AND state = ?",
+                                      (UNLOADED, name, READY))
+        return cursor.rowcount == 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

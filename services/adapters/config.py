@@ -1,0 +1,49 @@
+"""Configuration of the adapter registry, validated once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.paths import default_adapter_root
+
+ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
+RANK_LIMIT = 1024  # a sanity bound on max_rank itself
+
+
+@dataclass
+class RegistryConfig:
+    """Settings of one registry process.
+
+    Attributes:
+        root: adapter root directory; clients may only name PEFT directories inside it.
+        db_path: SQLite catalog file (default `<root>/registry.sqlite3`).
+        admin_token: bearer token for LoadAdapter/UnloadAdapter; "" disables auth.
+            `None` reads `$TESSERA_ADMIN_TOKEN` (default "").
+        base_model_dir: optional HF model dir; when set, target modules and LoRA shapes are
+            checked against its config.json (Llama-family projection names).
+        max_rank: largest LoRA rank accepted, per target module.
+    """
+
+    root: Path = field(default_factory=default_adapter_root)
+    db_path: Path | None = None
+    admin_token: str | None = None
+    base_model_dir: Path | None = None
+    max_rank: int = 64
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).expanduser()
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"adapter root {self.root} exists and is not a directory")
+        self.db_path = Path(self.db_path).expanduser() if self.db_path else self.root / "registry.sqlite3"
+        if self.admin_token is None:
+            self.admin_token = os.environ.get(ADMIN_TOKEN_ENV, "")
+        if self.admin_token != self.admin_token.strip():
+            raise ValueError("admin_token has leading or trailing whitespace; it could never match a header")
+        if self.base_model_dir is not None:
+            self.base_model_dir = Path(self.base_model_dir).expanduser()
+            if not (self.base_model_dir / "config.json").is_file():
+                raise ValueError(f"base_model_dir {self.base_model_dir} has no config.json")
+        if not 1 <= self.max_rank <= RANK_LIMIT:
+            raise ValueError(f"max_rank={self.max_rank} must be in [1, {RANK_LIMIT}]")

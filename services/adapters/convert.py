@@ -1,0 +1,24 @@
+"""Registry domain objects <-> tessera.v1 protobuf messages (the only place that knows both)."""
+
+from __future__ import annotations
+
+from services.adapters.catalog import AdapterRecord
+from services.adapters.lora import LoraAdapter
+from services.common.tensor import to_pb
+from tessera.v1 import adapters_pb2
+
+
+def info_to_pb(record: AdapterRecord) -> adapters_pb2.AdapterInfo:
+    return adapters_pb2.AdapterInfo(
+        name=record.name, digest=record.digest, rank=record.rank, target_modules=list(record.targets),
+        lora_alpha=record.alpha, use_rslora=record.use_rslora, path=record.path,
+        generation=record.generation, state=record.state)
+
+
+def weights_to_pb(record: AdapterRecord, adapter: LoraAdapter | None) -> adapters_pb2.AdapterWeights:
+    """AdapterWeights with tensors sorted by module name (empty when `adapter` is None)."""
+    tensors = []
+    if adapter is not None:
+        tensors = [adapters_pb2.AdapterTensor(module=module, lora_a=to_pb(target.lora_a), lora_b=to_pb(target.lora_b))
+                   for module, target in sorted(adapter.targets.items())]
+    return adapters_pb2.AdapterWeights(info=info_to_pb(record), tensors=tensors)

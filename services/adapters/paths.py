@@ -1,0 +1,74 @@
+"""Resolving client-supplied adapter paths inside the adapter root (ARCHITECTURE invariant 6)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from services.common.errors import InvalidArgument, NotFound
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_adapter_name(name: str) -> str:
+    """Adapter names: 1-128 chars of [A-Za-z0-9._-], starting alphanumeric.
+
+    Raises:
+        InvalidArgument: any other name.
+    """
+    if not _NAME.match(name or ""):
+        raise InvalidArgument(
+            f"adapter name {name!r} is invalid; use 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit")
+    return name
+
+
+def resolve_in_root(root: Path, client_path: str) -> Path:
+    """The real directory `client_path` names, guaranteed inside `root`.
+
+    Relative paths are joined to the root; absolute paths are allowed only if inside it. The
+    check runs after `resolve()`, so `..` segments and symlinks pointing out are both caught.
+
+    Returns:
+        The resolved absolute directory.
+
+    Raises:
+        InvalidArgument: empty path, a remote URL, a path resolving outside the root, or not a directory.
+        NotFound: the path is inside the root but does not exist.
+    """
+    if not client_path:
+        raise InvalidArgument("adapter path is empty; give a directory relative to the adapter root")
+    if _URL.match(client_path):
+        raise InvalidArgument(f"adapter path {client_path!r} is a remote URL; only directories inside "
+                              "the adapter root can be loaded")
+    real_root = root.resolve()
+    candidate = Path(client_path)
+    joined = candidate if candidate.is_absolute() else real_root / candidate
+    resolved = joined.resolve()
+    if not resolved.is_relative_to(real_root):
+        raise InvalidArgument(f"adapter path {client_path!r} resolves outside the adapter root {real_root}")
+    if not resolved.exists():
+        raise NotFound(f"adapter path {client_path!r} does not exist under the adapter root {real_root}")
+    if not resolved.is_dir():
+        raise InvalidArgument(f"adapter path {client_path!r} is not a directory; expected a PEFT LoRA directory")
+    return resolved
+
+
+def file_in_root(root: Path, directory: Path, filename: str) -> Path:
+    """`directory/filename`, refused if it is a symlink leading outside the root.
+
+    Raises:
+        InvalidArgument: the file is missing, not a regular file, or resolves outside the root.
+    """
+    path = (directory / filename).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise InvalidArgument(f"{filename} in {directory} resolves outside the adapter root {root.resolve()}")
+    if not path.is_file():
+        raise InvalidArgument(f"{directory} is not a PEFT LoRA directory: {filename} is missing")
+    return path
+
+
+def relative_to_root(root: Path, resolved: Path) -> str:
+    """The catalog form of a resolved path: POSIX, relative to the root ("." for the root itself)."""
+    return resolved.relative_to(root.resolve()).as_posix()

@@ -1,0 +1,105 @@
+"""The registry core: names -> (path, digest, generation), weights re-read on demand.
+
+Synchronous and thread-safe; the servicer runs slow calls (file parsing) in a worker thread.
+Never imports generated stubs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.adapters.base_model import BaseModelShapes
+from services.adapters.catalog import READY, AdapterRecord, Catalog
+from services.adapters.config import RegistryConfig
+from services.adapters.lora import LoraAdapter
+from services.adapters.paths import check_adapter_name, relative_to_root, resolve_in_root
+from services.adapters.peft_format import read_peft_adapter
+from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, TesseraError
+
+log = logging.getLogger(__name__)
+
+
+class RegistryService:
+    """Authority for adapter names, sources, content digests and generations.
+
+    Raises (from its methods): InvalidArgument (bad name/path/adapter), NotFound (unknown name or
+    missing path), AlreadyExists (load of a loaded name without replace), FailedPrecondition
+    (files changed on disk since load).
+    """
+
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        config.root.mkdir(parents=True, exist_ok=True)
+        self.root = config.root.resolve()
+        self.base = BaseModelShapes.from_model_dir(config.base_model_dir) if config.base_model_dir else None
+        self.catalog = Catalog(config.db_path)
+
+    def load(self, name: str, path: str, replace: bool = False) -> AdapterRecord:
+        """Validate the PEFT directory at `path` (inside the root) and register it as `name`.
+
+        The new record's generation is the previous one + 1 (1 for a new name); reloading the
+        same files yields the same digest.
+        """
+        check_adapter_name(name)
+        self._refuse_existing(name, replace)
+        directory = resolve_in_root(self.root, path)
+        adapter = self._read(name, directory)
+        digest = adapter.digest
+        while True:
+            previous = self._refuse_existing(name, replace)
+            record = self.catalog.put_ready(
+                name=name, path=relative_to_root(self.root, directory), digest=digest, rank=adapter.rank,
+                alpha=adapter.alpha, use_rslora=adapter.use_rslora, targets=adapter.target_modules,
+                expected_generation=previous.generation if previous else 0)
+            if record is not None:
+                log.info("loaded adapter %r generation %d digest %s from %s",
+                         name, record.generation, digest[:12], record.path)
+                return record
+
+    def unload(self, name: str) -> None:
+        """Forget `name` (its generation count is kept). Raises NotFound if it is not loaded."""
+        if not self.catalog.mark_unloaded(name):
+            raise NotFound(f"unknown adapter {name!r}; nothing to unload")
+        log.info("unloaded adapter %r", name)
+
+    def list(self) -> list[AdapterRecord]:
+        """Every ready adapter, sorted by name."""
+        return self.catalog.list_ready()
+
+    def get(self, name: str) -> AdapterRecord:
+        """The ready record for `name`. Raises NotFound "unknown adapter 'x'"."""
+        record = self.catalog.get(name)
+        if record is None or record.state != READY:
+            raise NotFound(f"unknown adapter {name!r}")
+        return record
+
+    def get_weights(self, name: str) -> tuple[AdapterRecord, LoraAdapter]:
+        """The record and its weights, re-read from disk and checked against the recorded digest.
+
+        Raises:
+            NotFound: unknown name.
+            FailedPrecondition: the files are gone, no longer valid, or hash differently than at load.
+        """
+        record = self.get(name)
+        try:
+            adapter = self._read(name, resolve_in_root(self.root, record.path))
+        except TesseraError as error:
+            raise FailedPrecondition(f"adapter {name!r} can no longer be read from {record.path!r} ({error}); "
+                                     "reload it") from None
+        if adapter.digest != record.digest:
+            raise FailedPrecondition(f"adapter {name!r}: adapter files changed since load "
+                                     f"(digest {record.digest[:12]} at load, {adapter.digest[:12]} now); reload it")
+        return record, adapter
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    def _refuse_existing(self, name: str, replace: bool) -> AdapterRecord | None:
+        previous = self.catalog.get(name)
+        if previous is not None and previous.state == READY and not replace:
+            raise AlreadyExists(f"adapter {name!r} is already loaded (generation {previous.generation}); "
+                                "pass replace=true to load new weights under this name")
+        return previous
+
+    def _read(self, name: str, directory) -> LoraAdapter:
+        return read_peft_adapter(directory, self.root, name, self.config.max_rank, self.base)

@@ -1,0 +1,41 @@
+"""gRPC servicer for tessera.v1.Adapters: protobuf in -> RegistryService -> protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.adapters.convert import info_to_pb, weights_to_pb
+from services.adapters.service import RegistryService
+from tessera.v1 import adapters_pb2, adapters_pb2_grpc
+
+
+class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
+    """Thin: file reads and hashing run in a worker thread so the event loop keeps serving."""
+
+    def __init__(self, registry: RegistryService) -> None:
+        self.registry = registry
+
+    async def LoadAdapter(self, request, context):
+        record = await asyncio.to_thread(self.registry.load, request.name, request.path, request.replace)
+        return info_to_pb(record)
+
+    async def UnloadAdapter(self, request, context):
+        await asyncio.to_thread(self.registry.unload, request.name)
+        return adapters_pb2.UnloadAdapterResponse(name=request.name)
+
+    async def ListAdapters(self, request, context):
+        records = await asyncio.to_thread(self.registry.list)
+        return adapters_pb2.ListAdaptersResponse(adapters=[info_to_pb(r) for r in records])
+
+    async def GetAdapter(self, request, context):
+        if request.include_weights:
+            record, adapter = await asyncio.to_thread(self.registry.get_weights, request.name)
+            return await asyncio.to_thread(weights_to_pb, record, adapter)
+        record = await asyncio.to_thread(self.registry.get, request.name)
+        return weights_to_pb(record, None)
+
+
+def register(server, registry: RegistryService) -> list[str]:
+    """Add the Adapters servicer to `server`; returns the full service names (health, reflection)."""
+    adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(registry), server)
+    return [adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name]

@@ -1,0 +1,176 @@
+"""`tessera up`: start the five services on loopback, wait for health, stop them together.
+
+Each service is its own OS process (`python -m services.<name>`), logging to
+`$TESSERA_HOME/logs/<name>.log`. Startup order follows dependencies (registry, vision, pooling,
+decoder, gateway); `up` returns only when every health check says SERVING, and on Ctrl-C /
+SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir, tessera_home
+
+SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
+PORT_OFFSETS = {"gateway": 0, "vision": 1, "decoder": 2, "pooling": 3, "adapters": 4}
+
+
+@dataclass
+class ClusterSpec:
+    host: str = "127.0.0.1"
+    base_port: int = 50051
+    decoder_model_dir: Path = field(default_factory=default_decoder_dir)
+    embedding_model_dir: Path = field(default_factory=default_embedding_dir)
+    adapter_root: Path = field(default_factory=default_adapter_root)
+    admin_token: str = ""
+    vision: bool = True
+    mrope_section: str = "8,12,12"
+    image_token: str = "<empty_output>"
+    log_dir: Path = field(default_factory=lambda: tessera_home() / "logs")
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.base_port <= 65535 - len(SERVICES):
+            raise ValueError(f"base_port must leave room for {len(SERVICES)} ports below 65536, got {self.base_port}")
+        for name in ("decoder_model_dir", "embedding_model_dir"):
+            path = Path(getattr(self, name))
+            if not (path / "config.json").exists():
+                raise ValueError(f"{name} {path} has no config.json; run `tessera models prepare` first")
+
+    def address(self, service: str) -> str:
+        return f"{self.host}:{self.base_port + PORT_OFFSETS[service]}"
+
+    def command(self, service: str) -> list[str]:
+        a = self.address
+        args = {
+            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir),
+                         *(["--admin-token", self.admin_token] if self.admin_token else [])],
+            "vision": ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section],
+            "pooling": ["--model-dir", str(self.embedding_model_dir)],
+            "decoder": ["--model-dir", str(self.decoder_model_dir), "--adapters-address", a("adapters"),
+                        *(["--mrope-section", self.mrope_section, "--image-token", self.image_token]
+                          if self.vision else [])],
+            "gateway": ["--decoder", a("decoder"), "--pooling", a("pooling"), "--adapters", a("adapters"),
+                        "--vision", a("vision") if self.vision else ""],
+        }[service]
+        return [sys.executable, "-m", f"services.{service}", "--address", a(service), *args,
+                *self.extra_args.get(service, [])]
+
+    def services(self) -> list[str]:
+        return [s for s in SERVICES if self.vision or s != "vision"]
+
+
+class Cluster:
+    """The running processes. Use as a context manager, or `start()` / `stop()`."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
+        try:
+            for service in self.spec.services():
+                log = open(self.spec.log_dir / f"{service}.log", "ab")
+                self.processes[service] = subprocess.Popen(
+                    self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                log.close()
+            deadline = time.monotonic() + timeout_s
+            for service in self.spec.services():
+                self._wait_serving(service, deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_serving(self, service: str, deadline: float) -> None:
+        address = self.spec.address(service)
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                process = self.processes[service]
+                if process.poll() is not None:
+                    raise RuntimeError(f"{service} exited with code {process.returncode} during startup:\n"
+                                       f"{self.log_tail(service)}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{service} at {address} not SERVING in time:\n{self.log_tail(service)}")
+                time.sleep(0.25)
+
+    def log_tail(self, service: str, lines: int = 30) -> str:
+        path = self.spec.log_dir / f"{service}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for process in reversed(list(self.processes.values())):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_until_signalled(spec: ClusterSpec) -> int:
+    """Start, print endpoints, block until Ctrl-C / SIGTERM or a service dies, then stop all."""
+    cluster = Cluster(spec)
+    stop = {"signalled": False}
+
+    def on_signal(signum, frame):
+        stop["signalled"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)
+    cluster.start()
+    for service in spec.services():
+        print(f"  {service:<9} {spec.address(service)}  SERVING", flush=True)
+    print(f"tessera is up: gateway at {spec.address('gateway')} (Ctrl-C to stop)", flush=True)
+    code = 0
+    while not stop["signalled"]:
+        dead = [s for s, p in cluster.processes.items() if p.poll() is not None]
+        if dead:
+            print(f"{dead[0]} exited unexpectedly:\n{cluster.log_tail(dead[0])}", file=sys.stderr, flush=True)
+            code = 1
+            break
+        time.sleep(0.5)
+    print("stopping tessera", flush=True)
+    cluster.stop()
+    return code
+
+
+def parse_extra(values: list[str]) -> dict[str, list[str]]:
+    """`--service-args decoder="--num-blocks 64"` -> {"decoder": ["--num-blocks", "64"]}."""
+    out: dict[str, list[str]] = {}
+    for value in values:
+        service, sep, args = value.partition("=")
+        if not sep or service not in SERVICES:
+            raise ValueError(f"--service-args wants SERVICE=ARGS with SERVICE in {SERVICES}, got {value!r}")
+        out.setdefault(service, []).extend(shlex.split(args))
+    return out

@@ -1,0 +1,101 @@
+"""Paged attention in torch (CPU reference): prefill per sequence, decode batched.
+
+Both read K/V back from the cache through the block table, so a prefill chunk attends to
+every earlier chunk and a recomputed request sees exactly what it wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence computing several tokens this step.
+
+    `token_start:token_end` are its rows in the flat batch; `context_slots` [context_len] are the
+    cache slots of positions 0..context_len-1 (earlier chunks + this one); `num_computed` is the
+    absolute position of its first query row.
+    """
+
+    token_start: int
+    token_end: int
+    num_computed: int
+    context_slots: torch.Tensor
+    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs shared by every layer.
+
+    slot_mapping: int64 [num_tokens], where each new token's K/V is written.
+    decode_rows: int64 [num_decodes], flat rows of single-token (decode) sequences.
+    decode_slots: int64 [num_decodes, max_context] cache slots per row (padding points at slot 0).
+    decode_mask: bool [num_decodes, 1, 1, max_context], True where the slot is real context.
+    """
+
+    slot_mapping: torch.Tensor
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+
+
+def prefill_span(token_start: int, num_computed: int, context_slots: torch.Tensor) -> PrefillSpan:
+    """Span for query positions [num_computed, len(context_slots)) with a causal-with-prefix mask."""
+    context_len = int(context_slots.numel())
+    query_len = context_len - num_computed
+    mask = None
+    if num_computed > 0:
+        query_pos = torch.arange(num_computed, context_len)[:, None]  # [query_len, 1]
+        mask = torch.arange(context_len)[None, :] <= query_pos         # [query_len, context_len]
+    return PrefillSpan(token_start, token_start + query_len, num_computed, context_slots, mask)
+
+
+def decode_batch(context_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad per-row context slots into ([rows, max_context] slots, [rows, 1, 1, max_context] mask)."""
+    lengths = torch.tensor([s.numel() for s in context_slots])
+    max_len = int(lengths.max())
+    slots = torch.zeros(len(context_slots), max_len, dtype=torch.long)
+    for row, s in enumerate(context_slots):
+        slots[row, : s.numel()] = s
+    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    return slots, mask[:, None, None, :]
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of `query` [num_tokens, heads, head_dim] over the slot-indexed caches.
+
+    `k_cache`/`v_cache` are flat [slots, kv_heads, head_dim] (already holding this step's K/V).
+    Grouped-query heads share KV as in transformers' `repeat_kv` (head h reads kv head
+    h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim].
+    """
+    out = torch.empty_like(query)
+    num_rep = query.shape[1] // k_cache.shape[1]
+    for span in meta.prefills:
+        q = query[span.token_start:span.token_end].transpose(0, 1)  # [heads, q_len, head_dim]
+        k = _heads_first(k_cache[span.context_slots], num_rep)    # [heads, ctx, head_dim]
+        v = _heads_first(v_cache[span.context_slots], num_rep)
+        if span.mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
+        out[span.token_start:span.token_end] = o.transpose(0, 1)
+    if meta.decode_rows is not None and meta.decode_rows.numel():
+        q = query[meta.decode_rows][:, :, None, :]                 # [rows, heads, 1, head_dim]
+        k = _heads_first(k_cache[meta.decode_slots], num_rep)       # [rows, heads, ctx, head_dim]
+        v = _heads_first(v_cache[meta.decode_slots], num_rep)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+        out[meta.decode_rows] = o[:, :, 0, :]
+    return out
+
+
+def _heads_first(x: torch.Tensor, num_rep: int) -> torch.Tensor:
+    """[..., ctx, kv_heads, head_dim] -> [..., heads, ctx, head_dim] (kv heads repeated)."""
+    x = x.transpose(-3, -2)
+    return x.repeat_interleave(num_rep, dim=-3) if num_rep > 1 else x

@@ -1,0 +1,87 @@
+"""Decoder configuration: one dataclass, validated once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.paths import default_decoder_dir
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def read_model_config(model_dir: str | Path) -> dict:
+    """The HF `config.json` of `model_dir` as a dict.
+
+    Raises:
+        ValueError: the directory has no config.json.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model_dir {str(model_dir)!r} has no config.json")
+    return json.loads(path.read_text())
+
+
+@dataclass
+class DecoderConfig:
+    """Everything the decoder needs to start.
+
+    `num_blocks` and `max_model_len` default from the model (0 = derive): max_model_len is
+    min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
+    capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
+    image inputs; `image_token` names the placeholder token (or config.json has image_token_id).
+    """
+
+    model_dir: str = str(default_decoder_dir())
+    block_size: int = 16
+    num_blocks: int = 0
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    max_waiting: int = 256
+    mrope_section: tuple[int, int, int] | None = None
+    image_token: str | None = None
+    adapters_address: str | None = None
+    adapter_slots: int = 8
+    max_lora_rank: int = 64
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                     "adapter_slots", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        if self.num_blocks < 0 or self.max_model_len < 0:
+            raise ValueError(f"num_blocks and max_model_len must be >= 0 (0 = derive), got "
+                             f"{self.num_blocks} and {self.max_model_len}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        model = read_model_config(self.model_dir)
+        limit = int(model.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        if self.max_model_len == 0:
+            self.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        if self.num_blocks == 0:
+            tokens = self.max_num_seqs * self.max_model_len // 4
+            self.num_blocks = max(1, min(2048, -(-tokens // self.block_size)))
+        if self.mrope_section is not None:
+            self._check_mrope(model)
+
+    def _check_mrope(self, model: dict) -> None:
+        section = tuple(int(s) for s in self.mrope_section)
+        if len(section) != 3 or min(section) < 0:
+            raise ValueError(f"mrope_section must be three non-negative ints, got {self.mrope_section}")
+        head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+        if 2 * sum(section) != head_dim:
+            raise ValueError(f"mrope_section {section} sums to {sum(section)} pairs; the model's "
+                             f"head_dim {head_dim} needs {head_dim // 2}")
+        self.mrope_section = section
+        if self.image_token is None and model.get("image_token_id") is None:
+            raise ValueError("mrope_section needs image_token (a token in the vocabulary) "
+                             "because config.json has no image_token_id")

@@ -1,0 +1,176 @@
+"""Multi-LoRA, torch reference path: an adapter bank of fixed slots and grouped shrink/expand.
+
+Each targeted linear `y = x W^T + b` gets `y += (x A_s^T) B_s^T` for the tokens whose slot is
+s, where A is [rank, in] and B is [out, rank] with the LoRA scale already folded in by the
+registry. Slots are padded to `max_rank` with zeros; slot -1 is the base model (no correction).
+Rows are grouped by slot (the SGMV shape), so one batch can mix adapters and the base model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.common.errors import InvalidArgument
+
+BASE_SLOT = -1
+TARGET_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One adapter's factors by module name (e.g. "model.layers.0.self_attn.q_proj").
+
+    a: float32 [rank, in_features]; b: float32 [out_features, rank], already scaled.
+    """
+
+    digest: str
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class AdapterBank:
+    """Fixed slots of adapter weights, keyed by content digest, with leases and an LRU.
+
+    A slot holding a leased adapter is never reused; unleased resident slots are recycled
+    least recently used first. Loading into a slot rewrites every target buffer of that slot.
+    Thread-safe: the engine thread reads while the servicer thread loads.
+    """
+
+    def __init__(self, num_slots: int, max_rank: int, module_shapes: dict[str, tuple[int, int]],
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.module_shapes = module_shapes  # name -> (in_features, out_features)
+        self.dtype = dtype
+        self.lock = threading.RLock()
+        self._a: dict[str, torch.Tensor] = {}  # name -> [slots, max_rank, in]
+        self._b: dict[str, torch.Tensor] = {}  # name -> [slots, out, max_rank]
+        self._digests: list[str | None] = [None] * num_slots
+        self._leases = [0] * num_slots
+        self._idle: OrderedDict[int, None] = OrderedDict()  # unleased resident slots, LRU first
+        self._groups: list[tuple[int, torch.Tensor]] = []
+
+    def slot_of(self, digest: str) -> int | None:
+        with self.lock:
+            return self._digests.index(digest) if digest in self._digests else None
+
+    def acquire(self, digest: str) -> int | None:
+        """Lease the slot holding `digest`; None if it is not resident."""
+        with self.lock:
+            slot = self.slot_of(digest)
+            if slot is not None:
+                self._leases[slot] += 1
+                self._idle.pop(slot, None)
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self.lock:
+            if self._leases[slot] <= 0:
+                raise ValueError(f"slot {slot} has no lease to release")
+            self._leases[slot] -= 1
+            if self._leases[slot] == 0:
+                self._idle[slot] = None
+
+    def num_leases(self, slot: int) -> int:
+        return self._leases[slot]
+
+    def load(self, weights: LoRAWeights) -> int | None:
+        """Make `weights` resident (not leased); returns its slot, or None if every slot is leased.
+
+        Raises:
+            InvalidArgument: unknown module name, shape mismatch, or rank above max_rank.
+        """
+        self._validate(weights)
+        with self.lock:
+            slot = self.slot_of(weights.digest)
+            if slot is not None:
+                return slot
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            for name in self._a:
+                self._a[name][slot].zero_()
+                self._b[name][slot].zero_()
+            for name, (a, b) in weights.modules.items():
+                self._buffers(name)
+                rank = a.shape[0]
+                self._a[name][slot, :rank] = a.to(self.dtype)
+                self._b[name][slot, :, :rank] = b.to(self.dtype)
+            self._digests[slot] = weights.digest
+            self._idle[slot] = None
+            return slot
+
+    def _free_slot(self) -> int | None:
+        if None in self._digests:
+            return self._digests.index(None)
+        if not self._idle:
+            return None
+        slot, _ = self._idle.popitem(last=False)
+        self._digests[slot] = None
+        return slot
+
+    def _validate(self, weights: LoRAWeights) -> None:
+        for name, (a, b) in weights.modules.items():
+            if name not in self.module_shapes:
+                raise InvalidArgument(f"adapter targets unknown module {name!r}")
+            in_f, out_f = self.module_shapes[name]
+            rank = a.shape[0]
+            if rank > self.max_rank:
+                raise InvalidArgument(f"adapter rank {rank} at {name} exceeds max_lora_rank {self.max_rank}")
+            if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+                raise InvalidArgument(f"adapter factors at {name} have shapes {tuple(a.shape)}, {tuple(b.shape)}; "
+                                      f"expected ({rank}, {in_f}) and ({out_f}, {rank})")
+
+    def _buffers(self, name: str) -> None:
+        if name not in self._a:
+            in_f, out_f = self.module_shapes[name]
+            self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype)
+            self._b[name] = torch.zeros(self.num_slots, out_f, self.max_rank, dtype=self.dtype)
+
+    def set_token_slots(self, token_slots: torch.Tensor | None) -> None:
+        """Per-token slot index int64 [num_tokens] for the next forward (-1 = base); None = all base."""
+        self._groups = []
+        if token_slots is None:
+            return
+        for slot in torch.unique(token_slots).tolist():
+            if slot != BASE_SLOT:
+                self._groups.append((slot, (token_slots == slot).nonzero().squeeze(1)))
+
+    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the LoRA correction of module `name` to `y` [num_tokens, out] in place (x: [num_tokens, in])."""
+        if name not in self._a:
+            return
+        a_all, b_all = self._a[name], self._b[name]
+        for slot, rows in self._groups:
+            shrunk = x[rows].to(self.dtype) @ a_all[slot].T       # [n, max_rank]
+            y[rows] += (shrunk @ b_all[slot].T).to(y.dtype)       # [n, out]
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear whose output gets the bank's per-token LoRA correction (parameter names unchanged)."""
+
+    lora_name: str = ""
+    lora_bank: AdapterBank | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.lora_bank is not None and self.lora_bank._groups:
+            self.lora_bank.apply(self.lora_name, x, y)
+        return y
+
+
+def attach_bank(model: nn.Module, bank: AdapterBank) -> None:
+    """Point every LoRALinear of `model` at `bank`."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.lora_bank = bank
+
+
+def target_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every LoRA-capable linear, by module name."""
+    return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+            if isinstance(m, LoRALinear)}

@@ -1,0 +1,44 @@
+"""`python -m services.gateway`: the public gRPC endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.common.server import configure_logging, serve
+from services.gateway.config import GatewayConfig
+from services.gateway.servicer import GatewayServicer
+from tessera.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    d = GatewayConfig()
+    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    parser.add_argument("--address", default=d.address, help="bind host:port (default %(default)s)")
+    parser.add_argument("--decoder", default=d.decoder, help="decoder host:port")
+    parser.add_argument("--pooling", default=d.pooling, help="pooling host:port")
+    parser.add_argument("--adapters", default=d.adapters, help="adapter registry host:port")
+    parser.add_argument("--vision", default=d.vision, help="vision host:port; empty string = no vision (images refused)")
+    parser.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
+    args = parser.parse_args(argv)
+    return GatewayConfig(address=args.address, decoder=args.decoder, pooling=args.pooling, adapters=args.adapters,
+                         vision=args.vision, max_images_per_request=args.max_images_per_request)
+
+
+async def _main(config: GatewayConfig) -> None:
+    servicer = GatewayServicer(config)
+
+    def register(server):
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
+
+    await serve("gateway", config.address, register, stop=servicer.close)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    asyncio.run(_main(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

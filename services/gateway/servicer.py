@@ -1,0 +1,134 @@
+"""The public endpoint: validate, route, encode images through vision before the decoder.
+
+Never computes model math. Downstream statuses pass through unchanged (a decoder's
+INVALID_ARGUMENT reaches the client as INVALID_ARGUMENT); a service that is down answers
+UNAVAILABLE naming it. Deadlines propagate: each downstream call gets the client's remaining time.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.server import insecure_channel
+from services.gateway.config import GatewayConfig
+from tessera.v1 import (
+    adapters_pb2_grpc,
+    decoder_pb2,
+    decoder_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    pooling_pb2_grpc,
+    vision_pb2,
+    vision_pb2_grpc,
+)
+
+# Admin metadata the gateway relays to the registry; nothing else crosses.
+_FORWARDED_METADATA = ("authorization",)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self._channels = {
+            "decoder": insecure_channel(config.decoder),
+            "pooling": insecure_channel(config.pooling),
+            "adapters": insecure_channel(config.adapters),
+        }
+        if config.vision:
+            self._channels["vision"] = insecure_channel(config.vision)
+        self.decoder = decoder_pb2_grpc.DecoderStub(self._channels["decoder"])
+        self.pooling = pooling_pb2_grpc.PoolingStub(self._channels["pooling"])
+        self.adapters = adapters_pb2_grpc.AdaptersStub(self._channels["adapters"])
+        self.vision = vision_pb2_grpc.VisionStub(self._channels["vision"]) if config.vision else None
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        request = await self._encode_images(request, context)
+        call = self.decoder.Generate(request, timeout=context.time_remaining())
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as error:
+            raise _downstream("decoder", self.config.decoder, error) from error
+        finally:
+            call.cancel()  # client gone or finished: the decoder frees the request's KV blocks and lease
+
+    async def _encode_images(self, request: decoder_pb2.GenerateRequest, context) -> decoder_pb2.GenerateRequest:
+        """Replace every `image` part with the vision service's `encoded_image`, in order."""
+        parts = [*request.prompt, *(p for m in request.messages for p in m.content)]
+        images = [p for p in parts if p.WhichOneof("part") == "image"]
+        if any(p.WhichOneof("part") == "encoded_image" for p in parts):
+            raise InvalidArgument("clients send image parts; encoded_image parts come only from the vision service")
+        if not images:
+            return request
+        if self.vision is None:
+            raise InvalidArgument("no vision service is configured; image parts are not accepted")
+        if len(images) > self.config.max_images_per_request:
+            raise InvalidArgument(
+                f"request has {len(images)} images; the limit is {self.config.max_images_per_request} per request")
+        try:
+            encoded = await self.vision.EncodeImages(
+                vision_pb2.EncodeImagesRequest(images=[p.image for p in images]), timeout=context.time_remaining())
+        except grpc.aio.AioRpcError as error:
+            raise _downstream("vision", self.config.vision, error) from error
+        out = decoder_pb2.GenerateRequest()
+        out.CopyFrom(request)
+        rewritten = [p for p in [*out.prompt, *(p for m in out.messages for p in m.content)]
+                     if p.WhichOneof("part") == "image"]
+        for part, image in zip(rewritten, encoded.images, strict=True):
+            part.encoded_image.CopyFrom(image)  # setting the oneof clears `image`
+        return out
+
+    # -- pooling ------------------------------------------------------------------------------
+
+    async def Embed(self, request, context):
+        return await self._unary("pooling", self.config.pooling, self.pooling.Embed, request, context)
+
+    async def Rerank(self, request, context):
+        return await self._unary("pooling", self.config.pooling, self.pooling.Rerank, request, context)
+
+    # -- adapters -----------------------------------------------------------------------------
+
+    async def LoadAdapter(self, request, context):
+        return await self._unary("adapters", self.config.adapters, self.adapters.LoadAdapter, request, context)
+
+    async def UnloadAdapter(self, request, context):
+        return await self._unary("adapters", self.config.adapters, self.adapters.UnloadAdapter, request, context)
+
+    async def ListAdapters(self, request, context):
+        return await self._unary("adapters", self.config.adapters, self.adapters.ListAdapters, request, context)
+
+    # -- info ---------------------------------------------------------------------------------
+
+    async def GetInfo(self, request, context):
+        from tessera.v1 import decoder_pb2 as d, pooling_pb2 as p
+
+        info = gateway_pb2.ClusterInfo()
+        info.decoder.CopyFrom(await self._unary("decoder", self.config.decoder, self.decoder.GetInfo,
+                                                d.DecoderInfoRequest(), context))
+        info.pooling.CopyFrom(await self._unary("pooling", self.config.pooling, self.pooling.GetInfo,
+                                                p.PoolingInfoRequest(), context))
+        if self.vision is not None:
+            info.vision.CopyFrom(await self._unary("vision", self.config.vision, self.vision.GetInfo,
+                                                   vision_pb2.VisionInfoRequest(), context))
+        return info
+
+    async def _unary(self, service: str, address: str, method, request, context):
+        metadata = [(k, v) for k, v in context.invocation_metadata() or () if k in _FORWARDED_METADATA]
+        try:
+            return await method(request, timeout=context.time_remaining(), metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            raise _downstream(service, address, error) from error
+
+
+def _downstream(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
+    """A downstream failure: UNAVAILABLE names the service; other statuses pass through as they are."""
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"{service} service at {address} is unavailable: {error.details()}")
+    return error

@@ -1,0 +1,82 @@
+"""`python -m services.vision`: images -> projected rows for the decoder (demo encoder: random weights)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.common.paths import default_decoder_dir
+from services.common.server import configure_logging, serve
+from services.vision.config import DecoderGeometry, VisionConfig, parse_sections
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.processor import ProcessorConfig, parse_color
+from services.vision.servicer import VisionServicer
+from tessera.v1 import vision_pb2, vision_pb2_grpc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p, e = ProcessorConfig(), DemoEncoderConfig(output_width=1)
+    parser = argparse.ArgumentParser(prog="python -m services.vision", description=__doc__)
+    parser.add_argument("--address", default=VisionConfig.address, help="bind host:port (default %(default)s)")
+    parser.add_argument("--output-width", type=int, default=None,
+                        help="rows' width; must equal the decoder's hidden_size (default: from --decoder-model-dir)")
+    parser.add_argument("--decoder-model-dir", default=None,
+                        help=f"decoder checkpoint whose config.json gives hidden_size and head_dim "
+                             f"(default {default_decoder_dir()} when --output-width is not given)")
+    parser.add_argument("--seed", type=int, default=e.seed, help="demo encoder weight seed (default %(default)s)")
+    parser.add_argument("--image-size", type=int, default=p.image_size, help="resize side in pixels (default %(default)s)")
+    parser.add_argument("--patch-size", type=int, default=e.patch_size, help="patch side in pixels (default %(default)s)")
+    parser.add_argument("--max-image-bytes", type=int, default=p.max_image_bytes,
+                        help="compressed bytes per image (default %(default)s)")
+    parser.add_argument("--max-image-pixels", type=int, default=p.max_image_pixels,
+                        help="width*height per image (default %(default)s)")
+    parser.add_argument("--max-images", type=int, default=p.max_images, help="images per request (default %(default)s)")
+    parser.add_argument("--mrope-section", default=",".join(map(str, VisionConfig.mrope_section)),
+                        help="rotary pairs per (t,h,w) axis, e.g. 8,12,12 (default %(default)s)")
+    parser.add_argument("--background", default="white",
+                        help="colour under transparent pixels: name, #RRGGBB or R,G,B (default %(default)s)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> VisionConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def config_from_args(args: argparse.Namespace) -> VisionConfig:
+    """Raises ValueError for any inconsistent flag (e.g. output width != decoder hidden size)."""
+    model_dir = args.decoder_model_dir
+    if model_dir is None and args.output_width is None:
+        model_dir = default_decoder_dir()
+    decoder = DecoderGeometry.from_model_dir(model_dir) if model_dir is not None else None
+    output_width = args.output_width if args.output_width is not None else decoder.hidden_size
+    processor = ProcessorConfig(image_size=args.image_size, max_image_bytes=args.max_image_bytes,
+                                max_image_pixels=args.max_image_pixels, max_images=args.max_images,
+                                background=parse_color(args.background))
+    encoder = DemoEncoderConfig(output_width=output_width, image_size=args.image_size,
+                                patch_size=args.patch_size, seed=args.seed)
+    return VisionConfig(encoder=encoder, processor=processor, address=args.address,
+                        mrope_section=parse_sections(args.mrope_section), decoder=decoder)
+
+
+async def _main(config: VisionConfig) -> None:
+    servicer = VisionServicer(config)
+
+    def register(server):
+        vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)
+        return [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name]
+
+    await serve("vision", config.address, register, start=servicer.start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    asyncio.run(_main(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Vision service configuration: where it listens, the preprocessing recipe, the encoder, M-RoPE sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.server import DEFAULT_PORTS
+from services.vision.encoder import DemoEncoderConfig, decoder_geometry
+from services.vision.processor import ProcessorConfig
+
+DEFAULT_MROPE_SECTION = (8, 12, 12)  # pairs per (t, h, w) axis for head_dim 64, e.g. SmolLM2-135M
+
+
+def parse_sections(value: str) -> tuple[int, int, int]:
+    """"8,12,12" -> (8, 12, 12). Raises ValueError naming the value."""
+    try:
+        sections = tuple(int(part) for part in value.split(","))
+    except ValueError as error:
+        raise ValueError(f"mrope_section must be three comma-separated integers, got {value!r}") from error
+    if len(sections) != 3:
+        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {value!r}")
+    return sections  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class DecoderGeometry:
+    """What the vision service must match in the decoder: its hidden size and rotary head_dim."""
+
+    hidden_size: int
+    head_dim: int
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> DecoderGeometry:
+        hidden, head_dim = decoder_geometry(model_dir)
+        return cls(hidden_size=hidden, head_dim=head_dim)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Validated once. `decoder` (optional) is checked against output width and M-RoPE sections."""
+
+    encoder: DemoEncoderConfig
+    processor: ProcessorConfig = field(default_factory=ProcessorConfig)
+    address: str = f"127.0.0.1:{DEFAULT_PORTS['vision']}"
+    mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
+    decoder: DecoderGeometry | None = None
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"address must be host:port with a port in 1..65535, got {self.address!r}")
+        if self.processor.image_size != self.encoder.image_size:
+            raise ValueError(f"processor image_size {self.processor.image_size} must equal the encoder's "
+                             f"{self.encoder.image_size}")
+        if len(self.mrope_section) != 3 or any(s < 1 for s in self.mrope_section):
+            raise ValueError(f"mrope_section must be 3 positive pair counts (t, h, w), got {self.mrope_section}")
+        if self.decoder is None:
+            return
+        if self.encoder.output_width != self.decoder.hidden_size:
+            raise ValueError(f"output_width {self.encoder.output_width} must equal the decoder's hidden_size "
+                             f"{self.decoder.hidden_size}")
+        if 2 * sum(self.mrope_section) != self.decoder.head_dim:
+            raise ValueError(f"mrope_section {self.mrope_section} covers {sum(self.mrope_section)} rotary pairs; "
+                             f"the decoder's head_dim {self.decoder.head_dim} has {self.decoder.head_dim // 2}")

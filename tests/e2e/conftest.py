@@ -1,0 +1,112 @@
+"""One real cluster for the end-to-end tests: five OS processes started by `tessera up`'s code.
+
+The cluster uses the prepared default models (`make test` prepares them), free ports, and a
+temporary adapter root and log directory. Tests talk to it over real sockets only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.cli.up import SERVICES, Cluster, ClusterSpec
+from services.common.paths import default_decoder_dir, default_embedding_dir
+from services.common.server import CHANNEL_OPTIONS
+from tessera.v1 import gateway_pb2_grpc
+
+# Small enough that "image over the byte cap" needs no huge upload.
+VISION_MAX_BYTES = 200_000
+DECODER_MAX_MODEL_LEN = 2048
+
+
+def _free_base_port() -> int:
+    for _ in range(200):
+        base = 20000 + (os.getpid() * 7919 + int(time.time() * 1000)) % 30000
+        sockets = []
+        try:
+            for offset in range(len(SERVICES)):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + offset))
+                sockets.append(s)
+            return base
+        except OSError:
+            time.sleep(0.01)
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+@pytest.fixture(scope="session")
+def adapter_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("adapter-root")
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, adapter_root):
+    spec = ClusterSpec(
+        base_port=_free_base_port(),
+        adapter_root=adapter_root,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        extra_args={
+            "vision": ["--max-image-bytes", str(VISION_MAX_BYTES)],
+            "decoder": ["--max-model-len", str(DECODER_MAX_MODEL_LEN)],
+        },
+    )
+    with Cluster(spec) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def gateway_address(cluster) -> str:
+    return cluster.spec.address("gateway")
+
+
+@pytest.fixture(scope="session")
+def gateway(gateway_address):
+    with grpc.insecure_channel(gateway_address, options=CHANNEL_OPTIONS) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+@pytest.fixture
+def assert_healthy(cluster):
+    """After a refusal: every service still answers its health check with SERVING."""
+
+    def check():
+        for service in cluster.spec.services():
+            assert cluster.processes[service].poll() is None, f"{service} died:\n{cluster.log_tail(service)}"
+            with grpc.insecure_channel(cluster.spec.address(service)) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+
+    return check
+
+
+@pytest.fixture(scope="session")
+def hf_decoder():
+    """transformers' own model and tokenizer for the same checkpoint: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = default_decoder_dir()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def embedding_dir() -> Path:
+    return default_embedding_dir()
+
+
+def run_cli(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli.main", *args, "--address", address],
+                          capture_output=True, text=True, timeout=timeout)
