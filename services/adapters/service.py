@@ -87,8 +87,8 @@ class RegistryService:
             raise FailedPrecondition(f"adapter {name!r} can no longer be read from {record.path!r} ({error}); "
                                      "reload it") from None
         if adapter.digest != record.digest:
-            raise FailedPrecondition(f"adapter {name!r}: adapter files changed since load "
-                                     f"(digest {record.digest[:12]} at load, {adapter.digest[:12]} now); reload it")
+            raise FailedPrecondition(f"adapter {name!r}: adapter files changed since load; reload it "
+                                     f"(digest {record.digest[:12]} at load, {adapter.digest[:12]} now)")
         return record, adapter
 
     def close(self) -> None:

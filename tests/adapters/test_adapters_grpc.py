@@ -1,0 +1,107 @@
+"""End to end over a real socket: `python -m services.adapters` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.adapters.peft_format import read_peft_adapter
+from services.common.tensor import from_pb
+from tessera.v1 import adapters_pb2, adapters_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "s3cret"
+ADMIN = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture()
+def registry_address(root, adapter_in_root, base_model_dir):
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "TESSERA_ADMIN_TOKEN": TOKEN}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.adapters", "--address", address, "--root", str(root),
+         "--base-model-dir", str(base_model_dir), "--max-rank", "8"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            _wait_serving(channel, process)
+        yield address
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=20)
+        assert process.returncode == 0, output.decode()[-2000:]
+
+
+def _wait_serving(channel, process, timeout_s=30.0):
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read().decode()[-2000:]
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            time.sleep(0.2)
+    raise TimeoutError("registry never became SERVING")
+
+
+def _code(call, *args, **kwargs):
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value.code(), info.value.details()
+
+
+def test_registry_over_grpc(registry_address, root, adapter_in_root):
+    with grpc.insecure_channel(registry_address) as channel:
+        stub = adapters_pb2_grpc.AdaptersStub(channel)
+        load = adapters_pb2.LoadAdapterRequest(name="support", path="plain")
+        code, details = _code(stub.LoadAdapter, load)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in details
+        code, _ = _code(stub.LoadAdapter, load, metadata=(("authorization", "Bearer wrong"),))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        code, _ = _code(stub.UnloadAdapter, adapters_pb2.UnloadAdapterRequest(name="support"))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+
+        info = stub.LoadAdapter(load, metadata=ADMIN)
+        assert (info.name, info.generation, info.rank, info.state, info.path) == ("support", 1, 4, "ready", "plain")
+        assert info.lora_alpha == 8.0 and not info.use_rslora and len(info.target_modules) == 4
+        assert _code(stub.LoadAdapter, load, metadata=ADMIN)[0] == grpc.StatusCode.ALREADY_EXISTS
+        escape = adapters_pb2.LoadAdapterRequest(name="x", path="../../etc")
+        code, details = _code(stub.LoadAdapter, escape, metadata=ADMIN)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the adapter root" in details
+        assert [a.name for a in stub.ListAdapters(adapters_pb2.ListAdaptersRequest()).adapters] == ["support"]
+
+        meta = stub.GetAdapter(adapters_pb2.GetAdapterRequest(name="support"))
+        assert meta.info == info and len(meta.tensors) == 0
+        full = stub.GetAdapter(adapters_pb2.GetAdapterRequest(name="support", include_weights=True))
+        expected = read_peft_adapter(adapter_in_root, root, "support", 64)
+        assert [t.module for t in full.tensors] == sorted(expected.targets)
+        for tensor in full.tensors:
+            torch.testing.assert_close(from_pb(tensor.lora_a), expected.targets[tensor.module].lora_a, rtol=0, atol=0)
+            torch.testing.assert_close(from_pb(tensor.lora_b), expected.targets[tensor.module].lora_b, rtol=0, atol=0)
+        code, details = _code(stub.GetAdapter, adapters_pb2.GetAdapterRequest(name="nope"))
+        assert code == grpc.StatusCode.NOT_FOUND and details == "unknown adapter 'nope'"
+
+        stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="support"), metadata=ADMIN)
+        assert _code(stub.UnloadAdapter, adapters_pb2.UnloadAdapterRequest(name="support"),
+                     metadata=ADMIN)[0] == grpc.StatusCode.NOT_FOUND
+        assert list(stub.ListAdapters(adapters_pb2.ListAdaptersRequest()).adapters) == []
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert stub.LoadAdapter(load, metadata=ADMIN).generation == 2

@@ -1,0 +1,100 @@
+"""RegistryService: generations, digests, persistence across restarts, on-disk change detection."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.adapters.config import RegistryConfig
+from services.adapters.service import RegistryService
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+
+
+@pytest.fixture()
+def config(root, base_model_dir):
+    return RegistryConfig(root=root, admin_token="", base_model_dir=base_model_dir)
+
+
+def _scale_b(directory, factor):
+    path = directory / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[key] = tensors[key] * factor
+    save_file(tensors, str(path))
+
+
+def test_generation_and_digest_semantics(config, adapter_in_root, root):
+    registry = RegistryService(config)
+    first = registry.load("support", "plain")
+    assert (first.generation, first.state, first.path, first.rank) == (1, "ready", "plain", 4)
+    assert len(first.digest) == 64 and len(first.targets) == 4
+    with pytest.raises(AlreadyExists, match="replace"):
+        registry.load("support", "plain")
+    same = registry.load("support", str(adapter_in_root), replace=True)
+    assert (same.generation, same.digest) == (2, first.digest)  # same files -> same digest
+    twin = registry.load("twin", "plain")
+    assert twin.digest == first.digest and twin.generation == 1
+    _scale_b(adapter_in_root, 3.0)
+    changed = registry.load("support", "plain", replace=True)
+    assert changed.generation == 3 and changed.digest != first.digest
+    # An alpha change alters effective weights, hence the digest, though tensors are identical.
+    shutil.copytree(adapter_in_root, root / "alpha")
+    cfg = (root / "alpha" / "adapter_config.json")
+    cfg.write_text(cfg.read_text().replace('"lora_alpha": 8', '"lora_alpha": 16'))
+    assert registry.load("alpha", "alpha").digest != changed.digest
+
+
+def test_catalog_survives_restart(config, adapter_in_root):
+    registry = RegistryService(config)
+    loaded = registry.load("support", "plain")
+    registry.load("gone", "plain")
+    registry.unload("gone")
+    registry.close()
+    restarted = RegistryService(RegistryConfig(root=config.root, admin_token="", base_model_dir=config.base_model_dir))
+    assert restarted.list() == [loaded]
+    record, adapter = restarted.get_weights("support")
+    assert record == loaded and adapter.digest == loaded.digest
+    assert restarted.load("gone", "plain").generation == 2  # generations never repeat for a name
+
+
+def test_weights_rechecked_against_digest(config, adapter_in_root):
+    registry = RegistryService(config)
+    registry.load("support", "plain")
+    _, adapter = registry.get_weights("support")
+    expected = adapter.targets["model.layers.1.self_attn.v_proj"].lora_b
+    _scale_b(adapter_in_root, 2.0)
+    with pytest.raises(FailedPrecondition, match="adapter files changed since load; reload it"):
+        registry.get_weights("support")
+    assert registry.get("support").generation == 1  # metadata is still served
+    reloaded = registry.load("support", "plain", replace=True)
+    _, adapter = registry.get_weights("support")
+    torch.testing.assert_close(adapter.targets["model.layers.1.self_attn.v_proj"].lora_b, expected * 2.0)
+    assert reloaded.generation == 2
+    shutil.rmtree(adapter_in_root)
+    with pytest.raises(FailedPrecondition, match="reload it"):
+        registry.get_weights("support")
+
+
+def test_unknown_names_and_bad_loads(config, adapter_in_root, edit_adapter_config):
+    registry = RegistryService(config)
+    with pytest.raises(NotFound, match="unknown adapter 'x'"):
+        registry.get("x")
+    with pytest.raises(NotFound, match="unknown adapter 'x'"):
+        registry.unload("x")
+    edit_adapter_config(adapter_in_root, use_dora=True)
+    with pytest.raises(InvalidArgument, match="use_dora"):
+        registry.load("dora", "plain")
+    with pytest.raises(InvalidArgument, match="outside the adapter root"):
+        registry.load("esc", "../x")
+    assert registry.list() == []
+
+
+def test_config_validation(root):
+    with pytest.raises(ValueError, match="max_rank=0"):
+        RegistryConfig(root=root, max_rank=0)
+    with pytest.raises(ValueError, match="no config.json"):
+        RegistryConfig(root=root, base_model_dir=root)
+    assert RegistryConfig(root=root).db_path == root / "registry.sqlite3"
