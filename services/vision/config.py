@@ -13,7 +13,7 @@ DEFAULT_MROPE_SECTION = (8, 12, 12)  # pairs per (t, h, w) axis for head_dim 64,
 
 
 def parse_sections(value: str) -> tuple[int, int, int]:
-    """"8,12,12" -> (8, 12, 12). Raises ValueError naming the value."""
+    """Parse "8,12,12" into (8, 12, 12). Raises ValueError naming the value."""
     try:
         sections = tuple(int(part) for part in value.split(","))
     except ValueError as error:

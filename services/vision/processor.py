@@ -33,7 +33,7 @@ _REMOTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def parse_color(value: str) -> tuple[int, int, int]:
-    """"white", "#RRGGBB", "R,G,B" -> (r, g, b) in 0..255. Raises ValueError naming the value."""
+    """Parse "white", "#RRGGBB" or "R,G,B" into (r, g, b) in 0..255. Raises ValueError naming the value."""
     parts = value.split(",")
     try:
         if len(parts) == 3:
@@ -63,8 +63,9 @@ class ProcessorConfig:
         if self.max_image_bytes < 1:
             raise ValueError(f"max_image_bytes must be >= 1, got {self.max_image_bytes}")
         # PIL refuses images past 2 * MAX_IMAGE_PIXELS on its own; a larger cap could never be honoured.
-        if not 1 <= self.max_image_pixels <= Image.MAX_IMAGE_PIXELS:
-            raise ValueError(f"max_image_pixels must be in 1..{Image.MAX_IMAGE_PIXELS} (PIL's bomb limit), "
+        pil_limit = Image.MAX_IMAGE_PIXELS or 2**62  # None when a host disabled PIL's guard
+        if not 1 <= self.max_image_pixels <= pil_limit:
+            raise ValueError(f"max_image_pixels must be in 1..{pil_limit} (PIL's bomb limit), "
                              f"got {self.max_image_pixels}")
         if self.max_images < 1:
             raise ValueError(f"max_images must be >= 1, got {self.max_images}")

@@ -1,0 +1,116 @@
+"""End to end over a real socket: `python -m services.vision` in a subprocess, a plain grpc client."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from vision_images import solid, two_halves
+
+from services.common.server import CHANNEL_OPTIONS
+from services.common.tensor import from_pb
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource, ProcessorConfig
+from tessera.v1 import vision_pb2, vision_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+WIDTH = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_serving(channel: grpc.Channel, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("vision service did not become SERVING")
+
+
+@pytest.fixture(scope="module")
+def server():
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.vision", "--address", address, "--output-width", str(WIDTH),
+         "--max-images", "2", "--max-image-bytes", "100000"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        _wait_serving(channel, process)
+        yield channel, process
+    finally:
+        channel.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_encode_info_health_and_errors(server):
+    channel, process = server
+    stub = vision_pb2_grpc.VisionStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="tessera.v1.Vision")).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+    reference = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH),
+                                          processor=ProcessorConfig(max_images=2, max_image_bytes=100000)))
+    info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)
+    assert info.encoder == "demo" and info.revision == reference.encoder.revision  # same seed, other process
+    assert (info.output_width, info.image_size, info.patch_size, info.max_images_per_request) == (WIDTH, 64, 8, 2)
+    assert list(info.mrope_section) == [8, 12, 12] and info.max_image_bytes == 100000
+
+    png, jpeg = two_halves((255, 0, 0), (0, 0, 255)), solid((10, 200, 30), fmt="JPEG")
+    uri = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    response = stub.EncodeImages(vision_pb2.EncodeImagesRequest(
+        images=[vision_pb2.ImageInput(data=png), vision_pb2.ImageInput(data_uri=uri)]), timeout=30)
+    expected = reference.encode(reference.process([ImageSource(data=png), ImageSource(data=jpeg)]))
+    assert len(response.images) == 2
+    for got, want in zip(response.images, expected, strict=True):
+        rows = from_pb(got.rows)
+        assert rows.shape == (64, WIDTH) and rows.dtype == torch.float32 and got.rows.dtype == "float32"
+        assert torch.allclose(rows, want.rows, atol=1e-5)
+        assert list(got.grid_thw) == [1, 8, 8] and list(got.mrope_section) == [8, 12, 12]
+        assert got.content_hash == want.content_hash
+    assert response.images[0].content_hash != response.images[1].content_hash
+
+    bad_requests = {
+        "could not be decoded": [vision_pb2.ImageInput(data=b"not an image")],
+        "remote URLs are not fetched": [vision_pb2.ImageInput(data_uri="https://example.com/a.png")],
+        "3 images; at most 2": [vision_pb2.ImageInput(data=png)] * 3,
+        "the limit is 100000": [vision_pb2.ImageInput(data=b"\x00" * 100001)],
+        "neither data nor data_uri": [vision_pb2.ImageInput()],
+    }
+    for reason, images in bad_requests.items():
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.EncodeImages(vision_pb2.EncodeImagesRequest(images=images), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, reason
+        assert reason in caught.value.details()
+
+    again = stub.EncodeImages(vision_pb2.EncodeImagesRequest(images=[vision_pb2.ImageInput(data=png)]), timeout=30)
+    assert again.images[0].content_hash == expected[0].content_hash  # still answering, same result
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 0
