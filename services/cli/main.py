@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     admin = argparse.ArgumentParser(add_help=False, parents=[remote])
     admin.add_argument("--admin-token", default=None, help="bearer token for load/unload (default: $TESSERA_ADMIN_TOKEN)")
 
+    demo = sub.add_parser("demo", help="start the cluster, send one of each request, stop it")
+    demo.add_argument("--base-port", type=int, default=50051)
+    demo.set_defaults(func=_demo)
+
     def client(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, parents=[remote])
 
@@ -106,6 +110,13 @@ def _up(args) -> int:
                        admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
                        image_token=args.image_token, extra_args=parse_extra(args.service_args))
     return run_until_signalled(spec)
+
+
+def _demo(args) -> int:
+    from services.cli.demo import run_demo
+    from services.cli.up import ClusterSpec
+
+    return run_demo(ClusterSpec(base_port=args.base_port))
 
 
 def _generate(args) -> int:
