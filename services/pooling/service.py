@@ -152,7 +152,7 @@ class PoolingService:
 
     def _check_texts(self, texts: list[str], what: str) -> None:
         if not texts:
-            raise InvalidArgument(f"{what} must hold at least one text")
+            raise InvalidArgument(f"{what} is empty; send at least one text")
         if len(texts) > self.config.max_batch_size:
             raise InvalidArgument(f"request has {len(texts)} {what}; max_batch_size is {self.config.max_batch_size}")
         for index, text in enumerate(texts):

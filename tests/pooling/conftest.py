@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from services.common.paths import default_embedding_dir
 from services.pooling.config import PoolingConfig
 from services.pooling.encoder import HFEncoder
-
-# Other test suites share this machine's two cores.
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,197 @@
+"""`PoolingService` on the prepared all-MiniLM-L6-v2, checked against sentence-transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from sentence_transformers import SentenceTransformer
+
+from services.common.errors import InvalidArgument, NotFound, Unavailable
+from services.pooling.config import PoolingConfig
+from services.pooling.service import PoolingService
+from services.pooling.servicer import embeddings_to_pb
+from tessera.v1 import pooling_pb2
+
+SHORT = "A cat sat on the mat."
+LONG = " ".join(f"Sentence number {i} talks about rivers, mountains and the weather in spring." for i in range(14))
+BATCH = [SHORT, "Hello world", "Quantum computers use qubits.", LONG[:300], "Paris is in France.",
+         "I like green tea.", "The quick brown fox jumps over the lazy dog."]
+
+FACTS = [  # (query, documents, index of the relevant one)
+    ("What is the capital of France?",
+     ["The Great Barrier Reef lies off the coast of Queensland.", "Paris is the capital and largest city of France.",
+      "Photosynthesis converts light energy into chemical energy.", "The stock market closed higher on Tuesday."], 1),
+    ("How many legs does a spider have?",
+     ["Spiders are arachnids with eight legs.", "The Eiffel Tower was completed in 1889.",
+      "Bread is made from flour, water and yeast.", "Jupiter is the largest planet in the solar system."], 0),
+    ("Who wrote Romeo and Juliet?",
+     ["The Amazon river flows through Brazil.", "Coffee contains caffeine.", "Violins have four strings.",
+      "Romeo and Juliet is a tragedy written by William Shakespeare."], 3),
+    ("What temperature does water boil at sea level?",
+     ["Penguins live mostly in the Southern Hemisphere.", "The piano has 88 keys.",
+      "At sea level, water boils at 100 degrees Celsius.", "Mount Everest is in the Himalayas."], 2),
+]
+
+
+@pytest.fixture(scope="module")
+def st_model(minilm_dir):
+    return SentenceTransformer(str(minilm_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def service(minilm_config, minilm_encoder):
+    return PoolingService(minilm_config, encoder=minilm_encoder)
+
+
+def _embed(service, texts, **kwargs):
+    return asyncio.run(service.embed(texts, **kwargs))
+
+
+def _cosine(a, b):
+    return F.cosine_similarity(torch.as_tensor(a).float(), torch.as_tensor(b).float(), dim=-1)
+
+
+def test_long_text_is_long(minilm_encoder):
+    num_tokens = minilm_encoder.tokenize([LONG]).num_tokens[0]
+    assert 180 <= num_tokens <= 256, num_tokens
+
+
+@pytest.mark.parametrize("texts", [[SHORT], [SHORT, LONG], [LONG, SHORT], BATCH], ids=["alone", "short+long", "long+short", "batch7"])
+def test_embeddings_equal_sentence_transformers(service, st_model, texts):
+    result = _embed(service, texts)
+    reference = torch.from_numpy(st_model.encode(texts, convert_to_numpy=True))
+    assert result.vectors.shape == (len(texts), 384) and result.vectors.dtype == torch.float32
+    assert (_cosine(result.vectors, reference) >= 0.99999).all()
+    torch.testing.assert_close(result.vectors.norm(dim=-1), torch.ones(len(texts)))  # the model's Normalize module
+
+
+def test_result_does_not_depend_on_batch_composition(service):
+    alone = _embed(service, [SHORT]).vectors[0]
+    beside_long = _embed(service, [LONG, SHORT]).vectors[1]
+    in_batch = _embed(service, BATCH).vectors[0]
+    torch.testing.assert_close(beside_long, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(in_batch, alone, atol=1e-5, rtol=0)
+
+
+def test_usage_counts_visible_tokens_only(service, st_model):
+    counts = [len(st_model.tokenizer(text)["input_ids"]) for text in [SHORT, LONG]]
+    assert _embed(service, [SHORT, LONG]).num_prompt_tokens == sum(counts)
+    assert _embed(service, [SHORT]).num_prompt_tokens == counts[0]
+
+
+def test_normalize_override(service):
+    raw = _embed(service, [SHORT, LONG], normalize=False).vectors
+    unit = _embed(service, [SHORT, LONG]).vectors
+    assert ((raw.norm(dim=-1) - 1).abs() > 1e-2).all()  # mean-pooled MiniLM vectors are not unit length
+    torch.testing.assert_close(F.normalize(raw, dim=-1), unit)
+
+
+def test_base64_decodes_to_the_float_vectors(service):
+    result = _embed(service, [SHORT, LONG])
+    response = embeddings_to_pb(result, "all-minilm-l6-v2", pooling_pb2.ENCODING_FORMAT_BASE64)
+    assert len(response.embeddings_base64) == 2 and not response.HasField("embeddings")
+    for row, encoded in enumerate(response.embeddings_base64):
+        decoded = np.frombuffer(base64.b64decode(encoded), dtype="<f4")
+        assert decoded.shape == (384,)
+        assert np.array_equal(decoded, result.vectors[row].numpy())
+    assert response.usage.prompt_tokens == response.usage.total_tokens == result.num_prompt_tokens
+
+
+@pytest.mark.parametrize("query, documents, relevant", FACTS, ids=[f[0][:20] for f in FACTS])
+def test_rerank_puts_the_relevant_document_first(service, query, documents, relevant):
+    ranking = asyncio.run(service.rerank(query, documents))
+    assert ranking.method == "bi-encoder"
+    assert ranking.results[0].index == relevant
+    assert sorted(r.index for r in ranking.results) == [0, 1, 2, 3]
+    scores = [r.score for r in ranking.results]
+    assert scores == sorted(scores, reverse=True)
+    assert all(r.document is None for r in ranking.results)
+
+
+def test_rerank_scores_are_cosines_of_st_embeddings(service, st_model):
+    query, documents, _ = FACTS[0]
+    ranking = asyncio.run(service.rerank(query, documents))
+    vectors = torch.from_numpy(st_model.encode([query, *documents]))
+    expected = _cosine(vectors[1:], vectors[0:1])
+    for r in ranking.results:
+        assert abs(r.score - float(expected[r.index])) < 1e-5
+
+
+def test_rerank_top_n_and_documents(service):
+    query, documents, relevant = FACTS[2]
+    full = asyncio.run(service.rerank(query, documents))
+    top = asyncio.run(service.rerank(query, documents, top_n=2, return_documents=True))
+    assert [r.index for r in top.results] == [r.index for r in full.results[:2]]
+    assert top.results[0].index == relevant
+    assert [r.document for r in top.results] == [documents[r.index] for r in top.results]
+    assert len(asyncio.run(service.rerank(query, documents, top_n=4)).results) == 4
+
+
+def test_rerank_ties_break_by_index(service):
+    documents = ["Dogs bark.", "Paris is in France.", "Dogs bark.", "Paris is in France."]
+    ranking = asyncio.run(service.rerank("Where is Paris?", documents))
+    assert [r.index for r in ranking.results] == [1, 3, 0, 2]
+
+
+def test_concurrent_requests_get_their_own_results(minilm_config, minilm_encoder, service):
+    fresh = PoolingService(minilm_config, encoder=minilm_encoder)  # its lock binds to this test's loop
+
+    async def run_all():
+        return await asyncio.gather(fresh.embed([SHORT]), fresh.embed([LONG, SHORT]), fresh.embed(BATCH))
+
+    results = asyncio.run(run_all())
+    torch.testing.assert_close(results[0].vectors, _embed(service, [SHORT]).vectors)
+    torch.testing.assert_close(results[2].vectors, _embed(service, BATCH).vectors)
+
+
+# --- errors -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(minilm_dir, minilm_encoder):
+    return PoolingService(PoolingConfig(model_dir=minilm_dir, max_batch_size=3), encoder=minilm_encoder)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s: s.embed([]), "inputs is empty; send at least one text"),
+    (lambda s: s.embed(["ok", ""]), r"inputs\[1\] is an empty string"),
+    (lambda s: s.embed(["a", "b", "c", "d"]), "request has 4 inputs; max_batch_size is 3"),
+    (lambda s: s.embed(["ok", "word " * 300]), "input 1 has 302 tokens; the maximum input length is 256"),
+    (lambda s: s.rerank("", ["a doc"]), "query must be a non-empty string"),
+    (lambda s: s.rerank("q", []), "documents is empty; send at least one text"),
+    (lambda s: s.rerank("q", ["a", ""]), r"documents\[1\] is an empty string"),
+    (lambda s: s.rerank("q", ["a", "b", "c", "d"]), "request has 4 documents; max_batch_size is 3"),
+    (lambda s: s.rerank("q", ["a", "b"], top_n=0), r"top_n must be between 1 and the number of documents \(2\), got 0"),
+    (lambda s: s.rerank("q", ["a", "b"], top_n=3), "got 3"),
+    (lambda s: s.rerank("q", ["a", "b"], top_n=-1), "got -1"),
+    (lambda s: s.rerank("word " * 300, ["a"]), "query has 302 tokens"),
+    (lambda s: s.rerank("q", ["a", "word " * 300]), "document 1 has 302 tokens"),
+], ids=["no-inputs", "empty-input", "too-many", "too-long", "empty-query", "no-docs", "empty-doc", "too-many-docs",
+        "top-n-0", "top-n-past", "top-n-negative", "long-query", "long-doc"])
+def test_invalid_requests(small, call, message):
+    with pytest.raises(InvalidArgument, match=message):
+        asyncio.run(call(small))
+
+
+def test_model_name(small):
+    with pytest.raises(NotFound, match="'other-model' is not served here"):
+        asyncio.run(small.embed(["hi"], model="other-model"))
+    with pytest.raises(NotFound):
+        asyncio.run(small.rerank("q", ["a"], model="other-model"))
+    assert asyncio.run(small.embed(["hi"], model="all-minilm-l6-v2")).vectors.shape == (1, 384)
+
+
+def test_not_loaded_is_unavailable(minilm_config):
+    with pytest.raises(Unavailable):
+        asyncio.run(PoolingService(minilm_config).embed(["hi"]))
+
+
+def test_info(small):
+    info = small.info()
+    assert (info.model, info.pooling_mode, info.normalize, info.dimension, info.max_input_length,
+            info.max_batch_size, info.rerank_method) == ("all-minilm-l6-v2", "mean", True, 384, 256, 3, "bi-encoder")
