@@ -23,7 +23,7 @@ class RotaryEmbedding:
             raise ValueError(f"mrope_section {mrope_section} must be 3 pair counts summing to head_dim/2 = {head_dim // 2}")
         self.head_dim = head_dim
         self.mrope_section = tuple(mrope_section) if mrope_section is not None else None
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2] float32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,62 @@
+"""python -m services.decoder --address HOST:PORT [flags]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.common.paths import default_decoder_dir
+from services.common.server import DEFAULT_PORTS, configure_logging, serve
+from services.decoder.config import DecoderConfig
+from services.decoder.servicer import DecoderServicer
+from tessera.v1 import decoder_pb2, decoder_pb2_grpc
+
+
+def parse_section(text: str) -> tuple[int, int, int] | None:
+    if not text.strip():
+        return None
+    parts = [int(p) for p in text.split(",")]
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"--mrope-section needs three comma-separated ints, got {text!r}")
+    return tuple(parts)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
+    p = argparse.ArgumentParser(prog="python -m services.decoder", description=__doc__)
+    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORTS['decoder']}")
+    p.add_argument("--model-dir", default=str(default_decoder_dir()))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=0, help="0 = derive from max_num_seqs * max_model_len")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=0, help="0 = min(max_position_embeddings, 8192)")
+    p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--mrope-section", type=parse_section, default=None, help='e.g. "8,12,12"; empty = text-only')
+    p.add_argument("--image-token", default=None)
+    p.add_argument("--adapters-address", default=None)
+    p.add_argument("--adapter-slots", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args(argv)
+    config = DecoderConfig(
+        model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len, max_waiting=a.max_waiting,
+        mrope_section=a.mrope_section, image_token=a.image_token, adapters_address=a.adapters_address or None,
+        adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, dtype=a.dtype)
+    return a.address, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    address, config = parse_args(argv)
+    configure_logging()
+    servicer = DecoderServicer(config)
+
+    def register(server):
+        decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
+        return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
+
+    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop))
+
+
+if __name__ == "__main__":
+    main()

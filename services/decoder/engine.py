@@ -1,0 +1,257 @@
+"""The engine: owns model, cache, scheduler and adapter bank; a background thread steps it.
+
+`generate(...)` (asyncio) validates and submits a request and yields `RequestOutput`s that the
+engine thread hands over with `loop.call_soon_threadsafe`. Leaving the iterator early (client
+cancel, deadline, disconnect) aborts the request: its blocks and adapter lease are freed before
+the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from services.common.errors import InvalidArgument
+from services.decoder.adapter_client import AdapterClient
+from services.decoder.block_manager import BlockManager
+from services.decoder.config import DecoderConfig, read_model_config
+from services.decoder.detokenizer import IncrementalDetokenizer
+from services.decoder.inputs import GenerateInput
+from services.decoder.kv_cache import KVCache
+from services.decoder.lora import AdapterBank, attach_bank, target_shapes
+from services.decoder.model_llama import load_llama
+from services.decoder.model_runner import ModelRunner
+from services.decoder.multimodal import PromptBuilder
+from services.decoder.request import Request, RequestOutput, Usage
+from services.decoder.sampler import make_generator
+from services.decoder.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass
+class _Stream:
+    """Where a request's outputs go: an asyncio queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: DecoderConfig) -> None:
+        self.config = config
+        self.model_config = read_model_config(config.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        self.dtype = getattr(torch, config.dtype)
+        self.model = load_llama(config.model_dir, self.dtype, config.mrope_section)
+        spec = self.model.spec
+        self.cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads,
+                             spec.head_dim, self.dtype)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_waiting)
+        self.bank = AdapterBank(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype)
+        attach_bank(self.model, self.bank)
+        self.adapters = AdapterClient(config.adapters_address, self.bank)
+        self.image_token_id = self._image_token_id()
+        self.prompts = PromptBuilder(self.tokenizer, spec.vocab_size, spec.hidden_size,
+                                     config.mrope_section, self.image_token_id)
+        self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.bank,
+                                  config.mrope_section is not None)
+        self.eos_token_ids = self._eos_token_ids()
+        self._cond = threading.Condition()
+        self._streams: dict[str, _Stream] = {}
+        self._requests: dict[str, Request] = {}
+        self._aborts: set[str] = set()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="decoder-engine", daemon=True)
+        self._thread.start()
+
+    # ---- setup helpers -------------------------------------------------------------------
+    def _image_token_id(self) -> int | None:
+        if self.config.mrope_section is None:
+            return None
+        if self.config.image_token is None:
+            return int(self.model_config["image_token_id"])
+        token_id = self.tokenizer.convert_tokens_to_ids(self.config.image_token)
+        if token_id is None or token_id == self.tokenizer.unk_token_id:
+            raise ValueError(f"image_token {self.config.image_token!r} is not in the vocabulary")
+        return int(token_id)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        sources = [self.model_config.get("eos_token_id")]
+        gen_path = Path(self.config.model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        for value in sources:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+        return ids
+
+    # ---- public API ----------------------------------------------------------------------
+    async def generate(self, request_input: GenerateInput,
+                       lora_slot: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and stream its outputs; the last one carries finish_reason and usage.
+
+        `request_input.lora` is resolved through the registry and leased; a caller that already
+        holds a lease on a bank slot passes `lora_slot` instead (the engine releases it at the end).
+
+        Raises (before the first output): InvalidArgument (bad prompt, too long), NotFound /
+        Unavailable (adapter), ResourceExhausted (waiting queue full, adapter slots busy).
+        """
+        slot = lora_slot
+        try:
+            prompt = await asyncio.to_thread(self.prompts.build, request_input)
+            self._check_length(len(prompt.token_ids), request_input.sampling.max_tokens)
+            if slot is None and request_input.lora:
+                slot = await self.adapters.acquire(request_input.lora)
+        except BaseException:
+            if slot is not None:
+                self.bank.release(slot)
+            raise
+        key = uuid.uuid4().hex
+        request = Request(key, request_input.request_id or key, prompt, request_input.sampling, slot,
+                          None if request_input.sampling.greedy else make_generator(request_input.sampling.seed))
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
+                         IncrementalDetokenizer(self.tokenizer, prompt.token_ids, request.sampling.stop))
+        try:
+            with self._cond:
+                self.scheduler.add(request)
+                self._requests[key] = request
+                self._streams[key] = stream
+                self._cond.notify()
+        except BaseException:
+            if slot is not None:
+                self.bank.release(slot)
+            raise
+        finished = False
+        try:
+            while not finished:
+                output = await stream.queue.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finish_reason is not None
+                yield output
+        finally:
+            if not finished:
+                self.abort(key)
+
+    def abort(self, key: str) -> None:
+        """Abort a request by its engine key; blocks and lease are freed before the next step."""
+        with self._cond:
+            self._aborts.add(key)
+            self._cond.notify()
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            return EngineStats(self.block_manager.num_blocks, self.block_manager.num_free_blocks,
+                               len(self.scheduler.running), len(self.scheduler.waiting))
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
+        limit = self.config.max_model_len
+        if num_prompt + max_tokens > limit:
+            raise InvalidArgument(f"prompt has {num_prompt} tokens and max_tokens {max_tokens}; "
+                                  f"the model's context is {limit}")
+        capacity = self.config.num_blocks * self.config.block_size
+        if num_prompt + max_tokens > capacity:
+            raise InvalidArgument(f"prompt has {num_prompt} tokens and max_tokens {max_tokens}; the KV cache "
+                                  f"holds {capacity} tokens ({self.config.num_blocks} blocks of {self.config.block_size})")
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._aborts and not self.scheduler.has_work():
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                self._process_aborts()
+                out = self.scheduler.schedule()
+            if not out.scheduled:
+                continue
+            try:
+                sampled = self.runner.execute(out)
+            except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
+                log.exception("engine step failed")
+                with self._cond:
+                    for item in out.scheduled:
+                        self._finish(item.request, "abort", error=error)
+                continue
+            with self._cond:
+                self.scheduler.update(out)
+                for item in out.scheduled:
+                    token = sampled.get(item.request.key)
+                    if token is not None:
+                        self._append_token(item.request, token)
+
+    def _process_aborts(self) -> None:
+        for key in self._aborts:
+            request = self._requests.get(key)
+            if request is not None:
+                self._finish(request, "abort")
+        self._aborts.clear()
+
+    def _append_token(self, request: Request, token: int) -> None:
+        request.output_token_ids.append(token)
+        stream = self._streams[request.key]
+        params = request.sampling
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif stream.detokenizer.add(token):
+            reason = "stop"
+        elif len(request.output_token_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(request, reason, new_tokens=[token])
+        else:
+            self._emit(request, RequestOutput(request.request_id, [token], stream.detokenizer.delta(final=False)))
+
+    def _finish(self, request: Request, reason: str, new_tokens: list[int] | None = None,
+                error: BaseException | None = None) -> None:
+        self.scheduler.finish(request, reason)
+        if request.lora_slot is not None:
+            self.bank.release(request.lora_slot)
+        self._requests.pop(request.key, None)
+        stream = self._streams[request.key]
+        if error is not None:
+            self._emit(request, error)
+        else:
+            usage = Usage(request.num_prompt_tokens, len(request.output_token_ids), request.prompt.num_image_tokens)
+            self._emit(request, RequestOutput(request.request_id, new_tokens or [],
+                                              stream.detokenizer.delta(final=True), reason, usage))
+        self._streams.pop(request.key, None)
+
+    def _emit(self, request: Request, output: RequestOutput | BaseException) -> None:
+        stream = self._streams[request.key]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+        except RuntimeError:  # the caller's loop is closed; nobody is listening
+            pass

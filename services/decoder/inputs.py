@@ -1,0 +1,121 @@
+"""Domain types for what a Generate call asks for (the servicer converts protobuf into these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image after the vision encoder.
+
+    rows: float32 [t*h*w, hidden] in (t, h, w) raster order; grid_thw in LLM units;
+    mrope_section: frequency pairs per axis the encoder was built for.
+    """
+
+    rows: torch.Tensor
+    grid_thw: tuple[int, ...]
+    mrope_section: tuple[int, ...]
+    content_hash: str = ""
+
+
+@dataclass(frozen=True)
+class RawImagePart:
+    """An image that was never encoded (the gateway must send it through vision first)."""
+
+
+Part = TextPart | ImagePart | RawImagePart
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: tuple[Part, ...]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. temperature 0 = greedy; top_p 0 or 1 and top_k 0 disable the filters.
+
+    Raises InvalidArgument on out-of-range values.
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_p == 0:
+            self.top_p = 1.0
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+        if any(s == "" for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+        self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerateInput:
+    """Exactly one of `prompt`, `messages`, `prompt_token_ids` is set (checked by the prompt builder)."""
+
+    sampling: SamplingParams
+    request_id: str = ""
+    prompt: tuple[Part, ...] = ()
+    messages: tuple[ChatMessage, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    lora: str = ""
+
+
+@dataclass
+class ImageSpan:
+    """Projected rows that replace the embeddings of prompt positions [start, start + len(rows))."""
+
+    start: int
+    rows: torch.Tensor  # [num_rows, hidden] float32
+    content_hash: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.shape[0]
+
+
+@dataclass
+class PromptInputs:
+    """A prompt after image expansion.
+
+    mrope_positions: int64 [3, num_tokens] (t, h, w) or None for a text-only decoder;
+    rope_delta: next text rotary position minus physical length (decode position = physical + delta).
+    """
+
+    token_ids: list[int]
+    image_spans: list[ImageSpan] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(s.rows.shape[0] for s in self.image_spans)

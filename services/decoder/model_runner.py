@@ -1,0 +1,118 @@
+"""Executes one scheduler step: flat batch inputs, attention metadata, forward, sampling.
+
+Flat batch layout (two requests, one decoding, one prefilling a chunk):
+
+    rows:        0   | 1   2   3   4
+    request:     A   | B   B   B   B
+    position:    37  | 16  17  18  19       (physical; M-RoPE rows use the request's table/delta)
+    slot:        A's block_table[37 // bs] * bs + 37 % bs, ...
+
+Only requests whose chunk reaches their last token are sampled (their last row's logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.decoder.attention import AttentionMetadata, decode_batch, prefill_span
+from services.decoder.block_manager import BlockManager
+from services.decoder.kv_cache import KVCache
+from services.decoder.lora import BASE_SLOT, AdapterBank
+from services.decoder.model_llama import LlamaForCausalLM
+from services.decoder.sampler import sample
+from services.decoder.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor        # int64 [num_tokens]
+    positions: torch.Tensor        # int64 [num_tokens] or [3, num_tokens]
+    meta: AttentionMetadata
+    embed_rows: torch.Tensor | None  # int64 [n] rows replaced by image rows
+    embed_values: torch.Tensor | None  # [n, hidden]
+    token_slots: torch.Tensor | None  # int64 [num_tokens] adapter slot per row (-1 = base)
+    sample_rows: torch.Tensor       # int64 [num_sampled] last row of each sampled request
+    sampled: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
+                 bank: AdapterBank | None, mrope: bool) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_manager = block_manager
+        self.bank = bank
+        self.mrope = mrope
+
+    def prepare(self, out: SchedulerOutput) -> ModelInputs:
+        ids, positions, slots, prefills = [], [], [], []
+        decode_rows, decode_ctx, embed_rows, embed_values, token_slots = [], [], [], [], []
+        sample_rows, sampled = [], []
+        row = 0
+        for item in out.scheduled:
+            request, start, end = item.request, item.start, item.end
+            ids.extend(request.token_ids(start, end))
+            positions.append(request.rope_positions(start, end, self.mrope))
+            slots.append(self.block_manager.slot_mapping(request.key, start, end))
+            context = self.block_manager.slot_mapping(request.key, 0, end)
+            if item.num_new_tokens == 1:
+                decode_rows.append(row)
+                decode_ctx.append(context)
+            else:
+                prefills.append(prefill_span(row, start, context))
+            offsets, blocks = request.image_rows(start, end)
+            embed_rows.extend(row + o for o in offsets)
+            embed_values.extend(blocks)
+            slot = BASE_SLOT if request.lora_slot is None else request.lora_slot
+            token_slots.append(torch.full((item.num_new_tokens,), slot, dtype=torch.long))
+            if item.samples:
+                sample_rows.append(row + item.num_new_tokens - 1)
+                sampled.append(item)
+            row += item.num_new_tokens
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills)
+        if decode_rows:
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+            meta.decode_slots, meta.decode_mask = decode_batch(decode_ctx)
+        slot_tensor = torch.cat(token_slots)
+        return ModelInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.cat(positions, dim=-1),
+            meta=meta,
+            embed_rows=torch.tensor(embed_rows, dtype=torch.long) if embed_rows else None,
+            embed_values=torch.cat(embed_values) if embed_values else None,
+            token_slots=slot_tensor if bool((slot_tensor != BASE_SLOT).any()) else None,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sampled=sampled,
+        )
+
+    @torch.inference_mode()
+    def logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """Float32 logits [num_sampled, vocab] for the sampled requests' last rows."""
+        if self.bank is None:
+            hidden = self._forward(inputs)
+        else:
+            with self.bank.lock:
+                self.bank.set_token_slots(inputs.token_slots)
+                try:
+                    hidden = self._forward(inputs)
+                finally:
+                    self.bank.set_token_slots(None)
+        return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.cache, inputs.meta,
+                          inputs.embed_rows, inputs.embed_values)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run the step; returns {request key: sampled token} for requests that sampled."""
+        inputs = self.prepare(out)
+        if not inputs.sampled:
+            self.logits(inputs)
+            return {}
+        logits = self.logits(inputs)
+        requests = [item.request for item in inputs.sampled]
+        tokens = sample(logits, [r.sampling for r in requests], [r.generator for r in requests])
+        return {r.key: t for r, t in zip(requests, tokens)}

@@ -1,0 +1,97 @@
+"""A request's life inside the engine: tokens, progress through the prompt, outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from services.decoder.inputs import PromptInputs, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    image_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (deltas since the previous output)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    usage: Usage | None = None
+
+
+class Request:
+    """Engine-side state. `key` is unique per submission (the block manager's id);
+    `num_computed_tokens` counts positions whose K/V are in the cache (reset by preemption)."""
+
+    def __init__(self, key: str, request_id: str, prompt: PromptInputs, sampling: SamplingParams,
+                 lora_slot: int | None = None, generator: torch.Generator | None = None) -> None:
+        self.key = key
+        self.request_id = request_id
+        self.prompt = prompt
+        self.sampling = sampling
+        self.lora_slot = lora_slot
+        self.generator = generator
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Prompt + generated ids at physical positions [start, end)."""
+        prompt = self.prompt.token_ids
+        return prompt[start:end] + self.output_token_ids[max(0, start - len(prompt)):max(0, end - len(prompt))]
+
+    def rope_positions(self, start: int, end: int, mrope: bool) -> torch.Tensor:
+        """Rotary positions of [start, end): int64 [n], or [3, n] when `mrope`.
+
+        Prompt positions come from the M-RoPE table; later ones are physical + rope delta
+        (as in transformers' Qwen2-VL get_rope_index / decode path).
+        """
+        if not mrope:
+            return torch.arange(start, end)
+        table = self.prompt.mrope_positions
+        split = min(max(start, self.num_prompt_tokens), end)
+        tail = (torch.arange(split, end) + self.prompt.rope_delta).expand(3, -1)
+        if table is None:
+            head = torch.arange(start, split).expand(3, -1)
+        else:
+            head = table[:, start:split]
+        return torch.cat((head, tail), dim=1)
+
+    def image_rows(self, start: int, end: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Image rows inside [start, end): (offsets from `start`, row blocks [k, hidden])."""
+        offsets, blocks = [], []
+        for span in self.prompt.image_spans:
+            lo, hi = max(start, span.start), min(end, span.end)
+            if lo < hi:
+                offsets.extend(range(lo - start, hi - start))
+                blocks.append(span.rows[lo - span.start:hi - span.start])
+        return offsets, blocks

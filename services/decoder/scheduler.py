@@ -1,0 +1,124 @@
+"""Continuous batching: decodes first, then (chunked) prefills, recompute preemption.
+
+Each step spends at most `max_num_batched_tokens` tokens over at most `max_num_seqs` running
+requests. A running request needs `num_tokens - num_computed_tokens` new tokens (1 for a
+decode, the rest of its prompt for an unfinished prefill); a prefill larger than the remaining
+budget is cut into a chunk. When the pool runs out of blocks the latest admitted request is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to recompute
+prompt + generated tokens later (its adapter lease is kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.common.errors import ResourceExhausted
+from services.decoder.block_manager import BlockManager
+from services.decoder.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """Positions [start, start + num_new_tokens) of `request` run this step (fixed at scheduling)."""
+
+    request: Request
+    num_new_tokens: int
+    start: int = field(init=False)
+    samples: bool = field(init=False)  # the chunk reaches the request's last token, so its logits are sampled
+
+    def __post_init__(self) -> None:
+        self.start = self.request.num_computed_tokens
+        self.samples = self.end == self.request.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_waiting: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request. Raises ResourceExhausted when `max_waiting` requests already wait."""
+        if len(self.waiting) >= self.max_waiting:
+            raise ResourceExhausted(f"{len(self.waiting)} requests are waiting; the queue holds {self.max_waiting}")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.append_slots(request.key, request.num_computed_tokens + num_new):
+                victim = self.running.pop()  # latest admitted; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.block_manager.allocate(request.key, request.num_computed_tokens + num_new) is None:
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.key)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Record that every scheduled chunk was computed."""
+        for item in out.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Remove a request from whichever queue holds it and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request.key)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

@@ -1,0 +1,76 @@
+"""Bad requests raise the right domain error before anything is scheduled."""
+
+import asyncio
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.decoder.block_manager import BlockManager
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import LLMEngine
+from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams,
+                                     TextPart)
+from services.decoder.multimodal import PromptInputs
+from services.decoder.request import Request
+from services.decoder.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64))
+    yield engine
+    engine.shutdown()
+
+
+def _submit(engine, request):
+    async def main():
+        async for _ in engine.generate(request):
+            pass
+    asyncio.run(main())
+
+
+def test_empty_prompt(engine):
+    with pytest.raises(InvalidArgument, match="empty"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4)))
+    with pytest.raises(InvalidArgument, match="empty"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4), prompt=(TextPart(""),)))
+
+
+def test_max_tokens_zero():
+    with pytest.raises(InvalidArgument, match="max_tokens must be >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+
+
+def test_past_the_context_quotes_both_numbers(engine):
+    with pytest.raises(InvalidArgument, match="prompt has 10 tokens and max_tokens 60; the model's context is 64"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=60), prompt_token_ids=tuple(range(10, 20))))
+
+
+def test_image_to_text_only_decoder(engine):
+    image = ImagePart(torch.zeros(4, 64), (1, 2, 2), (2, 3, 3))
+    with pytest.raises(InvalidArgument, match="text-only"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4), prompt=(TextPart("hi"), image)))
+    with pytest.raises(InvalidArgument, match="encode them"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4), prompt=(RawImagePart(),)))
+
+
+def test_unknown_role_and_token_ids(engine):
+    bad = (ChatMessage("robot", (TextPart("hi"),)),)
+    with pytest.raises(InvalidArgument, match="unknown chat role 'robot'"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4), messages=bad))
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4), prompt_token_ids=(1, 10**6)))
+
+
+def test_lora_without_registry_is_not_found(engine):
+    with pytest.raises(NotFound, match="unknown adapter 'x'"):
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4), prompt_token_ids=(1, 2, 3), lora="x"))
+    assert engine.stats().num_free_blocks == 64
+
+
+def test_waiting_queue_is_bounded():
+    scheduler = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=16, max_waiting=1)
+    scheduler.add(Request("a", "a", PromptInputs([1, 2]), SamplingParams(max_tokens=1)))
+    with pytest.raises(ResourceExhausted, match="the queue holds 1"):
+        scheduler.add(Request("b", "b", PromptInputs([1, 2]), SamplingParams(max_tokens=1)))

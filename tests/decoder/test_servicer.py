@@ -1,0 +1,69 @@
+"""The Decoder servicer over a real socket: streaming Generate, GetInfo, errors as statuses, cancel."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.server import create_server, insecure_channel
+from services.decoder.config import DecoderConfig
+from services.decoder.servicer import DecoderServicer
+from tessera.v1 import decoder_pb2, decoder_pb2_grpc
+
+
+async def _with_server(model_dir, body):
+    servicer = DecoderServicer(DecoderConfig(model_dir=str(model_dir), num_blocks=32, max_model_len=256))
+    server = create_server()
+    decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.start()
+    try:
+        async with insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await body(decoder_pb2_grpc.DecoderStub(channel), servicer)
+    finally:
+        await server.stop(0)
+        await servicer.stop()
+
+
+def test_generate_info_errors_and_cancel(tiny_llama):
+    async def body(stub, servicer):
+        request = decoder_pb2.GenerateRequest(
+            request_id="r1", prompt=[decoder_pb2.ContentPart(text="Hello there")],
+            sampling=decoder_pb2.SamplingParams(max_tokens=6))
+        responses = [r async for r in stub.Generate(request)]
+        assert all(r.request_id == "r1" for r in responses)
+        assert sum(len(r.token_ids) for r in responses) == 6
+        assert responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 6
+        assert responses[-1].usage.total_tokens == responses[-1].usage.prompt_tokens + 6
+
+        info = await stub.GetInfo(decoder_pb2.DecoderInfoRequest())
+        assert (info.num_blocks, info.num_free_blocks, info.block_size, info.max_model_len) == (32, 32, 16, 256)
+        assert info.hidden_size == 64 and list(info.mrope_section) == [] and info.architecture == "LlamaForCausalLM"
+
+        bad = decoder_pb2.GenerateRequest(prompt_token_ids=[1, 2], sampling=decoder_pb2.SamplingParams(max_tokens=0))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [r async for r in stub.Generate(bad)]
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in error.value.details()
+
+        long = decoder_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=decoder_pb2.SamplingParams(max_tokens=250))
+        call = stub.Generate(long)
+        await call.read()
+        call.cancel()
+        for _ in range(200):
+            stats = servicer.engine.stats()
+            if stats.num_free_blocks == 32 and stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert servicer.engine.stats().num_free_blocks == 32
+
+    asyncio.run(_with_server(tiny_llama, body))
+
+
+def test_main_parses_flags(tiny_llama):
+    from services.decoder.__main__ import parse_args
+    address, config = parse_args(["--address", "127.0.0.1:6000", "--model-dir", str(tiny_llama), "--block-size", "8",
+                                  "--mrope-section", "2,3,3", "--image-token", "<repo_name>", "--max-model-len", "128"])
+    assert address == "127.0.0.1:6000"
+    assert (config.block_size, config.mrope_section, config.max_model_len) == (8, (2, 3, 3), 128)
+    assert parse_args(["--model-dir", str(tiny_llama), "--mrope-section", ""])[1].mrope_section is None
