@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     admin = argparse.ArgumentParser(add_help=False, parents=[remote])
     admin.add_argument("--admin-token", default=None, help="bearer token for load/unload (default: $TESSERA_ADMIN_TOKEN)")
 
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (decode, prefix, embed, lora, vision)")
+    bench.add_argument("name", help="benchmark name: the file bench/NAME.py")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    bench.set_defaults(func=_bench)
+
     demo = sub.add_parser("demo", help="start the cluster, send one of each request, stop it")
     demo.add_argument("--base-port", type=int, default=50051)
     demo.set_defaults(func=_demo)
@@ -110,6 +115,12 @@ def _up(args) -> int:
                        admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
                        image_token=args.image_token, extra_args=parse_extra(args.service_args))
     return run_until_signalled(spec)
+
+
+def _bench(args) -> int:
+    from services.cli.bench import run
+
+    return run(args.name, args.args)
 
 
 def _demo(args) -> int:
