@@ -37,41 +37,54 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """The backstop: domain errors become their status; anything unexpected is logged and INTERNAL."""
+    """The backstop: domain errors become their status; anything unexpected is logged and INTERNAL.
+
+    Wraps all four handler kinds, so servicers never catch errors just to translate them.
+    """
+
+    _KINDS = {
+        "unary_unary": (grpc.unary_unary_rpc_method_handler, False),
+        "unary_stream": (grpc.unary_stream_rpc_method_handler, True),
+        "stream_unary": (grpc.stream_unary_rpc_method_handler, False),
+        "stream_stream": (grpc.stream_stream_rpc_method_handler, True),
+    }
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            async def unary_unary(request, context):
-                try:
-                    return await inner(request, context)
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except Exception as error:  # noqa: BLE001 - this is the backstop
-                    await _abort(context, method, error)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            inner = handler.unary_stream
-
-            async def unary_stream(request, context):
-                try:
-                    async for response in inner(request, context):
-                        yield response
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except Exception as error:  # noqa: BLE001
-                    await _abort(context, method, error)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
+        for kind, (factory, streams_out) in self._KINDS.items():
+            inner = getattr(handler, kind)
+            if inner is not None:
+                wrap = _wrap_streaming if streams_out else _wrap_single
+                return factory(wrap(inner, details.method), handler.request_deserializer,
+                               handler.response_serializer)
         return handler
+
+
+def _wrap_single(inner, method: str):
+    async def behavior(request, context):
+        try:
+            return await inner(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the backstop
+            await _abort(context, method, error)
+
+    return behavior
+
+
+def _wrap_streaming(inner, method: str):
+    async def behavior(request, context):
+        try:
+            async for response in inner(request, context):
+                yield response
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as error:  # noqa: BLE001
+            await _abort(context, method, error)
+
+    return behavior
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:

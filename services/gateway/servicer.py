@@ -93,6 +93,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Rerank(self, request, context):
         return await self._unary("pooling", self.config.pooling, self.pooling.Rerank, request, context)
 
+    async def Tokenize(self, request, context):
+        return await self._unary("pooling", self.config.pooling, self.pooling.Tokenize, request, context)
+
+    async def EmbedStream(self, request_iterator, context):
+        call = self.pooling.EmbedStream(request_iterator, timeout=context.time_remaining())
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as error:
+            raise _downstream("pooling", self.config.pooling, error) from error
+        finally:
+            call.cancel()  # client gone or finished: the pooling service drops its queued inputs
+
     # -- adapters -----------------------------------------------------------------------------
 
     async def LoadAdapter(self, request, context):

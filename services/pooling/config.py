@@ -1,77 +1,113 @@
-"""`PoolingConfig`: what the pooling service serves and the limits it enforces, validated once."""
+"""`ModelConfig` (one served model) and `PoolingConfig` (the service and its batching limits), validated once."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from services.common.paths import default_embedding_dir
 from services.common.server import DEFAULT_PORTS
 from services.pooling.st_config import POOLING_MODES, read_st_config
 
 # Tokenizers without a real limit report a huge sentinel (transformers' VERY_LARGE_INTEGER).
 _NO_TOKENIZER_LIMIT = 10**9
 
+EMBEDDING = "embedding"
+CROSS_ENCODER = "cross-encoder"
+LLM_JUDGE = "llm-judge"
+MODEL_KINDS = (EMBEDDING, CROSS_ENCODER, LLM_JUDGE)
+
+# The Qwen3-Reranker prompt (its model card's format_instruction + prefix/suffix); a model's
+# config.json may replace it with "judge_template" / "judge_instruction".
+QWEN3_RERANKER_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    "provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+QWEN3_RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
 
 @dataclass
-class PoolingConfig:
-    """Pooling service settings; `None` fields are resolved from the model directory.
+class ModelConfig:
+    """One served model; `None` fields are resolved from the model directory.
 
     Attributes:
-        address: host:port the service binds.
         model_dir: a local transformers / sentence-transformers directory (never a hub id).
-        max_batch_size: most inputs (or rerank documents) in one request; each request is one
-            padded forward of at most this many rows (plus the query, for rerank).
-        max_input_length: most tokens per input, special tokens included. Default: the
-            sentence-transformers `max_seq_length`, else the tokenizer's `model_max_length`
-            capped by the model's `max_position_embeddings`. Longer inputs are refused, never truncated.
-        pooling_mode: "mean", "cls" or "last"; default from `1_Pooling/config.json`.
-        normalize: unit-normalize embeddings by default; default True when `modules.json` has a
-            Normalize module. A request may still override it.
-        model_name: the name requests may address; default the directory name.
-        device: torch device for the encoder ("cpu", "cuda", "cuda:1").
-        do_lower_case: lower-case texts before tokenizing (from `sentence_bert_config.json`).
+        kind: "embedding" (AutoModel + pooling), "cross-encoder" (AutoModelForSequenceClassification,
+            one logit) or "llm-judge" (AutoModelForCausalLM scored by its "yes"/"no" LM-head rows).
+            Default: "cross-encoder" when config.json names a *ForSequenceClassification architecture,
+            else "embedding"; "llm-judge" is never guessed.
+        model_name: the name requests address; default the directory name.
+        max_input_length: most tokens per input (a rerank pair or judge prompt counts whole), special
+            tokens included. Default: sentence-transformers' `max_seq_length`, else the tokenizer's
+            `model_max_length` capped by `max_position_embeddings`.
+        pooling_mode: "mean", "cls" or "last"; default `1_Pooling/config.json`, else "last" for a
+            causal decoder and "mean" otherwise (as sentence-transformers wraps a plain encoder).
+        normalize: default unit-normalization (True when `modules.json` has a Normalize module).
+        matryoshka_dimensions: the `dimensions` a request may ask for. Default from config.json as
+            vLLM reads it: `matryoshka_dimensions` (a list), or any width when `is_matryoshka` is true.
+        prompts: prompt name -> prefix, default `config_sentence_transformers.json`.
+        judge_instruction / judge_template: the llm-judge prompt; default config.json's
+            `judge_instruction` / `judge_template`, else Qwen3-Reranker's. The template holds
+            `{instruction}`, `{query}` and `{document}`.
+        judge_tokens: the ("yes", "no") tokens whose LM-head rows make the score head; default
+            config.json's `classifier_from_token` ([no, yes], vLLM's convention), else ("yes", "no").
 
     Raises:
-        ValueError: an address without a port, a missing model directory, a limit below 1, a max_input_length past the
-            model's position embeddings, or an unknown pooling mode.
+        ValueError: a missing model directory, an unknown kind or pooling mode, a limit below 1 or past
+            the model's position embeddings, a Matryoshka width outside 1..hidden size, a template
+            without its fields.
     """
 
-    address: str = f"127.0.0.1:{DEFAULT_PORTS['pooling']}"
-    model_dir: Path = field(default_factory=default_embedding_dir)
-    max_batch_size: int = 64
+    model_dir: Path
+    kind: str | None = None
+    model_name: str | None = None
     max_input_length: int | None = None
     pooling_mode: str | None = None
     normalize: bool | None = None
-    model_name: str | None = None
-    device: str = "cpu"
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    prompts: dict[str, str] | None = None
+    judge_instruction: str | None = None
+    judge_template: str | None = None
+    judge_tokens: tuple[str, str] | None = None
     do_lower_case: bool = field(default=False, init=False)
+    default_prompt_name: str | None = field(default=None, init=False)
+    is_matryoshka: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if ":" not in self.address:
-            raise ValueError(f"address must be host:port, got {self.address!r}")
         self.model_dir = Path(self.model_dir).expanduser()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model_dir {str(self.model_dir)!r} has no config.json; expected a local transformers model directory")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        hf = json.loads((self.model_dir / "config.json").read_text())
+        architectures = hf.get("architectures") or []
+        if self.kind is None:
+            self.kind = CROSS_ENCODER if any(a.endswith("ForSequenceClassification") for a in architectures) else EMBEDDING
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"kind must be one of {MODEL_KINDS}, got {self.kind!r}")
         st = read_st_config(self.model_dir)
         self.do_lower_case = st.do_lower_case
+        causal = any(a.endswith("ForCausalLM") for a in architectures)
         if self.pooling_mode is None:
-            self.pooling_mode = st.pooling_mode
+            self.pooling_mode = st.pooling_mode if st.pooling_declared or not causal else "last"
         if self.pooling_mode not in POOLING_MODES:
             raise ValueError(f"pooling_mode must be one of {POOLING_MODES}, got {self.pooling_mode!r}")
         if self.normalize is None:
             self.normalize = st.normalize
+        if self.prompts is None:
+            self.prompts = dict(st.prompts)
+            self.default_prompt_name = st.default_prompt_name
         if self.model_name is None:
             self.model_name = self.model_dir.name
         if not self.model_name:
             raise ValueError("model_name must be non-empty")
-        self.max_input_length = self._resolve_max_input_length(st.max_seq_length)
+        self.max_input_length = self._resolve_max_input_length(st.max_seq_length, hf)
+        self._resolve_matryoshka(hf)
+        self._resolve_judge(hf)
 
-    def _resolve_max_input_length(self, st_max_seq_length: int | None) -> int:
-        max_positions = _model_max_positions(self.model_dir)
+    def _resolve_max_input_length(self, st_max_seq_length: int | None, hf: dict[str, Any]) -> int:
+        value = hf.get("max_position_embeddings")
+        max_positions = int(value) if value is not None else None
         if self.max_input_length is not None:
             if self.max_input_length < 1:
                 raise ValueError(f"max_input_length must be >= 1, got {self.max_input_length}")
@@ -87,11 +123,85 @@ class PoolingConfig:
                              "set max_input_length")
         return min(limits)
 
+    def _resolve_matryoshka(self, hf: dict[str, Any]) -> None:
+        hidden = int(hf.get("hidden_size", 0)) or None
+        if self.matryoshka_dimensions is None:
+            declared = hf.get("matryoshka_dimensions")
+            self.is_matryoshka = bool(declared) or bool(hf.get("is_matryoshka", False))
+            self.matryoshka_dimensions = tuple(int(d) for d in declared) if declared else ()
+        else:
+            self.matryoshka_dimensions = tuple(int(d) for d in self.matryoshka_dimensions)
+            self.is_matryoshka = bool(self.matryoshka_dimensions)
+        for width in self.matryoshka_dimensions:
+            if not 1 <= width <= (hidden or width):
+                raise ValueError(f"matryoshka dimension {width} is outside 1..{hidden} (the model's hidden size)")
 
-def _model_max_positions(model_dir: Path) -> int | None:
-    config = json.loads((model_dir / "config.json").read_text())
-    value = config.get("max_position_embeddings")
-    return int(value) if value is not None else None
+    def _resolve_judge(self, hf: dict[str, Any]) -> None:
+        if self.judge_tokens is None:
+            no_yes = hf.get("classifier_from_token")
+            self.judge_tokens = (no_yes[1], no_yes[0]) if no_yes and len(no_yes) == 2 else ("yes", "no")
+        self.judge_instruction = self.judge_instruction or hf.get("judge_instruction") or QWEN3_RERANKER_INSTRUCTION
+        self.judge_template = self.judge_template or hf.get("judge_template") or QWEN3_RERANKER_TEMPLATE
+        if self.kind == LLM_JUDGE:
+            for name in ("{query}", "{document}"):
+                if name not in self.judge_template:
+                    raise ValueError(f"judge_template must contain {name}, got {self.judge_template!r}")
+
+
+@dataclass
+class PoolingConfig:
+    """Pooling service settings.
+
+    Attributes:
+        address: host:port the service binds.
+        models: the served models; the first embedding model answers Embed requests that name no
+            model, the first reranker (else the first model) Rerank requests that name none.
+        max_batch_size: most inputs (or rerank documents) one request may carry (the client cap).
+        device: torch device for every model ("cpu", "cuda", "cuda:1").
+        dynamic_batching: gather sequences from concurrent requests into one forward (True), or run
+            each request as its own forward under a lock (False, the per-call lock baseline).
+        max_batch_tokens: token budget of one forward, padded length x rows (TEI's max_batch_tokens).
+        max_wait_ms: longest a first queued sequence waits for company before its forward starts.
+        max_queue_size: most sequences waiting per model; a request that would pass it is refused
+            with RESOURCE_EXHAUSTED.
+
+    Raises:
+        ValueError: no models, duplicate model names, an address without a port, a limit below 1,
+            a token budget below a model's max_input_length, a queue smaller than one full request.
+    """
+
+    models: list[ModelConfig]
+    address: str = f"127.0.0.1:{DEFAULT_PORTS['pooling']}"
+    max_batch_size: int = 64
+    device: str = "cpu"
+    dynamic_batching: bool = True
+    max_batch_tokens: int = 16384
+    max_wait_ms: float = 2.0
+    max_queue_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if ":" not in self.address:
+            raise ValueError(f"address must be host:port, got {self.address!r}")
+        if not self.models:
+            raise ValueError("models must name at least one model")
+        names = [m.model_name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        longest = max(m.max_input_length for m in self.models)
+        if self.max_batch_tokens < longest:
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} is below the longest max_input_length "
+                             f"{longest}; one full-length input must fit a forward")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.max_queue_size < self.max_batch_size + 1:
+            raise ValueError(f"max_queue_size {self.max_queue_size} must hold one full request "
+                             f"(max_batch_size + 1 = {self.max_batch_size + 1})")
+
+    @property
+    def default_model(self) -> ModelConfig:
+        return self.models[0]
 
 
 def _tokenizer_max_length(model_dir: Path) -> int | None:

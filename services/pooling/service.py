@@ -1,165 +1,298 @@
-"""The pooling core: validated embedding and rerank requests over one encoder (no gRPC types here).
+"""The pooling core: validated Embed / Rerank / Tokenize over several served models (no gRPC types here).
 
-One device forward at a time: an asyncio lock admits one request's batch, and the forward runs in
-a worker thread (`asyncio.to_thread`) so the event loop keeps answering health checks and
-validating other requests meanwhile. Tokenization also runs in a thread, outside the lock.
+Each model has a tokenizer, a runner (one padded forward) and a `DynamicBatcher` that gathers
+sequences from concurrent requests under a token budget; one device lock serializes forwards
+across models. Tokenization runs in worker threads, outside that lock, so the event loop keeps
+answering health checks meanwhile.
+
+Rerank methods: "cross-encoder" (a trained classification head over the tokenizer's pair
+encoding), "llm-judge" (a causal LM's yes/no LM-head rows on a Qwen3-Reranker prompt) and
+"bi-encoder" (cosine of normalized embeddings, as vLLM's score API does for embedding models).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
 
 from services.common.errors import InvalidArgument, NotFound, Unavailable
-from services.pooling.config import PoolingConfig
-from services.pooling.encoder import HFEncoder, TokenizedBatch
+from services.pooling.batcher import DynamicBatcher
+from services.pooling.config import EMBEDDING, ModelConfig, PoolingConfig
+from services.pooling.domain import EmbedQuery, Embeddings, ModelInfo, RankedDocument, Ranking, ServiceInfo, Tokenization
 from services.pooling.pooling import normalize as unit_normalize
-from services.pooling.pooling import pool
+from services.pooling.runners import ModelRunner, load_runner
+from services.pooling.tokens import ModelTokenizer, Sequence
 
-# With no trained cross-encoder head, rerank scores are cosine similarities of normalized
-# embeddings, as vLLM's score API does for embedding models.
 BI_ENCODER = "bi-encoder"
+_STREAM_WINDOW = 64  # EmbedStream requests in flight per call
 
 
-@dataclass(frozen=True)
-class Embeddings:
-    """Embed output: `vectors` [N, D] float32 CPU in input order; `num_prompt_tokens` excludes padding."""
+@dataclass
+class ServedModel:
+    """A loaded model: its config, tokenizer, runner and batcher."""
 
-    vectors: torch.Tensor
-    num_prompt_tokens: int
+    config: ModelConfig
+    tokenizer: ModelTokenizer
+    runner: ModelRunner
+    batcher: DynamicBatcher | None = None
 
-
-@dataclass(frozen=True)
-class RankedDocument:
-    """One rerank result: `index` into the request's documents; `document` is set when asked for."""
-
-    index: int
-    score: float
-    document: str | None = None
+    @property
+    def name(self) -> str:
+        return self.config.model_name
 
 
-@dataclass(frozen=True)
-class Ranking:
-    """Rerank output: results by descending score (ties by index), at most top_n of them."""
-
-    results: list[RankedDocument]
-    method: str
-    num_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class ServiceInfo:
-    model: str
-    pooling_mode: str
-    normalize: bool
-    dimension: int
-    max_input_length: int
-    max_batch_size: int
-    rerank_method: str
+def load_model(config: ModelConfig, device: str = "cpu") -> ServedModel:
+    """Tokenizer + runner for one model (seconds; blocking)."""
+    tokenizer = ModelTokenizer(config.model_dir, config.max_input_length, config.do_lower_case)
+    return ServedModel(config=config, tokenizer=tokenizer, runner=load_runner(config, tokenizer, device))
 
 
 class PoolingService:
-    """Embeddings and bi-encoder rerank for one served model.
+    """Embeddings, reranking and tokenization for the models of a `PoolingConfig`.
 
-    Call `load()` (blocking; the server runs it in a thread before reporting SERVING) or pass a
-    ready `encoder`. Requests before that raise `Unavailable`.
+    Call `load()` (blocking; the server runs it in a thread before reporting SERVING) or pass
+    already loaded `models` (by name, e.g. shared between tests). Requests before that raise `Unavailable`.
     """
 
-    def __init__(self, config: PoolingConfig, encoder: HFEncoder | None = None):
+    def __init__(self, config: PoolingConfig, models: dict[str, ServedModel] | None = None):
         self.config = config
-        self.encoder = encoder
-        self._lock = asyncio.Lock()
+        self._device_lock = threading.Lock()
+        self._models: dict[str, ServedModel] = {}
+        if models is not None:
+            self._install(models)
 
     def load(self) -> None:
-        """Load the encoder named by the config (seconds; blocking)."""
-        if self.encoder is None:
-            self.encoder = HFEncoder(self.config.model_dir, self.config.max_input_length,
-                                     self.config.device, self.config.do_lower_case)
+        """Load every configured model (seconds per model; blocking)."""
+        if not self._models:
+            self._install({m.model_name: load_model(m, self.config.device) for m in self.config.models})
 
-    def info(self) -> ServiceInfo:
-        encoder = self._ready()
-        return ServiceInfo(
-            model=self.config.model_name, pooling_mode=self.config.pooling_mode, normalize=self.config.normalize,
-            dimension=encoder.dimension, max_input_length=self.config.max_input_length,
-            max_batch_size=self.config.max_batch_size, rerank_method=BI_ENCODER)
+    def _install(self, models: dict[str, ServedModel]) -> None:
+        c = self.config
+        for model_config in c.models:
+            loaded = models[model_config.model_name]
+            # a fresh batcher per service, with this service's limits; the loaded weights are shared
+            batcher = DynamicBatcher(model_config.model_name, loaded.runner.forward, self._device_lock,
+                                     c.max_batch_tokens, c.max_wait_ms / 1000.0, c.max_queue_size, c.dynamic_batching)
+            self._models[model_config.model_name] = ServedModel(model_config, loaded.tokenizer, loaded.runner, batcher)
 
-    async def embed(self, texts: list[str], normalize: bool | None = None, model: str = "") -> Embeddings:
-        """Embed `texts` in one forward.
+    # -- embed -------------------------------------------------------------------------------------
 
-        Args:
-            texts: 1..max_batch_size non-empty strings.
-            normalize: unit-normalize; None = the model's default (its Normalize module).
-            model: "" or the served model name.
+    async def embed(self, texts: list[str] | None = None, **fields) -> Embeddings:
+        """`embed_query(EmbedQuery(texts=..., **fields))`."""
+        return await self.embed_query(EmbedQuery(texts=tuple(texts or ()), **fields))
+
+    async def embed_query(self, query: EmbedQuery) -> Embeddings:
+        """Embed a request's inputs (gathered with other requests' inputs into shared forwards).
 
         Raises:
-            NotFound: another model name.
-            InvalidArgument: no inputs, an empty input, more than max_batch_size inputs, or an
-                input longer than max_input_length tokens.
-            Unavailable: the encoder is not loaded yet.
+            NotFound: an unknown model name.
+            InvalidArgument: the model is a reranker; no inputs or both texts and ids; an empty input;
+                more than max_batch_size inputs; an input past max_input_length without truncate;
+                `dimensions` on a model not trained for Matryoshka, or outside its widths; an unknown prompt.
+            ResourceExhausted: the model's queue is full.
+            Unavailable: the models are not loaded yet.
         """
-        self._check_model(model)
-        self._check_texts(texts, "inputs")
-        batch = await asyncio.to_thread(self._ready().tokenize, list(texts))
-        vectors = await self._forward(batch, self.config.normalize if normalize is None else normalize)
-        return Embeddings(vectors=vectors, num_prompt_tokens=sum(batch.num_tokens))
+        served = self._embedding_model(query.model)
+        inputs = query.texts or query.token_ids
+        if query.texts and query.token_ids:
+            raise InvalidArgument("send either inputs (text) or input_ids, not both")
+        self._check_inputs(list(inputs), "inputs" if query.texts or not query.token_ids else "input_ids")
+        self._check_dimensions(served, query.dimensions)
+        sequences = await asyncio.to_thread(self._tokenize_query, served, query)
+        vectors = await served.batcher.submit(sequences)  # [N, H]
+        if query.dimensions is not None:
+            vectors = vectors[:, : query.dimensions]  # Matryoshka: the leading components, then normalize
+        if served.config.normalize if query.normalize is None else query.normalize:
+            vectors = unit_normalize(vectors)
+        return Embeddings(model=served.name, vectors=vectors, num_prompt_tokens=sum(map(len, sequences)))
 
-    async def rerank(self, query: str, documents: list[str], top_n: int | None = None,
-                     return_documents: bool = False, model: str = "") -> Ranking:
-        """Score each document against `query`: cosine of their normalized embeddings.
+    async def embed_stream(self, queries: AsyncIterator[EmbedQuery]) -> AsyncIterator[Embeddings]:
+        """One `Embeddings` per query, in query order; up to 64 queries are in flight at once, so a
+        stream of single texts is batched like as many concurrent clients.
 
-        The query and the documents go through one forward (max_batch_size documents + the query).
+        Raises:
+            the errors of `embed_query`, for the first failing query (the stream stops there).
+        """
+        pending: asyncio.Queue = asyncio.Queue(maxsize=_STREAM_WINDOW)
+        read_error: list[BaseException] = []
+
+        async def read() -> None:
+            try:
+                async for query in queries:
+                    await pending.put(asyncio.ensure_future(self.embed_query(query)))
+            except Exception as error:  # noqa: BLE001 - re-raised to the caller below
+                read_error.append(error)
+            finally:
+                await pending.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (task := await pending.get()) is not None:
+                yield await task
+            if read_error:
+                raise read_error[0]
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                task = pending.get_nowait()
+                if task is not None:
+                    task.cancel()
+
+    def _tokenize_query(self, served: ServedModel, query: EmbedQuery) -> list[Sequence]:
+        if query.token_ids:
+            return served.tokenizer.encode_ids([list(ids) for ids in query.token_ids], truncate=query.truncate,
+                                               direction=query.truncation_direction)
+        prefix = self._prompt(served, query.prompt_name)
+        return served.tokenizer.encode_texts([prefix + t for t in query.texts], truncate=query.truncate,
+                                             direction=query.truncation_direction)
+
+    def _check_dimensions(self, served: ServedModel, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        c = served.config
+        if not c.is_matryoshka:
+            raise InvalidArgument(f"model {served.name!r} was not trained for Matryoshka truncation; leave dimensions "
+                                  f"unset (it returns {served.runner.dimension} dimensions)")
+        allowed = c.matryoshka_dimensions
+        if allowed and dimensions not in allowed:
+            raise InvalidArgument(f"dimensions {dimensions} is not one of model {served.name!r}'s trained widths {list(allowed)}")
+        if not 1 <= dimensions <= served.runner.dimension:
+            raise InvalidArgument(f"dimensions must be between 1 and {served.runner.dimension}, got {dimensions}")
+
+    def _prompt(self, served: ServedModel, prompt_name: str) -> str:
+        prompts = served.config.prompts
+        name = prompt_name or served.config.default_prompt_name
+        if not name:
+            return ""
+        if name not in prompts:
+            raise InvalidArgument(f"model {served.name!r} has no prompt {name!r}; its prompts are {sorted(prompts)}")
+        return prompts[name]
+
+    # -- rerank ------------------------------------------------------------------------------------
+
+    async def rerank(self, query: str, documents: list[str], top_n: int | None = None, return_documents: bool = False,
+                     model: str = "", raw_scores: bool = False, method: str = "") -> Ranking:
+        """Score each document against `query` with the model's method; sorted by descending score, ties by index.
 
         Args:
             top_n: results to return, 1..len(documents); None = all.
+            raw_scores: cross-encoder / llm-judge: the logit instead of its sigmoid.
+            method: "" or the method the request requires; a mismatch is refused (e.g. "cross-encoder"
+                on an embedding-only model).
 
         Raises:
-            NotFound: another model name.
-            InvalidArgument: empty query, no documents, an empty document, more than
-                max_batch_size documents, top_n out of range, an input past max_input_length.
-            Unavailable: the encoder is not loaded yet.
+            NotFound: an unknown model name.
+            InvalidArgument: empty query, no documents, an empty document, more than max_batch_size
+                documents, top_n out of range, an input (or pair, or judge prompt) past max_input_length,
+                a method the model does not have.
+            ResourceExhausted: the model's queue is full.
         """
-        self._check_model(model)
+        served = self._rerank_model(model)
+        if method and method != served.runner.method:
+            raise InvalidArgument(f"model {served.name!r} is a {served.config.kind} model and reranks by "
+                                  f"{served.runner.method!r}; {method!r} needs a model with that head")
         if not query:
             raise InvalidArgument("query must be a non-empty string")
-        self._check_texts(documents, "documents")
+        self._check_inputs(documents, "documents")
         if top_n is not None and not 1 <= top_n <= len(documents):
             raise InvalidArgument(f"top_n must be between 1 and the number of documents ({len(documents)}), got {top_n}")
-        labels = ["query", *(f"document {i}" for i in range(len(documents)))]
-        batch = await asyncio.to_thread(self._ready().tokenize, [query, *documents], labels)
-        vectors = await self._forward(batch, normalize=True)  # [1 + N, D], unit rows
-        scores = (vectors[1:] @ vectors[0]).tolist()  # [N] cosine similarities
+        scores, num_tokens = await self._scores(served, query, documents, raw_scores)
         order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))
         results = [RankedDocument(index=i, score=scores[i], document=documents[i] if return_documents else None)
                    for i in order[:top_n]]
-        return Ranking(results=results, method=BI_ENCODER, num_prompt_tokens=sum(batch.num_tokens))
+        return Ranking(model=served.name, results=results, method=served.runner.method, num_prompt_tokens=num_tokens)
 
-    async def _forward(self, batch: TokenizedBatch, normalize: bool) -> torch.Tensor:
-        async with self._lock:
-            return await asyncio.to_thread(self._encode, batch, normalize)
+    async def _scores(self, served: ServedModel, query: str, documents: list[str], raw: bool) -> tuple[list[float], int]:
+        labels = [f"document {i}" for i in range(len(documents))]
+        if served.config.kind == EMBEDDING:
+            prompts = served.config.prompts
+            texts = [prompts.get("query", "") + query, *(prompts.get("document", "") + d for d in documents)]
+            sequences = await asyncio.to_thread(served.tokenizer.encode_texts, texts, labels=["query", *labels])
+            vectors = unit_normalize(await served.batcher.submit(sequences))  # [1 + N, D]
+            return (vectors[1:] @ vectors[0]).tolist(), sum(map(len, sequences))
+        if served.runner.method == "cross-encoder":
+            sequences = await asyncio.to_thread(served.tokenizer.encode_pairs, query, documents, labels)
+        else:
+            c = served.config
+            prompts = [c.judge_template.format(instruction=c.judge_instruction, query=query, document=d) for d in documents]
+            sequences = await asyncio.to_thread(served.tokenizer.encode_texts, prompts, add_special_tokens=False,
+                                                labels=labels)
+        logits = await served.batcher.submit(sequences)  # [N]
+        scores = logits if raw else torch.sigmoid(logits)
+        return scores.tolist(), sum(map(len, sequences))
 
-    def _encode(self, batch: TokenizedBatch, normalize: bool) -> torch.Tensor:
-        """Forward + pool (+ normalize): [B, D] float32 on CPU."""
-        hidden = self._ready().hidden_states(batch)  # [B, T, H]
-        mask = batch.attention_mask.to(hidden.device)  # [B, T]
-        pooled = pool(hidden, mask, self.config.pooling_mode)  # [B, H] fp32
-        return (unit_normalize(pooled) if normalize else pooled).cpu()
+    # -- tokenize, info ----------------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.config.model_name:
-            raise NotFound(f"model {model!r} is not served here; this pooling service serves {self.config.model_name!r}")
+    async def tokenize(self, texts: list[str], model: str = "", add_special_tokens: bool = True,
+                       prompt_name: str = "") -> Tokenization:
+        """The model's tokens for each text (prompt prefix included when named).
 
-    def _check_texts(self, texts: list[str], what: str) -> None:
-        if not texts:
+        Raises:
+            NotFound: an unknown model. InvalidArgument: no texts, an empty text, more than max_batch_size, an unknown prompt.
+        """
+        served = self._model(model, self._default_embedding_name())
+        self._check_inputs(texts, "inputs")
+        prefix = self._prompt(served, prompt_name)
+        tokens = await asyncio.to_thread(served.tokenizer.tokens, [prefix + t for t in texts], add_special_tokens)
+        return Tokenization(model=served.name, results=tokens)
+
+    def info(self) -> ServiceInfo:
+        models = [self._model_info(self._model(m.model_name, "")) for m in self.config.models]
+        default = next(m for m in models if m.model == self._default_embedding_name())
+        rerank_default = self._rerank_model("")
+        c = self.config
+        return ServiceInfo(
+            model=default.model, pooling_mode=default.pooling_mode, normalize=default.normalize,
+            dimension=default.dimension, max_input_length=default.max_input_length, max_batch_size=c.max_batch_size,
+            rerank_method=rerank_default.runner.method, models=models, max_batch_tokens=c.max_batch_tokens,
+            max_queue_size=c.max_queue_size, max_wait_ms=c.max_wait_ms, dynamic_batching=c.dynamic_batching)
+
+    @staticmethod
+    def _model_info(served: ServedModel) -> ModelInfo:
+        c = served.config
+        pooling_mode = {"cross-encoder": "cls", "llm-judge": "last"}.get(c.kind, c.pooling_mode)
+        return ModelInfo(model=c.model_name, kind=c.kind, pooling_mode=pooling_mode, normalize=c.normalize,
+                         dimension=served.runner.dimension, max_input_length=c.max_input_length,
+                         rerank_method=served.runner.method, matryoshka=c.is_matryoshka,
+                         matryoshka_dimensions=c.matryoshka_dimensions, prompts=dict(c.prompts))
+
+    # -- model lookup and input checks ---------------------------------------------------------------
+
+    def _default_embedding_name(self) -> str:
+        return next((m.model_name for m in self.config.models if m.kind == EMBEDDING), self.config.models[0].model_name)
+
+    def _embedding_model(self, name: str) -> ServedModel:
+        served = self._model(name, self._default_embedding_name())
+        if served.config.kind != EMBEDDING:
+            raise InvalidArgument(f"model {served.name!r} is a {served.config.kind} reranker; Embed needs an "
+                                  f"embedding model ({self._names(EMBEDDING)})")
+        return served
+
+    def _rerank_model(self, name: str) -> ServedModel:
+        default = next((m.model_name for m in self.config.models if m.kind != EMBEDDING), self.config.models[0].model_name)
+        return self._model(name, default)
+
+    def _model(self, name: str, default: str) -> ServedModel:
+        if not self._models:
+            raise Unavailable("the pooling models are still loading")
+        served = self._models.get(name or default)
+        if served is None:
+            raise NotFound(f"model {name!r} is not served here; this pooling service serves {sorted(self._models)}")
+        return served
+
+    def _names(self, kind: str) -> list[str]:
+        return [m.model_name for m in self.config.models if m.kind == kind]
+
+    def _check_inputs(self, inputs: list, what: str) -> None:
+        if not inputs:
             raise InvalidArgument(f"{what} is empty; send at least one text")
-        if len(texts) > self.config.max_batch_size:
-            raise InvalidArgument(f"request has {len(texts)} {what}; max_batch_size is {self.config.max_batch_size}")
-        for index, text in enumerate(texts):
-            if not text:
+        if len(inputs) > self.config.max_batch_size:
+            raise InvalidArgument(f"request has {len(inputs)} {what}; max_batch_size is {self.config.max_batch_size}")
+        for index, item in enumerate(inputs):
+            if not item:
                 raise InvalidArgument(f"{what}[{index}] is an empty string; every input must hold text")
 
-    def _ready(self) -> HFEncoder:
-        if self.encoder is None:
-            raise Unavailable("the pooling model is still loading")
-        return self.encoder

@@ -8,6 +8,8 @@ The files and their meaning follow sentence-transformers (`SentenceTransformer._
   `pooling_mode_cls_token`, `pooling_mode_lasttoken`, ... (booleans; newer releases may also write
   a `pooling_mode` string).
 - `sentence_bert_config.json`: `max_seq_length` and `do_lower_case` of the Transformer module.
+- `config_sentence_transformers.json`: `prompts` (name -> prefix text, e.g. "query" -> "query: ")
+  and `default_prompt_name`, as `SentenceTransformer.encode(prompt_name=...)` applies them.
 
 A plain transformers directory (no `modules.json`) reads as sentence-transformers would wrap it:
 mean pooling, no Normalize module, no sequence limit of its own.
@@ -16,7 +18,7 @@ mean pooling, no Normalize module, no sequence limit of its own.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +49,18 @@ class SentenceTransformerConfig:
         normalize: True when `modules.json` has a Normalize module.
         max_seq_length: the Transformer module's limit in tokens, or None when the directory has none.
         do_lower_case: lower-case texts before tokenizing (sentence-transformers' Transformer module).
+        pooling_declared: False when the directory has no pooling config (the mode is then a default).
+        prompts: prompt name -> prefix prepended to the text.
+        default_prompt_name: the prompt applied when a request names none, or None.
     """
 
     pooling_mode: str = "mean"
     normalize: bool = False
     max_seq_length: int | None = None
     do_lower_case: bool = False
+    pooling_declared: bool = False
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
 
 
 def read_st_config(model_dir: Path) -> SentenceTransformerConfig:
@@ -71,11 +79,19 @@ def read_st_config(model_dir: Path) -> SentenceTransformerConfig:
     mode = _pooling_mode(pooling, pooling_dir) if pooling is not None else "mean"
     sbert = _read_json(model_dir / "sentence_bert_config.json") or {}
     max_seq_length = sbert.get("max_seq_length")
+    st = _read_json(model_dir / "config_sentence_transformers.json") or {}
+    prompts = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
+    default_prompt_name = st.get("default_prompt_name")
+    if default_prompt_name is not None and default_prompt_name not in prompts:
+        raise ValueError(f"{model_dir}: default_prompt_name {default_prompt_name!r} is not one of its prompts {sorted(prompts)}")
     return SentenceTransformerConfig(
         pooling_mode=mode,
         normalize=normalize,
         max_seq_length=int(max_seq_length) if max_seq_length is not None else None,
         do_lower_case=bool(sbert.get("do_lower_case", False)),
+        pooling_declared=pooling is not None,
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
     )
 
 

@@ -54,6 +54,16 @@ class GatewayStub:
                 request_serializer=tessera_dot_v1_dot_pooling__pb2.RerankRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_pooling__pb2.RerankResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tessera.v1.Gateway/Tokenize',
+                request_serializer=tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.EmbedStream = channel.stream_stream(
+                '/tessera.v1.Gateway/EmbedStream',
+                request_serializer=tessera_dot_v1_dot_pooling__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_pooling__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.LoadAdapter = channel.unary_unary(
                 '/tessera.v1.Gateway/LoadAdapter',
                 request_serializer=tessera_dot_v1_dot_adapters__pb2.LoadAdapterRequest.SerializeToString,
@@ -94,6 +104,18 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rerank(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,6 +162,16 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Rerank,
                     request_deserializer=tessera_dot_v1_dot_pooling__pb2.RerankRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_pooling__pb2.RerankResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'EmbedStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EmbedStream,
+                    request_deserializer=tessera_dot_v1_dot_pooling__pb2.EmbedRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_pooling__pb2.EmbedResponse.SerializeToString,
             ),
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
@@ -245,6 +277,60 @@ class Gateway:
             '/tessera.v1.Gateway/Rerank',
             tessera_dot_v1_dot_pooling__pb2.RerankRequest.SerializeToString,
             tessera_dot_v1_dot_pooling__pb2.RerankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Gateway/Tokenize',
+            tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.SerializeToString,
+            tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tessera.v1.Gateway/EmbedStream',
+            tessera_dot_v1_dot_pooling__pb2.EmbedRequest.SerializeToString,
+            tessera_dot_v1_dot_pooling__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

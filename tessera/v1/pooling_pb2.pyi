@@ -8,24 +8,47 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TruncationDirection(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUNCATION_DIRECTION_RIGHT: _ClassVar[TruncationDirection]
+    TRUNCATION_DIRECTION_LEFT: _ClassVar[TruncationDirection]
+
 class EncodingFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_FORMAT_FLOAT: _ClassVar[EncodingFormat]
     ENCODING_FORMAT_BASE64: _ClassVar[EncodingFormat]
+TRUNCATION_DIRECTION_RIGHT: TruncationDirection
+TRUNCATION_DIRECTION_LEFT: TruncationDirection
 ENCODING_FORMAT_FLOAT: EncodingFormat
 ENCODING_FORMAT_BASE64: EncodingFormat
 
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "inputs", "normalize", "encoding_format")
+    __slots__ = ("model", "inputs", "normalize", "encoding_format", "input_ids", "truncate", "truncation_direction", "dimensions", "prompt_name")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
     encoding_format: EncodingFormat
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., encoding_format: _Optional[_Union[EncodingFormat, str]] = ...) -> None: ...
+    input_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    truncate: bool
+    truncation_direction: TruncationDirection
+    dimensions: int
+    prompt_name: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., encoding_format: _Optional[_Union[EncodingFormat, str]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("model", "embeddings", "embeddings_base64", "usage")
@@ -40,18 +63,22 @@ class EmbedResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., embeddings_base64: _Optional[_Iterable[str]] = ..., usage: _Optional[_Union[_tensor_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("model", "query", "documents", "top_n", "return_documents")
+    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "method")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_FIELD_NUMBER: _ClassVar[int]
     RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     model: str
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
     top_n: int
     return_documents: bool
-    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ...) -> None: ...
+    raw_scores: bool
+    method: str
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., method: _Optional[str] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "score", "document")
@@ -80,7 +107,7 @@ class PoolingInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolingInfo(_message.Message):
-    __slots__ = ("model", "pooling_mode", "normalize", "dimension", "max_input_length", "max_batch_size", "rerank_method")
+    __slots__ = ("model", "pooling_mode", "normalize", "dimension", "max_input_length", "max_batch_size", "rerank_method", "models", "max_batch_tokens", "max_queue_size", "max_wait_ms", "dynamic_batching")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLING_MODE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +115,11 @@ class PoolingInfo(_message.Message):
     MAX_INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     RERANK_METHOD_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
     model: str
     pooling_mode: str
     normalize: bool
@@ -95,4 +127,80 @@ class PoolingInfo(_message.Message):
     max_input_length: int
     max_batch_size: int
     rerank_method: str
-    def __init__(self, model: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., rerank_method: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[PoolingModelInfo]
+    max_batch_tokens: int
+    max_queue_size: int
+    max_wait_ms: float
+    dynamic_batching: bool
+    def __init__(self, model: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., rerank_method: _Optional[str] = ..., models: _Optional[_Iterable[_Union[PoolingModelInfo, _Mapping]]] = ..., max_batch_tokens: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., max_wait_ms: _Optional[float] = ..., dynamic_batching: _Optional[bool] = ...) -> None: ...
+
+class PoolingModelInfo(_message.Message):
+    __slots__ = ("model", "kind", "pooling_mode", "normalize", "dimension", "max_input_length", "rerank_method", "matryoshka_dimensions", "matryoshka", "prompts")
+    class PromptsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POOLING_MODE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RERANK_METHOD_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    kind: str
+    pooling_mode: str
+    normalize: bool
+    dimension: int
+    max_input_length: int
+    rerank_method: str
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    matryoshka: bool
+    prompts: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., rerank_method: _Optional[str] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "inputs", "add_special_tokens", "prompt_name")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    add_special_tokens: bool
+    prompt_name: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., prompt_name: _Optional[str] = ...) -> None: ...
+
+class Token(_message.Message):
+    __slots__ = ("id", "text", "special", "start", "stop")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    text: str
+    special: bool
+    start: int
+    stop: int
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., special: _Optional[bool] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class TokenizedInput(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("model", "results")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    results: _containers.RepeatedCompositeFieldContainer[TokenizedInput]
+    def __init__(self, model: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TokenizedInput, _Mapping]]] = ...) -> None: ...

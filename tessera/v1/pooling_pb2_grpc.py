@@ -50,6 +50,16 @@ class PoolingStub:
                 request_serializer=tessera_dot_v1_dot_pooling__pb2.PoolingInfoRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_pooling__pb2.PoolingInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tessera.v1.Pooling/Tokenize',
+                request_serializer=tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.EmbedStream = channel.stream_stream(
+                '/tessera.v1.Pooling/EmbedStream',
+                request_serializer=tessera_dot_v1_dot_pooling__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_pooling__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class PoolingServicer:
@@ -74,6 +84,19 @@ class PoolingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedStream(self, request_iterator, context):
+        """Bulk: one EmbedResponse per EmbedRequest, in request order; requests are batched together.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +114,16 @@ def add_PoolingServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=tessera_dot_v1_dot_pooling__pb2.PoolingInfoRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_pooling__pb2.PoolingInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'EmbedStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EmbedStream,
+                    request_deserializer=tessera_dot_v1_dot_pooling__pb2.EmbedRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_pooling__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +208,60 @@ class Pooling:
             '/tessera.v1.Pooling/GetInfo',
             tessera_dot_v1_dot_pooling__pb2.PoolingInfoRequest.SerializeToString,
             tessera_dot_v1_dot_pooling__pb2.PoolingInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Pooling/Tokenize',
+            tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.SerializeToString,
+            tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tessera.v1.Pooling/EmbedStream',
+            tessera_dot_v1_dot_pooling__pb2.EmbedRequest.SerializeToString,
+            tessera_dot_v1_dot_pooling__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

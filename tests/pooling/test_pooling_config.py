@@ -1,4 +1,4 @@
-"""`PoolingConfig` / `read_st_config`: defaults come from the model directory; bad values are refused."""
+"""`ModelConfig` / `PoolingConfig` / `read_st_config`: defaults come from the model directory; bad values are refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from services.pooling.__main__ import parse_args
-from services.pooling.config import PoolingConfig
+from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
 from services.pooling.st_config import read_st_config
 
 
@@ -36,12 +36,15 @@ def _st_files(d, pooling, normalize):
 
 
 def test_prepared_minilm_defaults(minilm_dir):
-    config = PoolingConfig(model_dir=minilm_dir)
+    config = ModelConfig(model_dir=minilm_dir)
+    assert config.kind == EMBEDDING
     assert config.pooling_mode == "mean"
     assert config.normalize is True  # modules.json has a Normalize module
     assert config.max_input_length == 256  # sentence_bert_config.json, not the tokenizer's 512
     assert config.model_name == "all-minilm-l6-v2"
-    assert config.max_batch_size == 64
+    assert (config.is_matryoshka, config.matryoshka_dimensions, config.prompts) == (False, (), {})
+    service = PoolingConfig(models=[config])
+    assert (service.max_batch_size, service.dynamic_batching, service.default_model) == (64, True, config)
 
 
 @pytest.mark.parametrize("pooling, mode", [
@@ -55,7 +58,7 @@ def test_pooling_mode_from_sentence_transformers_files(tmp_path, pooling, mode):
     _st_files(d, pooling, normalize=False)
     st = read_st_config(d)
     assert (st.pooling_mode, st.normalize) == (mode, False)
-    config = PoolingConfig(model_dir=d)
+    config = ModelConfig(model_dir=d)
     assert (config.pooling_mode, config.normalize) == (mode, False)
 
 
@@ -63,7 +66,7 @@ def test_normalize_module_and_sbert_config(tmp_path):
     d = _model_dir(tmp_path)
     _st_files(d, {"pooling_mode_cls_token": True}, normalize=True)
     _write(d / "sentence_bert_config.json", {"max_seq_length": 40, "do_lower_case": True})
-    config = PoolingConfig(model_dir=d)
+    config = ModelConfig(model_dir=d)
     assert (config.pooling_mode, config.normalize, config.max_input_length, config.do_lower_case) == ("cls", True, 40, True)
 
 
@@ -74,49 +77,110 @@ def test_unsupported_or_ambiguous_pooling_is_refused(tmp_path, pooling):
     d = _model_dir(tmp_path)
     _st_files(d, pooling, normalize=False)
     with pytest.raises(ValueError, match="pooling mode"):
-        PoolingConfig(model_dir=d)
+        ModelConfig(model_dir=d)
 
 
 def test_overrides_win_over_the_model(minilm_dir):
-    config = PoolingConfig(model_dir=minilm_dir, pooling_mode="cls", normalize=False, max_input_length=512)
+    config = ModelConfig(model_dir=minilm_dir, pooling_mode="cls", normalize=False, max_input_length=512)
     assert (config.pooling_mode, config.normalize, config.max_input_length) == ("cls", False, 512)
 
 
 @pytest.mark.parametrize("tokenizer_max, expected", [(512, 64), (32, 32), (None, 64), (10**30, 64)])
 def test_plain_transformers_dir_limit_is_tokenizer_capped_by_positions(tmp_path, tokenizer_max, expected):
     d = _model_dir(tmp_path, max_positions=64, tokenizer_max=tokenizer_max)
-    config = PoolingConfig(model_dir=d)
+    config = ModelConfig(model_dir=d)
     assert config.max_input_length == expected
     # as sentence-transformers wraps a plain model: mean pooling, no Normalize module
     assert (config.pooling_mode, config.normalize, config.model_name) == ("mean", False, "tiny-encoder")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
     ({"max_input_length": 0}, "max_input_length must be >= 1, got 0"),
     ({"max_input_length": 513}, "513 exceeds the model's max_position_embeddings 512"),
     ({"pooling_mode": "max"}, "pooling_mode must be one of"),
-    ({"address": "50054"}, "host:port"),
+    ({"kind": "classifier"}, "kind must be one of"),
+    ({"matryoshka_dimensions": (64, 999)}, "matryoshka dimension 999 is outside 1..384"),
 ])
 def test_invalid_values_are_refused(minilm_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        PoolingConfig(model_dir=minilm_dir, **kwargs)
+        ModelConfig(model_dir=minilm_dir, **kwargs)
 
 
 def test_missing_model_dir_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
-        PoolingConfig(model_dir=tmp_path / "absent")
+        ModelConfig(model_dir=tmp_path / "absent")
 
 
 def test_cli_flags_map_onto_the_config(minilm_dir, tmp_path):
     d = tmp_path / "copy"
     shutil.copytree(minilm_dir, d, ignore=shutil.ignore_patterns("*.safetensors"))
     config = parse_args(["--address", "0.0.0.0:6000", "--model-dir", str(d), "--max-batch-size", "8",
-                         "--max-input-length", "100", "--pooling-mode", "last", "--no-normalize"])
-    assert (config.address, config.model_dir, config.max_batch_size, config.max_input_length,
-            config.pooling_mode, config.normalize, config.model_name) == \
-        ("0.0.0.0:6000", d, 8, 100, "last", False, "copy")
-    assert parse_args(["--model-dir", str(d)]).normalize is True
-    assert parse_args(["--model-dir", str(d), "--normalize", "--pooling-mode", "mean"]).normalize is True
+                         "--max-input-length", "100", "--pooling-mode", "last", "--no-normalize",
+                         "--no-dynamic-batching", "--max-batch-tokens", "512", "--max-wait-ms", "5",
+                         "--max-queue-size", "32", "--matryoshka-dimensions", "64,128"])
+    model = config.models[0]
+    assert (config.address, config.max_batch_size, config.dynamic_batching, config.max_batch_tokens,
+            config.max_wait_ms, config.max_queue_size) == ("0.0.0.0:6000", 8, False, 512, 5.0, 32)
+    assert (model.model_dir, model.max_input_length, model.pooling_mode, model.normalize, model.model_name,
+            model.matryoshka_dimensions, model.is_matryoshka) == (d, 100, "last", False, "copy", (64, 128), True)
+    assert parse_args(["--model-dir", str(d)]).models[0].normalize is True
+    assert parse_args(["--model-dir", str(d), "--normalize", "--pooling-mode", "mean"]).models[0].normalize is True
+    assert parse_args([]).models[0].model_name == "all-minilm-l6-v2"  # the prepared default
     with pytest.raises(SystemExit):
         parse_args(["--model-dir", str(d), "--max-batch-size", "0"])
+
+
+def _copy(src, dst, **config_edits):
+    """A weightless copy of a model directory with config.json edited."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    _write(dst / "config.json", {**config, **config_edits})
+    return dst
+
+
+def test_kinds_and_several_models(minilm_dir, tmp_path):
+    ce = _copy(minilm_dir, tmp_path / "ce", architectures=["BertForSequenceClassification"])
+    judge = _copy(minilm_dir, tmp_path / "judge", architectures=["LlamaForCausalLM"], classifier_from_token=["N", "Y"])
+    config = parse_args(["--model-dir", str(minilm_dir), "--reranker-dir", str(ce), "--judge-dir", str(judge),
+                         "--judge-instruction", "Find facts"])
+    assert [(m.model_name, m.kind) for m in config.models] == \
+        [("all-minilm-l6-v2", EMBEDDING), ("ce", CROSS_ENCODER), ("judge", LLM_JUDGE)]
+    assert ModelConfig(model_dir=ce).kind == CROSS_ENCODER  # inferred from the architecture
+    assert (config.models[2].judge_tokens, config.models[2].judge_instruction) == (("Y", "N"), "Find facts")
+    assert "{document}" in config.models[2].judge_template
+    assert parse_args(["--reranker-dir", str(ce)]).models[0].kind == CROSS_ENCODER  # no default embedder added
+
+
+def test_causal_decoder_defaults_to_last_token_pooling(minilm_dir, tmp_path):
+    d = _copy(minilm_dir, tmp_path / "dec", architectures=["LlamaForCausalLM"])
+    for name in ("modules.json", "1_Pooling/config.json"):
+        (d / name).unlink()
+    assert ModelConfig(model_dir=d).pooling_mode == "last"
+
+
+def test_matryoshka_and_prompts_from_the_model(minilm_dir, tmp_path):
+    d = _copy(minilm_dir, tmp_path / "mrl", matryoshka_dimensions=[64, 128, 384])
+    _write(d / "config_sentence_transformers.json", {"prompts": {"query": "query: ", "document": "passage: "},
+                                                     "default_prompt_name": "query"})
+    config = ModelConfig(model_dir=d)
+    assert (config.is_matryoshka, config.matryoshka_dimensions) == (True, (64, 128, 384))
+    assert (config.prompts, config.default_prompt_name) == ({"query": "query: ", "document": "passage: "}, "query")
+    assert ModelConfig(model_dir=_copy(minilm_dir, tmp_path / "any", is_matryoshka=True)).is_matryoshka
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
+    ({"address": "50054"}, "host:port"),
+    ({"max_batch_tokens": 100}, "max_batch_tokens 100 is below the longest max_input_length 256"),
+    ({"max_queue_size": 64}, "max_queue_size 64 must hold one full request"),
+    ({"max_wait_ms": -1}, "max_wait_ms must be >= 0"),
+    ({"models": []}, "at least one model"),
+])
+def test_invalid_service_values_are_refused(minilm_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PoolingConfig(**{"models": [ModelConfig(model_dir=minilm_dir)], **kwargs})
+
+
+def test_duplicate_model_names_are_refused(minilm_dir):
+    with pytest.raises(ValueError, match="unique"):
+        PoolingConfig(models=[ModelConfig(model_dir=minilm_dir), ModelConfig(model_dir=minilm_dir)])

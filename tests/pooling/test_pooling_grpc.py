@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -115,6 +116,47 @@ def test_embed_rerank_info_health_and_errors(server):
     health = health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service="tessera.v1.Pooling"), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_tokenize_stream_info_and_concurrent_clients(server):
+    channel, _ = server
+    stub = pooling_pb2_grpc.PoolingStub(channel)
+    info = stub.GetInfo(pooling_pb2.PoolingInfoRequest(), timeout=10)
+    assert (info.dynamic_batching, info.max_batch_tokens, info.max_queue_size) == (True, 16384, 4096)
+    assert [(m.model, m.kind, m.dimension, m.matryoshka) for m in info.models] == [
+        ("all-minilm-l6-v2", "embedding", 384, False)]
+
+    tokens = stub.Tokenize(pooling_pb2.TokenizeRequest(inputs=["A cat"]), timeout=10).results[0].tokens
+    assert [(t.id, t.text, t.special, t.start, t.stop) for t in tokens] == [
+        (101, "[CLS]", True, 0, 0), (1037, "a", False, 0, 1), (4937, "cat", False, 2, 5), (102, "[SEP]", True, 0, 0)]
+
+    texts = [f"Sentence {i} about topic {i % 3}." for i in range(12)]
+    alone = [from_pb(stub.Embed(pooling_pb2.EmbedRequest(inputs=[t]), timeout=30).embeddings).numpy()[0] for t in texts[:3]]
+    requests = [pooling_pb2.EmbedRequest(inputs=[t], encoding_format=i % 2) for i, t in enumerate(texts)]
+    streamed = list(stub.EmbedStream(iter(requests), timeout=60))
+    assert len(streamed) == len(texts)
+    for i, response in enumerate(streamed[:3]):
+        vector = (from_pb(response.embeddings).numpy()[0] if i % 2 == 0
+                  else np.frombuffer(base64.b64decode(response.embeddings_base64[0]), dtype="<f4"))
+        assert np.allclose(vector, alone[i], atol=1e-5)
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(stub.Embed, pooling_pb2.EmbedRequest(inputs=[texts[i % 3]]), timeout=60) for i in range(16)]
+        for i, future in enumerate(futures):
+            assert np.allclose(from_pb(future.result().embeddings).numpy()[0], alone[i % 3], atol=1e-5)
+
+    long_text = "word " * 300
+    cut = stub.Embed(pooling_pb2.EmbedRequest(inputs=[long_text], truncate=True,
+                                              truncation_direction=pooling_pb2.TRUNCATION_DIRECTION_LEFT), timeout=30)
+    assert cut.usage.prompt_tokens == 256
+    for bad, needle in [(pooling_pb2.EmbedRequest(inputs=["x"], dimensions=64), "Matryoshka"),
+                        (pooling_pb2.EmbedRequest(inputs=[long_text]), "302 tokens")]:
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Embed(bad, timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:  # a bad request inside a stream ends it with its status
+        list(stub.EmbedStream(iter([requests[0], pooling_pb2.EmbedRequest(inputs=[""])]), timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty string" in error.value.details()
 
 
 def test_reflection_lists_the_pooling_service(server):

@@ -43,9 +43,13 @@ def st_model(minilm_dir):
     return SentenceTransformer(str(minilm_dir), device="cpu")
 
 
+def _service(config, loaded):
+    return PoolingService(config, models={loaded.name: loaded})
+
+
 @pytest.fixture(scope="module")
-def service(minilm_config, minilm_encoder):
-    return PoolingService(minilm_config, encoder=minilm_encoder)
+def service(minilm_config, minilm_loaded):
+    return _service(minilm_config, minilm_loaded)
 
 
 def _embed(service, texts, **kwargs):
@@ -56,14 +60,21 @@ def _cosine(a, b):
     return F.cosine_similarity(torch.as_tensor(a).float(), torch.as_tensor(b).float(), dim=-1)
 
 
-def test_long_text_is_long(minilm_encoder):
-    num_tokens = minilm_encoder.tokenize([LONG]).num_tokens[0]
-    assert 180 <= num_tokens <= 256, num_tokens
+LONG_400 = " ".join(f"Paragraph {i} describes the history of ancient trade routes across deserts." for i in range(34))
+BATCH_32 = [f"Sentence {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4]) * (1 + i % 5) for i in range(32)]
 
 
-@pytest.mark.parametrize("texts", [[SHORT], [SHORT, LONG], [LONG, SHORT], BATCH], ids=["alone", "short+long", "long+short", "batch7"])
+def test_long_texts_are_long(minilm_loaded):
+    num_tokens = [len(s) for s in minilm_loaded.tokenizer.encode_texts([LONG, LONG_400], truncate=True)]
+    assert 180 <= num_tokens[0] <= 256, num_tokens
+    assert len(minilm_loaded.tokenizer.tokenizer(LONG_400)["input_ids"]) in range(400, 430)
+
+
+@pytest.mark.parametrize("texts", [[SHORT], [SHORT, LONG], [LONG, SHORT], [SHORT, LONG_400], BATCH, BATCH_32],
+                         ids=["alone", "short+long", "long+short", "short+400-tokens", "batch7", "batch32"])
 def test_embeddings_equal_sentence_transformers(service, st_model, texts):
-    result = _embed(service, texts)
+    # sentence-transformers cuts the 400-token text to max_seq_length 256; truncate=True does the same
+    result = _embed(service, texts, truncate=True)
     reference = torch.from_numpy(st_model.encode(texts, convert_to_numpy=True))
     assert result.vectors.shape == (len(texts), 384) and result.vectors.dtype == torch.float32
     assert (_cosine(result.vectors, reference) >= 0.99999).all()
@@ -93,7 +104,7 @@ def test_normalize_override(service):
 
 def test_base64_decodes_to_the_float_vectors(service):
     result = _embed(service, [SHORT, LONG])
-    response = embeddings_to_pb(result, "all-minilm-l6-v2", pooling_pb2.ENCODING_FORMAT_BASE64)
+    response = embeddings_to_pb(result, pooling_pb2.ENCODING_FORMAT_BASE64)
     assert len(response.embeddings_base64) == 2 and not response.HasField("embeddings")
     for row, encoded in enumerate(response.embeddings_base64):
         decoded = np.frombuffer(base64.b64decode(encoded), dtype="<f4")
@@ -138,8 +149,8 @@ def test_rerank_ties_break_by_index(service):
     assert [r.index for r in ranking.results] == [1, 3, 0, 2]
 
 
-def test_concurrent_requests_get_their_own_results(minilm_config, minilm_encoder, service):
-    fresh = PoolingService(minilm_config, encoder=minilm_encoder)  # its lock binds to this test's loop
+def test_concurrent_requests_get_their_own_results(service):
+    fresh = service
 
     async def run_all():
         return await asyncio.gather(fresh.embed([SHORT]), fresh.embed([LONG, SHORT]), fresh.embed(BATCH))
@@ -153,15 +164,15 @@ def test_concurrent_requests_get_their_own_results(minilm_config, minilm_encoder
 
 
 @pytest.fixture(scope="module")
-def small(minilm_dir, minilm_encoder):
-    return PoolingService(PoolingConfig(model_dir=minilm_dir, max_batch_size=3), encoder=minilm_encoder)
+def small(minilm_model_config, minilm_loaded):
+    return _service(PoolingConfig(models=[minilm_model_config], max_batch_size=3), minilm_loaded)
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda s: s.embed([]), "inputs is empty; send at least one text"),
     (lambda s: s.embed(["ok", ""]), r"inputs\[1\] is an empty string"),
     (lambda s: s.embed(["a", "b", "c", "d"]), "request has 4 inputs; max_batch_size is 3"),
-    (lambda s: s.embed(["ok", "word " * 300]), "input 1 has 302 tokens; the maximum input length is 256"),
+    (lambda s: s.embed(["ok", "word " * 300]), r"input 1 has 302 tokens; the maximum input length is 256 \(set truncate"),
     (lambda s: s.rerank("", ["a doc"]), "query must be a non-empty string"),
     (lambda s: s.rerank("q", []), "documents is empty; send at least one text"),
     (lambda s: s.rerank("q", ["a", ""]), r"documents\[1\] is an empty string"),
@@ -171,8 +182,15 @@ def small(minilm_dir, minilm_encoder):
     (lambda s: s.rerank("q", ["a", "b"], top_n=-1), "got -1"),
     (lambda s: s.rerank("word " * 300, ["a"]), "query has 302 tokens"),
     (lambda s: s.rerank("q", ["a", "word " * 300]), "document 1 has 302 tokens"),
+    (lambda s: s.embed(["ok"], dimensions=64), "not trained for Matryoshka truncation; leave dimensions unset"),
+    (lambda s: s.embed(["ok"], truncation_direction="middle"), "truncation direction must be one of"),
+    (lambda s: s.embed(["ok"], prompt_name="query"), "has no prompt 'query'"),
+    (lambda s: s.embed(token_ids=((101, 99999, 102),)), r"id 99999, outside the vocabulary \[0, 30522\)"),
+    (lambda s: s.embed(token_ids=((),)), r"input_ids\[0\] is an empty string"),
+    (lambda s: s.rerank("q", ["a"], method="cross-encoder"), "reranks by 'bi-encoder'; 'cross-encoder' needs a model"),
 ], ids=["no-inputs", "empty-input", "too-many", "too-long", "empty-query", "no-docs", "empty-doc", "too-many-docs",
-        "top-n-0", "top-n-past", "top-n-negative", "long-query", "long-doc"])
+        "top-n-0", "top-n-past", "top-n-negative", "long-query", "long-doc"]
+    + ["dimensions", "direction", "prompt", "bad-id", "empty-ids", "rerank-method"])
 def test_invalid_requests(small, call, message):
     with pytest.raises(InvalidArgument, match=message):
         asyncio.run(call(small))
@@ -195,3 +213,6 @@ def test_info(small):
     info = small.info()
     assert (info.model, info.pooling_mode, info.normalize, info.dimension, info.max_input_length,
             info.max_batch_size, info.rerank_method) == ("all-minilm-l6-v2", "mean", True, 384, 256, 3, "bi-encoder")
+    assert (info.max_batch_tokens, info.max_queue_size, info.dynamic_batching) == (16384, 4096, True)
+    [model] = info.models
+    assert (model.kind, model.matryoshka, model.dimension) == ("embedding", False, 384)

@@ -1,0 +1,163 @@
+"""`tessera bench embed`: 64 concurrent gRPC clients sending single sentences vs in-process sentence-transformers.
+
+Runs, in one process on one machine:
+  1. sentence-transformers `encode(batch_size=32)` over the sentences in process (the ceiling);
+  2. `python -m services.pooling` with dynamic batching, N concurrent clients each sending one
+     sentence per Embed call;
+  3. the same server with `--no-dynamic-batching` (one forward per call under a lock).
+Prints throughput (sentences/s) and p50/p99 latency, and writes bench/results/embed.md. Never a
+test assertion: numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("river mountain weather spring model vector search engine query document city music garden "
+         "history science language ocean forest market energy travel coffee morning library").split()
+
+
+def sentences(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24))) + "." for i in range(count)]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_in_process(model_dir: Path, texts: list[str], batch_size: int = 32) -> dict:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    model.encode(texts[:batch_size], batch_size=batch_size)  # warm-up
+    latencies, start = [], time.perf_counter()
+    for i in range(0, len(texts), batch_size):
+        t0 = time.perf_counter()
+        model.encode(texts[i : i + batch_size], batch_size=batch_size)
+        latencies.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    return {"mode": f"in-process encode(batch_size={batch_size})", "throughput": len(texts) / wall,
+            "p50_ms": 1000 * _percentile(latencies, 0.5), "p99_ms": 1000 * _percentile(latencies, 0.99),
+            "latency_of": f"one batch of {batch_size}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model_dir: Path, extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    address = f"127.0.0.1:{_free_port()}"
+    log = log_path.open("w")
+    process = subprocess.Popen([sys.executable, "-m", "services.pooling", "--address", address, "--model-dir",
+                                str(model_dir), *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    with grpc.insecure_channel(address) as channel:
+        health, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"pooling server exited: {log_path.read_text()[-2000:]}")
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return process, address
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    process.kill()
+    raise TimeoutError("pooling server not SERVING after 120 s")
+
+
+async def _clients(address: str, texts: list[str], num_clients: int) -> tuple[float, list[float]]:
+    from tessera.v1 import pooling_pb2, pooling_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pooling_pb2_grpc.PoolingStub(channel)
+        await stub.Embed(pooling_pb2.EmbedRequest(inputs=texts[:1]), timeout=60)  # warm-up
+        queue: asyncio.Queue = asyncio.Queue()
+        for text in texts:
+            queue.put_nowait(text)
+        latencies: list[float] = []
+
+        async def client() -> None:
+            while not queue.empty():
+                text = queue.get_nowait()
+                t0 = time.perf_counter()
+                await stub.Embed(pooling_pb2.EmbedRequest(inputs=[text]), timeout=300)
+                latencies.append(time.perf_counter() - t0)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(num_clients)))
+        return time.perf_counter() - start, latencies
+
+
+def run_server(model_dir: Path, texts: list[str], num_clients: int, batching: bool, log_dir: Path) -> dict:
+    extra = [] if batching else ["--no-dynamic-batching"]
+    process, address = _start_server(model_dir, extra, log_dir / f"pooling-{'batched' if batching else 'lock'}.log")
+    try:
+        wall, latencies = asyncio.run(_clients(address, texts, num_clients))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    mode = "gRPC, dynamic batching" if batching else "gRPC, per-call lock"
+    return {"mode": f"{mode} ({num_clients} clients)", "throughput": len(texts) / wall,
+            "p50_ms": 1000 * _percentile(latencies, 0.5), "p99_ms": 1000 * _percentile(latencies, 0.99),
+            "latency_of": "one single-sentence call"}
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    return (f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+
+
+def table(rows: list[dict], reference: float) -> str:
+    lines = ["| mode | sentences/s | x in-process | p50 ms | p99 ms | latency of |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['throughput']:.1f} | {r['throughput'] / reference:.2f} | "
+                     f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['latency_of']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common.paths import default_embedding_dir
+
+    parser = argparse.ArgumentParser(prog="tessera bench embed", description=__doc__)
+    parser.add_argument("--model-dir", type=Path, default=default_embedding_dir())
+    parser.add_argument("--num-sentences", type=int, default=1024)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--no-lock-baseline", action="store_true", help="skip the per-call lock run")
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "embed.md")
+    args = parser.parse_args(argv)
+    texts = sentences(args.num_sentences)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    rows = [run_in_process(args.model_dir, texts)]
+    rows.append(run_server(args.model_dir, texts, args.clients, True, args.output.parent))
+    if not args.no_lock_baseline:
+        rows.append(run_server(args.model_dir, texts, args.clients, False, args.output.parent))
+    report = table(rows, rows[0]["throughput"])
+    print(report)
+    args.output.write_text(f"# tessera bench embed\n\nMachine: {machine()}\n\nModel: {args.model_dir.name}, "
+                           f"{len(texts)} sentences (4-24 words), target >= 0.7x in-process.\n\n{report}\n")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
