@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -90,3 +91,22 @@ def test_cli_embed_and_rerank(gateway_address):
                      "Paris is the capital of France.", "--top-n", "1", "--json")
     assert result.returncode == 0, result.stderr
     assert '"index": 1' in result.stdout and '"method": "bi-encoder"' in result.stdout
+
+
+def test_tokenize_and_embed_stream_through_gateway(gateway, sentence_transformer):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sentence_transformer.tokenizer.name_or_path)
+    response = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["Hello tessera"]), timeout=60)
+    assert [t.id for t in response.results[0].tokens] == tokenizer("Hello tessera")["input_ids"]
+
+    requests = [pooling_pb2.EmbedRequest(inputs=[text]) for text in TEXTS[:4]]
+    responses = list(gateway.EmbedStream(iter(requests), timeout=120))
+    streamed = torch.cat([from_pb(r.embeddings) for r in responses])
+    expected = torch.from_numpy(sentence_transformer.encode(TEXTS[:4], convert_to_numpy=True))
+    assert F.cosine_similarity(streamed, expected).min() >= 0.99999
+
+    bad = [pooling_pb2.EmbedRequest(inputs=["fine"]), pooling_pb2.EmbedRequest(inputs=[])]
+    with pytest.raises(grpc.RpcError) as error:
+        list(gateway.EmbedStream(iter(bad), timeout=60))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
