@@ -1,7 +1,12 @@
-"""The vision engine: processor + encoder + content hash, with no gRPC types.
+"""The vision engine: processor + encoder cache + encoder + content hash, with no gRPC types.
 
-`process` (PIL decoding) is safe to run concurrently; `encode` touches the model and must be
-serialized by the caller (the servicer holds a lock and runs both off the event loop).
+    sources --byte caps--> content hash (bytes + recipe + encoder revision)
+            --cache hit?--> cached rows (no decoding, no encoder)
+            --miss--> decode + preprocess (processor) --> encoder (misses only, duplicates once)
+            --> cache.put --> EncodedImage per source, in order
+
+`process` (lookups and PIL decoding) is safe to run concurrently; `encode` touches the model and
+must be serialized by the caller (the servicer holds a lock and runs both off the event loop).
 """
 
 from __future__ import annotations
@@ -12,16 +17,18 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.vision.config import VisionConfig
-from services.vision.encoder import DemoEncoder, ImageEncoder
+from services.vision.encoder import DemoEncoder, EncoderOutput, ImageEncoder
+from services.vision.encoder_cache import EncoderCache, EncoderCacheStats
 from services.vision.processor import ImageProcessor, ImageSource, ProcessedImage, content_hash
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoder, Qwen2VLEncoderConfig
 
 
 @dataclass(frozen=True)
 class EncodedImage:
     """What the decoder consumes in place of one image placeholder.
 
-    rows: [t*h*w, output_width] float32, (t, h, w) raster order.
-    grid_thw: (t, h, w) in LLM units. mrope_section: rotary pairs per axis (t, h, w).
+    rows: [t*h*w, output_width] float32, (t, h, w) raster order (shared with the encoder cache:
+    read-only). grid_thw: (t, h, w) in LLM units. mrope_section: rotary pairs per axis (t, h, w).
     content_hash: sha256 hex of image bytes + preprocessing config + encoder revision.
     """
 
@@ -32,51 +39,91 @@ class EncodedImage:
 
 
 @dataclass(frozen=True)
+class PreparedImage:
+    """One source after `process`: its content hash and either cached rows or decoded pixels."""
+
+    content_hash: str
+    cached: EncoderOutput | None = None
+    processed: ProcessedImage | None = None
+
+
+@dataclass(frozen=True)
 class VisionInfo:
     encoder: str
     revision: str
     output_width: int
-    image_size: int
+    image_size: int          # fixed side (demo); 0 for Qwen2-VL's dynamic resolution
     patch_size: int
     max_image_bytes: int
     max_image_pixels: int
     max_images_per_request: int
     mrope_section: tuple[int, int, int]
+    min_pixels: int          # Qwen2-VL resize bounds (pixels after resizing); 0 for the demo encoder
+    max_pixels: int
+    cache: EncoderCacheStats
+    images_encoded: int      # images that actually ran through the encoder (cache misses)
+
+
+def build_encoder(config: VisionConfig) -> ImageEncoder:
+    if isinstance(config.encoder, Qwen2VLEncoderConfig):
+        return Qwen2VLEncoder(config.encoder)
+    return DemoEncoder(config.encoder)
 
 
 class VisionEngine:
     def __init__(self, config: VisionConfig, encoder: ImageEncoder | None = None) -> None:
         self.config = config
         self.processor = ImageProcessor(config.processor)
-        self.encoder = encoder or DemoEncoder(config.encoder)
+        self.encoder = encoder or build_encoder(config)
+        self.cache = EncoderCache(config.encoder_cache_bytes)
+        self.images_encoded = 0
 
-    def process(self, sources: list[ImageSource]) -> list[ProcessedImage]:
-        """Count cap first, then each image's caps. Raises InvalidArgument naming the image index."""
+    def process(self, sources: list[ImageSource]) -> list[PreparedImage]:
+        """Count cap first, then each image's caps; decodes only cache misses.
+
+        Raises InvalidArgument naming the image index when a request has several images.
+        """
         self.processor.check_count(len(sources))
-        processed = []
+        prepared = []
         for i, source in enumerate(sources):
             try:
-                processed.append(self.processor.process(source))
+                prepared.append(self._prepare(source))
             except InvalidArgument as error:
                 if len(sources) > 1:
                     raise InvalidArgument(f"image {i}: {error}") from error
                 raise
-        return processed
+        return prepared
 
-    def encode(self, processed: list[ProcessedImage]) -> list[EncodedImage]:
-        """Run the encoder on processed images; one `EncodedImage` per input, in order."""
-        outputs = self.encoder.encode([p.pixels for p in processed])
-        revision = self.encoder.revision
-        return [
-            EncodedImage(rows=out.rows, grid_thw=out.grid_thw, mrope_section=self.config.mrope_section,
-                         content_hash=content_hash(p.image_bytes, self.config.processor, revision))
-            for p, out in zip(processed, outputs, strict=True)
-        ]
+    def _prepare(self, source: ImageSource) -> PreparedImage:
+        data = self.processor.image_bytes(source)  # byte cap, base64 decoding
+        key = content_hash(data, self.config.processor, self.encoder.revision)
+        cached = self.cache.get(key)
+        if cached is not None:  # same bytes + recipe + weights: already validated and encoded
+            return PreparedImage(content_hash=key, cached=cached)
+        return PreparedImage(content_hash=key, processed=self.processor.process(ImageSource(data=data)))
+
+    def encode(self, prepared: list[PreparedImage]) -> list[EncodedImage]:
+        """Rows for every prepared image, in order; the encoder runs once per distinct missing hash."""
+        outputs = {p.content_hash: p.cached for p in prepared if p.cached is not None}
+        misses = {p.content_hash: p.processed for p in prepared if p.content_hash not in outputs}
+        if misses:
+            encoded = self.encoder.encode([p.pixels for p in misses.values()])
+            self.images_encoded += len(encoded)
+            for key, output in zip(misses, encoded, strict=True):
+                self.cache.put(key, output)
+                outputs[key] = output
+        return [EncodedImage(rows=outputs[p.content_hash].rows, grid_thw=outputs[p.content_hash].grid_thw,
+                             mrope_section=self.config.mrope_section, content_hash=p.content_hash)
+                for p in prepared]
 
     def info(self) -> VisionInfo:
-        p, e = self.config.processor, self.config.encoder
+        p = self.config.processor
+        qwen = p.qwen2_vl
+        patch = qwen.patch_size if qwen is not None else self.config.encoder.patch_size
         return VisionInfo(encoder=self.encoder.name, revision=self.encoder.revision,
-                          output_width=self.encoder.output_width, image_size=p.image_size,
-                          patch_size=e.patch_size, max_image_bytes=p.max_image_bytes,
-                          max_image_pixels=p.max_image_pixels, max_images_per_request=p.max_images,
-                          mrope_section=self.config.mrope_section)
+                          output_width=self.encoder.output_width,
+                          image_size=0 if qwen is not None else p.image_size, patch_size=patch,
+                          max_image_bytes=p.max_image_bytes, max_image_pixels=p.max_image_pixels,
+                          max_images_per_request=p.max_images, mrope_section=self.config.mrope_section,
+                          min_pixels=qwen.min_pixels if qwen else 0, max_pixels=qwen.max_pixels if qwen else 0,
+                          cache=self.cache.stats(), images_encoded=self.images_encoded)

@@ -1,4 +1,4 @@
-"""Image processor: client bytes -> normalized RGB pixels for the fixed-resolution demo encoder.
+"""Image processor: client bytes -> normalized RGB pixels for the demo or the Qwen2-VL encoder.
 
 Every cap is checked before the expensive step it protects, as the seed's VisionProcessor does:
 
@@ -9,6 +9,15 @@ Every cap is checked before the expensive step it protects, as the seed's Vision
 Remote URLs are never fetched (ARCHITECTURE invariant 6): only raw bytes or a base64
 `data:image/<fmt>;base64,` URI are accepted. Pixels are float32 [3, S, S], channels RGB,
 value = byte / 127.5 - 1, the SigLIP/"mean 0.5, std 0.5" normalization.
+
+With `ProcessorConfig.qwen2_vl` set, the last two steps are Qwen2-VL's instead (see
+`qwen2_vl_pixels`): smart_resize to multiples of 28 within min/max pixels, bicubic, rescale
+1/255, CLIP mean/std -> float32 [3, H, W]; images smaller than one patch or with an aspect ratio
+past 200 are refused from the header, before decoding.
+
+EXIF orientation: the pixels are the image as a viewer shows it (`ImageOps.exif_transpose`),
+so a phone photo stored sideways with Orientation=6 reaches the encoder upright. The content
+hash is over the stored bytes, which include the EXIF tag.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import torch
 from PIL import Image, ImageColor, ImageOps, UnidentifiedImageError
 
 from services.common.errors import InvalidArgument
+from services.vision import qwen2_vl_pixels
+from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig
 
 MIB = 1024 * 1024
 _DATA_URI = re.compile(r"data:image/([A-Za-z0-9.+-]+);base64,", re.ASCII)
@@ -56,6 +67,7 @@ class ProcessorConfig:
     max_image_pixels: int = 40_000_000         # width * height from the header
     max_images: int = 8                        # per request
     background: tuple[int, int, int] = (255, 255, 255)  # RGB under transparent pixels
+    qwen2_vl: Qwen2VLPixelConfig | None = None  # None: fixed image_size, [-1, 1]; set: Qwen2-VL's recipe
 
     def __post_init__(self) -> None:
         if not 1 <= self.image_size <= 4096:
@@ -90,7 +102,7 @@ class ProcessedImage:
     """`image_bytes` are the encoded bytes the pixels came from (the content-hash input)."""
 
     image_bytes: bytes
-    pixels: torch.Tensor       # [3, S, S] float32 in [-1, 1]
+    pixels: torch.Tensor       # [3, S, S] float32 in [-1, 1]; Qwen2-VL: [3, H, W] CLIP-normalized
     original_size: tuple[int, int]  # (width, height) after EXIF orientation
 
 
@@ -143,6 +155,9 @@ class ImageProcessor:
             raise InvalidArgument(f"image refused as a decompression bomb: {error}") from error
         except (OSError, ValueError, SyntaxError) as error:  # truncated or corrupt streams
             raise InvalidArgument(f"image could not be decoded: {error}") from error
+        if self.config.qwen2_vl is not None:
+            pixels = qwen2_vl_pixels.normalize(rgb, self.config.qwen2_vl)  # [3, H, W]
+            return ProcessedImage(image_bytes=data, pixels=pixels, original_size=rgb.size)
         size = self.config.image_size
         resized = rgb.resize((size, size), Image.Resampling.BICUBIC)
         array = np.asarray(resized, dtype=np.float32) / 127.5 - 1.0   # [S, S, 3]
@@ -156,7 +171,10 @@ class ImageProcessor:
         except Image.DecompressionBombError as error:
             raise InvalidArgument(f"image refused as a decompression bomb: {error}; "
                                   f"the limit is {self.config.max_image_pixels} pixels") from error
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+        except UnidentifiedImageError as error:
+            raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): "
+                                  "not a recognized image format") from error
+        except (OSError, ValueError, SyntaxError) as error:
             raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): {error}") from error
         width, height = image.size
         if width < 1 or height < 1:
@@ -164,6 +182,8 @@ class ImageProcessor:
         if width * height > self.config.max_image_pixels:
             raise InvalidArgument(f"image is {width}x{height} = {width * height} pixels; "
                                   f"the limit is {self.config.max_image_pixels}")
+        if self.config.qwen2_vl is not None:  # one-patch minimum and aspect ratio, before decoding
+            qwen2_vl_pixels.check_source_size(width, height, self.config.qwen2_vl)
         num_frames = getattr(image, "n_frames", 1)
         if num_frames > 1:
             raise InvalidArgument(f"animated images are not accepted; this one has {num_frames} frames")

@@ -35,9 +35,9 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         engine = self.engine
         engine.processor.check_count(len(request.images))  # before touching any image
         sources = [image_source_from_pb(image) for image in request.images]
-        processed = await asyncio.to_thread(engine.process, sources)
+        prepared = await asyncio.to_thread(engine.process, sources)  # encoder-cache hits skip decoding
         async with self._encoder_lock:
-            encoded = await asyncio.to_thread(engine.encode, processed)
+            encoded = await asyncio.to_thread(engine.encode, prepared)
         return vision_pb2.EncodeImagesResponse(images=[encoded_image_to_pb(image) for image in encoded])
 
     async def GetInfo(self, request: vision_pb2.VisionInfoRequest, context) -> vision_pb2.VisionInfo:

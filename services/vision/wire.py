@@ -29,4 +29,8 @@ def vision_info_to_pb(info: VisionInfo) -> vision_pb2.VisionInfo:
         encoder=info.encoder, revision=info.revision, output_width=info.output_width,
         image_size=info.image_size, patch_size=info.patch_size, max_image_bytes=info.max_image_bytes,
         max_image_pixels=info.max_image_pixels, max_images_per_request=info.max_images_per_request,
-        mrope_section=list(info.mrope_section))
+        mrope_section=list(info.mrope_section), min_pixels=info.min_pixels, max_pixels=info.max_pixels,
+        encoder_cache=vision_pb2.EncoderCacheStats(
+            hits=info.cache.hits, misses=info.cache.misses, evictions=info.cache.evictions,
+            entries=info.cache.entries, bytes=info.cache.bytes, capacity_bytes=info.cache.capacity_bytes),
+        images_encoded=info.images_encoded)

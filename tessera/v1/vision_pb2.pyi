@@ -44,7 +44,7 @@ class VisionInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VisionInfo(_message.Message):
-    __slots__ = ("encoder", "revision", "output_width", "image_size", "patch_size", "max_image_bytes", "max_image_pixels", "max_images_per_request", "mrope_section")
+    __slots__ = ("encoder", "revision", "output_width", "image_size", "patch_size", "max_image_bytes", "max_image_pixels", "max_images_per_request", "mrope_section", "min_pixels", "max_pixels", "encoder_cache", "images_encoded")
     ENCODER_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,10 @@ class VisionInfo(_message.Message):
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     MROPE_SECTION_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
     encoder: str
     revision: str
     output_width: int
@@ -63,4 +67,24 @@ class VisionInfo(_message.Message):
     max_image_pixels: int
     max_images_per_request: int
     mrope_section: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, encoder: _Optional[str] = ..., revision: _Optional[str] = ..., output_width: _Optional[int] = ..., image_size: _Optional[int] = ..., patch_size: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_pixels: int
+    max_pixels: int
+    encoder_cache: EncoderCacheStats
+    images_encoded: int
+    def __init__(self, encoder: _Optional[str] = ..., revision: _Optional[str] = ..., output_width: _Optional[int] = ..., image_size: _Optional[int] = ..., patch_size: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., encoder_cache: _Optional[_Union[EncoderCacheStats, _Mapping]] = ..., images_encoded: _Optional[int] = ...) -> None: ...
+
+class EncoderCacheStats(_message.Message):
+    __slots__ = ("hits", "misses", "evictions", "entries", "bytes", "capacity_bytes")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    bytes: int
+    capacity_bytes: int
+    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...

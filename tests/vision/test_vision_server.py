@@ -111,6 +111,61 @@ def test_encode_info_health_and_errors(server):
 
     again = stub.EncodeImages(vision_pb2.EncodeImagesRequest(images=[vision_pb2.ImageInput(data=png)]), timeout=30)
     assert again.images[0].content_hash == expected[0].content_hash  # still answering, same result
+    assert torch.equal(from_pb(again.images[0].rows), from_pb(response.images[0].rows))
+    info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)
+    assert info.images_encoded == 2  # the repeated PNG came from the encoder cache
+    assert (info.encoder_cache.hits, info.encoder_cache.entries) == (1, 2)
+    assert info.encoder_cache.bytes == 2 * 64 * WIDTH * 4 <= info.encoder_cache.capacity_bytes
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=20) == 0
+
+
+def test_qwen2_vl_encoder_over_grpc(tmp_path):
+    """`--encoder qwen2-vl --model-dir DIR` serves transformers' visual rows; refusals keep it healthy."""
+    import io
+
+    from PIL import Image
+    from qwen2_vl_tiny import MROPE_SECTION, build_tiny_qwen2_vl, reference_processor
+    from vision_images import encode
+
+    model = build_tiny_qwen2_vl(tmp_path)
+    address = f"127.0.0.1:{_free_port()}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.vision", "--address", address, "--encoder", "qwen2-vl",
+         "--model-dir", str(tmp_path)],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        _wait_serving(channel, process)
+        stub = vision_pb2_grpc.VisionStub(channel)
+        info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)
+        assert (info.encoder, info.output_width, info.image_size, info.patch_size) == ("qwen2-vl", 64, 0, 14)
+        assert list(info.mrope_section) == MROPE_SECTION and info.max_pixels == 28 * 28 * 64
+
+        png = two_halves((255, 0, 0), (0, 0, 255), size=(97, 53))
+        batch = reference_processor()(images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+        with torch.no_grad():
+            want = model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
+        uri = "data:image/png;base64," + base64.b64encode(png).decode()
+        (got,) = stub.EncodeImages(vision_pb2.EncodeImagesRequest(images=[vision_pb2.ImageInput(data_uri=uri)]),
+                                   timeout=30).images
+        assert torch.allclose(from_pb(got.rows), want, atol=1e-5, rtol=0)
+        assert list(got.grid_thw) == [1, 2, 3] and list(got.mrope_section) == MROPE_SECTION
+
+        for reason, data in {"aspect ratio": encode(Image.new("RGB", (2828, 14))),
+                             "at least one patch": encode(Image.new("RGB", (13, 40)))}.items():
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.EncodeImages(vision_pb2.EncodeImagesRequest(images=[vision_pb2.ImageInput(data=data)]), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in caught.value.details()
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub.EncodeImages(vision_pb2.EncodeImagesRequest(images=[vision_pb2.ImageInput(data=png)]), timeout=30)
+        info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)
+        assert (info.images_encoded, info.encoder_cache.hits) == (1, 1)  # the repeat skipped the encoder
+    finally:
+        channel.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -1,0 +1,122 @@
+"""`tessera bench vision`: repeated-image request latency, encoder-cache hit vs miss (target >= 10x).
+
+In process (a `VisionEngine`, the servicer's core: byte caps, content hash, cache lookup, decode,
+preprocess, encoder), one run:
+  miss: N distinct images of the same size, each seen for the first time (decode + encoder);
+  hit:  the same N images again (hash + cache lookup; no decode, no encoder).
+Encoders: the demo tower, and a Qwen2-VL vision tower -- `--model-dir` (a real Qwen2-VL checkpoint)
+or, by default, a seeded random one built here with transformers' config classes (depth 4,
+embed 256, hidden 512) on 448x448 images (1024 patches -> 256 rows). Latency is per request of
+one image. The decoder prefix-cache half of this benchmark (hit vs miss TTFT with an image) is
+not here yet: it needs the Qwen2-VL decoder. Writes bench/results/vision.md; never a test assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource, ProcessorConfig
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    return (f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+
+
+def images(count: int, size: int) -> list[bytes]:
+    out = []
+    for seed in range(count):
+        array = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def build_random_qwen2_vl(directory: Path) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(vocab_size=256, hidden_size=512, intermediate_size=512, num_hidden_layers=1, num_attention_heads=8,
+                num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
+                rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0})
+    vision = dict(depth=4, embed_dim=256, hidden_size=512, num_heads=4, mlp_ratio=4, spatial_merge_size=2)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision)).save_pretrained(directory)
+
+
+def measure(engine: VisionEngine, data: list[bytes]) -> tuple[list[float], list[float]]:
+    """(miss ms, hit ms) per single-image request; checks the hits really skipped the encoder."""
+    def one(image: bytes) -> float:
+        start = time.perf_counter()
+        engine.encode(engine.process([ImageSource(data=image)]))
+        return (time.perf_counter() - start) * 1000
+
+    one(images(1, 64)[0] + b"warmup")  # PNG readers ignore trailing bytes; a distinct key warms the path
+    before = engine.images_encoded
+    misses = [one(image) for image in data]
+    hits = [one(image) for image in data]
+    if engine.images_encoded - before != len(data):
+        raise RuntimeError("hits ran the encoder; the encoder cache is not working")
+    return misses, hits
+
+
+def row(name: str, detail: str, misses: list[float], hits: list[float]) -> str:
+    miss, hit = statistics.median(misses), statistics.median(hits)
+    return f"| {name} | {detail} | {miss:.2f} | {hit:.3f} | {miss / hit:.0f}x |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera bench vision", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a Qwen2-VL checkpoint (default: random, built here)")
+    parser.add_argument("--images", type=int, default=8, help="distinct images, each sent twice (default %(default)s)")
+    parser.add_argument("--size", type=int, default=448, help="image side in pixels (default %(default)s)")
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "vision.md")
+    args = parser.parse_args(argv)
+    data = images(args.images, args.size)
+    lines = []
+    demo = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=576)))
+    lines.append(row("demo", "64x64 after resize, 64 rows x 576", *measure(demo, data)))
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model_dir or Path(scratch)
+        if args.model_dir is None:
+            build_random_qwen2_vl(model_dir)
+        config = VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(model_dir)), ProcessorConfig())
+        qwen = VisionEngine(config)
+        misses, hits = measure(qwen, data)
+        grid = qwen.encode(qwen.process([ImageSource(data=data[0])]))[0].grid_thw
+        name = model_dir.name if args.model_dir else "qwen2-vl (random: depth 4, embed 256)"
+        lines.append(row(name, f"grid {grid}, {grid[1] * grid[2]} rows x {qwen.encoder.output_width}", misses, hits))
+    table = "\n".join(["| encoder | image | miss p50 ms | hit p50 ms | miss/hit |", "|---|---|---|---|---|", *lines])
+    text = (f"# tessera bench vision\n\nMachine: {machine()}\n\n"
+            f"Encoder cache, in-process VisionEngine; {args.images} distinct {args.size}x{args.size} PNGs, each sent "
+            "once (miss: decode + preprocess + encoder) then again (hit: content hash + cache lookup). "
+            "Target: miss/hit >= 10x.\n\n" + table + "\n\n"
+            "Decoder prefix-cache hit vs miss with an image: not measured yet (needs the Qwen2-VL decoder).\n")
+    print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

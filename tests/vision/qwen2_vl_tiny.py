@@ -1,0 +1,39 @@
+"""A tiny Qwen2-VL checkpoint with seeded random weights, built offline with transformers' config classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+MROPE_SECTION = [2, 3, 3]  # sums to head_dim / 2 = (64 / 4) / 2
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64  # small images keep the tests fast
+
+
+def tiny_config() -> Qwen2VLConfig:
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
+                rope_parameters={"rope_type": "default", "mrope_section": MROPE_SECTION, "rope_theta": 10000.0})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, spatial_merge_size=2)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+                         vision_start_token_id=252, vision_end_token_id=253)
+
+
+def reference_processor() -> Qwen2VLImageProcessorPil:
+    """transformers' slow (PIL) Qwen2-VL image processor; the fast one needs torchvision, not installed."""
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+def build_tiny_qwen2_vl(directory: Path, seed: int = 0) -> Qwen2VLForConditionalGeneration:
+    """Save a seeded tiny Qwen2-VL (config.json, model.safetensors, preprocessor_config.json) to `directory`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(tiny_config()).eval()
+        with torch.no_grad():  # the default init (std 0.02) gives rows ~0.02; larger weights make 1e-5 a sharp test
+            for parameter in model.model.visual.parameters():
+                parameter.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    reference_processor().save_pretrained(directory)
+    return model
