@@ -39,6 +39,8 @@ def resolve_in_root(root: Path, client_path: str) -> Path:
     """
     if not client_path:
         raise InvalidArgument("adapter path is empty; give a directory relative to the adapter root")
+    if "\x00" in client_path:
+        raise InvalidArgument("adapter path contains a NUL byte")
     if _URL.match(client_path):
         raise InvalidArgument(f"adapter path {client_path!r} is a remote URL; only directories inside "
                               "the adapter root can be loaded")

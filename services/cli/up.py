@@ -3,7 +3,8 @@
 Each service is its own OS process (`python -m services.<name>`), logging to
 `$TESSERA_HOME/logs/<name>.log`. Startup order follows dependencies (registry, vision, pooling,
 decoder, gateway); `up` returns only when every health check says SERVING, and on Ctrl-C /
-SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period.
+SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period. A service
+that exits on its own is restarted (the others keep serving meanwhile), up to MAX_RESTARTS a minute.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir, tessera_home
 
 SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
+MAX_RESTARTS = 5          # per RESTART_WINDOW_S, across services, before `up` gives up
+RESTART_WINDOW_S = 60.0
 PORT_OFFSETS = {"gateway": 0, "vision": 1, "decoder": 2, "pooling": 3, "adapters": 4}
 
 
@@ -82,16 +85,23 @@ class Cluster:
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
         try:
             for service in self.spec.services():
-                log = open(self.spec.log_dir / f"{service}.log", "ab")
-                self.processes[service] = subprocess.Popen(
-                    self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                log.close()
+                self._spawn(service)
             deadline = time.monotonic() + timeout_s
             for service in self.spec.services():
                 self._wait_serving(service, deadline)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, service: str) -> None:
+        with open(self.spec.log_dir / f"{service}.log", "ab") as log:
+            self.processes[service] = subprocess.Popen(
+                self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def restart(self, service: str, timeout_s: float = 300.0) -> None:
+        """Start a service that exited again, and wait until it is SERVING."""
+        self._spawn(service)
+        self._wait_serving(service, time.monotonic() + timeout_s)
 
     def _wait_serving(self, service: str, deadline: float) -> None:
         address = self.spec.address(service)
@@ -138,7 +148,7 @@ class Cluster:
 
 
 def run_until_signalled(spec: ClusterSpec) -> int:
-    """Start, print endpoints, block until Ctrl-C / SIGTERM or a service dies, then stop all."""
+    """Start, print endpoints, restart a service that dies, and stop all on Ctrl-C / SIGTERM."""
     cluster = Cluster(spec)
     stop = {"signalled": False}
 
@@ -153,11 +163,29 @@ def run_until_signalled(spec: ClusterSpec) -> int:
         print(f"  {service:<9} {spec.address(service)}  SERVING", flush=True)
     print(f"tessera is up: gateway at {spec.address('gateway')} (Ctrl-C to stop)", flush=True)
     code = 0
+    restarts: list[float] = []
     while not stop["signalled"]:
         dead = [s for s, p in cluster.processes.items() if p.poll() is not None]
-        if dead:
-            print(f"{dead[0]} exited unexpectedly:\n{cluster.log_tail(dead[0])}", file=sys.stderr, flush=True)
-            code = 1
+        for service in dead:
+            # One service down must not take the others with it: the gateway answers UNAVAILABLE
+            # for that service meanwhile; we restart it, unless it keeps dying.
+            returncode = cluster.processes[service].returncode
+            restarts = [t for t in restarts if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
+            if len(restarts) > MAX_RESTARTS:
+                print(f"{service} exited (code {returncode}); {MAX_RESTARTS} restarts within "
+                      f"{RESTART_WINDOW_S:.0f} s already, giving up:\n{cluster.log_tail(service)}",
+                      file=sys.stderr, flush=True)
+                code = 1
+                break
+            print(f"{service} exited unexpectedly (code {returncode}); restarting it", file=sys.stderr, flush=True)
+            try:
+                cluster.restart(service)
+                print(f"  {service:<9} {spec.address(service)}  SERVING again", flush=True)
+            except (RuntimeError, TimeoutError) as error:
+                print(f"{service} failed to restart: {error}", file=sys.stderr, flush=True)
+                code = 1
+                break
+        if code:
             break
         time.sleep(0.5)
     print("stopping tessera", flush=True)

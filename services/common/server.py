@@ -13,10 +13,11 @@ import signal
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import status_of
+from services.common.errors import InvalidArgument, status_of
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,10 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A restarted replica is found again within ~2 s (grpc's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 DEFAULT_PORTS = {"gateway": 50051, "vision": 50052, "decoder": 50053, "pooling": 50054, "adapters": 50055}
@@ -39,33 +44,74 @@ def configure_logging(level: str = "INFO") -> None:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """The backstop: domain errors become their status; anything unexpected is logged and INTERNAL.
 
-    Wraps all four handler kinds, so servicers never catch errors just to translate them.
+    Wraps all four handler kinds, so servicers never catch errors just to translate them. A
+    request that is not valid protobuf (e.g. a string field with bad UTF-8) is INVALID_ARGUMENT
+    rather than grpc's default UNKNOWN.
     """
 
+    # kind -> (handler factory, request is a stream, response is a stream)
     _KINDS = {
-        "unary_unary": (grpc.unary_unary_rpc_method_handler, False),
-        "unary_stream": (grpc.unary_stream_rpc_method_handler, True),
-        "stream_unary": (grpc.stream_unary_rpc_method_handler, False),
-        "stream_stream": (grpc.stream_stream_rpc_method_handler, True),
+        "unary_unary": (grpc.unary_unary_rpc_method_handler, False, False),
+        "unary_stream": (grpc.unary_stream_rpc_method_handler, False, True),
+        "stream_unary": (grpc.stream_unary_rpc_method_handler, True, False),
+        "stream_stream": (grpc.stream_stream_rpc_method_handler, True, True),
     }
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        for kind, (factory, streams_out) in self._KINDS.items():
+        for kind, (factory, streams_in, streams_out) in self._KINDS.items():
             inner = getattr(handler, kind)
             if inner is not None:
                 wrap = _wrap_streaming if streams_out else _wrap_single
-                return factory(wrap(inner, details.method), handler.request_deserializer,
-                               handler.response_serializer)
+                return factory(wrap(inner, details.method, streams_in),
+                               _tolerant(handler.request_deserializer), handler.response_serializer)
         return handler
 
 
-def _wrap_single(inner, method: str):
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the handler can answer the status."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def check(self):
+        raise InvalidArgument(f"request is not a valid protobuf message: {self.error}")
+
+
+def _tolerant(deserialize):
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError as error:
+            return _Undecodable(error)
+
+    return parse
+
+
+def _checked(request, streams_in: bool):
+    if not streams_in:
+        if isinstance(request, _Undecodable):
+            request.check()
+        return request
+
+    async def items():
+        async for item in request:
+            if isinstance(item, _Undecodable):
+                item.check()
+            yield item
+
+    return items()
+
+
+def _wrap_single(inner, method: str, streams_in: bool):
     async def behavior(request, context):
         try:
-            return await inner(request, context)
+            return await inner(_checked(request, streams_in), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001 - this is the backstop
@@ -74,10 +120,10 @@ def _wrap_single(inner, method: str):
     return behavior
 
 
-def _wrap_streaming(inner, method: str):
+def _wrap_streaming(inner, method: str, streams_in: bool):
     async def behavior(request, context):
         try:
-            async for response in inner(request, context):
+            async for response in inner(_checked(request, streams_in), context):
                 yield response
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise

@@ -18,6 +18,7 @@ from tessera.v1 import (
     decoder_pb2_grpc,
     gateway_pb2,
     gateway_pb2_grpc,
+    pooling_pb2,
     pooling_pb2_grpc,
     vision_pb2,
     vision_pb2_grpc,
@@ -120,16 +121,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # -- info ---------------------------------------------------------------------------------
 
     async def GetInfo(self, request, context):
-        from tessera.v1 import decoder_pb2 as d, pooling_pb2 as p
-
         info = gateway_pb2.ClusterInfo()
-        info.decoder.CopyFrom(await self._unary("decoder", self.config.decoder, self.decoder.GetInfo,
-                                                d.DecoderInfoRequest(), context))
-        info.pooling.CopyFrom(await self._unary("pooling", self.config.pooling, self.pooling.GetInfo,
-                                                p.PoolingInfoRequest(), context))
+        sections = [("decoder", self.config.decoder, self.decoder.GetInfo, decoder_pb2.DecoderInfoRequest()),
+                    ("pooling", self.config.pooling, self.pooling.GetInfo, pooling_pb2.PoolingInfoRequest())]
         if self.vision is not None:
-            info.vision.CopyFrom(await self._unary("vision", self.config.vision, self.vision.GetInfo,
-                                                   vision_pb2.VisionInfoRequest(), context))
+            sections.append(("vision", self.config.vision, self.vision.GetInfo, vision_pb2.VisionInfoRequest()))
+        for service, address, method, section_request in sections:
+            try:
+                reply = await self._unary(service, address, method, section_request, context)
+            except Unavailable as error:
+                info.unavailable.append(str(error))
+                continue
+            getattr(info, service).CopyFrom(reply)
         return info
 
     async def _unary(self, service: str, address: str, method, request, context):

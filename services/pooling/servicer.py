@@ -12,6 +12,7 @@ import base64
 import numpy as np
 import torch
 
+from services.common.errors import InvalidArgument
 from services.common.tensor import to_pb
 from services.pooling.domain import EmbedQuery, Embeddings, Ranking, ServiceInfo, Tokenization
 from services.pooling.service import PoolingService
@@ -59,6 +60,11 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
 
 
 def embed_query_from_pb(request: pooling_pb2.EmbedRequest) -> EmbedQuery:
+    for field, enum in (("encoding_format", pooling_pb2.EncodingFormat),
+                        ("truncation_direction", pooling_pb2.TruncationDirection)):
+        value = getattr(request, field)
+        if value not in enum.values():
+            raise InvalidArgument(f"{field} {value} is not one of {dict(enum.items())}")
     return EmbedQuery(
         texts=tuple(request.inputs), token_ids=tuple(tuple(t.ids) for t in request.input_ids),
         normalize=request.normalize if request.HasField("normalize") else None, model=request.model,
