@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -18,47 +12,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.adapters.peft_format import read_peft_adapter
 from services.common.tensor import from_pb
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
+from tests.service_process import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret"
 ADMIN = (("authorization", f"Bearer {TOKEN}"),)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture()
 def registry_address(root, adapter_in_root, base_model_dir):
-    address = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "TESSERA_ADMIN_TOKEN": TOKEN}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.adapters", "--address", address, "--root", str(root),
-         "--base-model-dir", str(base_model_dir), "--max-rank", "8"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        with grpc.insecure_channel(address) as channel:
-            _wait_serving(channel, process)
-        yield address
-    finally:
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=20)
-        assert process.returncode == 0, output.decode()[-2000:]
-
-
-def _wait_serving(channel, process, timeout_s=30.0):
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read().decode()[-2000:]
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            time.sleep(0.2)
-    raise TimeoutError("registry never became SERVING")
+    args = ["--root", str(root), "--base-model-dir", str(base_model_dir), "--max-rank", "8"]
+    service = ServiceProcess("services.adapters", args, env={"TESSERA_ADMIN_TOKEN": TOKEN})
+    with service:
+        yield service.address
+    assert service.process.returncode == 0, service.log()[-2000:]
 
 
 def _code(call, *args, **kwargs):

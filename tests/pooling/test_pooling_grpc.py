@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import base64
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -20,53 +14,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.tensor import from_pb
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
-
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_serving(channel, process, log_path) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log_path.read_text()
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"pooling service not SERVING after {STARTUP_S} s")
+from tests.service_process import ServiceProcess
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    address = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log_path = tmp_path_factory.mktemp("pooling") / "server.log"
-    log = log_path.open("w")  # a file, not a pipe: a full pipe would stall the server
-    process = subprocess.Popen([sys.executable, "-m", "services.pooling", "--address", address, "--max-batch-size", "4"],
-                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    channel = grpc.insecure_channel(address)
-    try:
-        _wait_serving(channel, process, log_path)
-        yield channel, process
-    finally:
+def server():
+    with ServiceProcess("services.pooling", ["--max-batch-size", "4"]) as service:
+        channel = grpc.insecure_channel(service.address)
+        yield channel, service.process
         channel.close()
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log.close()
 
 
 def test_embed_rerank_info_health_and_errors(server):

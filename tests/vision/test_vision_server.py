@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import base64
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -24,48 +19,19 @@ from services.vision.encoder import DemoEncoderConfig
 from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource, ProcessorConfig
 from tessera.v1 import vision_pb2, vision_pb2_grpc
+from tests.service_process import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTH = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_serving(channel: grpc.Channel, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("vision service did not become SERVING")
-
-
 @pytest.fixture(scope="module")
 def server():
-    address = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.vision", "--address", address, "--output-width", str(WIDTH),
-         "--max-images", "2", "--max-image-bytes", "100000"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    try:
-        _wait_serving(channel, process)
-        yield channel, process
-    finally:
+    args = ["--output-width", str(WIDTH), "--max-images", "2", "--max-image-bytes", "100000"]
+    with ServiceProcess("services.vision", args) as service:
+        channel = grpc.insecure_channel(service.address, options=CHANNEL_OPTIONS)
+        yield channel, service.process
         channel.close()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_encode_info_health_and_errors(server):
@@ -130,15 +96,8 @@ def test_qwen2_vl_encoder_over_grpc(tmp_path):
     from vision_images import encode
 
     model = build_tiny_qwen2_vl(tmp_path)
-    address = f"127.0.0.1:{_free_port()}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.vision", "--address", address, "--encoder", "qwen2-vl",
-         "--model-dir", str(tmp_path)],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    try:
-        _wait_serving(channel, process)
+    with ServiceProcess("services.vision", ["--encoder", "qwen2-vl", "--model-dir", str(tmp_path)]) as service, \
+            grpc.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
         stub = vision_pb2_grpc.VisionStub(channel)
         info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)
         assert (info.encoder, info.output_width, info.image_size, info.patch_size) == ("qwen2-vl", 64, 0, 14)
@@ -164,8 +123,3 @@ def test_qwen2_vl_encoder_over_grpc(tmp_path):
         stub.EncodeImages(vision_pb2.EncodeImagesRequest(images=[vision_pb2.ImageInput(data=png)]), timeout=30)
         info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)
         assert (info.images_encoded, info.encoder_cache.hits) == (1, 1)  # the repeat skipped the encoder
-    finally:
-        channel.close()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
