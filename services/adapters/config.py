@@ -24,6 +24,9 @@ class RegistryConfig:
         base_model_dir: optional HF model dir; when set, target modules and LoRA shapes are
             checked against its config.json (Llama-family projection names).
         max_rank: largest LoRA rank accepted, per target module.
+        report_ttl_s: a decoder whose last residency report is older than this is gone (its
+            leases no longer count, nor block a drain).
+        drain_poll_s: how often a draining unload/replace re-checks the decoders' reports.
     """
 
     root: Path = field(default_factory=default_adapter_root)
@@ -31,6 +34,8 @@ class RegistryConfig:
     admin_token: str | None = None
     base_model_dir: Path | None = None
     max_rank: int = 64
+    report_ttl_s: float = 10.0
+    drain_poll_s: float = 0.05
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).expanduser()
@@ -47,3 +52,5 @@ class RegistryConfig:
                 raise ValueError(f"base_model_dir {self.base_model_dir} has no config.json")
         if not 1 <= self.max_rank <= RANK_LIMIT:
             raise ValueError(f"max_rank={self.max_rank} must be in [1, {RANK_LIMIT}]")
+        if not self.report_ttl_s > 0 or not self.drain_poll_s > 0:
+            raise ValueError(f"report_ttl_s={self.report_ttl_s} and drain_poll_s={self.drain_poll_s} must be > 0")

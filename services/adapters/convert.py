@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.adapters.catalog import AdapterRecord
 from services.adapters.lora import LoraAdapter
+from services.adapters.service import DRAINING, AdapterStatus
 from services.common.tensor import to_pb
 from tessera.v1 import adapters_pb2
 
@@ -13,6 +14,21 @@ def info_to_pb(record: AdapterRecord) -> adapters_pb2.AdapterInfo:
         name=record.name, digest=record.digest, rank=record.rank, target_modules=list(record.targets),
         lora_alpha=record.alpha, use_rslora=record.use_rslora, path=record.path,
         generation=record.generation, state=record.state)
+
+
+def status_to_pb(status: AdapterStatus) -> adapters_pb2.AdapterInfo:
+    """AdapterInfo with per-decoder residency, total leases and "draining" state when drained."""
+    info = info_to_pb(status.record)
+    info.residency.extend(adapters_pb2.AdapterResidency(decoder_id=d, leases=n) for d, n in status.residency)
+    info.leases = status.num_leases
+    if status.draining:
+        info.state = DRAINING
+    return info
+
+
+def report_from_pb(report: adapters_pb2.ResidencyReport) -> tuple[dict[str, int], set[str]]:
+    """({digest: leases}, acknowledged draining digests) of a decoder's report."""
+    return {r.digest: r.leases for r in report.resident}, set(report.draining_acked)
 
 
 def weights_to_pb(record: AdapterRecord, adapter: LoraAdapter | None) -> adapters_pb2.AdapterWeights:

@@ -6,17 +6,35 @@ Never imports generated stubs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from services.adapters.base_model import BaseModelShapes
 from services.adapters.catalog import READY, AdapterRecord, Catalog
 from services.adapters.config import RegistryConfig
+from services.adapters.leases import LeaseTable
 from services.adapters.lora import LoraAdapter
 from services.adapters.paths import check_adapter_name, relative_to_root, resolve_in_root
 from services.adapters.peft_format import read_peft_adapter
 from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, TesseraError
 
 log = logging.getLogger(__name__)
+DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """A ready record with what decoders report: residency [(decoder id, leases)] and drain state."""
+
+    record: AdapterRecord
+    residency: tuple[tuple[str, int], ...]
+    draining: bool
+
+    @property
+    def num_leases(self) -> int:
+        return sum(n for _, n in self.residency)
 
 
 class RegistryService:
@@ -33,6 +51,7 @@ class RegistryService:
         self.root = config.root.resolve()
         self.base = BaseModelShapes.from_model_dir(config.base_model_dir) if config.base_model_dir else None
         self.catalog = Catalog(config.db_path)
+        self.leases = LeaseTable(config.report_ttl_s)
 
     def load(self, name: str, path: str, replace: bool = False) -> AdapterRecord:
         """Validate the PEFT directory at `path` (inside the root) and register it as `name`.
@@ -44,6 +63,64 @@ class RegistryService:
         self._refuse_existing(name, replace)
         directory = resolve_in_root(self.root, path)
         adapter = self._read(name, directory)
+        previous = self._refuse_existing(name, replace)
+        if previous is not None and previous.state == READY and previous.digest != adapter.digest:
+            self._refuse_leased(previous)
+        return self._put(name, directory, adapter, replace)
+
+    async def load_async(self, name: str, path: str, replace: bool = False, drain: bool = False) -> AdapterRecord:
+        """`load`, except that replacing leased weights with drain=True waits for their leases to end.
+
+        Raises (besides load's): FailedPrecondition when the replaced weights are leased and not drain.
+        """
+        check_adapter_name(name)
+        self._refuse_existing(name, replace)
+        directory = resolve_in_root(self.root, path)
+        adapter = await asyncio.to_thread(self._read, name, directory)  # validate before touching anything
+        previous = self._refuse_existing(name, replace)
+        if previous is None or previous.state != READY or previous.digest == adapter.digest:
+            return self._put(name, directory, adapter, replace)
+        async with self._quiesced(previous, drain):
+            return self._put(name, directory, adapter, replace)
+
+    async def unload_async(self, name: str, drain: bool = False) -> None:
+        """Unload `name`; leased weights raise FailedPrecondition, or with drain=True new admissions
+        are refused and the call returns once every decoder reports zero leases."""
+        async with self._quiesced(self.get(name), drain):
+            self.unload(name)
+
+    def report_residency(self, decoder_id: str, resident: dict[str, int], draining_acked: set[str]) -> list[str]:
+        """A decoder's residency report; returns the digests whose admissions it must refuse."""
+        return self.leases.report(decoder_id, resident, draining_acked)
+
+    def list_status(self) -> list[AdapterStatus]:
+        """Every ready adapter with its per-decoder residency and lease counts."""
+        return [AdapterStatus(r, tuple(self.leases.residency(r.digest)), self.leases.is_draining(r.digest))
+                for r in self.list()]
+
+    @asynccontextmanager
+    async def _quiesced(self, record: AdapterRecord, drain: bool):
+        if not drain:
+            self._refuse_leased(record)
+            yield
+            return
+        self.leases.start_drain(record.digest)
+        try:
+            while not self.leases.drained(record.digest):
+                await asyncio.sleep(self.config.drain_poll_s)
+            yield
+        finally:
+            self.leases.end_drain(record.digest)
+
+    def _refuse_leased(self, record: AdapterRecord) -> None:
+        residency = self.leases.residency(record.digest)
+        leases = sum(n for _, n in residency)
+        if leases:
+            where = ", ".join(f"{d}: {n}" for d, n in residency if n)
+            raise FailedPrecondition(f"adapter {record.name!r} is leased by {leases} running request(s) ({where}); "
+                                     "pass drain=true to refuse new requests and wait for these to finish")
+
+    def _put(self, name: str, directory, adapter: LoraAdapter, replace: bool) -> AdapterRecord:
         digest = adapter.digest
         while True:
             previous = self._refuse_existing(name, replace)
@@ -73,6 +150,14 @@ class RegistryService:
             raise NotFound(f"unknown adapter {name!r}")
         return record
 
+    def get_admissible(self, name: str) -> AdapterRecord:
+        """`get` for a new admission: FailedPrecondition while the name's weights are draining."""
+        record = self.get(name)
+        if self.leases.is_draining(record.digest):
+            raise FailedPrecondition(f"adapter {name!r} is being unloaded or replaced (draining); "
+                                     "new requests for it are refused")
+        return record
+
     def get_weights(self, name: str) -> tuple[AdapterRecord, LoraAdapter]:
         """The record and its weights, re-read from disk and checked against the recorded digest.
 
@@ -80,7 +165,7 @@ class RegistryService:
             NotFound: unknown name.
             FailedPrecondition: the files are gone, no longer valid, or hash differently than at load.
         """
-        record = self.get(name)
+        record = self.get_admissible(name)
         try:
             adapter = self._read(name, resolve_in_root(self.root, record.path))
         except TesseraError as error:

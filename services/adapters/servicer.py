@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.adapters.convert import info_to_pb, weights_to_pb
+from services.adapters.convert import info_to_pb, report_from_pb, status_to_pb, weights_to_pb
 from services.adapters.service import RegistryService
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
@@ -16,23 +16,28 @@ class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
         self.registry = registry
 
     async def LoadAdapter(self, request, context):
-        record = await asyncio.to_thread(self.registry.load, request.name, request.path, request.replace)
+        record = await self.registry.load_async(request.name, request.path, request.replace, request.drain)
         return info_to_pb(record)
 
     async def UnloadAdapter(self, request, context):
-        await asyncio.to_thread(self.registry.unload, request.name)
+        await self.registry.unload_async(request.name, request.drain)
         return adapters_pb2.UnloadAdapterResponse(name=request.name)
 
     async def ListAdapters(self, request, context):
-        records = await asyncio.to_thread(self.registry.list)
-        return adapters_pb2.ListAdaptersResponse(adapters=[info_to_pb(r) for r in records])
+        statuses = await asyncio.to_thread(self.registry.list_status)
+        return adapters_pb2.ListAdaptersResponse(adapters=[status_to_pb(s) for s in statuses])
 
     async def GetAdapter(self, request, context):
         if request.include_weights:
             record, adapter = await asyncio.to_thread(self.registry.get_weights, request.name)
             return await asyncio.to_thread(weights_to_pb, record, adapter)
-        record = await asyncio.to_thread(self.registry.get, request.name)
+        record = await asyncio.to_thread(self.registry.get_admissible, request.name)
         return weights_to_pb(record, None)
+
+    async def ReportResidency(self, request, context):
+        resident, acked = report_from_pb(request)
+        draining = self.registry.report_residency(request.decoder_id, resident, acked)
+        return adapters_pb2.ResidencyAck(draining=draining)
 
 
 def register(server, registry: RegistryService) -> list[str]:

@@ -43,6 +43,18 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    triton: "TritonMetadata | None" = None  # set: the Triton kernel runs instead of the torch path
+
+
+@dataclass
+class TritonMetadata:
+    """Inputs of `triton_paged_attention`: block_tables int32 [num_seqs, max_blocks] (padded with
+    block 0), token_seq int32 [num_tokens], context_lens int32 [num_tokens] (query position + 1)."""
+
+    block_tables: torch.Tensor
+    token_seq: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
 
 
 def prefill_span(token_start: int, num_computed: int, context_slots: torch.Tensor) -> PrefillSpan:
@@ -73,8 +85,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     `k_cache`/`v_cache` are flat [slots, kv_heads, head_dim] (already holding this step's K/V).
     Grouped-query heads share KV as in transformers' `repeat_kv` (head h reads kv head
-    h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim].
+    h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim]. With `meta.triton` set the
+    Triton kernel computes the same result (see triton_attention.py).
     """
+    if meta.triton is not None:
+        from services.decoder.triton_attention import triton_paged_attention  # optional dependency
+
+        t = meta.triton
+        return triton_paged_attention(query, k_cache, v_cache, t.block_tables, t.token_seq, t.context_lens,
+                                      t.block_size, scale)
     out = torch.empty_like(query)
     num_rep = query.shape[1] // k_cache.shape[1]
     for span in meta.prefills:
@@ -87,11 +106,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
         out[span.token_start:span.token_end] = o.transpose(0, 1)
     if meta.decode_rows is not None and meta.decode_rows.numel():
-        q = query[meta.decode_rows][:, :, None, :]                 # [rows, heads, 1, head_dim]
-        k = _heads_first(k_cache[meta.decode_slots], num_rep)       # [rows, heads, ctx, head_dim]
-        v = _heads_first(v_cache[meta.decode_slots], num_rep)
+        # one query per row: the `num_rep` heads sharing a kv head become that kv head's query rows,
+        # so K/V are gathered once per kv head and never repeated
+        rows, heads, head_dim = meta.decode_rows.numel(), query.shape[1], query.shape[2]
+        q = query[meta.decode_rows].view(rows, heads // num_rep, num_rep, head_dim)  # [rows, kv_heads, rep, d]
+        k = k_cache[meta.decode_slots].transpose(1, 2)              # [rows, kv_heads, ctx, head_dim]
+        v = v_cache[meta.decode_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[meta.decode_rows] = o[:, :, 0, :]
+        out[meta.decode_rows] = o.reshape(rows, heads, head_dim)
     return out
 
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.paths import default_decoder_dir
+from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEFAULT_MAX_MODEL_LEN = 8192
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 def read_model_config(model_dir: str | Path) -> dict:
@@ -32,6 +34,9 @@ class DecoderConfig:
     min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
     capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
     image inputs; `image_token` names the placeholder token (or config.json has image_token_id).
+`enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
+`attention_backend`: "torch" (CPU default) or "triton" (paged attention kernel; needs a GPU, or
+TRITON_INTERPRET=1 on CPU, and a power-of-two block_size).
     """
 
     model_dir: str = str(default_decoder_dir())
@@ -46,7 +51,10 @@ class DecoderConfig:
     adapters_address: str | None = None
     adapter_slots: int = 8
     max_lora_rank: int = 64
+    lora_backend: str = "torch"  # "torch" (grouped shrink/expand) or "triton" (BGMV/SGMV kernels)
     dtype: str = "float32"
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
@@ -58,6 +66,12 @@ class DecoderConfig:
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError(f"num_blocks and max_model_len must be >= 0 (0 = derive), got "
                              f"{self.num_blocks} and {self.max_model_len}")
+        if self.lora_backend not in LORA_BACKENDS:
+            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {self.lora_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and self.block_size & (self.block_size - 1):
+            raise ValueError(f"the triton attention backend needs a power-of-two block_size, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         model = read_model_config(self.model_dir)

@@ -27,12 +27,14 @@ from services.decoder.config import DecoderConfig, read_model_config
 from services.decoder.detokenizer import IncrementalDetokenizer
 from services.decoder.inputs import GenerateInput
 from services.decoder.kv_cache import KVCache
+from services.decoder.kernels import make_backend
 from services.decoder.lora import AdapterBank, attach_bank, target_shapes
 from services.decoder.model_llama import load_llama
 from services.decoder.model_runner import ModelRunner
 from services.decoder.multimodal import PromptBuilder
+from services.decoder.prefix_cache import BlockHasher
 from services.decoder.request import Request, RequestOutput, Usage
-from services.decoder.sampler import make_generator
+from services.decoder.sampler import Sample, make_generator
 from services.decoder.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,10 @@ class EngineStats:
     num_free_blocks: int
     num_running: int
     num_waiting: int
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0      # admissions that looked the prefix cache up
+    prefix_cache_hits: int = 0         # admissions that reused at least one cached block
+    prefix_cache_hit_tokens: int = 0
 
 
 @dataclass
@@ -68,14 +74,15 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
-        self.bank = AdapterBank(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype)
+        self.bank = AdapterBank(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype,
+                                make_backend(config.lora_backend))
         attach_bank(self.model, self.bank)
         self.adapters = AdapterClient(config.adapters_address, self.bank)
         self.image_token_id = self._image_token_id()
         self.prompts = PromptBuilder(self.tokenizer, spec.vocab_size, spec.hidden_size,
                                      config.mrope_section, self.image_token_id)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.bank,
-                                  config.mrope_section is not None)
+                                  config.mrope_section is not None, config.attention_backend)
         self.eos_token_ids = self._eos_token_ids()
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
@@ -130,32 +137,47 @@ class LLMEngine:
             if slot is not None:
                 self.bank.release(slot)
             raise
-        key = uuid.uuid4().hex
-        request = Request(key, request_input.request_id or key, prompt, request_input.sampling, slot,
-                          None if request_input.sampling.greedy else make_generator(request_input.sampling.seed))
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
-                         IncrementalDetokenizer(self.tokenizer, prompt.token_ids, request.sampling.stop))
+        requests = self._make_requests(request_input, prompt, slot)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         try:
             with self._cond:
-                self.scheduler.add(request)
-                self._requests[key] = request
-                self._streams[key] = stream
+                self.scheduler.add(*requests)
+                for request in requests:
+                    self._requests[request.key] = request
+                    self._streams[request.key] = _Stream(loop, queue, IncrementalDetokenizer(
+                        self.tokenizer, prompt.token_ids, request.sampling.stop))
                 self._cond.notify()
         except BaseException:
-            if slot is not None:
-                self.bank.release(slot)
+            for request in requests:
+                if request.lora_slot is not None:
+                    self.bank.release(request.lora_slot)
             raise
-        finished = False
+        num_finished = 0
         try:
-            while not finished:
-                output = await stream.queue.get()
+            while num_finished < len(requests):
+                output = await queue.get()
                 if isinstance(output, BaseException):
                     raise output
-                finished = output.finish_reason is not None
+                num_finished += output.finish_reason is not None
                 yield output
         finally:
-            if not finished:
-                self.abort(key)
+            if num_finished < len(requests):
+                for request in requests:
+                    self.abort(request.key)
+
+    def _make_requests(self, request_input: GenerateInput, prompt, slot: int | None) -> list[Request]:
+        """The n choices: choice i samples with seed + i and holds its own adapter lease on `slot`;
+        choices after the first wait for it to compute the prompt, then share its blocks."""
+        params, requests = request_input.sampling, []
+        digest = None if slot is None else self.bank.digest_of(slot)
+        for index in range(params.n):
+            key = uuid.uuid4().hex
+            lease = slot if index == 0 or slot is None else self.bank.acquire(digest)
+            seed = None if params.seed is None else params.seed + index
+            requests.append(Request(key, request_input.request_id or key, prompt, params, lease,
+                                    None if params.greedy else make_generator(seed), self._hasher(prompt, slot),
+                                    index=index, parent=requests[0] if requests else None))
+        return requests
 
     def abort(self, key: str) -> None:
         """Abort a request by its engine key; blocks and lease are freed before the next step."""
@@ -165,8 +187,17 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            return EngineStats(self.block_manager.num_blocks, self.block_manager.num_free_blocks,
-                               len(self.scheduler.running), len(self.scheduler.waiting))
+            bm = self.block_manager
+            return EngineStats(bm.num_blocks, bm.num_free_blocks, len(self.scheduler.running),
+                               len(self.scheduler.waiting), bm.num_cached_blocks, bm.stats.num_queries,
+                               bm.stats.num_hits, bm.stats.num_hit_tokens)
+
+    def _hasher(self, prompt, lora_slot: int | None) -> BlockHasher | None:
+        """Prefix-cache hasher salted with the adapter's weight digest and the prompt's images."""
+        if not self.config.enable_prefix_caching:
+            return None
+        digest = None if lora_slot is None else self.bank.digest_of(lora_slot)
+        return BlockHasher.for_prompt(self.config.block_size, prompt, digest, self.config.mrope_section)
 
     def shutdown(self) -> None:
         with self._cond:
@@ -218,7 +249,8 @@ class LLMEngine:
                 self._finish(request, "abort")
         self._aborts.clear()
 
-    def _append_token(self, request: Request, token: int) -> None:
+    def _append_token(self, request: Request, sample: Sample) -> None:
+        token = sample.token_id
         request.output_token_ids.append(token)
         stream = self._streams[request.key]
         params = request.sampling
@@ -229,13 +261,15 @@ class LLMEngine:
             reason = "stop"
         elif len(request.output_token_ids) >= params.max_tokens:
             reason = "length"
+        logprobs = [sample] if params.logprobs else []
         if reason is not None:
-            self._finish(request, reason, new_tokens=[token])
+            self._finish(request, reason, new_tokens=[token], logprobs=logprobs)
         else:
-            self._emit(request, RequestOutput(request.request_id, [token], stream.detokenizer.delta(final=False)))
+            self._emit(request, RequestOutput(request.request_id, [token], stream.detokenizer.delta(final=False),
+                                              logprobs=logprobs, index=request.index))
 
     def _finish(self, request: Request, reason: str, new_tokens: list[int] | None = None,
-                error: BaseException | None = None) -> None:
+                error: BaseException | None = None, logprobs: list[Sample] | None = None) -> None:
         self.scheduler.finish(request, reason)
         if request.lora_slot is not None:
             self.bank.release(request.lora_slot)
@@ -244,9 +278,10 @@ class LLMEngine:
         if error is not None:
             self._emit(request, error)
         else:
-            usage = Usage(request.num_prompt_tokens, len(request.output_token_ids), request.prompt.num_image_tokens)
-            self._emit(request, RequestOutput(request.request_id, new_tokens or [],
-                                              stream.detokenizer.delta(final=True), reason, usage))
+            usage = Usage(request.num_prompt_tokens, len(request.output_token_ids), request.prompt.num_image_tokens,
+                          request.num_cached_tokens)
+            self._emit(request, RequestOutput(request.request_id, new_tokens or [], stream.detokenizer.delta(final=True),
+                                              reason, usage, logprobs or [], request.index))
         self._streams.pop(request.key, None)
 
     def _emit(self, request: Request, output: RequestOutput | BaseException) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
 
 from services.common.errors import InvalidArgument
 
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
 
 @dataclass(frozen=True)
 class TextPart:
@@ -42,11 +47,19 @@ class ChatMessage:
     content: tuple[Part, ...]
 
 
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. temperature 0 = greedy; top_p 0 or 1 and top_k 0 disable the filters.
 
-    Raises InvalidArgument on out-of-range values.
+    Penalties (applied to the logits before temperature and filters, greedy included):
+    repetition_penalty as in transformers (tokens of prompt + output; 1 = off), presence and
+    frequency penalties as in OpenAI's API (generated tokens only; 0 = off). `n` choices share
+    the prompt; choice i draws from seed + i. `logprobs` / `top_logprobs` report the raw model
+    distribution. Raises InvalidArgument on out-of-range values.
     """
 
     max_tokens: int
@@ -57,13 +70,23 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 <= self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0  # dividing logits by ~1e-38 overflows; below vLLM's epsilon is greedy
+        if self.seed is not None and self.seed < 0:
+            raise InvalidArgument(f"seed must be >= 0, got {self.seed}")
+        if not (math.isfinite(self.top_p) and 0 <= self.top_p <= 1):
             raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_p == 0:
             self.top_p = 1.0
@@ -72,6 +95,23 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise InvalidArgument("stop strings must not be empty")
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+        if self.repetition_penalty == 0:
+            self.repetition_penalty = 1.0
+        if not 0 < self.repetition_penalty <= 10:
+            raise InvalidArgument(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidArgument(f"n must be in [1, {MAX_N}], got {self.n}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs:
+            self.logprobs = True
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:

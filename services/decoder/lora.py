@@ -3,7 +3,9 @@
 Each targeted linear `y = x W^T + b` gets `y += (x A_s^T) B_s^T` for the tokens whose slot is
 s, where A is [rank, in] and B is [out, rank] with the LoRA scale already folded in by the
 registry. Slots are padded to `max_rank` with zeros; slot -1 is the base model (no correction).
-Rows are grouped by slot (the SGMV shape), so one batch can mix adapters and the base model.
+One batch can mix adapters and the base model: the step's `LoRABatch` (row permutation and
+segments, built once per step by `set_token_slots`) is shared by every projection, and a
+`LoRABackend` (torch grouped shrink/expand, or Triton BGMV/SGMV) computes the correction.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import torch
 from torch import nn
 
 from services.common.errors import InvalidArgument
-
-BASE_SLOT = -1
+from services.decoder.kernels import BASE_SLOT, LoRABackend, LoRABatch, TorchLoRABackend  # noqa: F401 (BASE_SLOT re-exported)
 TARGET_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -41,7 +42,7 @@ class AdapterBank:
     """
 
     def __init__(self, num_slots: int, max_rank: int, module_shapes: dict[str, tuple[int, int]],
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, backend: LoRABackend | None = None) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.module_shapes = module_shapes  # name -> (in_features, out_features)
@@ -52,11 +53,17 @@ class AdapterBank:
         self._digests: list[str | None] = [None] * num_slots
         self._leases = [0] * num_slots
         self._idle: OrderedDict[int, None] = OrderedDict()  # unleased resident slots, LRU first
-        self._groups: list[tuple[int, torch.Tensor]] = []
+        self.backend = backend or TorchLoRABackend()
+        self._batch: LoRABatch | None = None  # this step's row permutation / segments
 
     def slot_of(self, digest: str) -> int | None:
         with self.lock:
             return self._digests.index(digest) if digest in self._digests else None
+
+    def digest_of(self, slot: int) -> str | None:
+        """Weight digest resident in `slot` (None when empty); prefix-cache keys use it."""
+        with self.lock:
+            return self._digests[slot]
 
     def acquire(self, digest: str) -> int | None:
         """Lease the slot holding `digest`; None if it is not resident."""
@@ -77,6 +84,11 @@ class AdapterBank:
 
     def num_leases(self, slot: int) -> int:
         return self._leases[slot]
+
+    def residency(self) -> dict[str, int]:
+        """{digest: leases} of every resident adapter (what the decoder reports to the registry)."""
+        with self.lock:
+            return {d: self._leases[s] for s, d in enumerate(self._digests) if d is not None}
 
     def load(self, weights: LoRAWeights) -> int | None:
         """Make `weights` resident (not leased); returns its slot, or None if every slot is leased.
@@ -131,23 +143,24 @@ class AdapterBank:
             self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype)
             self._b[name] = torch.zeros(self.num_slots, out_f, self.max_rank, dtype=self.dtype)
 
-    def set_token_slots(self, token_slots: torch.Tensor | None) -> None:
-        """Per-token slot index int64 [num_tokens] for the next forward (-1 = base); None = all base."""
-        self._groups = []
-        if token_slots is None:
-            return
-        for slot in torch.unique(token_slots).tolist():
-            if slot != BASE_SLOT:
-                self._groups.append((slot, (token_slots == slot).nonzero().squeeze(1)))
+    def set_token_slots(self, token_slots: torch.Tensor | None, decode_rows: torch.Tensor | None = None) -> None:
+        """Build the step's LoRA metadata once, reused by every projection of the forward.
+
+        token_slots: int64 [num_tokens] slot per row (-1 = base); None = all base.
+        decode_rows: int64 rows that decode one token (BGMV); the rest are prefill (SGMV).
+        """
+        self._batch = None if token_slots is None else LoRABatch.build(token_slots, decode_rows)
+
+    @property
+    def active(self) -> bool:
+        """True while a step with at least one adapter row is running."""
+        return self._batch is not None
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA correction of module `name` to `y` [num_tokens, out] in place (x: [num_tokens, in])."""
-        if name not in self._a:
+        if name not in self._a or self._batch is None:
             return
-        a_all, b_all = self._a[name], self._b[name]
-        for slot, rows in self._groups:
-            shrunk = x[rows].to(self.dtype) @ a_all[slot].T       # [n, max_rank]
-            y[rows] += (shrunk @ b_all[slot].T).to(y.dtype)       # [n, out]
+        self.backend.add_lora(y, x, self._a[name], self._b[name], self._batch)
 
 
 class LoRALinear(nn.Linear):
@@ -158,7 +171,7 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        if self.lora_bank is not None and self.lora_bank._groups:
+        if self.lora_bank is not None and self.lora_bank.active:
             self.lora_bank.apply(self.lora_name, x, y)
         return y
 

@@ -1,7 +1,8 @@
 """Llama-family causal LM over a flat token batch and a paged KV cache.
 
-Covers Llama (and Qwen2, which differs only in q/k/v bias): RMSNorm, SiLU-gated MLP, GQA,
-default RoPE or M-RoPE, tied or untied lm_head. Weights load by name from `model.safetensors`
+Covers the Llama family: Llama, Qwen2 (q/k/v bias, no o bias) and Qwen3 (per-head RMSNorm of q
+and k before RoPE, as in transformers' Qwen3Attention; explicit head_dim): RMSNorm, SiLU-gated
+MLP, GQA, default RoPE or M-RoPE, tied or untied lm_head. Sliding-window layers are refused. Weights load by name from `model.safetensors`
 (or a sharded index) with the HF `config.json`; module names match transformers, so
 "model.layers.0.self_attn.q_proj" is both a weight prefix and a LoRA target name.
 """
@@ -21,7 +22,7 @@ from services.decoder.kv_cache import KVCache
 from services.decoder.lora import LoRALinear
 from services.decoder.rotary import RotaryEmbedding, apply_rotary
 
-SUPPORTED_TYPES = ("llama", "qwen2")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class LlamaSpec:
     o_bias: bool
     mlp_bias: bool
     max_position_embeddings: int
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict) -> "LlamaSpec":
@@ -57,6 +59,8 @@ class LlamaSpec:
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
         if rope_type != "default":
             raise ValueError(f"rope scaling {rope_type!r} is not supported; only default RoPE is")
+        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
+            raise ValueError("sliding-window attention layers are not supported")
         heads = cfg["num_attention_heads"]
         qwen2 = model_type == "qwen2"
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -72,6 +76,7 @@ class LlamaSpec:
             qkv_bias=True if qwen2 else attention_bias, o_bias=False if qwen2 else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -105,12 +110,18 @@ class LlamaAttention(nn.Module):
         self.k_proj = _linear(f"{prefix}.k_proj", spec.hidden_size, kv * d, spec.qkv_bias)
         self.v_proj = _linear(f"{prefix}.v_proj", spec.hidden_size, kv * d, spec.qkv_bias)
         self.o_proj = _linear(f"{prefix}.o_proj", h * d, spec.hidden_size, spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)     # [n, heads, head_dim]
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         cache.write(self.layer, meta.slot_mapping, k, v)
         k_flat, v_flat = cache.flat(self.layer)

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.attention import AttentionMetadata, decode_batch, prefill_span
+from services.decoder.attention import AttentionMetadata, TritonMetadata, decode_batch, prefill_span
 from services.decoder.block_manager import BlockManager
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import BASE_SLOT, AdapterBank
 from services.decoder.model_llama import LlamaForCausalLM
-from services.decoder.sampler import sample
+from services.decoder.sampler import Sample, SamplingRow, sample
 from services.decoder.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -39,7 +39,8 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
-                 bank: AdapterBank | None, mrope: bool) -> None:
+                 bank: AdapterBank | None, mrope: bool, attention_backend: str = "torch") -> None:
+        self.attention_backend = attention_backend
         self.model = model
         self.cache = cache
         self.block_manager = block_manager
@@ -72,7 +73,9 @@ class ModelRunner:
                 sampled.append(item)
             row += item.num_new_tokens
         meta = AttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills)
-        if decode_rows:
+        if self.attention_backend == "triton":
+            meta.triton = self._triton_metadata(out)
+        elif decode_rows:
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
             meta.decode_slots, meta.decode_mask = decode_batch(decode_ctx)
         slot_tensor = torch.cat(token_slots)
@@ -87,6 +90,18 @@ class ModelRunner:
             sampled=sampled,
         )
 
+    def _triton_metadata(self, out: SchedulerOutput) -> TritonMetadata:
+        """Per-token sequence rows and causal context lengths; block tables padded with block 0."""
+        tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        token_seq = torch.cat([torch.full((item.num_new_tokens,), row, dtype=torch.int32)
+                               for row, item in enumerate(out.scheduled)])
+        context_lens = torch.cat([torch.arange(item.start + 1, item.end + 1, dtype=torch.int32) for item in out.scheduled])
+        return TritonMetadata(block_tables, token_seq, context_lens, self.block_manager.block_size)
+
     @torch.inference_mode()
     def logits(self, inputs: ModelInputs) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] for the sampled requests' last rows."""
@@ -94,7 +109,7 @@ class ModelRunner:
             hidden = self._forward(inputs)
         else:
             with self.bank.lock:
-                self.bank.set_token_slots(inputs.token_slots)
+                self.bank.set_token_slots(inputs.token_slots, inputs.meta.decode_rows)
                 try:
                     hidden = self._forward(inputs)
                 finally:
@@ -106,13 +121,13 @@ class ModelRunner:
                           inputs.embed_rows, inputs.embed_values)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run the step; returns {request key: sampled token} for requests that sampled."""
+    def execute(self, out: SchedulerOutput) -> dict[str, Sample]:
+        """Run the step; returns {request key: sample} for requests that sampled."""
         inputs = self.prepare(out)
         if not inputs.sampled:
             self.logits(inputs)
             return {}
         logits = self.logits(inputs)
         requests = [item.request for item in inputs.sampled]
-        tokens = sample(logits, [r.sampling for r in requests], [r.generator for r in requests])
-        return {r.key: t for r, t in zip(requests, tokens)}
+        rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in requests]
+        return {r.key: s for r, s in zip(requests, sample(logits, rows))}

@@ -3,6 +3,7 @@ servicer and the adapter client, that touches generated stubs)."""
 
 from __future__ import annotations
 
+from services.common.errors import InvalidArgument
 from services.common.tensor import from_pb
 from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, Part, RawImagePart,
                                      SamplingParams, TextPart)
@@ -17,6 +18,8 @@ def part_from_pb(part: decoder_pb2.ContentPart) -> Part:
     if kind == "encoded_image":
         image = part.encoded_image
         return ImagePart(from_pb(image.rows), tuple(image.grid_thw), tuple(image.mrope_section), image.content_hash)
+    if kind is None:
+        raise InvalidArgument("a content part has neither text nor an image")
     return RawImagePart()
 
 
@@ -26,7 +29,10 @@ def sampling_from_pb(sampling: decoder_pb2.SamplingParams) -> SamplingParams:
         max_tokens=sampling.max_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p if sampling.top_p else 1.0, top_k=sampling.top_k,
         seed=sampling.seed if sampling.HasField("seed") else None,
-        stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos)
+        stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+        repetition_penalty=sampling.repetition_penalty or 1.0, presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty, n=sampling.n or 1, logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs)
 
 
 def generate_from_pb(request: decoder_pb2.GenerateRequest) -> GenerateInput:
@@ -42,9 +48,14 @@ def generate_from_pb(request: decoder_pb2.GenerateRequest) -> GenerateInput:
 
 def output_to_pb(output: RequestOutput) -> decoder_pb2.GenerateResponse:
     response = decoder_pb2.GenerateResponse(request_id=output.request_id, token_ids=output.token_ids,
-                                            text=output.text, finish_reason=output.finish_reason or "")
+                                            text=output.text, finish_reason=output.finish_reason or "",
+                                            index=output.index)
+    for sample in output.logprobs:
+        response.logprobs.add(token_id=sample.token_id, logprob=sample.logprob,
+                              top=[decoder_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top])
     if output.usage is not None:
         u = output.usage
         response.usage.CopyFrom(tensor_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                                 total_tokens=u.total_tokens, image_tokens=u.image_tokens))
+                                                 total_tokens=u.total_tokens, image_tokens=u.image_tokens,
+                                                 cached_prompt_tokens=u.cached_prompt_tokens))
     return response

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.decoder.inputs import PromptInputs, SamplingParams
+from services.decoder.prefix_cache import BlockHasher
+from services.decoder.sampler import Sample
 
 
 class RequestStatus(enum.Enum):
@@ -21,6 +23,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     image_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
 
     @property
     def total_tokens(self) -> int:
@@ -36,14 +39,18 @@ class RequestOutput:
     text: str
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     usage: Usage | None = None
+    logprobs: list[Sample] = field(default_factory=list)  # one per token id when requested
+    index: int = 0                    # choice index among the request's n
 
 
 class Request:
     """Engine-side state. `key` is unique per submission (the block manager's id);
-    `num_computed_tokens` counts positions whose K/V are in the cache (reset by preemption)."""
+    `num_computed_tokens` counts positions whose K/V are in the cache (reset by preemption);
+    `hasher` (None = no prefix caching) hashes its full blocks for the prefix cache."""
 
     def __init__(self, key: str, request_id: str, prompt: PromptInputs, sampling: SamplingParams,
-                 lora_slot: int | None = None, generator: torch.Generator | None = None) -> None:
+                 lora_slot: int | None = None, generator: torch.Generator | None = None,
+                 hasher: BlockHasher | None = None, index: int = 0, parent: "Request | None" = None) -> None:
         self.key = key
         self.request_id = request_id
         self.prompt = prompt
@@ -55,6 +62,15 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.hasher = hasher
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
+        self.index = index          # choice index; choices > 0 wait for `parent` to compute the prompt
+        self.parent = parent
+
+    def waits_for_parent(self) -> bool:
+        """True while the first choice has not computed the shared prompt (so its blocks can be reused)."""
+        p = self.parent
+        return p is not None and p.status is not RequestStatus.FINISHED and p.num_computed_tokens < p.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,6 +79,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_token_ids)
+
+    def block_hashes(self) -> list[bytes]:
+        """Chain hashes of every full block of the known tokens (empty without a hasher)."""
+        if self.hasher is None:
+            return []
+        if self.num_tokens // self.hasher.block_size > len(self.hasher.hashes):
+            self.hasher.update(self.prompt.token_ids + self.output_token_ids)
+        return self.hasher.hashes
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Prompt + generated ids at physical positions [start, end)."""

@@ -6,6 +6,11 @@ decode, the rest of its prompt for an unfinished prefill); a prefill larger than
 budget is cut into a chunk. When the pool runs out of blocks the latest admitted request is
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to recompute
 prompt + generated tokens later (its adapter lease is kept).
+
+Prefix cache: on admission a request takes the longest run of its full-block hashes that the
+block manager has cached (never its last token, whose logits must be computed) and starts
+computing after it; after each step newly full computed blocks are registered. Choices 1..n-1 of
+a request wait (head of the queue) until choice 0 has computed the prompt, then reuse its blocks.
 """
 
 from __future__ import annotations
@@ -59,12 +64,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, request: Request) -> None:
-        """Queue a request. Raises ResourceExhausted when `max_waiting` requests already wait."""
-        if len(self.waiting) >= self.max_waiting:
-            raise ResourceExhausted(f"{len(self.waiting)} requests are waiting; the queue holds {self.max_waiting}")
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+    def add(self, *requests: Request) -> None:
+        """Queue requests (all or none). Raises ResourceExhausted past `max_waiting` waiting requests."""
+        if len(self.waiting) + len(requests) > self.max_waiting:
+            raise ResourceExhausted(f"{len(self.waiting)} requests are waiting and {len(requests)} more were "
+                                    f"submitted; the queue holds {self.max_waiting}")
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -92,14 +99,30 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.block_manager.allocate(request.key, request.num_computed_tokens + num_new) is None:
+            if request.waits_for_parent():
                 return
+            cached = self._cached_prefix(request)
+            num_computed = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.block_manager.allocate(request.key, num_computed + num_new, cached) is None:
+                return
+            if request.hasher is not None:
+                self.block_manager.record_lookup(request.num_tokens, num_computed)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks covering a prefix of the request, leaving at least its last token to compute."""
+        if request.hasher is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_manager.block_size
+        return self.block_manager.cached_prefix(request.block_hashes()[:max_blocks])
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.key)
@@ -109,9 +132,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput) -> None:
-        """Record that every scheduled chunk was computed."""
+        """Record that every scheduled chunk was computed and cache the blocks it filled."""
         for item in out.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if request.hasher is not None:
+                self.block_manager.cache_blocks(request.key, request.block_hashes(), request.num_computed_tokens)
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request from whichever queue holds it and free its blocks."""

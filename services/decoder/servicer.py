@@ -45,4 +45,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             max_model_len=self.config.max_model_len, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
             block_size=self.config.block_size, num_blocks=stats.num_blocks, num_free_blocks=stats.num_free_blocks,
             mrope_section=list(self.config.mrope_section or ()), image_token_id=engine.image_token_id or 0,
-            num_running=stats.num_running, num_waiting=stats.num_waiting, dtype=self.config.dtype)
+            num_running=stats.num_running, num_waiting=stats.num_waiting, dtype=self.config.dtype,
+            num_cached_blocks=stats.num_cached_blocks, prefix_cache_hits=stats.prefix_cache_hits,
+            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens)

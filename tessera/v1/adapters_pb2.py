@@ -25,31 +25,39 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import tensor_pb2 as tessera_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/adapters.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\"\xaa\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nlora_alpha\x18\x05 \x01(\x02\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x03\x12\r\n\x05state\x18\t \x01(\t\"A\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListAdaptersRequest\"A\n\x14ListAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.tessera.v1.AdapterInfo\":\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0finclude_weights\x18\x02 \x01(\x08\"g\n\rAdapterTensor\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\"\n\x06lora_a\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06lora_b\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\"c\n\x0e\x41\x64\x61pterWeights\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.tessera.v1.AdapterInfo\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.tessera.v1.AdapterTensor2\xc4\x02\n\x08\x41\x64\x61pters\x12\x46\n\x0bLoadAdapter\x12\x1e.tessera.v1.LoadAdapterRequest\x1a\x17.tessera.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .tessera.v1.UnloadAdapterRequest\x1a!.tessera.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12G\n\nGetAdapter\x12\x1d.tessera.v1.GetAdapterRequest\x1a\x1a.tessera.v1.AdapterWeightsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/adapters.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\"6\n\x10\x41\x64\x61pterResidency\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\"\xeb\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nlora_alpha\x18\x05 \x01(\x02\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x03\x12\r\n\x05state\x18\t \x01(\t\x12/\n\tresidency\x18\n \x03(\x0b\x32\x1c.tessera.v1.AdapterResidency\x12\x0e\n\x06leases\x18\x0b \x01(\x03\"P\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12\r\n\x05\x64rain\x18\x04 \x01(\x08\"3\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListAdaptersRequest\"A\n\x14ListAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.tessera.v1.AdapterInfo\":\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0finclude_weights\x18\x02 \x01(\x08\"g\n\rAdapterTensor\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\"\n\x06lora_a\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06lora_b\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\"c\n\x0e\x41\x64\x61pterWeights\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.tessera.v1.AdapterInfo\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.tessera.v1.AdapterTensor\"0\n\x0eResidentDigest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\"k\n\x0fResidencyReport\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12,\n\x08resident\x18\x02 \x03(\x0b\x32\x1a.tessera.v1.ResidentDigest\x12\x16\n\x0e\x64raining_acked\x18\x03 \x03(\t\" \n\x0cResidencyAck\x12\x10\n\x08\x64raining\x18\x01 \x03(\t2\x8e\x03\n\x08\x41\x64\x61pters\x12\x46\n\x0bLoadAdapter\x12\x1e.tessera.v1.LoadAdapterRequest\x1a\x17.tessera.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .tessera.v1.UnloadAdapterRequest\x1a!.tessera.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12G\n\nGetAdapter\x12\x1d.tessera.v1.GetAdapterRequest\x1a\x1a.tessera.v1.AdapterWeights\x12H\n\x0fReportResidency\x12\x1b.tessera.v1.ResidencyReport\x1a\x18.tessera.v1.ResidencyAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.adapters_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADAPTERINFO']._serialized_start=67
-  _globals['_ADAPTERINFO']._serialized_end=237
-  _globals['_LOADADAPTERREQUEST']._serialized_start=239
-  _globals['_LOADADAPTERREQUEST']._serialized_end=304
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=306
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=342
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=344
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=381
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=383
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=404
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=406
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=471
-  _globals['_GETADAPTERREQUEST']._serialized_start=473
-  _globals['_GETADAPTERREQUEST']._serialized_end=531
-  _globals['_ADAPTERTENSOR']._serialized_start=533
-  _globals['_ADAPTERTENSOR']._serialized_end=636
-  _globals['_ADAPTERWEIGHTS']._serialized_start=638
-  _globals['_ADAPTERWEIGHTS']._serialized_end=737
-  _globals['_ADAPTERS']._serialized_start=740
-  _globals['_ADAPTERS']._serialized_end=1064
+  _globals['_ADAPTERRESIDENCY']._serialized_start=66
+  _globals['_ADAPTERRESIDENCY']._serialized_end=120
+  _globals['_ADAPTERINFO']._serialized_start=123
+  _globals['_ADAPTERINFO']._serialized_end=358
+  _globals['_LOADADAPTERREQUEST']._serialized_start=360
+  _globals['_LOADADAPTERREQUEST']._serialized_end=440
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=442
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=493
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=495
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=532
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=534
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=555
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=557
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=622
+  _globals['_GETADAPTERREQUEST']._serialized_start=624
+  _globals['_GETADAPTERREQUEST']._serialized_end=682
+  _globals['_ADAPTERTENSOR']._serialized_start=684
+  _globals['_ADAPTERTENSOR']._serialized_end=787
+  _globals['_ADAPTERWEIGHTS']._serialized_start=789
+  _globals['_ADAPTERWEIGHTS']._serialized_end=888
+  _globals['_RESIDENTDIGEST']._serialized_start=890
+  _globals['_RESIDENTDIGEST']._serialized_end=938
+  _globals['_RESIDENCYREPORT']._serialized_start=940
+  _globals['_RESIDENCYREPORT']._serialized_end=1047
+  _globals['_RESIDENCYACK']._serialized_start=1049
+  _globals['_RESIDENCYACK']._serialized_end=1081
+  _globals['_ADAPTERS']._serialized_start=1084
+  _globals['_ADAPTERS']._serialized_end=1482
 # @@protoc_insertion_point(module_scope)

@@ -7,8 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AdapterResidency(_message.Message):
+    __slots__ = ("decoder_id", "leases")
+    DECODER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    decoder_id: str
+    leases: int
+    def __init__(self, decoder_id: _Optional[str] = ..., leases: _Optional[int] = ...) -> None: ...
+
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "digest", "rank", "target_modules", "lora_alpha", "use_rslora", "path", "generation", "state")
+    __slots__ = ("name", "digest", "rank", "target_modules", "lora_alpha", "use_rslora", "path", "generation", "state", "residency", "leases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +26,8 @@ class AdapterInfo(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     digest: str
     rank: int
@@ -27,23 +37,29 @@ class AdapterInfo(_message.Message):
     path: str
     generation: int
     state: str
-    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., path: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    residency: _containers.RepeatedCompositeFieldContainer[AdapterResidency]
+    leases: int
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., path: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., residency: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "path", "replace")
+    __slots__ = ("name", "path", "replace", "drain")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     replace: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+    drain: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "drain")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    drain: bool
+    def __init__(self, name: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ("name",)
@@ -86,3 +102,27 @@ class AdapterWeights(_message.Message):
     info: AdapterInfo
     tensors: _containers.RepeatedCompositeFieldContainer[AdapterTensor]
     def __init__(self, info: _Optional[_Union[AdapterInfo, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[AdapterTensor, _Mapping]]] = ...) -> None: ...
+
+class ResidentDigest(_message.Message):
+    __slots__ = ("digest", "leases")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    leases: int
+    def __init__(self, digest: _Optional[str] = ..., leases: _Optional[int] = ...) -> None: ...
+
+class ResidencyReport(_message.Message):
+    __slots__ = ("decoder_id", "resident", "draining_acked")
+    DECODER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_ACKED_FIELD_NUMBER: _ClassVar[int]
+    decoder_id: str
+    resident: _containers.RepeatedCompositeFieldContainer[ResidentDigest]
+    draining_acked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, decoder_id: _Optional[str] = ..., resident: _Optional[_Iterable[_Union[ResidentDigest, _Mapping]]] = ..., draining_acked: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResidencyAck(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, draining: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -57,6 +57,11 @@ class AdaptersStub:
                 request_serializer=tessera_dot_v1_dot_adapters__pb2.GetAdapterRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_adapters__pb2.AdapterWeights.FromString,
                 _registered_method=True)
+        self.ReportResidency = channel.unary_unary(
+                '/tessera.v1.Adapters/ReportResidency',
+                request_serializer=tessera_dot_v1_dot_adapters__pb2.ResidencyReport.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_adapters__pb2.ResidencyAck.FromString,
+                _registered_method=True)
 
 
 class AdaptersServicer:
@@ -90,6 +95,14 @@ class AdaptersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportResidency(self, request, context):
+        """For decoders: periodic report of resident digests and their lease counts. The answer
+        names the digests being drained: the decoder refuses new admissions for them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdaptersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_AdaptersServicer_to_server(servicer, server):
                     servicer.GetAdapter,
                     request_deserializer=tessera_dot_v1_dot_adapters__pb2.GetAdapterRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_adapters__pb2.AdapterWeights.SerializeToString,
+            ),
+            'ReportResidency': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportResidency,
+                    request_deserializer=tessera_dot_v1_dot_adapters__pb2.ResidencyReport.FromString,
+                    response_serializer=tessera_dot_v1_dot_adapters__pb2.ResidencyAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +243,33 @@ class Adapters:
             '/tessera.v1.Adapters/GetAdapter',
             tessera_dot_v1_dot_adapters__pb2.GetAdapterRequest.SerializeToString,
             tessera_dot_v1_dot_adapters__pb2.AdapterWeights.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportResidency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Adapters/ReportResidency',
+            tessera_dot_v1_dot_adapters__pb2.ResidencyReport.SerializeToString,
+            tessera_dot_v1_dot_adapters__pb2.ResidencyAck.FromString,
             options,
             channel_credentials,
             insecure,

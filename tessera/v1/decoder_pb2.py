@@ -26,7 +26,7 @@ from tessera.v1 import tensor_pb2 as tessera_dot_v1_dot_tensor__pb2
 from tessera.v1 import vision_pb2 as tessera_dot_v1_dot_vision__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/decoder.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\x1a\x17tessera/v1/vision.proto\"\x81\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.tessera.v1.ImageInputH\x00\x12\x31\n\rencoded_image\x18\x03 \x01(\x0b\x32\x18.tessera.v1.EncodedImageH\x00\x42\x06\n\x04part\"E\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ContentPart\"\xad\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06prompt\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ContentPart\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x0c\n\x04lora\x18\x06 \x01(\t\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.tessera.v1.Usage\"\x14\n\x12\x44\x65\x63oderInfoRequest\"\x9b\x02\n\x0b\x44\x65\x63oderInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x15\n\rmrope_section\x18\t \x03(\x05\x12\x16\n\x0eimage_token_id\x18\n \x01(\x05\x12\x13\n\x0bnum_running\x18\x0b \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\x05\x12\r\n\x05\x64type\x18\r \x01(\t2\x96\x01\n\x07\x44\x65\x63oder\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12\x42\n\x07GetInfo\x12\x1e.tessera.v1.DecoderInfoRequest\x1a\x17.tessera.v1.DecoderInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/decoder.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\x1a\x17tessera/v1/vision.proto\"\x81\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.tessera.v1.ImageInputH\x00\x12\x31\n\rencoded_image\x18\x03 \x01(\x0b\x32\x18.tessera.v1.EncodedImageH\x00\x42\x06\n\x04part\"E\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ContentPart\"\xb1\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\t\n\x01n\x18\x0c \x01(\x05\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x42\x07\n\x05_seed\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06prompt\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ContentPart\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x0c\n\x04lora\x18\x06 \x01(\t\"\xbb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.tessera.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\x05\"\x14\n\x12\x44\x65\x63oderInfoRequest\"\xf2\x02\n\x0b\x44\x65\x63oderInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x15\n\rmrope_section\x18\t \x03(\x05\x12\x16\n\x0eimage_token_id\x18\n \x01(\x05\x12\x13\n\x0bnum_running\x18\x0b \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\x05\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x0e \x01(\x05\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x10 \x01(\x03\x32\x96\x01\n\x07\x44\x65\x63oder\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12\x42\n\x07GetInfo\x12\x1e.tessera.v1.DecoderInfoRequest\x1a\x17.tessera.v1.DecoderInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,15 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=222
   _globals['_CHATMESSAGE']._serialized_end=291
   _globals['_SAMPLINGPARAMS']._serialized_start=294
-  _globals['_SAMPLINGPARAMS']._serialized_end=467
-  _globals['_GENERATEREQUEST']._serialized_start=470
-  _globals['_GENERATEREQUEST']._serialized_end=677
-  _globals['_GENERATERESPONSE']._serialized_start=680
-  _globals['_GENERATERESPONSE']._serialized_end=808
-  _globals['_DECODERINFOREQUEST']._serialized_start=810
-  _globals['_DECODERINFOREQUEST']._serialized_end=830
-  _globals['_DECODERINFO']._serialized_start=833
-  _globals['_DECODERINFO']._serialized_end=1116
-  _globals['_DECODER']._serialized_start=1119
-  _globals['_DECODER']._serialized_end=1269
+  _globals['_SAMPLINGPARAMS']._serialized_end=599
+  _globals['_TOPLOGPROB']._serialized_start=601
+  _globals['_TOPLOGPROB']._serialized_end=648
+  _globals['_TOKENLOGPROB']._serialized_start=650
+  _globals['_TOKENLOGPROB']._serialized_end=736
+  _globals['_GENERATEREQUEST']._serialized_start=739
+  _globals['_GENERATEREQUEST']._serialized_end=946
+  _globals['_GENERATERESPONSE']._serialized_start=949
+  _globals['_GENERATERESPONSE']._serialized_end=1136
+  _globals['_DECODERINFOREQUEST']._serialized_start=1138
+  _globals['_DECODERINFOREQUEST']._serialized_end=1158
+  _globals['_DECODERINFO']._serialized_start=1161
+  _globals['_DECODERINFO']._serialized_end=1531
+  _globals['_DECODER']._serialized_start=1534
+  _globals['_DECODER']._serialized_end=1684
 # @@protoc_insertion_point(module_scope)

@@ -1,76 +1,164 @@
-"""Greedy ids equal transformers' generate: alone, batched, chunked, preempted, tied, biased."""
+"""Greedy ids equal transformers' generate for 64 tokens and fp32 logits agree within 1e-4, for
+each model family (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) in each regime: alone,
+16 concurrent mixed-length requests, chunked prefill (16-token budget), a prefix-cache hit,
+recompute preemption, and a request cancelled mid-stream."""
+
+import asyncio
+import random
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
-from conftest import hf_greedy, make_tiny_llama, run_requests
+from decoder_testing import capture_logits, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, SamplingParams
 
-PROMPTS = [
-    [1, 5, 77, 300, 12],
-    list(range(100, 140)),
-    [9, 9, 9],
-    list(range(2000, 2070, 3)),
-    [42],
-    list(range(500, 517)),
-]
-NEW_TOKENS = 24
+NEW_TOKENS = 64
+LENGTHS = [1, 3, 5, 9, 16, 17, 20, 24, 31, 33, 40, 47, 50, 57, 64, 70]
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in LENGTHS]
+# shares the first 40 tokens (2 full 16-token blocks) with PROMPTS[-1], then diverges
+PREFIX_PROMPT = PROMPTS[-1][:40] + [_rng.randrange(3, 49152) for _ in range(12)]
 
 
-@pytest.fixture(scope="module")
-def references(tiny_llama):
-    return [hf_greedy(tiny_llama, p, NEW_TOKENS) for p in PROMPTS]
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family(request, tmp_path_factory):
+    """(model dir, {prompt tuple: (ref ids, ref logits [n, vocab])}) for one tiny random family."""
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp(request.param), seed=3, family=request.param)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = PROMPTS + [PREFIX_PROMPT]
+    refs = dict(zip(map(tuple, prompts), hf_reference_batch(model, prompts, NEW_TOKENS)))
+    return model_dir, refs
 
 
 def _engine(model_dir, **overrides):
-    options = dict(model_dir=str(model_dir), num_blocks=64, max_model_len=512)
+    options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16)
     options.update(overrides)
     return LLMEngine(DecoderConfig(**options))
 
 
-def _greedy(prompt):
-    return GenerateInput(SamplingParams(max_tokens=NEW_TOKENS), prompt_token_ids=tuple(prompt))
+def _greedy(prompt, request_id, max_tokens=NEW_TOKENS):
+    return GenerateInput(SamplingParams(max_tokens=max_tokens), request_id=request_id, prompt_token_ids=tuple(prompt))
 
 
-def _run(engine, prompts):
+def _check(engine, refs, prompts, concurrent=True):
+    """Run `prompts` (all at once, or one after another) and compare ids and logits with transformers."""
+    logits = capture_logits(engine)
+    requests = [_greedy(p, f"r{i}") for i, p in enumerate(prompts)]
+    if concurrent:
+        results = run_requests(engine, requests)
+    else:
+        results = [run_requests(engine, [r])[0] for r in requests]
+    for i, (prompt, (ids, _, _)) in enumerate(zip(prompts, results)):
+        ref_ids, ref_logits = refs[tuple(prompt)]
+        assert ids == ref_ids, f"request {i} (prompt of {len(prompt)} tokens)"
+        torch.testing.assert_close(torch.stack(logits[f"r{i}"]), ref_logits, atol=1e-4, rtol=0)
+    return results
+
+
+def test_alone(family):
+    model_dir, refs = family
+    engine = _engine(model_dir)
     try:
-        return [ids for ids, _, _ in run_requests(engine, [_greedy(p) for p in prompts])]
+        _check(engine, refs, [PROMPTS[0], PROMPTS[-1]], concurrent=False)
     finally:
         engine.shutdown()
 
 
-def test_alone_equals_transformers(tiny_llama, references):
-    engine = _engine(tiny_llama)
-    for prompt, ref in zip(PROMPTS[:2], references[:2]):
-        assert run_requests(engine, [_greedy(prompt)])[0][0] == ref
-    engine.shutdown()
+def test_sixteen_concurrent_mixed_lengths(family):
+    model_dir, refs = family
+    engine = _engine(model_dir)
+    try:
+        _check(engine, refs, PROMPTS)
+        assert engine.stats().num_free_blocks == 160
+    finally:
+        engine.shutdown()
 
 
-def test_six_concurrent_requests_equal_transformers(tiny_llama, references):
-    assert _run(_engine(tiny_llama), PROMPTS) == references
+def test_chunked_prefill_every_prompt_chunked(family):
+    model_dir, refs = family
+    engine = _engine(model_dir, max_num_batched_tokens=16)
+    chunks = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
+        s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))[0]
+    try:
+        _check(engine, refs, PROMPTS[-6:])  # prompts of 40..70 tokens: at least 3 chunks each
+    finally:
+        engine.shutdown()
+    assert chunks and max(chunks) <= 16
 
 
-def test_chunked_prefill_equals_transformers(tiny_llama, references):
-    # 7-token budget: the 40- and 24-token prompts are split into several chunks
-    engine = _engine(tiny_llama, max_num_batched_tokens=7)
-    assert _run(engine, PROMPTS) == references
+def test_prefix_cache_hit(family):
+    model_dir, refs = family
+    engine = _engine(model_dir)
+    try:
+        first = _check(engine, refs, [PROMPTS[-1]])[0]
+        assert first[2].usage.cached_prompt_tokens == 0
+        second = _check(engine, refs, [PREFIX_PROMPT])[0]
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert second[2].usage.cached_prompt_tokens == 32  # two full 16-token blocks of the shared 40
+    assert stats.prefix_cache_hits == 1 and stats.prefix_cache_hit_tokens == 32
 
 
-def test_preemption_recompute_equals_transformers(tiny_llama, references):
-    # 8 blocks of 8 tokens cannot hold all six requests' 30-64 tokens: the latest are preempted
-    engine = _engine(tiny_llama, num_blocks=8, block_size=8)
+def test_preemption_recompute(family):
+    model_dir, refs = family
+    # 24 blocks of 8 tokens cannot hold 16 requests of up to 70 + 64 tokens at once
+    engine = _engine(model_dir, num_blocks=24, block_size=8)
     preempted = []
     original = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
-    assert _run(engine, PROMPTS) == references
+    try:
+        _check(engine, refs, PROMPTS)
+        assert engine.stats().num_free_blocks == 24
+    finally:
+        engine.shutdown()
     assert preempted, "the pool was meant to force preemption"
-    assert engine.block_manager.num_free_blocks == 8
+
+
+def test_cancel_mid_stream_frees_blocks(family):
+    model_dir, refs = family
+    engine = _engine(model_dir)
+    others = PROMPTS[8:12]
+
+    async def cancelled():
+        stream = engine.generate(_greedy(PROMPTS[-1], "victim", max_tokens=400))
+        for _ in range(3):
+            await stream.__anext__()
+        held = len(engine.block_manager.block_table(next(k for k, r in engine._requests.items()
+                                                          if r.request_id == "victim")))
+        await stream.aclose()
+        for _ in range(200):
+            if all(r.request_id != "victim" for r in engine.scheduler.running):
+                return held
+            await asyncio.sleep(0.005)
+        return None
+
+    async def main():
+        from decoder_testing import _collect
+        return await asyncio.gather(cancelled(), *(_collect(engine, _greedy(p, f"o{i}")) for i, p in enumerate(others)))
+
+    try:
+        held, *results = asyncio.run(main())
+        assert held and held >= 5   # 70-token prompt + 3 tokens in 16-token blocks
+        assert [ids for ids, _, _ in results] == [refs[tuple(p)][0] for p in others]
+        stats = engine.stats()
+        assert stats.num_free_blocks == 160 and stats.num_running == 0
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("overrides", [dict(tie_word_embeddings=True), dict(attention_bias=True, mlp_bias=True)])
-def test_variants_equal_transformers(tmp_path, overrides):
+def test_llama_variants_equal_transformers(tmp_path, overrides):
     model_dir = make_tiny_llama(tmp_path / "variant", seed=1, **overrides)
-    prompts = PROMPTS[:3]
-    refs = [hf_greedy(model_dir, p, NEW_TOKENS) for p in prompts]
-    assert _run(_engine(model_dir), prompts) == refs
+    prompts = PROMPTS[2:5]
+    refs = [hf_greedy(model_dir, p, 24) for p in prompts]
+    engine = _engine(model_dir)
+    try:
+        assert [ids for ids, _, _ in run_requests(engine, [_greedy(p, "v", 24) for p in prompts])] == refs
+    finally:
+        engine.shutdown()

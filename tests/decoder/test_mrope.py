@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from conftest import hf_greedy, run_requests
+from decoder_testing import hf_greedy, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams, TextPart

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from conftest import run_requests
+from decoder_testing import run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, SamplingParams

@@ -41,6 +41,17 @@ def test_generate_info_errors_and_cancel(tiny_llama):
         assert (info.num_blocks, info.num_free_blocks, info.block_size, info.max_model_len) == (32, 32, 16, 256)
         assert info.hidden_size == 64 and list(info.mrope_section) == [] and info.architecture == "LlamaForCausalLM"
 
+        # n choices with logprobs over the wire; the second choice reuses the first one's prompt blocks
+        shared = decoder_pb2.GenerateRequest(prompt_token_ids=list(range(200, 240)), sampling=decoder_pb2.SamplingParams(
+            max_tokens=3, n=2, temperature=1.0, seed=3, logprobs=True, top_logprobs=2))
+        responses = [r async for r in stub.Generate(shared)]
+        assert sorted(r.index for r in responses if r.finish_reason) == [0, 1]
+        assert all(len(r.logprobs) == len(r.token_ids) and all(len(lp.top) == 2 for lp in r.logprobs)
+                   for r in responses)
+        assert sorted(r.usage.cached_prompt_tokens for r in responses if r.finish_reason) == [0, 32]
+        info = await stub.GetInfo(decoder_pb2.DecoderInfoRequest())
+        assert info.prefix_cache_hits == 1 and info.prefix_cache_hit_tokens == 32 and info.num_cached_blocks >= 2
+
         bad = decoder_pb2.GenerateRequest(prompt_token_ids=[1, 2], sampling=decoder_pb2.SamplingParams(max_tokens=0))
         with pytest.raises(grpc.aio.AioRpcError) as error:
             [r async for r in stub.Generate(bad)]
@@ -67,3 +78,6 @@ def test_main_parses_flags(tiny_llama):
     assert address == "127.0.0.1:6000"
     assert (config.block_size, config.mrope_section, config.max_model_len) == (8, (2, 3, 3), 128)
     assert parse_args(["--model-dir", str(tiny_llama), "--mrope-section", ""])[1].mrope_section is None
+    config = parse_args(["--model-dir", str(tiny_llama), "--attention-backend", "triton", "--no-prefix-caching"])[1]
+    assert (config.attention_backend, config.enable_prefix_caching) == ("triton", False)
+    assert parse_args(["--model-dir", str(tiny_llama)])[1].enable_prefix_caching is True

@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import run_requests
+from decoder_testing import run_requests
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
@@ -28,9 +28,15 @@ def test_chat_greedy_equals_transformers():
         messages = tuple(ChatMessage(m["role"], (TextPart(m["content"]),)) for m in MESSAGES)
         assert engine.prompts.build(GenerateInput(SamplingParams(max_tokens=1), messages=messages)).token_ids == ref_prompt
         ids, text, last = run_requests(engine, [GenerateInput(SamplingParams(max_tokens=32), messages=messages)])[0]
+        # the same chat again hits the prefix cache (all full blocks but the last token's) and still conforms
+        hit_ids, _, hit_last = run_requests(engine, [GenerateInput(SamplingParams(max_tokens=32), messages=messages)])[0]
+        hits = engine.stats().prefix_cache_hits
     finally:
         engine.shutdown()
     assert ids == ref_ids
     assert text == tokenizer.decode(ref_ids, skip_special_tokens=True)
     assert "Paris" in text
     assert last.usage.prompt_tokens == len(ref_prompt) and last.usage.completion_tokens == len(ref_ids)
+    assert hit_ids == ref_ids and hits == 1
+    assert last.usage.cached_prompt_tokens == 0
+    assert hit_last.usage.cached_prompt_tokens == (len(ref_prompt) - 1) // 16 * 16 > 0

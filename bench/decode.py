@@ -1,0 +1,194 @@
+"""`tessera bench decode`: decoder throughput over gRPC vs transformers generate in process, and
+engine overhead per decode step.
+
+In one run on one machine:
+  1. N requests (prompt lengths and max_tokens drawn uniformly from the given ranges, EOS ignored)
+     sent concurrently over gRPC to `python -m services.decoder`; generated tokens/s;
+  2. the anchor: transformers `generate` in process on the same prompts, sequentially and in
+     left-padded batches of 16 (greedy, same max_tokens per request);
+  3. engine overhead: wall time per engine step while 16 requests all decode, over a bare
+     transformers forward of the same shapes (16 rows x 1 token on a KV cache of the same length).
+Targets (issue 3): >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one table and
+rewrites bench/results/decode.md. Never a test assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from _decoder_proc import RESULTS, machine, start_decoder, stop  # noqa: E402
+
+
+def workload(num: int, prompt_range: tuple[int, int], tokens_range: tuple[int, int], seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_range))], rng.randint(*tokens_range))
+            for _ in range(num)]
+
+
+async def _grpc_run(address: str, work) -> float:
+    import grpc
+
+    from tessera.v1 import decoder_pb2, decoder_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decoder_pb2_grpc.DecoderStub(channel)
+
+        async def one(prompt, max_tokens):
+            request = decoder_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=decoder_pb2.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True))
+            return sum([len(r.token_ids) async for r in stub.Generate(request, timeout=3600)])
+
+        await one(work[0][0][:8], 2)  # warm-up
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(p, n) for p, n in work))
+        wall = time.perf_counter() - start
+    return sum(counts) / wall
+
+
+def _warm_up(model) -> None:
+    with torch.no_grad():
+        model.generate(torch.tensor([[100, 200, 300]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def hf_sequential(model, work) -> float:
+    _warm_up(model)
+    tokens, start = 0, time.perf_counter()
+    for prompt, max_tokens in work:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        tokens += out.shape[1] - len(prompt)
+    return tokens / (time.perf_counter() - start)
+
+
+def hf_batched(model, work, batch: int = 16) -> float:
+    """Padded batches: each batch runs to its longest max_tokens; only requested tokens count."""
+    _warm_up(model)
+    tokens, start = 0, time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):
+            ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        longest = max(n for _, n in chunk)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=0)
+        tokens += sum(n for _, n in chunk)
+    return tokens / (time.perf_counter() - start)
+
+
+def engine_overhead(model_dir: Path, model, batch: int = 16, context: int = 128,
+                    steps: int = 32) -> tuple[float, float, float]:
+    """Median seconds at `batch` x `context`: (engine step while all rows decode, the engine's own model
+    forward inside those steps, a bare transformers forward of the same shapes)."""
+    from services.decoder.config import DecoderConfig
+    from services.decoder.engine import LLMEngine
+    from services.decoder.inputs import GenerateInput, SamplingParams
+
+    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512))
+    stamps, forwards = [], []
+    schedule, forward = engine.scheduler.schedule, engine.runner._forward
+
+    def timed():
+        out = schedule()
+        if len(out.scheduled) == batch and all(s.num_new_tokens == 1 for s in out.scheduled):
+            stamps.append(time.perf_counter())
+        return out
+
+    def timed_forward(inputs):
+        t0 = time.perf_counter()
+        hidden = forward(inputs)
+        if inputs.input_ids.numel() == batch:
+            forwards.append(time.perf_counter() - t0)
+        return hidden
+
+    engine.scheduler.schedule = timed
+    engine.runner._forward = timed_forward
+    work = [GenerateInput(SamplingParams(max_tokens=steps + 8, ignore_eos=True), prompt_token_ids=tuple(
+        random.Random(i).randrange(100, 40000) for _ in range(context))) for i in range(batch)]
+
+    async def run():
+        async def one(r):
+            async for _ in engine.generate(r):
+                pass
+        await asyncio.gather(*(one(r) for r in work))
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    diffs = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    engine_step = diffs[len(diffs) // 2]
+    ids = torch.randint(100, 40000, (batch, context))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        times = []
+        for _ in range(steps):
+            next_ids = torch.randint(100, 40000, (batch, 1))
+            t0 = time.perf_counter()
+            model(next_ids, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            cache.crop(-1)  # drop the token just added: same shapes every step
+    return engine_step, sorted(forwards)[len(forwards) // 2], sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common.paths import default_decoder_dir
+
+    parser = argparse.ArgumentParser(prog="tessera bench decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=default_decoder_dir())
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512))
+    parser.add_argument("--tokens-range", type=int, nargs=2, default=(16, 256))
+    parser.add_argument("--decoder-flags", default="", help="extra flags for python -m services.decoder")
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    work = workload(args.num_requests, tuple(args.prompt_range), tuple(args.tokens_range))
+    process, address = start_decoder(args.model_dir, ["--max-model-len", "2048", *args.decoder_flags.split()],
+                                     RESULTS / "decode-server.log")
+    try:
+        ours = asyncio.run(_grpc_run(address, work))
+    finally:
+        stop(process)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    batched, sequential = hf_batched(model, work), hf_sequential(model, work)
+    step, own_forward, bare = engine_overhead(args.model_dir, model)
+    rows = [("tessera decoder over gRPC (continuous batching)", ours),
+            ("transformers generate, padded batches of 16", batched),
+            ("transformers generate, sequential", sequential)]
+    lines = [f"# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, fp32",
+             f"workload: {len(work)} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, "
+             f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored)\n",
+             "| mode | tokens/s | ours / this |", "|---|---|---|"]
+    lines += [f"| {name} | {tps:.1f} | {ours / tps:.2f} |" for name, tps in rows]
+    lines += ["", "| engine overhead at batch 16 x context 128 | ms | target |", "|---|---|---|",
+              f"| engine decode step (schedule + inputs + forward + sample + bookkeeping) | {1000 * step:.1f} | |",
+              f"| the engine's model forward alone, same step | {1000 * own_forward:.1f} | |",
+              f"| bare transformers forward, same shapes | {1000 * bare:.1f} | |",
+              f"| step / bare transformers forward | {step / bare:.2f} | <= 1.10 |",
+              f"| step / own forward | {step / own_forward:.2f} | |",
+              "", "targets: >= 1.5x batched, >= 6x sequential"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "decode.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""Per-step LoRA batch metadata: computed once per scheduler step, reused by every projection.
+
+Rows of the flat batch carry an adapter slot (-1 = base model, no correction). Decode rows
+(one new token per request) go to BGMV, one row per program; prefill rows are permuted so that
+rows of one slot are contiguous and cut into segments (the SGMV layout, as in Punica):
+
+    token_slots:   [ 2, -1,  0,  0,  0,  2,  2, -1 ]     row 0 decodes; rows 2..6 prefill
+    decode_rows:   [0]            decode_slots: [2]
+    prefill_perm:  [2, 3, 4, 5, 6]                        (stable sort of prefill rows by slot)
+    segments:      start [0, 3]  len [3, 2]  slot [0, 2]
+
+`slot_rows` groups every adapter row (decode and prefill) by slot for the torch backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BASE_SLOT = -1
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    token_slots: torch.Tensor    # int64 [num_tokens], -1 = base
+    decode_rows: torch.Tensor    # int64 [num_decode] adapter rows that decode (BGMV)
+    decode_slots: torch.Tensor   # int64 [num_decode]
+    prefill_perm: torch.Tensor   # int64 [num_prefill] adapter prefill rows sorted by slot (SGMV)
+    seg_starts: torch.Tensor     # int64 [num_segments] offsets into prefill_perm
+    seg_lens: torch.Tensor       # int64 [num_segments]
+    seg_slots: torch.Tensor      # int64 [num_segments]
+    max_seg_len: int
+    slot_rows: tuple[tuple[int, torch.Tensor], ...]  # (slot, int64 rows) over all adapter rows
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_slots.numel())
+
+    @classmethod
+    def build(cls, token_slots: torch.Tensor, decode_rows: torch.Tensor | None = None) -> "LoRABatch | None":
+        """Metadata for one step; None when every row is base (no LoRA work at all).
+
+        token_slots: int64 [num_tokens]; decode_rows: int64 row indices of decode tokens (None =
+        treat every row as prefill). Both on the device the kernels run on.
+        """
+        token_slots = token_slots.to(torch.long)
+        adapter = token_slots != BASE_SLOT
+        if not bool(adapter.any()):
+            return None
+        is_decode = torch.zeros_like(adapter)
+        if decode_rows is not None and decode_rows.numel():
+            is_decode[decode_rows.to(token_slots.device)] = True
+        dec = torch.nonzero(adapter & is_decode).squeeze(1)
+        pre = torch.nonzero(adapter & ~is_decode).squeeze(1)
+        order = torch.sort(token_slots[pre], stable=True).indices
+        perm = pre[order]
+        seg_slots, seg_lens = torch.unique_consecutive(token_slots[perm], return_counts=True)
+        seg_starts = torch.cumsum(seg_lens, 0) - seg_lens
+        rows = torch.nonzero(adapter).squeeze(1)
+        slots, counts = torch.unique(token_slots[rows], return_counts=True)
+        grouped = rows[torch.sort(token_slots[rows], stable=True).indices].split(counts.tolist())
+        return cls(token_slots, dec, token_slots[dec], perm, seg_starts, seg_lens, seg_slots,
+                   int(seg_lens.max()) if seg_lens.numel() else 0,
+                   tuple(zip(slots.tolist(), grouped)))

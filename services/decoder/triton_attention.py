@@ -1,0 +1,79 @@
+"""Paged attention as a Triton kernel (GPU backend; runs on CPU under TRITON_INTERPRET=1 for tests).
+
+One program per (query row, head). Query row t belongs to sequence `token_seq[t]` and sees cache
+positions [0, context_lens[t]) -- position + 1 for causal prefill rows, the whole context for a
+decode row. Positions are read block by block through the block table:
+
+    position p -> slot = block_tables[seq, p // BLOCK] * BLOCK + p % BLOCK    (flat cache row)
+
+with an online (running max / running sum) softmax, so no [ctx] score vector is materialized.
+Grouped-query heads read kv head h // (heads / kv_heads), as in transformers' `repeat_kv`.
+Masks use `tl.where` on loaded values and `other=` on loads only (the interpreter evaluates
+masked-out addresses too, so every address stays inside the tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, token_seq_ptr, context_lens_ptr,
+                            scale, num_rep, max_blocks,
+                            stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
+                            HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // num_rep
+    seq = tl.load(token_seq_ptr + row)
+    context_len = tl.load(context_lens_ptr + row)
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+    offsets = tl.arange(0, BLOCK)
+    m_i = tl.full((), float("-inf"), tl.float32)
+    l_i = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros((HEAD_DIM_P2,), tl.float32)
+    for b in range(0, tl.cdiv(context_len, BLOCK)):
+        block = tl.load(tables_ptr + seq * max_blocks + b)
+        slots = block * BLOCK + offsets                                        # [BLOCK]
+        kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :]  # [BLOCK, HEAD_DIM_P2]
+        k = tl.load(k_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale                         # [BLOCK]
+        scores = tl.where(b * BLOCK + offsets < context_len, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    out = acc / l_i
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, token_seq: torch.Tensor, context_lens: torch.Tensor,
+                           block_size: int, scale: float) -> torch.Tensor:
+    """Attention of `query` [num_tokens, heads, head_dim] over flat caches [slots, kv_heads, head_dim].
+
+    block_tables: int32 [num_seqs, max_blocks] (unused entries may hold any valid block id);
+    token_seq: int32 [num_tokens] sequence row of each query token; context_lens: int32
+    [num_tokens] positions each query token attends to. `block_size` must be a power of two.
+    Returns [num_tokens, heads, head_dim] in the query's dtype.
+    """
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton backend needs a power-of-two block_size, got {block_size}")
+    num_tokens, heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    query, k_cache, v_cache = query.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    _paged_attention_kernel[(num_tokens, heads)](
+        query, k_cache, v_cache, out, block_tables.contiguous(), token_seq, context_lens,
+        scale, heads // k_cache.shape[1], block_tables.shape[1],
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK=block_size)
+    return out

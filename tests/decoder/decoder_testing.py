@@ -1,0 +1,122 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints (with the SmolLM2 tokenizer) for fast conformance tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
+
+from services.common.paths import default_decoder_dir
+
+torch.set_num_threads(2)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def make_tiny_llama(path: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
+    """Save a random 2-layer model of `family` (hidden 64, 4 heads, 2 kv heads, head_dim 16) with
+    SmolLM2's tokenizer. Qwen2 has q/k/v bias, Qwen3 q/k norms (their configs' defaults)."""
+    source = default_decoder_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, path / name)
+    options = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                   tie_word_embeddings=False, head_dim=16)
+    options.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](**options)).eval()
+    # a larger init spread makes logits decisive, so greedy argmax has no near-ties
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.15)
+            elif p.ndim == 1 and p.abs().sum() == 0:  # biases: non-zero so that they matter
+                p.normal_(0, 0.1)
+            else:                                     # norm weights: away from 1 so that they matter
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' generate(do_sample=False) continuation ids (stops at EOS like the engine)."""
+    return hf_reference(AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompt_ids, max_new_tokens)[0]
+
+
+def hf_reference(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """generate(do_sample=False) ids and the raw fp32 logits of each step [num_new, vocab]."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt_ids):].tolist(), torch.cat(out.logits).float()
+
+
+def hf_reference_batch(model, prompts: list[list[int]], max_new_tokens: int,
+                       eos_token_id: int = 2) -> list[tuple[list[int], torch.Tensor]]:
+    """`hf_reference` for many prompts in one left-padded generate call (64 steps, not 64 per prompt);
+    each continuation is cut after its first EOS, as the engine stops there."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), eos_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=eos_token_id, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits, dim=1).float()  # [batch, steps, vocab]
+    refs = []
+    for row in range(len(prompts)):
+        new = out.sequences[row, width:].tolist()
+        n = new.index(eos_token_id) + 1 if eos_token_id in new else len(new)
+        refs.append((new[:n], logits[row, :n]))
+    return refs
+
+
+def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
+    """Record the engine's sampled fp32 logits rows per request id (one row per generated token)."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    compute = engine.runner.logits
+
+    def recording(inputs):
+        logits = compute(inputs)
+        for item, row in zip(inputs.sampled, logits):
+            rows.setdefault(item.request.request_id, []).append(row.clone())
+        return logits
+
+    engine.runner.logits = recording
+    return rows
+
+
+async def _collect(engine, request):
+    ids, text, last = [], "", None
+    async for out in engine.generate(request):
+        ids.extend(out.token_ids)
+        text += out.text
+        last = out
+    return ids, text, last
+
+
+def run_requests(engine, requests) -> list[tuple[list[int], str, object]]:
+    """Submit all requests at once; returns (token ids, text, final output) per request."""
+    import asyncio
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine, r) for r in requests))
+
+    return asyncio.run(main())

@@ -1,0 +1,32 @@
+"""The Triton paged attention kernel equals the torch path (Triton's CPU interpreter, in a subprocess
+because Triton reads TRITON_INTERPRET when kernels are defined): kernel-level on scattered blocks with
+GQA / MHA / non-power-of-two head_dim, and the whole engine with attention_backend="triton"."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.decoder.config import DecoderConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_triton_kernel_and_engine_match_torch_in_the_interpreter(tiny_llama):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    script = Path(__file__).with_name("attention_kernel_cases.py")
+    done = subprocess.run([sys.executable, str(script), str(tiny_llama)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("OK kernel") for line in lines) == 3 and any(l.startswith("OK engine") for l in lines)
+
+
+def test_backend_flag_is_validated(tiny_llama):
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        DecoderConfig(model_dir=str(tiny_llama), attention_backend="cuda")
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        DecoderConfig(model_dir=str(tiny_llama), attention_backend="triton", block_size=12)
+    assert DecoderConfig(model_dir=str(tiny_llama)).attention_backend == "torch"

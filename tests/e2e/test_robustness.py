@@ -1,0 +1,92 @@
+"""Hostile input and a killed replica: the right status, and the rest of the cluster keeps serving."""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.common.server import CHANNEL_OPTIONS
+from tessera.v1 import decoder_pb2, gateway_pb2, pooling_pb2
+
+from .test_generate import CHAT_PROMPTS, chat_request, collect
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": -1.0}, {"top_p": math.nan},
+    {"top_p": 1.5}, {"top_k": -1}, {"seed": -1},
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_bad_sampling_is_invalid_argument(gateway, assert_healthy, sampling):
+    with pytest.raises(grpc.RpcError) as error:
+        collect(gateway, chat_request(CHAT_PROMPTS[0], 4, **sampling))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert next(iter(sampling)) in error.value.details()
+    assert_healthy()
+
+
+def test_tiny_temperature_is_greedy_and_harms_no_neighbour(gateway):
+    greedy = collect(gateway, chat_request(CHAT_PROMPTS[0], 12))["ids"]
+    results = {}
+
+    def neighbour():
+        results["neighbour"] = collect(gateway, chat_request(CHAT_PROMPTS[0], 12))["ids"]
+
+    thread = threading.Thread(target=neighbour)
+    thread.start()
+    results["tiny"] = collect(gateway, chat_request(CHAT_PROMPTS[0], 12, temperature=1e-38, top_k=5))["ids"]
+    thread.join()
+    assert results == {"neighbour": greedy, "tiny": greedy}
+
+
+def test_invalid_utf8_is_invalid_argument(gateway_address, assert_healthy):
+    valid = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.ContentPart(text="AAAA")],
+                                        sampling=decoder_pb2.SamplingParams(max_tokens=2)).SerializeToString()
+    crafted = valid.replace(b"AAAA", b"\xed\xa0\x80\xff")
+    with grpc.insecure_channel(gateway_address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_stream("/tessera.v1.Gateway/Generate", request_serializer=lambda raw: raw,
+                                    response_deserializer=decoder_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as error:
+            list(call(crafted, timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "protobuf" in error.value.details()
+    assert_healthy()
+
+
+def test_unknown_enum_value_is_invalid_argument(gateway):
+    with pytest.raises(grpc.RpcError) as error:
+        gateway.Embed(pooling_pb2.EmbedRequest(inputs=["x"], encoding_format=7), timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "encoding_format" in error.value.details()
+
+
+def test_killed_pooling_replica(cluster, gateway, assert_healthy):
+    """Pooling down: Embed is UNAVAILABLE naming it, Generate and GetInfo keep working; then it comes back."""
+    process = cluster.processes["pooling"]
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            gateway.Embed(pooling_pb2.EmbedRequest(inputs=["x"]), timeout=30)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "pooling" in error.value.details()
+        assert collect(gateway, chat_request(CHAT_PROMPTS[0], 4))["finish"]
+        info = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30)
+        assert info.decoder.num_blocks > 0 and not info.HasField("pooling")
+        assert any("pooling" in line for line in info.unavailable)
+    finally:
+        cluster.restart("pooling")
+    deadline = time.monotonic() + 15  # the gateway's channel reconnects within its 2 s max backoff
+    while True:
+        try:
+            reply = gateway.Embed(pooling_pb2.EmbedRequest(inputs=["back"]), timeout=30)
+            break
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+    assert list(reply.embeddings.shape) == [1, 384]
+    assert_healthy()
