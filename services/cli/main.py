@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gateway port; vision, decoder, pooling, adapters take the next four")
     up.add_argument("--decoder-model-dir", type=Path, default=default_decoder_dir())
     up.add_argument("--embedding-model-dir", type=Path, default=default_embedding_dir())
+    up.add_argument("--reranker-dir", type=Path, default=None,
+                    help="cross-encoder checkpoint for Rerank (default: bi-encoder cosine of the embeddings)")
     up.add_argument("--adapter-root", type=Path, default=default_adapter_root())
     up.add_argument("--admin-token", default="", help="require this bearer token for adapter load/unload")
     up.add_argument("--no-vision", action="store_true", help="no vision service; image parts are refused")
@@ -111,7 +113,8 @@ def _up(args) -> int:
     from services.cli.up import ClusterSpec, parse_extra, run_until_signalled
 
     spec = ClusterSpec(host=args.host, base_port=args.base_port, decoder_model_dir=args.decoder_model_dir,
-                       embedding_model_dir=args.embedding_model_dir, adapter_root=args.adapter_root,
+                       embedding_model_dir=args.embedding_model_dir, reranker_dir=args.reranker_dir,
+                       adapter_root=args.adapter_root,
                        admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
                        image_token=args.image_token, extra_args=parse_extra(args.service_args))
     return run_until_signalled(spec)

@@ -34,6 +34,7 @@ class ClusterSpec:
     base_port: int = 50051
     decoder_model_dir: Path = field(default_factory=default_decoder_dir)
     embedding_model_dir: Path = field(default_factory=default_embedding_dir)
+    reranker_dir: Path | None = None  # a cross-encoder checkpoint; None = bi-encoder rerank
     adapter_root: Path = field(default_factory=default_adapter_root)
     admin_token: str = ""
     vision: bool = True
@@ -59,7 +60,8 @@ class ClusterSpec:
             "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir),
                          *(["--admin-token", self.admin_token] if self.admin_token else [])],
             "vision": ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section],
-            "pooling": ["--model-dir", str(self.embedding_model_dir)],
+            "pooling": ["--model-dir", str(self.embedding_model_dir),
+                        *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
             "decoder": ["--model-dir", str(self.decoder_model_dir), "--adapters-address", a("adapters"),
                         *(["--mrope-section", self.mrope_section, "--image-token", self.image_token]
                           if self.vision else [])],
