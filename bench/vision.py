@@ -7,8 +7,12 @@ preprocess, encoder), one run:
 Encoders: the demo tower, and a Qwen2-VL vision tower -- `--model-dir` (a real Qwen2-VL checkpoint)
 or, by default, a seeded random one built here with transformers' config classes (depth 4,
 embed 256, hidden 512) on 448x448 images (1024 patches -> 256 rows). Latency is per request of
-one image. The decoder prefix-cache half of this benchmark (hit vs miss TTFT with an image) is
-not here yet: it needs the Qwen2-VL decoder. Writes bench/results/vision.md; never a test assertion.
+one image. Decoder prefix cache, reported separately: an in-process LLMEngine on the same
+checkpoint's language model; time to first token (max_tokens 1) of "text + image + text" with
+each image seen for the first time (miss: full prefill) and then again (hit: every full block of
+the prompt, image included, comes from the prefix cache). Image rows come from the vision engine
+(already cached), so this half measures only the decoder. Writes bench/results/vision.md; never a
+test assertion.
 """
 
 from __future__ import annotations
@@ -59,7 +63,26 @@ def build_random_qwen2_vl(directory: Path) -> None:
                 rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0})
     vision = dict(depth=4, embed_dim=256, hidden_size=512, num_heads=4, mlp_ratio=4, spatial_merge_size=2)
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision)).save_pretrained(directory)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+                           vision_start_token_id=252, vision_end_token_id=253)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(directory)
+    char_tokenizer().save_pretrained(directory)
+
+
+def char_tokenizer():
+    """Character-level tokenizer for the random checkpoint (vocab 256): printable ASCII at ids 3..97,
+    <|image_pad|> 250, <|vision_start|> 252, <|vision_end|> 253 as in its config.json."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(c): c - 29 for c in range(32, 127)}
+    vocab.update({f"<|extra_{i}|>": i for i in range(98, 256)})
+    vocab.update({"<|endoftext|>": 0, "<|im_end|>": 1, "<|im_start|>": 2, "<|image_pad|>": 250,
+                  "<|vision_start|>": 252, "<|vision_end|>": 253})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
 
 
 def measure(engine: VisionEngine, data: list[bytes]) -> tuple[list[float], list[float]]:
@@ -76,6 +99,35 @@ def measure(engine: VisionEngine, data: list[bytes]) -> tuple[list[float], list[
     if engine.images_encoded - before != len(data):
         raise RuntimeError("hits ran the encoder; the encoder cache is not working")
     return misses, hits
+
+
+def decoder_prefix(model_dir: Path, vision: VisionEngine, data: list[bytes]) -> tuple[list[float], list[float], int]:
+    """(miss ms, hit ms, cached prompt tokens of the last hit) per single-image request, TTFT."""
+    import asyncio
+
+    from services.decoder.config import DecoderConfig
+    from services.decoder.engine import LLMEngine
+    from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams, TextPart
+
+    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=2048, num_blocks=1024))
+
+    async def one(image: bytes) -> tuple[float, int]:
+        e = vision.encode(vision.process([ImageSource(data=image)]))[0]
+        request = GenerateInput(SamplingParams(max_tokens=1, ignore_eos=True), prompt=(
+            TextPart("Describe this picture: "), ImagePart(e.rows, e.grid_thw, e.mrope_section, e.content_hash),
+            TextPart(" in one sentence.")))
+        start = time.perf_counter()
+        async for out in engine.generate(request):
+            last = out
+        return (time.perf_counter() - start) * 1000, last.usage.cached_prompt_tokens
+
+    try:
+        asyncio.run(one(data[0] + b"warmup"))
+        misses = [asyncio.run(one(image))[0] for image in data]
+        hits = [asyncio.run(one(image)) for image in data]
+    finally:
+        engine.shutdown()
+    return misses, [ms for ms, _ in hits], hits[-1][1]
 
 
 def row(name: str, detail: str, misses: list[float], hits: list[float]) -> str:
@@ -106,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         grid = qwen.encode(qwen.process([ImageSource(data=data[0])]))[0].grid_thw
         name = model_dir.name if args.model_dir else "qwen2-vl (random: depth 4, embed 256)"
         lines.append(row(name, f"grid {grid}, {grid[1] * grid[2]} rows x {qwen.encoder.output_width}", misses, hits))
+        d_misses, d_hits, cached = decoder_prefix(model_dir, qwen, data)
+    decoder = row(name, f"{grid[1] * grid[2]} image tokens, {cached} prompt tokens cached on a hit", d_misses, d_hits)
     table = "\n".join(["| encoder | image | miss p50 ms | hit p50 ms | miss/hit |", "|---|---|---|---|---|", *lines])
     text = (f"# tessera bench vision\n\nMachine: {machine()}\n\n"
             f"Encoder cache, in-process VisionEngine; {args.images} distinct {args.size}x{args.size} PNGs, each sent "
             "once (miss: decode + preprocess + encoder) then again (hit: content hash + cache lookup). "
             "Target: miss/hit >= 10x.\n\n" + table + "\n\n"
-            "Decoder prefix-cache hit vs miss with an image: not measured yet (needs the Qwen2-VL decoder).\n")
+            "Decoder prefix cache, in-process LLMEngine (the checkpoint's language model, fp32): time to first "
+            "token of text + image + text, each image first seen (miss: full prefill) then again (hit: prompt "
+            "blocks from the prefix cache).\n\n"
+            "| model | prompt | miss p50 ms | hit p50 ms | miss/hit |\n|---|---|---|---|---|\n" + decoder + "\n")
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)

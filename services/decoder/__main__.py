@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--lora-backend", choices=("torch", "triton"), default="torch",
                    help="multi-LoRA compute: torch grouped matmuls, or Triton BGMV/SGMV kernels (GPU or TRITON_INTERPRET=1)")
+    p.add_argument("--adapter-host-cache-mb", type=int, default=1024,
+                   help="host memory for adapter weights by digest (swap-ins without refetching)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention-backend", choices=("torch", "triton"), default="torch",
                    help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1)")
@@ -48,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len, max_waiting=a.max_waiting,
         mrope_section=a.mrope_section, image_token=a.image_token, adapters_address=a.adapters_address or None,
         adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, lora_backend=a.lora_backend, dtype=a.dtype,
+        adapter_host_cache_mb=a.adapter_host_cache_mb,
         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend)
     return a.address, config
 

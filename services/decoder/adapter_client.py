@@ -1,8 +1,10 @@
 """Resolves adapter names through the registry, keeps their weights resident, reports leases.
 
 `acquire(name)` asks the registry for the name's digest (no weights); if the bank does not hold
-that digest it asks again with weights and loads them into an idle slot, then leases the slot.
-Leases are released by the engine when the request finishes or is aborted.
+that digest it takes the weights from the host-memory cache (bounded LRU by digest) or asks the
+registry again with weights, swaps them into an idle slot (LRU) and leases it; when every slot is
+leased the admission waits for a release. Leases are released by the engine when the request
+finishes or is aborted (kept through preemption).
 
 A background task reports `{digest: leases}` to the registry every `report_interval_s` (the
 lease protocol of ARCHITECTURE.md). The answer lists digests being drained; admissions for them
@@ -20,10 +22,10 @@ import uuid
 
 import grpc
 
-from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.server import insecure_channel
 from services.common.tensor import from_pb
-from services.decoder.lora import AdapterBank, LoRAWeights
+from services.decoder.lora import AdapterBank, HostAdapterCache, LoRAWeights
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 
 class AdapterClient:
     def __init__(self, address: str | None, bank: AdapterBank, timeout_s: float = 30.0,
-                 decoder_id: str | None = None, report_interval_s: float = 1.0) -> None:
+                 decoder_id: str | None = None, report_interval_s: float = 1.0,
+                 host_cache_bytes: int = 1 << 30, slot_wait_poll_s: float = 1.0) -> None:
         self.address = address
         self.bank = bank
         self.timeout_s = timeout_s
@@ -42,48 +45,107 @@ class AdapterClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
         self._reporter: asyncio.Task | None = None
+        self.host_cache = HostAdapterCache(host_cache_bytes)  # digest -> weights, for swap-ins
+        self.num_weight_fetches = 0                # weight downloads from the registry
+        self._fetching: dict[str, asyncio.Task] = {}  # digest -> the fetch in flight
+        self.num_slot_waits = 0                    # admissions that waited for a leased slot to free
+        self.slot_wait_poll_s = slot_wait_poll_s
 
     async def acquire(self, name: str) -> int:
         """Lease a bank slot holding adapter `name`; returns the slot.
 
+        A digest not resident is swapped into an idle slot (least recently used first) from the
+        host cache, or fetched from the registry into it. When every slot is leased this waits
+        (never fails) until a running request releases one.
+
         Raises:
             NotFound: no registry configured, or the registry does not know `name`.
             FailedPrecondition: the adapter is draining (being unloaded or replaced).
-            Unavailable: the registry cannot be reached and `name` is not resident here.
-            ResourceExhausted: every slot is leased by running requests.
+            Unavailable: the registry cannot be reached and `name` is neither resident nor in
+                the host cache.
         """
         if self.address is None:
             raise NotFound(f"unknown adapter {name!r}: this decoder has no adapter registry configured")
         self.start_reporting()
+        digest = await self._resolve(name)
+        weights: LoRAWeights | None = None
+        while True:
+            slot = self._lease(name, digest)
+            if slot is not None:
+                return slot
+            if weights is None:
+                weights = await self._weights(name, digest)
+                digest = weights.digest
+            self._check_drain(name, digest)
+            slot = self.bank.load_and_acquire(weights)  # no await since the drain check (see _lease)
+            if slot is not None:
+                return slot
+            await self._wait_for_slot(name)
+
+    async def _resolve(self, name: str) -> str:
+        """The digest `name` maps to now; the last known one while the registry is unreachable."""
         try:
             info = await self._get(name, include_weights=False)
         except Unavailable:
-            slot = self._lease(name, self._name_to_digest.get(name))
-            if slot is None:
+            digest = self._name_to_digest.get(name)
+            if digest is None or (self.bank.slot_of(digest) is None and digest not in self.host_cache):
                 raise
-            return slot
+            return digest
         self._name_to_digest[name] = info.info.digest
-        slot = self._lease(name, info.info.digest)
-        if slot is not None:
-            return slot
-        weights = await self._get(name, include_weights=True)
-        modules = {t.module: (from_pb(t.lora_a), from_pb(t.lora_b)) for t in weights.tensors}
-        loaded = LoRAWeights(weights.info.digest, modules)
-        slot = await asyncio.to_thread(self.bank.load, loaded)
-        if slot is None:
-            raise ResourceExhausted(f"all {self.bank.num_slots} adapter slots are leased by running requests")
-        slot = self._lease(name, loaded.digest)
-        if slot is None:  # evicted between load and lease by a concurrent load
-            raise ResourceExhausted(f"all {self.bank.num_slots} adapter slots are busy; retry")
-        return slot
+        return info.info.digest
+
+    async def _weights(self, name: str, digest: str) -> LoRAWeights:
+        """Weights of `digest` from the host cache, else fetched from the registry (and cached);
+        concurrent admissions of one digest share a single fetch."""
+        cached = self.host_cache.get(digest)
+        if cached is not None:
+            return cached
+        task = self._fetching.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(self._fetch(name))
+            self._fetching[digest] = task
+            task.add_done_callback(lambda _: self._fetching.pop(digest, None))
+        return await asyncio.shield(task)
+
+    async def _fetch(self, name: str) -> LoRAWeights:
+        reply = await self._get(name, include_weights=True)
+        self.num_weight_fetches += 1
+        modules = {t.module: (from_pb(t.lora_a), from_pb(t.lora_b)) for t in reply.tensors}
+        weights = LoRAWeights(reply.info.digest, modules)
+        self._name_to_digest[name] = weights.digest
+        self.host_cache.put(weights)
+        return weights
+
+    async def _wait_for_slot(self, name: str) -> None:
+        """Wait until the bank has an idle slot (woken by a release; re-checked every poll_s)."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+            except RuntimeError:  # that loop is closed; its admission is gone
+                pass
+
+        if not self.bank.when_slot_frees(wake):
+            return
+        self.num_slot_waits += 1
+        log.info("adapter %r waits for one of %d leased adapter slots", name, self.bank.num_slots)
+        try:
+            await asyncio.wait_for(woken, self.slot_wait_poll_s)
+        except TimeoutError:
+            pass
+
+    def _check_drain(self, name: str, digest: str) -> None:
+        if digest in self.draining:
+            raise FailedPrecondition(f"adapter {name!r} is being unloaded or replaced (draining); "
+                                     "new requests for it are refused")
 
     def _lease(self, name: str, digest: str | None) -> int | None:
         # no await between the drain check and the lease: a report sent after this sees the lease
         if digest is None:
             return None
-        if digest in self.draining:
-            raise FailedPrecondition(f"adapter {name!r} is being unloaded or replaced (draining); "
-                                     "new requests for it are refused")
+        self._check_drain(name, digest)
         return self.bank.acquire(digest)
 
     def start_reporting(self) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from services.common.paths import default_decoder_dir
 from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
+from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
+from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -33,7 +35,7 @@ class DecoderConfig:
     `num_blocks` and `max_model_len` default from the model (0 = derive): max_model_len is
     min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
     capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
-    image inputs; `image_token` names the placeholder token (or config.json has image_token_id).
+    image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
 `enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
 `attention_backend`: "torch" (CPU default) or "triton" (paged attention kernel; needs a GPU, or
 TRITON_INTERPRET=1 on CPU, and a power-of-two block_size).
@@ -52,6 +54,7 @@ TRITON_INTERPRET=1 on CPU, and a power-of-two block_size).
     adapter_slots: int = 8
     max_lora_rank: int = 64
     lora_backend: str = "torch"  # "torch" (grouped shrink/expand) or "triton" (BGMV/SGMV kernels)
+    adapter_host_cache_mb: int = 1024  # host-memory tier: adapter weights kept by digest for swap-ins
     dtype: str = "float32"
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
@@ -66,6 +69,8 @@ TRITON_INTERPRET=1 on CPU, and a power-of-two block_size).
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError(f"num_blocks and max_model_len must be >= 0 (0 = derive), got "
                              f"{self.num_blocks} and {self.max_model_len}")
+        if self.adapter_host_cache_mb < 0:
+            raise ValueError(f"adapter_host_cache_mb must be >= 0, got {self.adapter_host_cache_mb}")
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {self.lora_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -74,7 +79,13 @@ TRITON_INTERPRET=1 on CPU, and a power-of-two block_size).
             raise ValueError(f"the triton attention backend needs a power-of-two block_size, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        model = read_model_config(self.model_dir)
+        outer = read_model_config(self.model_dir)
+        model = text_config(outer)  # Qwen2-VL nests its language model's config
+        if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
+            own = checkpoint_mrope_section(outer)
+            if self.mrope_section is not None and tuple(self.mrope_section) != own:
+                raise ValueError(f"mrope_section {tuple(self.mrope_section)} differs from the checkpoint's {own}")
+            self.mrope_section = own
         limit = int(model.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
         if self.max_model_len == 0:
             self.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)

@@ -29,7 +29,7 @@ from services.decoder.inputs import GenerateInput
 from services.decoder.kv_cache import KVCache
 from services.decoder.kernels import make_backend
 from services.decoder.lora import AdapterBank, attach_bank, target_shapes
-from services.decoder.model_llama import load_llama
+from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, load_model, text_config
 from services.decoder.model_runner import ModelRunner
 from services.decoder.multimodal import PromptBuilder
 from services.decoder.prefix_cache import BlockHasher
@@ -67,7 +67,7 @@ class LLMEngine:
         self.model_config = read_model_config(config.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.dtype = getattr(torch, config.dtype)
-        self.model = load_llama(config.model_dir, self.dtype, config.mrope_section)
+        self.model = load_model(config.model_dir, self.dtype, config.mrope_section)
         spec = self.model.spec
         self.cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads,
                              spec.head_dim, self.dtype)
@@ -77,10 +77,13 @@ class LLMEngine:
         self.bank = AdapterBank(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype,
                                 make_backend(config.lora_backend))
         attach_bank(self.model, self.bank)
-        self.adapters = AdapterClient(config.adapters_address, self.bank)
+        self.adapters = AdapterClient(config.adapters_address, self.bank,
+                                      host_cache_bytes=config.adapter_host_cache_mb << 20)
         self.image_token_id = self._image_token_id()
+        vision = VisionTokens.from_config(self.model_config) if is_qwen2_vl(self.model_config) else None
         self.prompts = PromptBuilder(self.tokenizer, spec.vocab_size, spec.hidden_size,
-                                     config.mrope_section, self.image_token_id)
+                                     config.mrope_section, self.image_token_id,
+                                     vision.start if vision else None, vision.end if vision else None)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.bank,
                                   config.mrope_section is not None, config.attention_backend)
         self.eos_token_ids = self._eos_token_ids()
@@ -105,7 +108,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
-        sources = [self.model_config.get("eos_token_id")]
+        sources = [text_config(self.model_config).get("eos_token_id")]
         gen_path = Path(self.config.model_dir) / "generation_config.json"
         if gen_path.is_file():
             sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
@@ -125,7 +128,8 @@ class LLMEngine:
         holds a lease on a bank slot passes `lora_slot` instead (the engine releases it at the end).
 
         Raises (before the first output): InvalidArgument (bad prompt, too long), NotFound /
-        Unavailable (adapter), ResourceExhausted (waiting queue full, adapter slots busy).
+        Unavailable (adapter), ResourceExhausted (waiting queue full). With every adapter slot
+        leased the admission waits for one to free.
         """
         slot = lora_slot
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from services.common.errors import InvalidArgument
 from services.decoder.kernels import BASE_SLOT, LoRABackend, LoRABatch, TorchLoRABackend  # noqa: F401 (BASE_SLOT re-exported)
+
 TARGET_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -37,7 +39,8 @@ class AdapterBank:
     """Fixed slots of adapter weights, keyed by content digest, with leases and an LRU.
 
     A slot holding a leased adapter is never reused; unleased resident slots are recycled
-    least recently used first. Loading into a slot rewrites every target buffer of that slot.
+    least recently used first. When every slot is leased a load returns None and the caller
+    registers `when_slot_frees` to retry once a lease ends (admission waits, never fails). Loading into a slot rewrites every target buffer of that slot.
     Thread-safe: the engine thread reads while the servicer thread loads.
     """
 
@@ -55,6 +58,7 @@ class AdapterBank:
         self._idle: OrderedDict[int, None] = OrderedDict()  # unleased resident slots, LRU first
         self.backend = backend or TorchLoRABackend()
         self._batch: LoRABatch | None = None  # this step's row permutation / segments
+        self._waiters: list[Callable[[], None]] = []  # admissions waiting for a slot to free
 
     def slot_of(self, digest: str) -> int | None:
         with self.lock:
@@ -75,15 +79,43 @@ class AdapterBank:
             return slot
 
     def release(self, slot: int) -> None:
+        """Drop one lease of `slot`; the last one makes it idle and wakes admissions waiting for a slot."""
+        waiters: list[Callable[[], None]] = []
         with self.lock:
             if self._leases[slot] <= 0:
                 raise ValueError(f"slot {slot} has no lease to release")
             self._leases[slot] -= 1
             if self._leases[slot] == 0:
                 self._idle[slot] = None
+                waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+
+    def when_slot_frees(self, wake: Callable[[], None]) -> bool:
+        """Call `wake()` (once, from the releasing thread) when a slot becomes idle.
+
+        Returns False, registering nothing, if a slot is already empty or idle (retry the load now).
+        """
+        with self.lock:
+            if None in self._digests or self._idle:
+                return False
+            self._waiters.append(wake)
+            return True
+
+    def load_and_acquire(self, weights: LoRAWeights) -> int | None:
+        """`load` then lease the slot atomically (no concurrent load can evict it in between);
+        None if every slot is leased. Raises what `load` raises."""
+        with self.lock:
+            slot = self.load(weights)
+            return None if slot is None else self.acquire(weights.digest)
 
     def num_leases(self, slot: int) -> int:
         return self._leases[slot]
+
+    def num_idle(self) -> int:
+        """Slots that are empty or resident without leases (reusable by a load)."""
+        with self.lock:
+            return self._digests.count(None) + len(self._idle)
 
     def residency(self) -> dict[str, int]:
         """{digest: leases} of every resident adapter (what the decoder reports to the registry)."""
@@ -187,3 +219,51 @@ def target_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA-capable linear, by module name."""
     return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
             if isinstance(m, LoRALinear)}
+
+
+class HostAdapterCache:
+    """The host-memory tier: adapter weights by digest, bounded by bytes, least recently used out.
+
+    More adapters than device slots can be in use: a swap-in into an idle slot copies from here
+    instead of fetching the weights from the registry again (and works while it is down).
+    `max_bytes` counts the float32 A and B factors; 0 keeps nothing.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[str, tuple[LoRAWeights, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def get(self, digest: str) -> LoRAWeights | None:
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                return None
+            self._entries.move_to_end(digest)
+            return entry[0]
+
+    def put(self, weights: LoRAWeights) -> None:
+        """Keep `weights` (evicting the least recently used); one larger than max_bytes is not kept."""
+        size = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in weights.modules.values())
+        with self._lock:
+            old = self._entries.pop(weights.digest, None)
+            if old is not None:
+                self.num_bytes -= old[1]
+            if size > self.max_bytes:
+                return
+            while self.num_bytes + size > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.num_bytes -= evicted
+            self._entries[weights.digest] = (weights, size)
+            self.num_bytes += size

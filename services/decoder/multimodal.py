@@ -4,6 +4,11 @@ Each encoded image of grid (t, h, w) becomes t*h*w copies of the image token. M-
 [3, T] follow transformers' Qwen2-VL `get_rope_index`: text has equal t/h/w coordinates; patch
 (tt, hh, ww) of an image starting at text cursor c sits at (c+tt, c+hh, c+ww); text resumes at
 c + max(t, h, w). rope delta = next text position - physical length.
+
+Placeholder convention (Qwen2-VL's processor): when the checkpoint names vision start/end tokens,
+an image becomes `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`;
+the start/end tokens are text (equal coordinates on all axes). Literal placeholder or vision
+tokens typed in user text (or sent as prompt_token_ids) are refused, so they never bind to an image.
 """
 
 from __future__ import annotations
@@ -22,13 +27,18 @@ class PromptBuilder:
     """Turns a GenerateInput into PromptInputs (token ids, image spans, M-RoPE positions)."""
 
     def __init__(self, tokenizer, vocab_size: int, hidden_size: int,
-                 mrope_section: tuple[int, int, int] | None, image_token_id: int | None) -> None:
+                 mrope_section: tuple[int, int, int] | None, image_token_id: int | None,
+                 vision_start_id: int | None = None, vision_end_id: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.mrope_section = mrope_section
         self.image_token_id = image_token_id
         self.image_token = tokenizer.convert_ids_to_tokens(image_token_id) if image_token_id is not None else None
+        self.vision_start_id, self.vision_end_id = vision_start_id, vision_end_id
+        reserved = [i for i in (image_token_id, vision_start_id, vision_end_id) if i is not None]
+        self.reserved_ids = set(reserved)
+        self.reserved_tokens = [tokenizer.convert_ids_to_tokens(i) for i in reserved]
 
     def build(self, request: GenerateInput) -> PromptInputs:
         """Raises InvalidArgument for an empty or ambiguous prompt, bad images or bad token ids."""
@@ -48,8 +58,9 @@ class PromptBuilder:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if self.image_token_id is not None and self.image_token_id in ids:
-            raise InvalidArgument(f"prompt_token_ids contain the image token {self.image_token_id}; send images as parts")
+        reserved = sorted(self.reserved_ids.intersection(ids))
+        if reserved:
+            raise InvalidArgument(f"prompt_token_ids contain the image placeholder token {reserved[0]}; send images as parts")
         return self._expand([ids], [])
 
     def _split_parts(self, parts: tuple[Part, ...]) -> tuple[list[str], list[ImagePart]]:
@@ -99,8 +110,10 @@ class PromptBuilder:
         return [], []
 
     def _check_text(self, text: str) -> None:
-        if self.image_token and self.image_token in text:
-            raise InvalidArgument(f"text must not contain the image token {self.image_token!r}; send images as parts")
+        for token in self.reserved_tokens:
+            if token and token in text:
+                what = "the image token" if token == self.image_token else "the image placeholder token"
+                raise InvalidArgument(f"text must not contain {what} {token!r}; send images as parts")
 
     def _check_image(self, part: Part) -> ImagePart:
         if isinstance(part, RawImagePart):
@@ -129,10 +142,18 @@ class PromptBuilder:
             if index < len(images):
                 image = images[index]
                 t, h, w = image.grid_thw
+                if self.vision_start_id is not None:
+                    ids.append(self.vision_start_id)
+                    axes.append(torch.full((3, 1), cursor))
+                    cursor += 1
                 spans.append(ImageSpan(len(ids), image.rows.float().clone(), image.content_hash))
                 ids.extend([self.image_token_id] * (t * h * w))
                 axes.append(cursor + image_coordinates(t, h, w))
                 cursor += max(t, h, w)
+                if self.vision_end_id is not None:
+                    ids.append(self.vision_end_id)
+                    axes.append(torch.full((3, 1), cursor))
+                    cursor += 1
         if not ids:
             raise InvalidArgument("the prompt is empty")
         if self.mrope_section is None:

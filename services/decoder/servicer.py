@@ -21,6 +21,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
     async def start(self) -> None:
         self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        self.engine.adapters.start_reporting()  # residency reports from service start, not first acquire
 
     async def stop(self) -> None:
         if self.engine is not None:

@@ -53,3 +53,28 @@ def test_backend_flag_validation():
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match="no CUDA device"):
             make_backend("triton")
+
+
+def test_torch_backend_padded_groups_equal_per_slot_loop_and_float64():
+    torch.manual_seed(3)
+    x, a, b = torch.randn(13, 37), torch.randn(4, 8, 37), torch.randn(4, 29, 8)
+    a[2, 5:] = 0                                                 # rank 5 padded to 8
+    slots = torch.tensor([0, 1, -1, 2, 3, 0, 1, 2, 3, -1, 0, 1, 2])
+    padded = LoRABatch.build(slots, torch.arange(13))
+    looped = LoRABatch.build(slots, torch.arange(13))
+    object.__setattr__(looped, "padded", None)                   # force the per-slot loop
+    assert padded.padded is not None and padded.padded.max_len == 3
+    y0 = torch.randn(13, 29)
+    ref = y0.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            ref[t] += (x[t].double() @ a[s].double().T) @ b[s].double().T
+    outs = []
+    for batch in (padded, looped):
+        y = y0.clone()
+        make_backend("torch").add_lora(y, x, a, b, batch)
+        outs.append(y)
+        assert (y.double() - ref).abs().max() < 1e-4 and torch.equal(y[[2, 9]], y0[[2, 9]])
+    assert (outs[0] - outs[1]).abs().max() < 1e-4
+    one_long = LoRABatch.build(torch.tensor([0] * 40 + [1, 2]), torch.tensor([40, 41]))
+    assert one_long.padded is None                               # padding would triple the rows: loop

@@ -1,11 +1,17 @@
-"""A tiny Qwen2-VL checkpoint with seeded random weights, built offline with transformers' config classes."""
+"""A tiny Qwen2-VL checkpoint with seeded random weights, built offline with transformers' config classes.
+
+The directory also holds a character-level tokenizer (ids < 256) whose special tokens sit at the
+config's ids: <|endoftext|> 0, <|im_end|> 1 (EOS), <|im_start|> 2, <|image_pad|> 250, <|video_pad|> 251,
+<|vision_start|> 252, <|vision_end|> 253, and a Qwen2-VL style chat template.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 MROPE_SECTION = [2, 3, 3]  # sums to head_dim / 2 = (64 / 4) / 2
@@ -34,6 +40,37 @@ def build_tiny_qwen2_vl(directory: Path, seed: int = 0) -> Qwen2VLForConditional
         with torch.no_grad():  # the default init (std 0.02) gives rows ~0.02; larger weights make 1e-5 a sharp test
             for parameter in model.model.visual.parameters():
                 parameter.normal_(0.0, 0.2)
+            for name, parameter in model.named_parameters():  # decisive text logits: no near-ties in argmax
+                if "visual" not in name and parameter.ndim == 2:
+                    parameter.normal_(0.0, 0.15)
+                elif "visual" not in name and name.endswith("bias"):
+                    parameter.normal_(0.0, 0.1)
     model.save_pretrained(directory)
     reference_processor().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
     return model
+
+
+SPECIALS = {0: "<|endoftext|>", 1: "<|im_end|>", 2: "<|im_start|>", 250: "<|image_pad|>", 251: "<|video_pad|>",
+            252: "<|vision_start|>", 253: "<|vision_end|>"}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer over printable ASCII and newline (ids 3..98), fillers up to 255."""
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {c: 3 + i for i, c in enumerate(chars)}
+    vocab.update({f"<|extra_{i}|>": i for i in range(3 + len(chars), 256) if i not in SPECIALS})
+    vocab.update({token: i for i, token in SPECIALS.items()})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=None, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", additional_special_tokens=list(SPECIALS.values()))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

@@ -33,12 +33,21 @@ class LoRABackend(ABC):
 
 
 class TorchLoRABackend(LoRABackend):
-    """One gathered shrink and expand matmul per slot present in the step."""
+    """Grouped shrink/expand: one bmm pair over the step's slot groups padded to the longest
+    (`LoRABatch.padded`), or one gathered matmul pair per slot when padding would waste more."""
 
     name = "torch"
 
     def add_lora(self, y, x, a, b, batch):
         compute = torch.promote_types(a.dtype, torch.float32)
+        pad = batch.padded
+        if pad is not None:  # all slots in one bmm pair over the zero-padded [groups, max_len] grid
+            grid = torch.zeros(len(pad.slots), pad.max_len, x.shape[1], dtype=compute, device=x.device)
+            grid[pad.group, pad.pos] = x[pad.rows].to(compute)
+            shrunk = torch.bmm(grid, a[pad.slots].to(compute).transpose(1, 2))          # [g, len, max_rank]
+            delta = torch.bmm(shrunk, b[pad.slots].to(compute).transpose(1, 2))[pad.group, pad.pos]
+            y[pad.rows] = (y[pad.rows].to(compute) + delta).to(y.dtype)
+            return
         for slot, rows in batch.slot_rows:
             shrunk = x[rows].to(compute) @ a[slot].to(compute).T       # [n, max_rank]
             delta = shrunk @ b[slot].to(compute).T                      # [n, out]

@@ -15,6 +15,7 @@ rows of one slot are contiguous and cut into segments (the SGMV layout, as in Pu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -36,6 +37,21 @@ class LoRABatch:
     @property
     def num_segments(self) -> int:
         return int(self.seg_slots.numel())
+
+    @cached_property
+    def padded(self) -> "PaddedGroups | None":
+        """Adapter rows as [num slots present, longest group] for one batched shrink/expand pair
+        (torch backend); built on first use, then shared by every projection of the step. None when
+        padding would more than double the rows (e.g. one long prefill beside a few decodes)."""
+        lens = [int(rows.numel()) for _, rows in self.slot_rows]
+        longest, total = max(lens), sum(lens)
+        if len(lens) == 1 or len(lens) * longest > 2 * total:
+            return None
+        device = self.token_slots.device
+        group = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+        pos = torch.cat([torch.arange(n, device=device) for n in lens])
+        slots = torch.tensor([s for s, _ in self.slot_rows], device=device)
+        return PaddedGroups(slots, torch.cat([rows for _, rows in self.slot_rows]), group, pos, longest)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, decode_rows: torch.Tensor | None = None) -> "LoRABatch | None":
@@ -63,3 +79,14 @@ class LoRABatch:
         return cls(token_slots, dec, token_slots[dec], perm, seg_starts, seg_lens, seg_slots,
                    int(seg_lens.max()) if seg_lens.numel() else 0,
                    tuple(zip(slots.tolist(), grouped)))
+
+
+@dataclass(frozen=True)
+class PaddedGroups:
+    """Row j of group g (rows[i] with group[i] = g, pos[i] = j) sits at [g, j] of a [len(slots), max_len] grid."""
+
+    slots: torch.Tensor   # int64 [num_groups] bank slot of each group
+    rows: torch.Tensor    # int64 [num_rows] adapter rows, grouped by slot
+    group: torch.Tensor   # int64 [num_rows]
+    pos: torch.Tensor     # int64 [num_rows]
+    max_len: int

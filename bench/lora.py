@@ -1,0 +1,191 @@
+"""`tessera bench lora`: many adapters in one base-model batch vs base-only and vs PEFT switching.
+
+In one run on one machine, the same N requests (random prompts, EOS ignored, greedy):
+  1. base-only: N requests without adapter, sent concurrently over gRPC to `python -m
+     services.decoder`; generated tokens/s;
+  2. multi-LoRA: the same N requests spread round-robin over K random rank-R PEFT adapters
+     (all seven projections) registered in `python -m services.adapters`, sent concurrently to
+     the same decoder (K slots; each adapter served once before timing, so it is resident);
+  3. the anchor: PeftModel in process holding the K adapters, one left-padded `generate` batch
+     per adapter (set_adapter between batches).
+Targets (issue 4): multi-LoRA >= 0.8x base-only and >= 4x PEFT. Prints one table and rewrites
+bench/results/lora.md. Never a test assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from _decoder_proc import REPO, RESULTS, _free_port, machine, start_decoder, stop  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapters(model_dir: Path, root: Path, count: int, rank: int) -> list[str]:
+    """root/lora{i}: PEFT adapters of rank `rank` on every projection, random A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    names = []
+    for i in range(count):
+        torch.manual_seed(i)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                               LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.01)
+        model.save_pretrained(root / f"lora{i}")
+        names.append(f"lora{i}")
+    return names
+
+
+def start_registry(model_dir: Path, root: Path, rank: int) -> tuple[subprocess.Popen, str]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = f"127.0.0.1:{_free_port()}"
+    log = (RESULTS / "lora-registry.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "services.adapters", "--address", address, "--root", str(root),
+                                "--base-model-dir", str(model_dir), "--max-rank", str(rank)], cwd=REPO,
+                               env={**os.environ, "TESSERA_ADMIN_TOKEN": ""}, stdout=log, stderr=subprocess.STDOUT)
+    with grpc.insecure_channel(address) as channel:
+        health, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError("registry exited; see bench/results/lora-registry.log")
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return process, address
+            except grpc.RpcError:
+                time.sleep(0.2)
+    process.kill()
+    raise TimeoutError("registry not SERVING after 120 s")
+
+
+async def _load(registry: str, names: list[str]) -> None:
+    import grpc
+
+    from tessera.v1 import adapters_pb2, adapters_pb2_grpc
+
+    async with grpc.aio.insecure_channel(registry) as channel:
+        stub = adapters_pb2_grpc.AdaptersStub(channel)
+        for name in names:
+            await stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=name, path=name))
+
+
+async def _grpc_run(address: str, work: list[tuple[list[int], str]], max_tokens: int) -> float:
+    """Generated tokens/s of all requests sent at once (each distinct adapter warmed up first)."""
+    import grpc
+
+    from tessera.v1 import decoder_pb2, decoder_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decoder_pb2_grpc.DecoderStub(channel)
+
+        async def one(prompt, lora, n):
+            request = decoder_pb2.GenerateRequest(prompt_token_ids=prompt, lora=lora, sampling=decoder_pb2.SamplingParams(
+                max_tokens=n, ignore_eos=True))
+            return sum([len(r.token_ids) async for r in stub.Generate(request, timeout=3600)])
+
+        await asyncio.gather(*(one([5, 6, 7, 8], lora, 2) for lora in sorted({lora for _, lora in work})))
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(p, lora, max_tokens) for p, lora in work))
+        return sum(counts) / (time.perf_counter() - start)
+
+
+def peft_run(model_dir: Path, root: Path, names: list[str], work, max_tokens: int) -> float:
+    """PeftModel in process: per adapter one left-padded greedy batch of its requests; tokens/s."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir).eval(), root / names[0],
+                                      adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(root / name, adapter_name=name)
+    model.eval()
+
+    def batch(prompts):
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=2)
+        return (out.shape[1] - width) * len(prompts)
+
+    model.set_adapter(names[0])
+    batch([[5, 6, 7, 8]])  # warm-up
+    start, tokens = time.perf_counter(), 0
+    for name in names:
+        model.set_adapter(name)
+        tokens += batch([p for p, lora in work if lora == name])
+    return tokens / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common.paths import default_decoder_dir
+
+    parser = argparse.ArgumentParser(prog="tessera bench lora", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=default_decoder_dir())
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--lora-backend", choices=("torch", "triton"), default="torch")
+    args = parser.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
+        root = Path(tmp)
+        names = make_adapters(args.model_dir, root, args.adapters, args.rank)
+        work = [(p, names[i % len(names)]) for i, p in enumerate(prompts)]
+        registry, registry_address = start_registry(args.model_dir, root, args.rank)
+        try:
+            asyncio.run(_load(registry_address, names))
+            flags = ["--adapters-address", registry_address, "--adapter-slots", str(args.adapters),
+                     "--max-lora-rank", str(args.rank), "--max-model-len", "1024", "--no-prefix-caching",
+                     "--lora-backend", args.lora_backend]
+            decoder, address = start_decoder(args.model_dir, flags, RESULTS / "lora-server.log")
+            try:
+                base = asyncio.run(_grpc_run(address, [(p, "") for p in prompts], args.max_tokens))
+                multi = asyncio.run(_grpc_run(address, work, args.max_tokens))
+            finally:
+                stop(decoder)
+        finally:
+            stop(registry)
+        peft = peft_run(args.model_dir, root, names, work, args.max_tokens)
+    rows = [("base only (tessera, no adapter)", base), (f"{args.adapters} adapters rank {args.rank} (tessera)", multi),
+            ("PEFT in process, adapter switched per batch (anchor)", peft)]
+    model = f"model: {args.model_dir.name}, fp32, lora backend {args.lora_backend}"
+    workload = (f"workload: {args.requests} concurrent requests, {args.prompt_len}-token random prompts, "
+                f"{args.max_tokens} new tokens each (EOS ignored), round-robin over {args.adapters} adapters\n")
+    lines = ["# bench lora\n", f"machine: {machine()}", model, workload,
+             "| mode | generated tok/s |", "|---|---|"]
+    lines += [f"| {name} | {rate:.1f} |" for name, rate in rows]
+    lines += ["", f"multi-LoRA / base-only: {multi / base:.2f}x (target >= 0.8x)",
+              f"multi-LoRA / PEFT: {multi / peft:.2f}x (target >= 4x)"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (RESULTS / "lora.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

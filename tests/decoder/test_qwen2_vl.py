@@ -1,0 +1,317 @@
+"""Qwen2-VL decoder conformance with transformers 5.24 on a tiny seeded checkpoint.
+
+References run in process: the checkpoint's chat template, transformers' PIL image processor
+and Qwen2VLProcessor's expansion rule (`replace_image_token`: grid.prod() // merge_size**2 copies
+of <|image_pad|>; the processor class itself needs torchvision for its video half, which is not
+installed), `Qwen2VLModel.get_rope_index` and `Qwen2VLForConditionalGeneration.generate`
+with pixel_values / image_grid_thw. Our side: rows from the vision engine in process, then the
+decoder engine (chunked prefill, prefix cache, preemption as configured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+from decoder_testing import capture_logits, run_requests
+from services.common.errors import InvalidArgument
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import LLMEngine
+from services.decoder.inputs import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
+from services.vision.config import VisionConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
+from tests.vision.qwen2_vl_tiny import MROPE_SECTION, build_tiny_qwen2_vl, reference_processor
+
+NEW_TOKENS = 32
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen2-vl-decoder")
+    model = build_tiny_qwen2_vl(directory)
+    vision = VisionEngine(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
+    return directory, model, vision, (AutoTokenizer.from_pretrained(directory), reference_processor())
+
+
+def _engine(directory, **overrides):
+    options = dict(model_dir=str(directory), num_blocks=64, block_size=8, max_model_len=512)
+    options.update(overrides)
+    return LLMEngine(DecoderConfig(**options))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    engine = _engine(tiny[0])
+    yield engine
+    engine.shutdown()
+
+
+def _png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+# content items: bytes = an image, str = text
+def _ours(vision, content, request_id, max_tokens=NEW_TOKENS) -> GenerateInput:
+    images = [c for c in content if isinstance(c, bytes)]
+    encoded = iter(vision.encode(vision.process([ImageSource(data=d) for d in images])) if images else [])
+    parts = []
+    for item in content:
+        if isinstance(item, bytes):
+            e = next(encoded)
+            parts.append(ImagePart(e.rows, e.grid_thw, e.mrope_section, e.content_hash))
+        else:
+            parts.append(TextPart(item))
+    return GenerateInput(SamplingParams(max_tokens=max_tokens), request_id=request_id,
+                         messages=(ChatMessage("user", tuple(parts)),))
+
+
+def _hf_batch(processor, content):
+    message = [{"role": "user", "content": [{"type": "image"} if isinstance(c, bytes) else {"type": "text", "text": c}
+                                            for c in content]}]
+    tokenizer, image_processor = processor
+    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    batch = {}
+    images = [Image.open(io.BytesIO(c)) for c in content if isinstance(c, bytes)]
+    if images:
+        batch = dict(image_processor(images=images, return_tensors="pt"))
+        pieces = text.split("<|image_pad|>")
+        counts = [int(g.prod()) // image_processor.merge_size ** 2 for g in batch["image_grid_thw"]]
+        text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
+    ids = tokenizer([text], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    batch.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == 250).int())
+    return batch
+
+
+def _hf_reference(model, processor, content):
+    """generate(do_sample=False) ids (cut after EOS) and per-step fp32 logits; also the batch."""
+    batch = _hf_batch(processor, content)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
+    n = new.index(1) + 1 if 1 in new else len(new)
+    return new[:n], torch.cat(out.logits).float()[:n], batch
+
+
+def _run_together(engine, requests):
+    """Submit every request while the engine thread is held, so all are admitted in one schedule."""
+    async def collect(request):
+        ids, last = [], None
+        async for out in engine.generate(request):
+            ids.extend(out.token_ids)
+            last = out
+        return ids, "", last
+
+    async def main():
+        engine._cond.acquire()  # re-entrant: generate() takes it again on this thread
+        try:
+            tasks = [asyncio.create_task(collect(r)) for r in requests]
+            while len(engine._requests) < len(requests):
+                await asyncio.sleep(0.001)
+        finally:
+            engine._cond.release()
+        return await asyncio.gather(*tasks)
+
+    return asyncio.run(main())
+
+
+def _check(engine, requests, refs, admit_together=False):
+    rows = capture_logits(engine)
+    results = _run_together(engine, requests) if admit_together else run_requests(engine, requests)
+    for request, (ids, _, _), (want_ids, want_logits, _) in zip(requests, results, refs):
+        assert ids == want_ids, request.request_id
+        got = torch.stack(rows[request.request_id])
+        assert got.shape == want_logits.shape
+        torch.testing.assert_close(got, want_logits, atol=TOL, rtol=0)
+    return results
+
+
+IMAGE_A, IMAGE_B = _png(112, 84, 1), _png(112, 84, 2)   # same size, different pixels: merged grid (1, 3, 4)
+TALL = _png(60, 150, 3)
+ONE = ["Describe ", IMAGE_A, " briefly."]
+TWO = [IMAGE_A, " versus ", TALL, " which?"]
+TEXT = ["Just text, no picture."]
+
+
+@pytest.mark.parametrize("content", [ONE, TWO, TEXT], ids=["one-image", "two-images", "text-only"])
+def test_ids_and_positions_equal_processor_and_get_rope_index(tiny, engine, content):
+    _, model, vision, processor = tiny
+    batch = _hf_batch(processor, content)
+    prompt = engine.prompts.build(_ours(vision, content, "p"))
+    assert prompt.token_ids == batch["input_ids"][0].tolist()
+    want, delta = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                             batch.get("image_grid_thw"))
+    assert torch.equal(prompt.mrope_positions, want[:, 0])
+    assert prompt.rope_delta == int(delta[0, 0])
+    if content is TWO:
+        assert prompt.rope_delta < 0 and len(prompt.image_spans) == 2
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    _, model, _, processor = tiny
+    return {name: _hf_reference(model, processor, content) for name, content in
+            (("one", ONE), ("two", TWO), ("text", TEXT), ("b", ["Describe ", IMAGE_B, " briefly."]))}
+
+
+def test_greedy_and_logits_one_and_two_images_batched_with_text(tiny, engine, refs):
+    _, _, vision, _ = tiny
+    requests = [_ours(vision, ONE, "one"), _ours(vision, TWO, "two"), _ours(vision, TEXT, "text")]
+    _check(engine, requests, [refs["one"], refs["two"], refs["text"]], admit_together=True)  # one batch
+
+
+def test_chunk_boundary_inside_the_image(tiny, refs):
+    directory, _, vision, _ = tiny
+    request = _ours(vision, ONE, "one")
+    chunked = _engine(directory, max_num_batched_tokens=5)  # chunks of 5 rows: the 12-row image spans three
+    try:
+        span = chunked.prompts.build(request).image_spans[0]
+        assert span.end - span.start == 12 and span.start % 5 != 0
+        _check(chunked, [request], [refs["one"]])
+    finally:
+        chunked.shutdown()
+
+
+def test_prefix_hits_only_for_the_same_image(tiny, refs):
+    directory, _, vision, _ = tiny
+    engine = _engine(directory, block_size=4)
+    try:
+        a, b = ["Describe ", IMAGE_A, " briefly."], ["Describe ", IMAGE_B, " briefly."]
+        span = engine.prompts.build(_ours(vision, a, "x")).image_spans[0]
+        first = _check(engine, [_ours(vision, a, "one")], [refs["one"]])[0]
+        second = _check(engine, [_ours(vision, b, "b")], [refs["b"]])[0]
+        third = _check(engine, [_ours(vision, a, "one")], [refs["one"]])[0]
+        # transposed grid, same rows and content hash: positions differ, so the key differs
+        e = vision.encode(vision.process([ImageSource(data=IMAGE_A)]))[0]
+        flipped = ImagePart(e.rows, (1, e.grid_thw[2], e.grid_thw[1]), e.mrope_section, e.content_hash)
+        fourth = run_requests(engine, [GenerateInput(SamplingParams(max_tokens=NEW_TOKENS), request_id="flip",
+                                                     messages=(ChatMessage("user", (TextPart("Describe "), flipped,
+                                                                                    TextPart(" briefly."))),))])[0]
+    finally:
+        engine.shutdown()
+    image_block = span.start // 4 * 4  # tokens before the image's first block may be shared
+    assert first[2].usage.cached_prompt_tokens == 0
+    assert second[2].usage.cached_prompt_tokens <= image_block     # B never reuses A's image blocks
+    assert third[2].usage.cached_prompt_tokens >= span.end          # A reuses its own image blocks
+    assert fourth[2].usage.cached_prompt_tokens <= image_block
+    assert refs["b"][0] != refs["one"][0] and not torch.allclose(refs["b"][1][0], refs["one"][1][0])
+    assert fourth[0] != first[0]
+
+
+def test_preemption_and_recompute(tiny, refs):
+    directory, _, vision, _ = tiny
+    engine = _engine(directory, num_blocks=24, block_size=8)  # 3 requests of 121-130 tokens need ~48 blocks
+    preempted = []
+    original = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    try:
+        requests = [_ours(vision, ONE, "one"), _ours(vision, TWO, "two"), _ours(vision, ["Describe ", IMAGE_B, " briefly."], "b")]
+        _check(engine, requests, [refs["one"], refs["two"], refs["b"]], admit_together=True)
+        assert engine.stats().num_free_blocks == 24
+    finally:
+        engine.shutdown()
+    assert preempted, "the pool was meant to force preemption"
+
+
+def test_literal_placeholders_and_sections_are_refused(tiny, engine):
+    directory, _, vision, _ = tiny
+    for token in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"):
+        with pytest.raises(InvalidArgument, match="must not contain"):
+            engine.prompts.build(_ours(vision, [f"look {token} here"], "x"))
+    with pytest.raises(InvalidArgument, match="placeholder token 250"):
+        engine.prompts.build(GenerateInput(SamplingParams(max_tokens=1), prompt_token_ids=(5, 250, 6)))
+    with pytest.raises(InvalidArgument, match="differs from the decoder's"):
+        engine.prompts.build(_ours(vision, ["x"], "x").__class__(
+            SamplingParams(max_tokens=1), prompt=(ImagePart(torch.zeros(4, 64), (1, 2, 2), (4, 2, 2)),)))
+    assert engine.config.mrope_section == tuple(MROPE_SECTION)
+    with pytest.raises(ValueError, match="differs from the checkpoint's"):
+        DecoderConfig(model_dir=str(directory), mrope_section=(4, 2, 2))
+
+
+def test_loader_layouts_and_refusals(tiny, tmp_path):
+    """The in-memory naming (model.language_model.*, model.visual.*) loads to the same weights as the
+    saved original layout (model.*, visual.*); scaled RoPE and a differing section are refused."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from services.decoder.model_qwen2_vl import load_model, load_qwen2_vl
+
+    directory, model, _, _ = tiny
+    saved = load_model(directory, torch.float32)
+    assert saved.rotary.mrope_section == tuple(MROPE_SECTION) and saved.spec.qkv_bias and not saved.spec.o_bias
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(directory / "config.json", renamed / "config.json")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(renamed / "model.safetensors"))
+    assert any(k.startswith("model.language_model.") for k in model.state_dict())
+    loaded = load_qwen2_vl(renamed, torch.float32)
+    for name, value in saved.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    config = json.loads((directory / "config.json").read_text())
+    flat = {**{k: v for k, v in config.items() if k != "text_config"}, **config["text_config"]}  # Qwen2-VL-2B style
+    flat.pop("rope_parameters")
+    flat.update(model_type="qwen2_vl", rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": MROPE_SECTION})
+    (renamed / "config.json").write_text(json.dumps(flat))
+    assert load_qwen2_vl(renamed, torch.float32).spec == loaded.spec
+    config["text_config"]["rope_parameters"].update(rope_type="linear", factor=2.0)
+    (renamed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="scaled RoPE 'linear'"):
+        load_qwen2_vl(renamed, torch.float32)
+    with pytest.raises(ValueError, match="differs from the checkpoint's"):
+        load_qwen2_vl(directory, torch.float32, (4, 2, 2))
+
+
+def test_decoder_service_serves_a_qwen2_vl_dir(tiny, refs):
+    """--model-dir of a Qwen2-VL checkpoint just works over gRPC: sections from the checkpoint, an
+    encoded image part in a chat message, the same greedy ids as transformers."""
+    from services.common.server import create_server, insecure_channel
+    from services.common.tensor import to_pb
+    from services.decoder.__main__ import parse_args
+    from services.decoder.servicer import DecoderServicer
+    from tessera.v1 import decoder_pb2, decoder_pb2_grpc, vision_pb2
+
+    directory, _, vision, _ = tiny
+    _, config = parse_args(["--address", "127.0.0.1:0", "--model-dir", str(directory), "--num-blocks", "64",
+                            "--max-model-len", "512"])
+    e = vision.encode(vision.process([ImageSource(data=IMAGE_A)]))[0]
+    image = vision_pb2.EncodedImage(rows=to_pb(e.rows), grid_thw=list(e.grid_thw), mrope_section=list(e.mrope_section),
+                                    content_hash=e.content_hash)
+    content = [decoder_pb2.ContentPart(text="Describe "), decoder_pb2.ContentPart(encoded_image=image),
+               decoder_pb2.ContentPart(text=" briefly.")]
+    request = decoder_pb2.GenerateRequest(messages=[decoder_pb2.ChatMessage(role="user", content=content)],
+                                          sampling=decoder_pb2.SamplingParams(max_tokens=NEW_TOKENS))
+
+    async def main():
+        servicer = DecoderServicer(config)
+        server = create_server()
+        decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await servicer.start()
+        try:
+            async with insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = decoder_pb2_grpc.DecoderStub(channel)
+                info = await stub.GetInfo(decoder_pb2.DecoderInfoRequest())
+                ids = [t async for r in stub.Generate(request) for t in r.token_ids]
+                return info, ids
+        finally:
+            await server.stop(0)
+            await servicer.stop()
+
+    info, ids = asyncio.run(main())
+    assert list(info.mrope_section) == MROPE_SECTION and info.architecture == "Qwen2VLForConditionalGeneration"
+    assert ids == refs["one"][0]
