@@ -9,6 +9,7 @@ that exits on its own is restarted (the others keep serving meanwhile), up to MA
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 import subprocess
@@ -54,17 +55,29 @@ class ClusterSpec:
     def address(self, service: str) -> str:
         return f"{self.host}:{self.base_port + PORT_OFFSETS[service]}"
 
+    @property
+    def native_vision(self) -> bool:
+        """The decoder checkpoint is a VLM (Qwen2-VL): its own vision tower, sections and image token."""
+        config = json.loads((Path(self.decoder_model_dir) / "config.json").read_text())
+        return config.get("model_type") == "qwen2_vl"
+
     def command(self, service: str) -> list[str]:
         a = self.address
+        native = self.native_vision
+        if native:  # the checkpoint's vision tower; sections and placeholders come from its config
+            vision = ["--encoder", "qwen2-vl", "--model-dir", str(self.decoder_model_dir)]
+            decoder_vision: list[str] = []
+        else:  # the demo encoder, sized for the decoder, with the configured sections and placeholder
+            vision = ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section]
+            decoder_vision = ["--mrope-section", self.mrope_section, "--image-token", self.image_token]
         args = {
             "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir),
                          *(["--admin-token", self.admin_token] if self.admin_token else [])],
-            "vision": ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section],
+            "vision": vision,
             "pooling": ["--model-dir", str(self.embedding_model_dir),
                         *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
             "decoder": ["--model-dir", str(self.decoder_model_dir), "--adapters-address", a("adapters"),
-                        *(["--mrope-section", self.mrope_section, "--image-token", self.image_token]
-                          if self.vision else [])],
+                        *(decoder_vision if self.vision else [])],
             "gateway": ["--decoder", a("decoder"), "--pooling", a("pooling"), "--adapters", a("adapters"),
                         "--vision", a("vision") if self.vision else ""],
         }[service]

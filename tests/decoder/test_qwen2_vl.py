@@ -28,7 +28,7 @@ from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
-from tests.vision.qwen2_vl_tiny import MROPE_SECTION, build_tiny_qwen2_vl, reference_processor
+from tests.vision.qwen2_vl_tiny import MROPE_SECTION, build_tiny_qwen2_vl, hf_greedy, hf_inputs, reference_processor
 
 NEW_TOKENS = 32
 TOL = 1e-4
@@ -78,31 +78,14 @@ def _ours(vision, content, request_id, max_tokens=NEW_TOKENS) -> GenerateInput:
 
 
 def _hf_batch(processor, content):
-    message = [{"role": "user", "content": [{"type": "image"} if isinstance(c, bytes) else {"type": "text", "text": c}
-                                            for c in content]}]
-    tokenizer, image_processor = processor
-    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
-    batch = {}
-    images = [Image.open(io.BytesIO(c)) for c in content if isinstance(c, bytes)]
-    if images:
-        batch = dict(image_processor(images=images, return_tensors="pt"))
-        pieces = text.split("<|image_pad|>")
-        counts = [int(g.prod()) // image_processor.merge_size ** 2 for g in batch["image_grid_thw"]]
-        text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
-    ids = tokenizer([text], add_special_tokens=False, return_tensors="pt")["input_ids"]
-    batch.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == 250).int())
-    return batch
+    return hf_inputs(*processor, content)
 
 
 def _hf_reference(model, processor, content):
     """generate(do_sample=False) ids (cut after EOS) and per-step fp32 logits; also the batch."""
     batch = _hf_batch(processor, content)
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    new = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
-    n = new.index(1) + 1 if 1 in new else len(new)
-    return new[:n], torch.cat(out.logits).float()[:n], batch
+    new, logits = hf_greedy(model, batch, NEW_TOKENS)
+    return new, logits, batch
 
 
 def _run_together(engine, requests):

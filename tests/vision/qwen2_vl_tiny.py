@@ -74,3 +74,41 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                         pad_token="<|endoftext|>", additional_special_tokens=list(SPECIALS.values()))
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def hf_inputs(tokenizer, image_processor, content: list) -> dict:
+    """transformers' inputs for one user turn; `content` items are image bytes or text.
+
+    The chat template renders one <|image_pad|> per image; Qwen2VLProcessor's rule
+    (`grid.prod() // merge_size**2` copies) expands it. The processor class itself is not used:
+    its video half needs torchvision, which is not installed.
+    """
+    import io
+
+    from PIL import Image
+
+    message = [{"role": "user", "content": [{"type": "image"} if isinstance(c, bytes) else {"type": "text", "text": c}
+                                            for c in content]}]
+    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    batch = {}
+    images = [Image.open(io.BytesIO(c)) for c in content if isinstance(c, bytes)]
+    if images:
+        batch = dict(image_processor(images=images, return_tensors="pt"))
+        pieces = text.split("<|image_pad|>")
+        counts = [int(g.prod()) // image_processor.merge_size ** 2 for g in batch["image_grid_thw"]]
+        text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
+    ids = tokenizer([text], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    image_token_id = tiny_config().image_token_id
+    batch.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token_id).int())
+    return batch
+
+
+def hf_greedy(model, batch: dict, max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """generate(do_sample=False): new ids (cut after EOS) and per-step fp32 logits [n, vocab]."""
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
+    eos = model.config.text_config.eos_token_id
+    n = new.index(eos) + 1 if eos in new else len(new)
+    return new[:n], torch.cat(out.logits).float()[:n]
