@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             ("transformers generate, sequential", sequential)]
     lines = [f"# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, fp32",
              f"workload: {len(work)} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, "
-             f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored)\n",
+             f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored)",
+             f"decoder flags: --max-model-len 2048 {args.decoder_flags}".rstrip() + " (other settings: defaults)\n",
              "| mode | tokens/s | ours / this |", "|---|---|---|"]
     lines += [f"| {name} | {tps:.1f} | {ours / tps:.2f} |" for name, tps in rows]
     lines += ["", "| engine overhead at batch 16 x context 128 | ms | target |", "|---|---|---|",

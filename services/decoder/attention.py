@@ -35,7 +35,8 @@ class AttentionMetadata:
     slot_mapping: int64 [num_tokens], where each new token's K/V is written.
     decode_rows: int64 [num_decodes], flat rows of single-token (decode) sequences.
     decode_slots: int64 [num_decodes, max_context] cache slots per row (padding points at slot 0).
-    decode_mask: bool [num_decodes, 1, 1, max_context], True where the slot is real context.
+    decode_mask: bool [num_decodes, 1, 1, max_context], True where the slot is real context; None
+        when no row is padded.
     """
 
     slot_mapping: torch.Tensor
@@ -68,14 +69,17 @@ def prefill_span(token_start: int, num_computed: int, context_slots: torch.Tenso
     return PrefillSpan(token_start, token_start + query_len, num_computed, context_slots, mask)
 
 
-def decode_batch(context_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad per-row context slots into ([rows, max_context] slots, [rows, 1, 1, max_context] mask)."""
-    lengths = torch.tensor([s.numel() for s in context_slots])
-    max_len = int(lengths.max())
+def decode_batch(context_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pad per-row context slots into ([rows, max_context] slots, [rows, 1, 1, max_context] mask);
+    the mask is None when every row has the same context length (no padding: SDPA's faster path)."""
+    sizes = [s.numel() for s in context_slots]
+    max_len = max(sizes)
+    if min(sizes) == max_len:
+        return torch.stack(context_slots), None
     slots = torch.zeros(len(context_slots), max_len, dtype=torch.long)
     for row, s in enumerate(context_slots):
         slots[row, : s.numel()] = s
-    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    mask = torch.arange(max_len)[None, :] < torch.tensor(sizes)[:, None]
     return slots, mask[:, None, None, :]
 
 
@@ -94,27 +98,40 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         t = meta.triton
         return triton_paged_attention(query, k_cache, v_cache, t.block_tables, t.token_seq, t.context_lens,
                                       t.block_size, scale)
-    out = torch.empty_like(query)
     num_rep = query.shape[1] // k_cache.shape[1]
+    if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == query.shape[0]:
+        return _decode(query, k_cache, v_cache, meta, num_rep, scale)  # every row decodes: no scatter
+    out = torch.empty_like(query)
     for span in meta.prefills:
         q = query[span.token_start:span.token_end].transpose(0, 1)  # [heads, q_len, head_dim]
-        k = _heads_first(k_cache[span.context_slots], num_rep)    # [heads, ctx, head_dim]
-        v = _heads_first(v_cache[span.context_slots], num_rep)
+        k = _heads_first(k_cache.index_select(0, span.context_slots), num_rep)  # [heads, ctx, head_dim]
+        v = _heads_first(v_cache.index_select(0, span.context_slots), num_rep)
         if span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
         out[span.token_start:span.token_end] = o.transpose(0, 1)
     if meta.decode_rows is not None and meta.decode_rows.numel():
-        # one query per row: the `num_rep` heads sharing a kv head become that kv head's query rows,
-        # so K/V are gathered once per kv head and never repeated
-        rows, heads, head_dim = meta.decode_rows.numel(), query.shape[1], query.shape[2]
-        q = query[meta.decode_rows].view(rows, heads // num_rep, num_rep, head_dim)  # [rows, kv_heads, rep, d]
-        k = k_cache[meta.decode_slots].transpose(1, 2)              # [rows, kv_heads, ctx, head_dim]
-        v = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[meta.decode_rows] = o.reshape(rows, heads, head_dim)
+        out.index_copy_(0, meta.decode_rows, _decode(query.index_select(0, meta.decode_rows), k_cache, v_cache,
+                                                     meta, num_rep, scale))
     return out
+
+
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            num_rep: int, scale: float) -> torch.Tensor:
+    """Decode rows' attention: `query` [rows, heads, head_dim] (one token per row) -> same shape.
+
+    The `num_rep` heads sharing a kv head become that kv head's query rows, so K/V are gathered
+    once per kv head and never repeated; `index_select` over the flattened slots is a plain row
+    copy (several times faster on CPU than advanced indexing).
+    """
+    rows, heads, head_dim = query.shape
+    slots = meta.decode_slots.reshape(-1)  # [rows * max_context]
+    q = query.view(rows, heads // num_rep, num_rep, head_dim)                       # [rows, kv_heads, rep, d]
+    k = k_cache.index_select(0, slots).view(rows, -1, *k_cache.shape[1:]).transpose(1, 2)  # [rows, kv, ctx, d]
+    v = v_cache.index_select(0, slots).view(rows, -1, *v_cache.shape[1:]).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(rows, heads, head_dim)
 
 
 def _heads_first(x: torch.Tensor, num_rep: int) -> torch.Tensor:

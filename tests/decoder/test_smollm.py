@@ -1,42 +1,197 @@
-"""The prepared SmolLM2-135M-Instruct checkpoint: chat prompt ids and greedy ids equal transformers."""
+"""The prepared SmolLM2-135M-Instruct checkpoint in every engine regime: greedy ids equal
+transformers' generate for 64 tokens and fp32 logits agree within 1e-4 — alone, 16 concurrent
+mixed-length requests, chunked prefill (16-token budget), a prefix-cache hit, recompute preemption,
+and a request cancelled mid-stream. Also the chat template path (prompt ids and "Paris")."""
 
+import asyncio
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decoder_testing import run_requests
+from decoder_testing import _collect, capture_logits, run_requests
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import ChatMessage, GenerateInput, SamplingParams, TextPart
 
+NEW_TOKENS = 64
+PAD = 2
+LENGTHS = [1, 3, 5, 9, 16, 17, 20, 24, 31, 33, 40, 47, 50, 57, 64, 70]
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden screw press into a practical system. Within decades, "
+    "printing shops had spread to more than two hundred cities across Europe. Books became cheaper, "
+    "literacy rose, and ideas travelled faster than ever before. Scientists shared their results in print, "
+    "merchants relied on printed price lists, and governments issued printed laws. Meanwhile, in the "
+    "kitchen, a good bread needs only flour, water, salt and yeast, yet bakers argue endlessly about "
+    "hydration, fermentation time and the temperature of the oven. Rivers shape valleys over millions "
+    "of years; glaciers carve fjords; volcanoes build islands from the ocean floor. A simple Python "
+    "function that adds two numbers is written as def add(a, b): return a + b, and it can be tested "
+    "with a single assertion. The orchestra tuned their instruments while the conductor waited calmly."
+)
 MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_chat_greedy_equals_transformers():
+def _prompts(tokenizer):
+    """16 distinct natural-text prompts of LENGTHS tokens (windows at different offsets), and one that
+    shares the last prompt's first 40 tokens (2 full 16-token blocks) and then diverges."""
+    ids = tokenizer(TEXT)["input_ids"]
+    assert len(ids) >= 7 * 15 + 70
+    prompts = [ids[7 * i:7 * i + n] for i, n in enumerate(LENGTHS)]
+    return prompts, prompts[-1][:40] + ids[:12]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """(model dir, tokenizer, prompts, prefix prompt, {prompt tuple: (ref ids, ref logits [n, vocab])})."""
     model_dir = default_decoder_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ref_prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompts, prefix_prompt = _prompts(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ref_prompt]), attention_mask=torch.ones(1, len(ref_prompt), dtype=torch.long),
-                             max_new_tokens=32, do_sample=False)
-    ref_ids = out[0, len(ref_prompt):].tolist()
+    every = prompts + [prefix_prompt]
+    refs = dict(zip(map(tuple, every), _hf_reference(model, every)))
+    return model_dir, tokenizer, prompts, prefix_prompt, refs
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), num_blocks=32, max_model_len=1024, max_num_seqs=4))
+
+def _hf_reference(model, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """One left-padded generate(do_sample=False) over all prompts, EOS not stopping (the engine runs
+    with ignore_eos, so every prompt compares 64 tokens): [(ids, raw fp32 logits [64, vocab])]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits, dim=1).float()  # [batch, 64, vocab]
+    return [(out.sequences[row, width:].tolist(), logits[row]) for row in range(len(prompts))]
+
+
+def _engine(model_dir, **overrides):
+    options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16)
+    options.update(overrides)
+    return LLMEngine(DecoderConfig(**options))
+
+
+def _greedy(prompt, request_id, max_tokens=NEW_TOKENS):
+    return GenerateInput(SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=request_id, prompt_token_ids=tuple(prompt))
+
+
+def _check(engine, refs, prompts, concurrent=True):
+    """Run `prompts` (all at once, or one after another); ids and logits must match transformers."""
+    logits = capture_logits(engine)
+    requests = [_greedy(p, f"r{i}") for i, p in enumerate(prompts)]
+    if concurrent:
+        results = run_requests(engine, requests)
+    else:
+        results = [run_requests(engine, [r])[0] for r in requests]
+    for i, (prompt, (ids, _, _)) in enumerate(zip(prompts, results)):
+        ref_ids, ref_logits = refs[tuple(prompt)]
+        assert len(ref_ids) == NEW_TOKENS
+        assert ids == ref_ids, f"request {i} (prompt of {len(prompt)} tokens)"
+        torch.testing.assert_close(torch.stack(logits[f"r{i}"]), ref_logits, atol=1e-4, rtol=0)
+    return results
+
+
+def test_alone_and_chat_template(smollm):
+    model_dir, tokenizer, prompts, _, refs = smollm
+    engine = _engine(model_dir)
     try:
+        _check(engine, refs, [prompts[0], prompts[-1]], concurrent=False)
         messages = tuple(ChatMessage(m["role"], (TextPart(m["content"]),)) for m in MESSAGES)
-        assert engine.prompts.build(GenerateInput(SamplingParams(max_tokens=1), messages=messages)).token_ids == ref_prompt
-        ids, text, last = run_requests(engine, [GenerateInput(SamplingParams(max_tokens=32), messages=messages)])[0]
-        # the same chat again hits the prefix cache (all full blocks but the last token's) and still conforms
-        hit_ids, _, hit_last = run_requests(engine, [GenerateInput(SamplingParams(max_tokens=32), messages=messages)])[0]
-        hits = engine.stats().prefix_cache_hits
+        chat_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+        assert engine.prompts.build(GenerateInput(SamplingParams(max_tokens=1), messages=messages)).token_ids == chat_ids
+        _, text, _ = run_requests(engine, [GenerateInput(SamplingParams(max_tokens=8), messages=messages)])[0]
     finally:
         engine.shutdown()
-    assert ids == ref_ids
-    assert text == tokenizer.decode(ref_ids, skip_special_tokens=True)
     assert "Paris" in text
-    assert last.usage.prompt_tokens == len(ref_prompt) and last.usage.completion_tokens == len(ref_ids)
-    assert hit_ids == ref_ids and hits == 1
-    assert last.usage.cached_prompt_tokens == 0
-    assert hit_last.usage.cached_prompt_tokens == (len(ref_prompt) - 1) // 16 * 16 > 0
+
+
+def test_sixteen_concurrent_mixed_lengths(smollm):
+    model_dir, _, prompts, _, refs = smollm
+    engine = _engine(model_dir)
+    try:
+        _check(engine, refs, prompts)
+        assert engine.stats().num_free_blocks == 160
+    finally:
+        engine.shutdown()
+
+
+def test_chunked_prefill_every_prompt_chunked(smollm):
+    model_dir, _, prompts, _, refs = smollm
+    engine = _engine(model_dir, max_num_batched_tokens=16)
+    chunks = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
+        s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))[0]
+    try:
+        _check(engine, refs, prompts[-4:])  # prompts of 50..70 tokens: at least 4 chunks each
+    finally:
+        engine.shutdown()
+    assert chunks and max(chunks) <= 16
+    assert len(chunks) >= 4 * 4
+
+
+def test_prefix_cache_hit(smollm):
+    model_dir, _, prompts, prefix_prompt, refs = smollm
+    engine = _engine(model_dir)
+    try:
+        first = _check(engine, refs, [prompts[-1]])[0]
+        second = _check(engine, refs, [prefix_prompt])[0]
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert first[2].usage.cached_prompt_tokens == 0
+    assert second[2].usage.cached_prompt_tokens == 32  # two full 16-token blocks of the shared 40
+    assert stats.prefix_cache_hits == 1 and stats.prefix_cache_hit_tokens == 32
+
+
+def test_preemption_recompute(smollm):
+    model_dir, _, prompts, _, refs = smollm
+    # 16 blocks of 8 tokens (128 tokens) cannot hold 5 requests of 40..64 + 64 tokens at once
+    engine = _engine(model_dir, num_blocks=16, block_size=8)
+    preempted = []
+    original = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    try:
+        _check(engine, refs, prompts[-6:-1])
+        assert engine.stats().num_free_blocks == 16
+    finally:
+        engine.shutdown()
+    assert preempted, "the pool was meant to force preemption"
+
+
+def test_cancel_mid_stream_frees_blocks(smollm):
+    model_dir, _, prompts, _, refs = smollm
+    engine = _engine(model_dir)
+    others = prompts[8:11]
+
+    async def cancelled():
+        stream = engine.generate(_greedy(prompts[-1], "victim", max_tokens=400))
+        for _ in range(3):
+            await stream.__anext__()
+        key = next(k for k, r in engine._requests.items() if r.request_id == "victim")
+        held = len(engine.block_manager.block_table(key))
+        await stream.aclose()
+        for _ in range(400):
+            if all(r.request_id != "victim" for r in engine.scheduler.running):
+                return held
+            await asyncio.sleep(0.005)
+        return None
+
+    async def main():
+        return await asyncio.gather(cancelled(), *(_collect(engine, _greedy(p, f"o{i}")) for i, p in enumerate(others)))
+
+    try:
+        held, *results = asyncio.run(main())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert held and held >= 5   # 70-token prompt + 3 tokens in 16-token blocks
+    assert [ids for ids, _, _ in results] == [refs[tuple(p)][0] for p in others]
+    assert stats.num_free_blocks == 160 and stats.num_running == 0
