@@ -103,6 +103,39 @@ def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
     return rows
 
 
+def capture_prompt_logits(engine) -> dict[str, dict[int, torch.Tensor]]:
+    """Record fp32 logits at every prompt position the engine computes, per request id.
+
+    The engine only projects sampled rows to the vocabulary; this wraps the runner so each step's
+    final hidden states are projected for every scheduled prompt row (chunks included), keyed by
+    the row's absolute position.
+    """
+    found: dict[str, dict[int, torch.Tensor]] = {}
+    runner = engine.runner
+    prepare, forward = runner.prepare, runner._forward
+    step = {}
+
+    def preparing(out):
+        step["scheduled"] = out.scheduled
+        return prepare(out)
+
+    def forwarding(inputs):
+        hidden = forward(inputs)
+        row = 0
+        for item in step["scheduled"]:
+            request = item.request
+            for offset in range(item.num_new_tokens):
+                position = item.start + offset
+                if position < request.num_prompt_tokens:
+                    logits = runner.model.compute_logits(hidden[row + offset:row + offset + 1])[0]
+                    found.setdefault(request.request_id, {})[position] = logits.float().clone()
+            row += item.num_new_tokens
+        return hidden
+
+    runner.prepare, runner._forward = preparing, forwarding
+    return found
+
+
 async def _collect(engine, request):
     ids, text, last = [], "", None
     async for out in engine.generate(request):

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from decoder_testing import capture_logits, run_requests
+from decoder_testing import capture_logits, capture_prompt_logits, run_requests
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
@@ -165,6 +165,24 @@ def test_chunk_boundary_inside_the_image(tiny, refs):
         _check(chunked, [request], [refs["one"]])
     finally:
         chunked.shutdown()
+
+
+@pytest.mark.parametrize("budget", [512, 5], ids=["whole-prompt", "chunks-of-5"])
+def test_prompt_logits_equal_transformers_forward(tiny, refs, budget):
+    """Every prompt position's logits, including image rows and chunk boundaries inside the image."""
+    directory, model, vision, _ = tiny
+    engine = _engine(directory, max_num_batched_tokens=budget)
+    try:
+        prompt_rows = capture_prompt_logits(engine)
+        run_requests(engine, [_ours(vision, TWO, "two", max_tokens=1)])
+    finally:
+        engine.shutdown()
+    batch = refs["two"][2]
+    with torch.no_grad():
+        want = model(**batch).logits[0].float()  # [prompt_len, vocab]
+    got = prompt_rows["two"]
+    assert sorted(got) == list(range(want.shape[0]))
+    torch.testing.assert_close(torch.stack([got[i] for i in sorted(got)]), want, atol=TOL, rtol=0)
 
 
 def test_prefix_hits_only_for_the_same_image(tiny, refs):
