@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
 from _decoder_proc import RESULTS, machine, start_decoder, stop  # noqa: E402
 
 

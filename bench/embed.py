@@ -16,14 +16,14 @@ import asyncio
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.launch import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("river mountain weather spring model vector search engine query document city music garden "
@@ -56,30 +56,11 @@ def run_in_process(model_dir: Path, texts: list[str], batch_size: int = 32) -> d
             "latency_of": f"one batch of {batch_size}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(model_dir: Path, extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    address = f"127.0.0.1:{_free_port()}"
-    log = log_path.open("w")
-    process = subprocess.Popen([sys.executable, "-m", "services.pooling", "--address", address, "--model-dir",
-                                str(model_dir), *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    with grpc.insecure_channel(address) as channel:
-        health, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"pooling server exited: {log_path.read_text()[-2000:]}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return process, address
-            except grpc.RpcError:
-                pass
-            time.sleep(0.25)
-    process.kill()
-    raise TimeoutError("pooling server not SERVING after 120 s")
+    service = ServiceProcess("services.pooling", ["--model-dir", str(model_dir), *extra],
+                             env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)}, startup_s=120, log_path=log_path)
+    service.start()
+    return service.process, service.address
 
 
 async def _clients(address: str, texts: list[str], num_clients: int) -> tuple[float, list[float]]:

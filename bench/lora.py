@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from _decoder_proc import REPO, RESULTS, _free_port, machine, start_decoder, stop  # noqa: E402
+from _decoder_proc import REPO, RESULTS, free_port, machine, start_decoder, stop  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -57,7 +56,7 @@ def start_registry(model_dir: Path, root: Path, rank: int) -> tuple[subprocess.P
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     log = (RESULTS / "lora-registry.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "services.adapters", "--address", address, "--root", str(root),
                                 "--base-model-dir", str(model_dir), "--max-rank", str(rank)], cwd=REPO,

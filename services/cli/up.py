@@ -18,10 +18,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from services.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir, tessera_home
+from services.common.launch import wait_serving
+from services.common.paths import (
+    default_adapter_root,
+    default_decoder_dir,
+    default_embedding_dir,
+    tessera_home,
+)
 
 SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
 MAX_RESTARTS = 5          # per RESTART_WINDOW_S, across services, before `up` gives up
@@ -119,23 +122,8 @@ class Cluster:
         self._wait_serving(service, time.monotonic() + timeout_s)
 
     def _wait_serving(self, service: str, deadline: float) -> None:
-        address = self.spec.address(service)
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                process = self.processes[service]
-                if process.poll() is not None:
-                    raise RuntimeError(f"{service} exited with code {process.returncode} during startup:\n"
-                                       f"{self.log_tail(service)}")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{service} at {address} not SERVING in time:\n{self.log_tail(service)}")
-                time.sleep(0.25)
+        wait_serving(self.spec.address(service), self.processes[service], max(0.0, deadline - time.monotonic()),
+                     service, lambda: self.log_tail(service))
 
     def log_tail(self, service: str, lines: int = 30) -> str:
         path = self.spec.log_dir / f"{service}.log"

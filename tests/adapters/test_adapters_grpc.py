@@ -10,9 +10,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.adapters.peft_format import read_peft_adapter
+from services.common.launch import ServiceProcess
 from services.common.tensor import from_pb
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
-from tests.service_process import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret"

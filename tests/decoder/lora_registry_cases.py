@@ -9,16 +9,16 @@ import shutil
 from pathlib import Path
 
 import torch
+from decoder_testing import hf_reference
+from lora_mixed_cases import MAX_RANK, save_adapters
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from decoder_testing import hf_reference
-from lora_mixed_cases import MAX_RANK, save_adapters
+from services.common.launch import ServiceProcess
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, SamplingParams
-from tests.service_process import ServiceProcess
 from tessera.v1 import adapters_pb2
 
 PROMPT = [1, 5, 77, 300, 12, 9, 44, 8, 19]
@@ -53,7 +53,7 @@ def start_registry(model_dir: Path, root: Path, db: Path, address: str | None = 
                              env={"TESSERA_ADMIN_TOKEN": ""})
     if address is not None:
         service.address = address
-    return service.__enter__()
+    return service.start()
 
 
 def peft_ids(model_dir: Path, adapter_dir: Path | None, prompt=PROMPT, new_tokens=NEW_TOKENS) -> list[int]:

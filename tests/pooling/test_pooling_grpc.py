@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from services.common.launch import ServiceProcess
 from services.common.tensor import from_pb
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
-from tests.service_process import ServiceProcess
 
 
 @pytest.fixture(scope="module")

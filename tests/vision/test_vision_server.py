@@ -12,6 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vision_images import solid, two_halves
 
+from services.common.launch import ServiceProcess
 from services.common.server import CHANNEL_OPTIONS
 from services.common.tensor import from_pb
 from services.vision.config import VisionConfig
@@ -19,7 +20,6 @@ from services.vision.encoder import DemoEncoderConfig
 from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource, ProcessorConfig
 from tessera.v1 import vision_pb2, vision_pb2_grpc
-from tests.service_process import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTH = 64
