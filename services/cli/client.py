@@ -63,7 +63,8 @@ def generate(stub, request: decoder_pb2.GenerateRequest, as_json: bool, out=sys.
     result = {
         "request_id": request.request_id, "token_ids": token_ids, "text": "".join(texts), "finish_reason": finish,
         "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                  "total_tokens": usage.total_tokens, "image_tokens": usage.image_tokens} if usage else {},
+                  "total_tokens": usage.total_tokens, "image_tokens": usage.image_tokens,
+                  "cached_prompt_tokens": usage.cached_prompt_tokens} if usage else {},
     }
     out.write(json.dumps(result) + "\n" if as_json else "\n")
     return result
