@@ -27,6 +27,9 @@ class RegistryConfig:
         report_ttl_s: a decoder whose last residency report is older than this is gone (its
             leases no longer count, nor block a drain).
         drain_poll_s: how often a draining unload/replace re-checks the decoders' reports.
+        lease_confirm_s: reports are periodic, so a lease count may belong to a request that has
+            just finished; a non-draining unload/replace waits up to this long for a report newer
+            than the call from each decoder still showing leases before it refuses.
     """
 
     root: Path = field(default_factory=default_adapter_root)
@@ -36,6 +39,7 @@ class RegistryConfig:
     max_rank: int = 64
     report_ttl_s: float = 10.0
     drain_poll_s: float = 0.05
+    lease_confirm_s: float = 3.0  # decoders report every second
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).expanduser()
@@ -52,5 +56,7 @@ class RegistryConfig:
                 raise ValueError(f"base_model_dir {self.base_model_dir} has no config.json")
         if not 1 <= self.max_rank <= RANK_LIMIT:
             raise ValueError(f"max_rank={self.max_rank} must be in [1, {RANK_LIMIT}]")
+        if self.lease_confirm_s < 0:
+            raise ValueError(f"lease_confirm_s={self.lease_confirm_s} must be >= 0")
         if not self.report_ttl_s > 0 or not self.drain_poll_s > 0:
             raise ValueError(f"report_ttl_s={self.report_ttl_s} and drain_poll_s={self.drain_poll_s} must be > 0")

@@ -47,6 +47,13 @@ class LeaseTable:
     def leases(self, digest: str) -> int:
         return sum(n for _, n in self.residency(digest))
 
+    def holders(self, digest: str, since: float) -> tuple[list[tuple[str, int]], bool]:
+        """(decoder id, leases) for live decoders reporting leases on `digest`, and whether every
+        one of those reports is newer than `since` (time.monotonic())."""
+        with self._lock:
+            live = [(d, r) for d, r in self._live() if r.resident.get(digest, 0) > 0]
+            return sorted((d, r.resident[digest]) for d, r in live), all(r.at > since for _, r in live)
+
     def is_draining(self, digest: str) -> bool:
         with self._lock:
             return digest in self._draining

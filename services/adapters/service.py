@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -16,9 +17,18 @@ from services.adapters.catalog import READY, AdapterRecord, Catalog
 from services.adapters.config import RegistryConfig
 from services.adapters.leases import LeaseTable
 from services.adapters.lora import LoraAdapter
-from services.adapters.paths import check_adapter_name, relative_to_root, resolve_in_root
+from services.adapters.paths import (
+    check_adapter_name,
+    relative_to_root,
+    resolve_in_root,
+)
 from services.adapters.peft_format import read_peft_adapter
-from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, TesseraError
+from services.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    NotFound,
+    TesseraError,
+)
 
 log = logging.getLogger(__name__)
 DRAINING = "draining"
@@ -101,7 +111,7 @@ class RegistryService:
     @asynccontextmanager
     async def _quiesced(self, record: AdapterRecord, drain: bool):
         if not drain:
-            self._refuse_leased(record)
+            await self._confirm_unleased(record)
             yield
             return
         self.leases.start_drain(record.digest)
@@ -111,6 +121,19 @@ class RegistryService:
             yield
         finally:
             self.leases.end_drain(record.digest)
+
+    async def _confirm_unleased(self, record: AdapterRecord) -> None:
+        """Refuse (FailedPrecondition) only on leases confirmed by a report newer than this call."""
+        since = time.monotonic()
+        deadline = since + self.config.lease_confirm_s
+        while True:
+            holders, fresh = self.leases.holders(record.digest, since)
+            if not holders:
+                return
+            if fresh or time.monotonic() >= deadline:
+                self._refuse_leased(record)
+                return
+            await asyncio.sleep(self.config.drain_poll_s)
 
     def _refuse_leased(self, record: AdapterRecord) -> None:
         residency = self.leases.residency(record.digest)

@@ -98,3 +98,39 @@ def test_config_validation(root):
     with pytest.raises(ValueError, match="no config.json"):
         RegistryConfig(root=root, base_model_dir=root)
     assert RegistryConfig(root=root).db_path == root / "registry.sqlite3"
+
+
+def test_unload_waits_for_a_fresh_report_before_refusing(config, adapter_in_root):
+    """Lease counts arrive periodically: a count from a request that has just finished must not
+    refuse an unload; a count a decoder confirms after the call does."""
+    import asyncio
+    import dataclasses
+
+    registry = RegistryService(dataclasses.replace(config, lease_confirm_s=2.0, drain_poll_s=0.01))
+    try:
+        digest = registry.load("a", adapter_in_root.name).digest
+        registry.report_residency("decoder-1", {digest: 1}, set())  # stale: the request ends right after
+
+        async def finished_meanwhile():
+            unload = asyncio.ensure_future(registry.unload_async("a"))
+            await asyncio.sleep(0.2)
+            registry.report_residency("decoder-1", {digest: 0}, set())
+            await unload
+
+        asyncio.run(finished_meanwhile())
+        assert [r.name for r in registry.list()] == []
+
+        registry.load("a", adapter_in_root.name)
+        registry.report_residency("decoder-1", {digest: 1}, set())
+
+        async def still_leased():
+            unload = asyncio.ensure_future(registry.unload_async("a"))
+            await asyncio.sleep(0.2)
+            registry.report_residency("decoder-1", {digest: 1}, set())  # confirmed after the call
+            await unload
+
+        with pytest.raises(FailedPrecondition, match="leased by 1 running request"):
+            asyncio.run(still_leased())
+        assert [r.name for r in registry.list()] == ["a"]
+    finally:
+        registry.close()

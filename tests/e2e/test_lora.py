@@ -57,6 +57,12 @@ def test_lora_through_cluster_equals_peft(gateway, gateway_address, peft_adapter
     assert collect(gateway, request)["ids"] == expected
     # The base model is unchanged for other requests, before and after.
     assert collect(gateway, chat_request(prompt, 24))["ids"] == base_expected
+    # Right after its requests finished the adapter unloads: a lease count still in flight from the
+    # decoder's periodic report is confirmed before it could refuse.
+    request.request_id = "again"
+    assert collect(gateway, request)["ids"] == expected
+    gateway.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="qv"), timeout=30)
+    assert "qv" not in [a.name for a in gateway.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=30).adapters]
 
 
 def test_unknown_adapter_is_not_found(gateway, assert_healthy):
