@@ -213,18 +213,26 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype,
     """
     model_dir = Path(model_dir)
     spec = LlamaSpec.from_config(json.loads((model_dir / "config.json").read_text()))
+    return build_model(spec, mrope_section, _read_safetensors(model_dir), dtype,
+                       f"weights in {model_dir} do not match {spec.architecture}")
+
+
+def build_model(spec: LlamaSpec, mrope_section: tuple[int, int, int] | None, state: dict[str, torch.Tensor],
+                dtype: torch.dtype, mismatch: str) -> LlamaForCausalLM:
+    """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec does.
+
+    Raises:
+        ValueError: `mismatch` followed by the first missing and unexpected weight names.
+    """
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, mrope_section)
-    state = _read_safetensors(model_dir)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
-        raise ValueError(f"weights in {model_dir} do not match {spec.architecture}: missing "
-                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
+        raise ValueError(f"{mismatch}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from services.decoder.model_llama import LlamaForCausalLM, LlamaSpec, _read_safetensors
+from services.decoder.model_llama import LlamaForCausalLM, LlamaSpec, _read_safetensors, build_model
 
 MODEL_TYPES = ("qwen2_vl",)
 PLAIN_ROPE_TYPES = ("default", "mrope")
@@ -139,21 +139,8 @@ def load_qwen2_vl(model_dir: str | Path, dtype: torch.dtype,
     own = mrope_section(cfg)
     if section is not None and tuple(section) != own:
         raise ValueError(f"mrope_section {tuple(section)} differs from the checkpoint's {own}")
-    spec = qwen2_spec(cfg)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(spec, own)
-    state = _text_weights(_read_safetensors(model_dir))
-    if spec.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
-        raise ValueError(f"text weights in {model_dir} do not match Qwen2-VL: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return build_model(qwen2_spec(cfg), own, _text_weights(_read_safetensors(model_dir)), dtype,
+                       f"text weights in {model_dir} do not match Qwen2-VL")
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from services.common.paths import default_decoder_dir
 
@@ -143,6 +143,34 @@ async def _collect(engine, request):
         text += out.text
         last = out
     return ids, text, last
+
+
+def cancel_mid_stream(engine, victim, others, num_outputs: int = 3):
+    """Run `others` while `victim` is cancelled after `num_outputs` outputs.
+
+    Returns (blocks the victim held when cancelled, or None if it never left the running list
+    within 2 s; (ids, text, final output) per other request).
+    """
+    import asyncio
+
+    async def cancelled():
+        stream = engine.generate(victim)
+        for _ in range(num_outputs):
+            await stream.__anext__()
+        key = next(k for k, r in engine._requests.items() if r.request_id == victim.request_id)
+        held = len(engine.block_manager.block_table(key))
+        await stream.aclose()
+        for _ in range(400):
+            if all(r.request_id != victim.request_id for r in engine.scheduler.running):
+                return held
+            await asyncio.sleep(0.005)
+        return None
+
+    async def main():
+        return await asyncio.gather(cancelled(), *(_collect(engine, r) for r in others))
+
+    held, *results = asyncio.run(main())
+    return held, results
 
 
 def run_requests(engine, requests) -> list[tuple[list[int], str, object]]:

@@ -3,14 +3,13 @@ each model family (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) in each re
 16 concurrent mixed-length requests, chunked prefill (16-token budget), a prefix-cache hit,
 recompute preemption, and a request cancelled mid-stream."""
 
-import asyncio
 import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from decoder_testing import capture_logits, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
+from decoder_testing import cancel_mid_stream, capture_logits, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, SamplingParams
@@ -125,25 +124,9 @@ def test_cancel_mid_stream_frees_blocks(family):
     engine = _engine(model_dir)
     others = PROMPTS[8:12]
 
-    async def cancelled():
-        stream = engine.generate(_greedy(PROMPTS[-1], "victim", max_tokens=400))
-        for _ in range(3):
-            await stream.__anext__()
-        held = len(engine.block_manager.block_table(next(k for k, r in engine._requests.items()
-                                                          if r.request_id == "victim")))
-        await stream.aclose()
-        for _ in range(200):
-            if all(r.request_id != "victim" for r in engine.scheduler.running):
-                return held
-            await asyncio.sleep(0.005)
-        return None
-
-    async def main():
-        from decoder_testing import _collect
-        return await asyncio.gather(cancelled(), *(_collect(engine, _greedy(p, f"o{i}")) for i, p in enumerate(others)))
-
     try:
-        held, *results = asyncio.run(main())
+        held, results = cancel_mid_stream(engine, _greedy(PROMPTS[-1], "victim", max_tokens=400),
+                                          [_greedy(p, f"o{i}") for i, p in enumerate(others)])
         assert held and held >= 5   # 70-token prompt + 3 tokens in 16-token blocks
         assert [ids for ids, _, _ in results] == [refs[tuple(p)][0] for p in others]
         stats = engine.stats()

@@ -3,13 +3,12 @@ transformers' generate for 64 tokens and fp32 logits agree within 1e-4 — alone
 mixed-length requests, chunked prefill (16-token budget), a prefix-cache hit, recompute preemption,
 and a request cancelled mid-stream. Also the chat template path (prompt ids and "Paris")."""
 
-import asyncio
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decoder_testing import _collect, capture_logits, run_requests
+from decoder_testing import cancel_mid_stream, capture_logits, run_requests
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
@@ -171,24 +170,9 @@ def test_cancel_mid_stream_frees_blocks(smollm):
     engine = _engine(model_dir)
     others = prompts[8:11]
 
-    async def cancelled():
-        stream = engine.generate(_greedy(prompts[-1], "victim", max_tokens=400))
-        for _ in range(3):
-            await stream.__anext__()
-        key = next(k for k, r in engine._requests.items() if r.request_id == "victim")
-        held = len(engine.block_manager.block_table(key))
-        await stream.aclose()
-        for _ in range(400):
-            if all(r.request_id != "victim" for r in engine.scheduler.running):
-                return held
-            await asyncio.sleep(0.005)
-        return None
-
-    async def main():
-        return await asyncio.gather(cancelled(), *(_collect(engine, _greedy(p, f"o{i}")) for i, p in enumerate(others)))
-
     try:
-        held, *results = asyncio.run(main())
+        held, results = cancel_mid_stream(engine, _greedy(prompts[-1], "victim", max_tokens=400),
+                                          [_greedy(p, f"o{i}") for i, p in enumerate(others)])
         stats = engine.stats()
     finally:
         engine.shutdown()
