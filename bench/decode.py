@@ -89,10 +89,9 @@ def hf_batched(model, work, batch: int = 16) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def engine_overhead(model_dir: Path, model, batch: int = 16, context: int = 128,
-                    steps: int = 32) -> tuple[float, float, float]:
+def engine_overhead(model_dir: Path, batch: int = 16, context: int = 128, steps: int = 32) -> tuple[float, float]:
     """Median seconds at `batch` x `context`: (engine step while all rows decode, the engine's own model
-    forward inside those steps, a bare transformers forward of the same shapes)."""
+    forward inside those steps)."""
     from services.decoder.config import DecoderConfig
     from services.decoder.engine import LLMEngine
     from services.decoder.inputs import GenerateInput, SamplingParams
@@ -130,7 +129,11 @@ def engine_overhead(model_dir: Path, model, batch: int = 16, context: int = 128,
     finally:
         engine.shutdown()
     diffs = sorted(b - a for a, b in zip(stamps, stamps[1:]))
-    engine_step = diffs[len(diffs) // 2]
+    return diffs[len(diffs) // 2], sorted(forwards)[len(forwards) // 2]
+
+
+def bare_forward(model, batch: int = 16, context: int = 128, steps: int = 32) -> float:
+    """Median seconds of a bare transformers forward: `batch` rows x 1 token over a `context` KV cache."""
     ids = torch.randint(100, 40000, (batch, context))
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
@@ -141,7 +144,7 @@ def engine_overhead(model_dir: Path, model, batch: int = 16, context: int = 128,
             model(next_ids, past_key_values=cache, use_cache=True)
             times.append(time.perf_counter() - t0)
             cache.crop(-1)  # drop the token just added: same shapes every step
-    return engine_step, sorted(forwards)[len(forwards) // 2], sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         ours = asyncio.run(_grpc_run(address, work))
     finally:
         stop(process)
+    # The engine first: its thread must be the only one with an OpenMP team (services/common/compute.py).
+    step, own_forward = engine_overhead(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    bare = bare_forward(model)
     batched, sequential = hf_batched(model, work), hf_sequential(model, work)
-    step, own_forward, bare = engine_overhead(args.model_dir, model)
     rows = [("tessera decoder over gRPC (continuous batching)", ours),
             ("transformers generate, padded batches of 16", batched),
             ("transformers generate, sequential", sequential)]

@@ -103,14 +103,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return _decode(query, k_cache, v_cache, meta, num_rep, scale)  # every row decodes: no scatter
     out = torch.empty_like(query)
     for span in meta.prefills:
-        q = query[span.token_start:span.token_end].transpose(0, 1)  # [heads, q_len, head_dim]
-        k = _heads_first(k_cache.index_select(0, span.context_slots), num_rep)  # [heads, ctx, head_dim]
-        v = _heads_first(v_cache.index_select(0, span.context_slots), num_rep)
+        # 4-D inputs with enable_gqa: SDPA's CPU flash kernel (3-D inputs, or K/V repeated per
+        # head, fall back to the slower math path)
+        q = query[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
+        k = k_cache.index_select(0, span.context_slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, head_dim]
+        v = v_cache.index_select(0, span.context_slots).transpose(0, 1)[None]
         if span.mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_rep > 1)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale)
-        out[span.token_start:span.token_end] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, enable_gqa=num_rep > 1)
+        out[span.token_start:span.token_end] = o[0].transpose(0, 1)
     if meta.decode_rows is not None and meta.decode_rows.numel():
         out.index_copy_(0, meta.decode_rows, _decode(query.index_select(0, meta.decode_rows), k_cache, v_cache,
                                                      meta, num_rep, scale))
@@ -132,9 +134,3 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     v = v_cache.index_select(0, slots).view(rows, -1, *v_cache.shape[1:]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
     return o.reshape(rows, heads, head_dim)
-
-
-def _heads_first(x: torch.Tensor, num_rep: int) -> torch.Tensor:
-    """[..., ctx, kv_heads, head_dim] -> [..., heads, ctx, head_dim] (kv heads repeated)."""
-    x = x.transpose(-3, -2)
-    return x.repeat_interleave(num_rep, dim=-3) if num_rep > 1 else x

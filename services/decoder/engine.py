@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from services.common.compute import claim_intra_op_threads
 from services.common.errors import InvalidArgument
 from services.decoder.adapter_client import AdapterClient
 from services.decoder.block_manager import BlockManager
@@ -63,10 +64,29 @@ class _Stream:
 
 class LLMEngine:
     def __init__(self, config: DecoderConfig) -> None:
+        """Loads the model on the engine thread (the process's one multi-threaded torch thread, see
+        services/common/compute.py) and returns once it is ready; load errors are re-raised here."""
         self.config = config
         self.model_config = read_model_config(config.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.dtype = getattr(torch, config.dtype)
+        self.eos_token_ids = self._eos_token_ids()
+        self._cond = threading.Condition()
+        self._streams: dict[str, _Stream] = {}
+        self._requests: dict[str, Request] = {}
+        self._aborts: set[str] = set()
+        self._stopped = False
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="decoder-engine",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def _build(self) -> None:
+        config = self.config
         self.model = load_model(config.model_dir, self.dtype, config.mrope_section)
         spec = self.model.spec
         self.cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads,
@@ -86,14 +106,6 @@ class LLMEngine:
                                      vision.start if vision else None, vision.end if vision else None)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.bank,
                                   config.mrope_section is not None, config.attention_backend)
-        self.eos_token_ids = self._eos_token_ids()
-        self._cond = threading.Condition()
-        self._streams: dict[str, _Stream] = {}
-        self._requests: dict[str, Request] = {}
-        self._aborts: set[str] = set()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="decoder-engine", daemon=True)
-        self._thread.start()
 
     # ---- setup helpers -------------------------------------------------------------------
     def _image_token_id(self) -> int | None:
@@ -220,6 +232,17 @@ class LLMEngine:
                                   f"holds {capacity} tokens ({self.config.num_blocks} blocks of {self.config.block_size})")
 
     # ---- engine thread -------------------------------------------------------------------
+    def _run(self, num_threads: int) -> None:
+        claim_intra_op_threads(num_threads)
+        try:
+            self._build()
+        except BaseException as error:  # noqa: BLE001 - re-raised by __init__
+            self._start_error = error
+            return
+        finally:
+            self._ready.set()
+        self._loop()
+
     def _loop(self) -> None:
         while True:
             with self._cond:

@@ -40,18 +40,22 @@ class LoRABatch:
 
     @cached_property
     def padded(self) -> "PaddedGroups | None":
-        """Adapter rows as [num slots present, longest group] for one batched shrink/expand pair
-        (torch backend); built on first use, then shared by every projection of the step. None when
-        padding would more than double the rows (e.g. one long prefill beside a few decodes)."""
+        """Adapter rows as a [num slots present, longest group] grid for one batched shrink/expand
+        pair (torch backend); built on first use, then shared by every projection of the step. None
+        when padding would more than double the rows (e.g. one long prefill beside a few decodes)."""
         lens = [int(rows.numel()) for _, rows in self.slot_rows]
         longest, total = max(lens), sum(lens)
         if len(lens) == 1 or len(lens) * longest > 2 * total:
             return None
         device = self.token_slots.device
-        group = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
-        pos = torch.cat([torch.arange(n, device=device) for n in lens])
-        slots = torch.tensor([s for s, _ in self.slot_rows], device=device)
-        return PaddedGroups(slots, torch.cat([rows for _, rows in self.slot_rows]), group, pos, longest)
+        rows = torch.cat([rows for _, rows in self.slot_rows])
+        # grid cell g * longest + j holds row j of group g; padding cells repeat the group's first
+        # row (their results are computed and dropped, never written back)
+        grid_rows = torch.cat([torch.cat([r, r[:1].expand(longest - r.numel())]) for _, r in self.slot_rows])
+        cells = torch.cat([g * longest + torch.arange(n, device=device) for g, n in enumerate(lens)])
+        slot_list = [s for s, _ in self.slot_rows]
+        return PaddedGroups(torch.tensor(slot_list, device=device), slot_list == list(range(len(slot_list))),
+                            rows, grid_rows, cells if total < len(lens) * longest else None, longest)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, decode_rows: torch.Tensor | None = None) -> "LoRABatch | None":
@@ -83,10 +87,12 @@ class LoRABatch:
 
 @dataclass(frozen=True)
 class PaddedGroups:
-    """Row j of group g (rows[i] with group[i] = g, pos[i] = j) sits at [g, j] of a [len(slots), max_len] grid."""
+    """Group g (slot slots[g]) fills cells [g * max_len, (g + 1) * max_len) of a flat grid:
+    `grid_rows` is the flat-batch row in each cell; `cells[i]` is the cell of `rows[i]`."""
 
-    slots: torch.Tensor   # int64 [num_groups] bank slot of each group
-    rows: torch.Tensor    # int64 [num_rows] adapter rows, grouped by slot
-    group: torch.Tensor   # int64 [num_rows]
-    pos: torch.Tensor     # int64 [num_rows]
+    slots: torch.Tensor       # int64 [num_groups] bank slot of each group, ascending
+    leading_slots: bool       # slots == 0..num_groups-1 (the bank's first slots: no weight gather)
+    rows: torch.Tensor        # int64 [num_rows] adapter rows, grouped by slot
+    grid_rows: torch.Tensor   # int64 [num_groups * max_len]
+    cells: torch.Tensor | None  # int64 [num_rows]; None when no cell is padding (cells == arange)
     max_len: int
