@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -60,3 +61,17 @@ class ComputeThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+_shared: ComputeThread | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_compute_thread() -> ComputeThread:
+    """The process's compute thread for services built on `ComputeThread` (pooling, vision),
+    created on first use with torch's current thread count; every caller shares it."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = ComputeThread("compute")
+        return _shared

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
@@ -167,7 +168,9 @@ async def serve(
         address: "host:port" to bind.
         register: adds servicers to the server; returns their full service names
             (for health and reflection).
-        start: awaited after the port is bound and before health says SERVING (model load).
+        start: awaited after the port is bound and before health says SERVING (model load, on the
+            service's compute thread); afterwards every other thread computes single-threaded
+            (services/common/compute.py).
         stop: awaited after the drain (release engines, close channels).
     """
     server = create_server(interceptors)
@@ -184,6 +187,10 @@ async def serve(
         await health_servicer.set(service, not_serving)
     if start is not None:
         await start()
+    if "torch" in sys.modules:  # a model loaded in `start` keeps its compute thread's intra-op threads
+        from services.common.compute import confine_other_threads
+
+        confine_other_threads()
     for service in ["", *service_names]:
         await health_servicer.set(service, serving)
     log.info("%s serving on %s", name, address)

@@ -76,7 +76,7 @@ async def _main(config: PoolingConfig) -> None:
         return [pooling_pb2.DESCRIPTOR.services_by_name["Pooling"].full_name]
 
     async def start() -> None:
-        await asyncio.to_thread(service.load)
+        await service.compute.run(service.load)  # weights touched first by the compute thread
 
     await serve("pooling", config.address, register, start=start)
 

@@ -7,27 +7,28 @@ drain task, started on demand in the running event loop, repeatedly:
      the token budget;
   2. takes sequences in arrival order while padded length x rows stays within `max_batch_tokens`
      (TEI's token-budget rule; the first sequence always fits, as config guarantees);
-  3. runs the forward in a worker thread under the device lock, and resolves the futures.
+  3. runs the forward on the service's compute thread (one forward at a time across its models),
+     and resolves the futures.
 
     queue  [a:12][b:40][c:8][d:100] budget 128 -> batch [a b c] (3 x 40 = 120), d waits
 
 While a forward runs, new requests queue; they form the next batch. A request whose sequences
 would push the queue past `max_queue_size` is refused (RESOURCE_EXHAUSTED) before anything is
 queued. Cancelled requests' sequences are skipped. With `enabled=False` each request is one
-forward of its own under a lock: the per-call lock baseline.
+forward of its own, in turn: the per-call lock baseline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from services.common.compute import ComputeThread
 from services.common.errors import ResourceExhausted
 from services.pooling.tokens import Sequence
 
@@ -45,16 +46,17 @@ class DynamicBatcher:
     Args:
         name: the model name (error messages).
         forward: list of sequences -> float32 tensor with one leading row per sequence (blocking).
-        device_lock: held around every forward, shared by all models on one device.
+        compute: the thread that runs every forward, shared by all models of a service (it runs one
+            at a time, so models on one device never compute concurrently).
         max_batch_tokens: padded length x rows of one forward.
         max_wait_s: longest hold of the oldest queued sequence before its forward starts.
         max_queue_size: most sequences waiting (queued, not yet in a forward).
         enabled: False = one forward per request, serialized (no gathering).
     """
 
-    def __init__(self, name: str, forward: Callable[[list[Sequence]], torch.Tensor], device_lock: threading.Lock,
+    def __init__(self, name: str, forward: Callable[[list[Sequence]], torch.Tensor], compute: ComputeThread,
                  max_batch_tokens: int, max_wait_s: float, max_queue_size: int, enabled: bool = True):
-        self.name, self._forward, self._device_lock = name, forward, device_lock
+        self.name, self._forward, self._compute = name, forward, compute
         self.max_batch_tokens, self.max_wait_s, self.max_queue_size = max_batch_tokens, max_wait_s, max_queue_size
         self.enabled = enabled
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -101,7 +103,7 @@ class DynamicBatcher:
                 self._num_waiting -= len(sequences)
                 started = True
                 self.batch_shapes.append((len(sequences), max(map(len, sequences))))
-                return await asyncio.to_thread(self._locked_forward, sequences)
+                return await self._compute.run(self._forward, sequences)
         finally:
             if not started:  # cancelled while waiting for the lock
                 self._num_waiting -= len(sequences)
@@ -112,10 +114,6 @@ class DynamicBatcher:
             self._lock_by_loop = (loop, asyncio.Lock())
         return self._lock_by_loop[1]
 
-    def _locked_forward(self, sequences: list[Sequence]) -> torch.Tensor:
-        with self._device_lock:
-            return self._forward(sequences)
-
     async def _drain(self) -> None:
         while self._queue:
             await self._hold()
@@ -124,7 +122,7 @@ class DynamicBatcher:
                 continue
             self.batch_shapes.append((len(batch), max(len(item.sequence) for item in batch)))
             try:
-                out = await asyncio.to_thread(self._locked_forward, [item.sequence for item in batch])
+                out = await self._compute.run(self._forward, [item.sequence for item in batch])
             except Exception as error:  # noqa: BLE001 - handed to every request in the batch
                 for item in batch:
                     if not item.future.done():

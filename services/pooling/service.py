@@ -13,12 +13,12 @@ encoding), "llm-judge" (a causal LM's yes/no LM-head rows on a Qwen3-Reranker pr
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
 
+from services.common.compute import shared_compute_thread
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.pooling.batcher import DynamicBatcher
 from services.pooling.config import EMBEDDING, ModelConfig, PoolingConfig
@@ -54,13 +54,13 @@ def load_model(config: ModelConfig, device: str = "cpu") -> ServedModel:
 class PoolingService:
     """Embeddings, reranking and tokenization for the models of a `PoolingConfig`.
 
-    Call `load()` (blocking; the server runs it in a thread before reporting SERVING) or pass
+    Call `load()` (blocking; the server runs it on `self.compute` before reporting SERVING) or pass
     already loaded `models` (by name, e.g. shared between tests). Requests before that raise `Unavailable`.
     """
 
     def __init__(self, config: PoolingConfig, models: dict[str, ServedModel] | None = None):
         self.config = config
-        self._device_lock = threading.Lock()
+        self.compute = shared_compute_thread()
         self._models: dict[str, ServedModel] = {}
         if models is not None:
             self._install(models)
@@ -75,7 +75,7 @@ class PoolingService:
         for model_config in c.models:
             loaded = models[model_config.model_name]
             # a fresh batcher per service, with this service's limits; the loaded weights are shared
-            batcher = DynamicBatcher(model_config.model_name, loaded.runner.forward, self._device_lock,
+            batcher = DynamicBatcher(model_config.model_name, loaded.runner.forward, self.compute,
                                      c.max_batch_tokens, c.max_wait_ms / 1000.0, c.max_queue_size, c.dynamic_batching)
             self._models[model_config.model_name] = ServedModel(model_config, loaded.tokenizer, loaded.runner, batcher)
 

@@ -1,14 +1,16 @@
 """`tessera.v1.Vision` servicer: protobuf in -> engine -> protobuf out.
 
 The engine (encoder weights) is built in `start`, which `serve` awaits before health says
-SERVING. Decoding runs in worker threads (concurrently); the encoder runs in a worker thread
-under one lock, so the event loop keeps answering health checks while a batch encodes.
+SERVING. Decoding runs in worker threads (concurrently); the encoder loads and runs on the
+process's compute thread (services/common/compute.py), one batch at a time, so the event loop
+keeps answering health checks while a batch encodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from services.common.compute import shared_compute_thread
 from services.common.errors import Unavailable
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
@@ -20,10 +22,10 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
     def __init__(self, config: VisionConfig) -> None:
         self.config = config
         self._engine: VisionEngine | None = None
-        self._encoder_lock = asyncio.Lock()
+        self._compute = shared_compute_thread()
 
     async def start(self) -> None:
-        self._engine = await asyncio.to_thread(VisionEngine, self.config)
+        self._engine = await self._compute.run(VisionEngine, self.config)
 
     @property
     def engine(self) -> VisionEngine:
@@ -36,8 +38,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         engine.processor.check_count(len(request.images))  # before touching any image
         sources = [image_source_from_pb(image) for image in request.images]
         prepared = await asyncio.to_thread(engine.process, sources)  # encoder-cache hits skip decoding
-        async with self._encoder_lock:
-            encoded = await asyncio.to_thread(engine.encode, prepared)
+        encoded = await self._compute.run(engine.encode, prepared)
         return vision_pb2.EncodeImagesResponse(images=[encoded_image_to_pb(image) for image in encoded])
 
     async def GetInfo(self, request: vision_pb2.VisionInfoRequest, context) -> vision_pb2.VisionInfo:
