@@ -30,8 +30,9 @@ from services.decoder.inputs import GenerateInput
 from services.decoder.kv_cache import KVCache
 from services.decoder.kernels import make_backend
 from services.decoder.lora import AdapterBank, attach_bank, target_shapes
-from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, load_model, text_config
+from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, text_config
 from services.decoder.model_runner import ModelRunner
+from services.decoder.models import load_model
 from services.decoder.multimodal import PromptBuilder
 from services.decoder.prefix_cache import BlockHasher
 from services.decoder.request import Request, RequestOutput, Usage

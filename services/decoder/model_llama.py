@@ -1,10 +1,12 @@
-"""Llama-family causal LM over a flat token batch and a paged KV cache.
+"""Llama causal LM over a flat token batch and a paged KV cache; the base of the Qwen2 and Qwen3 files.
 
-Covers the Llama family: Llama, Qwen2 (q/k/v bias, no o bias) and Qwen3 (per-head RMSNorm of q
-and k before RoPE, as in transformers' Qwen3Attention; explicit head_dim): RMSNorm, SiLU-gated
-MLP, GQA, default RoPE or M-RoPE, tied or untied lm_head. Sliding-window layers are refused. Weights load by name from `model.safetensors`
-(or a sharded index) with the HF `config.json`; module names match transformers, so
-"model.layers.0.self_attn.q_proj" is both a weight prefix and a LoRA target name.
+RMSNorm, SiLU-gated MLP, GQA, default RoPE or M-RoPE, tied or untied lm_head, optional biases
+(`attention_bias`, `mlp_bias`) as in transformers' LlamaForCausalLM. Sliding-window layers are
+refused. Weights load by name from `model.safetensors` (or a sharded index) with the HF
+`config.json`; module names match transformers, so "model.layers.0.self_attn.q_proj" is both a
+weight prefix and a LoRA target name. A family differs by `spec_from_config` and its attention
+class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k RMSNorm); `load_model` (models.py) picks
+the family from config.json's model_type.
 """
 
 from __future__ import annotations
@@ -21,9 +23,6 @@ from services.decoder.attention import AttentionMetadata, paged_attention
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import LoRALinear
 from services.decoder.rotary import RotaryEmbedding, apply_rotary
-
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
-
 
 @dataclass(frozen=True)
 class LlamaSpec:
@@ -44,14 +43,13 @@ class LlamaSpec:
     o_bias: bool
     mlp_bias: bool
     max_position_embeddings: int
-    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict) -> "LlamaSpec":
-        """Raises ValueError for unsupported families, activations or rope scaling."""
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_TYPES}")
+        """Llama's reading of config.json (biases from `attention_bias` / `mlp_bias`).
+
+        Raises ValueError for unsupported activations, rope scaling or sliding-window layers.
+        """
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported; expected 'silu'")
         rope = cfg.get("rope_parameters") or {}
@@ -62,7 +60,6 @@ class LlamaSpec:
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
             raise ValueError("sliding-window attention layers are not supported")
         heads = cfg["num_attention_heads"]
-        qwen2 = model_type == "qwen2"
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
@@ -73,10 +70,8 @@ class LlamaSpec:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if qwen2 else attention_bias, o_bias=False if qwen2 else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            qk_norm=model_type == "qwen3",
         )
 
 
@@ -110,17 +105,17 @@ class LlamaAttention(nn.Module):
         self.k_proj = _linear(f"{prefix}.k_proj", spec.hidden_size, kv * d, spec.qkv_bias)
         self.v_proj = _linear(f"{prefix}.v_proj", spec.hidden_size, kv * d, spec.qkv_bias)
         self.o_proj = _linear(f"{prefix}.o_proj", h * d, spec.hidden_size, spec.o_bias)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook between projection and RoPE: identity here (Qwen3 normalizes per head)."""
+        return q, k
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)     # [n, heads, head_dim]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.normalize_qk(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         cache.write(self.layer, meta.slot_mapping, k, v)
@@ -143,9 +138,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+    def __init__(self, spec: LlamaSpec, layer: int, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, layer)
+        self.self_attn = attention_cls(spec, layer)
         self.mlp = LlamaMLP(spec, layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -156,20 +151,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: LlamaSpec) -> None:
+    def __init__(self, spec: LlamaSpec, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, attention_cls) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """forward: flat batch -> final hidden states; compute_logits: selected rows -> logits."""
 
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    @classmethod
+    def spec_from_config(cls, cfg: dict) -> LlamaSpec:
+        """The family's reading of config.json. Raises ValueError for what the family cannot run."""
+        return LlamaSpec.from_config(cfg)
+
     def __init__(self, spec: LlamaSpec, mrope_section: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
+        self.model = LlamaModel(spec, self.attention_cls)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_section)
 
@@ -204,28 +206,28 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def load_llama(model_dir: str | Path, dtype: torch.dtype,
-               mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
-    """Build the model from `config.json` and load its safetensors weights by name.
+def load_checkpoint(model_cls: type[LlamaForCausalLM], model_dir: str | Path, dtype: torch.dtype,
+                    mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
+    """Build `model_cls` from `config.json` and load its safetensors weights by name.
 
     Raises:
-        ValueError: unsupported architecture, missing weights or unexpected weight names/shapes.
+        ValueError: unsupported configuration, missing weights or unexpected weight names/shapes.
     """
     model_dir = Path(model_dir)
-    spec = LlamaSpec.from_config(json.loads((model_dir / "config.json").read_text()))
-    return build_model(spec, mrope_section, _read_safetensors(model_dir), dtype,
+    spec = model_cls.spec_from_config(json.loads((model_dir / "config.json").read_text()))
+    return build_model(model_cls, spec, mrope_section, _read_safetensors(model_dir), dtype,
                        f"weights in {model_dir} do not match {spec.architecture}")
 
 
-def build_model(spec: LlamaSpec, mrope_section: tuple[int, int, int] | None, state: dict[str, torch.Tensor],
-                dtype: torch.dtype, mismatch: str) -> LlamaForCausalLM:
+def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_section: tuple[int, int, int] | None,
+                state: dict[str, torch.Tensor], dtype: torch.dtype, mismatch: str) -> LlamaForCausalLM:
     """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec does.
 
     Raises:
         ValueError: `mismatch` followed by the first missing and unexpected weight names.
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, mrope_section)
+        model = model_cls(spec, mrope_section)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}

@@ -1,7 +1,7 @@
 """Qwen2-VL's language model: Qwen2 blocks with M-RoPE, loaded from a Qwen2-VL HF checkpoint.
 
 The text model is exactly transformers' Qwen2 (q/k/v bias, no o bias, SiLU MLP, RMSNorm) with
-multimodal rotary embedding, so it reuses `LlamaForCausalLM` with the qwen2 flags; only the
+multimodal rotary embedding, so it reuses `Qwen2ForCausalLM` (model_qwen2.py); only the
 config and the weight names differ. Two checkpoint layouts are accepted:
 
     original (Qwen/Qwen2-VL-2B-Instruct, and transformers 5.24's save_pretrained):
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from services.decoder.model_llama import LlamaForCausalLM, LlamaSpec, _read_safetensors, build_model
+from services.decoder.model_qwen2 import Qwen2ForCausalLM
 
 MODEL_TYPES = ("qwen2_vl",)
 PLAIN_ROPE_TYPES = ("default", "mrope")
@@ -110,7 +111,7 @@ def qwen2_spec(cfg: dict) -> LlamaSpec:
     flat["model_type"] = "qwen2"
     flat.pop("layer_types", None)  # Qwen2-VL lists "full_attention" only unless use_sliding_window
     architecture = (cfg.get("architectures") or ["Qwen2VLForConditionalGeneration"])[0]
-    return replace(LlamaSpec.from_config(flat), architecture=architecture)
+    return replace(Qwen2ForCausalLM.spec_from_config(flat), architecture=architecture)
 
 
 def _text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -139,15 +140,5 @@ def load_qwen2_vl(model_dir: str | Path, dtype: torch.dtype,
     own = mrope_section(cfg)
     if section is not None and tuple(section) != own:
         raise ValueError(f"mrope_section {tuple(section)} differs from the checkpoint's {own}")
-    return build_model(qwen2_spec(cfg), own, _text_weights(_read_safetensors(model_dir)), dtype,
+    return build_model(Qwen2ForCausalLM, qwen2_spec(cfg), own, _text_weights(_read_safetensors(model_dir)), dtype,
                        f"text weights in {model_dir} do not match Qwen2-VL")
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype,
-               section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
-    """Dispatch on config.json's model_type: Qwen2-VL here, Llama/Qwen2/Qwen3 in model_llama."""
-    from services.decoder.model_llama import load_llama
-
-    if is_qwen2_vl(_read_config(model_dir)):
-        return load_qwen2_vl(model_dir, dtype, section)
-    return load_llama(model_dir, dtype, section)

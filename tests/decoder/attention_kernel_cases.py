@@ -1,7 +1,6 @@
 """Triton paged attention vs the torch path; run in a subprocess with TRITON_INTERPRET=1 (Triton reads
 it when kernels are defined). `python tests/decoder/attention_kernel_cases.py MODEL_DIR` prints OK lines."""
 
-import asyncio
 import os
 import sys
 

@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
-from decoder_testing import hf_greedy, run_requests
+from decoder_testing import hf_greedy
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine

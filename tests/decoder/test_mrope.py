@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from decoder_testing import hf_greedy, run_requests
 from services.decoder.config import DecoderConfig

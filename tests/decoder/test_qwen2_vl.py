@@ -249,7 +249,8 @@ def test_loader_layouts_and_refusals(tiny, tmp_path):
 
     from safetensors.torch import save_file
 
-    from services.decoder.model_qwen2_vl import load_model, load_qwen2_vl
+    from services.decoder.model_qwen2_vl import load_qwen2_vl
+    from services.decoder.models import load_model
 
     directory, model, _, _ = tiny
     saved = load_model(directory, torch.float32)
