@@ -1,7 +1,16 @@
-"""Paged attention in torch (CPU reference): prefill per sequence, decode batched.
+"""Paged attention in torch (CPU default): prefill per sequence, decode batched in length groups.
 
-Both read K/V back from the cache through the block table, so a prefill chunk attends to
-every earlier chunk and a recomputed request sees exactly what it wrote.
+Both read K/V back from the cache through slots, so a prefill chunk attends to every earlier
+chunk and a recomputed request sees exactly what it wrote. The cache is head-major (see
+kv_cache.py): one layer's K is [kv_heads, slots, head_dim], viewed flat as [kv_heads * slots,
+head_dim], so gathering rows yields K already laid out heads-first for SDPA, with no transpose copy.
+
+Decode rows are sorted by context length and cut into groups, each padded only to its own
+longest context (`plan_decode`): with contexts 150..450 one padded batch would gather a third
+more K/V than the rows hold. One gather per layer serves every group:
+
+    decode_index = [ group 0: head 0 rows 0..n0 x L0 | head 1 ... | group 1: head 0 rows x L1 | ... ]
+    row r, position p, head h  ->  flat cache row  h * num_slots + slot(r, p)
 """
 
 from __future__ import annotations
@@ -10,6 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+# A group costs a few ops per layer; in gathered positions that is about this many (one SDPA call
+# and two row copies ~ 40 us; one position of K and V for all kv heads ~ 0.17 us on CPU).
+GROUP_COST_POSITIONS = 256
 
 
 @dataclass
@@ -29,21 +42,32 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows padded to one context length; their K/V are rows [start, start + kv_heads * n * L)
+    of the step's gathered K/V, laid out [kv_heads, n, L, head_dim]."""
+
+    rows: torch.Tensor           # int64 [n] flat-batch rows
+    context_len: int             # L: the group's longest context
+    mask: torch.Tensor | None    # bool [1, n, 1, L], True where the position is real; None: no padding
+    start: int
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs shared by every layer.
 
     slot_mapping: int64 [num_tokens], where each new token's K/V is written.
+    write_index: int64 [kv_heads * num_tokens], those slots as flat cache rows (`KVCache.write_index`).
     decode_rows: int64 [num_decodes], flat rows of single-token (decode) sequences.
-    decode_slots: int64 [num_decodes, max_context] cache slots per row (padding points at slot 0).
-    decode_mask: bool [num_decodes, 1, 1, max_context], True where the slot is real context; None
-        when no row is padded.
+    decode_groups / decode_index: see `plan_decode`.
     """
 
     slot_mapping: torch.Tensor
+    write_index: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_rows: torch.Tensor | None = None
-    decode_slots: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_index: torch.Tensor | None = None
     triton: "TritonMetadata | None" = None  # set: the Triton kernel runs instead of the torch path
 
 
@@ -69,26 +93,49 @@ def prefill_span(token_start: int, num_computed: int, context_slots: torch.Tenso
     return PrefillSpan(token_start, token_start + query_len, num_computed, context_slots, mask)
 
 
-def decode_batch(context_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pad per-row context slots into ([rows, max_context] slots, [rows, 1, 1, max_context] mask);
-    the mask is None when every row has the same context length (no padding: SDPA's faster path)."""
-    sizes = [s.numel() for s in context_slots]
-    max_len = max(sizes)
-    if min(sizes) == max_len:
-        return torch.stack(context_slots), None
-    slots = torch.zeros(len(context_slots), max_len, dtype=torch.long)
-    for row, s in enumerate(context_slots):
-        slots[row, : s.numel()] = s
-    mask = torch.arange(max_len)[None, :] < torch.tensor(sizes)[:, None]
-    return slots, mask[:, None, None, :]
+def plan_decode(rows: list[int], context_slots: list[torch.Tensor], num_kv_heads: int,
+                num_slots: int) -> tuple[list[DecodeGroup], torch.Tensor]:
+    """Group decode rows by context length; returns (groups, decode_index int64 [sum kv * n * L]).
+
+    rows[i] is a flat-batch row whose context has cache slots `context_slots[i]` (int64 [len]).
+    Rows are sorted by length and split where a split saves more padded positions than
+    GROUP_COST_POSITIONS (dynamic programming over the sorted lengths). Padding positions read
+    slot 0 and are masked out.
+    """
+    order = sorted(range(len(rows)), key=lambda i: context_slots[i].numel())
+    lengths = [context_slots[i].numel() for i in order]
+    # best[j]: cheapest cost of the first j sorted rows; cut[j]: where their last group starts
+    best, cut = [0] + [0] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        best[j], cut[j] = min((best[i] + (j - i) * lengths[j - 1] + GROUP_COST_POSITIONS, i) for i in range(j))
+    bounds, j = [], len(order)
+    while j > 0:
+        bounds.append((cut[j], j))
+        j = cut[j]
+    heads = torch.arange(num_kv_heads)[:, None, None] * num_slots  # [kv_heads, 1, 1]
+    groups, index, start = [], [], 0
+    for lo, hi in reversed(bounds):
+        members = order[lo:hi]
+        longest = lengths[hi - 1]
+        slots = torch.zeros(len(members), longest, dtype=torch.long)  # [n, L]
+        for r, i in enumerate(members):
+            slots[r, :context_slots[i].numel()] = context_slots[i]
+        mask = None
+        if lengths[lo] != longest:
+            sizes = torch.tensor([context_slots[i].numel() for i in members])
+            mask = (torch.arange(longest)[None, :] < sizes[:, None])[None, :, None, :]
+        groups.append(DecodeGroup(torch.tensor([rows[i] for i in members], dtype=torch.long), longest, mask, start))
+        index.append((heads + slots[None]).reshape(-1))
+        start += num_kv_heads * len(members) * longest
+    return groups, torch.cat(index)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of `query` [num_tokens, heads, head_dim] over the slot-indexed caches.
 
-    `k_cache`/`v_cache` are flat [slots, kv_heads, head_dim] (already holding this step's K/V).
-    Grouped-query heads share KV as in transformers' `repeat_kv` (head h reads kv head
+    `k_cache`/`v_cache` are head-major [kv_heads, slots, head_dim] (already holding this step's
+    K/V). Grouped-query heads share KV as in transformers' `repeat_kv` (head h reads kv head
     h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim]. With `meta.triton` set the
     Triton kernel computes the same result (see triton_attention.py).
     """
@@ -98,39 +145,40 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         t = meta.triton
         return triton_paged_attention(query, k_cache, v_cache, t.block_tables, t.token_seq, t.context_lens,
                                       t.block_size, scale)
-    num_rep = query.shape[1] // k_cache.shape[1]
-    if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == query.shape[0]:
-        return _decode(query, k_cache, v_cache, meta, num_rep, scale)  # every row decodes: no scatter
+    num_rep = query.shape[1] // k_cache.shape[0]
     out = torch.empty_like(query)
     for span in meta.prefills:
         # 4-D inputs with enable_gqa: SDPA's CPU flash kernel (3-D inputs, or K/V repeated per
         # head, fall back to the slower math path)
         q = query[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
-        k = k_cache.index_select(0, span.context_slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, head_dim]
-        v = v_cache.index_select(0, span.context_slots).transpose(0, 1)[None]
+        k = k_cache.index_select(1, span.context_slots)[None]               # [1, kv_heads, ctx, head_dim]
+        v = v_cache.index_select(1, span.context_slots)[None]
         if span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_rep > 1)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, enable_gqa=num_rep > 1)
         out[span.token_start:span.token_end] = o[0].transpose(0, 1)
-    if meta.decode_rows is not None and meta.decode_rows.numel():
-        out.index_copy_(0, meta.decode_rows, _decode(query.index_select(0, meta.decode_rows), k_cache, v_cache,
-                                                     meta, num_rep, scale))
+    if meta.decode_groups:
+        _decode(query, k_cache, v_cache, meta, num_rep, scale, out)
     return out
 
 
 def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            num_rep: int, scale: float) -> torch.Tensor:
-    """Decode rows' attention: `query` [rows, heads, head_dim] (one token per row) -> same shape.
+            num_rep: int, scale: float, out: torch.Tensor) -> None:
+    """Decode rows' attention into `out` (one token per row, groups from `plan_decode`).
 
-    The `num_rep` heads sharing a kv head become that kv head's query rows, so K/V are gathered
-    once per kv head and never repeated; `index_select` over the flattened slots is a plain row
-    copy (several times faster on CPU than advanced indexing).
+    The `num_rep` query heads sharing a kv head become that kv head's query rows, so K/V are
+    gathered once per kv head and never repeated; `index_select` over the flat head-major cache is
+    a plain row copy (several times faster on CPU than advanced indexing).
     """
-    rows, heads, head_dim = query.shape
-    slots = meta.decode_slots.reshape(-1)  # [rows * max_context]
-    q = query.view(rows, heads // num_rep, num_rep, head_dim)                       # [rows, kv_heads, rep, d]
-    k = k_cache.index_select(0, slots).view(rows, -1, *k_cache.shape[1:]).transpose(1, 2)  # [rows, kv, ctx, d]
-    v = v_cache.index_select(0, slots).view(rows, -1, *v_cache.shape[1:]).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-    return o.reshape(rows, heads, head_dim)
+    kv_heads, _, head_dim = k_cache.shape
+    keys = k_cache.view(-1, head_dim).index_select(0, meta.decode_index)    # [sum kv * n * L, head_dim]
+    values = v_cache.view(-1, head_dim).index_select(0, meta.decode_index)
+    for group in meta.decode_groups:
+        n, length = group.rows.numel(), group.context_len
+        size = kv_heads * n * length
+        k = keys[group.start:group.start + size].view(kv_heads, n, length, head_dim)
+        v = values[group.start:group.start + size].view(kv_heads, n, length, head_dim)
+        q = query.index_select(0, group.rows).view(n, kv_heads, num_rep, head_dim).transpose(0, 1)  # [kv, n, rep, d]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)              # [kv, n, rep, d]
+        out.index_copy_(0, group.rows, o.transpose(0, 1).reshape(n, -1, head_dim))

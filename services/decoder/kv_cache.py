@@ -1,4 +1,4 @@
-"""The paged KV cache tensors: one K and one V pool per layer."""
+"""The paged KV cache tensors: one K and one V pool per layer, head-major."""
 
 from __future__ import annotations
 
@@ -6,27 +6,35 @@ import torch
 
 
 class KVCache:
-    """K and V pools, each `[num_blocks, block_size, num_kv_heads, head_dim]` per layer.
+    """K and V pools, each `[num_kv_heads, num_blocks * block_size, head_dim]` per layer.
 
-    A flat view `[num_blocks * block_size, num_kv_heads, head_dim]` is indexed by slot
-    (see `BlockManager` for the slot mapping).
+    Slot s of kv head h is row h * num_slots + s of the flat view `[num_kv_heads * num_slots,
+    head_dim]` (see `BlockManager` for the slot mapping). Head-major, as vLLM's CPU cache: a
+    gather of slots gives each kv head's context contiguous, the layout SDPA reads.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks * block_size, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self.num_kv_heads = num_kv_heads
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot-indexed views of layer `layer`: ([slots, kv_heads, head_dim],) * 2."""
-        k, v = self.key[layer], self.value[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s ([kv_heads, slots, head_dim],) * 2."""
+        return self.key[layer], self.value[layer]
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store `key`/`value` [num_tokens, kv_heads, head_dim] at `slot_mapping` [num_tokens]."""
-        k_flat, v_flat = self.flat(layer)
-        k_flat.index_copy_(0, slot_mapping, key)  # a row copy; faster than index_put on CPU
-        v_flat.index_copy_(0, slot_mapping, value)
+    def write_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Flat rows int64 [kv_heads * num_tokens] (head-major) of tokens at `slot_mapping` [num_tokens]."""
+        heads = torch.arange(self.num_kv_heads, device=slot_mapping.device)[:, None] * self.num_slots
+        return (heads + slot_mapping[None, :]).reshape(-1)
+
+    def write(self, layer: int, write_index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store `key`/`value` [num_tokens, kv_heads, head_dim] at `write_index` (from `write_index`)."""
+        head_dim = key.shape[-1]
+        # a row copy; faster than index_put on CPU
+        self.key[layer].view(-1, head_dim).index_copy_(0, write_index, key.transpose(0, 1).reshape(-1, head_dim))
+        self.value[layer].view(-1, head_dim).index_copy_(0, write_index, value.transpose(0, 1).reshape(-1, head_dim))

@@ -118,9 +118,9 @@ class LlamaAttention(nn.Module):
         q, k = self.normalize_qk(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        cache.write(self.layer, meta.slot_mapping, k, v)
-        k_flat, v_flat = cache.flat(self.layer)
-        out = paged_attention(q, k_flat, v_flat, meta, self.scale)  # [n, heads, head_dim]
+        cache.write(self.layer, meta.write_index, k, v)
+        k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.attention import AttentionMetadata, TritonMetadata, decode_batch, prefill_span
+from services.decoder.attention import AttentionMetadata, TritonMetadata, plan_decode, prefill_span
 from services.decoder.block_manager import BlockManager
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import BASE_SLOT, AdapterBank
@@ -72,12 +72,15 @@ class ModelRunner:
                 sample_rows.append(row + item.num_new_tokens - 1)
                 sampled.append(item)
             row += item.num_new_tokens
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills)
+        slot_mapping = torch.cat(slots)
+        meta = AttentionMetadata(slot_mapping, self.cache.write_index(slot_mapping), prefills)
+        if decode_rows:
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
         if self.attention_backend == "triton":
             meta.triton = self._triton_metadata(out)
         elif decode_rows:
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-            meta.decode_slots, meta.decode_mask = decode_batch(decode_ctx)
+            meta.decode_groups, meta.decode_index = plan_decode(decode_rows, decode_ctx, self.cache.num_kv_heads,
+                                                                self.cache.num_slots)
         slot_tensor = torch.cat(token_slots)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),

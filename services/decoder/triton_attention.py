@@ -57,7 +57,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, token_seq_
 def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, token_seq: torch.Tensor, context_lens: torch.Tensor,
                            block_size: int, scale: float) -> torch.Tensor:
-    """Attention of `query` [num_tokens, heads, head_dim] over flat caches [slots, kv_heads, head_dim].
+    """Attention of `query` [num_tokens, heads, head_dim] over head-major caches [kv_heads, slots, head_dim].
 
     block_tables: int32 [num_seqs, max_blocks] (unused entries may hold any valid block id);
     token_seq: int32 [num_tokens] sequence row of each query token; context_lens: int32
@@ -70,10 +70,12 @@ def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    query, k_cache, v_cache = query.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1:
+        raise ValueError("k_cache and v_cache must share strides with contiguous head_dim")
+    query = query.contiguous()
     _paged_attention_kernel[(num_tokens, heads)](
         query, k_cache, v_cache, out, block_tables.contiguous(), token_seq, context_lens,
-        scale, heads // k_cache.shape[1], block_tables.shape[1],
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        scale, heads // k_cache.shape[0], block_tables.shape[1],
+        query.stride(0), query.stride(1), k_cache.stride(1), k_cache.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK=block_size)
     return out

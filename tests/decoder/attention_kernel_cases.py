@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from services.decoder.attention import AttentionMetadata, decode_batch, paged_attention, prefill_span
+from services.decoder.attention import AttentionMetadata, paged_attention, plan_decode, prefill_span
 from services.decoder.triton_attention import triton_paged_attention
 
 
@@ -14,8 +14,8 @@ def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     """One causal prefill chunk (positions 5..9 of a 10-token sequence) and two decodes, scattered blocks."""
     torch.manual_seed(num_heads * 100 + head_dim)
     num_blocks = 12
-    k = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
-    v = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
+    k = torch.randn(num_kv_heads, num_blocks * block_size, head_dim)  # head-major, as KVCache
+    v = torch.randn(num_kv_heads, num_blocks * block_size, head_dim)
     tables = [[7, 2, 9, 4], [3, 11], [0, 5, 8]]
     lengths = [10, 2 * block_size - 3, 3 * block_size]  # seq 0 prefills 5..9; 1 and 2 decode their last
 
@@ -27,7 +27,8 @@ def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     meta = AttentionMetadata(slot_mapping=torch.zeros(7, dtype=torch.long),
                              prefills=[prefill_span(0, 5, slots(0, 10))])
     meta.decode_rows = torch.tensor([5, 6])
-    meta.decode_slots, meta.decode_mask = decode_batch([slots(1, lengths[1]), slots(2, lengths[2])])
+    meta.decode_groups, meta.decode_index = plan_decode([5, 6], [slots(1, lengths[1]), slots(2, lengths[2])],
+                                                        num_kv_heads, num_blocks * block_size)
     expected = paged_attention(query, k, v, meta, head_dim ** -0.5)
     padded = torch.zeros(3, 4, dtype=torch.int32)
     for row, t in enumerate(tables):
