@@ -40,7 +40,7 @@ def test_decode_groups_and_prefill_equal_per_row_reference():
     assert len(meta.decode_groups) > 1                            # short and long contexts are not padded together
     for group in meta.decode_groups:                              # no group pads more than it saves by merging
         sizes = [contexts[rows.index(r)].numel() for r in group.rows.tolist()]
-        assert group.context_len == max(sizes) and (group.mask is None) == (min(sizes) == max(sizes))
+        assert group.context_len == max(sizes) and (group.bias is None) == (min(sizes) == max(sizes))
     scale = head_dim ** -0.5
     out = paged_attention(query, k_cache, v_cache, meta, scale)
     for row, slots in zip(rows, contexts):
@@ -57,4 +57,4 @@ def test_plan_decode_merges_when_a_split_saves_less_than_a_group_costs():
     assert len(groups) == 1 and groups[0].context_len == 102 and index.numel() == 3 * 3 * 102
     far = [torch.arange(n) for n in (10, 10 + 2 * GROUP_COST_POSITIONS)]
     groups, _ = plan_decode([4, 7], far, 1, 1000)
-    assert [g.rows.tolist() for g in groups] == [[4], [7]] and all(g.mask is None for g in groups)
+    assert [g.rows.tolist() for g in groups] == [[4], [7]] and all(g.bias is None for g in groups)
