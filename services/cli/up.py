@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.launch import wait_serving
+from services.common.launch import service_env, wait_serving
 from services.common.paths import (
     default_adapter_root,
     default_decoder_dir,
@@ -114,7 +114,8 @@ class Cluster:
     def _spawn(self, service: str) -> None:
         with open(self.spec.log_dir / f"{service}.log", "ab") as log:
             self.processes[service] = subprocess.Popen(
-                self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=service_env())
 
     def restart(self, service: str, timeout_s: float = 300.0) -> None:
         """Start a service that exited again, and wait until it is SERVING."""

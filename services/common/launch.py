@@ -55,6 +55,18 @@ def wait_serving(address: str, process: subprocess.Popen, timeout_s: float, name
             time.sleep(0.2)
 
 
+# Environment defaults of every service process (the caller's environment wins). GNU OpenMP's
+# workers spin ~3 ms (GOMP_SPINCOUNT 300000) waiting for the next parallel region; 20000 (~0.2 ms)
+# measured +5% decoder throughput on 2 cores (bench decode over gRPC, 90.2/90.5 vs 85.9/86.1 tok/s).
+# libgomp reads it when torch loads, so it is set in the launcher rather than in the service.
+SERVICE_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "20000"}
+
+
+def service_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """A service process's environment: SERVICE_ENV_DEFAULTS, then os.environ, then `overrides`."""
+    return {**SERVICE_ENV_DEFAULTS, **os.environ, **(overrides or {})}
+
+
 class ServiceProcess:
     """`python -m <module> --address 127.0.0.1:<free port> <args>`, logging to a file (never a pipe:
     a full pipe would stall the server). A context manager; `stop()` sends SIGTERM (the service
@@ -67,7 +79,7 @@ class ServiceProcess:
     def __init__(self, module: str, args: list[str] = (), env: dict[str, str] | None = None,
                  startup_s: float = 90.0, log_path: Path | None = None):
         self.module, self.args, self.startup_s = module, list(args), startup_s
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        self.env = service_env({"OMP_NUM_THREADS": "1", **(env or {})})
         self.address = f"127.0.0.1:{free_port()}"
         self.process: subprocess.Popen | None = None
         if log_path is None:

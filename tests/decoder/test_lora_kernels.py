@@ -76,5 +76,18 @@ def test_torch_backend_padded_groups_equal_per_slot_loop_and_float64():
         outs.append(y)
         assert (y.double() - ref).abs().max() < 1e-4 and torch.equal(y[[2, 9]], y0[[2, 9]])
     assert (outs[0] - outs[1]).abs().max() < 1e-4
+    every_row = torch.tensor([3, 0, 1, 0, 2, 3, 1])              # no base row: deltas added in row order
+    full, full_looped = LoRABatch.build(every_row, torch.arange(7)), LoRABatch.build(every_row, torch.arange(7))
+    object.__setattr__(full_looped, "padded", None)
+    assert full.padded.row_cells is not None
+    x7, y7 = torch.randn(7, 37), torch.randn(7, 29)
+    backend, ys = make_backend("torch"), []
+    for batch in (full, full_looped):
+        y = y7.clone()
+        backend.add_lora(y, x7, a, b, batch)
+        ys.append(y)
+    ref7 = y7.double() + torch.stack([(x7[t].double() @ a[s].double().T) @ b[s].double().T
+                                      for t, s in enumerate(every_row.tolist())])
+    assert (ys[0].double() - ref7).abs().max() < 1e-4 and (ys[0] - ys[1]).abs().max() < 1e-4
     one_long = LoRABatch.build(torch.tensor([0] * 40 + [1, 2]), torch.tensor([40, 41]))
     assert one_long.padded is None                               # padding would triple the rows: loop

@@ -38,6 +38,9 @@ class TorchLoRABackend(LoRABackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._grid: tuple[torch.Tensor, LoRABatch, torch.Tensor] | None = None  # (x, batch, grid) last built
+
     def add_lora(self, y, x, a, b, batch):
         compute = torch.promote_types(a.dtype, torch.float32)
         pad = batch.padded
@@ -45,9 +48,12 @@ class TorchLoRABackend(LoRABackend):
             groups = pad.slots.numel()
             if not (pad.leading_slots and groups == a.shape[0]):
                 a, b = a.index_select(0, pad.slots), b.index_select(0, pad.slots)
-            grid = x.index_select(0, pad.grid_rows).to(compute).view(groups, pad.max_len, x.shape[1])
-            shrunk = torch.bmm(grid, a.to(compute).transpose(1, 2))                     # [g, len, max_rank]
+            grid = self._grid_of(x, batch, compute)                                        # [g, len, in]
+            shrunk = torch.bmm(grid, a.to(compute).transpose(1, 2))                        # [g, len, max_rank]
             delta = torch.bmm(shrunk, b.to(compute).transpose(1, 2)).view(-1, y.shape[1])  # [g * len, out]
+            if pad.row_cells is not None and delta.dtype == y.dtype:
+                y.add_(delta.index_select(0, pad.row_cells))  # every row has an adapter: one dense add
+                return
             if pad.cells is not None:
                 delta = delta.index_select(0, pad.cells)
             self._add_rows(y, pad.rows, delta)
@@ -55,6 +61,16 @@ class TorchLoRABackend(LoRABackend):
         for slot, rows in batch.slot_rows:
             shrunk = x.index_select(0, rows).to(compute) @ a[slot].to(compute).T   # [n, max_rank]
             self._add_rows(y, rows, shrunk @ b[slot].to(compute).T)                 # [n, out]
+
+    def _grid_of(self, x: torch.Tensor, batch: LoRABatch, compute: torch.dtype) -> torch.Tensor:
+        """x's rows on the padded grid; q/k/v (and gate/up) read the same x, so it is gathered once."""
+        last = self._grid
+        if last is not None and last[0] is x and last[1] is batch and last[2].dtype == compute:
+            return last[2]
+        pad = batch.padded
+        grid = x.index_select(0, pad.grid_rows).to(compute).view(pad.slots.numel(), pad.max_len, x.shape[1])
+        self._grid = (x, batch, grid)
+        return grid
 
     @staticmethod
     def _add_rows(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:

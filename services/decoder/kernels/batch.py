@@ -54,8 +54,11 @@ class LoRABatch:
         grid_rows = torch.cat([torch.cat([r, r[:1].expand(longest - r.numel())]) for _, r in self.slot_rows])
         cells = torch.cat([g * longest + torch.arange(n, device=device) for g, n in enumerate(lens)])
         slot_list = [s for s, _ in self.slot_rows]
+        row_cells = None
+        if total == self.token_slots.numel():  # every row has an adapter: deltas come back in row order
+            row_cells = torch.empty_like(cells).index_copy_(0, rows, cells)
         return PaddedGroups(torch.tensor(slot_list, device=device), slot_list == list(range(len(slot_list))),
-                            rows, grid_rows, cells if total < len(lens) * longest else None, longest)
+                            rows, grid_rows, cells if total < len(lens) * longest else None, longest, row_cells)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, decode_rows: torch.Tensor | None = None) -> "LoRABatch | None":
@@ -96,3 +99,4 @@ class PaddedGroups:
     grid_rows: torch.Tensor   # int64 [num_groups * max_len]
     cells: torch.Tensor | None  # int64 [num_rows]; None when no cell is padding (cells == arange)
     max_len: int
+    row_cells: torch.Tensor | None = None  # int64 [num_tokens] cell of each flat-batch row, when all are adapter rows
