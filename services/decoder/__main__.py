@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.common.compute import confine_other_threads
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig
@@ -65,11 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
-    async def start() -> None:
-        await servicer.start()
-        confine_other_threads()  # the engine thread alone computes multi-threaded
-
-    asyncio.run(serve("decoder", address, register, start=start, stop=servicer.stop))
+    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop))
 
 
 if __name__ == "__main__":

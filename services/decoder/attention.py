@@ -50,6 +50,7 @@ class DecodeGroup:
     context_len: int             # L: the group's longest context
     bias: torch.Tensor | None    # float [1, n, 1, L]: 0 where the position is real, -inf on padding; None: no padding
     start: int
+    first_row: int | None = None  # set when rows are first_row, first_row + 1, ...: slices, no row gather
 
 
 @dataclass
@@ -102,7 +103,7 @@ def plan_decode(rows: list[int], context_slots: list[torch.Tensor], num_kv_heads
     GROUP_COST_POSITIONS (dynamic programming over the sorted lengths). Padding positions read
     slot 0 and get a -inf score bias (`dtype`, the model's).
     """
-    order = sorted(range(len(rows)), key=lambda i: context_slots[i].numel())
+    order = sorted(range(len(rows)), key=lambda i: (context_slots[i].numel(), rows[i]))
     lengths = [context_slots[i].numel() for i in order]
     # best[j]: cheapest cost of the first j sorted rows; cut[j]: where their last group starts
     best, cut = [0] + [0] * len(order), [0] * (len(order) + 1)
@@ -125,7 +126,10 @@ def plan_decode(rows: list[int], context_slots: list[torch.Tensor], num_kv_heads
             sizes = torch.tensor([context_slots[i].numel() for i in members])
             padding = torch.arange(longest)[None, :] >= sizes[:, None]  # [n, L]
             bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, float("-inf"))[None, :, None, :]
-        groups.append(DecodeGroup(torch.tensor([rows[i] for i in members], dtype=torch.long), longest, bias, start))
+        group_rows = [rows[i] for i in members]
+        in_order = group_rows == list(range(group_rows[0], group_rows[0] + len(group_rows)))
+        groups.append(DecodeGroup(torch.tensor(group_rows, dtype=torch.long), longest, bias, start,
+                                  group_rows[0] if in_order else None))
         index.append((heads + slots[None]).reshape(-1))
         start += num_kv_heads * len(members) * longest
     return groups, torch.cat(index)
@@ -182,10 +186,18 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         size = kv_heads * n * length
         k = keys[group.start:group.start + size].view(kv_heads, n, length, head_dim)
         v = values[group.start:group.start + size].view(kv_heads, n, length, head_dim)
-        q = query.index_select(0, group.rows).view(n, kv_heads, num_rep, head_dim).transpose(0, 1)  # [kv, n, rep, d]
+        if group.first_row is None:
+            q = query.index_select(0, group.rows)
+        else:
+            q = query[group.first_row:group.first_row + n]
+        q = q.view(n, kv_heads, num_rep, head_dim).transpose(0, 1)                                    # [kv, n, rep, d]
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)                                    # [kv, n, rep, L]
         if group.bias is not None:
             scores.add_(group.bias)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         o = torch.matmul(probs, v)                                                                    # [kv, n, rep, d]
-        out.index_copy_(0, group.rows, o.transpose(0, 1).reshape(n, -1, head_dim))
+        o = o.transpose(0, 1).reshape(n, -1, head_dim)                                                # [n, heads, d]
+        if group.first_row is None:
+            out.index_copy_(0, group.rows, o)
+        else:
+            out[group.first_row:group.first_row + n] = o

@@ -1,9 +1,9 @@
 """The engine: owns model, cache, scheduler and adapter bank; a background thread steps it.
 
 `generate(...)` (asyncio) validates and submits a request and yields `RequestOutput`s that the
-engine thread hands over with `loop.call_soon_threadsafe`. Leaving the iterator early (client
-cancel, deadline, disconnect) aborts the request: its blocks and adapter lease are freed before
-the next step.
+engine thread hands over with `loop.call_soon_threadsafe`, once per step. Leaving the iterator
+early (client cancel, deadline, disconnect) aborts the request: its blocks and adapter lease are
+freed before the next step.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine thread only
         self._stopped = False
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -253,6 +254,7 @@ class LLMEngine:
                     return
                 self._process_aborts()
                 out = self.scheduler.schedule()
+            self._flush()
             if not out.scheduled:
                 continue
             try:
@@ -262,6 +264,7 @@ class LLMEngine:
                 with self._cond:
                     for item in out.scheduled:
                         self._finish(item.request, "abort", error=error)
+                self._flush()
                 continue
             with self._cond:
                 self.scheduler.update(out)
@@ -269,6 +272,7 @@ class LLMEngine:
                     token = sampled.get(item.request.key)
                     if token is not None:
                         self._append_token(item.request, token)
+            self._flush()
 
     def _process_aborts(self) -> None:
         for key in self._aborts:
@@ -313,8 +317,21 @@ class LLMEngine:
         self._streams.pop(request.key, None)
 
     def _emit(self, request: Request, output: RequestOutput | BaseException) -> None:
+        """Queue `output` for the request's stream; `_flush` hands a step's outputs over at once."""
         stream = self._streams[request.key]
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
-        except RuntimeError:  # the caller's loop is closed; nobody is listening
-            pass
+        self._outbox.setdefault(stream.loop, []).append((stream.queue, output))
+
+    def _flush(self) -> None:
+        """One wake-up per caller loop per step (not one per request: the loop's thread competes
+        with this one for the GIL and the CPU)."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's loop is closed; nobody is listening
+                pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)

@@ -55,6 +55,26 @@ def test_plan_decode_merges_when_a_split_saves_less_than_a_group_costs():
     slots = [torch.arange(n) for n in (100, 101, 102)]
     groups, index = plan_decode([0, 1, 2], slots, 3, 1000)
     assert len(groups) == 1 and groups[0].context_len == 102 and index.numel() == 3 * 3 * 102
+    assert groups[0].first_row == 0                               # rows 0, 1, 2 in order: sliced, not gathered
+    assert plan_decode([2, 0, 1], slots, 3, 1000)[0][0].first_row is None
     far = [torch.arange(n) for n in (10, 10 + 2 * GROUP_COST_POSITIONS)]
     groups, _ = plan_decode([4, 7], far, 1, 1000)
     assert [g.rows.tolist() for g in groups] == [[4], [7]] and all(g.bias is None for g in groups)
+
+
+def test_decode_group_rows_sliced_in_order_or_gathered_out_of_order():
+    torch.manual_seed(1)
+    cache = KVCache(1, 64, 4, 2, 8, torch.float32)
+    k_cache, v_cache = cache.layer(0)
+    k_cache.normal_(), v_cache.normal_()
+    query = torch.randn(4, 4, 8)
+    for lengths, in_order in (((40, 40, 40, 40), True), ((40, 40, 39, 40), False)):  # sorted: rows 2, 0, 1, 3
+        contexts = [torch.randperm(cache.num_slots)[:n] for n in lengths]
+        meta = AttentionMetadata(torch.zeros(4, dtype=torch.long))
+        meta.decode_rows = torch.arange(4)
+        meta.decode_groups, meta.decode_index = plan_decode([0, 1, 2, 3], contexts, 2, cache.num_slots)
+        assert len(meta.decode_groups) == 1 and (meta.decode_groups[0].first_row == 0) == in_order
+        out = paged_attention(query, k_cache, v_cache, meta, 0.3)
+        for row, slots in enumerate(contexts):
+            torch.testing.assert_close(out[row].double(), reference(query[row], k_cache, v_cache, slots, 0.3),
+                                       atol=1e-5, rtol=0)
