@@ -4,7 +4,7 @@ torch's CPU wheels parallelize ops with GNU OpenMP, which keeps a worker team fo
 that ever entered a parallel region. Once those workers outnumber the CPUs, libgomp stops
 spin-waiting between regions in *every* team (its "throttled" spin count), so each of the hundreds
 of small ops in a forward pays a futex wake-up: on 2 cores a decode step run from a second thread
-took ~25% longer than the same step on the thread that loaded the model. So a service loads and
+took ~20-25% longer than the same step on the thread that loaded the model. So a service loads and
 runs its model on one thread (`claim_intra_op_threads` at that thread's start) and, once that
 thread is up, `confine_other_threads` makes every other thread compute single-threaded (small ops
 there — tensor decoding, prompt building — never start a team).
@@ -37,7 +37,8 @@ def confine_other_threads() -> None:
     """Make threads other than the compute thread(s) already started run torch ops single-threaded.
 
     Process-wide for the calling thread and every thread that has not computed yet; call it from a
-    service's main thread after its compute thread has claimed its threads.
+    service's main thread after its compute thread has claimed its threads (`serve` does, after
+    `start`). A compute thread created afterwards gets one thread unless given `num_threads`.
     """
     torch.set_num_threads(1)
 

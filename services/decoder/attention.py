@@ -48,7 +48,7 @@ class DecodeGroup:
 
     rows: torch.Tensor           # int64 [n] flat-batch rows
     context_len: int             # L: the group's longest context
-    bias: torch.Tensor | None    # float [1, n, 1, L]: 0 where the position is real, -inf on padding; None: no padding
+    bias: torch.Tensor | None    # float32 [1, n, 1, L]: 0 where the position is real, -inf on padding; None: no padding
     start: int
     first_row: int | None = None  # set when rows are first_row, first_row + 1, ...: slices, no row gather
 
@@ -94,14 +94,14 @@ def prefill_span(token_start: int, num_computed: int, context_slots: torch.Tenso
     return PrefillSpan(token_start, token_start + query_len, num_computed, context_slots, mask)
 
 
-def plan_decode(rows: list[int], context_slots: list[torch.Tensor], num_kv_heads: int, num_slots: int,
-                dtype: torch.dtype = torch.float32) -> tuple[list[DecodeGroup], torch.Tensor]:
+def plan_decode(rows: list[int], context_slots: list[torch.Tensor], num_kv_heads: int,
+                num_slots: int) -> tuple[list[DecodeGroup], torch.Tensor]:
     """Group decode rows by context length; returns (groups, decode_index int64 [sum kv * n * L]).
 
     rows[i] is a flat-batch row whose context has cache slots `context_slots[i]` (int64 [len]).
     Rows are sorted by length and split where a split saves more padded positions than
     GROUP_COST_POSITIONS (dynamic programming over the sorted lengths). Padding positions read
-    slot 0 and get a -inf score bias (`dtype`, the model's).
+    slot 0 and get a -inf score bias (float32, the dtype scores are computed in).
     """
     order = sorted(range(len(rows)), key=lambda i: (context_slots[i].numel(), rows[i]))
     lengths = [context_slots[i].numel() for i in order]
@@ -125,7 +125,7 @@ def plan_decode(rows: list[int], context_slots: list[torch.Tensor], num_kv_heads
         if lengths[lo] != longest:
             sizes = torch.tensor([context_slots[i].numel() for i in members])
             padding = torch.arange(longest)[None, :] >= sizes[:, None]  # [n, L]
-            bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, float("-inf"))[None, :, None, :]
+            bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))[None, :, None, :]
         group_rows = [rows[i] for i in members]
         in_order = group_rows == list(range(group_rows[0], group_rows[0] + len(group_rows)))
         groups.append(DecodeGroup(torch.tensor(group_rows, dtype=torch.long), longest, bias, start,
@@ -175,8 +175,8 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     The `num_rep` query heads sharing a kv head become that kv head's query rows, so K/V are
     gathered once per kv head and never repeated; `index_select` over the flat head-major cache is
     a plain row copy (several times faster on CPU than advanced indexing). Scores are two batched
-    matmuls and a float32 softmax: for these few query rows per (kv head, sequence) that is ~2x
-    faster on CPU than SDPA's flash kernel with a mask.
+    matmuls and a softmax, in float32 (half-precision inputs are upcast): for these few query rows
+    per (kv head, sequence) that is ~2x faster on CPU than SDPA's flash kernel with a mask.
     """
     kv_heads, _, head_dim = k_cache.shape
     keys = k_cache.view(-1, head_dim).index_select(0, meta.decode_index)    # [sum kv * n * L, head_dim]
@@ -191,11 +191,12 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         else:
             q = query[group.first_row:group.first_row + n]
         q = q.view(n, kv_heads, num_rep, head_dim).transpose(0, 1)                                    # [kv, n, rep, d]
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)                                    # [kv, n, rep, L]
+        if q.dtype != torch.float32:  # half precision: scores and weights in float32 (no overflow)
+            q, k, v = q.float(), k.float(), v.float()
+        scores = torch.matmul(q * scale, k.transpose(-1, -2))                                         # [kv, n, rep, L]
         if group.bias is not None:
             scores.add_(group.bias)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        o = torch.matmul(probs, v)                                                                    # [kv, n, rep, d]
+        o = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)                            # [kv, n, rep, d]
         o = o.transpose(0, 1).reshape(n, -1, head_dim)                                                # [n, heads, d]
         if group.first_row is None:
             out.index_copy_(0, group.rows, o)

@@ -64,9 +64,13 @@ class _Stream:
 
 
 class LLMEngine:
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, num_threads: int | None = None) -> None:
         """Loads the model on the engine thread (the process's one multi-threaded torch thread, see
-        services/common/compute.py) and returns once it is ready; load errors are re-raised here."""
+        services/common/compute.py) and returns once it is ready; load errors are re-raised here.
+
+        `num_threads`: the engine thread's intra-op threads (None = torch.get_num_threads() here;
+        a caller on a worker thread passes it so that thread never initializes torch threading).
+        """
         self.config = config
         self.model_config = read_model_config(config.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
@@ -80,8 +84,8 @@ class LLMEngine:
         self._stopped = False
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="decoder-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(num_threads or torch.get_num_threads(),),
+                                        name="decoder-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
@@ -235,8 +239,8 @@ class LLMEngine:
 
     # ---- engine thread -------------------------------------------------------------------
     def _run(self, num_threads: int) -> None:
-        claim_intra_op_threads(num_threads)
         try:
+            claim_intra_op_threads(num_threads)
             self._build()
         except BaseException as error:  # noqa: BLE001 - re-raised by __init__
             self._start_error = error

@@ -182,6 +182,8 @@ class AdapterBank:
         decode_rows: int64 rows that decode one token (BGMV); the rest are prefill (SGMV).
         """
         self._batch = None if token_slots is None else LoRABatch.build(token_slots, decode_rows)
+        if token_slots is None:
+            self.backend.end_step()
 
     @property
     def active(self) -> bool:

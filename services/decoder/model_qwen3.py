@@ -1,8 +1,8 @@
 """Qwen3: the Llama block with a per-head RMSNorm of q and k before RoPE.
 
 As transformers' Qwen3Attention: `q_norm`/`k_norm` are RMSNorm(head_dim) applied to each head of
-the projected q and k, then rotary; `head_dim` is explicit in config.json (not hidden / heads);
-biases follow `attention_bias`. Everything else is model_llama.py.
+the projected q and k, then rotary; `head_dim` comes from config.json (default 128, as
+Qwen3Config; not hidden / heads); q/k/v/o biases follow `attention_bias`, the MLP has none. Everything else is model_llama.py.
 """
 
 from __future__ import annotations
@@ -31,4 +31,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def spec_from_config(cls, cfg: dict) -> LlamaSpec:
         architecture = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
-        return replace(LlamaSpec.from_config(cfg), architecture=architecture)
+        cfg = {"head_dim": 128, **cfg}  # Qwen3Config's default, not hidden_size / heads
+        return replace(LlamaSpec.from_config(cfg), architecture=architecture, mlp_bias=False)

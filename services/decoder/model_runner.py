@@ -80,7 +80,7 @@ class ModelRunner:
             meta.triton = self._triton_metadata(out)
         elif decode_rows:
             meta.decode_groups, meta.decode_index = plan_decode(decode_rows, decode_ctx, self.cache.num_kv_heads,
-                                                                self.cache.num_slots, self.cache.dtype)
+                                                                self.cache.num_slots)
         slot_tensor = torch.cat(token_slots)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),

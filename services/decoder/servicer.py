@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import torch
+
 from services.common.errors import Unavailable
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
@@ -20,7 +22,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         self.engine: LLMEngine | None = None
 
     async def start(self) -> None:
-        self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        # the count read here, on the event loop's thread: the worker that builds the engine never touches
+        # torch threading, so only the engine thread has an OpenMP team (services/common/compute.py)
+        self.engine = await asyncio.to_thread(LLMEngine, self.config, torch.get_num_threads())
         self.engine.adapters.start_reporting()  # residency reports from service start, not first acquire
 
     async def stop(self) -> None:

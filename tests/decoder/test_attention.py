@@ -78,3 +78,23 @@ def test_decode_group_rows_sliced_in_order_or_gathered_out_of_order():
         for row, slots in enumerate(contexts):
             torch.testing.assert_close(out[row].double(), reference(query[row], k_cache, v_cache, slots, 0.3),
                                        atol=1e-5, rtol=0)
+
+
+def test_half_precision_decode_is_finite_and_close_to_float64():
+    """Scores are computed in float32: q.k of 25 x 25 x 128 = 80000 overflows float16 (max 65504)."""
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
+        cache = KVCache(1, 8, 4, 1, 128, dtype)
+        k_cache, v_cache = cache.layer(0)
+        k_cache.fill_(25.0)
+        v_cache.copy_(torch.randn(v_cache.shape))
+        k_cache[0, 3].fill_(24.0)                                 # one position scores lower
+        contexts = [torch.arange(10), torch.arange(7)]           # padded group: -inf bias on row 1
+        query = torch.full((2, 2, 128), 25.0, dtype=dtype)
+        meta = AttentionMetadata(torch.zeros(2, dtype=torch.long))
+        meta.decode_rows = torch.arange(2)
+        meta.decode_groups, meta.decode_index = plan_decode([0, 1], contexts, 1, cache.num_slots)
+        out = paged_attention(query, k_cache, v_cache, meta, 128 ** -0.5)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        for row, slots in enumerate(contexts):
+            torch.testing.assert_close(out[row].double(), reference(query[row], k_cache, v_cache, slots, 128 ** -0.5),
+                                       atol=tol, rtol=0)

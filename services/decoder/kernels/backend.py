@@ -31,6 +31,9 @@ class LoRABackend(ABC):
                  batch: LoRABatch) -> None:
         """Add each adapter row's low-rank correction to `y` in place (see module docstring)."""
 
+    def end_step(self) -> None:
+        """The step's forward is over: drop anything kept for it."""
+
 
 class TorchLoRABackend(LoRABackend):
     """Grouped shrink/expand: one bmm pair over the step's slot groups padded to the longest
@@ -61,6 +64,9 @@ class TorchLoRABackend(LoRABackend):
         for slot, rows in batch.slot_rows:
             shrunk = x.index_select(0, rows).to(compute) @ a[slot].to(compute).T   # [n, max_rank]
             self._add_rows(y, rows, shrunk @ b[slot].to(compute).T)                 # [n, out]
+
+    def end_step(self) -> None:
+        self._grid = None  # do not hold the last layer's input while idle
 
     def _grid_of(self, x: torch.Tensor, batch: LoRABatch, compute: torch.dtype) -> torch.Tensor:
         """x's rows on the padded grid; q/k/v (and gate/up) read the same x, so it is gathered once."""
