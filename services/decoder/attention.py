@@ -101,7 +101,7 @@ def plan_decode(rows: list[int], context_slots: list[torch.Tensor], num_kv_heads
     rows[i] is a flat-batch row whose context has cache slots `context_slots[i]` (int64 [len]).
     Rows are sorted by length and split where a split saves more padded positions than
     GROUP_COST_POSITIONS (dynamic programming over the sorted lengths). Padding positions read
-    slot 0 and get a -inf score bias (float32, the dtype scores are computed in).
+    slot 0 and get a -inf score bias (float32; scores are float32, or float64 for a float64 model).
     """
     order = sorted(range(len(rows)), key=lambda i: (context_slots[i].numel(), rows[i]))
     lengths = [context_slots[i].numel() for i in order]
@@ -175,7 +175,7 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     The `num_rep` query heads sharing a kv head become that kv head's query rows, so K/V are
     gathered once per kv head and never repeated; `index_select` over the flat head-major cache is
     a plain row copy (several times faster on CPU than advanced indexing). Scores are two batched
-    matmuls and a softmax, in float32 (half-precision inputs are upcast): for these few query rows
+    matmuls and a softmax, in float32 at least (half-precision inputs are upcast): for these few query rows
     per (kv head, sequence) that is ~2x faster on CPU than SDPA's flash kernel with a mask.
     """
     kv_heads, _, head_dim = k_cache.shape
@@ -191,7 +191,7 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         else:
             q = query[group.first_row:group.first_row + n]
         q = q.view(n, kv_heads, num_rep, head_dim).transpose(0, 1)                                    # [kv, n, rep, d]
-        if q.dtype != torch.float32:  # half precision: scores and weights in float32 (no overflow)
+        if q.dtype in (torch.float16, torch.bfloat16):  # scores and weights in float32 (no overflow)
             q, k, v = q.float(), k.float(), v.float()
         scores = torch.matmul(q * scale, k.transpose(-1, -2))                                         # [kv, n, rep, L]
         if group.bias is not None:
