@@ -49,7 +49,7 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         ids, positions, slots, prefills = [], [], [], []
-        decode_rows, decode_ctx, embed_rows, embed_values, token_slots = [], [], [], [], []
+        decode_rows, decode_lens, embed_rows, embed_values, token_slots = [], [], [], [], []
         sample_rows, sampled = [], []
         row = 0
         for item in out.scheduled:
@@ -57,12 +57,11 @@ class ModelRunner:
             ids.extend(request.token_ids(start, end))
             positions.append(request.rope_positions(start, end, self.mrope))
             slots.append(self.block_manager.slot_mapping(request.key, start, end))
-            context = self.block_manager.slot_mapping(request.key, 0, end)
             if item.num_new_tokens == 1:
                 decode_rows.append(row)
-                decode_ctx.append(context)
+                decode_lens.append(end)
             else:
-                prefills.append(prefill_span(row, start, context))
+                prefills.append(prefill_span(row, start, self.block_manager.slot_mapping(request.key, 0, end)))
             offsets, blocks = request.image_rows(start, end)
             embed_rows.extend(row + o for o in offsets)
             embed_values.extend(blocks)
@@ -79,8 +78,11 @@ class ModelRunner:
         if self.attention_backend == "triton":
             meta.triton = self._triton_metadata(out)
         elif decode_rows:
-            meta.decode_groups, meta.decode_index = plan_decode(decode_rows, decode_ctx, self.cache.num_kv_heads,
-                                                                self.cache.num_slots)
+            tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled
+                      if item.num_new_tokens == 1]
+            meta.block_size = self.cache.block_size
+            meta.decode_groups, meta.decode_index = plan_decode(decode_rows, tables, decode_lens, self.cache.block_size,
+                                                                self.cache.num_kv_heads, self.cache.num_blocks)
         slot_tensor = torch.cat(token_slots)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),

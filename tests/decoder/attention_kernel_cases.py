@@ -26,9 +26,9 @@ def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     query = torch.randn(7, num_heads, head_dim)
     meta = AttentionMetadata(slot_mapping=torch.zeros(7, dtype=torch.long),
                              prefills=[prefill_span(0, 5, slots(0, 10))])
-    meta.decode_rows = torch.tensor([5, 6])
-    meta.decode_groups, meta.decode_index = plan_decode([5, 6], [slots(1, lengths[1]), slots(2, lengths[2])],
-                                                        num_kv_heads, num_blocks * block_size)
+    meta.decode_rows, meta.block_size = torch.tensor([5, 6]), block_size
+    meta.decode_groups, meta.decode_index = plan_decode([5, 6], tables[1:], lengths[1:], block_size, num_kv_heads,
+                                                        num_blocks)
     expected = paged_attention(query, k, v, meta, head_dim ** -0.5)
     padded = torch.zeros(3, 4, dtype=torch.int32)
     for row, t in enumerate(tables):
