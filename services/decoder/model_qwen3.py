@@ -2,7 +2,8 @@
 
 As transformers' Qwen3Attention: `q_norm`/`k_norm` are RMSNorm(head_dim) applied to each head of
 the projected q and k, then rotary; `head_dim` comes from config.json (default 128, as
-Qwen3Config; not hidden / heads); q/k/v/o biases follow `attention_bias`, the MLP has none. Everything else is model_llama.py.
+Qwen3Config; not hidden / heads); q/k/v/o biases follow `attention_bias`, the MLP has none.
+Everything else is model_llama.py.
 """
 
 from __future__ import annotations
