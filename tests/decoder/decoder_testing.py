@@ -181,3 +181,39 @@ def run_requests(engine, requests) -> list[tuple[list[int], str, object]]:
         return await asyncio.gather(*(_collect(engine, r) for r in requests))
 
     return asyncio.run(main())
+
+
+def check_greedy(engine, refs, requests, concurrent: bool = True) -> list[tuple[list[int], str, object]]:
+    """Run `requests` (request_id "r{i}"; all at once, or one after another): each request's ids and
+    fp32 logits (1e-4) must equal `refs[tuple(prompt_token_ids)]` = (ids, logits) from transformers."""
+    logits = capture_logits(engine)
+    if concurrent:
+        results = run_requests(engine, requests)
+    else:
+        results = [run_requests(engine, [r])[0] for r in requests]
+    for i, (request, (ids, _, _)) in enumerate(zip(requests, results)):
+        prompt = request.prompt_token_ids
+        ref_ids, ref_logits = refs[tuple(prompt)]
+        assert ids == ref_ids, f"request {i} (prompt of {len(prompt)} tokens)"
+        torch.testing.assert_close(torch.stack(logits[request.request_id]), ref_logits, atol=1e-4, rtol=0)
+    return results
+
+
+async def with_decoder_server(config, body):
+    """Serve a DecoderServicer for `config` on a free local port; returns `await body(stub, servicer)`."""
+    from services.common.server import create_server, insecure_channel
+    from services.decoder.servicer import DecoderServicer
+    from tessera.v1 import decoder_pb2_grpc
+
+    servicer = DecoderServicer(config)
+    server = create_server()
+    decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.start()
+    try:
+        async with insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await body(decoder_pb2_grpc.DecoderStub(channel), servicer)
+    finally:
+        await server.stop(0)
+        await servicer.stop()

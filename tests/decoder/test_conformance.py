@@ -6,10 +6,9 @@ recompute preemption, and a request cancelled mid-stream."""
 import random
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
-from decoder_testing import cancel_mid_stream, capture_logits, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
+from decoder_testing import cancel_mid_stream, check_greedy, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, SamplingParams
@@ -44,17 +43,7 @@ def _greedy(prompt, request_id, max_tokens=NEW_TOKENS):
 
 def _check(engine, refs, prompts, concurrent=True):
     """Run `prompts` (all at once, or one after another) and compare ids and logits with transformers."""
-    logits = capture_logits(engine)
-    requests = [_greedy(p, f"r{i}") for i, p in enumerate(prompts)]
-    if concurrent:
-        results = run_requests(engine, requests)
-    else:
-        results = [run_requests(engine, [r])[0] for r in requests]
-    for i, (prompt, (ids, _, _)) in enumerate(zip(prompts, results)):
-        ref_ids, ref_logits = refs[tuple(prompt)]
-        assert ids == ref_ids, f"request {i} (prompt of {len(prompt)} tokens)"
-        torch.testing.assert_close(torch.stack(logits[f"r{i}"]), ref_logits, atol=1e-4, rtol=0)
-    return results
+    return check_greedy(engine, refs, [_greedy(p, f"r{i}") for i, p in enumerate(prompts)], concurrent)
 
 
 def test_alone(family):

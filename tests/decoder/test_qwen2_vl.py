@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from decoder_testing import capture_logits, capture_prompt_logits, run_requests
+from decoder_testing import capture_logits, capture_prompt_logits, run_requests, with_decoder_server
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
@@ -280,11 +280,9 @@ def test_loader_layouts_and_refusals(tiny, tmp_path):
 def test_decoder_service_serves_a_qwen2_vl_dir(tiny, refs):
     """--model-dir of a Qwen2-VL checkpoint just works over gRPC: sections from the checkpoint, an
     encoded image part in a chat message, the same greedy ids as transformers."""
-    from services.common.server import create_server, insecure_channel
     from services.common.tensor import to_pb
     from services.decoder.__main__ import parse_args
-    from services.decoder.servicer import DecoderServicer
-    from tessera.v1 import decoder_pb2, decoder_pb2_grpc, vision_pb2
+    from tessera.v1 import decoder_pb2, vision_pb2
 
     directory, _, vision, _ = tiny
     _, config = parse_args(["--address", "127.0.0.1:0", "--model-dir", str(directory), "--num-blocks", "64",
@@ -297,23 +295,10 @@ def test_decoder_service_serves_a_qwen2_vl_dir(tiny, refs):
     request = decoder_pb2.GenerateRequest(messages=[decoder_pb2.ChatMessage(role="user", content=content)],
                                           sampling=decoder_pb2.SamplingParams(max_tokens=NEW_TOKENS))
 
-    async def main():
-        servicer = DecoderServicer(config)
-        server = create_server()
-        decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        await servicer.start()
-        try:
-            async with insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = decoder_pb2_grpc.DecoderStub(channel)
-                info = await stub.GetInfo(decoder_pb2.DecoderInfoRequest())
-                ids = [t async for r in stub.Generate(request) for t in r.token_ids]
-                return info, ids
-        finally:
-            await server.stop(0)
-            await servicer.stop()
+    async def body(stub, servicer):
+        info = await stub.GetInfo(decoder_pb2.DecoderInfoRequest())
+        return info, [t async for r in stub.Generate(request) for t in r.token_ids]
 
-    info, ids = asyncio.run(main())
+    info, ids = asyncio.run(with_decoder_server(config, body))
     assert list(info.mrope_section) == MROPE_SECTION and info.architecture == "Qwen2VLForConditionalGeneration"
     assert ids == refs["one"][0]

@@ -5,25 +5,13 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.server import create_server, insecure_channel
+from decoder_testing import with_decoder_server
 from services.decoder.config import DecoderConfig
-from services.decoder.servicer import DecoderServicer
-from tessera.v1 import decoder_pb2, decoder_pb2_grpc
+from tessera.v1 import decoder_pb2
 
 
 async def _with_server(model_dir, body):
-    servicer = DecoderServicer(DecoderConfig(model_dir=str(model_dir), num_blocks=32, max_model_len=256))
-    server = create_server()
-    decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await servicer.start()
-    try:
-        async with insecure_channel(f"127.0.0.1:{port}") as channel:
-            return await body(decoder_pb2_grpc.DecoderStub(channel), servicer)
-    finally:
-        await server.stop(0)
-        await servicer.stop()
+    return await with_decoder_server(DecoderConfig(model_dir=str(model_dir), num_blocks=32, max_model_len=256), body)
 
 
 def test_generate_info_errors_and_cancel(tiny_llama):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decoder_testing import cancel_mid_stream, capture_logits, run_requests
+from decoder_testing import cancel_mid_stream, check_greedy, run_requests
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
@@ -82,18 +82,8 @@ def _greedy(prompt, request_id, max_tokens=NEW_TOKENS):
 
 def _check(engine, refs, prompts, concurrent=True):
     """Run `prompts` (all at once, or one after another); ids and logits must match transformers."""
-    logits = capture_logits(engine)
-    requests = [_greedy(p, f"r{i}") for i, p in enumerate(prompts)]
-    if concurrent:
-        results = run_requests(engine, requests)
-    else:
-        results = [run_requests(engine, [r])[0] for r in requests]
-    for i, (prompt, (ids, _, _)) in enumerate(zip(prompts, results)):
-        ref_ids, ref_logits = refs[tuple(prompt)]
-        assert len(ref_ids) == NEW_TOKENS
-        assert ids == ref_ids, f"request {i} (prompt of {len(prompt)} tokens)"
-        torch.testing.assert_close(torch.stack(logits[f"r{i}"]), ref_logits, atol=1e-4, rtol=0)
-    return results
+    assert all(len(refs[tuple(p)][0]) == NEW_TOKENS for p in prompts)
+    return check_greedy(engine, refs, [_greedy(p, f"r{i}") for i, p in enumerate(prompts)], concurrent)
 
 
 def test_alone_and_chat_template(smollm):
