@@ -20,6 +20,7 @@ from torch import nn
 
 from services.common.errors import InvalidArgument
 from services.decoder.kernels import BASE_SLOT, LoRABackend, LoRABatch, TorchLoRABackend  # noqa: F401 (BASE_SLOT re-exported)
+from services.decoder.linear import linear
 
 TARGET_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -204,7 +205,7 @@ class LoRALinear(nn.Linear):
     lora_bank: AdapterBank | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        y = linear(x, self.weight, self.bias)
         if self.lora_bank is not None and self.lora_bank.active:
             self.lora_bank.apply(self.lora_name, x, y)
         return y

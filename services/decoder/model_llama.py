@@ -21,6 +21,7 @@ from torch import nn
 
 from services.decoder.attention import AttentionMetadata, paged_attention
 from services.decoder.kv_cache import KVCache
+from services.decoder.linear import linear
 from services.decoder.lora import LoRALinear
 from services.decoder.rotary import RotaryEmbedding, apply_rotary
 
@@ -203,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
 
 def load_checkpoint(model_cls: type[LlamaForCausalLM], model_dir: str | Path, dtype: torch.dtype,

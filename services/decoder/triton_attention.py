@@ -67,12 +67,12 @@ def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton backend needs a power-of-two block_size, got {block_size}")
     num_tokens, heads, head_dim = query.shape
+    query = query.contiguous()
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
     if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1:
         raise ValueError("k_cache and v_cache must share strides with contiguous head_dim")
-    query = query.contiguous()
     _paged_attention_kernel[(num_tokens, heads)](
         query, k_cache, v_cache, out, block_tables.contiguous(), token_seq, context_lens,
         scale, heads // k_cache.shape[0], block_tables.shape[1],
