@@ -8,6 +8,8 @@ In one run on one machine, the same N requests (random prompts, EOS ignored, gre
      the same decoder (K slots; each adapter served once before timing, so it is resident);
   3. the anchor: PeftModel in process holding the K adapters, one left-padded `generate` batch
      per adapter (set_adapter between batches).
+Steps 1 and 2 run three times, alternated, with step 3 between rounds (the machine's speed
+drifts over minutes); ours count as medians, the anchor as the mean of its two runs.
 Targets (issue 4): multi-LoRA >= 0.8x base-only and >= 4x PEFT. Prints one table and rewrites
 bench/results/lora.md. Never a test assertion.
 """
@@ -106,8 +108,9 @@ async def _grpc_run(address: str, work: list[tuple[list[int], str]], max_tokens:
         return sum(counts) / (time.perf_counter() - start)
 
 
-def peft_run(model_dir: Path, root: Path, names: list[str], work, max_tokens: int) -> float:
-    """PeftModel in process: per adapter one left-padded greedy batch of its requests; tokens/s."""
+def peft_runner(model_dir: Path, root: Path, names: list[str], work, max_tokens: int):
+    """PeftModel in process, loaded once; the returned callable runs, per adapter, one left-padded
+    greedy batch of its requests and returns tokens/s."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -128,11 +131,15 @@ def peft_run(model_dir: Path, root: Path, names: list[str], work, max_tokens: in
 
     model.set_adapter(names[0])
     batch([[5, 6, 7, 8]])  # warm-up
-    start, tokens = time.perf_counter(), 0
-    for name in names:
-        model.set_adapter(name)
-        tokens += batch([p for p, lora in work if lora == name])
-    return tokens / (time.perf_counter() - start)
+
+    def run() -> float:
+        start, tokens = time.perf_counter(), 0
+        for name in names:
+            model.set_adapter(name)
+            tokens += batch([p for p, lora in work if lora == name])
+        return tokens / (time.perf_counter() - start)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,16 +169,26 @@ def main(argv: list[str] | None = None) -> int:
                      "--max-lora-rank", str(args.rank), "--max-model-len", "1024", "--no-prefix-caching",
                      "--lora-backend", args.lora_backend]
             decoder, address = start_decoder(args.model_dir, flags, RESULTS / "lora-server.log")
+            # This machine's speed drifts by 10-15% over minutes: base-only and multi-LoRA run three
+            # times, alternated, with the PEFT anchor (in this process, the decoder idle) between
+            # rounds; medians of ours, mean of the anchor's runs.
             try:
-                base = asyncio.run(_grpc_run(address, [(p, "") for p in prompts], args.max_tokens))
-                multi = asyncio.run(_grpc_run(address, work, args.max_tokens))
+                peft_run = peft_runner(args.model_dir, root, names, work, args.max_tokens)
+                bases, multis, pefts = [], [], []
+                for round_ in range(3):
+                    if round_:
+                        pefts.append(peft_run())
+                    bases.append(asyncio.run(_grpc_run(address, [(p, "") for p in prompts], args.max_tokens)))
+                    multis.append(asyncio.run(_grpc_run(address, work, args.max_tokens)))
             finally:
                 stop(decoder)
         finally:
             stop(registry)
-        peft = peft_run(args.model_dir, root, names, work, args.max_tokens)
-    rows = [("base only (tessera, no adapter)", base), (f"{args.adapters} adapters rank {args.rank} (tessera)", multi),
-            ("PEFT in process, adapter switched per batch (anchor)", peft)]
+    base, multi, peft = sorted(bases)[1], sorted(multis)[1], sum(pefts) / len(pefts)
+    runs = lambda values: ", ".join(f"{v:.1f}" for v in values)  # noqa: E731
+    rows = [(f"base only (tessera, no adapter; median of {runs(bases)})", base),
+            (f"{args.adapters} adapters rank {args.rank} (tessera; median of {runs(multis)})", multi),
+            (f"PEFT in process, adapter switched per batch (anchor; mean of {runs(pefts)})", peft)]
     model = f"model: {args.model_dir.name}, fp32, lora backend {args.lora_backend}"
     workload = (f"workload: {args.requests} concurrent requests, {args.prompt_len}-token random prompts, "
                 f"{args.max_tokens} new tokens each (EOS ignored), round-robin over {args.adapters} adapters\n")

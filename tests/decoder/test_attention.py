@@ -29,11 +29,11 @@ def scattered(lengths, block_size, num_blocks, seed=0):
     return tables, slots
 
 
-def decode_meta(rows, tables, lengths, cache, num_tokens, prefills=()):
+def decode_meta(rows, tables, lengths, cache, num_tokens, prefills=(), **plan):
     meta = AttentionMetadata(torch.zeros(num_tokens, dtype=torch.long), prefills=list(prefills))
     meta.decode_rows, meta.block_size = torch.tensor(rows), cache.block_size
     meta.decode_groups, meta.decode_index = plan_decode(rows, tables, lengths, cache.block_size,
-                                                        cache.num_kv_heads, cache.num_blocks)
+                                                        cache.num_kv_heads, cache.num_blocks, **plan)
     return meta
 
 
@@ -108,3 +108,23 @@ def test_half_and_double_precision_decode_are_finite_and_close_to_float64():
         for row, slots in enumerate(contexts):
             torch.testing.assert_close(out[row].double(), reference(query[row], k_cache, v_cache, slots, 128 ** -0.5),
                                        atol=tol, rtol=0)
+
+
+def test_groups_capped_in_gathered_positions_and_still_exact():
+    torch.manual_seed(2)
+    cache = KVCache(1, 128, 4, 2, 8, torch.float32)
+    k_cache, v_cache = cache.layer(0)
+    k_cache.normal_(), v_cache.normal_()
+    lengths = [40, 39, 40, 38, 40, 40, 37]                        # one length group of 40 (10 blocks)
+    tables, contexts = scattered(lengths, 4, 128, seed=3)
+    meta = decode_meta(list(range(7)), tables, lengths, cache, 7, max_group_positions=2 * 2 * 40)
+    # at most 2 rows x 2 kv heads x 40 positions per group; rows stay sorted by length, then row
+    assert [g.rows.tolist() for g in meta.decode_groups] == [[6, 3], [1, 0], [2, 4], [5]]
+    assert [g.start for g in meta.decode_groups] == [0, 160, 320, 480]
+    assert meta.decode_index.numel() == 7 * 2 * 10
+    assert [g.first_row for g in meta.decode_groups] == [None, None, None, 5]
+    query = torch.randn(7, 4, 8)
+    out = paged_attention(query, k_cache, v_cache, meta, 0.3)
+    for row, slots in enumerate(contexts):
+        torch.testing.assert_close(out[row].double(), reference(query[row], k_cache, v_cache, slots, 0.3),
+                                   atol=1e-5, rtol=0)
