@@ -169,9 +169,11 @@ def overhead(model_dir: Path) -> dict:
 
     from services.common.launch import service_env
 
-    out = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir)], env=service_env(),
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir)], env=service_env(),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"engine overhead measurement failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def bare_forward(model, batch: int = 16, context: int = 128, steps: int = 32) -> list:

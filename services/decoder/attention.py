@@ -10,7 +10,7 @@ longest context (`plan_decode`): with contexts 150..450 one padded batch would g
 more K/V than the rows hold. Each group gathers its K/V by whole blocks: a block of one kv head
 is block_size consecutive rows of the head-major cache, so the gather copies rows of
 block_size * head_dim values (~4x faster than gathering slot by slot). A group's gathered K/V
-is kept under a few MB (`MAX_GROUP_POSITIONS`), so the two matmuls read it back from cache
+is kept under a few MB (`MAX_GROUP_BYTES`), so the two matmuls read it back from cache
 rather than memory: at 32 rows x 450 positions, fp32, one layer's decode attention took 10.3 ms
 gathered at once and 2.4-2.9 ms in groups of 8 rows (2-core CI machine).
 
@@ -29,9 +29,17 @@ import torch.nn.functional as F
 # A group costs a few ops per layer; in gathered positions that is about this many (one SDPA call
 # and two row copies ~ 40 us; one position of K and V for all kv heads ~ 0.17 us on CPU).
 GROUP_COST_POSITIONS = 256
-# At most this many gathered (kv head, position) pairs per group: K + V of 8192 positions at
-# head_dim 64 in float32 are 4 MB, well inside the L3 cache of the machines we measured.
-MAX_GROUP_POSITIONS = 8192
+# A decode group's gathered K + V (in the score dtype, float32 at least) stay under this many
+# bytes: well inside the L3 cache of the machines we measured (32 MB, 2-core CI machine).
+MAX_GROUP_BYTES = 4 << 20
+MAX_GROUP_POSITIONS = MAX_GROUP_BYTES // (2 * 64 * 4)  # at head_dim 64 in float32: 8192
+
+
+def decode_group_cap(head_dim: int, dtype: torch.dtype) -> int:
+    """`plan_decode`'s cap for a cache of `head_dim` and `dtype`: K + V of that many positions in
+    the score dtype (half precision is upcast to float32 in `_decode`) take MAX_GROUP_BYTES."""
+    element = max(torch.finfo(dtype).bits // 8, 4)
+    return max(1, MAX_GROUP_BYTES // (2 * head_dim * element))
 
 
 @dataclass

@@ -20,6 +20,7 @@ class KVCache:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.dtype = dtype
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

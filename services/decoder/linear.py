@@ -11,8 +11,8 @@ shapes, best of 5, ms:
     lm_head 576 -> 49152, F.linear       9.8  21.8  16.2  24.2  17.0  19.3  25.5  39.4  118
     lm_head, W @ x.T + copy              9.8   4.1   4.9  10.2   8.6  16.8  23.8  43.9  140
 
-Decode steps with few running requests (the tail of a batch) take this path; any other shape
-calls `F.linear`, bit for bit as before. For 2..4 rows the two orientations differ only in
+Decode steps with few running requests (the tail of a batch) take this path on CPU in float32
+(what was measured); any other shape, dtype or device calls `F.linear`, bit for bit as before. For 2..4 rows the two orientations differ only in
 summation order (|diff| ~1e-6 relative).
 """
 
@@ -27,9 +27,9 @@ TRANSPOSED_ROWS = range(2, 5)  # row counts where W @ x.T wins (the table above)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x [rows, in], weight [out, in], bias [out] -> [rows, out], row-major.
 
-    Inputs of another rank go to `F.linear` unchanged.
+    Inputs of another rank, dtype or device go to `F.linear` unchanged.
     """
-    if x.dim() != 2 or x.shape[0] not in TRANSPOSED_ROWS:
+    if x.dim() != 2 or x.shape[0] not in TRANSPOSED_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     if bias is None:
         return torch.mm(weight, x.t()).t().contiguous()

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.attention import AttentionMetadata, TritonMetadata, plan_decode, prefill_span
+from services.decoder.attention import (AttentionMetadata, TritonMetadata, decode_group_cap, plan_decode,
+                                        prefill_span)
 from services.decoder.block_manager import BlockManager
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import BASE_SLOT, AdapterBank
@@ -46,6 +47,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.bank = bank
         self.mrope = mrope
+        self.max_group_positions = decode_group_cap(cache.head_dim, cache.dtype)
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         ids, positions, slots, prefills = [], [], [], []
@@ -82,7 +84,8 @@ class ModelRunner:
                       if item.num_new_tokens == 1]
             meta.block_size = self.cache.block_size
             meta.decode_groups, meta.decode_index = plan_decode(decode_rows, tables, decode_lens, self.cache.block_size,
-                                                                self.cache.num_kv_heads, self.cache.num_blocks)
+                                                                self.cache.num_kv_heads, self.cache.num_blocks,
+                                                                self.max_group_positions)
         slot_tensor = torch.cat(token_slots)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
