@@ -6,7 +6,8 @@ In one run on one machine:
      sent concurrently over gRPC to `python -m services.decoder`; generated tokens/s;
   2. the anchor: transformers `generate` in process on the same prompts, sequentially and in
      left-padded batches of 16 (greedy, same max_tokens per request); step 1 runs again after
-     it and counts with the mean of both runs (the machine's speed drifts);
+     it (same lengths, new token ids: no prefix-cache hits) and counts with the mean of both runs
+     (the machine's speed drifts);
   3. engine overhead: wall time per engine step while 16 requests all decode, over a bare
      transformers forward of the same shapes (16 rows x 1 token on a KV cache of the same length),
      and over the engine's own forward + lm_head; measured in a child process with a decoder
@@ -35,6 +36,13 @@ def workload(num: int, prompt_range: tuple[int, int], tokens_range: tuple[int, i
     rng = random.Random(seed)
     return [([rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_range))], rng.randint(*tokens_range))
             for _ in range(num)]
+
+
+def fresh_tokens(work, seed: int = 1):
+    """The same prompt lengths and max_tokens with new token ids: a second run of `work` would hit
+    the decoder's prefix cache and skip most prefill."""
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 40000) for _ in prompt], max_tokens) for prompt, max_tokens in work]
 
 
 async def _grpc_run(address: str, work) -> float:
@@ -216,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
         batched, sequential = hf_batched(model, work), hf_sequential(model, work)
         del model
-        last = asyncio.run(_grpc_run(address, work))
+        last = asyncio.run(_grpc_run(address, fresh_tokens(work)))
     finally:
         stop(process)
     ours = (first + last) / 2

@@ -9,7 +9,7 @@ from services.decoder.linear import TRANSPOSED_ROWS, linear
 def test_linear_equals_f_linear_row_major_for_every_row_count():
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 96), torch.randn(300)
-    assert 3 in TRANSPOSED_ROWS and 1 not in TRANSPOSED_ROWS and 16 not in TRANSPOSED_ROWS
+    assert 3 in TRANSPOSED_ROWS and 16 in TRANSPOSED_ROWS and 1 not in TRANSPOSED_ROWS and 40 not in TRANSPOSED_ROWS
     for rows in (1, 2, 3, 4, 5, 16, 40):
         x = torch.randn(rows, 96)
         for b in (None, bias):
