@@ -33,7 +33,6 @@ GROUP_COST_POSITIONS = 256
 # A decode group's gathered K + V (in the score dtype, float32 at least) stay under this many
 # bytes: well inside the L3 cache of the machines we measured (32 MB, 2-core CI machine).
 MAX_GROUP_BYTES = 4 << 20
-MAX_GROUP_POSITIONS = MAX_GROUP_BYTES // (2 * 64 * 4)  # at head_dim 64 in float32: 8192
 
 
 def decode_group_cap(head_dim: int, dtype: torch.dtype) -> int:
@@ -41,6 +40,9 @@ def decode_group_cap(head_dim: int, dtype: torch.dtype) -> int:
     the score dtype (half precision is upcast to float32 in `_decode`) take MAX_GROUP_BYTES."""
     element = max(torch.finfo(dtype).bits // 8, 4)
     return max(1, MAX_GROUP_BYTES // (2 * head_dim * element))
+
+
+MAX_GROUP_POSITIONS = decode_group_cap(64, torch.float32)  # plan_decode's default: 8192
 
 
 @dataclass
