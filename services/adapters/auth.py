@@ -6,7 +6,7 @@ import hmac
 
 import grpc
 
-from services.common.errors import PermissionDenied, TesseraError, Unauthenticated
+from services.common.errors import PermissionDenied, TesseraError, Unauthenticated, status_of
 
 ADMIN_METHODS = frozenset({"/tessera.v1.Adapters/LoadAdapter", "/tessera.v1.Adapters/UnloadAdapter"})
 
@@ -46,7 +46,7 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusal(error: TesseraError) -> grpc.RpcMethodHandler:
     async def refuse(request, context):
-        await context.abort(error.code, str(error))
+        await context.abort(*status_of(error))
 
     # Request bytes are never parsed for a refused call.
     return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=None, response_serializer=None)

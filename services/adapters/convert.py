@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.adapters.catalog import AdapterRecord
+from services.adapters.leases import AdapterRef
 from services.adapters.lora import LoraAdapter
 from services.adapters.service import DRAINING, AdapterStatus
 from services.common.tensor import to_pb
@@ -26,9 +27,15 @@ def status_to_pb(status: AdapterStatus) -> adapters_pb2.AdapterInfo:
     return info
 
 
-def report_from_pb(report: adapters_pb2.ResidencyReport) -> tuple[dict[str, int], set[str]]:
-    """({digest: leases}, acknowledged draining digests) of a decoder's report."""
-    return {r.digest: r.leases for r in report.resident}, set(report.draining_acked)
+def report_from_pb(report: adapters_pb2.ResidencyReport) -> tuple[dict[str, int], dict[AdapterRef, int], set[AdapterRef]]:
+    """({digest: leases}, {(name, digest): leases}, acknowledged draining (name, digest)) of a decoder's report."""
+    resident = {r.digest: r.leases for r in report.resident}
+    leases = {(n.name, r.digest): n.leases for r in report.resident for n in r.by_name}
+    return resident, leases, {(ref.name, ref.digest) for ref in report.draining_acked}
+
+
+def draining_to_pb(refs: list[AdapterRef]) -> adapters_pb2.ResidencyAck:
+    return adapters_pb2.ResidencyAck(draining=[adapters_pb2.AdapterRef(name=n, digest=d) for n, d in refs])
 
 
 def weights_to_pb(record: AdapterRecord, adapter: LoraAdapter | None) -> adapters_pb2.AdapterWeights:

@@ -1,13 +1,16 @@
 """Residency and lease counts reported by decoders, and two-phase drains.
 
-Decoders count leases locally and report `{digest: leases}` periodically (the recommended lease
-protocol in ARCHITECTURE.md): the registry is off the per-token path and a registry restart
-stops no request. A drain marks a digest; each decoder learns it from the answer to its next
-report, refuses new admissions for it, and acknowledges it in the report after. The digest is
-drained when every live decoder has acknowledged it and reports zero leases for it:
+Decoders count leases locally and report them periodically (the recommended lease protocol in
+ARCHITECTURE.md): the registry is off the per-token path and a registry restart stops no
+request. A report lists each resident digest with its leases split by the adapter name each
+request was admitted under, so two names loaded from the same files (one digest) are drained and
+unloaded independently. A drain marks a (name, digest) pair; each decoder learns it from the
+answer to its next report, refuses new admissions of that name resolving to that digest, and
+acknowledges it in the report after. The pair is drained when every live decoder has
+acknowledged it and reports zero leases for it:
 
-    registry: start_drain(d) ............................. drained(d)?
-    decoder:        report -> ack{d} | refuse admissions | report(acked={d}, leases[d]=0)
+    registry: start_drain(ref) ............................. drained(ref)?
+    decoder:        report -> ack{ref} | refuse admissions | report(acked={ref}, leases[ref]=0)
 
 Reports older than `ttl_s` are ignored (that decoder is gone). Thread-safe.
 """
@@ -18,11 +21,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+AdapterRef = tuple[str, str]  # (adapter name, weight digest)
+
 
 @dataclass(frozen=True)
 class DecoderReport:
-    resident: dict[str, int]              # digest -> leases
-    draining_acked: frozenset[str]
+    resident: dict[str, int]              # digest -> leases (all names)
+    leases: dict[AdapterRef, int]         # (name, digest) -> leases of requests admitted as that name
+    draining_acked: frozenset[AdapterRef]
     at: float = field(default_factory=time.monotonic)
 
 
@@ -30,48 +36,45 @@ class LeaseTable:
     def __init__(self, ttl_s: float = 10.0) -> None:
         self.ttl_s = ttl_s
         self._reports: dict[str, DecoderReport] = {}
-        self._draining: dict[str, int] = {}  # digest -> number of drains waiting on it
+        self._draining: dict[AdapterRef, int] = {}  # ref -> number of drains waiting on it
         self._lock = threading.Lock()
 
-    def report(self, decoder_id: str, resident: dict[str, int], draining_acked: set[str]) -> list[str]:
-        """Record one decoder's report; returns the digests being drained."""
+    def report(self, decoder_id: str, resident: dict[str, int], leases: dict[AdapterRef, int],
+               draining_acked: set[AdapterRef]) -> list[AdapterRef]:
+        """Record one decoder's report; returns the (name, digest) pairs being drained."""
         with self._lock:
-            self._reports[decoder_id] = DecoderReport(dict(resident), frozenset(draining_acked))
+            self._reports[decoder_id] = DecoderReport(dict(resident), dict(leases), frozenset(draining_acked))
             return sorted(self._draining)
 
-    def residency(self, digest: str) -> list[tuple[str, int]]:
-        """(decoder id, leases) for every live decoder holding `digest`, by decoder id."""
+    def residency(self, ref: AdapterRef) -> list[tuple[str, int]]:
+        """(decoder id, leases taken as ref's name) for every live decoder holding ref's digest."""
         with self._lock:
-            return sorted((d, r.resident[digest]) for d, r in self._live() if digest in r.resident)
+            return sorted((d, r.leases.get(ref, 0)) for d, r in self._live() if ref[1] in r.resident)
 
-    def leases(self, digest: str) -> int:
-        return sum(n for _, n in self.residency(digest))
-
-    def holders(self, digest: str, since: float) -> tuple[list[tuple[str, int]], bool]:
-        """(decoder id, leases) for live decoders reporting leases on `digest`, and whether every
-        one of those reports is newer than `since` (time.monotonic())."""
+    def reported_since(self, since: float) -> bool:
+        """Whether every live decoder has reported after `since` (time.monotonic()): an older count
+        may be from a request that has finished since, and may miss one admitted since."""
         with self._lock:
-            live = [(d, r) for d, r in self._live() if r.resident.get(digest, 0) > 0]
-            return sorted((d, r.resident[digest]) for d, r in live), all(r.at > since for _, r in live)
+            return all(r.at > since for _, r in self._live())
 
-    def is_draining(self, digest: str) -> bool:
+    def is_draining(self, ref: AdapterRef) -> bool:
         with self._lock:
-            return digest in self._draining
+            return ref in self._draining
 
-    def start_drain(self, digest: str) -> None:
+    def start_drain(self, ref: AdapterRef) -> None:
         with self._lock:
-            self._draining[digest] = self._draining.get(digest, 0) + 1
+            self._draining[ref] = self._draining.get(ref, 0) + 1
 
-    def end_drain(self, digest: str) -> None:
+    def end_drain(self, ref: AdapterRef) -> None:
         with self._lock:
-            count = self._draining.pop(digest, 0) - 1
+            count = self._draining.pop(ref, 0) - 1
             if count > 0:
-                self._draining[digest] = count
+                self._draining[ref] = count
 
-    def drained(self, digest: str) -> bool:
-        """True when every live decoder acknowledged the drain of `digest` with zero leases."""
+    def drained(self, ref: AdapterRef) -> bool:
+        """True when every live decoder acknowledged the drain of `ref` with zero leases on it."""
         with self._lock:
-            return all(digest in r.draining_acked and r.resident.get(digest, 0) == 0 for _, r in self._live())
+            return all(ref in r.draining_acked and r.leases.get(ref, 0) == 0 for _, r in self._live())
 
     def _live(self) -> list[tuple[str, DecoderReport]]:
         now = time.monotonic()

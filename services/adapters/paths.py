@@ -8,20 +8,6 @@ from pathlib import Path
 from services.common.errors import InvalidArgument, NotFound
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def check_adapter_name(name: str) -> str:
-    """Adapter names: 1-128 chars of [A-Za-z0-9._-], starting alphanumeric.
-
-    Raises:
-        InvalidArgument: any other name.
-    """
-    if not _NAME.match(name or ""):
-        raise InvalidArgument(
-            f"adapter name {name!r} is invalid; use 1-128 characters of letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit")
-    return name
 
 
 def resolve_in_root(root: Path, client_path: str) -> Path:
@@ -47,12 +33,17 @@ def resolve_in_root(root: Path, client_path: str) -> Path:
     real_root = root.resolve()
     candidate = Path(client_path)
     joined = candidate if candidate.is_absolute() else real_root / candidate
-    resolved = joined.resolve()
-    if not resolved.is_relative_to(real_root):
+    try:
+        resolved = joined.resolve()
+        inside = resolved.is_relative_to(real_root)
+        exists, is_dir = inside and resolved.exists(), inside and resolved.is_dir()
+    except OSError as error:  # e.g. a component longer than the file system allows, a symlink loop
+        raise InvalidArgument(f"adapter path {client_path!r} is not usable: {error.strerror or error}") from None
+    if not inside:
         raise InvalidArgument(f"adapter path {client_path!r} resolves outside the adapter root {real_root}")
-    if not resolved.exists():
+    if not exists:
         raise NotFound(f"adapter path {client_path!r} does not exist under the adapter root {real_root}")
-    if not resolved.is_dir():
+    if not is_dir:
         raise InvalidArgument(f"adapter path {client_path!r} is not a directory; expected a PEFT LoRA directory")
     return resolved
 

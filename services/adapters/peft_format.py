@@ -53,9 +53,13 @@ class LoraSettings:
 def _pattern_key(patterns: dict, module: str) -> str:
     """The first pattern that matches the end of `module` at a dot boundary (PEFT's get_pattern_key)."""
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
+        if re.match(_pattern_regex(key), module):
             return key
     return module
+
+
+def _pattern_regex(key: str) -> str:
+    return rf"(.*\.)?({key})$"
 
 
 def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
@@ -88,22 +92,49 @@ def read_lora_settings(config_path: Path) -> LoraSettings:
         raise InvalidArgument(f"{config_path.name} must hold a JSON object")
     _refuse_unsupported(config)
     r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise InvalidArgument(f"adapter_config.json: r={r!r} must be a positive integer")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise InvalidArgument(f"adapter_config.json: lora_alpha={alpha!r} must be a finite number")
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
-    for field_name, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-        if not isinstance(pattern, dict):
-            raise InvalidArgument(f"adapter_config.json: {field_name} must be an object, got {pattern!r}")
+    if not _is_positive_int(r):
+        raise InvalidArgument(f"adapter_config.json: r={_clip(r)} must be a positive integer")
+    if not _is_finite_number(alpha):
+        raise InvalidArgument(f"adapter_config.json: lora_alpha={_clip(alpha)} must be a finite number")
+    rank_pattern = _pattern(config, "rank_pattern", _is_positive_int, "a positive integer rank")
+    alpha_pattern = _pattern(config, "alpha_pattern", _is_finite_number, "a finite number")
     return LoraSettings(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora")),
-                        rank_pattern=dict(rank_pattern), alpha_pattern=dict(alpha_pattern))
+                        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pattern(config: dict, field_name: str, valid, expected: str) -> dict:
+    """`config[field_name]` ({module regex: value}) checked: an object of compilable regexes to valid values."""
+    pattern = config.get(field_name) or {}
+    if not isinstance(pattern, dict):
+        raise InvalidArgument(f"adapter_config.json: {field_name} must be an object, got {_clip(pattern)}")
+    for key, value in pattern.items():
+        try:
+            re.compile(_pattern_regex(key))
+        except re.error as error:
+            raise InvalidArgument(f"adapter_config.json: {field_name} key {_clip(key)} is not a valid regular "
+                                  f"expression ({error})") from None
+        if not valid(value):
+            raise InvalidArgument(f"adapter_config.json: {field_name}[{_clip(key)}]={_clip(value)} must be {expected}")
+    return dict(pattern)
+
+
+def _clip(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (config values are client input and may be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _refuse_unsupported(config: dict) -> None:
     if config.get("peft_type") != "LORA":
-        raise InvalidArgument(f"adapter_config.json: peft_type={config.get('peft_type')!r} is not supported; "
+        raise InvalidArgument(f"adapter_config.json: peft_type={_clip(config.get('peft_type'))} is not supported; "
                               "only 'LORA' adapters can be loaded")
     refusals = {
         "use_dora": "DoRA adds a magnitude vector the decoder does not apply",
@@ -115,12 +146,15 @@ def _refuse_unsupported(config: dict) -> None:
     }
     for field_name, reason in refusals.items():
         if config.get(field_name):
-            raise InvalidArgument(f"adapter_config.json: {field_name}={config[field_name]!r} is not supported; {reason}")
+            raise InvalidArgument(f"adapter_config.json: {field_name}={_clip(config[field_name])} is not supported; {reason}")
     if config.get("bias", "none") != "none":
-        raise InvalidArgument(f"adapter_config.json: bias={config['bias']!r} is not supported; only 'none' "
+        raise InvalidArgument(f"adapter_config.json: bias={_clip(config['bias'])} is not supported; only 'none' "
                               "(trained biases would change the base layers)")
     targets = config.get("target_modules") or []
-    names = [targets] if isinstance(targets, str) else list(targets)
+    names = [targets] if isinstance(targets, str) else targets
+    if not isinstance(names, list) or not all(isinstance(t, str) for t in names):
+        raise InvalidArgument(f"adapter_config.json: target_modules={_clip(targets)} must be a string or a list "
+                              "of strings")
     embedded = sorted(t for t in names if t.rsplit(".", 1)[-1] in _EMBEDDING_NAMES)
     if embedded:
         raise InvalidArgument(f"adapter_config.json: target_modules includes {embedded}; embedding and lm_head "

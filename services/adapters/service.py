@@ -15,13 +15,9 @@ from dataclasses import dataclass
 from services.adapters.base_model import BaseModelShapes
 from services.adapters.catalog import READY, AdapterRecord, Catalog
 from services.adapters.config import RegistryConfig
-from services.adapters.leases import LeaseTable
+from services.adapters.leases import AdapterRef, LeaseTable
 from services.adapters.lora import LoraAdapter
-from services.adapters.paths import (
-    check_adapter_name,
-    relative_to_root,
-    resolve_in_root,
-)
+from services.adapters.paths import relative_to_root, resolve_in_root
 from services.adapters.peft_format import read_peft_adapter
 from services.common.errors import (
     AlreadyExists,
@@ -29,6 +25,7 @@ from services.common.errors import (
     NotFound,
     TesseraError,
 )
+from services.common.names import check_adapter_name
 
 log = logging.getLogger(__name__)
 DRAINING = "draining"
@@ -36,7 +33,8 @@ DRAINING = "draining"
 
 @dataclass(frozen=True)
 class AdapterStatus:
-    """A ready record with what decoders report: residency [(decoder id, leases)] and drain state."""
+    """A ready record with what decoders report: residency [(decoder id, leases taken as this
+    name)] and drain state."""
 
     record: AdapterRecord
     residency: tuple[tuple[str, int], ...]
@@ -62,6 +60,9 @@ class RegistryService:
         self.base = BaseModelShapes.from_model_dir(config.base_model_dir) if config.base_model_dir else None
         self.catalog = Catalog(config.db_path)
         self.leases = LeaseTable(config.report_ttl_s)
+        # A restart starts with an empty lease table while decoders still run requests on the
+        # catalog's adapters: unloads and drains wait until every live decoder has reported.
+        self._leases_known_at = time.monotonic() + (config.lease_confirm_s if self.catalog.list_ready() else 0.0)
 
     def load(self, name: str, path: str, replace: bool = False) -> AdapterRecord:
         """Validate the PEFT directory at `path` (inside the root) and register it as `name`.
@@ -99,44 +100,47 @@ class RegistryService:
         async with self._quiesced(self.get(name), drain):
             self.unload(name)
 
-    def report_residency(self, decoder_id: str, resident: dict[str, int], draining_acked: set[str]) -> list[str]:
-        """A decoder's residency report; returns the digests whose admissions it must refuse."""
-        return self.leases.report(decoder_id, resident, draining_acked)
+    def report_residency(self, decoder_id: str, resident: dict[str, int], leases: dict[AdapterRef, int],
+                         draining_acked: set[AdapterRef]) -> list[AdapterRef]:
+        """A decoder's residency report ({digest: leases}, {(name, digest): leases}, acknowledged
+        drains); returns the (name, digest) pairs whose admissions it must refuse."""
+        return self.leases.report(decoder_id, resident, leases, draining_acked)
 
     def list_status(self) -> list[AdapterStatus]:
         """Every ready adapter with its per-decoder residency and lease counts."""
-        return [AdapterStatus(r, tuple(self.leases.residency(r.digest)), self.leases.is_draining(r.digest))
+        return [AdapterStatus(r, tuple(self.leases.residency(_ref(r))), self.leases.is_draining(_ref(r)))
                 for r in self.list()]
 
     @asynccontextmanager
     async def _quiesced(self, record: AdapterRecord, drain: bool):
+        wait = self._leases_known_at - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
         if not drain:
             await self._confirm_unleased(record)
             yield
             return
-        self.leases.start_drain(record.digest)
+        self.leases.start_drain(_ref(record))
         try:
-            while not self.leases.drained(record.digest):
+            while not self.leases.drained(_ref(record)):
                 await asyncio.sleep(self.config.drain_poll_s)
             yield
         finally:
-            self.leases.end_drain(record.digest)
+            self.leases.end_drain(_ref(record))
 
     async def _confirm_unleased(self, record: AdapterRecord) -> None:
-        """Refuse (FailedPrecondition) only on leases confirmed by a report newer than this call."""
+        """Decide on reports newer than this call: every live decoder reports within
+        `lease_confirm_s`; refuse (FailedPrecondition) if one then shows leases."""
         since = time.monotonic()
         deadline = since + self.config.lease_confirm_s
         while True:
-            holders, fresh = self.leases.holders(record.digest, since)
-            if not holders:
-                return
-            if fresh or time.monotonic() >= deadline:
+            if self.leases.reported_since(since) or time.monotonic() >= deadline:
                 self._refuse_leased(record)
                 return
             await asyncio.sleep(self.config.drain_poll_s)
 
     def _refuse_leased(self, record: AdapterRecord) -> None:
-        residency = self.leases.residency(record.digest)
+        residency = self.leases.residency(_ref(record))
         leases = sum(n for _, n in residency)
         if leases:
             where = ", ".join(f"{d}: {n}" for d, n in residency if n)
@@ -158,6 +162,7 @@ class RegistryService:
 
     def unload(self, name: str) -> None:
         """Forget `name` (its generation count is kept). Raises NotFound if it is not loaded."""
+        check_adapter_name(name)
         if not self.catalog.mark_unloaded(name):
             raise NotFound(f"unknown adapter {name!r}; nothing to unload")
         log.info("unloaded adapter %r", name)
@@ -167,7 +172,9 @@ class RegistryService:
         return self.catalog.list_ready()
 
     def get(self, name: str) -> AdapterRecord:
-        """The ready record for `name`. Raises NotFound "unknown adapter 'x'"."""
+        """The ready record for `name`. Raises InvalidArgument (not an adapter name) or NotFound
+        "unknown adapter 'x'"."""
+        check_adapter_name(name)
         record = self.catalog.get(name)
         if record is None or record.state != READY:
             raise NotFound(f"unknown adapter {name!r}")
@@ -176,7 +183,7 @@ class RegistryService:
     def get_admissible(self, name: str) -> AdapterRecord:
         """`get` for a new admission: FailedPrecondition while the name's weights are draining."""
         record = self.get(name)
-        if self.leases.is_draining(record.digest):
+        if self.leases.is_draining(_ref(record)):
             raise FailedPrecondition(f"adapter {name!r} is being unloaded or replaced (draining); "
                                      "new requests for it are refused")
         return record
@@ -211,3 +218,8 @@ class RegistryService:
 
     def _read(self, name: str, directory) -> LoraAdapter:
         return read_peft_adapter(directory, self.root, name, self.config.max_rank, self.base)
+
+
+def _ref(record: AdapterRecord) -> AdapterRef:
+    """The lease table's key: leases and drains are per name and weights."""
+    return record.name, record.digest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.adapters.convert import info_to_pb, report_from_pb, status_to_pb, weights_to_pb
+from services.adapters.convert import draining_to_pb, info_to_pb, report_from_pb, status_to_pb, weights_to_pb
 from services.adapters.service import RegistryService
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
@@ -35,9 +35,8 @@ class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
         return weights_to_pb(record, None)
 
     async def ReportResidency(self, request, context):
-        resident, acked = report_from_pb(request)
-        draining = self.registry.report_residency(request.decoder_id, resident, acked)
-        return adapters_pb2.ResidencyAck(draining=draining)
+        resident, leases, acked = report_from_pb(request)
+        return draining_to_pb(self.registry.report_residency(request.decoder_id, resident, leases, acked))
 
 
 def register(server, registry: RegistryService) -> list[str]:

@@ -57,14 +57,27 @@ class DeadlineExceeded(TesseraError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+MAX_MESSAGE_CHARS = 1024  # status messages travel in a trailer (gRPC's metadata limit is 16 KiB)
+
+
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The (code, message) a client sees for `error`.
+    """The (code, message) a client sees for `error`; the message is at most MAX_MESSAGE_CHARS.
 
     A `grpc.aio.AioRpcError` from a downstream service passes through unchanged, so the gateway
-    relays the decoder's INVALID_ARGUMENT rather than hiding it behind INTERNAL.
+    relays the decoder's INVALID_ARGUMENT rather than hiding it behind INTERNAL. Messages often
+    quote client input (an adapter name, a path): cut whole, a huge one would overflow the trailer
+    and the client would see RESOURCE_EXHAUSTED instead of the real status.
     """
     if isinstance(error, TesseraError):
-        return error.code, str(error)
+        return error.code, clip_message(str(error))
     if isinstance(error, grpc.aio.AioRpcError):
-        return error.code(), error.details() or ""
+        return error.code(), clip_message(error.details() or "")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+
+
+def clip_message(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message` cut to `limit` characters, saying how many were cut."""
+    if len(message) <= limit:
+        return message
+    cut = len(message) - limit
+    return f"{message[:limit]}... ({cut} more characters)"

@@ -6,10 +6,12 @@ registry again with weights, swaps them into an idle slot (LRU) and leases it; w
 leased the admission waits for a release. Leases are released by the engine when the request
 finishes or is aborted (kept through preemption).
 
-A background task reports `{digest: leases}` to the registry every `report_interval_s` (the
-lease protocol of ARCHITECTURE.md). The answer lists digests being drained; admissions for them
-are refused from then on, and the next report acknowledges them, which lets the registry finish
-an unload once every decoder reports zero leases. While the registry is unreachable, names
+A background task reports `{digest: leases}`, split by the name each request was admitted
+under, to the registry every `report_interval_s` (the lease protocol of ARCHITECTURE.md). The
+answer lists the (name, digest) pairs being drained; admissions of such a name resolving to such
+weights are refused from then on, and the next report acknowledges them, which lets the registry
+finish an unload or replace once every decoder reports zero leases for that pair. Two names
+loaded from the same files share a slot but never each other's drains. While the registry is unreachable, names
 resolved before keep working if their weights are still resident.
 """
 
@@ -23,6 +25,7 @@ import uuid
 import grpc
 
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.names import check_adapter_name
 from services.common.server import insecure_channel
 from services.common.tensor import from_pb
 from services.decoder.lora import AdapterBank, HostAdapterCache, LoRAWeights
@@ -40,7 +43,7 @@ class AdapterClient:
         self.timeout_s = timeout_s
         self.decoder_id = decoder_id or f"decoder-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.report_interval_s = report_interval_s
-        self.draining: set[str] = set()          # digests whose admissions are refused
+        self.draining: set[tuple[str, str]] = set()  # (name, digest) whose admissions are refused
         self._name_to_digest: dict[str, str] = {}  # last resolution, used while the registry is down
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
@@ -59,11 +62,13 @@ class AdapterClient:
         (never fails) until a running request releases one.
 
         Raises:
+            InvalidArgument: `name` is not an adapter name (services/common/names.py).
             NotFound: no registry configured, or the registry does not know `name`.
             FailedPrecondition: the adapter is draining (being unloaded or replaced).
             Unavailable: the registry cannot be reached and `name` is neither resident nor in
                 the host cache.
         """
+        check_adapter_name(name)
         if self.address is None:
             raise NotFound(f"unknown adapter {name!r}: this decoder has no adapter registry configured")
         self.start_reporting()
@@ -77,7 +82,7 @@ class AdapterClient:
                 weights = await self._weights(name, digest)
                 digest = weights.digest
             self._check_drain(name, digest)
-            slot = self.bank.load_and_acquire(weights)  # no await since the drain check (see _lease)
+            slot = self.bank.load_and_acquire(weights, name)  # no await since the drain check (see _lease)
             if slot is not None:
                 return slot
             await self._wait_for_slot(name)
@@ -86,6 +91,9 @@ class AdapterClient:
         """The digest `name` maps to now; the last known one while the registry is unreachable."""
         try:
             info = await self._get(name, include_weights=False)
+        except NotFound:
+            self._name_to_digest.pop(name, None)  # unloaded: not served from the last resolution either
+            raise
         except Unavailable:
             digest = self._name_to_digest.get(name)
             if digest is None or (self.bank.slot_of(digest) is None and digest not in self.host_cache):
@@ -137,7 +145,7 @@ class AdapterClient:
             pass
 
     def _check_drain(self, name: str, digest: str) -> None:
-        if digest in self.draining:
+        if (name, digest) in self.draining:
             raise FailedPrecondition(f"adapter {name!r} is being unloaded or replaced (draining); "
                                      "new requests for it are refused")
 
@@ -146,7 +154,7 @@ class AdapterClient:
         if digest is None:
             return None
         self._check_drain(name, digest)
-        return self.bank.acquire(digest)
+        return self.bank.acquire(digest, name)
 
     def start_reporting(self) -> None:
         """Start the periodic residency report on the running loop (idempotent)."""
@@ -154,12 +162,17 @@ class AdapterClient:
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def report_once(self) -> None:
-        """Send {digest: leases} and the acknowledged drains; adopt the registry's draining set."""
+        """Send {digest: leases by name} and the acknowledged drains; adopt the registry's draining names."""
         acked = sorted(self.draining)  # taken before the residency snapshot
-        resident = [adapters_pb2.ResidentDigest(digest=d, leases=n) for d, n in self.bank.residency().items()]
+        with self.bank.lock:  # one consistent snapshot of both views
+            residency, by_name = self.bank.residency(), self.bank.leases_by_name()
+        resident = [adapters_pb2.ResidentDigest(digest=d, leases=n, by_name=[
+            adapters_pb2.NameLeases(name=k, leases=v) for k, v in sorted(by_name.get(d, {}).items())])
+            for d, n in residency.items()]
         ack = await self._call("ReportResidency", adapters_pb2.ResidencyReport(
-            decoder_id=self.decoder_id, resident=resident, draining_acked=acked))
-        self.draining = set(ack.draining)
+            decoder_id=self.decoder_id, resident=resident,
+            draining_acked=[adapters_pb2.AdapterRef(name=n, digest=d) for n, d in acked]))
+        self.draining = {(ref.name, ref.digest) for ref in ack.draining}
 
     async def _report_loop(self) -> None:
         while True:

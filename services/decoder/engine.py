@@ -35,7 +35,7 @@ from services.decoder.model_runner import ModelRunner
 from services.decoder.models import load_model
 from services.decoder.multimodal import PromptBuilder
 from services.decoder.prefix_cache import BlockHasher
-from services.decoder.request import Request, RequestOutput, Usage
+from services.decoder.request import Request, RequestOutput, RequestStatus, Usage
 from services.decoder.sampler import Sample, make_generator
 from services.decoder.scheduler import Scheduler
 
@@ -150,6 +150,7 @@ class LLMEngine:
         leased the admission waits for one to free.
         """
         slot = lora_slot
+        lease_name = request_input.lora if lora_slot is None else ""  # the name the lease is taken as
         try:
             prompt = await asyncio.to_thread(self.prompts.build, request_input)
             self._check_length(len(prompt.token_ids), request_input.sampling.max_tokens)
@@ -157,9 +158,9 @@ class LLMEngine:
                 slot = await self.adapters.acquire(request_input.lora)
         except BaseException:
             if slot is not None:
-                self.bank.release(slot)
+                self.bank.release(slot, lease_name)
             raise
-        requests = self._make_requests(request_input, prompt, slot)
+        requests = self._make_requests(request_input, prompt, slot, lease_name)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         try:
             with self._cond:
@@ -172,7 +173,7 @@ class LLMEngine:
         except BaseException:
             for request in requests:
                 if request.lora_slot is not None:
-                    self.bank.release(request.lora_slot)
+                    self.bank.release(request.lora_slot, request.lora_name)
             raise
         num_finished = 0
         try:
@@ -187,24 +188,34 @@ class LLMEngine:
                 for request in requests:
                     self.abort(request.key)
 
-    def _make_requests(self, request_input: GenerateInput, prompt, slot: int | None) -> list[Request]:
-        """The n choices: choice i samples with seed + i and holds its own adapter lease on `slot`;
-        choices after the first wait for it to compute the prompt, then share its blocks."""
+    def _make_requests(self, request_input: GenerateInput, prompt, slot: int | None, lease_name: str) -> list[Request]:
+        """The n choices: choice i samples with seed + i and holds its own adapter lease on `slot`
+        (taken as `lease_name`); choices after the first wait for it to compute the prompt, then
+        share its blocks."""
         params, requests = request_input.sampling, []
         digest = None if slot is None else self.bank.digest_of(slot)
         for index in range(params.n):
             key = uuid.uuid4().hex
-            lease = slot if index == 0 or slot is None else self.bank.acquire(digest)
+            lease = slot if index == 0 or slot is None else self.bank.acquire(digest, lease_name)
             seed = None if params.seed is None else params.seed + index
             requests.append(Request(key, request_input.request_id or key, prompt, params, lease,
                                     None if params.greedy else make_generator(seed), self._hasher(prompt, slot),
-                                    index=index, parent=requests[0] if requests else None))
+                                    index=index, parent=requests[0] if requests else None, lora_name=lease_name))
         return requests
 
     def abort(self, key: str) -> None:
-        """Abort a request by its engine key; blocks and lease are freed before the next step."""
+        """Abort a request by its engine key (its caller is gone: nothing more is sent to it).
+
+        A waiting request leaves the queue at once, so it never holds a place that admission
+        control (max_waiting) refuses others for; a running one is finished, its blocks and
+        lease freed, before the next step.
+        """
         with self._cond:
-            self._aborts.add(key)
+            request = self._requests.get(key)
+            if request is not None and request.status is RequestStatus.WAITING:
+                self._retire(request, "abort")
+            else:
+                self._aborts.add(key)
             self._cond.notify()
 
     def stats(self) -> EngineStats:
@@ -301,28 +312,30 @@ class LLMEngine:
         if reason is not None:
             self._finish(request, reason, new_tokens=[token], logprobs=logprobs)
         else:
-            self._emit(request, RequestOutput(request.request_id, [token], stream.detokenizer.delta(final=False),
+            self._emit(stream, RequestOutput(request.request_id, [token], stream.detokenizer.delta(final=False),
                                               logprobs=logprobs, index=request.index))
 
     def _finish(self, request: Request, reason: str, new_tokens: list[int] | None = None,
                 error: BaseException | None = None, logprobs: list[Sample] | None = None) -> None:
-        self.scheduler.finish(request, reason)
-        if request.lora_slot is not None:
-            self.bank.release(request.lora_slot)
-        self._requests.pop(request.key, None)
-        stream = self._streams[request.key]
+        stream = self._retire(request, reason)
         if error is not None:
-            self._emit(request, error)
+            self._emit(stream, error)
         else:
             usage = Usage(request.num_prompt_tokens, len(request.output_token_ids), request.prompt.num_image_tokens,
                           request.num_cached_tokens)
-            self._emit(request, RequestOutput(request.request_id, new_tokens or [], stream.detokenizer.delta(final=True),
-                                              reason, usage, logprobs or [], request.index))
-        self._streams.pop(request.key, None)
+            self._emit(stream, RequestOutput(request.request_id, new_tokens or [], stream.detokenizer.delta(final=True),
+                                             reason, usage, logprobs or [], request.index))
 
-    def _emit(self, request: Request, output: RequestOutput | BaseException) -> None:
-        """Queue `output` for the request's stream; `_flush` hands a step's outputs over at once."""
-        stream = self._streams[request.key]
+    def _retire(self, request: Request, reason: str) -> "_Stream":
+        """Take `request` out of the engine (its queue, blocks and adapter lease); returns its stream."""
+        self.scheduler.finish(request, reason)
+        if request.lora_slot is not None:
+            self.bank.release(request.lora_slot, request.lora_name)
+        self._requests.pop(request.key, None)
+        return self._streams.pop(request.key)
+
+    def _emit(self, stream: "_Stream", output: RequestOutput | BaseException) -> None:
+        """Queue `output` for `stream`; `_flush` (engine thread) hands a step's outputs over at once."""
         self._outbox.setdefault(stream.loop, []).append((stream.queue, output))
 
     def _flush(self) -> None:

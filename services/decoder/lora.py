@@ -11,7 +11,7 @@ segments, built once per step by `set_token_slots`) is shared by every projectio
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +40,9 @@ class AdapterBank:
     """Fixed slots of adapter weights, keyed by content digest, with leases and an LRU.
 
     A slot holding a leased adapter is never reused; unleased resident slots are recycled
-    least recently used first. When every slot is leased a load returns None and the caller
+    least recently used first. Each lease carries the adapter name its request was admitted under
+    ("" for callers without one): two registry names loaded from the same files share a slot, but
+    the registry drains and unloads them by name. When every slot is leased a load returns None and the caller
     registers `when_slot_frees` to retry once a lease ends (admission waits, never fails). Loading into a slot rewrites every target buffer of that slot.
     Thread-safe: the engine thread reads while the servicer thread loads.
     """
@@ -56,6 +58,7 @@ class AdapterBank:
         self._b: dict[str, torch.Tensor] = {}  # name -> [slots, out, max_rank]
         self._digests: list[str | None] = [None] * num_slots
         self._leases = [0] * num_slots
+        self._named: list[Counter[str]] = [Counter() for _ in range(num_slots)]  # slot -> leases by name
         self._idle: OrderedDict[int, None] = OrderedDict()  # unleased resident slots, LRU first
         self.backend = backend or TorchLoRABackend()
         self._batch: LoRABatch | None = None  # this step's row permutation / segments
@@ -70,21 +73,31 @@ class AdapterBank:
         with self.lock:
             return self._digests[slot]
 
-    def acquire(self, digest: str) -> int | None:
-        """Lease the slot holding `digest`; None if it is not resident."""
+    def acquire(self, digest: str, name: str = "") -> int | None:
+        """Lease the slot holding `digest` for a request admitted as adapter `name`; None if it is
+        not resident."""
         with self.lock:
             slot = self.slot_of(digest)
             if slot is not None:
                 self._leases[slot] += 1
+                self._named[slot][name] += 1
                 self._idle.pop(slot, None)
             return slot
 
-    def release(self, slot: int) -> None:
-        """Drop one lease of `slot`; the last one makes it idle and wakes admissions waiting for a slot."""
+    def release(self, slot: int, name: str = "") -> None:
+        """Drop one lease of `slot` taken as `name`; the last one makes the slot idle and wakes
+        admissions waiting for a slot.
+
+        Raises:
+            ValueError: `slot` holds no lease taken as `name`.
+        """
         waiters: list[Callable[[], None]] = []
         with self.lock:
-            if self._leases[slot] <= 0:
-                raise ValueError(f"slot {slot} has no lease to release")
+            if self._named[slot][name] <= 0:
+                raise ValueError(f"slot {slot} has no lease of adapter {name!r} to release")
+            self._named[slot][name] -= 1
+            if not self._named[slot][name]:
+                del self._named[slot][name]
             self._leases[slot] -= 1
             if self._leases[slot] == 0:
                 self._idle[slot] = None
@@ -103,12 +116,12 @@ class AdapterBank:
             self._waiters.append(wake)
             return True
 
-    def load_and_acquire(self, weights: LoRAWeights) -> int | None:
-        """`load` then lease the slot atomically (no concurrent load can evict it in between);
-        None if every slot is leased. Raises what `load` raises."""
+    def load_and_acquire(self, weights: LoRAWeights, name: str = "") -> int | None:
+        """`load` then lease the slot for `name` atomically (no concurrent load can evict it in
+        between); None if every slot is leased. Raises what `load` raises."""
         with self.lock:
             slot = self.load(weights)
-            return None if slot is None else self.acquire(weights.digest)
+            return None if slot is None else self.acquire(weights.digest, name)
 
     def num_leases(self, slot: int) -> int:
         return self._leases[slot]
@@ -122,6 +135,11 @@ class AdapterBank:
         """{digest: leases} of every resident adapter (what the decoder reports to the registry)."""
         with self.lock:
             return {d: self._leases[s] for s, d in enumerate(self._digests) if d is not None}
+
+    def leases_by_name(self) -> dict[str, dict[str, int]]:
+        """{digest: {admission name: leases}} of every resident adapter with leases."""
+        with self.lock:
+            return {d: dict(self._named[s]) for s, d in enumerate(self._digests) if d is not None and self._leases[s]}
 
     def load(self, weights: LoRAWeights) -> int | None:
         """Make `weights` resident (not leased); returns its slot, or None if every slot is leased.

@@ -46,16 +46,19 @@ class RequestOutput:
 class Request:
     """Engine-side state. `key` is unique per submission (the block manager's id);
     `num_computed_tokens` counts positions whose K/V are in the cache (reset by preemption);
-    `hasher` (None = no prefix caching) hashes its full blocks for the prefix cache."""
+    `hasher` (None = no prefix caching) hashes its full blocks for the prefix cache;
+    `lora_slot` is the adapter bank slot it leases, taken as adapter `lora_name`."""
 
     def __init__(self, key: str, request_id: str, prompt: PromptInputs, sampling: SamplingParams,
                  lora_slot: int | None = None, generator: torch.Generator | None = None,
-                 hasher: BlockHasher | None = None, index: int = 0, parent: "Request | None" = None) -> None:
+                 hasher: BlockHasher | None = None, index: int = 0, parent: "Request | None" = None,
+                 lora_name: str = "") -> None:
         self.key = key
         self.request_id = request_id
         self.prompt = prompt
         self.sampling = sampling
         self.lora_slot = lora_slot
+        self.lora_name = lora_name
         self.generator = generator
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

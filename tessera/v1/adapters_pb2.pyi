@@ -103,13 +103,31 @@ class AdapterWeights(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[AdapterTensor]
     def __init__(self, info: _Optional[_Union[AdapterInfo, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[AdapterTensor, _Mapping]]] = ...) -> None: ...
 
+class NameLeases(_message.Message):
+    __slots__ = ("name", "leases")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    leases: int
+    def __init__(self, name: _Optional[str] = ..., leases: _Optional[int] = ...) -> None: ...
+
 class ResidentDigest(_message.Message):
-    __slots__ = ("digest", "leases")
+    __slots__ = ("digest", "leases", "by_name")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    BY_NAME_FIELD_NUMBER: _ClassVar[int]
     digest: str
     leases: int
-    def __init__(self, digest: _Optional[str] = ..., leases: _Optional[int] = ...) -> None: ...
+    by_name: _containers.RepeatedCompositeFieldContainer[NameLeases]
+    def __init__(self, digest: _Optional[str] = ..., leases: _Optional[int] = ..., by_name: _Optional[_Iterable[_Union[NameLeases, _Mapping]]] = ...) -> None: ...
+
+class AdapterRef(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ResidencyReport(_message.Message):
     __slots__ = ("decoder_id", "resident", "draining_acked")
@@ -118,11 +136,11 @@ class ResidencyReport(_message.Message):
     DRAINING_ACKED_FIELD_NUMBER: _ClassVar[int]
     decoder_id: str
     resident: _containers.RepeatedCompositeFieldContainer[ResidentDigest]
-    draining_acked: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, decoder_id: _Optional[str] = ..., resident: _Optional[_Iterable[_Union[ResidentDigest, _Mapping]]] = ..., draining_acked: _Optional[_Iterable[str]] = ...) -> None: ...
+    draining_acked: _containers.RepeatedCompositeFieldContainer[AdapterRef]
+    def __init__(self, decoder_id: _Optional[str] = ..., resident: _Optional[_Iterable[_Union[ResidentDigest, _Mapping]]] = ..., draining_acked: _Optional[_Iterable[_Union[AdapterRef, _Mapping]]] = ...) -> None: ...
 
 class ResidencyAck(_message.Message):
     __slots__ = ("draining",)
     DRAINING_FIELD_NUMBER: _ClassVar[int]
-    draining: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, draining: _Optional[_Iterable[str]] = ...) -> None: ...
+    draining: _containers.RepeatedCompositeFieldContainer[AdapterRef]
+    def __init__(self, draining: _Optional[_Iterable[_Union[AdapterRef, _Mapping]]] = ...) -> None: ...

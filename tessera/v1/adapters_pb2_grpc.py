@@ -96,8 +96,9 @@ class AdaptersServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportResidency(self, request, context):
-        """For decoders: periodic report of resident digests and their lease counts. The answer
-        names the digests being drained: the decoder refuses new admissions for them.
+        """For decoders: periodic report of resident digests and their lease counts (by the adapter
+        name each request was admitted under). The answer names the (name, digest) pairs being
+        drained: the decoder refuses new admissions of that name that resolve to those weights.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -72,3 +72,18 @@ def test_registry_over_grpc(registry_address, root, adapter_in_root):
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert stub.LoadAdapter(load, metadata=ADMIN).generation == 2
+
+        # Client input quoted in a message is cut: a 20k-character name or path still gets its real
+        # status (whole, it would overflow gRPC's 16 KiB trailer and read as RESOURCE_EXHAUSTED).
+        huge = "x" * 20_000
+        for call, request, metadata in [
+                (stub.GetAdapter, adapters_pb2.GetAdapterRequest(name=huge), ()),
+                (stub.GetAdapter, adapters_pb2.GetAdapterRequest(name=huge, include_weights=True), ()),
+                (stub.UnloadAdapter, adapters_pb2.UnloadAdapterRequest(name=huge), ADMIN),
+                (stub.LoadAdapter, adapters_pb2.LoadAdapterRequest(name=huge, path="plain"), ADMIN),
+                (stub.LoadAdapter, adapters_pb2.LoadAdapterRequest(name="y", path=huge), ADMIN)]:
+            code, details = _code(call, request, metadata=metadata)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (code, details[:200])
+            assert len(details) < 1200
+        assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \
+            health_pb2.HealthCheckResponse.SERVING

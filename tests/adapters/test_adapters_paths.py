@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from services.adapters.paths import check_adapter_name, resolve_in_root
+from services.adapters.paths import resolve_in_root
+from services.common.names import check_adapter_name
 from services.adapters.peft_format import read_peft_adapter
 from services.common.errors import InvalidArgument, NotFound
 

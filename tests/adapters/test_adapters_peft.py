@@ -67,11 +67,22 @@ def test_rank_and_alpha_patterns_apply_per_module(root, make_adapter):
     ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules"),
     ({"target_modules": ["lm_head"]}, "target_modules"),
     ({"r": 8}, "rank_pattern"),
+    # malformed values are INVALID_ARGUMENT naming the field, never an internal error
+    ({"rank_pattern": {"(": 4}}, "rank_pattern key"),
+    ({"rank_pattern": {"q_proj": "four"}}, "rank_pattern"),
+    ({"rank_pattern": {"q_proj": None}}, "rank_pattern"),
+    ({"rank_pattern": {"q_proj": 0}}, "rank_pattern"),
+    ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern"),
+    ({"alpha_pattern": [1]}, "alpha_pattern"),
+    ({"target_modules": [1, 2]}, "target_modules"),
+    ({"target_modules": {"q_proj": 1}}, "target_modules"),
+    ({"lora_alpha": "x" * 100_000}, "lora_alpha"),
 ])
 def test_config_refusals_name_the_field(root, adapter_in_root, edit_adapter_config, changes, field):
     edit_adapter_config(adapter_in_root, **changes)
-    with pytest.raises(InvalidArgument, match=field):
+    with pytest.raises(InvalidArgument, match=field) as refusal:
         _read(adapter_in_root, root)
+    assert len(str(refusal.value)) < 400  # client-supplied values are clipped, not echoed whole
 
 
 def _edit_tensors(directory, edit):

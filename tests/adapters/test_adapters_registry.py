@@ -109,24 +109,24 @@ def test_unload_waits_for_a_fresh_report_before_refusing(config, adapter_in_root
     registry = RegistryService(dataclasses.replace(config, lease_confirm_s=2.0, drain_poll_s=0.01))
     try:
         digest = registry.load("a", adapter_in_root.name).digest
-        registry.report_residency("decoder-1", {digest: 1}, set())  # stale: the request ends right after
+        registry.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())  # stale: the request ends right after
 
         async def finished_meanwhile():
             unload = asyncio.ensure_future(registry.unload_async("a"))
             await asyncio.sleep(0.2)
-            registry.report_residency("decoder-1", {digest: 0}, set())
+            registry.report_residency("decoder-1", {digest: 0}, {}, set())
             await unload
 
         asyncio.run(finished_meanwhile())
         assert [r.name for r in registry.list()] == []
 
         registry.load("a", adapter_in_root.name)
-        registry.report_residency("decoder-1", {digest: 1}, set())
+        registry.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())
 
         async def still_leased():
             unload = asyncio.ensure_future(registry.unload_async("a"))
             await asyncio.sleep(0.2)
-            registry.report_residency("decoder-1", {digest: 1}, set())  # confirmed after the call
+            registry.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())  # confirmed after the call
             await unload
 
         with pytest.raises(FailedPrecondition, match="leased by 1 running request"):
@@ -134,3 +134,67 @@ def test_unload_waits_for_a_fresh_report_before_refusing(config, adapter_in_root
         assert [r.name for r in registry.list()] == ["a"]
     finally:
         registry.close()
+
+
+def test_names_sharing_weights_are_leased_and_drained_separately(config, adapter_in_root):
+    """Two names loaded from the same files share a digest; a request admitted as one neither
+    blocks the unload of the other nor makes the other's drain wait or refuse it."""
+    import asyncio
+    import dataclasses
+
+    registry = RegistryService(dataclasses.replace(config, lease_confirm_s=1.0, drain_poll_s=0.01))
+    try:
+        digest = registry.load("alice", "plain").digest
+        assert registry.load("bob", "plain").digest == digest
+        report = {"resident": {digest: 1}, "leases": {("alice", digest): 1}}
+
+        async def main():
+            assert registry.report_residency("decoder-1", **report, draining_acked=set()) == []
+            await registry.unload_async("bob")                  # only alice is leased
+            registry.load("bob", "plain")
+            drain = asyncio.ensure_future(registry.unload_async("bob", drain=True))
+            await asyncio.sleep(0.05)
+            assert registry.report_residency("decoder-1", **report, draining_acked=set()) == [("bob", digest)]
+            registry.get_admissible("alice")                    # alice's admissions go on
+            registry.report_residency("decoder-1", **report, draining_acked={("bob", digest)})
+            await asyncio.wait_for(drain, 2)                    # without waiting for alice's request
+            unload = asyncio.ensure_future(registry.unload_async("alice"))
+            await asyncio.sleep(0.05)
+            registry.report_residency("decoder-1", **report, draining_acked=set())
+            with pytest.raises(FailedPrecondition, match="'alice' is leased by 1"):
+                await unload
+
+        asyncio.run(main())
+        [status] = registry.list_status()
+        assert (status.record.name, status.residency) == ("alice", (("decoder-1", 1),))
+    finally:
+        registry.close()
+
+
+def test_restarted_registry_waits_for_reports_before_unloading(config, adapter_in_root):
+    """After a restart the lease table is empty while decoders still run requests: an unload (or
+    drain) right away must wait for their reports, not take the empty table as "unleased"."""
+    import asyncio
+    import dataclasses
+
+    config = dataclasses.replace(config, lease_confirm_s=1.0, drain_poll_s=0.01)
+    registry = RegistryService(config)
+    digest = registry.load("a", "plain").digest
+    registry.close()
+    restarted = RegistryService(config)
+    try:
+        async def main():
+            unload = asyncio.ensure_future(restarted.unload_async("a"))
+            drain = asyncio.ensure_future(restarted.unload_async("a", drain=True))
+            await asyncio.sleep(0.3)                            # the decoder's first report since
+            restarted.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())
+            with pytest.raises(FailedPrecondition, match="leased by 1"):
+                await unload
+            assert not drain.done()
+            restarted.report_residency("decoder-1", {digest: 0}, {}, {("a", digest)})
+            await asyncio.wait_for(drain, 3)
+
+        asyncio.run(main())
+        assert restarted.list() == []
+    finally:
+        restarted.close()

@@ -74,3 +74,59 @@ def test_waiting_queue_is_bounded():
     scheduler.add(Request("a", "a", PromptInputs([1, 2]), SamplingParams(max_tokens=1)))
     with pytest.raises(ResourceExhausted, match="the queue holds 1"):
         scheduler.add(Request("b", "b", PromptInputs([1, 2]), SamplingParams(max_tokens=1)))
+
+
+def test_lora_name_is_checked_before_anything_else(engine):
+    with pytest.raises(InvalidArgument, match="adapter name 'xxx.*is invalid") as refusal:
+        _submit(engine, GenerateInput(SamplingParams(max_tokens=4), prompt_token_ids=(1, 2, 3), lora="x" * 20_000))
+    assert len(str(refusal.value)) < 300
+
+
+def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(tiny_llama):
+    """max_waiting counts live requests only: while a step is still computing, a waiting request
+    whose caller went away leaves the queue, and a new request is admitted in its place."""
+    import threading
+
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64, max_num_seqs=1,
+                                     max_waiting=1))
+    execute, in_step, resume = engine.runner.execute, threading.Event(), threading.Event()
+
+    def slow_execute(out):
+        in_step.set()
+        resume.wait(30)
+        return execute(out)
+
+    engine.runner.execute = slow_execute
+
+    def request():
+        return GenerateInput(SamplingParams(max_tokens=2, ignore_eos=True), prompt_token_ids=(1, 2, 3))
+
+    async def main():
+        running = asyncio.ensure_future(_collect(engine, request()))
+        await asyncio.to_thread(in_step.wait, 30)          # the engine is inside a step
+        waiting = engine.generate(request())
+        first = asyncio.ensure_future(waiting.__anext__())  # admitted: the queue's one place
+        while not engine.stats().num_waiting:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ResourceExhausted):
+            await _collect(engine, request())
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await waiting.aclose()                              # its caller goes away
+        assert engine.stats().num_waiting == 0              # before the step ends
+        admitted = asyncio.ensure_future(_collect(engine, request()))
+        while not engine.stats().num_waiting:
+            await asyncio.sleep(0.01)
+        resume.set()
+        return await running, await admitted
+
+    try:
+        assert asyncio.run(main()) == (2, 2)
+        assert engine.stats().num_free_blocks == 64
+    finally:
+        resume.set()
+        engine.shutdown()
+
+
+async def _collect(engine, request):
+    return sum([len(out.token_ids) async for out in engine.generate(request)])

@@ -100,7 +100,7 @@ def test_leased_unload_refused_drain_waits_and_reload_follows_new_weights(tiny_l
 
             drain = asyncio.ensure_future(stub.LoadAdapter(
                 adapters_pb2.LoadAdapterRequest(name="a", path="rs8", replace=True, drain=True)))
-            while first.digest not in engine.adapters.draining:
+            while ("a", first.digest) not in engine.adapters.draining:
                 await asyncio.sleep(0.02)
             with pytest.raises(FailedPrecondition, match="draining"):
                 await _generate(engine, "a")                 # new admissions refused while draining
@@ -108,7 +108,7 @@ def test_leased_unload_refused_drain_waits_and_reload_follows_new_weights(tiny_l
             assert info.state == "draining" and not drain.done()
             await asyncio.sleep(0.3)
             assert not drain.done()                          # still leased: the replace waits
-            engine.bank.release(slot)                        # the request finishes
+            engine.bank.release(slot, "a")                   # the request finishes
             second = await asyncio.wait_for(drain, 10)
             assert second.digest != first.digest and second.generation == first.generation + 1
 
@@ -122,5 +122,41 @@ def test_leased_unload_refused_drain_waits_and_reload_follows_new_weights(tiny_l
 
     try:
         asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_names_sharing_weights_do_not_share_leases_or_drains(tiny_llama, registry):
+    """"b" is loaded from "a"'s files (one digest, one bank slot): a request admitted as "a" does
+    not block unloading "b", and draining "b" neither refuses "a" nor waits for its request."""
+    address, root = registry
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=256, adapter_slots=2,
+                                     max_lora_rank=16, adapters_address=address))
+    engine.adapters.report_interval_s = 0.05
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = adapters_pb2_grpc.AdaptersStub(channel)
+            a = await stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name="a", path="plain4"))
+            b = await stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name="b", path="plain4"))
+            assert a.digest == b.digest
+            expected = await _generate(engine, "b")
+            slot = await engine.adapters.acquire("a")          # a running request admitted as "a"
+            await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="b"))  # not refused
+            await stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name="b", path="plain4"))
+            drain = asyncio.ensure_future(stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="b", drain=True)))
+            while ("b", b.digest) not in engine.adapters.draining and not drain.done():
+                await asyncio.sleep(0.02)
+            assert await _generate(engine, "a") == expected    # "a" is admitted during b's drain
+            await asyncio.wait_for(drain, 10)                  # while "a" still holds its lease
+            listed = (await stub.ListAdapters(adapters_pb2.ListAdaptersRequest())).adapters
+            assert [(info.name, info.leases) for info in listed] == [("a", 1)]
+            engine.bank.release(slot, "a")
+            await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="a"))
+        await engine.adapters.close()
+
+    try:
+        asyncio.run(main())
+        assert set(engine.bank.residency().values()) <= {0}
     finally:
         engine.shutdown()

@@ -13,7 +13,7 @@ import pytest
 from lora_mixed_cases import registry_weights
 from lora_registry_cases import (assert_nothing_leaked, generate, load_request, make_engine, peft_ids, run,
                                  save_all_adapters, start_registry)
-from services.common.errors import Unavailable
+from services.common.errors import NotFound, Unavailable
 from services.decoder.config import DecoderConfig
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
@@ -81,11 +81,18 @@ def test_registry_restart_fails_no_request_and_resident_adapters_keep_serving(ti
             stub = adapters_pb2_grpc.AdaptersStub(channel)
             info = await stub.LoadAdapter(load_request("a", "plain4"))
             await stub.LoadAdapter(load_request("never-used", "rs8"))
+            await stub.LoadAdapter(load_request("gone", "plain4"))  # a's files: the weights stay resident
+            assert await generate(engine, "gone") == ref
+            await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="gone"))
+        with pytest.raises(NotFound):
+            await generate(engine, "gone")
         assert await generate(engine, "a") == ref
         long_ids = await in_flight_across_kill()
         down_ids = await asyncio.gather(*(generate(engine, "a") for _ in range(3)))
         with pytest.raises(Unavailable, match="unavailable"):
             await generate(engine, "never-used")      # neither resident nor in host memory
+        with pytest.raises(Unavailable, match="unavailable"):
+            await generate(engine, "gone")            # unloaded: not served from its last resolution
         restarted = start_registry(tiny_llama, root, db, address)
         deadline = time.monotonic() + 30
         while True:
