@@ -67,6 +67,14 @@ def _peft_ids(model_dir, adapter_dir):
     return hf_reference(model, PROMPT, NEW_TOKENS)[0]
 
 
+def _engine(model_dir, address):
+    """An engine on the registry at `address`, reporting leases every 50 ms."""
+    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256, adapter_slots=2,
+                                     max_lora_rank=16, adapters_address=address))
+    engine.adapters.report_interval_s = 0.05
+    return engine
+
+
 async def _generate(engine, lora):
     request = GenerateInput(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), prompt_token_ids=tuple(PROMPT),
                             lora=lora)
@@ -77,9 +85,7 @@ def test_leased_unload_refused_drain_waits_and_reload_follows_new_weights(tiny_l
     address, root = registry
     refs = {name: _peft_ids(tiny_llama, root / name) for name in ("plain4", "rs8")}
     assert refs["plain4"] != refs["rs8"]
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=256, adapter_slots=2,
-                                     max_lora_rank=16, adapters_address=address))
-    engine.adapters.report_interval_s = 0.05
+    engine = _engine(tiny_llama, address)
 
     async def main():
         async with grpc.aio.insecure_channel(address) as channel:
@@ -130,9 +136,7 @@ def test_names_sharing_weights_do_not_share_leases_or_drains(tiny_llama, registr
     """"b" is loaded from "a"'s files (one digest, one bank slot): a request admitted as "a" does
     not block unloading "b", and draining "b" neither refuses "a" nor waits for its request."""
     address, root = registry
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=256, adapter_slots=2,
-                                     max_lora_rank=16, adapters_address=address))
-    engine.adapters.report_interval_s = 0.05
+    engine = _engine(tiny_llama, address)
 
     async def main():
         async with grpc.aio.insecure_channel(address) as channel:
