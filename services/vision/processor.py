@@ -28,13 +28,14 @@ import hashlib
 import io
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 from PIL import Image, ImageColor, ImageOps, UnidentifiedImageError
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, TesseraError
 from services.vision import qwen2_vl_pixels
 from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig
 
@@ -147,14 +148,10 @@ class ImageProcessor:
         """Decode, check, orient, convert and normalize one image. Raises InvalidArgument."""
         data = self.image_bytes(source)
         image = self._open_checked(data)
-        try:
+        with self._decoding(data):
             image.load()
             image = ImageOps.exif_transpose(image)
             rgb = to_rgb(image, self.config.background)
-        except Image.DecompressionBombError as error:
-            raise InvalidArgument(f"image refused as a decompression bomb: {error}") from error
-        except (OSError, ValueError, SyntaxError) as error:  # truncated or corrupt streams
-            raise InvalidArgument(f"image could not be decoded: {error}") from error
         if self.config.qwen2_vl is not None:
             pixels = qwen2_vl_pixels.normalize(rgb, self.config.qwen2_vl)  # [3, H, W]
             return ProcessedImage(image_bytes=data, pixels=pixels, original_size=rgb.size)
@@ -166,16 +163,9 @@ class ImageProcessor:
 
     def _open_checked(self, data: bytes) -> Image.Image:
         """Open lazily (header only) and apply the pixel and frame checks before any pixel is decoded."""
-        try:
+        with self._decoding(data):
             image = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as error:
-            raise InvalidArgument(f"image refused as a decompression bomb: {error}; "
-                                  f"the limit is {self.config.max_image_pixels} pixels") from error
-        except UnidentifiedImageError as error:
-            raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): "
-                                  "not a recognized image format") from error
-        except (OSError, ValueError, SyntaxError) as error:
-            raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): {error}") from error
+            num_frames = getattr(image, "n_frames", 1)  # some formats parse further to count frames
         width, height = image.size
         if width < 1 or height < 1:
             raise InvalidArgument(f"image is {width}x{height}; it must be at least 1x1")
@@ -184,10 +174,32 @@ class ImageProcessor:
                                   f"the limit is {self.config.max_image_pixels}")
         if self.config.qwen2_vl is not None:  # one-patch minimum and aspect ratio, before decoding
             qwen2_vl_pixels.check_source_size(width, height, self.config.qwen2_vl)
-        num_frames = getattr(image, "n_frames", 1)
         if num_frames > 1:
             raise InvalidArgument(f"animated images are not accepted; this one has {num_frames} frames")
         return image
+
+
+    @contextmanager
+    def _decoding(self, data: bytes):
+        """Pillow's decoders on untrusted bytes: every failure is the client's image, INVALID_ARGUMENT.
+
+        Corrupt streams surface as OSError, ValueError and SyntaxError, but also as TypeError,
+        IndexError, struct.error and others depending on the format's plugin (a mutated TIFF raises
+        TypeError "Missing dimensions"), so anything but our own errors maps to "could not be decoded".
+        """
+        try:
+            yield
+        except TesseraError:
+            raise
+        except Image.DecompressionBombError as error:
+            raise InvalidArgument(f"image refused as a decompression bomb: {error}; "
+                                  f"the limit is {self.config.max_image_pixels} pixels") from error
+        except UnidentifiedImageError as error:
+            raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): "
+                                  "not a recognized image format") from error
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): "
+                                  f"{type(error).__name__}: {error}") from error
 
 
 def to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:

@@ -115,6 +115,29 @@ def test_undecodable_truncated_empty_and_animated_images_are_refused():
     assert process(single.getvalue()).shape == (3, 64, 64)
 
 
+def test_mutated_images_are_refused_whatever_pillow_raises():
+    """Pillow's format plugins fail on corrupt bytes with TypeError, IndexError, struct.error and
+    more, not only OSError: every one is the client's image (INVALID_ARGUMENT), never INTERNAL."""
+    import random
+
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", (40, 30))
+    ImageDraw.Draw(image).rectangle([5, 5, 20, 20], fill=RED)
+    rng = random.Random(2)
+    for fmt, options in [("TIFF", {"compression": "tiff_lzw"}), ("PNG", {}), ("GIF", {}), ("BMP", {}), ("WEBP", {})]:
+        clean = io.BytesIO()
+        image.save(clean, fmt, **options)
+        for _ in range(300):
+            data = bytearray(clean.getvalue())
+            for _ in range(rng.randint(1, 6)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            try:
+                ImageProcessor(ProcessorConfig()).process(ImageSource(data=bytes(data)))
+            except InvalidArgument:
+                pass
+
+
 @pytest.mark.parametrize("uri", ["https://example.com/cat.png", "http://10.0.0.1/x.jpg", "file:///etc/passwd"])
 def test_remote_urls_are_not_fetched(uri):
     assert "remote URLs are not fetched" in refusal(ImageSource(data_uri=uri))
