@@ -7,6 +7,8 @@ UNAVAILABLE naming it. Deadlines propagate: each downstream call gets the client
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from services.common.errors import InvalidArgument, Unavailable
@@ -98,14 +100,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self._unary("pooling", self.config.pooling, self.pooling.Tokenize, request, context)
 
     async def EmbedStream(self, request_iterator, context):
-        call = self.pooling.EmbedStream(request_iterator, timeout=context.time_remaining())
+        relay = _RequestRelay(request_iterator)
+        call = self.pooling.EmbedStream(relay.requests(), timeout=context.time_remaining())
+        relay.on_failure = call.cancel
         try:
             async for response in call:
                 yield response
-        except grpc.aio.AioRpcError as error:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
+            relay.raise_failure()  # the client's stream broke (a message that did not parse): its status
+            if isinstance(error, asyncio.CancelledError):
+                raise
             raise _downstream("pooling", self.config.pooling, error) from error
         finally:
             call.cancel()  # client gone or finished: the pooling service drops its queued inputs
+        relay.raise_failure()
 
     # -- adapters -----------------------------------------------------------------------------
 
@@ -141,6 +149,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return await method(request, timeout=context.time_remaining(), metadata=metadata)
         except grpc.aio.AioRpcError as error:
             raise _downstream(service, address, error) from error
+
+
+class _RequestRelay:
+    """Forwards a client's request stream to a downstream call, keeping what breaks it.
+
+    grpc's client call consumes the iterator it is given in a task of its own and drops whatever
+    that iterator raises: a client message that does not parse (INVALID_ARGUMENT from the server
+    interceptor) would leave both calls waiting for more requests until the deadline. Here the
+    failure is kept, the downstream call cancelled (`on_failure`), and the handler raises it.
+    """
+
+    def __init__(self, requests):
+        self._requests = requests
+        self.on_failure = lambda: None
+        self._failure: Exception | None = None
+
+    async def requests(self):
+        try:
+            async for request in self._requests:
+                yield request
+        except Exception as error:  # noqa: BLE001 - re-raised by raise_failure on the handler's side
+            self._failure = error
+            self.on_failure()
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
 
 def _downstream(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:

@@ -56,6 +56,25 @@ def test_invalid_utf8_is_invalid_argument(gateway_address, assert_healthy):
     assert_healthy()
 
 
+@pytest.mark.parametrize("messages", [
+    [b"\xff\xff\xff\xff\xff"],                                          # not protobuf
+    [pooling_pb2.EmbedRequest(inputs=["a"]).SerializeToString(), b"\x12\x02\xff\xfe"],  # then bad UTF-8
+], ids=["garbage", "good-then-bad-utf8"])
+def test_embed_stream_with_an_undecodable_message_is_invalid_argument(gateway_address, assert_healthy, messages):
+    """The gateway relays the client's request stream to pooling; a message that does not parse
+    must end the call with INVALID_ARGUMENT at once (grpc's relay used to swallow it: no status
+    until the deadline)."""
+    with grpc.insecure_channel(gateway_address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.stream_stream("/tessera.v1.Gateway/EmbedStream", request_serializer=lambda raw: raw,
+                                     response_deserializer=pooling_pb2.EmbedResponse.FromString)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            list(call(iter(messages), timeout=20))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
+    assert "protobuf" in error.value.details() and time.monotonic() - start < 10
+    assert_healthy()
+
+
 def test_unknown_enum_value_is_invalid_argument(gateway):
     with pytest.raises(grpc.RpcError) as error:
         gateway.Embed(pooling_pb2.EmbedRequest(inputs=["x"], encoding_format=7), timeout=30)
