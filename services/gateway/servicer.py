@@ -28,6 +28,7 @@ from tessera.v1 import (
 
 # Admin metadata the gateway relays to the registry; nothing else crosses.
 _FORWARDED_METADATA = ("authorization",)
+INFO_TIMEOUT_S = 5.0  # GetInfo lists a service that has not answered by then as unavailable
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -134,19 +135,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     ("pooling", self.config.pooling, self.pooling.GetInfo, pooling_pb2.PoolingInfoRequest())]
         if self.vision is not None:
             sections.append(("vision", self.config.vision, self.vision.GetInfo, vision_pb2.VisionInfoRequest()))
-        for service, address, method, section_request in sections:
+        remaining = context.time_remaining()
+        capped = remaining is None or remaining > INFO_TIMEOUT_S  # else the client's own deadline rules
+        timeout = INFO_TIMEOUT_S if capped else remaining
+
+        async def section(service, address, method, section_request):
             try:
-                reply = await self._unary(service, address, method, section_request, context)
+                return await self._unary(service, address, method, section_request, context, timeout)
             except Unavailable as error:
-                info.unavailable.append(str(error))
-                continue
-            getattr(info, service).CopyFrom(reply)
+                return error
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or not capped:
+                    raise
+                return Unavailable(f"{service} service at {address} did not answer within {INFO_TIMEOUT_S:g} s")
+
+        replies = await asyncio.gather(*(section(*s) for s in sections))  # one frozen service delays none
+        for (service, *_), reply in zip(sections, replies):
+            if isinstance(reply, Unavailable):
+                info.unavailable.append(str(reply))
+            else:
+                getattr(info, service).CopyFrom(reply)
         return info
 
-    async def _unary(self, service: str, address: str, method, request, context):
+    async def _unary(self, service: str, address: str, method, request, context, timeout: float | None = None):
+        """`method(request)` downstream with the client's remaining time (or `timeout`) and its admin metadata."""
         metadata = [(k, v) for k, v in context.invocation_metadata() or () if k in _FORWARDED_METADATA]
         try:
-            return await method(request, timeout=context.time_remaining(), metadata=metadata)
+            return await method(request, timeout=context.time_remaining() if timeout is None else timeout,
+                                metadata=metadata)
         except grpc.aio.AioRpcError as error:
             raise _downstream(service, address, error) from error
 

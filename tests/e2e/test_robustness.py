@@ -109,3 +109,22 @@ def test_killed_pooling_replica(cluster, gateway, assert_healthy):
             time.sleep(0.25)
     assert list(reply.embeddings.shape) == [1, 384]
     assert_healthy()
+
+
+def test_a_frozen_service_is_listed_unavailable_by_get_info(cluster, gateway, assert_healthy):
+    """A service that is alive but does not answer (SIGSTOP) must not hang GetInfo: the others'
+    sections arrive and the frozen one is listed unavailable after the gateway's per-section cap."""
+    from services.gateway.servicer import INFO_TIMEOUT_S
+
+    process = cluster.processes["vision"]
+    process.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        info = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert elapsed < INFO_TIMEOUT_S + 10
+    assert info.decoder.num_blocks > 0 and info.HasField("pooling") and not info.HasField("vision")
+    assert any("vision" in line and "did not answer" in line for line in info.unavailable), info.unavailable
+    assert_healthy()
