@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest hold for more requests before a forward (default %(default)s)")
     parser.add_argument("--max-queue-size", type=int, default=4096,
                         help="most sequences queued per model before RESOURCE_EXHAUSTED (default %(default)s)")
+    parser.add_argument("--max-request-chars", type=int, default=2_000_000,
+                        help="most characters of text per request, checked before tokenizing (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     return parser
 
@@ -63,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
         return PoolingConfig(models=models, address=args.address, max_batch_size=args.max_batch_size,
                              device=args.device, dynamic_batching=args.dynamic_batching,
                              max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-                             max_queue_size=args.max_queue_size)
+                             max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars)
     except ValueError as error:
         parser.error(str(error))
 

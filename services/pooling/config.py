@@ -164,6 +164,9 @@ class PoolingConfig:
         max_wait_ms: longest a first queued sequence waits for company before its forward starts.
         max_queue_size: most sequences waiting per model; a request that would pass it is refused
             with RESOURCE_EXHAUSTED.
+        max_request_chars: most characters of text one request may carry, all inputs (or query and
+            documents) together, checked before tokenizing (tokenizing is linear in it and runs
+            before truncation: 10 MB of text took ~20 s of CPU). TEI's --payload-limit, 2 MB, in spirit.
 
     Raises:
         ValueError: no models, duplicate model names, an address without a port, a limit below 1,
@@ -178,6 +181,7 @@ class PoolingConfig:
     max_batch_tokens: int = 16384
     max_wait_ms: float = 2.0
     max_queue_size: int = 4096
+    max_request_chars: int = 2_000_000
 
     def __post_init__(self) -> None:
         if ":" not in self.address:
@@ -187,8 +191,9 @@ class PoolingConfig:
         names = [m.model_name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_batch_size < 1 or self.max_request_chars < 1:
+            raise ValueError(f"max_batch_size ({self.max_batch_size}) and max_request_chars "
+                             f"({self.max_request_chars}) must be >= 1")
         longest = max(m.max_input_length for m in self.models)
         if self.max_batch_tokens < longest:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} is below the longest max_input_length "

@@ -25,7 +25,7 @@ from services.pooling.config import EMBEDDING, ModelConfig, PoolingConfig
 from services.pooling.domain import EmbedQuery, Embeddings, ModelInfo, RankedDocument, Ranking, ServiceInfo, Tokenization
 from services.pooling.pooling import normalize as unit_normalize
 from services.pooling.runners import ModelRunner, load_runner
-from services.pooling.tokens import ModelTokenizer, Sequence
+from services.pooling.tokens import NO_TRUNCATE_HINT, ModelTokenizer, Sequence
 
 BI_ENCODER = "bi-encoder"
 _STREAM_WINDOW = 64  # EmbedStream requests in flight per call
@@ -197,7 +197,7 @@ class PoolingService:
                                   f"{served.runner.method!r}; {method!r} needs a model with that head")
         if not query:
             raise InvalidArgument("query must be a non-empty string")
-        self._check_inputs(documents, "documents")
+        self._check_inputs(documents, "documents", extra_chars=len(query))
         if top_n is not None and not 1 <= top_n <= len(documents):
             raise InvalidArgument(f"top_n must be between 1 and the number of documents ({len(documents)}), got {top_n}")
         scores, num_tokens = await self._scores(served, query, documents, raw_scores)
@@ -211,7 +211,8 @@ class PoolingService:
         if served.config.kind == EMBEDDING:
             prompts = served.config.prompts
             texts = [prompts.get("query", "") + query, *(prompts.get("document", "") + d for d in documents)]
-            sequences = await asyncio.to_thread(served.tokenizer.encode_texts, texts, labels=["query", *labels])
+            sequences = await asyncio.to_thread(served.tokenizer.encode_texts, texts, labels=["query", *labels],
+                                                hint=NO_TRUNCATE_HINT)
             vectors = unit_normalize(await served.batcher.submit(sequences))  # [1 + N, D]
             return (vectors[1:] @ vectors[0]).tolist(), sum(map(len, sequences))
         if served.runner.method == "cross-encoder":
@@ -220,7 +221,7 @@ class PoolingService:
             c = served.config
             prompts = [c.judge_template.format(instruction=c.judge_instruction, query=query, document=d) for d in documents]
             sequences = await asyncio.to_thread(served.tokenizer.encode_texts, prompts, add_special_tokens=False,
-                                                labels=labels)
+                                                labels=labels, hint=NO_TRUNCATE_HINT)
         logits = await served.batcher.submit(sequences)  # [N]
         scores = logits if raw else torch.sigmoid(logits)
         return scores.tolist(), sum(map(len, sequences))
@@ -287,7 +288,8 @@ class PoolingService:
     def _names(self, kind: str) -> list[str]:
         return [m.model_name for m in self.config.models if m.kind == kind]
 
-    def _check_inputs(self, inputs: list, what: str) -> None:
+    def _check_inputs(self, inputs: list, what: str, extra_chars: int = 0) -> None:
+        """Count, emptiness and (texts) size checks; `extra_chars`: other text of the request (a rerank query)."""
         if not inputs:
             raise InvalidArgument(f"{what} is empty; send at least one text")
         if len(inputs) > self.config.max_batch_size:
@@ -295,4 +297,8 @@ class PoolingService:
         for index, item in enumerate(inputs):
             if not item:
                 raise InvalidArgument(f"{what}[{index}] is an empty string; every input must hold text")
+        chars = extra_chars + sum(len(item) for item in inputs if isinstance(item, str))
+        if chars > self.config.max_request_chars:
+            raise InvalidArgument(f"request holds {chars} characters of text; the limit is "
+                                  f"{self.config.max_request_chars} (max_request_chars)")
 

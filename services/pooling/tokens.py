@@ -18,6 +18,8 @@ from transformers import AutoTokenizer
 from services.common.errors import InvalidArgument
 
 TRUNCATION_DIRECTIONS = ("right", "left")
+TRUNCATE_HINT = "set truncate to cut it"
+NO_TRUNCATE_HINT = "reranking does not truncate; shorten it"
 
 
 @dataclass(frozen=True)
@@ -77,18 +79,20 @@ class ModelTokenizer:
         return len(self.tokenizer)
 
     def encode_texts(self, texts: list[str], *, truncate: bool = False, direction: str = "right",
-                     add_special_tokens: bool = True, labels: list[str] | None = None) -> list[Sequence]:
+                     add_special_tokens: bool = True, labels: list[str] | None = None,
+                     hint: str = TRUNCATE_HINT) -> list[Sequence]:
         """Tokenize single texts.
 
         Args:
             labels: how error messages name each text (default "input 3").
+            hint: what the too-long message advises (callers that cannot truncate say so).
 
         Raises:
             InvalidArgument: an input past max_input_length without `truncate` (the message quotes its
                 label, its token count and the limit), or an unknown direction.
         """
         texts = [t.lower() for t in texts] if self.do_lower_case else list(texts)
-        return self._encode(texts, None, truncate, direction, add_special_tokens, labels)
+        return self._encode(texts, None, truncate, direction, add_special_tokens, labels, hint)
 
     def encode_pairs(self, query: str, documents: list[str], labels: list[str] | None = None) -> list[Sequence]:
         """Tokenize (query, document) pairs with the tokenizer's pair convention; never truncated.
@@ -98,7 +102,7 @@ class ModelTokenizer:
         """
         if self.do_lower_case:
             query, documents = query.lower(), [d.lower() for d in documents]
-        return self._encode([query] * len(documents), documents, False, "right", True, labels)
+        return self._encode([query] * len(documents), documents, False, "right", True, labels, NO_TRUNCATE_HINT)
 
     def encode_ids(self, id_lists: list[list[int]], *, truncate: bool = False, direction: str = "right") -> list[Sequence]:
         """Check and (when asked) cut pre-tokenized inputs; special tokens are the client's to include.
@@ -117,7 +121,7 @@ class ModelTokenizer:
                 raise InvalidArgument(f"input_ids[{index}] holds id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
             if len(ids) > self.max_input_length:
                 if not truncate:
-                    raise self._too_long(f"input {index}", len(ids))
+                    raise self._too_long(f"input {index}", len(ids), TRUNCATE_HINT)
                 ids = ids[: self.max_input_length] if direction == "right" else ids[-self.max_input_length:]
             types = (0,) * len(ids) if self._with_types else None
             sequences.append(Sequence(tuple(ids), types))
@@ -136,7 +140,7 @@ class ModelTokenizer:
         return out
 
     def _encode(self, first: list[str], second: list[str] | None, truncate: bool, direction: str,
-                add_special_tokens: bool, labels: list[str] | None) -> list[Sequence]:
+                add_special_tokens: bool, labels: list[str] | None, hint: str) -> list[Sequence]:
         _check_direction(direction)
         args = (first,) if second is None else (first, second)
         encoded = self.tokenizer(*args, truncation=False, add_special_tokens=add_special_tokens)
@@ -145,7 +149,7 @@ class ModelTokenizer:
         long_rows = [i for i, ids in enumerate(rows) if len(ids) > self.max_input_length]
         if long_rows and not truncate:
             index = long_rows[0]
-            raise self._too_long(labels[index] if labels else f"input {index}", len(rows[index]))
+            raise self._too_long(labels[index] if labels else f"input {index}", len(rows[index]), hint)
         if long_rows:
             tokenizer = self.tokenizer if direction == "right" else self._left
             cut = tokenizer([first[i] for i in long_rows], truncation=True, max_length=self.max_input_length,
@@ -156,9 +160,9 @@ class ModelTokenizer:
                     types[i] = cut["token_type_ids"][j]
         return [Sequence(tuple(ids), tuple(types[i]) if types is not None else None) for i, ids in enumerate(rows)]
 
-    def _too_long(self, label: str, num_tokens: int) -> InvalidArgument:
+    def _too_long(self, label: str, num_tokens: int, hint: str) -> InvalidArgument:
         return InvalidArgument(f"{label} has {num_tokens} tokens; the maximum input length is {self.max_input_length} "
-                               "(set truncate to cut it)")
+                               f"({hint})")
 
 
 def _check_direction(direction: str) -> None:

@@ -169,7 +169,8 @@ def test_matryoshka_and_prompts_from_the_model(minilm_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
+    ({"max_batch_size": 0}, r"max_batch_size \(0\) and max_request_chars \(2000000\) must be >= 1"),
+    ({"max_request_chars": 0}, r"max_request_chars \(0\) must be >= 1"),
     ({"address": "50054"}, "host:port"),
     ({"max_batch_tokens": 100}, "max_batch_tokens 100 is below the longest max_input_length 256"),
     ({"max_queue_size": 64}, "max_queue_size 64 must hold one full request"),

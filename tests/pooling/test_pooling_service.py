@@ -165,7 +165,7 @@ def test_concurrent_requests_get_their_own_results(service):
 
 @pytest.fixture(scope="module")
 def small(minilm_model_config, minilm_loaded):
-    return _service(PoolingConfig(models=[minilm_model_config], max_batch_size=3), minilm_loaded)
+    return _service(PoolingConfig(models=[minilm_model_config], max_batch_size=3, max_request_chars=2000), minilm_loaded)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -180,8 +180,11 @@ def small(minilm_model_config, minilm_loaded):
     (lambda s: s.rerank("q", ["a", "b"], top_n=0), r"top_n must be between 1 and the number of documents \(2\), got 0"),
     (lambda s: s.rerank("q", ["a", "b"], top_n=3), "got 3"),
     (lambda s: s.rerank("q", ["a", "b"], top_n=-1), "got -1"),
-    (lambda s: s.rerank("word " * 300, ["a"]), "query has 302 tokens"),
-    (lambda s: s.rerank("q", ["a", "word " * 300]), "document 1 has 302 tokens"),
+    (lambda s: s.rerank("word " * 300, ["a"]), r"query has 302 tokens.*\(reranking does not truncate"),
+    (lambda s: s.rerank("q", ["a", "word " * 300]), r"document 1 has 302 tokens.*\(reranking does not truncate"),
+    (lambda s: s.embed(["x" * 1000, "y" * 1001]), r"2001 characters of text; the limit is 2000 \(max_request_chars\)"),
+    (lambda s: s.rerank("q" * 1000, ["z" * 1001]), r"2001 characters of text; the limit is 2000"),
+    (lambda s: s.tokenize(["t" * 2001]), r"2001 characters of text"),
     (lambda s: s.embed(["ok"], dimensions=64), "not trained for Matryoshka truncation; leave dimensions unset"),
     (lambda s: s.embed(["ok"], truncation_direction="middle"), "truncation direction must be one of"),
     (lambda s: s.embed(["ok"], prompt_name="query"), "has no prompt 'query'"),
@@ -189,7 +192,8 @@ def small(minilm_model_config, minilm_loaded):
     (lambda s: s.embed(token_ids=((),)), r"input_ids\[0\] is an empty string"),
     (lambda s: s.rerank("q", ["a"], method="cross-encoder"), "reranks by 'bi-encoder'; 'cross-encoder' needs a model"),
 ], ids=["no-inputs", "empty-input", "too-many", "too-long", "empty-query", "no-docs", "empty-doc", "too-many-docs",
-        "top-n-0", "top-n-past", "top-n-negative", "long-query", "long-doc"]
+        "top-n-0", "top-n-past", "top-n-negative", "long-query", "long-doc", "embed-chars", "rerank-chars",
+        "tokenize-chars"]
     + ["dimensions", "direction", "prompt", "bad-id", "empty-ids", "rerank-method"])
 def test_invalid_requests(small, call, message):
     with pytest.raises(InvalidArgument, match=message):
