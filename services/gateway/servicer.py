@@ -46,6 +46,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.adapters = adapters_pb2_grpc.AdaptersStub(self._channels["adapters"])
         self.vision = vision_pb2_grpc.VisionStub(self._channels["vision"]) if config.vision else None
 
+    def _downstream(self, service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
+        """`_downstream` with whether the channel to `service` is connected (it answered itself)."""
+        reachable = self._channels[service].get_state() == grpc.ChannelConnectivity.READY
+        return _downstream(service, address, error, reachable)
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -59,7 +64,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for response in call:
                 yield response
         except grpc.aio.AioRpcError as error:
-            raise _downstream("decoder", self.config.decoder, error) from error
+            raise self._downstream("decoder", self.config.decoder, error) from error
         finally:
             call.cancel()  # client gone or finished: the decoder frees the request's KV blocks and lease
 
@@ -80,7 +85,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             encoded = await self.vision.EncodeImages(
                 vision_pb2.EncodeImagesRequest(images=[p.image for p in images]), timeout=context.time_remaining())
         except grpc.aio.AioRpcError as error:
-            raise _downstream("vision", self.config.vision, error) from error
+            raise self._downstream("vision", self.config.vision, error) from error
         out = decoder_pb2.GenerateRequest()
         out.CopyFrom(request)
         rewritten = [p for p in [*out.prompt, *(p for m in out.messages for p in m.content)]
@@ -111,7 +116,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             relay.raise_failure()  # the client's stream broke (a message that did not parse): its status
             if isinstance(error, asyncio.CancelledError):
                 raise
-            raise _downstream("pooling", self.config.pooling, error) from error
+            raise self._downstream("pooling", self.config.pooling, error) from error
         finally:
             call.cancel()  # client gone or finished: the pooling service drops its queued inputs
         relay.raise_failure()
@@ -164,7 +169,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return await method(request, timeout=context.time_remaining() if timeout is None else timeout,
                                 metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            raise _downstream(service, address, error) from error
+            raise self._downstream(service, address, error) from error
 
 
 class _RequestRelay:
@@ -194,8 +199,11 @@ class _RequestRelay:
             raise self._failure
 
 
-def _downstream(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
-    """A downstream failure: UNAVAILABLE names the service; other statuses pass through as they are."""
-    if error.code() == grpc.StatusCode.UNAVAILABLE:
-        return Unavailable(f"{service} service at {address} is unavailable: {error.details()}")
-    return error
+def _downstream(service: str, address: str, error: grpc.aio.AioRpcError, reachable: bool) -> Exception:
+    """A downstream failure: UNAVAILABLE names the service (or, when that service answered it
+    itself, says what it was relayed by); other statuses pass through as they are."""
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return error
+    if reachable:  # e.g. the decoder is up but its adapter registry is not
+        return Unavailable(f"{error.details()} (answered by the {service} service at {address})")
+    return Unavailable(f"{service} service at {address} is unavailable: {error.details()}")

@@ -82,3 +82,35 @@ def test_adapter_path_outside_root_is_refused(gateway, assert_healthy, tmp_path)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
         assert "root" in error.value.details()
     assert_healthy()
+
+
+def test_registry_down_is_unavailable_naming_the_registry(cluster, gateway, assert_healthy):
+    """With the registry down, a LoRA request the decoder cannot resolve is UNAVAILABLE: the
+    message names the registry (the decoder answered it), not the decoder as down."""
+    import signal
+    import time
+
+    process = cluster.processes["adapters"]
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    try:
+        request = chat_request(CHAT_PROMPTS[0], 4)
+        request.lora = "never-resolved"
+        with pytest.raises(grpc.RpcError) as error:
+            collect(gateway, request)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = error.value.details()
+        assert details.startswith("adapter registry at") and "answered by the decoder service" in details, details
+        assert collect(gateway, chat_request(CHAT_PROMPTS[0], 4))["finish"]  # the base model still serves
+    finally:
+        cluster.restart("adapters")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            gateway.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=10)
+            break
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+    assert_healthy()
