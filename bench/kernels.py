@@ -55,9 +55,6 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 def lora_rows(shapes: dict, rows_per_adapter, device: torch.device, dtype: torch.dtype, repeats: int,
               adapters: int = 8, rank: int = 16) -> tuple[list[str], dict[str, int | None]]:
     """Table rows (ms per kernel) and, per shape, the smallest rows-per-adapter where SGMV < BGMV."""
-    from services.decoder.kernels import LoRABatch, TorchLoRABackend
-    from services.decoder.kernels.triton_lora import bgmv, sgmv
-
     lines, crossover = [], {}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for name, (in_f, out_f) in shapes.items():
@@ -65,71 +62,85 @@ def lora_rows(shapes: dict, rows_per_adapter, device: torch.device, dtype: torch
         b = (torch.randn(adapters, out_f, rank, generator=gen) / rank ** 0.5).to(device, dtype)
         crossover[name] = None
         for m in rows_per_adapter:
-            n = adapters * m
-            x = torch.randn(n, in_f, generator=gen).to(device, dtype)
-            slots = torch.arange(adapters).repeat_interleave(m).to(device)
-            rows = torch.arange(n, device=device)
-            batch = LoRABatch.build(slots, rows)
-            seg_starts = torch.arange(0, n, m, device=device)
-            seg_lens = torch.full((adapters,), m, device=device)
-            seg_slots = torch.arange(adapters, device=device)
-            ref = torch.einsum("nr,nor->no", torch.einsum("ni,nri->nr", x.double(), a[slots].double()),
-                               b[slots].double())
-            y0 = torch.zeros(n, out_f, device=device, dtype=dtype)
-            torch_backend = TorchLoRABackend()
-            runs = {
-                "bgmv": lambda y: bgmv(y, x, a, b, rows, slots),
-                "sgmv": lambda y: sgmv(y, x, a, b, rows, seg_starts, seg_lens, seg_slots, m),
-                "torch": lambda y: torch_backend.add_lora(y, x, a, b, batch),
-            }
-            ms, errors = {}, {}
-            for kernel, run in runs.items():
-                y = y0.clone()
-                run(y)
-                errors[kernel] = (y.double() - ref).abs().max().item()
-                ms[kernel] = 1000 * _timed(lambda: run(y0.clone()), device, repeats)
+            x = torch.randn(adapters * m, in_f, generator=gen).to(device, dtype)
+            ms, error = _lora_case(x, a, b, m, device, repeats)
             if crossover[name] is None and ms["sgmv"] < ms["bgmv"]:
                 crossover[name] = m
-            lines.append(f"| {name} | {m} | {n} | {ms['bgmv']:.3f} | {ms['sgmv']:.3f} | {ms['torch']:.3f} | "
-                         f"{max(errors.values()):.1e} |")
+            lines.append(f"| {name} | {m} | {x.shape[0]} | {ms['bgmv']:.3f} | {ms['sgmv']:.3f} | {ms['torch']:.3f} | "
+                         f"{error:.1e} |")
     return lines, crossover
+
+
+def _lora_case(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, device: torch.device,
+               repeats: int) -> tuple[dict[str, float], float]:
+    """ms per call of each kernel on rows sorted by adapter, m per adapter; the largest error vs float64."""
+    from services.decoder.kernels import LoRABatch, TorchLoRABackend
+    from services.decoder.kernels.triton_lora import bgmv, sgmv
+
+    adapters, n = a.shape[0], x.shape[0]
+    slots = torch.arange(adapters).repeat_interleave(m).to(device)
+    rows = torch.arange(n, device=device)
+    batch = LoRABatch.build(slots, rows)
+    seg_starts, seg_lens = torch.arange(0, n, m, device=device), torch.full((adapters,), m, device=device)
+    ref = torch.einsum("nr,nor->no", torch.einsum("ni,nri->nr", x.double(), a[slots].double()), b[slots].double())
+    y0 = torch.zeros(n, b.shape[1], device=device, dtype=x.dtype)
+    torch_backend = TorchLoRABackend()
+    runs = {
+        "bgmv": lambda y: bgmv(y, x, a, b, rows, slots),
+        "sgmv": lambda y: sgmv(y, x, a, b, rows, seg_starts, seg_lens, torch.arange(adapters, device=device), m),
+        "torch": lambda y: torch_backend.add_lora(y, x, a, b, batch),
+    }
+    ms, error = {}, 0.0
+    for kernel, run in runs.items():
+        y = y0.clone()
+        run(y)
+        error = max(error, (y.double() - ref).abs().max().item())
+        ms[kernel] = 1000 * _timed(lambda run=run: run(y0.clone()), device, repeats)
+    return ms, error
 
 
 def attention_rows(grid, device: torch.device, dtype: torch.dtype, repeats: int, heads: int = 32,
                    kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> list[str]:
     """Decode attention (one query token per sequence) over a shuffled paged cache: ms and max diff."""
-    from services.decoder.triton_attention import triton_paged_attention
-
     lines = []
     gen = torch.Generator(device="cpu").manual_seed(1)
     for batch, context in grid:
-        blocks_per_seq = -(-context // block_size)
-        num_blocks = batch * blocks_per_seq
-        slots = num_blocks * block_size
-        k_cache = torch.randn(kv_heads, slots, head_dim, generator=gen).to(device, dtype)
-        v_cache = torch.randn(kv_heads, slots, head_dim, generator=gen).to(device, dtype)
-        tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(device, torch.int32)
-        query = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
-        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        seq = torch.arange(batch, dtype=torch.int32, device=device)
-        scale = head_dim ** -0.5
-        positions = (tables.long()[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
-        positions = positions[:, :context]                                         # [batch, context] cache slots
-
-        def torch_path():
-            k = k_cache[:, positions].permute(1, 0, 2, 3)                         # [batch, kv, ctx, d]
-            v = v_cache[:, positions].permute(1, 0, 2, 3)
-            q = query.view(batch, kv_heads, heads // kv_heads, head_dim)
-            p = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * scale, dim=-1)
-            return (p @ v.float()).reshape(batch, heads, head_dim).to(dtype)
-
-        def triton_path():
-            return triton_paged_attention(query, k_cache, v_cache, tables, seq, lens, block_size, scale)
-
-        diff = (triton_path().float() - torch_path().float()).abs().max().item()
-        t_triton, t_torch = (1000 * _timed(f, device, repeats) for f in (triton_path, torch_path))
+        t_triton, t_torch, diff = _attention_case(batch, context, heads, kv_heads, head_dim, block_size, gen,
+                                                  device, dtype, repeats)
         lines.append(f"| {batch} | {context} | {t_triton:.3f} | {t_torch:.3f} | {diff:.1e} |")
     return lines
+
+
+def _attention_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                    gen: torch.Generator, device: torch.device, dtype: torch.dtype,
+                    repeats: int) -> tuple[float, float, float]:
+    """(Triton ms, torch ms, max difference) for `batch` sequences of `context` positions."""
+    from services.decoder.triton_attention import triton_paged_attention
+
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(device, dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(device, torch.int32)
+    query = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    seq = torch.arange(batch, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    positions = (tables.long()[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+    positions = positions[:, :context]                                             # [batch, context] cache slots
+
+    def torch_path():
+        k = k_cache[:, positions].permute(1, 0, 2, 3)                             # [batch, kv, ctx, d]
+        v = v_cache[:, positions].permute(1, 0, 2, 3)
+        q = query.view(batch, kv_heads, heads // kv_heads, head_dim)
+        p = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * scale, dim=-1)
+        return (p @ v.float()).reshape(batch, heads, head_dim).to(dtype)
+
+    def triton_path():
+        return triton_paged_attention(query, k_cache, v_cache, tables, seq, lens, block_size, scale)
+
+    diff = (triton_path().float() - torch_path().float()).abs().max().item()
+    return 1000 * _timed(triton_path, device, repeats), 1000 * _timed(torch_path, device, repeats), diff
 
 
 def main(argv: list[str] | None = None) -> int:

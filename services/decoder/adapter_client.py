@@ -11,8 +11,9 @@ under, to the registry every `report_interval_s` (the lease protocol of ARCHITEC
 answer lists the (name, digest) pairs being drained; admissions of such a name resolving to such
 weights are refused from then on, and the next report acknowledges them, which lets the registry
 finish an unload or replace once every decoder reports zero leases for that pair. Two names
-loaded from the same files share a slot but never each other's drains. While the registry is unreachable, names
-resolved before keep working if their weights are still resident.
+loaded from the same files share a slot but never each other's drains. While the registry is
+unreachable, names resolved before keep working if their weights are still resident; a name the
+registry answered NOT_FOUND for (unloaded) is forgotten, so it is not served from memory then.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class AdapterClient:
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def report_once(self) -> None:
-        """Send {digest: leases by name} and the acknowledged drains; adopt the registry's draining names."""
+        """Send {digest: leases by name} and the acknowledged drains; adopt the registry's draining pairs."""
         acked = sorted(self.draining)  # taken before the residency snapshot
         with self.bank.lock:  # one consistent snapshot of both views
             residency, by_name = self.bank.residency(), self.bank.leases_by_name()

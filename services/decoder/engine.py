@@ -326,7 +326,7 @@ class LLMEngine:
             self._emit(stream, RequestOutput(request.request_id, new_tokens or [], stream.detokenizer.delta(final=True),
                                              reason, usage, logprobs or [], request.index))
 
-    def _retire(self, request: Request, reason: str) -> "_Stream":
+    def _retire(self, request: Request, reason: str) -> _Stream:
         """Take `request` out of the engine (its queue, blocks and adapter lease); returns its stream."""
         self.scheduler.finish(request, reason)
         if request.lora_slot is not None:
@@ -334,7 +334,7 @@ class LLMEngine:
         self._requests.pop(request.key, None)
         return self._streams.pop(request.key)
 
-    def _emit(self, stream: "_Stream", output: RequestOutput | BaseException) -> None:
+    def _emit(self, stream: _Stream, output: RequestOutput | BaseException) -> None:
         """Queue `output` for `stream`; `_flush` (engine thread) hands a step's outputs over at once."""
         self._outbox.setdefault(stream.loop, []).append((stream.queue, output))
 

@@ -135,7 +135,7 @@ def test_leased_unload_refused_drain_waits_and_reload_follows_new_weights(tiny_l
 def test_names_sharing_weights_do_not_share_leases_or_drains(tiny_llama, registry):
     """"b" is loaded from "a"'s files (one digest, one bank slot): a request admitted as "a" does
     not block unloading "b", and draining "b" neither refuses "a" nor waits for its request."""
-    address, root = registry
+    address, _ = registry
     engine = _engine(tiny_llama, address)
 
     async def main():
