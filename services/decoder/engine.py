@@ -285,7 +285,9 @@ class LLMEngine:
                 self.scheduler.update(out)
                 for item in out.scheduled:
                     token = sampled.get(item.request.key)
-                    if token is not None:
+                    if isinstance(token, Exception):  # its logits were not finite
+                        self._finish(item.request, "abort", error=token)
+                    elif token is not None:
                         self._append_token(item.request, token)
             self._flush()
 

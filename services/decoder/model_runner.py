@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.errors import FailedPrecondition, TesseraError
 from services.decoder.attention import (AttentionMetadata, TritonMetadata, decode_group_cap, plan_decode,
                                         prefill_span)
 from services.decoder.block_manager import BlockManager
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import BASE_SLOT, AdapterBank
 from services.decoder.model_llama import LlamaForCausalLM
+from services.decoder.request import Request
 from services.decoder.sampler import Sample, SamplingRow, sample
 from services.decoder.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -129,13 +131,38 @@ class ModelRunner:
                           inputs.embed_rows, inputs.embed_values)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, Sample]:
-        """Run the step; returns {request key: sample} for requests that sampled."""
+    def execute(self, out: SchedulerOutput) -> dict[str, Sample | TesseraError]:
+        """Run the step; returns {request key: sample} for requests that sampled.
+
+        A request whose logits are not all finite (NaN/inf: an adapter with absurd weights, an
+        overflow) gets an error instead of a sample: no token is drawn from meaningless scores, and
+        its NaNs never reach the sampling of its neighbours (multinomial would fail the whole step).
+        """
         inputs = self.prepare(out)
         if not inputs.sampled:
             self.logits(inputs)
             return {}
         logits = self.logits(inputs)
         requests = [item.request for item in inputs.sampled]
-        rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in requests]
-        return {r.key: s for r, s in zip(requests, sample(logits, rows))}
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        kept = [i for i, ok in enumerate(finite) if ok]
+        if len(kept) < len(requests):
+            logits, requests_kept = logits[kept], [requests[i] for i in kept]
+        else:
+            requests_kept = requests
+        rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in requests_kept]
+        results: dict[str, Sample | TesseraError] = {r.key: s for r, s in zip(requests_kept, sample(logits, rows))}
+        for request, ok in zip(requests, finite):
+            if not ok:
+                results[request.key] = _non_finite(request)
+        return results
+
+
+def _non_finite(request: Request) -> TesseraError:
+    """The error for a request whose logits hold NaN or inf (FAILED_PRECONDITION when its adapter
+    is the likely cause, else INTERNAL)."""
+    if request.lora_slot is not None:
+        adapter = request.lora_name or f"slot {request.lora_slot}"
+        return FailedPrecondition(f"the logits of this request are not finite (NaN or inf) under adapter "
+                                  f"{adapter!r}; its weights overflow the model, so no token can be drawn")
+    return TesseraError("the model's logits for this request are not finite (NaN or inf)")

@@ -98,3 +98,36 @@ def test_bank_leases_lru_and_slot_rewrite():
     assert float(bank._a["m.q"][0].abs().sum()) == 0.0  # reusing a slot rewrote every target
     with pytest.raises(InvalidArgument, match="exceeds max_lora_rank 4"):
         bank.load(LoRAWeights("e", {"m.q": (torch.zeros(8, 4), torch.zeros(4, 8))}))
+
+
+def test_non_finite_logits_fail_only_their_request(tiny_llama):
+    """An adapter whose (finite) weights overflow the model gives NaN/inf logits: that request ends
+    with FAILED_PRECONDITION naming it, and a sampled neighbour in the same batch is unharmed (NaN
+    probabilities used to fail multinomial, and with it every request of the step)."""
+    from services.common.errors import FailedPrecondition
+
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
+                                     max_lora_rank=16))
+    shapes = engine.bank.module_shapes
+    huge = LoRAWeights("huge", {name: (torch.full((4, i), 1e30), torch.full((o, 4), 1e30))
+                                for name, (i, o) in shapes.items() if name.endswith(("o_proj", "down_proj"))})
+    slot = engine.bank.load(huge)
+
+    async def sampled(lora_slot):
+        request = GenerateInput(SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True),
+                                prompt_token_ids=tuple(PROMPTS[1]))
+        return [t async for out in engine.generate(request, lora_slot=lora_slot) for t in out.token_ids]
+
+    async def main():
+        alone = await sampled(None)
+        engine.bank.acquire("huge")
+        together = await asyncio.gather(sampled(slot), sampled(None), return_exceptions=True)
+        return alone, together
+
+    try:
+        alone, (bad, neighbour) = asyncio.run(main())
+        assert isinstance(bad, FailedPrecondition) and "not finite" in str(bad), bad
+        assert neighbour == alone and len(alone) == 8
+        assert engine.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
+    finally:
+        engine.shutdown()
