@@ -143,7 +143,8 @@ class LLMEngine:
         """Submit a request and stream its outputs; the last one carries finish_reason and usage.
 
         `request_input.lora` is resolved through the registry and leased; a caller that already
-        holds a lease on a bank slot passes `lora_slot` instead (the engine releases it at the end).
+        holds a lease on a bank slot, taken without a name (`bank.acquire(digest)`), passes
+        `lora_slot` instead (the engine releases it at the end).
 
         Raises (before the first output): InvalidArgument (bad prompt, too long), NotFound /
         Unavailable (adapter), ResourceExhausted (waiting queue full). With every adapter slot
