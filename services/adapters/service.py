@@ -61,8 +61,10 @@ class RegistryService:
         self.catalog = Catalog(config.db_path)
         self.leases = LeaseTable(config.report_ttl_s)
         # A restart starts with an empty lease table while decoders still run requests on the
-        # catalog's adapters: unloads and drains wait until every live decoder has reported.
-        self._leases_known_at = time.monotonic() + (config.lease_confirm_s if self.catalog.list_ready() else 0.0)
+        # catalog's adapters: unloads and drains wait until every live decoder has reported, i.e.
+        # for report_ttl_s (a decoder silent that long counts as gone anyway; reconnecting after
+        # the restart takes decoders a few seconds of channel backoff plus a report interval).
+        self._leases_known_at = time.monotonic() + (config.report_ttl_s if self.catalog.list_ready() else 0.0)
 
     def load(self, name: str, path: str, replace: bool = False) -> AdapterRecord:
         """Validate the PEFT directory at `path` (inside the root) and register it as `name`.

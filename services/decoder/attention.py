@@ -68,7 +68,7 @@ class DecodeGroup:
 
     rows: torch.Tensor           # int64 [n] flat-batch rows
     context_len: int             # L: the group's longest context rounded up to whole blocks
-    bias: torch.Tensor | None    # float32 [1, n, 1, L]: 0 where the position is real, -inf on padding; None: no padding
+    padding: torch.Tensor | None  # bool [1, n, 1, L]: True on padding positions (their scores become -inf); None: none
     start: int
     first_row: int | None = None  # set when rows are first_row, first_row + 1, ...: slices, no row gather
 
@@ -125,8 +125,8 @@ def plan_decode(rows: list[int], block_tables: list[list[int]], context_lens: li
     where a split saves more padded positions than GROUP_COST_POSITIONS (dynamic programming
     over the sorted lengths, in whole blocks); a group is then cut into consecutive parts of
     at most `max_group_positions` gathered positions (kv heads x rows x padded length; one row
-    at least). Padding reads block 0 and gets a -inf score bias (float32; scores are float32,
-    or float64 for a float64 model). Group g's blocks are decode_index[g.start // block_size:
+    at least). Padding reads block 0 and its scores are set to -inf (`masked_fill`, not an added
+    bias: whatever a padded slot holds, even NaN/inf left by another request, never reaches a score). Group g's blocks are decode_index[g.start // block_size:
     (g.start + kv_heads * n * L) // block_size].
     """
     order = sorted(range(len(rows)), key=lambda i: (context_lens[i], rows[i]))
@@ -153,13 +153,12 @@ def plan_decode(rows: list[int], block_tables: list[list[int]], context_lens: li
             used = num_table_blocks[lo + r]
             tables[r, :used] = torch.tensor(block_tables[i][:used], dtype=torch.long)
         sizes = torch.tensor([context_lens[i] for i in members])
-        bias = None
+        padding = None
         if bool((sizes != length).any()):
-            padding = torch.arange(length)[None, :] >= sizes[:, None]  # [n, L]
-            bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))[None, :, None, :]
+            padding = (torch.arange(length)[None, :] >= sizes[:, None])[None, :, None, :]  # [1, n, 1, L]
         group_rows = [rows[i] for i in members]
         in_order = group_rows == list(range(group_rows[0], group_rows[0] + len(group_rows)))
-        groups.append(DecodeGroup(torch.tensor(group_rows, dtype=torch.long), length, bias, start,
+        groups.append(DecodeGroup(torch.tensor(group_rows, dtype=torch.long), length, padding, start,
                                   group_rows[0] if in_order else None))
         index.append((heads + tables[None]).reshape(-1))
         start += num_kv_heads * len(members) * length
@@ -226,8 +225,8 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         if q.dtype in (torch.float16, torch.bfloat16):  # scores and weights in float32 (no overflow)
             q, k, v = q.float(), k.float(), v.float()
         scores = torch.matmul(q * scale, k.transpose(-1, -2))                                         # [kv, n, rep, L]
-        if group.bias is not None:
-            scores.add_(group.bias)
+        if group.padding is not None:
+            scores.masked_fill_(group.padding, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)                            # [kv, n, rep, d]
         o = o.transpose(0, 1).reshape(n, -1, head_dim)                                                # [n, heads, d]
         if group.first_row is None:

@@ -35,8 +35,15 @@ class KVCache:
         return (heads + slot_mapping[None, :]).reshape(-1)
 
     def write(self, layer: int, write_index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store `key`/`value` [num_tokens, kv_heads, head_dim] at `write_index` (from `write_index`)."""
+        """Store `key`/`value` [num_tokens, kv_heads, head_dim] at `write_index` (from `write_index`).
+
+        Non-finite values (only a request whose activations overflowed writes them; its own logits
+        are then non-finite and it ends with an error) are stored as 0 in V: blocks are reused, and
+        attention multiplies padded slots by probability 0, which a stale NaN or inf would turn into
+        NaN for an unrelated request. Padded K never matters (its scores are masked to -inf).
+        """
         head_dim = key.shape[-1]
+        values = torch.nan_to_num(value.transpose(0, 1).reshape(-1, head_dim), nan=0.0, posinf=0.0, neginf=0.0)
         # a row copy; faster than index_put on CPU
         self.key[layer].view(-1, head_dim).index_copy_(0, write_index, key.transpose(0, 1).reshape(-1, head_dim))
-        self.value[layer].view(-1, head_dim).index_copy_(0, write_index, value.transpose(0, 1).reshape(-1, head_dim))
+        self.value[layer].view(-1, head_dim).index_copy_(0, write_index, values)

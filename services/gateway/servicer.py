@@ -141,8 +141,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if self.vision is not None:
             sections.append(("vision", self.config.vision, self.vision.GetInfo, vision_pb2.VisionInfoRequest()))
         remaining = context.time_remaining()
-        capped = remaining is None or remaining > INFO_TIMEOUT_S  # else the client's own deadline rules
-        timeout = INFO_TIMEOUT_S if capped else remaining
+        # a frozen section is cut off in time to answer the others within the client's deadline too
+        timeout = INFO_TIMEOUT_S if remaining is None else min(INFO_TIMEOUT_S, 0.8 * remaining)
 
         async def section(service, address, method, section_request):
             try:
@@ -150,9 +150,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except Unavailable as error:
                 return error
             except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or not capped:
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
-                return Unavailable(f"{service} service at {address} did not answer within {INFO_TIMEOUT_S:g} s")
+                return Unavailable(f"{service} service at {address} did not answer within {timeout:.1f} s")
 
         replies = await asyncio.gather(*(section(*s) for s in sections))  # one frozen service delays none
         for (service, *_), reply in zip(sections, replies):

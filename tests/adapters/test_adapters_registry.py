@@ -177,24 +177,48 @@ def test_restarted_registry_waits_for_reports_before_unloading(config, adapter_i
     import asyncio
     import dataclasses
 
-    config = dataclasses.replace(config, lease_confirm_s=1.0, drain_poll_s=0.01)
+    config = dataclasses.replace(config, lease_confirm_s=1.0, report_ttl_s=1.5, drain_poll_s=0.01)
     registry = RegistryService(config)
     digest = registry.load("a", "plain").digest
     registry.close()
     restarted = RegistryService(config)
     try:
         async def main():
+            report = {"resident": {digest: 1}, "leases": {("a", digest): 1}, "draining_acked": set()}
+
+            async def decoder():  # reports every 0.1 s, its first one 0.3 s after the restart
+                await asyncio.sleep(0.3)
+                while True:
+                    restarted.report_residency("decoder-1", **report)
+                    await asyncio.sleep(0.1)
+
+            reporting = asyncio.ensure_future(decoder())
             unload = asyncio.ensure_future(restarted.unload_async("a"))
             drain = asyncio.ensure_future(restarted.unload_async("a", drain=True))
-            await asyncio.sleep(0.3)                            # the decoder's first report since
-            restarted.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())
             with pytest.raises(FailedPrecondition, match="leased by 1"):
                 await unload
             assert not drain.done()
-            restarted.report_residency("decoder-1", {digest: 0}, {}, {("a", digest)})
+            report.update(resident={digest: 0}, leases={}, draining_acked={("a", digest)})  # the request ends
             await asyncio.wait_for(drain, 3)
+            reporting.cancel()
 
         asyncio.run(main())
         assert restarted.list() == []
     finally:
         restarted.close()
+
+
+def test_leases_a_report_does_not_attribute_to_a_name_count_for_every_name(config, adapter_in_root):
+    """A decoder from before per-name leases reports only a digest's total: an unload of any name
+    on that digest is refused rather than let through on leased weights."""
+    registry = RegistryService(config)
+    try:
+        digest = registry.load("a", "plain").digest
+        registry.load("b", "plain")
+        registry.report_residency("old-decoder", {digest: 2}, {}, set())
+        assert [s.residency for s in registry.list_status()] == [(("old-decoder", 2),)] * 2
+        registry.report_residency("new-decoder", {digest: 3}, {("a", digest): 1}, set())  # 2 unattributed
+        assert [s.residency for s in registry.list_status()] == [(("new-decoder", 3), ("old-decoder", 2)),
+                                                                 (("new-decoder", 2), ("old-decoder", 2))]
+    finally:
+        registry.close()

@@ -55,7 +55,7 @@ def test_decode_groups_and_prefill_equal_per_row_reference():
     for group in meta.decode_groups:                              # padded to whole blocks of the longest row
         sizes = [lengths[rows.index(r)] for r in group.rows.tolist()]
         assert group.context_len == -(-max(sizes) // block_size) * block_size
-        assert (group.bias is None) == all(size == group.context_len for size in sizes)
+        assert (group.padding is None) == all(size == group.context_len for size in sizes)
     scale = head_dim ** -0.5
     out = paged_attention(query, k_cache, v_cache, meta, scale)
     for row, slots in zip(rows, contexts):
@@ -74,7 +74,7 @@ def test_plan_decode_merges_when_a_split_saves_less_than_a_group_costs():
     assert plan_decode([2, 0, 1], tables, [100, 101, 102], 16, 3, 1000)[0][0].first_row is None
     far = [10 * 16, 10 * 16 + 2 * GROUP_COST_POSITIONS]
     groups, _ = plan_decode([4, 7], [list(range(60))] * 2, far, 16, 1, 1000)
-    assert [g.rows.tolist() for g in groups] == [[4], [7]] and all(g.bias is None for g in groups)
+    assert [g.rows.tolist() for g in groups] == [[4], [7]] and all(g.padding is None for g in groups)
 
 
 def test_decode_group_rows_sliced_in_order_or_gathered_out_of_order():

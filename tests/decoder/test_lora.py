@@ -131,3 +131,40 @@ def test_non_finite_logits_fail_only_their_request(tiny_llama):
         assert engine.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
     finally:
         engine.shutdown()
+
+
+def test_an_overflowing_request_leaves_no_poison_in_reused_blocks(tiny_llama):
+    """Its blocks go back to the pool and are reused; a later request's padded and stale slots are
+    multiplied by probability 0 in attention, so a NaN or inf left there would turn unrelated base
+    requests into NaN. They must match a fresh engine exactly."""
+    from services.common.errors import FailedPrecondition
+
+    def engine_():
+        return LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=6, block_size=16, max_model_len=96,
+                                       adapter_slots=2, max_lora_rank=16, enable_prefix_caching=False))
+
+    def run(engine, prompt, slot=None):
+        async def go():
+            request = GenerateInput(SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=tuple(prompt))
+            return [t async for out in engine.generate(request, lora_slot=slot) for t in out.token_ids]
+        return asyncio.run(go())
+
+    prompts = [list(range(10 + i, 10 + i + 5 + 7 * i)) for i in range(5)]
+    fresh = engine_()
+    try:
+        expected = [run(fresh, p) for p in prompts]
+    finally:
+        fresh.shutdown()
+    engine = engine_()
+    try:
+        huge = LoRAWeights("huge", {name: (torch.full((4, i), 1e30), torch.full((o, 4), 1e30))
+                                    for name, (i, o) in engine.bank.module_shapes.items()})
+        slot = engine.bank.load(huge)
+        for _ in range(3):
+            engine.bank.acquire("huge")
+            with pytest.raises(FailedPrecondition, match="not finite"):
+                run(engine, list(range(200, 260)), slot)
+        assert [run(engine, p) for p in prompts] == expected
+        assert all(bool(torch.isfinite(v).all()) for v in engine.cache.value)
+    finally:
+        engine.shutdown()
