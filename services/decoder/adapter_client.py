@@ -51,7 +51,7 @@ class AdapterClient:
         self._reporter: asyncio.Task | None = None
         self.host_cache = HostAdapterCache(host_cache_bytes)  # digest -> weights, for swap-ins
         self.num_weight_fetches = 0                # weight downloads from the registry
-        self._fetching: dict[str, asyncio.Task] = {}  # digest -> the fetch in flight
+        self._fetching: dict[tuple[str, str], asyncio.Task] = {}  # (name, digest) -> the fetch in flight
         self.num_slot_waits = 0                    # admissions that waited for a leased slot to free
         self.slot_wait_poll_s = slot_wait_poll_s
 
@@ -105,15 +105,16 @@ class AdapterClient:
 
     async def _weights(self, name: str, digest: str) -> LoRAWeights:
         """Weights of `digest` from the host cache, else fetched from the registry (and cached);
-        concurrent admissions of one digest share a single fetch."""
+        concurrent admissions of one name and digest share a single fetch."""
         cached = self.host_cache.get(digest)
         if cached is not None:
             return cached
-        task = self._fetching.get(digest)
+        key = (name, digest)  # by name too: a fetch returns what its name means by then (a replace)
+        task = self._fetching.get(key)
         if task is None:
             task = asyncio.ensure_future(self._fetch(name))
-            self._fetching[digest] = task
-            task.add_done_callback(lambda _: self._fetching.pop(digest, None))
+            self._fetching[key] = task
+            task.add_done_callback(lambda _: self._fetching.pop(key, None))
         return await asyncio.shield(task)
 
     async def _fetch(self, name: str) -> LoRAWeights:

@@ -165,7 +165,6 @@ class ImageProcessor:
         """Open lazily (header only) and apply the pixel and frame checks before any pixel is decoded."""
         with self._decoding(data):
             image = Image.open(io.BytesIO(data))
-            num_frames = getattr(image, "n_frames", 1)  # some formats parse further to count frames
         width, height = image.size
         if width < 1 or height < 1:
             raise InvalidArgument(f"image is {width}x{height}; it must be at least 1x1")
@@ -174,6 +173,8 @@ class ImageProcessor:
                                   f"the limit is {self.config.max_image_pixels}")
         if self.config.qwen2_vl is not None:  # one-patch minimum and aspect ratio, before decoding
             qwen2_vl_pixels.check_source_size(width, height, self.config.qwen2_vl)
+        with self._decoding(data):
+            num_frames = getattr(image, "n_frames", 1)  # some formats parse further to count frames
         if num_frames > 1:
             raise InvalidArgument(f"animated images are not accepted; this one has {num_frames} frames")
         return image
