@@ -145,16 +145,12 @@ class ModelRunner:
         logits = self.logits(inputs)
         requests = [item.request for item in inputs.sampled]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        kept = [i for i, ok in enumerate(finite) if ok]
+        kept = [r for r, ok in zip(requests, finite) if ok]
         if len(kept) < len(requests):
-            logits, requests_kept = logits[kept], [requests[i] for i in kept]
-        else:
-            requests_kept = requests
-        rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in requests_kept]
-        results: dict[str, Sample | TesseraError] = {r.key: s for r, s in zip(requests_kept, sample(logits, rows))}
-        for request, ok in zip(requests, finite):
-            if not ok:
-                results[request.key] = _non_finite(request)
+            logits = logits[[i for i, ok in enumerate(finite) if ok]]
+        rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in kept]
+        results: dict[str, Sample | TesseraError] = {r.key: s for r, s in zip(kept, sample(logits, rows))}
+        results.update((r.key, _non_finite(r)) for r, ok in zip(requests, finite) if not ok)
         return results
 
 
