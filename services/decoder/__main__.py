@@ -41,8 +41,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
     p.add_argument("--adapter-host-cache-mb", type=int, default=1024,
                    help="host memory for adapter weights by digest (swap-ins without refetching)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--attention-backend", choices=("torch", "triton"), default="torch",
-                   help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1)")
+    p.add_argument("--attention-backend", choices=("torch", "triton", "cpu"), default="torch",
+                   help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1); cpu: "
+                        "decode rows in a C kernel built at start (needs a C compiler with OpenMP, float32)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
     a = p.parse_args(argv)
     config = DecoderConfig(

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.decoder.cpu_attention import CpuDecodeMetadata, paged_decode_attention
+
 # A group costs a few ops per layer; in gathered positions that is about this many (one SDPA call
 # and two row copies ~ 40 us; one position of K and V for all kv heads ~ 0.17 us on CPU).
 GROUP_COST_POSITIONS = 256
@@ -91,6 +93,7 @@ class AttentionMetadata:
     decode_index: torch.Tensor | None = None
     block_size: int = 0
     triton: "TritonMetadata | None" = None  # set: the Triton kernel runs instead of the torch path
+    cpu: "CpuDecodeMetadata | None" = None  # set: decode rows run the CPU kernel (cpu_attention.py), not decode_groups
 
 
 @dataclass
@@ -172,7 +175,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     `k_cache`/`v_cache` are head-major [kv_heads, slots, head_dim] (already holding this step's
     K/V). Grouped-query heads share KV as in transformers' `repeat_kv` (head h reads kv head
     h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim]. With `meta.triton` set the
-    Triton kernel computes the same result (see triton_attention.py).
+    Triton kernel computes the same result (see triton_attention.py); with `meta.cpu` set the decode
+    rows come from the CPU kernel (cpu_attention.py).
     """
     if meta.triton is not None:
         from services.decoder.triton_attention import triton_paged_attention  # optional dependency
@@ -193,7 +197,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, enable_gqa=num_rep > 1)
         out[span.token_start:span.token_end] = o[0].transpose(0, 1)
-    if meta.decode_groups:
+    if meta.cpu is not None:
+        paged_decode_attention(query, k_cache, v_cache, meta.cpu, meta.block_size, scale, out)
+    elif meta.decode_groups:
         _decode(query, k_cache, v_cache, meta, num_rep, scale, out)
     return out
 

@@ -20,6 +20,7 @@ from services.common.errors import FailedPrecondition, TesseraError
 from services.decoder.attention import (AttentionMetadata, TritonMetadata, decode_group_cap, plan_decode,
                                         prefill_span)
 from services.decoder.block_manager import BlockManager
+from services.decoder.cpu_attention import decode_metadata
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import BASE_SLOT, AdapterBank
 from services.decoder.model_llama import LlamaForCausalLM
@@ -85,9 +86,12 @@ class ModelRunner:
             tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled
                       if item.num_new_tokens == 1]
             meta.block_size = self.cache.block_size
-            meta.decode_groups, meta.decode_index = plan_decode(decode_rows, tables, decode_lens, self.cache.block_size,
-                                                                self.cache.num_kv_heads, self.cache.num_blocks,
-                                                                self.max_group_positions)
+            if self.attention_backend == "cpu":
+                meta.cpu = decode_metadata(decode_rows, tables, decode_lens, self.cache.block_size)
+            else:
+                meta.decode_groups, meta.decode_index = plan_decode(
+                    decode_rows, tables, decode_lens, self.cache.block_size, self.cache.num_kv_heads,
+                    self.cache.num_blocks, self.max_group_positions)
         slot_tensor = torch.cat(token_slots)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),

@@ -1,7 +1,8 @@
 """Greedy ids equal transformers' generate for 64 tokens and fp32 logits agree within 1e-4, for
 each model family (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) in each regime: alone,
 16 concurrent mixed-length requests, chunked prefill (16-token budget), a prefix-cache hit,
-recompute preemption, and a request cancelled mid-stream."""
+recompute preemption, and a request cancelled mid-stream. Every regime runs with both CPU attention
+backends: the torch path and the C decode kernel (attention_backend="cpu")."""
 
 import random
 
@@ -31,8 +32,15 @@ def family(request, tmp_path_factory):
     return model_dir, refs
 
 
-def _engine(model_dir, **overrides):
-    options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16)
+@pytest.fixture(params=["torch", "cpu"])
+def backend(request):
+    """The attention backend: the torch path, and the C kernel for decode rows (cpu_attention.py)."""
+    return request.param
+
+
+def _engine(model_dir, backend="torch", **overrides):
+    options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16,
+                   attention_backend=backend)
     options.update(overrides)
     return LLMEngine(DecoderConfig(**options))
 
@@ -46,18 +54,18 @@ def _check(engine, refs, prompts, concurrent=True):
     return check_greedy(engine, refs, [_greedy(p, f"r{i}") for i, p in enumerate(prompts)], concurrent)
 
 
-def test_alone(family):
+def test_alone(family, backend):
     model_dir, refs = family
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     try:
         _check(engine, refs, [PROMPTS[0], PROMPTS[-1]], concurrent=False)
     finally:
         engine.shutdown()
 
 
-def test_sixteen_concurrent_mixed_lengths(family):
+def test_sixteen_concurrent_mixed_lengths(family, backend):
     model_dir, refs = family
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     try:
         _check(engine, refs, PROMPTS)
         assert engine.stats().num_free_blocks == 160
@@ -65,9 +73,9 @@ def test_sixteen_concurrent_mixed_lengths(family):
         engine.shutdown()
 
 
-def test_chunked_prefill_every_prompt_chunked(family):
+def test_chunked_prefill_every_prompt_chunked(family, backend):
     model_dir, refs = family
-    engine = _engine(model_dir, max_num_batched_tokens=16)
+    engine = _engine(model_dir, backend, max_num_batched_tokens=16)
     chunks = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
@@ -79,9 +87,9 @@ def test_chunked_prefill_every_prompt_chunked(family):
     assert chunks and max(chunks) <= 16
 
 
-def test_prefix_cache_hit(family):
+def test_prefix_cache_hit(family, backend):
     model_dir, refs = family
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     try:
         first = _check(engine, refs, [PROMPTS[-1]])[0]
         assert first[2].usage.cached_prompt_tokens == 0
@@ -93,10 +101,10 @@ def test_prefix_cache_hit(family):
     assert stats.prefix_cache_hits == 1 and stats.prefix_cache_hit_tokens == 32
 
 
-def test_preemption_recompute(family):
+def test_preemption_recompute(family, backend):
     model_dir, refs = family
     # 24 blocks of 8 tokens cannot hold 16 requests of up to 70 + 64 tokens at once
-    engine = _engine(model_dir, num_blocks=24, block_size=8)
+    engine = _engine(model_dir, backend, num_blocks=24, block_size=8)
     preempted = []
     original = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
@@ -108,9 +116,9 @@ def test_preemption_recompute(family):
     assert preempted, "the pool was meant to force preemption"
 
 
-def test_cancel_mid_stream_frees_blocks(family):
+def test_cancel_mid_stream_frees_blocks(family, backend):
     model_dir, refs = family
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     others = PROMPTS[8:12]
 
     try:

@@ -1,7 +1,8 @@
 """The prepared SmolLM2-135M-Instruct checkpoint in every engine regime: greedy ids equal
 transformers' generate for 64 tokens and fp32 logits agree within 1e-4 — alone, 16 concurrent
 mixed-length requests, chunked prefill (16-token budget), a prefix-cache hit, recompute preemption,
-and a request cancelled mid-stream. Also the chat template path (prompt ids and "Paris")."""
+and a request cancelled mid-stream, each with both CPU attention backends (the torch path and the C
+decode kernel, attention_backend="cpu"). Also the chat template path (prompt ids and "Paris")."""
 
 
 import pytest
@@ -70,8 +71,15 @@ def _hf_reference(model, prompts: list[list[int]]) -> list[tuple[list[int], torc
     return [(out.sequences[row, width:].tolist(), logits[row]) for row in range(len(prompts))]
 
 
-def _engine(model_dir, **overrides):
-    options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16)
+@pytest.fixture(params=["torch", "cpu"])
+def backend(request):
+    """The attention backend: the torch path, and the C kernel for decode rows (cpu_attention.py)."""
+    return request.param
+
+
+def _engine(model_dir, backend="torch", **overrides):
+    options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16,
+                   attention_backend=backend)
     options.update(overrides)
     return LLMEngine(DecoderConfig(**options))
 
@@ -86,9 +94,9 @@ def _check(engine, refs, prompts, concurrent=True):
     return check_greedy(engine, refs, [_greedy(p, f"r{i}") for i, p in enumerate(prompts)], concurrent)
 
 
-def test_alone_and_chat_template(smollm):
+def test_alone_and_chat_template(smollm, backend):
     model_dir, tokenizer, prompts, _, refs = smollm
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     try:
         _check(engine, refs, [prompts[0], prompts[-1]], concurrent=False)
         messages = tuple(ChatMessage(m["role"], (TextPart(m["content"]),)) for m in MESSAGES)
@@ -101,9 +109,9 @@ def test_alone_and_chat_template(smollm):
     assert "Paris" in text
 
 
-def test_sixteen_concurrent_mixed_lengths(smollm):
+def test_sixteen_concurrent_mixed_lengths(smollm, backend):
     model_dir, _, prompts, _, refs = smollm
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     try:
         _check(engine, refs, prompts)
         assert engine.stats().num_free_blocks == 160
@@ -111,9 +119,9 @@ def test_sixteen_concurrent_mixed_lengths(smollm):
         engine.shutdown()
 
 
-def test_chunked_prefill_every_prompt_chunked(smollm):
+def test_chunked_prefill_every_prompt_chunked(smollm, backend):
     model_dir, _, prompts, _, refs = smollm
-    engine = _engine(model_dir, max_num_batched_tokens=16)
+    engine = _engine(model_dir, backend, max_num_batched_tokens=16)
     chunks = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
@@ -126,9 +134,9 @@ def test_chunked_prefill_every_prompt_chunked(smollm):
     assert len(chunks) >= 4 * 4
 
 
-def test_prefix_cache_hit(smollm):
+def test_prefix_cache_hit(smollm, backend):
     model_dir, _, prompts, prefix_prompt, refs = smollm
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     try:
         first = _check(engine, refs, [prompts[-1]])[0]
         second = _check(engine, refs, [prefix_prompt])[0]
@@ -140,10 +148,10 @@ def test_prefix_cache_hit(smollm):
     assert stats.prefix_cache_hits == 1 and stats.prefix_cache_hit_tokens == 32
 
 
-def test_preemption_recompute(smollm):
+def test_preemption_recompute(smollm, backend):
     model_dir, _, prompts, _, refs = smollm
     # 16 blocks of 8 tokens (128 tokens) cannot hold 5 requests of 40..64 + 64 tokens at once
-    engine = _engine(model_dir, num_blocks=16, block_size=8)
+    engine = _engine(model_dir, backend, num_blocks=16, block_size=8)
     preempted = []
     original = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
@@ -155,9 +163,9 @@ def test_preemption_recompute(smollm):
     assert preempted, "the pool was meant to force preemption"
 
 
-def test_cancel_mid_stream_frees_blocks(smollm):
+def test_cancel_mid_stream_frees_blocks(smollm, backend):
     model_dir, _, prompts, _, refs = smollm
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, backend)
     others = prompts[8:11]
 
     try:

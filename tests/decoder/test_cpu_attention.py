@@ -1,0 +1,121 @@
+"""The C decode-attention kernel (attention_backend="cpu") against the torch path and a float64
+reference on odd shapes: GQA ratios 1..4, head_dim 8..80 (not only powers of two), block sizes 1..32,
+contexts of 1 position up to several blocks, decode rows scattered among prefill rows. Also: stale
+NaN/inf in slots past a row's context never reach it, and a row's result does not depend on the
+thread count or on the other rows of the step. The whole engine with this backend is checked against
+transformers in test_smollm.py and test_conformance.py."""
+
+import random
+
+import pytest
+import torch
+
+from services.decoder import cpu_attention
+from services.decoder.attention import AttentionMetadata, paged_attention, prefill_span
+from services.decoder.config import DecoderConfig
+from services.decoder.kv_cache import KVCache
+from test_attention import decode_meta, reference, scattered
+
+
+def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
+    """Caches, a query batch with one 5-token prefill chunk at rows 0..4 then the decode rows, and
+    both backends' metadata for it."""
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 7
+    cache = KVCache(1, num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    k, v = cache.layer(0)
+    k.normal_(), v.normal_()
+    tables, slots = scattered(lengths, block_size, num_blocks, seed=seed)
+    rows = [5 + 2 * i for i in range(len(lengths))]  # decode rows interleaved with unused rows
+    num_tokens = rows[-1] + 2
+    query = torch.randn(num_tokens, num_heads, head_dim)
+    prefill_slots = torch.arange(20, 30)  # a prefill chunk: positions 5..9 of a 10-token sequence
+    prefills = [prefill_span(0, 5, prefill_slots)]
+    torch_meta = decode_meta(rows, tables, lengths, cache, num_tokens, prefills)
+    cpu_meta = AttentionMetadata(torch.zeros(num_tokens, dtype=torch.long), prefills=prefills,
+                                 block_size=block_size)
+    cpu_meta.cpu = cpu_attention.decode_metadata(rows, tables, lengths, block_size)
+    return cache, query, rows, slots, torch_meta, cpu_meta
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16),   # SmolLM2's attention
+    (4, 4, 8, 1),     # MHA, one-slot blocks
+    (8, 2, 24, 4),    # GQA 4, head_dim not a power of two
+    (6, 3, 80, 32),   # head_dim 80
+    (2, 1, 16, 8),
+])
+def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_dim, block_size):
+    lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 37, 150]
+    cache, query, rows, slots, torch_meta, cpu_meta = _case(num_heads, num_kv_heads, head_dim, block_size, lengths)
+    k, v = cache.layer(0)
+    scale = head_dim ** -0.5
+    expected = paged_attention(query, k, v, torch_meta, scale)
+    got = paged_attention(query, k, v, cpu_meta, scale)
+    torch.testing.assert_close(got[:5], expected[:5], atol=0, rtol=0)  # prefill rows: the same torch code
+    for row, row_slots in zip(rows, slots):
+        torch.testing.assert_close(got[row], expected[row], atol=2e-6, rtol=0)
+        torch.testing.assert_close(got[row].double(), reference(query[row], k, v, row_slots, scale),
+                                   atol=2e-6, rtol=0)
+
+
+SEED_BLOCK_0_FREE = 3
+
+
+def test_stale_non_finite_slots_past_the_context_are_never_read():
+    cache, query, rows, slots, _, cpu_meta = _case(9, 3, 64, 16, [5, 21, 40], seed=SEED_BLOCK_0_FREE)
+    k, v = cache.layer(0)
+    clean = paged_attention(query, k, v, cpu_meta, 0.125)
+    tables = cpu_meta.cpu.block_tables
+    for i, n in enumerate([5, 21, 40]):  # poison every slot of the row's last block past its length
+        last = (n - 1) // 16
+        block, used = int(tables[i, last]), n - 16 * last
+        k[:, block * 16 + used:(block + 1) * 16] = float("nan")
+        v[:, block * 16 + used:(block + 1) * 16] = float("inf")
+    used_blocks = {int(tables[i, j]) for i, n in enumerate([5, 21, 40]) for j in range(-(-n // 16))}
+    assert 0 not in used_blocks  # block 0 only pads the tables in this seed's layout: poison it too
+    k[:, 0:16], v[:, 0:16] = float("nan"), float("nan")
+    got = paged_attention(query, k, v, cpu_meta, 0.125)
+    for row in rows:
+        assert torch.isfinite(got[row]).all()
+        torch.testing.assert_close(got[row], clean[row], atol=0, rtol=0)
+
+
+def test_a_row_does_not_depend_on_thread_count_or_its_neighbours():
+    lengths = [random.Random(i).randint(1, 300) for i in range(24)]
+    cache, query, rows, _, _, cpu_meta = _case(9, 3, 64, 16, lengths, seed=5)
+    k, v = cache.layer(0)
+    both = paged_attention(query, k, v, cpu_meta, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(query, k, v, cpu_meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    for row in rows:
+        torch.testing.assert_close(one[row], both[row], atol=0, rtol=0)
+    # row 3 alone in its step
+    alone = AttentionMetadata(torch.zeros(query.shape[0], dtype=torch.long), block_size=16)
+    table = cpu_meta.cpu.block_tables[3].tolist()
+    alone.cpu = cpu_attention.decode_metadata([rows[3]], [table], [lengths[3]], 16)
+    torch.testing.assert_close(paged_attention(query, k, v, alone, 0.125)[rows[3]], both[rows[3]], atol=0, rtol=0)
+
+
+def test_bad_inputs_are_refused():
+    cache, query, _, _, _, cpu_meta = _case(4, 2, 16, 4, [3, 9])
+    k, v = cache.layer(0)
+    out = torch.empty_like(query)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_attention.paged_decode_attention(query.double(), k, v, cpu_meta.cpu, 4, 0.25, out)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_attention.paged_decode_attention(query.transpose(0, 1), k, v, cpu_meta.cpu, 4, 0.25, out)
+
+
+def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypatch):
+    with pytest.raises(ValueError, match="float32 only"):
+        DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu", dtype="bfloat16")
+    monkeypatch.setattr(cpu_attention, "_library", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(ValueError, match="needs a C compiler"):
+        DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu")
+    assert DecoderConfig(model_dir=str(tiny_llama)).attention_backend == "torch"  # the default needs none
