@@ -3,7 +3,8 @@ engine overhead per decode step.
 
 In one run on one machine:
   1. N requests (prompt lengths and max_tokens drawn uniformly from the given ranges, EOS ignored)
-     sent concurrently over gRPC to `python -m services.decoder`; generated tokens/s;
+     sent concurrently over gRPC to `python -m services.decoder --attention-backend cpu` (the C
+     decode kernel; `--attention-backend` chooses); generated tokens/s;
   2. the anchor: transformers `generate` in process on the same prompts, sequentially and in
      left-padded batches of 16 (greedy, same max_tokens per request); step 1 runs again after
      it (same lengths, new token ids: no prefix-cache hits) and counts with the mean of both runs
@@ -11,7 +12,8 @@ In one run on one machine:
   3. engine overhead: wall time per engine step while 16 requests all decode, over a bare
      transformers forward of the same shapes (16 rows x 1 token on a KV cache of the same length),
      and over the engine's own forward + lm_head; measured in a child process with a decoder
-     service's environment, engine and bare forward alternated three times.
+     service's environment, engine and bare forward alternated three times;
+  4. for comparison, one more run of step 1 on a decoder with the default torch attention backend.
 Targets (issue 3): >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one table and
 rewrites bench/results/decode.md. Never a test assertion.
 """
@@ -100,14 +102,16 @@ def hf_batched(model, work, batch: int = 16) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def engine_overhead(model_dir: Path, batch: int = 16, context: int = 128, steps: int = 32) -> tuple[list, list]:
+def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int = 128,
+                    steps: int = 32) -> tuple[list, list]:
     """Seconds per engine step at `batch` x `context` while all rows decode, and seconds of the engine's
     own model forward + lm_head inside those steps (one sample per step)."""
     from services.decoder.config import DecoderConfig
     from services.decoder.engine import LLMEngine
     from services.decoder.inputs import GenerateInput, SamplingParams
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512))
+    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
+                                     attention_backend=backend))
     stamps, forwards = [], []
     schedule, logits = engine.scheduler.schedule, engine.runner.logits
 
@@ -142,7 +146,7 @@ def engine_overhead(model_dir: Path, batch: int = 16, context: int = 128, steps:
     return [b - a for a, b in zip(stamps, stamps[1:])], forwards
 
 
-def overhead_child(model_dir: Path, rounds: int = 3) -> dict:
+def overhead_child(model_dir: Path, backend: str, rounds: int = 3) -> dict:
     """Engine steps and bare transformers forwards, alternated `rounds` times (the machine's speed
     drifts; both sides see the same drift). Each side computes on a thread of its own that ends
     with it, so only one OpenMP team is alive at a time, as in a decoder process (services/common/
@@ -161,7 +165,7 @@ def overhead_child(model_dir: Path, rounds: int = 3) -> dict:
     steps, forwards, bares = [], [], []
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for _ in range(rounds):
-        step, forward = engine_overhead(model_dir)  # the engine computes on its own thread
+        step, forward = engine_overhead(model_dir, backend)  # the engine computes on its own thread
         steps += step
         forwards += forward
         bares += on_own_thread(bare_forward, model)
@@ -169,7 +173,7 @@ def overhead_child(model_dir: Path, rounds: int = 3) -> dict:
     return {"step": median(steps), "forward": median(forwards), "bare": median(bares)}
 
 
-def overhead(model_dir: Path) -> dict:
+def overhead(model_dir: Path, backend: str) -> dict:
     """`overhead_child` in a fresh process with a decoder service's environment (services/common/
     launch.py), as the engine runs in production; the bare forward shares that process."""
     import json
@@ -177,7 +181,7 @@ def overhead(model_dir: Path) -> dict:
 
     from services.common.launch import service_env
 
-    done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir)], env=service_env(),
+    done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir), backend], env=service_env(),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"engine overhead measurement failed:\n{done.stderr[-4000:]}")
@@ -208,18 +212,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512))
     parser.add_argument("--tokens-range", type=int, nargs=2, default=(16, 256))
+    parser.add_argument("--attention-backend", default="cpu", choices=("cpu", "torch", "triton"),
+                        help="the decoder's attention backend for the measured runs and the engine overhead "
+                             "(default cpu, the C decode kernel); with cpu or triton the default torch "
+                             "backend is also measured once, for comparison")
     parser.add_argument("--decoder-flags", default="", help="extra flags for python -m services.decoder")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
     work = workload(args.num_requests, tuple(args.prompt_range), tuple(args.tokens_range))
-    process, address = start_decoder(args.model_dir, ["--max-model-len", "2048", *args.decoder_flags.split()],
+    flags = ["--max-model-len", "2048", *args.decoder_flags.split()]
+    process, address = start_decoder(args.model_dir, [*flags, "--attention-backend", args.attention_backend],
                                      RESULTS / "decode-server.log")
     # This machine's speed drifts by 10-15% over minutes: the decoder runs before and after the
     # anchors (idle in between) and counts with the mean of both runs.
     try:
         first = asyncio.run(_grpc_run(address, work))
-        cost = overhead(args.model_dir)
+        cost = overhead(args.model_dir, args.attention_backend)
         step, own_forward, bare = cost["step"], cost["forward"], cost["bare"]
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
         batched, sequential = hf_batched(model, work), hf_sequential(model, work)
@@ -227,18 +236,29 @@ def main(argv: list[str] | None = None) -> int:
         last = asyncio.run(_grpc_run(address, fresh_tokens(work)))
     finally:
         stop(process)
+    default_backend = None
+    if args.attention_backend != "torch":
+        process, address = start_decoder(args.model_dir, flags, RESULTS / "decode-server-torch.log")
+        try:
+            default_backend = asyncio.run(_grpc_run(address, fresh_tokens(work, seed=2)))
+        finally:
+            stop(process)
     ours = (first + last) / 2
-    rows = [(f"tessera decoder over gRPC (continuous batching; mean of {first:.1f} before and {last:.1f} "
-             "after the anchors)", ours),
-            ("transformers generate, padded batches of 16", batched),
-            ("transformers generate, sequential", sequential)]
+    rows = [(f"tessera decoder over gRPC, attention backend {args.attention_backend} (continuous batching; "
+             f"mean of {first:.1f} before and {last:.1f} after the anchors)", ours)]
+    if default_backend is not None:
+        rows.append(("tessera decoder over gRPC, attention backend torch (the default; one run, last)", default_backend))
+    rows += [("transformers generate, padded batches of 16", batched),
+             ("transformers generate, sequential", sequential)]
     lines = [f"# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, fp32",
              f"workload: {len(work)} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, "
              f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored)",
-             f"decoder flags: --max-model-len 2048 {args.decoder_flags}".rstrip() + " (other settings: defaults)\n",
+             f"decoder flags: {' '.join(flags)} --attention-backend {args.attention_backend} "
+             "(other settings: defaults)\n",
              "| mode | tokens/s | ours / this |", "|---|---|---|"]
     lines += [f"| {name} | {tps:.1f} | {ours / tps:.2f} |" for name, tps in rows]
-    lines += ["", "| engine overhead at batch 16 x context 128 | ms | target |", "|---|---|---|",
+    lines += ["", f"| engine overhead at batch 16 x context 128 (attention backend {args.attention_backend}) "
+              "| ms | target |", "|---|---|---|",
               f"| engine decode step (schedule + inputs + forward + sample + bookkeeping) | {1000 * step:.1f} | |",
               f"| the engine's model forward + lm_head alone, same step | {1000 * own_forward:.1f} | |",
               f"| bare transformers forward, same shapes | {1000 * bare:.1f} | |",
@@ -256,6 +276,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--overhead-child"]:
         import json
 
-        print(json.dumps(overhead_child(Path(sys.argv[2]))))
+        print(json.dumps(overhead_child(Path(sys.argv[2]), sys.argv[3])))
         sys.exit(0)
     sys.exit(main(sys.argv[1:]))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.paths import default_decoder_dir
-from services.decoder import cpu_attention
+from services.decoder.kernels import native
 from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
@@ -86,7 +86,7 @@ the torch path on long contexts).
             if self.dtype != "float32":
                 raise ValueError(f"the cpu attention backend computes float32 only, got dtype {self.dtype!r}")
             try:
-                cpu_attention.load()  # builds the kernel now: a missing compiler fails at start, not mid-request
+                native.load()  # builds the kernels now: a missing compiler fails at start, not mid-request
             except RuntimeError as exc:
                 raise ValueError(str(exc)) from exc
         outer = read_model_config(self.model_dir)

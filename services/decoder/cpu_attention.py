@@ -6,30 +6,17 @@ runs two batched matmuls on the copy; this kernel reads every K and V row once, 
 block, and never pads: on the 2-core CI machine, 32 rows x 150-700 positions, one SmolLM2 layer
 took 4.8 ms on the torch path and 1.6 ms here (float32, same results within 2e-7).
 
-Build: `$CC` (default `cc`) -O3 -march=native -fopenmp, into a temporary directory, once per
-process (about 0.3 s). OpenMP resolves to the libgomp that torch has already loaded (same soname),
-so the kernel's parallel region reuses the calling thread's team and torch's thread count
-(`torch.get_num_threads()` on the calling thread).
+The kernel is built at start with the C compiler (kernels/native.py) and runs on the calling
+thread's OpenMP team with torch's thread count.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shlex
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
-_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+from services.decoder.kernels import native
 
 
 @dataclass
@@ -41,44 +28,6 @@ class CpuDecodeMetadata:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     max_context: int
-
-
-def _compile(directory: str) -> Path:
-    compiler = shlex.split(os.environ.get("CC", "cc"))
-    target = Path(directory) / "tessera_paged_attention.so"
-    errors = []
-    # -march=native: the build runs on the machine that runs it; retried without for compilers
-    # or architectures that refuse it
-    for arch in (["-march=native"], []):
-        command = [*compiler, *_FLAGS, *arch, str(SOURCE), "-o", str(target), "-lmvec", "-lm"]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeError(f"attention_backend 'cpu' needs a C compiler with OpenMP ($CC, default cc): "
-                               f"{' '.join(command)!r} failed: {exc}") from exc
-        if done.returncode == 0:
-            return target
-        errors.append(done.stderr.strip()[-2000:])
-    raise RuntimeError(f"attention_backend 'cpu': compiling {SOURCE.name} failed:\n" + "\n".join(errors))
-
-
-def load() -> ctypes.CDLL:
-    """The compiled kernel library (built on first call, then shared by the process).
-
-    Raises:
-        RuntimeError: no working C compiler with OpenMP and glibc's libmvec (message says which command failed).
-    """
-    global _library
-    with _lock:
-        if _library is None:
-            with tempfile.TemporaryDirectory(prefix="tessera-kernels-") as directory:
-                library = ctypes.CDLL(str(_compile(directory)))  # mapped: the file may go
-            fn = library.tessera_paged_decode_attention_f32
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                           ctypes.c_float, ctypes.c_int]
-            _library = library
-        return _library
 
 
 def decode_metadata(rows: list[int], block_tables: list[list[int]], context_lens: list[int],
@@ -113,7 +62,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_heads % num_kv_heads or out.shape != query.shape or v_cache.shape != k_cache.shape:
         raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
     rows, tables, lens = meta.rows, meta.block_tables, meta.context_lens
-    rc = load().tessera_paged_decode_attention_f32(
+    rc = native.load().tessera_paged_decode_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), out.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim,
         num_slots, block_size, meta.max_context, scale, torch.get_num_threads())

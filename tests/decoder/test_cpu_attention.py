@@ -13,6 +13,7 @@ import torch
 from services.decoder import cpu_attention
 from services.decoder.attention import AttentionMetadata, paged_attention, prefill_span
 from services.decoder.config import DecoderConfig
+from services.decoder.kernels import native
 from services.decoder.kv_cache import KVCache
 from test_attention import decode_meta, reference, scattered
 
@@ -114,7 +115,7 @@ def test_bad_inputs_are_refused():
 def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="float32 only"):
         DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu", dtype="bfloat16")
-    monkeypatch.setattr(cpu_attention, "_library", None)
+    monkeypatch.setattr(native, "_library", None)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(ValueError, match="needs a C compiler"):
         DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu")
