@@ -6,9 +6,9 @@ In one run on one machine:
      sent concurrently over gRPC to `python -m services.decoder --attention-backend cpu` (the C
      decode kernel; `--attention-backend` chooses); generated tokens/s;
   2. the anchor: transformers `generate` in process on the same prompts, sequentially and in
-     left-padded batches of 16 (greedy, same max_tokens per request); step 1 runs again after
-     it (same lengths, new token ids: no prefix-cache hits) and counts with the mean of both runs
-     (the machine's speed drifts);
+     left-padded batches of 16 (greedy, same max_tokens per request). The machine's speed drifts,
+     so step 1 runs before, between and after the two anchors (same lengths, new token ids: no
+     prefix-cache hits) and each anchor is compared with the mean of the two runs around it;
   3. engine overhead: wall time per engine step while 16 requests all decode, over a bare
      transformers forward of the same shapes (16 rows x 1 token on a KV cache of the same length),
      and over the engine's own forward + lm_head; measured in a child process with a decoder
@@ -224,39 +224,44 @@ def main(argv: list[str] | None = None) -> int:
     flags = ["--max-model-len", "2048", *args.decoder_flags.split()]
     process, address = start_decoder(args.model_dir, [*flags, "--attention-backend", args.attention_backend],
                                      RESULTS / "decode-server.log")
-    # This machine's speed drifts by 10-15% over minutes: the decoder runs before and after the
-    # anchors (idle in between) and counts with the mean of both runs.
+    # This machine's speed drifts by 10-25% over minutes: each anchor is bracketed by a decoder run
+    # just before and one just after it (each run new token ids of the same lengths: no prefix-cache
+    # hits), and is compared with the mean of those two.
     try:
-        first = asyncio.run(_grpc_run(address, work))
+        runs = [asyncio.run(_grpc_run(address, work))]
         cost = overhead(args.model_dir, args.attention_backend)
         step, own_forward, bare = cost["step"], cost["forward"], cost["bare"]
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-        batched, sequential = hf_batched(model, work), hf_sequential(model, work)
+        batched = hf_batched(model, work)
+        runs.append(asyncio.run(_grpc_run(address, fresh_tokens(work, seed=1))))
+        sequential = hf_sequential(model, work)
         del model
-        last = asyncio.run(_grpc_run(address, fresh_tokens(work)))
+        runs.append(asyncio.run(_grpc_run(address, fresh_tokens(work, seed=2))))
     finally:
         stop(process)
     default_backend = None
     if args.attention_backend != "torch":
         process, address = start_decoder(args.model_dir, flags, RESULTS / "decode-server-torch.log")
         try:
-            default_backend = asyncio.run(_grpc_run(address, fresh_tokens(work, seed=2)))
+            default_backend = asyncio.run(_grpc_run(address, fresh_tokens(work, seed=3)))
         finally:
             stop(process)
-    ours = (first + last) / 2
+    ours = sum(runs) / len(runs)
+    around_batched, around_sequential = (runs[0] + runs[1]) / 2, (runs[1] + runs[2]) / 2
     rows = [(f"tessera decoder over gRPC, attention backend {args.attention_backend} (continuous batching; "
-             f"mean of {first:.1f} before and {last:.1f} after the anchors)", ours)]
+             f"runs {', '.join(f'{r:.1f}' for r in runs)})", ours, ours)]
     if default_backend is not None:
-        rows.append(("tessera decoder over gRPC, attention backend torch (the default; one run, last)", default_backend))
-    rows += [("transformers generate, padded batches of 16", batched),
-             ("transformers generate, sequential", sequential)]
+        rows.append(("tessera decoder over gRPC, attention backend torch (the default; one run, last)",
+                     default_backend, runs[-1]))
+    rows += [("transformers generate, padded batches of 16", batched, around_batched),
+             ("transformers generate, sequential", sequential, around_sequential)]
     lines = [f"# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, fp32",
              f"workload: {len(work)} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, "
              f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored)",
              f"decoder flags: {' '.join(flags)} --attention-backend {args.attention_backend} "
              "(other settings: defaults)\n",
-             "| mode | tokens/s | ours / this |", "|---|---|---|"]
-    lines += [f"| {name} | {tps:.1f} | {ours / tps:.2f} |" for name, tps in rows]
+             "| mode | tokens/s | ours: the runs around it | ours / this |", "|---|---|---|---|"]
+    lines += [f"| {name} | {tps:.1f} | {near:.1f} | {near / tps:.2f} |" for name, tps, near in rows]
     lines += ["", f"| engine overhead at batch 16 x context 128 (attention backend {args.attention_backend}) "
               "| ms | target |", "|---|---|---|",
               f"| engine decode step (schedule + inputs + forward + sample + bookkeeping) | {1000 * step:.1f} | |",

@@ -8,8 +8,10 @@ In one run on one machine, the same N requests (random prompts, EOS ignored, gre
      the same decoder (K slots; each adapter served once before timing, so it is resident);
   3. the anchor: PeftModel in process holding the K adapters, one left-padded `generate` batch
      per adapter (set_adapter between batches).
-The machine's speed drifts over minutes, so the three steps run as a round, three rounds in a
-row (anchor, base-only, multi-LoRA); each target ratio is the median of the rounds' own ratios.
+The machine's speed drifts over minutes, so the three steps run as a round, five rounds in a
+row (anchor, then base-only and multi-LoRA, which of the two first alternating by round); each
+target ratio is the median of the rounds' own ratios. The decoder runs with the cpu LoRA and
+attention backends (C kernels; `--lora-backend`, `--attention-backend` choose).
 Targets (issue 4): multi-LoRA >= 0.8x base-only and >= 4x PEFT. Prints one table and rewrites
 bench/results/lora.md. Never a test assertion.
 """
@@ -33,7 +35,7 @@ import torch  # noqa: E402
 from _decoder_proc import REPO, RESULTS, free_port, machine, start_decoder, stop  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ROUNDS = 3
+ROUNDS = 5
 
 
 def make_adapters(model_dir: Path, root: Path, count: int, rank: int) -> list[str]:
@@ -155,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--lora-backend", choices=("torch", "triton"), default="torch")
+    parser.add_argument("--lora-backend", choices=("cpu", "torch", "triton"), default="cpu",
+                        help="the decoder's LoRA backend (default cpu: the C BGMV kernel for decode rows)")
+    parser.add_argument("--attention-backend", choices=("cpu", "torch", "triton"), default="cpu",
+                        help="the decoder's attention backend (default cpu: the C decode kernel)")
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_load(registry_address, names))
             flags = ["--adapters-address", registry_address, "--adapter-slots", str(args.adapters),
                      "--max-lora-rank", str(args.rank), "--max-model-len", "1024", "--no-prefix-caching",
-                     "--lora-backend", args.lora_backend]
+                     "--lora-backend", args.lora_backend, "--attention-backend", args.attention_backend]
             decoder, address = start_decoder(args.model_dir, flags, RESULTS / "lora-server.log")
             # This machine's speed drifts by 10-15% over minutes: three rounds, each running the PEFT
             # anchor (in this process, the decoder idle), base-only and multi-LoRA back to back; the
@@ -177,10 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 peft_run = peft_runner(args.model_dir, root, names, work, args.max_tokens)
                 bases, multis, pefts = [], [], []
-                for _ in range(ROUNDS):
+                for round_ in range(ROUNDS):
                     pefts.append(peft_run())
-                    bases.append(asyncio.run(_grpc_run(address, [(p, "") for p in prompts], args.max_tokens)))
-                    multis.append(asyncio.run(_grpc_run(address, work, args.max_tokens)))
+                    # base and multi alternate which runs first: neither always gets the warmer machine
+                    for first in ((True, False) if round_ % 2 == 0 else (False, True)):
+                        if first:
+                            bases.append(asyncio.run(_grpc_run(address, [(p, "") for p in prompts], args.max_tokens)))
+                        else:
+                            multis.append(asyncio.run(_grpc_run(address, work, args.max_tokens)))
             finally:
                 stop(decoder)
         finally:
@@ -193,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(f"base only (tessera, no adapter; rounds {runs(bases)})", base),
             (f"{args.adapters} adapters rank {args.rank} (tessera; rounds {runs(multis)})", multi),
             (f"PEFT in process, adapter switched per batch (anchor; rounds {runs(pefts)})", peft)]
-    model = f"model: {args.model_dir.name}, fp32, lora backend {args.lora_backend}"
+    model = (f"model: {args.model_dir.name}, fp32, lora backend {args.lora_backend}, "
+             f"attention backend {args.attention_backend}")
     workload = (f"workload: {args.requests} concurrent requests, {args.prompt_len}-token random prompts, "
                 f"{args.max_tokens} new tokens each (EOS ignored), round-robin over {args.adapters} adapters\n")
     lines = ["# bench lora\n", f"machine: {machine()}", model, workload,

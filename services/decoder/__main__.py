@@ -36,8 +36,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
     p.add_argument("--adapters-address", default=None)
     p.add_argument("--adapter-slots", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--lora-backend", choices=("torch", "triton"), default="torch",
-                   help="multi-LoRA compute: torch grouped matmuls, or Triton BGMV/SGMV kernels (GPU or TRITON_INTERPRET=1)")
+    p.add_argument("--lora-backend", choices=("torch", "triton", "cpu"), default="torch",
+                   help="multi-LoRA compute: torch grouped matmuls, Triton BGMV/SGMV kernels (GPU or "
+                        "TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel built at start")
     p.add_argument("--adapter-host-cache-mb", type=int, default=1024,
                    help="host memory for adapter weights by digest (swap-ins without refetching)")
     p.add_argument("--dtype", default="float32")

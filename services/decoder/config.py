@@ -56,7 +56,7 @@ the torch path on long contexts).
     adapters_address: str | None = None
     adapter_slots: int = 8
     max_lora_rank: int = 64
-    lora_backend: str = "torch"  # "torch" (grouped shrink/expand) or "triton" (BGMV/SGMV kernels)
+    lora_backend: str = "torch"  # "torch" (grouped shrink/expand), "triton" (BGMV/SGMV) or "cpu" (C BGMV for decode rows)
     adapter_host_cache_mb: int = 1024  # host-memory tier: adapter weights kept by digest for swap-ins
     dtype: str = "float32"
     enable_prefix_caching: bool = True
@@ -82,9 +82,9 @@ the torch path on long contexts).
             raise ValueError(f"the triton attention backend needs a power-of-two block_size, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend == "cpu":
+        if "cpu" in (self.attention_backend, self.lora_backend):
             if self.dtype != "float32":
-                raise ValueError(f"the cpu attention backend computes float32 only, got dtype {self.dtype!r}")
+                raise ValueError(f"the cpu attention and LoRA backends compute float32 only, got dtype {self.dtype!r}")
             try:
                 native.load()  # builds the kernels now: a missing compiler fails at start, not mid-request
             except RuntimeError as exc:

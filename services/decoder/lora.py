@@ -55,7 +55,7 @@ class AdapterBank:
         self.dtype = dtype
         self.lock = threading.RLock()
         self._a: dict[str, torch.Tensor] = {}  # name -> [slots, max_rank, in]
-        self._b: dict[str, torch.Tensor] = {}  # name -> [slots, out, max_rank]
+        self._b: dict[str, torch.Tensor] = {}  # name -> [slots, out, max_rank], a view of [slots, max_rank, out]
         self._digests: list[str | None] = [None] * num_slots
         self._leases = [0] * num_slots
         self._named: list[Counter[str]] = [Counter() for _ in range(num_slots)]  # slot -> leases by name
@@ -192,7 +192,8 @@ class AdapterBank:
         if name not in self._a:
             in_f, out_f = self.module_shapes[name]
             self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype)
-            self._b[name] = torch.zeros(self.num_slots, out_f, self.max_rank, dtype=self.dtype)
+            # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends)
+            self._b[name] = torch.zeros(self.num_slots, self.max_rank, out_f, dtype=self.dtype).transpose(1, 2)
 
     def set_token_slots(self, token_slots: torch.Tensor | None, decode_rows: torch.Tensor | None = None) -> None:
         """Build the step's LoRA metadata once, reused by every projection of the forward.

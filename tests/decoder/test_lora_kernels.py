@@ -91,3 +91,53 @@ def test_torch_backend_padded_groups_equal_per_slot_loop_and_float64():
     assert (ys[0].double() - ref7).abs().max() < 1e-4 and (ys[0] - ys[1]).abs().max() < 1e-4
     one_long = LoRABatch.build(torch.tensor([0] * 40 + [1, 2]), torch.tensor([40, 41]))
     assert one_long.padded is None                               # padding would triple the rows: loop
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_cpu_backend_equals_torch_and_float64(index):
+    """The cpu backend (C BGMV for decode rows, torch for prefill rows) on the Triton cases' odd
+    sizes, ranks 1..64 padded to the max rank, slot -1 mixed in; B in the bank's layout (the
+    transposed view of [slots, rank, out]) and plain contiguous."""
+    from lora_kernel_cases import CASES, make_case, reference
+
+    x, y0, a, b, slots, decode = make_case(index, *CASES[index])
+    ref = reference(x, y0, a, b, slots)
+    batch = LoRABatch.build(slots, decode)
+    base = slots == -1
+    expected = y0.clone()
+    make_backend("torch").add_lora(expected, x, a, b, batch)
+    bank_layout = b.transpose(1, 2).contiguous().transpose(1, 2)
+    backend = make_backend("cpu")
+    for factors in (bank_layout, b):
+        y = y0.clone()
+        backend.add_lora(y, x, a, factors, batch)
+        backend.end_step()
+        assert (y.double() - ref).abs().max() < 1e-4
+        assert (y - expected).abs().max() < 1e-4
+        assert torch.equal(y[base], y0[base])
+    assert (ref - y0.double()).abs().max() > 0.1  # the correction is not negligible
+
+
+def test_cpu_backend_all_decode_rows_thread_count_invariant():
+    torch.manual_seed(7)
+    x, y0 = torch.randn(32, 576), torch.randn(32, 1536)
+    a = torch.randn(8, 16, 576) / 24
+    b = torch.randn(8, 16, 1536).transpose(1, 2)  # the bank's layout
+    slots = torch.arange(32) % 9 - 1              # 8 adapters and base rows, interleaved
+    batch = LoRABatch.build(slots, torch.arange(32))
+    ref = y0.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            ref[t] += (x[t].double() @ a[s].double().T) @ b[s].double().T
+    outs = []
+    threads = torch.get_num_threads()
+    for n in (threads, 1):
+        torch.set_num_threads(n)
+        try:
+            y = y0.clone()
+            make_backend("cpu").add_lora(y, x, a, b, batch)
+            outs.append(y)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0].double() - ref).abs().max() < 1e-4

@@ -1,7 +1,8 @@
 """Mixed batch: base rows + adapters of ranks 4/8/16 (plain, rsLoRA, rank_pattern/alpha_pattern)
 in one engine batch; each request's greedy ids equal PeftModel with that adapter alone and its
-logits are within 1e-4, with the torch backend and with the Triton BGMV/SGMV kernels (CPU
-interpreter, in a subprocess because Triton reads TRITON_INTERPRET when kernels are defined)."""
+logits are within 1e-4, with the torch backend, the cpu backend (C BGMV kernel for decode rows) and
+the Triton BGMV/SGMV kernels (CPU interpreter, in a subprocess because Triton reads TRITON_INTERPRET
+when kernels are defined)."""
 
 import json
 import os
@@ -34,6 +35,11 @@ def _check(report):
 
 def test_mixed_batch_torch_backend_equals_peft(tiny_llama, adapter_root):
     _check(compare(tiny_llama, adapter_root, "torch"))
+
+
+def test_mixed_batch_cpu_backend_equals_peft(tiny_llama, adapter_root):
+    """The C BGMV kernel for decode rows (lora_backend="cpu"), the torch backend for prefill rows."""
+    _check(compare(tiny_llama, adapter_root, "cpu"))
 
 
 def test_mixed_batch_triton_backend_equals_peft(tiny_llama, adapter_root):

@@ -6,7 +6,8 @@ is not -1,  y[t] += (x[t] @ a[s].T) @ b[s].T ; base rows of `y` are left untouch
     x: [num_tokens, in_features]      any float dtype (the model's)
     y: [num_tokens, out_features]     updated in place, same dtype as x
     a: [num_slots, max_rank, in]      shrink factors, zero-padded past each adapter's rank
-    b: [num_slots, out, max_rank]     expand factors, LoRA scale already folded in
+    b: [num_slots, out, max_rank]     expand factors, LoRA scale already folded in; the bank stores
+                                      them as the transposed view of [num_slots, max_rank, out]
 
 Accumulation is float32 (at least), then cast to y's dtype once.
 """
@@ -18,9 +19,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from services.decoder.kernels.batch import LoRABatch
+from services.decoder.kernels.batch import BASE_SLOT, LoRABatch
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 class LoRABackend(ABC):
@@ -85,6 +86,70 @@ class TorchLoRABackend(LoRABackend):
         y.index_copy_(0, rows, (y.index_select(0, rows).to(delta.dtype) + delta).to(y.dtype))
 
 
+class CpuLoRABackend(LoRABackend):
+    """Decode rows through the C BGMV kernel (kernels/lora_bgmv.c), prefill rows through the torch backend.
+
+    A decode step is memory-bound on the factors: the kernel reads each slot's A and B^T once per
+    projection and adds into y in place, where the torch backend gathers rows onto a padded grid,
+    runs two bmm and scatters the deltas back. Prefill segments are compute-bound GEMMs, which MKL
+    (the torch backend) does best. float32 only; B must be stored as the bank stores it (the
+    transposed view of a contiguous [slots, max_rank, out]; other layouts are copied per call).
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from services.decoder.kernels import native
+
+        self._kernel = native.load().tessera_lora_bgmv_f32
+        self._torch = TorchLoRABackend()
+        self._step: tuple[LoRABatch, tuple | None, LoRABatch | None] | None = None
+
+    def add_lora(self, y, x, a, b, batch):
+        decode, prefill = self._split(batch)
+        if prefill is not None:
+            self._torch.add_lora(y, x, a, b, prefill)
+        if decode is None:
+            return
+        if x.dtype != torch.float32 or y.dtype != torch.float32 or a.dtype != torch.float32:
+            raise ValueError("the cpu LoRA backend computes float32 only")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if y.stride(-1) != 1:
+            raise ValueError("LoRA output must have a contiguous last dimension")
+        a, bt = a.contiguous(), b.transpose(1, 2).contiguous()  # no copies for the bank's layout
+        rows, starts, slots = decode
+        rank = a.shape[1]
+        shrunk = torch.empty(rows.numel(), rank, dtype=torch.float32)
+        self._kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
+                     rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), a.shape[2],
+                     bt.shape[2], rank, shrunk.data_ptr(), torch.get_num_threads())
+
+    def end_step(self) -> None:
+        self._step = None
+        self._torch.end_step()
+
+    def _split(self, batch: LoRABatch) -> tuple[tuple | None, LoRABatch | None]:
+        """(decode rows grouped by slot: rows, group starts [g + 1], group slots; or None) and the
+        prefill rows' own LoRABatch (None without prefill adapter rows), built once per step."""
+        if self._step is not None and self._step[0] is batch:
+            return self._step[1], self._step[2]
+        decode = None
+        if batch.decode_rows.numel():
+            order = torch.sort(batch.decode_slots, stable=True).indices
+            slots, counts = torch.unique_consecutive(batch.decode_slots[order], return_counts=True)
+            starts = torch.zeros(slots.numel() + 1, dtype=torch.long)
+            torch.cumsum(counts, 0, out=starts[1:])
+            decode = (batch.decode_rows[order].contiguous(), starts, slots.contiguous())
+        prefill = None
+        if batch.prefill_perm.numel():
+            token_slots = batch.token_slots.clone()
+            token_slots[batch.decode_rows] = BASE_SLOT
+            prefill = LoRABatch.build(token_slots)
+        self._step = (batch, decode, prefill)
+        return decode, prefill
+
+
 def triton_available() -> str | None:
     """None if Triton kernels can run here, else the reason (no CUDA device, no interpreter)."""
     try:
@@ -97,13 +162,19 @@ def triton_available() -> str | None:
 
 
 def make_backend(name: str) -> LoRABackend:
-    """Backend by flag value ("torch" or "triton").
+    """Backend by flag value ("torch", "triton" or "cpu").
 
     Raises:
-        ValueError: unknown name, or "triton" where Triton cannot run (see triton_available).
+        ValueError: unknown name, "triton" where Triton cannot run (see triton_available), or "cpu"
+            where its kernel cannot be built (no C compiler with OpenMP).
     """
     if name == "torch":
         return TorchLoRABackend()
+    if name == "cpu":
+        try:
+            return CpuLoRABackend()
+        except RuntimeError as error:
+            raise ValueError(f"lora_backend 'cpu' cannot run here: {error}") from error
     if name == "triton":
         reason = triton_available()
         if reason is not None:

@@ -49,7 +49,7 @@ def _bgmv_shrink(x_ptr, a_ptr, rows_ptr, slots_ptr, s_ptr, K, R,
 
 @triton.jit
 def _bgmv_expand(s_ptr, b_ptr, rows_ptr, slots_ptr, y_ptr, N, R,
-                 stride_sm, stride_bs, stride_bn, stride_ym,
+                 stride_sm, stride_bs, stride_bn, stride_br, stride_ym,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -61,7 +61,7 @@ def _bgmv_expand(s_ptr, b_ptr, rows_ptr, slots_ptr, y_ptr, N, R,
     r_mask = (offs_r < R) & (offs_r * 0 + slot_in >= 0)
     n_mask = (offs_n < N) & (offs_n * 0 + slot_in >= 0)
     s = tl.load(s_ptr + pid * stride_sm + offs_r, mask=r_mask, other=0.0)                         # [BR]
-    b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
+    b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
                 mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)               # [BN, BR]
     delta = tl.sum(b * s[None, :], axis=1)
     y_ptrs = y_ptr + row * stride_ym + offs_n
@@ -99,7 +99,7 @@ def _sgmv_shrink(x_ptr, a_ptr, perm_ptr, starts_ptr, lens_ptr, slots_ptr, s_ptr,
 
 @triton.jit
 def _sgmv_expand(s_ptr, b_ptr, perm_ptr, starts_ptr, lens_ptr, slots_ptr, y_ptr, N, R,
-                 stride_sm, stride_bs, stride_bn, stride_ym,
+                 stride_sm, stride_bs, stride_bn, stride_br, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     seg = tl.program_id(0)
     start = tl.load(starts_ptr + seg)
@@ -115,7 +115,7 @@ def _sgmv_expand(s_ptr, b_ptr, perm_ptr, starts_ptr, lens_ptr, slots_ptr, y_ptr,
     rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0)
     s = tl.load(s_ptr + (start + offs_m)[:, None] * stride_sm + offs_r[None, :],
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)                               # [BM, BR]
-    b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+    b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                 mask=r_mask[:, None] & n_mask[None, :] & (offs_r[:, None] * 0 + slot_in >= 0), other=0.0).to(tl.float32)      # [BR, BN]
     delta = tl.dot(s, b, input_precision="ieee")                                                # [BM, BN]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
@@ -132,7 +132,8 @@ def bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
          rows: torch.Tensor, slots: torch.Tensor) -> None:
     """y[rows[i]] += x[rows[i]] @ a[slots[i]].T @ b[slots[i]].T for each i with slots[i] >= 0.
 
-    x [T, in], y [T, out] (last dim contiguous); a [S, R, in], b [S, out, R] contiguous;
+    x [T, in], y [T, out] (last dim contiguous); a [S, R, in] contiguous; b [S, out, R], any strides
+    (the bank stores it as the transposed view of a contiguous [S, R, out]);
     rows, slots int64 [n]. Rows must be distinct.
     """
     n = rows.numel()
@@ -144,7 +145,7 @@ def bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     _bgmv_shrink[(n,)](x, a, rows, slots, shrunk, in_f, rank, x.stride(0), a.stride(0), a.stride(1),
                        shrunk.stride(0), BLOCK_K=BLOCK_K, BLOCK_R=br)
     _bgmv_expand[(n, triton.cdiv(out_f, BLOCK_N))](shrunk, b, rows, slots, y, out_f, rank, shrunk.stride(0),
-                                                    b.stride(0), b.stride(1), y.stride(0),
+                                                    b.stride(0), b.stride(1), b.stride(2), y.stride(0),
                                                     BLOCK_N=BLOCK_N, BLOCK_R=br)
 
 
@@ -166,7 +167,7 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, per
                                            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=br)
     _sgmv_expand[(num_segments, m_blocks, triton.cdiv(out_f, BLOCK_N))](
         shrunk, b, perm, seg_starts, seg_lens, seg_slots, y, out_f, rank, shrunk.stride(0),
-        b.stride(0), b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=br)
+        b.stride(0), b.stride(1), b.stride(2), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=br)
 
 
 class TritonLoRABackend(LoRABackend):
