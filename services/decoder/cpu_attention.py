@@ -29,6 +29,17 @@ class CpuDecodeMetadata:
     context_lens: torch.Tensor
     max_context: int
 
+    def __post_init__(self) -> None:
+        """The kernel trusts these (it sizes its score buffers by max_context); checked once per step."""
+        n = self.rows.numel()
+        if (self.rows.dtype != torch.long or self.block_tables.dtype != torch.int32
+                or self.context_lens.dtype != torch.int32 or not self.block_tables.is_contiguous()
+                or self.block_tables.shape[0] != n or self.context_lens.shape != (n,)):
+            raise ValueError("CpuDecodeMetadata: rows int64 [n], block_tables int32 [n, width] contiguous, "
+                             "context_lens int32 [n]")
+        if n and (int(self.context_lens.min()) < 1 or int(self.context_lens.max()) > self.max_context):
+            raise ValueError(f"CpuDecodeMetadata: context_lens must lie in [1, max_context={self.max_context}]")
+
 
 def decode_metadata(rows: list[int], block_tables: list[list[int]], context_lens: list[int],
                     block_size: int) -> CpuDecodeMetadata:
@@ -51,17 +62,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     written); k_cache/v_cache: float32 [kv_heads, num_slots, head_dim], contiguous, head-major.
 
     Raises:
-        ValueError: another dtype, a non-contiguous tensor, or heads not a multiple of kv heads.
+        ValueError: another dtype, a non-contiguous tensor, heads not a multiple of kv heads, a cache
+            whose head_dim differs, or block tables too narrow for max_context. (Block ids are
+            trusted: `decode_metadata` takes them from the block manager.)
         RuntimeError: the kernel could not allocate its score buffers.
     """
     tensors = (query, k_cache, v_cache, out)
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
         raise ValueError("the cpu attention kernel takes contiguous float32 query, caches and output")
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, num_slots, _ = k_cache.shape
-    if num_heads % num_kv_heads or out.shape != query.shape or v_cache.shape != k_cache.shape:
-        raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
+    num_kv_heads, num_slots, cache_head_dim = k_cache.shape
     rows, tables, lens = meta.rows, meta.block_tables, meta.context_lens
+    if (num_heads % num_kv_heads or cache_head_dim != head_dim or out.shape != query.shape
+            or v_cache.shape != k_cache.shape or num_slots % block_size
+            or tables.shape[1] * block_size < meta.max_context):
+        raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"block tables {tuple(tables.shape)} x block_size {block_size}")
     rc = native.load().tessera_paged_decode_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), out.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim,

@@ -110,6 +110,16 @@ def test_bad_inputs_are_refused():
         cpu_attention.paged_decode_attention(query.double(), k, v, cpu_meta.cpu, 4, 0.25, out)
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_attention.paged_decode_attention(query.transpose(0, 1), k, v, cpu_meta.cpu, 4, 0.25, out)
+    with pytest.raises(ValueError, match="shapes do not fit"):  # the cache's head_dim differs
+        cpu_attention.paged_decode_attention(query, k[..., :8].contiguous(), v[..., :8].contiguous(),
+                                             cpu_meta.cpu, 4, 0.25, out)
+    with pytest.raises(ValueError, match="shapes do not fit"):  # tables narrower than the contexts
+        cpu_attention.paged_decode_attention(query, k, v, cpu_meta.cpu, 2, 0.25, out)
+    m = cpu_meta.cpu
+    with pytest.raises(ValueError, match="max_context"):  # score buffers would be too small
+        cpu_attention.CpuDecodeMetadata(m.rows, m.block_tables, m.context_lens, 4)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_attention.CpuDecodeMetadata(m.rows, m.block_tables.long(), m.context_lens, m.max_context)
 
 
 def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypatch):

@@ -141,3 +141,16 @@ def test_cpu_backend_all_decode_rows_thread_count_invariant():
             torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
     assert (outs[0].double() - ref).abs().max() < 1e-4
+
+
+def test_cpu_backend_refuses_bad_inputs_before_touching_y():
+    x, y = torch.randn(6, 8), torch.randn(6, 5)
+    a, b = torch.randn(2, 4, 8), torch.randn(2, 4, 5).transpose(1, 2)
+    batch = LoRABatch.build(torch.tensor([0, 1, 0, 1, -1, 0]), torch.tensor([0, 1]))  # decode + prefill rows
+    before = y.clone()
+    backend = make_backend("cpu")
+    for args, message in (((y, x, a, b.half()), "float32 only"), ((y, x.double(), a, b), "float32 only"),
+                          ((y, x, a, b[:, :4]), "shapes do not fit"), ((y, x[:, :7], a, b), "shapes do not fit")):
+        with pytest.raises(ValueError, match=message):
+            backend.add_lora(*args, batch)
+        assert torch.equal(y, before)

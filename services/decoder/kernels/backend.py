@@ -106,23 +106,26 @@ class CpuLoRABackend(LoRABackend):
         self._step: tuple[LoRABatch, tuple | None, LoRABatch | None] | None = None
 
     def add_lora(self, y, x, a, b, batch):
+        if any(t.dtype != torch.float32 for t in (x, y, a, b)):
+            raise ValueError("the cpu LoRA backend computes float32 only")
+        if y.stride(-1) != 1:
+            raise ValueError("LoRA output must have a contiguous last dimension")
+        num_slots, rank, in_f = a.shape
+        if b.shape != (num_slots, y.shape[1], rank) or x.shape[1] != in_f or x.shape[0] != y.shape[0]:
+            raise ValueError(f"LoRA shapes do not fit: x {tuple(x.shape)}, y {tuple(y.shape)}, "
+                             f"a {tuple(a.shape)}, b {tuple(b.shape)}")
         decode, prefill = self._split(batch)
         if prefill is not None:
             self._torch.add_lora(y, x, a, b, prefill)
         if decode is None:
             return
-        if x.dtype != torch.float32 or y.dtype != torch.float32 or a.dtype != torch.float32:
-            raise ValueError("the cpu LoRA backend computes float32 only")
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if y.stride(-1) != 1:
-            raise ValueError("LoRA output must have a contiguous last dimension")
         a, bt = a.contiguous(), b.transpose(1, 2).contiguous()  # no copies for the bank's layout
         rows, starts, slots = decode
-        rank = a.shape[1]
         shrunk = torch.empty(rows.numel(), rank, dtype=torch.float32)
         self._kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
-                     rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), a.shape[2],
+                     rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f,
                      bt.shape[2], rank, shrunk.data_ptr(), torch.get_num_threads())
 
     def end_step(self) -> None:

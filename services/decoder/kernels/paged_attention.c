@@ -9,7 +9,7 @@
  *
  *     position p of row i  ->  cache row  h * num_slots + block_tables[i][p / block_size] * block_size
  *                                          + p % block_size          (the slot, in kv head h's plane)
- *     scores[r][p] = scale * q[r] . k[p]        p < context_lens[i], never past it
+ *     scores[r][p] = (scale * q[r]) . k[p]      p < context_lens[i], never past it
  *     out[r]       = sum_p softmax(scores[r])[p] * v[p]
  *
  * The softmax subtracts the row max, exponentiates, sums, and scales by 1 / sum before the V
@@ -40,13 +40,15 @@ int tessera_paged_decode_attention_f32(
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        /* this thread's scores [rep, max_context] and output accumulators [rep, head_dim] */
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(rep * (max_context + head_dim)));
+        /* this thread's scores [rep, max_context], output accumulators [rep, head_dim] and scaled
+           queries [rep, head_dim] */
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(rep * (max_context + 2 * head_dim)));
         if (scores == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
         float *acc = scores == NULL ? NULL : scores + rep * max_context;
+        float *q = scores == NULL ? NULL : acc + rep * head_dim;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
             if (scores == NULL)
@@ -54,7 +56,9 @@ int tessera_paged_decode_attention_f32(
             const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
             const int64_t len = context_lens[i];
             const int32_t *table = block_tables + i * table_width;
-            const float *q = query + (rows[i] * num_heads + h * rep) * head_dim;
+            const float *q_in = query + (rows[i] * num_heads + h * rep) * head_dim;
+            for (int64_t x = 0; x < rep * head_dim; x++)  /* scaled first, as the torch path: (q * scale) . k */
+                q[x] = q_in[x] * scale;
             const float *k_plane = k_cache + h * num_slots * head_dim;
             const float *v_plane = v_cache + h * num_slots * head_dim;
 
@@ -69,7 +73,7 @@ int tessera_paged_decode_attention_f32(
                         #pragma omp simd reduction(+:dot)
                         for (int64_t d = 0; d < head_dim; d++)
                             dot += qr[d] * k[d];
-                        scores[r * max_context + start + t] = dot * scale;
+                        scores[r * max_context + start + t] = dot;
                     }
                 }
             }
