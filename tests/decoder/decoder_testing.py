@@ -47,6 +47,12 @@ def make_tiny_llama(path: Path, seed: int = 0, family: str = "llama", **override
     return path
 
 
+@pytest.fixture(params=["torch", "cpu"])
+def attention_backend(request) -> str:
+    """Both CPU attention backends: the torch path, and the C kernel for decode rows (cpu_attention.py)."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -32,15 +32,9 @@ def family(request, tmp_path_factory):
     return model_dir, refs
 
 
-@pytest.fixture(params=["torch", "cpu"])
-def backend(request):
-    """The attention backend: the torch path, and the C kernel for decode rows (cpu_attention.py)."""
-    return request.param
-
-
-def _engine(model_dir, backend="torch", **overrides):
+def _engine(model_dir, attention_backend="torch", **overrides):
     options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16,
-                   attention_backend=backend)
+                   attention_backend=attention_backend)
     options.update(overrides)
     return LLMEngine(DecoderConfig(**options))
 
@@ -54,18 +48,18 @@ def _check(engine, refs, prompts, concurrent=True):
     return check_greedy(engine, refs, [_greedy(p, f"r{i}") for i, p in enumerate(prompts)], concurrent)
 
 
-def test_alone(family, backend):
+def test_alone(family, attention_backend):
     model_dir, refs = family
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     try:
         _check(engine, refs, [PROMPTS[0], PROMPTS[-1]], concurrent=False)
     finally:
         engine.shutdown()
 
 
-def test_sixteen_concurrent_mixed_lengths(family, backend):
+def test_sixteen_concurrent_mixed_lengths(family, attention_backend):
     model_dir, refs = family
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     try:
         _check(engine, refs, PROMPTS)
         assert engine.stats().num_free_blocks == 160
@@ -73,9 +67,9 @@ def test_sixteen_concurrent_mixed_lengths(family, backend):
         engine.shutdown()
 
 
-def test_chunked_prefill_every_prompt_chunked(family, backend):
+def test_chunked_prefill_every_prompt_chunked(family, attention_backend):
     model_dir, refs = family
-    engine = _engine(model_dir, backend, max_num_batched_tokens=16)
+    engine = _engine(model_dir, attention_backend, max_num_batched_tokens=16)
     chunks = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
@@ -87,9 +81,9 @@ def test_chunked_prefill_every_prompt_chunked(family, backend):
     assert chunks and max(chunks) <= 16
 
 
-def test_prefix_cache_hit(family, backend):
+def test_prefix_cache_hit(family, attention_backend):
     model_dir, refs = family
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     try:
         first = _check(engine, refs, [PROMPTS[-1]])[0]
         assert first[2].usage.cached_prompt_tokens == 0
@@ -101,10 +95,10 @@ def test_prefix_cache_hit(family, backend):
     assert stats.prefix_cache_hits == 1 and stats.prefix_cache_hit_tokens == 32
 
 
-def test_preemption_recompute(family, backend):
+def test_preemption_recompute(family, attention_backend):
     model_dir, refs = family
     # 24 blocks of 8 tokens cannot hold 16 requests of up to 70 + 64 tokens at once
-    engine = _engine(model_dir, backend, num_blocks=24, block_size=8)
+    engine = _engine(model_dir, attention_backend, num_blocks=24, block_size=8)
     preempted = []
     original = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
@@ -116,9 +110,9 @@ def test_preemption_recompute(family, backend):
     assert preempted, "the pool was meant to force preemption"
 
 
-def test_cancel_mid_stream_frees_blocks(family, backend):
+def test_cancel_mid_stream_frees_blocks(family, attention_backend):
     model_dir, refs = family
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     others = PROMPTS[8:12]
 
     try:

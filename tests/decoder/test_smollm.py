@@ -71,15 +71,9 @@ def _hf_reference(model, prompts: list[list[int]]) -> list[tuple[list[int], torc
     return [(out.sequences[row, width:].tolist(), logits[row]) for row in range(len(prompts))]
 
 
-@pytest.fixture(params=["torch", "cpu"])
-def backend(request):
-    """The attention backend: the torch path, and the C kernel for decode rows (cpu_attention.py)."""
-    return request.param
-
-
-def _engine(model_dir, backend="torch", **overrides):
+def _engine(model_dir, attention_backend="torch", **overrides):
     options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16,
-                   attention_backend=backend)
+                   attention_backend=attention_backend)
     options.update(overrides)
     return LLMEngine(DecoderConfig(**options))
 
@@ -94,9 +88,9 @@ def _check(engine, refs, prompts, concurrent=True):
     return check_greedy(engine, refs, [_greedy(p, f"r{i}") for i, p in enumerate(prompts)], concurrent)
 
 
-def test_alone_and_chat_template(smollm, backend):
+def test_alone_and_chat_template(smollm, attention_backend):
     model_dir, tokenizer, prompts, _, refs = smollm
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     try:
         _check(engine, refs, [prompts[0], prompts[-1]], concurrent=False)
         messages = tuple(ChatMessage(m["role"], (TextPart(m["content"]),)) for m in MESSAGES)
@@ -109,9 +103,9 @@ def test_alone_and_chat_template(smollm, backend):
     assert "Paris" in text
 
 
-def test_sixteen_concurrent_mixed_lengths(smollm, backend):
+def test_sixteen_concurrent_mixed_lengths(smollm, attention_backend):
     model_dir, _, prompts, _, refs = smollm
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     try:
         _check(engine, refs, prompts)
         assert engine.stats().num_free_blocks == 160
@@ -119,9 +113,9 @@ def test_sixteen_concurrent_mixed_lengths(smollm, backend):
         engine.shutdown()
 
 
-def test_chunked_prefill_every_prompt_chunked(smollm, backend):
+def test_chunked_prefill_every_prompt_chunked(smollm, attention_backend):
     model_dir, _, prompts, _, refs = smollm
-    engine = _engine(model_dir, backend, max_num_batched_tokens=16)
+    engine = _engine(model_dir, attention_backend, max_num_batched_tokens=16)
     chunks = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
@@ -134,9 +128,9 @@ def test_chunked_prefill_every_prompt_chunked(smollm, backend):
     assert len(chunks) >= 4 * 4
 
 
-def test_prefix_cache_hit(smollm, backend):
+def test_prefix_cache_hit(smollm, attention_backend):
     model_dir, _, prompts, prefix_prompt, refs = smollm
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     try:
         first = _check(engine, refs, [prompts[-1]])[0]
         second = _check(engine, refs, [prefix_prompt])[0]
@@ -148,10 +142,10 @@ def test_prefix_cache_hit(smollm, backend):
     assert stats.prefix_cache_hits == 1 and stats.prefix_cache_hit_tokens == 32
 
 
-def test_preemption_recompute(smollm, backend):
+def test_preemption_recompute(smollm, attention_backend):
     model_dir, _, prompts, _, refs = smollm
     # 16 blocks of 8 tokens (128 tokens) cannot hold 5 requests of 40..64 + 64 tokens at once
-    engine = _engine(model_dir, backend, num_blocks=16, block_size=8)
+    engine = _engine(model_dir, attention_backend, num_blocks=16, block_size=8)
     preempted = []
     original = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
@@ -163,9 +157,9 @@ def test_preemption_recompute(smollm, backend):
     assert preempted, "the pool was meant to force preemption"
 
 
-def test_cancel_mid_stream_frees_blocks(smollm, backend):
+def test_cancel_mid_stream_frees_blocks(smollm, attention_backend):
     model_dir, _, prompts, _, refs = smollm
-    engine = _engine(model_dir, backend)
+    engine = _engine(model_dir, attention_backend)
     others = prompts[8:11]
 
     try:
