@@ -129,4 +129,10 @@ def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypa
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(ValueError, match="need a C compiler"):
         DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu")
+    monkeypatch.setenv("CC", "false")  # fails silently: the message still names the command
+    with pytest.raises(ValueError, match="'false .*' exited with 1: \\(no output\\)"):
+        DecoderConfig(model_dir=str(tiny_llama), lora_backend="cpu")
+    monkeypatch.setenv("CC", "true")  # "succeeds" without building anything
+    with pytest.raises(ValueError, match="built but could not be loaded"):
+        DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu")
     assert DecoderConfig(model_dir=str(tiny_llama)).attention_backend == "torch"  # the default needs none

@@ -45,7 +45,8 @@ def _compile(directory: str) -> Path:
                                f"{' '.join(command)!r} failed: {exc}") from exc
         if done.returncode == 0:
             return target
-        errors.append(done.stderr.strip()[-2000:])
+        output = (done.stderr.strip() or done.stdout.strip() or "(no output)")[-2000:]
+        errors.append(f"{' '.join(command)!r} exited with {done.returncode}: {output}")
     raise RuntimeError("compiling the cpu kernels failed:\n" + "\n".join(errors))
 
 
@@ -53,15 +54,22 @@ def load() -> ctypes.CDLL:
     """The compiled kernel library (built on the first call, then shared by the process).
 
     Raises:
-        RuntimeError: no working C compiler with OpenMP and glibc's libmvec (the message names the command).
+        RuntimeError: no working C compiler with OpenMP and glibc's libmvec, or the built library
+            cannot be loaded (the message names the command, its exit code and output).
     """
     global _library
     with _lock:
         if _library is None:
             with tempfile.TemporaryDirectory(prefix="tessera-kernels-") as directory:
-                library = ctypes.CDLL(str(_compile(directory)))  # mapped now: the file may go
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                fn = getattr(library, name)
+                path = _compile(directory)
+                try:  # a "compiler" that succeeds without output, or a noexec temporary directory
+                    library = ctypes.CDLL(str(path))  # mapped now: the file may go
+                    functions = [getattr(library, name) for name in _SIGNATURES]
+                except (OSError, AttributeError) as exc:
+                    raise RuntimeError(f"the cpu kernels were built but could not be loaded from {path} "
+                                       f"($CC {os.environ.get('CC', 'cc')!r}; TMPDIR must allow executables): "
+                                       f"{exc}") from exc
+            for fn, (restype, argtypes) in zip(functions, _SIGNATURES.values()):
                 fn.restype, fn.argtypes = restype, argtypes
             _library = library
         return _library
