@@ -195,3 +195,12 @@ class BlockManager:
         positions = torch.arange(start, end)
         blocks = torch.tensor(table, dtype=torch.long)
         return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+
+
+def padded_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Block tables as one int32 [len(tables), longest] tensor, short rows padded with block 0
+    (kernels read a row's blocks only up to its context length)."""
+    padded = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        padded[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    return padded

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.decoder.block_manager import padded_block_tables
 from services.decoder.kernels import native
 
 
@@ -45,11 +46,7 @@ def decode_metadata(rows: list[int], block_tables: list[list[int]], context_lens
                     block_size: int) -> CpuDecodeMetadata:
     """Kernel inputs for decode `rows` whose contexts are positions [0, context_lens[i]) in blocks
     `block_tables[i]` (at least ceil(len / block_size) ids each)."""
-    width = max(-(-n // block_size) for n in context_lens)
-    tables = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, (table, n) in enumerate(zip(block_tables, context_lens)):
-        used = -(-n // block_size)
-        tables[i, :used] = torch.tensor(table[:used], dtype=torch.int32)
+    tables = padded_block_tables([table[:-(-n // block_size)] for table, n in zip(block_tables, context_lens)])
     return CpuDecodeMetadata(torch.tensor(rows, dtype=torch.long), tables,
                              torch.tensor(context_lens, dtype=torch.int32), max(context_lens))
 

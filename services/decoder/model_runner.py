@@ -19,7 +19,7 @@ import torch
 from services.common.errors import FailedPrecondition, TesseraError
 from services.decoder.attention import (AttentionMetadata, TritonMetadata, decode_group_cap, plan_decode,
                                         prefill_span)
-from services.decoder.block_manager import BlockManager
+from services.decoder.block_manager import BlockManager, padded_block_tables
 from services.decoder.cpu_attention import decode_metadata
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import BASE_SLOT, AdapterBank
@@ -106,11 +106,8 @@ class ModelRunner:
 
     def _triton_metadata(self, out: SchedulerOutput) -> TritonMetadata:
         """Per-token sequence rows and causal context lengths; block tables padded with block 0."""
-        tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
-        width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        block_tables = padded_block_tables([self.block_manager.block_table(item.request.key)
+                                            for item in out.scheduled])
         token_seq = torch.cat([torch.full((item.num_new_tokens,), row, dtype=torch.int32)
                                for row, item in enumerate(out.scheduled)])
         context_lens = torch.cat([torch.arange(item.start + 1, item.end + 1, dtype=torch.int32) for item in out.scheduled])
