@@ -3,6 +3,7 @@ strictly against the Kubernetes schemas, and carry commands, ports and mounts th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,23 @@ def check_mounts(name: str, workload: dict, server: dict) -> None:
     assert token["items"] == [{"key": "token", "path": Path(TOKEN_FILE).name}]
     assert pod_spec["securityContext"]["runAsNonRoot"] is True
     assert server["securityContext"]["readOnlyRootFilesystem"] is True and "/tmp" in mounts
+
+
+def test_readme_configuration_lists_every_setting(base):
+    """Every flag and environment variable the deploy files set has its row in README's table."""
+    readme = (DEPLOY.parent / "README.md").read_text()
+    table = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    compose_text = (DEPLOY / "docker-compose.yml").read_text()
+    compose = yaml.safe_load(compose_text)
+    commands = [s["command"] for s in compose["services"].values()]
+    names = {v for s in compose["services"].values() for v in (s.get("environment") or {})}
+    names |= set(re.findall(r"\$\{(\w+)", compose_text))   # the compose file's own variables
+    for workload in [*by_kind(base, "Deployment").values(), *by_kind(base, "StatefulSet").values(),
+                     *by_kind(base, "Job").values()]:
+        for c in workload["spec"]["template"]["spec"]["containers"]:
+            commands.append(c["command"])
+            names |= {e["name"] for e in c.get("env", [])}
+    flags = {arg for command in commands for arg in command if arg.startswith("--")}
+    assert flags and names
+    missing = [s for s in sorted(flags | names) if not re.search(rf"`[^`]*(?<![\w-]){re.escape(s)}(?![\w-])[^`]*`", table)]
+    assert not missing, f"README's Configuration table lacks {missing}"
