@@ -45,6 +45,10 @@ def compose() -> dict:
     return yaml.safe_load(out)
 
 
+def test_docker_compose_config_accepts_it(compose):
+    assert set(compose["services"]) == {*SERVICES, "models"}
+
+
 def test_docker_compose_config_refuses_mistakes(compose, tmp_path):
     """The `compose` fixture is the check itself (config exits 0); this shows the check has teeth."""
     text = COMPOSE.read_text()

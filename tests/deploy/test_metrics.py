@@ -7,10 +7,13 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.tensor import from_pb
 from services.common.metrics import DECODER_KV_USAGE, DECODER_RUNNING, DECODER_WAITING, POOLING_QUEUE
+from services.common.tensor import from_pb
+from services.decoder.config import DecoderConfig
+from services.pooling import __main__ as pooling_main
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, pooling_pb2, pooling_pb2_grpc
 
 
@@ -29,11 +32,12 @@ def test_decoder_gauges_follow_the_scheduler(decoder_service):
     assert "process_resident_memory_bytes" in idle
 
     request = decoder_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3, 4, 5], sampling=decoder_pb2.SamplingParams(
-        max_tokens=400, ignore_eos=True))
+        max_tokens=500, ignore_eos=True))
     with grpc.insecure_channel(decoder_service.address) as channel:
         stub = decoder_pb2_grpc.DecoderStub(channel)
-        streams = [stub.Generate(request, timeout=120) for _ in range(2)]
-        next(streams[0])
+        streams = [stub.Generate(request, timeout=120)]
+        next(streams[0])  # running: it holds the one batch slot for 500 tokens
+        streams += [stub.Generate(request, timeout=120) for _ in range(2)]
         seen = None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # the two other requests reach the engine's queue asynchronously
@@ -65,3 +69,10 @@ def test_pooling_queue_gauge_counts_queued_sequences(pooling_service):
         assert [from_pb(c.result().embeddings).shape for c in calls] == [(64, 384)] * 2
     assert 0 < max(observed) <= 128
     assert scrape(pooling_service.metrics_url)[POOLING_QUEUE] == {"all-minilm-l6-v2": 0.0}
+
+
+def test_metrics_port_is_checked_once_in_each_config():
+    with pytest.raises(ValueError, match="metrics_port must be 0 .* got 65536"):
+        DecoderConfig(metrics_port=65536)
+    with pytest.raises(SystemExit):  # argparse's error: the PoolingConfig's ValueError, with usage
+        pooling_main.parse_args(["--metrics-port", "-1"])
