@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 DECODER_WAITING = "vllm:num_requests_waiting"
 DECODER_RUNNING = "vllm:num_requests_running"
@@ -45,7 +46,7 @@ class SchedulerStats(Protocol):
     num_waiting: int
 
 
-class DecoderCollector:
+class DecoderCollector(Collector):
     """vLLM's scheduler gauges for one decoder. `stats` returns None while the model is loading
     (then the gauges have no samples: an autoscaler sees no value rather than a false zero)."""
 
@@ -65,7 +66,7 @@ class DecoderCollector:
         yield from (waiting, running, usage)
 
 
-class PoolingCollector:
+class PoolingCollector(Collector):
     """Per-model batcher queue depth; `queue_sizes` maps model name -> queued sequences."""
 
     def __init__(self, queue_sizes: Callable[[], dict[str, int]]):
@@ -78,7 +79,7 @@ class PoolingCollector:
         yield queue
 
 
-def start_metrics_server(port: int, address: str, collector) -> WSGIServer | None:
+def start_metrics_server(port: int, address: str, collector: Collector) -> WSGIServer | None:
     """Serve `collector` and the process's CPU/memory gauges on `port` (0 = off: returns None).
 
     `address` is the service's gRPC bind address ("host:port"); metrics bind the same host.
