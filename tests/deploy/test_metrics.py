@@ -10,9 +10,16 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.metrics import DECODER_KV_USAGE, DECODER_RUNNING, DECODER_WAITING, POOLING_QUEUE
+from services.common.metrics import (
+    DECODER_KV_USAGE,
+    DECODER_RUNNING,
+    DECODER_WAITING,
+    POOLING_QUEUE,
+    DecoderCollector,
+)
 from services.common.tensor import from_pb
 from services.decoder.config import DecoderConfig
+from services.decoder.engine import EngineStats
 from services.pooling import __main__ as pooling_main
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, pooling_pb2, pooling_pb2_grpc
 
@@ -76,3 +83,14 @@ def test_metrics_port_is_checked_once_in_each_config():
         DecoderConfig(metrics_port=65536)
     with pytest.raises(SystemExit):  # argparse's error: the PoolingConfig's ValueError, with usage
         pooling_main.parse_args(["--metrics-port", "-1"])
+
+
+def test_decoder_collector_reads_engine_stats_and_is_silent_while_loading():
+    stats: list[EngineStats | None] = [None]
+    collector = DecoderCollector("m", lambda: stats[0])
+    assert [(f.name, f.samples) for f in collector.collect()] == [
+        (DECODER_WAITING, []), (DECODER_RUNNING, []), (DECODER_KV_USAGE, [])]
+    stats[0] = EngineStats(num_blocks=10, num_free_blocks=7, num_running=2, num_waiting=5)
+    assert {f.name: [(s.labels, s.value) for s in f.samples] for f in collector.collect()} == {
+        DECODER_WAITING: [({"model_name": "m"}, 5)], DECODER_RUNNING: [({"model_name": "m"}, 2)],
+        DECODER_KV_USAGE: [({"model_name": "m"}, pytest.approx(0.3))]}
