@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
+from services.common.metrics import DecoderCollector, start_metrics_server
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig
@@ -46,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
                    help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1); cpu: "
                         "decode rows in a C kernel built at start (needs a C compiler with OpenMP, float32)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     a = p.parse_args(argv)
     config = DecoderConfig(
         model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
@@ -53,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
         mrope_section=a.mrope_section, image_token=a.image_token, adapters_address=a.adapters_address or None,
         adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, lora_backend=a.lora_backend, dtype=a.dtype,
         adapter_host_cache_mb=a.adapter_host_cache_mb,
-        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend)
+        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
+        metrics_port=a.metrics_port)
     return a.address, config
 
 
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     address, config = parse_args(argv)
     configure_logging()
     servicer = DecoderServicer(config)
+    start_metrics_server(config.metrics_port, address, DecoderCollector(
+        Path(config.model_dir).name, lambda: servicer.engine.stats() if servicer.engine is not None else None))
 
     def register(server):
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)

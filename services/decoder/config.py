@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.metrics import check_metrics_port
 from services.common.paths import default_decoder_dir
 from services.decoder.kernels import native
 from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
@@ -61,8 +62,10 @@ the torch path on long contexts).
     dtype: str = "float32"
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
+    metrics_port: int = 0  # Prometheus /metrics (services/common/metrics.py); 0 = off
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
                      "adapter_slots", "max_lora_rank"):
             if getattr(self, name) < 1:

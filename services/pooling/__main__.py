@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.metrics import PoolingCollector, start_metrics_server
 from services.common.paths import default_embedding_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-chars", type=int, default=2_000_000,
                         help="most characters of text per request, checked before tokenizing (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     return parser
 
 
@@ -65,13 +68,15 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
         return PoolingConfig(models=models, address=args.address, max_batch_size=args.max_batch_size,
                              device=args.device, dynamic_batching=args.dynamic_batching,
                              max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-                             max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars)
+                             max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars,
+                             metrics_port=args.metrics_port)
     except ValueError as error:
         parser.error(str(error))
 
 
 async def _main(config: PoolingConfig) -> None:
     service = PoolingService(config)
+    start_metrics_server(config.metrics_port, config.address, PoolingCollector(service.queue_sizes))
 
     def register(server):
         pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(service), server)

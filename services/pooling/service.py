@@ -252,6 +252,10 @@ class PoolingService:
             rerank_method=rerank_default.runner.method, models=models, max_batch_tokens=c.max_batch_tokens,
             max_queue_size=c.max_queue_size, max_wait_ms=c.max_wait_ms, dynamic_batching=c.dynamic_batching)
 
+    def queue_sizes(self) -> dict[str, int]:
+        """Sequences accepted and not yet in a forward, by model name (empty before `load()`)."""
+        return {name: served.batcher.num_waiting for name, served in self._models.items()}
+
     @staticmethod
     def _model_info(served: ServedModel) -> ModelInfo:
         c = served.config
