@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
                    help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1); cpu: "
                         "decode rows in a C kernel built at start (needs a C compiler with OpenMP, float32)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
+    p.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
+                   help="health turns NOT_SERVING when requests are queued and no engine step completes for "
+                        "this long (seconds; must exceed the longest step; default %(default)s)")
     a = p.parse_args(argv)
     config = DecoderConfig(
         model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
@@ -53,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
         mrope_section=a.mrope_section, image_token=a.image_token, adapters_address=a.adapters_address or None,
         adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, lora_backend=a.lora_backend, dtype=a.dtype,
         adapter_host_cache_mb=a.adapter_host_cache_mb,
-        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend)
+        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
+        wedged_after_s=a.wedged_after_s)
     return a.address, config
 
 
@@ -66,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
-    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop))
+    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop,
+                      health=servicer.health))
 
 
 if __name__ == "__main__":
