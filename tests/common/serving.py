@@ -58,8 +58,11 @@ class WatchedHealth:
         self._task = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
-        async for reply in self._call:
-            self.statuses.append((reply.status, time.monotonic()))
+        try:
+            async for reply in self._call:
+                self.statuses.append((reply.status, time.monotonic()))
+        except grpc.aio.AioRpcError:  # the server stopped or the watch was cancelled: no more statuses
+            pass
 
     async def wait_for(self, status: int, timeout_s: float) -> float:
         """When `status` arrived; raises TimeoutError if it does not within `timeout_s`."""
