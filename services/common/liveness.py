@@ -2,8 +2,8 @@
 
 A loop is unhealthy when it has died (it records the cause with `die`) or is wedged: work is
 waiting and no step has completed for `wedged_after_s` seconds. Progress is counted in completed
-steps, never in requests served or tokens produced, and the clock starts when work is seen after
-an idle spell: a busy engine whose oldest request has waited minutes is not wedged while its
+steps, never in requests served or tokens produced, and the clock starts when the check first sees
+work after an idle spell (so a verdict comes between `wedged_after_s` and that plus two polls): a busy engine whose oldest request has waited minutes is not wedged while its
 steps complete, nor is an idle one. A single step longer than `wedged_after_s` does count, so the
 bound must exceed the longest step (a full-budget prefill); the default is 60 s.
 
@@ -45,7 +45,8 @@ class Liveness:
         self.num_steps = 0                        # bumped by the loop after every step, failed or not
         self.cause: BaseException | None = None   # why the loop died; None while it runs
         self._seen_steps = 0
-        self._progress_s = time.monotonic()       # when a step (or idleness) was last seen
+        self._idle = True
+        self._progress_s = time.monotonic()       # when work or a completed step was last first seen
 
     def die(self, cause: BaseException) -> None:
         """Record that the loop has stopped for good because of `cause`."""
@@ -68,8 +69,11 @@ class Liveness:
         if self.cause is not None:
             return f"{self.what} stopped: {describe(self.cause)}"
         now = time.monotonic() if now is None else now
-        if not has_work or self.num_steps != self._seen_steps:
-            self._seen_steps, self._progress_s = self.num_steps, now
+        if not has_work:
+            self._idle = True
+            return None
+        if self._idle or self.num_steps != self._seen_steps:  # the clock starts when work or a step is seen
+            self._idle, self._seen_steps, self._progress_s = False, self.num_steps, now
             return None
         if now - self._progress_s >= self.wedged_after_s:
             return f"{self.what} is wedged: work is waiting and no step completed in {self.wedged_after_s:g} s"

@@ -298,7 +298,12 @@ class LLMEngine:
                 out = self.scheduler.schedule()
         except Exception as error:  # noqa: BLE001 - fail what scheduling was working on, keep serving
             log.exception("engine step failed while scheduling")
-            self._fail(self._scheduling_requests(), error)
+            with self._cond:
+                # admission takes waiting requests in order and moves each to running, so the request
+                # being handled is running or the head of the queue; aborts pending are of running ones
+                suspects = [*self.scheduler.running, *list(self.scheduler.waiting)[:1]]
+                self._aborts.clear()
+            self._fail(suspects, error)
             return
         self._flush()
         if not out.scheduled:
@@ -316,12 +321,6 @@ class LLMEngine:
         except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed")
             self._fail([item.request for item in out.scheduled], error)
-
-    def _scheduling_requests(self) -> list[Request]:
-        """The requests a failed `schedule()` may have been handling: the running ones and the head
-        of the waiting queue (admission takes requests in order and moves each to running)."""
-        self._aborts.clear()
-        return [*self.scheduler.running, *list(self.scheduler.waiting)[:1]]
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         """End `requests` with `error` (those a step has not finished already), freeing their blocks

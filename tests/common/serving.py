@@ -26,10 +26,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @contextlib.asynccontextmanager
 async def serving(name: str, register: Callable[[grpc.aio.Server], list[str]], health: Callable[[], str | None],
                   start: Callable[[], Awaitable[None]] | None = None,
-                  stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[grpc.aio.Channel]:
-    """`serve(...)` on a free port until the block ends; yields a channel once health says SERVING."""
+                  stop: Callable[[], Awaitable[None]] | None = None,
+                  address: str | None = None) -> AsyncIterator[grpc.aio.Channel]:
+    """`serve(...)` on `address` (default: a free port) until the block ends; yields a channel once
+    health says SERVING."""
     before = signal.getsignal(signal.SIGTERM)
-    address = f"127.0.0.1:{free_port()}"
+    address = address or f"127.0.0.1:{free_port()}"
     task = asyncio.create_task(serve(name, address, register, start=start, stop=stop, health=health))
     async with insecure_channel(address) as channel:
         try:
