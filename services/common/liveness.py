@@ -3,9 +3,10 @@
 A loop is unhealthy when it has died (it records the cause with `die`) or is wedged: work is
 waiting and no step has completed for `wedged_after_s` seconds. Progress is counted in completed
 steps, never in requests served or tokens produced, and the clock starts when the check first sees
-work after an idle spell (so a verdict comes between `wedged_after_s` and that plus two polls): a busy engine whose oldest request has waited minutes is not wedged while its
-steps complete, nor is an idle one. A single step longer than `wedged_after_s` does count, so the
-bound must exceed the longest step (a full-budget prefill); the default is 60 s.
+work after an idle spell (a verdict comes between `wedged_after_s` and that plus two polls): a busy
+engine whose oldest request has waited minutes is not wedged while its steps complete, nor is an
+idle one. A single step longer than `wedged_after_s` does count, so the bound must exceed the
+longest step (a full-budget prefill); the default is 60 s.
 
 The loop only bumps `num_steps` (an int increment: no lock, no syscall); `check` is polled by the
 server's health task (services/common/server.py) on the event loop.

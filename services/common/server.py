@@ -286,7 +286,7 @@ async def _follow_health(name: str, check: Callable[[], str | None], health_serv
             log.warning("%s: healthy again; SERVING", name)
         else:
             log.error("%s: NOT_SERVING: %s", name, reason)
-        status = health_pb2.HealthCheckResponse.SERVING if reason is None else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if reason else health_pb2.HealthCheckResponse.SERVING
         for service in services:
             await health_servicer.set(service, status)
         reported = reason

@@ -13,10 +13,12 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.lora import LoRAWeights
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 from tests.common.serving import NOT_SERVING, SERVING, WatchedHealth, serving
@@ -31,8 +33,8 @@ def _request(request_id: str, max_tokens: int = 4) -> GenerateInput:
                          prompt_token_ids=tuple(range(100, 120)))
 
 
-async def _tokens(engine: LLMEngine, request: GenerateInput) -> list[int]:
-    return [t async for out in engine.generate(request) for t in out.token_ids]
+async def _tokens(engine: LLMEngine, request: GenerateInput, lora_slot: int | None = None) -> list[int]:
+    return [t async for out in engine.generate(request, lora_slot=lora_slot) for t in out.token_ids]
 
 
 def _fail_once(owner, name: str):
@@ -56,20 +58,26 @@ def engine(tiny_llama):
 
 @pytest.mark.parametrize("owner,name", [("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "update")])
 def test_a_bad_step_fails_only_its_requests(engine, owner, name):
+    torch.manual_seed(0)  # a small adapter on q_proj: each request holds a lease on its slot
+    slot = engine.bank.load(LoRAWeights("digest-x", {f"model.layers.{i}.self_attn.q_proj": (
+        torch.randn(4, 64) * 0.1, torch.randn(64, 4) * 0.1) for i in range(2)}))
+
     async def main():
         _fail_once(getattr(engine, owner), name)
         # max_num_seqs 1: the failing step holds one request; the other waits, then runs
-        results = await asyncio.gather(_tokens(engine, _request("a")), _tokens(engine, _request("b")),
-                                       return_exceptions=True)
+        results = await asyncio.wait_for(asyncio.gather(*(
+            _tokens(engine, _request(key), engine.bank.acquire("digest-x")) for key in ("a", "b")),
+            return_exceptions=True), 30)
         failed = [r for r in results if isinstance(r, BaseException)]
         assert len(failed) == 1 and isinstance(failed[0], RuntimeError)
         assert f"injected fault in {name}" in str(failed[0])
         assert [len(r) for r in results if not isinstance(r, BaseException)] == [4]
-        assert len(await _tokens(engine, _request("c"))) == 4  # the engine keeps serving
+        assert len(await asyncio.wait_for(_tokens(engine, _request("c")), 30)) == 4  # the engine keeps serving
 
     asyncio.run(main())
     stats = engine.stats()
     assert (stats.num_free_blocks, stats.num_running, stats.num_waiting) == (32, 0, 0)
+    assert engine.bank.num_leases(slot) == 0
     assert engine._thread.is_alive() and engine.health() is None
 
 
@@ -99,7 +107,7 @@ def test_a_wedged_engine_turns_unhealthy_after_the_bound(engine):
         finally:
             engine.runner.execute = execute
             release.set()
-        assert len(await task) == 4
+        assert len(await asyncio.wait_for(task, 30)) == 4
         assert engine.health() is None  # steps complete again
 
     asyncio.run(main())
@@ -141,3 +149,12 @@ def test_a_dead_engine_says_not_serving_and_fails_requests_at_once(tiny_llama):
             watch.close()
 
     asyncio.run(main())
+
+
+def test_the_wedge_bound_is_a_flag(tiny_llama):
+    from services.decoder.__main__ import parse_args
+
+    assert parse_args(["--model-dir", str(tiny_llama), "--wedged-after-s", "5"])[1].wedged_after_s == 5.0
+    assert parse_args(["--model-dir", str(tiny_llama)])[1].wedged_after_s == 60.0
+    with pytest.raises(ValueError, match="wedged_after_s must be > 0 seconds, got -1"):
+        DecoderConfig(model_dir=str(tiny_llama), wedged_after_s=-1)

@@ -40,8 +40,8 @@ def test_a_failing_forward_fails_only_its_batch(minilm_config, minilm_loaded):
     async def main():
         batcher._forward = failing
         with pytest.raises(RuntimeError, match="injected forward fault"):
-            await service.embed(["first"])
-        assert (await service.embed(["second", "third"])).vectors.shape == (2, 384)
+            await asyncio.wait_for(service.embed(["first"]), 30)
+        assert (await asyncio.wait_for(service.embed(["second", "third"]), 30)).vectors.shape == (2, 384)
         assert batcher.health() is None and batcher.num_waiting == 0
 
     asyncio.run(main())
@@ -105,7 +105,14 @@ def test_a_wedged_batcher_turns_unhealthy_after_the_bound(minilm_loaded):
         assert reasons[0] is None and 0.9 <= time.monotonic() - started < 2.0 and "wedged" in reasons[-1]
         batcher._forward = forward
         release.set()
-        assert (await task).vectors.shape == (1, 384)
+        assert (await asyncio.wait_for(task, 30)).vectors.shape == (1, 384)
         assert batcher.health() is None
 
     asyncio.run(main())
+
+
+def test_the_wedge_bound_is_a_flag(minilm_dir):
+    from services.pooling.__main__ import parse_args
+
+    assert parse_args(["--model-dir", str(minilm_dir), "--wedged-after-s", "5"]).wedged_after_s == 5.0
+    assert parse_args(["--model-dir", str(minilm_dir)]).wedged_after_s == 60.0

@@ -104,3 +104,12 @@ def test_a_wedged_encoder_says_not_serving_after_the_bound():
             watch.close()
 
     asyncio.run(main())
+
+
+def test_the_wedge_bound_is_a_flag():
+    from services.vision.__main__ import parse_args
+
+    assert parse_args(["--output-width", "64", "--wedged-after-s", "5"]).wedged_after_s == 5.0
+    assert parse_args(["--output-width", "64"]).wedged_after_s == 60.0
+    with pytest.raises(ValueError, match="wedged_after_s must be > 0"):
+        VisionConfig(encoder=DemoEncoderConfig(output_width=64), wedged_after_s=0)
