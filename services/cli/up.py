@@ -173,35 +173,42 @@ def run_until_signalled(spec: ClusterSpec) -> int:
     for service in spec.services():
         print(f"  {service:<9} {spec.address(service)}  SERVING", flush=True)
     print(f"tessera is up: gateway at {spec.address('gateway')} (Ctrl-C to stop)", flush=True)
-    code = 0
-    restarts: list[float] = []
     policy = RestartPolicy()
+    restarts: list[float] = []
+    code = 0
     while not stop["signalled"]:
-        for service, reason in services_to_restart(cluster.processes, spec.address, policy):
-            # One service down must not take the others with it: the gateway answers UNAVAILABLE
-            # for that service meanwhile; we restart it, unless it keeps failing.
-            restarts = [t for t in restarts if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
-            if len(restarts) > MAX_RESTARTS:
-                print(f"{service} {reason}; {MAX_RESTARTS} restarts within "
-                      f"{RESTART_WINDOW_S:.0f} s already, giving up:\n{cluster.log_tail(service)}",
-                      file=sys.stderr, flush=True)
-                code = 1
-                break
-            print(f"{service} {reason}; restarting it", file=sys.stderr, flush=True)
-            try:
-                _kill(cluster.processes[service])
-                cluster.restart(service)
-                print(f"  {service:<9} {spec.address(service)}  SERVING again", flush=True)
-            except (RuntimeError, TimeoutError) as error:
-                print(f"{service} failed to restart: {error}", file=sys.stderr, flush=True)
-                code = 1
-                break
-        if code:
+        if not restart_failing(cluster, policy, restarts):
+            code = 1
             break
         time.sleep(0.5)
     print("stopping tessera", flush=True)
     cluster.stop()
     return code
+
+
+def restart_failing(cluster: Cluster, policy: RestartPolicy, restarts: list[float]) -> bool:
+    """Kill and restart each service `policy` finds exited or unhealthy; False when one keeps failing
+    (more than MAX_RESTARTS in RESTART_WINDOW_S, appended to `restarts`) or does not come back.
+
+    One service down must not take the others with it: the gateway answers UNAVAILABLE for that
+    service meanwhile.
+    """
+    for service, reason in services_to_restart(cluster.processes, cluster.spec.address, policy):
+        now = time.monotonic()
+        restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(restarts) > MAX_RESTARTS:
+            print(f"{service} {reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already, "
+                  f"giving up:\n{cluster.log_tail(service)}", file=sys.stderr, flush=True)
+            return False
+        print(f"{service} {reason}; restarting it", file=sys.stderr, flush=True)
+        try:
+            _kill(cluster.processes[service])
+            cluster.restart(service)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"{service} failed to restart: {error}", file=sys.stderr, flush=True)
+            return False
+        print(f"  {service:<9} {cluster.spec.address(service)}  SERVING again", flush=True)
+    return True
 
 
 class RestartPolicy:
