@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from services.common.metrics import DecoderCollector, start_metrics_server
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
+    p.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
+                   help="health turns NOT_SERVING when requests are queued and no engine step completes for "
+                        "this long (seconds; must exceed the longest step; default %(default)s)")
     a = p.parse_args(argv)
     config = DecoderConfig(
         model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
@@ -58,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
         adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, lora_backend=a.lora_backend, dtype=a.dtype,
         adapter_host_cache_mb=a.adapter_host_cache_mb,
         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
-        metrics_port=a.metrics_port)
+        metrics_port=a.metrics_port, wedged_after_s=a.wedged_after_s)
     return a.address, config
 
 
@@ -73,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
-    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop))
+    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop,
+                      health=servicer.health))
 
 
 if __name__ == "__main__":

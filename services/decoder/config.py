@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.metrics import check_metrics_port
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.paths import default_decoder_dir
 from services.decoder.kernels import native
 from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
@@ -43,6 +44,8 @@ class DecoderConfig:
 TRITON_INTERPRET=1 on CPU, and a power-of-two block_size) or "cpu" (decode rows in a C kernel built
 at start with the C compiler, cpu_attention.py; float32 only; about 3x faster decode attention than
 the torch path on long contexts).
+`wedged_after_s`: seconds with requests queued and no engine step completed before health says
+NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
     """
 
     model_dir: str = str(default_decoder_dir())
@@ -63,9 +66,11 @@ the torch path on long contexts).
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     metrics_port: int = 0  # Prometheus /metrics (services/common/metrics.py); 0 = off
+    wedged_after_s: float = DEFAULT_WEDGED_AFTER_S
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
+        check_wedged_after_s(self.wedged_after_s)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
                      "adapter_slots", "max_lora_rank"):
             if getattr(self, name) < 1:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from services.common.metrics import PoolingCollector, start_metrics_server
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.paths import default_embedding_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most sequences queued per model before RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--max-request-chars", type=int, default=2_000_000,
                         help="most characters of text per request, checked before tokenizing (default %(default)s)")
+    parser.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
+                        help="health turns NOT_SERVING when sequences are queued and no forward completes for this "
+                             "long (seconds; must exceed the longest forward; default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
@@ -69,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
                              device=args.device, dynamic_batching=args.dynamic_batching,
                              max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
                              max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars,
-                             metrics_port=args.metrics_port)
+                             metrics_port=args.metrics_port, wedged_after_s=args.wedged_after_s)
     except ValueError as error:
         parser.error(str(error))
 
@@ -85,7 +89,7 @@ async def _main(config: PoolingConfig) -> None:
     async def start() -> None:
         await service.compute.run(service.load)  # weights touched first by the compute thread
 
-    await serve("pooling", config.address, register, start=start)
+    await serve("pooling", config.address, register, start=start, health=service.health)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.metrics import check_metrics_port
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.server import DEFAULT_PORTS
 from services.pooling.st_config import POOLING_MODES, read_st_config
 
@@ -169,6 +170,8 @@ class PoolingConfig:
             documents) together, checked before tokenizing (tokenizing is linear in it and runs
             before truncation: 10 MB of text took ~20 s of CPU). TEI's --payload-limit, 2 MB, in spirit.
         metrics_port: Prometheus /metrics port (services/common/metrics.py); 0 = off.
+        wedged_after_s: seconds with sequences queued and no forward completed before health says
+            NOT_SERVING (services/common/liveness.py); it must exceed the longest forward.
 
     Raises:
         ValueError: no models, duplicate model names, an address without a port, a limit below 1,
@@ -185,9 +188,11 @@ class PoolingConfig:
     max_queue_size: int = 4096
     max_request_chars: int = 2_000_000
     metrics_port: int = 0
+    wedged_after_s: float = DEFAULT_WEDGED_AFTER_S
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
+        check_wedged_after_s(self.wedged_after_s)
         if ":" not in self.address:
             raise ValueError(f"address must be host:port, got {self.address!r}")
         if not self.models:

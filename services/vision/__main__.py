@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.paths import default_decoder_dir
 from services.common.server import configure_logging, serve
 from services.vision.config import DEFAULT_ENCODER_CACHE_BYTES, DecoderGeometry, VisionConfig, parse_sections
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mrope-section", default=None,
                         help="demo: rotary pairs per (t,h,w) axis, e.g. 8,12,12 (default "
                              f"{','.join(map(str, VisionConfig.mrope_section))}); qwen2-vl: from the checkpoint")
+    parser.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
+                        help="health turns NOT_SERVING when images wait and no encode completes for this long "
+                             "(seconds; must exceed the longest encode; default %(default)s)")
     parser.add_argument("--background", default="white",
                         help="colour under transparent pixels: name, #RRGGBB or R,G,B (default %(default)s)")
     return parser
@@ -82,7 +86,8 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
                                 patch_size=args.patch_size, seed=args.seed)
     sections = parse_sections(args.mrope_section or ",".join(map(str, VisionConfig.mrope_section)))
     return VisionConfig(encoder=encoder, processor=processor, address=args.address, mrope_section=sections,
-                        decoder=decoder, encoder_cache_bytes=args.encoder_cache_bytes)
+                        decoder=decoder, encoder_cache_bytes=args.encoder_cache_bytes,
+                        wedged_after_s=args.wedged_after_s)
 
 
 def _qwen2_vl_config(args: argparse.Namespace, processor: ProcessorConfig) -> VisionConfig:
@@ -93,7 +98,8 @@ def _qwen2_vl_config(args: argparse.Namespace, processor: ProcessorConfig) -> Vi
     encoder = Qwen2VLEncoderConfig(model_dir=args.model_dir, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     decoder = DecoderGeometry.from_model_dir(args.decoder_model_dir or args.model_dir)
     config = VisionConfig.for_qwen2_vl(encoder, processor, address=args.address, decoder=decoder,
-                                       encoder_cache_bytes=args.encoder_cache_bytes)
+                                       encoder_cache_bytes=args.encoder_cache_bytes,
+                                       wedged_after_s=args.wedged_after_s)
     if args.mrope_section is not None and parse_sections(args.mrope_section) != config.mrope_section:
         raise ValueError(f"--mrope-section {args.mrope_section} differs from the checkpoint's {config.mrope_section}")
     return config
@@ -106,7 +112,7 @@ async def _main(config: VisionConfig) -> None:
         vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)
         return [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name]
 
-    await serve("vision", config.address, register, start=servicer.start)
+    await serve("vision", config.address, register, start=servicer.start, health=servicer.health)
 
 
 def main(argv: list[str] | None = None) -> None:
