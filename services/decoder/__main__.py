@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.limits import GenerateLimits, add_flags, from_flags
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
                    help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1); cpu: "
                         "decode rows in a C kernel built at start (needs a C compiler with OpenMP, float32)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
+    add_flags(p, GenerateLimits)
     a = p.parse_args(argv)
     config = DecoderConfig(
         model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
@@ -53,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
         mrope_section=a.mrope_section, image_token=a.image_token, adapters_address=a.adapters_address or None,
         adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, lora_backend=a.lora_backend, dtype=a.dtype,
         adapter_host_cache_mb=a.adapter_host_cache_mb,
-        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend)
+        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
+        limits=from_flags(GenerateLimits, a))
     return a.address, config
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.limits import PoolingLimits
 from services.common.paths import default_embedding_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
@@ -45,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most sequences queued per model before RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--max-request-chars", type=int, default=2_000_000,
                         help="most characters of text per request, checked before tokenizing (default %(default)s)")
+    parser.add_argument("--max-name-chars", type=int, default=PoolingLimits.max_name_chars,
+                        help="characters of a request's model, prompt_name and method (default %(default)s)")
+    parser.add_argument("--max-request-token-ids", type=int, default=PoolingLimits.max_request_token_ids,
+                        help="token ids over one Embed request's input_ids (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     return parser
 
@@ -65,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
         return PoolingConfig(models=models, address=args.address, max_batch_size=args.max_batch_size,
                              device=args.device, dynamic_batching=args.dynamic_batching,
                              max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-                             max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars)
+                             max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars,
+                             max_name_chars=args.max_name_chars, max_request_token_ids=args.max_request_token_ids)
     except ValueError as error:
         parser.error(str(error))
 
