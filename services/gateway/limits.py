@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from services.common.errors import InvalidArgument
 from services.common.limits import check_chars, check_embed, check_generate, check_rerank, check_tokenize
 from services.gateway.config import GatewayConfig
 
@@ -62,9 +63,15 @@ class GatewayLimits:
         check_embed(request, self.config.pooling_limits)
 
     async def embed_stream(self, requests: AsyncIterator) -> AsyncIterator:
-        """`requests`, each checked as it arrives; the first over a cap ends the stream with it."""
+        """`requests`, each checked as it arrives; the first over a cap ends the stream with it, once
+        the client has sent its last message (read and dropped: see services/common/streams.py)."""
         async for request in requests:
-            self.embed(request)
+            try:
+                self.embed(request)
+            except InvalidArgument:
+                async for _ in requests:
+                    pass
+                raise
             yield request
 
     def rerank(self, request) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.limits import PoolingLimits, check_embed, check_rerank, check_tokenize
+from services.common.streams import RequestPump
 from services.common.tensor import to_pb
 from services.pooling.domain import EmbedQuery, Embeddings, Ranking, ServiceInfo, Tokenization
 from services.pooling.service import PoolingService
@@ -33,16 +34,23 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
 
     async def EmbedStream(self, request_iterator, context):
         formats: list[int] = []  # encoding format per request, in order
+        pump = RequestPump(request_iterator)
 
         async def queries():
-            async for request in request_iterator:
+            async for request in pump:
                 formats.append(request.encoding_format)
                 yield embed_query_from_pb(request, self.limits)
 
         index = 0
-        async for result in self.service.embed_stream(queries()):
-            yield embeddings_to_pb(result, formats[index])
-            index += 1
+        try:
+            async for result in self.service.embed_stream(queries()):
+                yield embeddings_to_pb(result, formats[index])
+                index += 1
+        except Exception:
+            await pump.drain()  # the status after the client's last message (services/common/streams.py)
+            raise
+        finally:
+            pump.cancel()
 
     async def Rerank(self, request: pooling_pb2.RerankRequest, context) -> pooling_pb2.RerankResponse:
         check_rerank(request, self.limits)

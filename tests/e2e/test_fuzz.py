@@ -33,7 +33,6 @@ MAX_EXAMPLES = 50
 DECODER_HIDDEN = 576  # SmolLM2-135M, the cluster's decoder
 CALL_TIMEOUT_S = 5.0
 IDLE_WAIT_S = 10.0
-TALLY = {}
 FORBIDDEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
@@ -68,7 +67,10 @@ SCALARS = {
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
 OVERRIDES = {
     # generation that is accepted runs on CPU: a few tokens keep each example short
-    "tessera.v1.SamplingParams.max_tokens": st.one_of(st.integers(-2, 4), st.sampled_from([2**31 - 1, -(2**31), 5000])),
+    "tessera.v1.SamplingParams.max_tokens": st.one_of(st.integers(1, 4), st.sampled_from([0, -1, 2**31 - 1, -(2**31), 5000])),
+    # floats near their accepted ranges too, so that some generations run rather than all being refused
+    **{f"tessera.v1.SamplingParams.{name}": st.one_of(st.sampled_from([0.0, 0.5, 1.0]), FLOAT)
+       for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")},
     # names an earlier test may have loaded must not be unloaded or replaced under it
     "tessera.v1.LoadAdapterRequest.name": TEXT.map(lambda s: "fuzz" + s),
     "tessera.v1.UnloadAdapterRequest.name": TEXT.map(lambda s: "fuzz" + s),
@@ -190,13 +192,10 @@ def test_no_generated_message_is_an_internal_error(cluster, channels, service, m
     def check(request):
         try:
             _call(channels[service], method, request)
-            TALLY[(service, method.name, "OK")] = TALLY.get((service, method.name, "OK"), 0) + 1
         except grpc.RpcError as error:
-            TALLY[(service, method.name, error.code().name)] = TALLY.get((service, method.name, error.code().name), 0) + 1
             if error.code() in FORBIDDEN:
                 failures.append(f"{error.code().name}: {error.details()} for {request!r:.600}")
             assert error.code() not in FORBIDDEN, failures[-1]
 
     check()
-    print({k: v for k, v in TALLY.items() if k[:2] == (service, method.name)})
     _assert_idle(cluster, channels)

@@ -3,6 +3,7 @@ through the gateway and on each service's own port (no service trusts its caller
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
 
@@ -145,3 +146,32 @@ def test_each_port_refuses_past_its_caps(gateway, direct, port, method, request_
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert message in error.details()
     assert seconds < BOUND_S
+
+
+@pytest.mark.parametrize("port, bad", [
+    ("pooling", pooling_pb2.EmbedRequest(input_ids=[pooling_pb2.TokenIds()])),  # refused by pooling
+    ("gateway", pooling_pb2.EmbedRequest(input_ids=[pooling_pb2.TokenIds()])),  # by pooling, through the gateway
+    ("gateway", pooling_pb2.EmbedRequest(inputs=["x"] * 65)),  # refused by the gateway's caps
+], ids=["pooling-refuses", "pooling-refuses-behind-gateway", "gateway-refuses"])
+def test_a_refused_stream_message_keeps_its_status_for_asyncio_clients(cluster, port, bad):
+    """A refusal while the client is still writing: grpc's asyncio client (which the gateway is,
+    towards pooling) would read INTERNAL "Internal error from Core" unless the server first reads
+    the rest of the client's stream (services/common/streams.py)."""
+    service = "Gateway" if port == "gateway" else "Pooling"
+
+    async def run() -> list[grpc.StatusCode]:
+        codes = []
+        async with grpc.aio.insecure_channel(cluster.spec.address(port), options=CHANNEL_OPTIONS) as channel:
+            call = channel.stream_stream(f"/tessera.v1.{service}/EmbedStream",
+                                         request_serializer=pooling_pb2.EmbedRequest.SerializeToString,
+                                         response_deserializer=pooling_pb2.EmbedResponse.FromString)
+            for _ in range(10):
+                try:
+                    async for _ in call(iter([bad] + [pooling_pb2.EmbedRequest(inputs=["x"])] * 30), timeout=60):
+                        pass
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as error:
+                    codes.append(error.code())
+        return codes
+
+    assert asyncio.run(run()) == [grpc.StatusCode.INVALID_ARGUMENT] * 10
