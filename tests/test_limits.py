@@ -72,6 +72,7 @@ GENERATE = [
      "sampling.stop_token_ids has 4 ids; the limit is 3 (--max-stop-token-ids)"),
     ("n", gen(n=4), gen(n=5), "sampling.n is 5; the limit is 4 (--max-n)"),
     ("top-logprobs", gen(top_logprobs=5), gen(top_logprobs=6), "sampling.top_logprobs is 6; the limit is 5 (--max-logprobs)"),
+    ("max-tokens-0", gen(max_tokens=1), gen(max_tokens=0), "sampling.max_tokens must be >= 1, got 0"),
     ("max-tokens", gen(max_tokens=CONTEXT - 1), gen(max_tokens=CONTEXT),
      f"sampling.max_tokens is {CONTEXT}; the model's context is {CONTEXT} tokens"),
     ("prompt-token-ids", gen(prompt=(), prompt_token_ids=[1] * 96), gen(prompt=(), prompt_token_ids=[1] * 97),

@@ -144,6 +144,8 @@ def _check_sampling(sampling, limits: GenerateLimits, max_model_len: int | None)
     if sampling.top_logprobs > limits.max_logprobs:
         raise InvalidArgument(f"sampling.top_logprobs is {sampling.top_logprobs}; the limit is "
                               f"{limits.max_logprobs} ({flag('max_logprobs')})")
+    if sampling.max_tokens < 1:  # before any image is encoded for a request that cannot run
+        raise InvalidArgument(f"sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
     if max_model_len is not None and sampling.max_tokens >= max_model_len:
         raise InvalidArgument(f"sampling.max_tokens is {sampling.max_tokens}; the model's context is {max_model_len} "
                               "tokens, and the prompt needs at least one")
