@@ -176,9 +176,10 @@ def check_image_tokens(images: list[InspectedImage], max_image_tokens: int) -> N
     """Raises InvalidArgument when the images expand past `max_image_tokens` (0 = no budget)."""
     total = sum(image.num_tokens for image in images)
     if max_image_tokens and total > max_image_tokens:
-        shown = ", ".join(f"{'x'.join(map(str, image.grid_thw))}" for image in images[:8])
-        raise InvalidArgument(f"{len(images)} images expand to {total} tokens (grids {shown}{', ...' if len(images) > 8 else ''}); "
-                              f"the budget is {max_image_tokens} (max_image_tokens: the decoder's context less max_tokens)")
+        shown = ", ".join("x".join(map(str, image.grid_thw)) for image in images[:8])
+        more = ", ..." if len(images) > 8 else ""
+        raise InvalidArgument(f"{len(images)} images expand to {total} tokens (grids {shown}{more}); the budget is "
+                              f"{max_image_tokens} (max_image_tokens: the decoder's context less max_tokens)")
 
 
 def _indexed(index: int, count: int, step, item):
