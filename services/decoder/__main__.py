@@ -8,6 +8,7 @@ from pathlib import Path
 
 from services.common.metrics import DecoderCollector, start_metrics_server
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S
+from services.common.limits import GenerateLimits, add_flags, from_flags
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
     p.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
                    help="health turns NOT_SERVING when requests are queued and no engine step completes for "
                         "this long (seconds; must exceed the longest step; default %(default)s)")
+    add_flags(p, GenerateLimits)
     a = p.parse_args(argv)
     config = DecoderConfig(
         model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
@@ -62,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
         adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, lora_backend=a.lora_backend, dtype=a.dtype,
         adapter_host_cache_mb=a.adapter_host_cache_mb,
         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
-        metrics_port=a.metrics_port, wedged_after_s=a.wedged_after_s)
+        metrics_port=a.metrics_port, wedged_after_s=a.wedged_after_s,
+        limits=from_flags(GenerateLimits, a))
     return a.address, config
 
 

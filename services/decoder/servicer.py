@@ -43,7 +43,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
     async def Generate(self, request, context):
         # Leaving this generator (cancel, deadline, disconnect) closes the engine stream, which aborts it.
-        async for output in self._engine().generate(generate_from_pb(request)):
+        async for output in self._engine().generate(
+                generate_from_pb(request, self.config.limits, self.config.max_model_len)):
             yield output_to_pb(output)
 
     async def GetInfo(self, request, context):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.limits import GenerateLimits, PoolingLimits, add_flags, from_flags
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
 from services.gateway.servicer import GatewayServicer
@@ -19,10 +20,14 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--pooling", default=d.pooling, help="pooling host:port")
     parser.add_argument("--adapters", default=d.adapters, help="adapter registry host:port")
     parser.add_argument("--vision", default=d.vision, help="vision host:port; empty string = no vision (images refused)")
-    parser.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
+    parser.add_argument("--max-path-chars", type=int, default=d.max_path_chars,
+                        help="characters of LoadAdapter's path (default %(default)s)")
+    add_flags(parser, GenerateLimits)
+    add_flags(parser, PoolingLimits)
     args = parser.parse_args(argv)
     return GatewayConfig(address=args.address, decoder=args.decoder, pooling=args.pooling, adapters=args.adapters,
-                         vision=args.vision, max_images_per_request=args.max_images_per_request)
+                         vision=args.vision, limits=from_flags(GenerateLimits, args),
+                         pooling_limits=from_flags(PoolingLimits, args), max_path_chars=args.max_path_chars)
 
 
 async def _main(config: GatewayConfig) -> None:

@@ -7,6 +7,7 @@ import asyncio
 
 from services.common.metrics import PoolingCollector, start_metrics_server
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S
+from services.common.limits import PoolingLimits
 from services.common.paths import default_embedding_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
                         help="health turns NOT_SERVING when sequences are queued and no forward completes for this "
                              "long (seconds; must exceed the longest forward; default %(default)s)")
+    parser.add_argument("--max-name-chars", type=int, default=PoolingLimits.max_name_chars,
+                        help="characters of a request's model, prompt_name and method (default %(default)s)")
+    parser.add_argument("--max-request-token-ids", type=int, default=PoolingLimits.max_request_token_ids,
+                        help="token ids over one Embed request's input_ids (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
@@ -73,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
                              device=args.device, dynamic_batching=args.dynamic_batching,
                              max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
                              max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars,
-                             metrics_port=args.metrics_port, wedged_after_s=args.wedged_after_s)
+                             metrics_port=args.metrics_port, wedged_after_s=args.wedged_after_s,
+                             max_name_chars=args.max_name_chars, max_request_token_ids=args.max_request_token_ids)
     except ValueError as error:
         parser.error(str(error))
 

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-image-pixels", type=int, default=p.max_image_pixels,
                         help="width*height per image, checked from the header (default %(default)s)")
     parser.add_argument("--max-images", type=int, default=p.max_images, help="images per request (default %(default)s)")
+    parser.add_argument("--max-request-pixels", type=int, default=p.max_request_pixels,
+                        help="width*height over a request's images to decode, from the headers (default %(default)s)")
     parser.add_argument("--mrope-section", default=None,
                         help="demo: rotary pairs per (t,h,w) axis, e.g. 8,12,12 (default "
                              f"{','.join(map(str, VisionConfig.mrope_section))}); qwen2-vl: from the checkpoint")
@@ -74,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
     """Raises ValueError for any inconsistent flag (e.g. output width != decoder hidden size)."""
     processor = ProcessorConfig(image_size=args.image_size, max_image_bytes=args.max_image_bytes,
                                 max_image_pixels=args.max_image_pixels, max_images=args.max_images,
+                                max_request_pixels=args.max_request_pixels,
                                 background=parse_color(args.background))
     if args.encoder == "qwen2-vl":
         return _qwen2_vl_config(args, processor)

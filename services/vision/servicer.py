@@ -17,7 +17,7 @@ import asyncio
 import logging
 
 from services.common.compute import shared_compute_thread
-from services.common.errors import Unavailable
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.liveness import Liveness
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
@@ -67,7 +67,10 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         engine = self.engine
         engine.processor.check_count(len(request.images))  # before touching any image
         sources = [image_source_from_pb(image) for image in request.images]
-        prepared = await asyncio.to_thread(engine.process, sources)  # encoder-cache hits skip decoding
+        if request.max_image_tokens < 0:
+            raise InvalidArgument(f"max_image_tokens must be >= 0 (0 = no budget), got {request.max_image_tokens}")
+        # headers and budgets before any decoding; encoder-cache hits skip decoding
+        prepared = await asyncio.to_thread(engine.process, sources, request.max_image_tokens)
         encoded = await self._encode(engine, prepared)
         return vision_pb2.EncodeImagesResponse(images=[encoded_image_to_pb(image) for image in encoded])
 
