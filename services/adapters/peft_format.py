@@ -100,7 +100,7 @@ def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
     pairs = _pair_tensors(tensors)
     for module in sorted(pairs):
         if not settings.targets.matches(module):
-            raise InvalidArgument(f"{module}: the weights adapt a module that adapter_config.json's target_modules "
+            raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
                                   "does not name")
     targets = {module: _build_target(module, a, b, settings, max_rank, base) for module, (a, b) in pairs.items()}
     return LoraAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,

@@ -5,9 +5,9 @@
     parent      = hash(block i-1), or 32 zero bytes for block 0
     token ids   = the block's `block_size` ids as little-endian int64, after a length prefix
     extra keys  = strings, each length-prefixed (little-endian int64 byte count, then UTF-8):
-                  "lora:<weight digest>"                 every block, when the request has an adapter
+                  "lora:<weight digest>"                     every block, when the request has an adapter
                   "image:<hash>:<rows>:<start>:<end>:<pos>"  every image overlapping the block
-                  "mrope:<t>,<h>,<w>:<rope delta>"       every block from the first image's block on
+                  "mrope:<t>,<h>,<w>:<rope delta>"           every block from the first image's block on
 
 Because each hash includes its parent, salting a block salts every later one: two prompts share
 KV only up to the first block where token ids, adapter weights or image contents/positions
