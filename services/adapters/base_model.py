@@ -1,10 +1,15 @@
-"""Linear-module shapes of a Llama-family base model, read from its config.json."""
+"""Linear-module shapes of a Llama-family base model, read from its config.json, and the scale
+(largest |weight|) of each linear, read from its safetensors when the directory holds them."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -26,6 +31,39 @@ class BaseModelShapes:
     """
 
     modules: dict[str, LinearShape]
+    weight_files: tuple[Path, ...] = ()
+    _scales: dict[str, float | None] = field(default_factory=dict, compare=False, repr=False)
+    _key_to_file: dict[str, Path] = field(default_factory=dict, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def weight_scale(self, module: str) -> float | None:
+        """max |W| (float) of `module`'s base weight, read once and cached; None when the model
+        directory holds no safetensors or none of them names this module's weight.
+
+        VL checkpoints name text weights `model.language_model.layers...` in newer layouts; both
+        spellings are looked up.
+        """
+        with self._lock:
+            if module not in self._scales:
+                self._scales[module] = self._read_scale(module)
+            return self._scales[module]
+
+    def _read_scale(self, module: str) -> float | None:
+        if not self._key_to_file:
+            for path in self.weight_files:
+                try:
+                    with safe_open(str(path), "pt") as reader:
+                        self._key_to_file.update((key, path) for key in reader.keys())
+                except (SafetensorError, OSError):
+                    continue
+        suffix = module.removeprefix("model.")
+        for key in (f"{module}.weight", f"model.language_model.{suffix}.weight"):
+            path = self._key_to_file.get(key)
+            if path is not None:
+                with safe_open(str(path), "pt") as reader:
+                    weight = reader.get_tensor(key)
+                return float(weight.to(torch.float32).abs().max()) if weight.numel() else None
+        return None
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> BaseModelShapes:
@@ -52,4 +90,4 @@ class BaseModelShapes:
         }
         modules = {f"model.layers.{i}.{suffix}": shape
                    for i in range(num_layers) for suffix, shape in per_layer.items()}
-        return cls(modules)
+        return cls(modules, tuple(sorted(Path(model_dir).glob("*.safetensors"))))

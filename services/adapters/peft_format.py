@@ -4,6 +4,20 @@ Everything is validated before anything is accepted: unsupported PEFT features a
 a message naming the config field, so an adapter is never served with silently different math.
 Scales follow PEFT's `LoraLayer.update_layer` (alpha/r, or alpha/sqrt(r) with use_rslora), and
 per-module rank/alpha follow `rank_pattern`/`alpha_pattern` matched as PEFT's `get_pattern_key`.
+
+Config and weights must agree: every weight pair belongs to a module that `target_modules` names
+(targets.py), and with a base model every target entry matches one of its linears and every pair
+fits its layer and the configured rank. The first mismatch is refused, named.
+
+Effective-delta bound. Per target, with A [r, in] and scaled B' [out, r] (scale folded in):
+
+    bound = max_i sum_k |B'[i, k]| * max_j |A[k, j]|      (float64; >= max |B' A|, equal for r = 1)
+
+must be finite and at most DELTA_SCALE_FACTOR (1e3) x the base layer's max |W| (when the registry
+has the base weights; else x 1.0, the order of a trained LLM linear's largest weight). Trained
+adapters sit orders of magnitude below: their deltas are small next to the weights they adjust.
+A delta past it swamps the layer, and its products with activations leave float16's range
+(65504) and soon float32's, so the decoder would serve garbage or non-finite logits.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from safetensors.torch import load_file
 from services.adapters.base_model import BaseModelShapes
 from services.adapters.lora import LoraAdapter, LoraTarget
 from services.adapters.paths import file_in_root
+from services.adapters.targets import TargetModules
 from services.common.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
@@ -28,6 +43,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 _EMBEDDING_NAMES = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out"}
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+DELTA_SCALE_FACTOR = 1e3
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,7 @@ class LoraSettings:
     r: int
     lora_alpha: float
     use_rslora: bool
+    targets: TargetModules
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
 
@@ -71,12 +88,20 @@ def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
 
     Raises:
         InvalidArgument: a missing/unreadable file, an unsupported PEFT feature (the message names
-            the field), rank > max_rank, non-finite weights, unpaired or extra tensors, inconsistent
-            shapes, or (with `base`) targets that are not base-model linears or do not fit them.
+            the field), rank > max_rank, non-finite weights, unpaired or extra tensors, a pair for a
+            module target_modules does not name, inconsistent shapes, an effective delta past the
+            bound (module docstring), or (with `base`) a target entry matching no base-model
+            linear, or a pair that is not a base-model linear or does not fit it.
     """
     settings = read_lora_settings(file_in_root(root, directory, CONFIG_FILE))
+    if base is not None:
+        settings.targets.check_against(base.modules)
     tensors = _load_tensors(file_in_root(root, directory, WEIGHTS_FILE))
     pairs = _pair_tensors(tensors)
+    for module in sorted(pairs):
+        if not settings.targets.matches(module):
+            raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
+                                  "does not name")
     targets = {module: _build_target(module, a, b, settings, max_rank, base) for module, (a, b) in pairs.items()}
     return LoraAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
                        use_rslora=settings.use_rslora, targets=targets)
@@ -91,6 +116,8 @@ def read_lora_settings(config_path: Path) -> LoraSettings:
     if not isinstance(config, dict):
         raise InvalidArgument(f"{config_path.name} must hold a JSON object")
     _refuse_unsupported(config)
+    targets = TargetModules.from_config(config)
+    _refuse_embedding_targets(targets)
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not _is_positive_int(r):
         raise InvalidArgument(f"adapter_config.json: r={_clip(r)} must be a positive integer")
@@ -98,7 +125,7 @@ def read_lora_settings(config_path: Path) -> LoraSettings:
         raise InvalidArgument(f"adapter_config.json: lora_alpha={_clip(alpha)} must be a finite number")
     rank_pattern = _pattern(config, "rank_pattern", _is_positive_int, "a positive integer rank")
     alpha_pattern = _pattern(config, "alpha_pattern", _is_finite_number, "a finite number")
-    return LoraSettings(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora")),
+    return LoraSettings(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora")), targets=targets,
                         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
 
 
@@ -150,12 +177,10 @@ def _refuse_unsupported(config: dict) -> None:
     if config.get("bias", "none") != "none":
         raise InvalidArgument(f"adapter_config.json: bias={_clip(config['bias'])} is not supported; only 'none' "
                               "(trained biases would change the base layers)")
-    targets = config.get("target_modules") or []
-    names = [targets] if isinstance(targets, str) else targets
-    if not isinstance(names, list) or not all(isinstance(t, str) for t in names):
-        raise InvalidArgument(f"adapter_config.json: target_modules={_clip(targets)} must be a string or a list "
-                              "of strings")
-    embedded = sorted(t for t in names if t.rsplit(".", 1)[-1] in _EMBEDDING_NAMES)
+
+
+def _refuse_embedding_targets(targets: TargetModules) -> None:
+    embedded = sorted(t for t in targets.targets.names if t.rsplit(".", 1)[-1] in _EMBEDDING_NAMES)
     if embedded:
         raise InvalidArgument(f"adapter_config.json: target_modules includes {embedded}; embedding and lm_head "
                               "targets are not supported")
@@ -218,8 +243,23 @@ def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoraS
             raise InvalidArgument(f"{module}: LoRA maps {in_features} -> {out_features} features but the base "
                                   f"model's layer is {shape.in_features} -> {shape.out_features}")
     alpha = settings.alpha_for(module)
+    scaled_b = b.to(torch.float64) * settings.scale(rank, alpha)  # [out, r]
     lora_a = a.to(torch.float32).contiguous()  # [r, in]
-    lora_b = (b.to(torch.float64) * settings.scale(rank, alpha)).to(torch.float32).contiguous()  # [out, r]
+    lora_b = scaled_b.to(torch.float32).contiguous()  # [out, r]
     if not (torch.isfinite(a).all() and torch.isfinite(b).all() and torch.isfinite(lora_b).all()):
         raise InvalidArgument(f"{module}: LoRA weights contain non-finite values")
+    _check_delta_bound(module, a, scaled_b, None if base is None else base.weight_scale(module))
     return LoraTarget(lora_a=lora_a, lora_b=lora_b, alpha=alpha)
+
+
+def _check_delta_bound(module: str, a: torch.Tensor, scaled_b: torch.Tensor, base_scale: float | None) -> None:
+    """Refuse a delta past the bound of the module docstring (O(out*r + r*in), no [out, in] product)."""
+    row_max_a = a.to(torch.float64).abs().amax(dim=1)  # [r]
+    bound = float((scaled_b.abs() @ row_max_a).max())  # >= max |B' A|
+    scale = 1.0 if base_scale is None else base_scale
+    limit = DELTA_SCALE_FACTOR * scale
+    if not math.isfinite(bound) or bound > limit:
+        of = "the base layer's max |W|" if base_scale is not None else "an assumed base max |W|"
+        raise InvalidArgument(f"{module}: the effective LoRA delta (scale * B @ A) reaches up to {bound:.3g}; the "
+                              f"limit is {limit:.3g} ({DELTA_SCALE_FACTOR:g} x {of} {scale:.3g}), past which it "
+                              "overflows the decoder's compute range")

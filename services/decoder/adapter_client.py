@@ -24,6 +24,7 @@ import os
 import uuid
 
 import grpc
+import torch
 
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.names import check_adapter_name
@@ -33,6 +34,7 @@ from services.decoder.lora import AdapterBank, HostAdapterCache, LoRAWeights
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 log = logging.getLogger(__name__)
+_FLOAT32 = frozenset({"float32"})
 
 
 class AdapterClient:
@@ -120,7 +122,8 @@ class AdapterClient:
     async def _fetch(self, name: str) -> LoRAWeights:
         reply = await self._get(name, include_weights=True)
         self.num_weight_fetches += 1
-        modules = {t.module: (from_pb(t.lora_a), from_pb(t.lora_b)) for t in reply.tensors}
+        modules = {t.module: (_factor(name, t.module, "lora_a", t.lora_a), _factor(name, t.module, "lora_b", t.lora_b))
+                   for t in reply.tensors}
         weights = LoRAWeights(reply.info.digest, modules)
         self._name_to_digest[name] = weights.digest
         self.host_cache.put(weights)
@@ -211,3 +214,9 @@ class AdapterClient:
             self._reporter.cancel()
         if self._channel is not None:
             await self._channel.close()
+
+
+def _factor(name: str, module: str, part: str, message) -> torch.Tensor:
+    """A LoRA factor as it arrives from the registry: float32, 2-D and finite (the bank checks the
+    shapes against the model). Raises InvalidArgument naming the adapter, module and factor."""
+    return from_pb(message, f"adapter {name!r} {module[:200]}.{part}", _FLOAT32, (None, None), finite=True)

@@ -116,7 +116,8 @@ class LLMEngine:
         vision = VisionTokens.from_config(self.model_config) if is_qwen2_vl(self.model_config) else None
         self.prompts = PromptBuilder(self.tokenizer, spec.vocab_size, spec.hidden_size,
                                      config.mrope_section, self.image_token_id,
-                                     vision.start if vision else None, vision.end if vision else None)
+                                     vision.start if vision else None, vision.end if vision else None,
+                                     compute_dtype=self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.bank,
                                   config.mrope_section is not None, config.attention_backend)
 

@@ -135,7 +135,8 @@ class ImageSpan:
 
     start: int
     rows: torch.Tensor  # [num_rows, hidden] float32
-    content_hash: str = ""
+    content_hash: str = ""  # the vision service's hash of the image bytes and recipe (a claim)
+    rows_digest: str = ""  # sha256 of the rows and grid this decoder received (prefix_cache.rows_digest)
 
     @property
     def end(self) -> int:

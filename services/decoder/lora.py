@@ -145,7 +145,8 @@ class AdapterBank:
         """Make `weights` resident (not leased); returns its slot, or None if every slot is leased.
 
         Raises:
-            InvalidArgument: unknown module name, shape mismatch, or rank above max_rank.
+            InvalidArgument: unknown module name, factors that are not 2-D float tensors, shape
+                mismatch, rank above max_rank, or values not finite in the bank's dtype.
         """
         self._validate(weights)
         with self.lock:
@@ -179,7 +180,10 @@ class AdapterBank:
     def _validate(self, weights: LoRAWeights) -> None:
         for name, (a, b) in weights.modules.items():
             if name not in self.module_shapes:
-                raise InvalidArgument(f"adapter targets unknown module {name!r}")
+                raise InvalidArgument(f"adapter targets unknown module {name[:200]!r}")
+            if a.dim() != 2 or b.dim() != 2 or not (a.is_floating_point() and b.is_floating_point()):
+                raise InvalidArgument(f"adapter factors at {name} must be 2-D float tensors, got {a.dtype} "
+                                      f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
             in_f, out_f = self.module_shapes[name]
             rank = a.shape[0]
             if rank > self.max_rank:
@@ -187,6 +191,9 @@ class AdapterBank:
             if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
                 raise InvalidArgument(f"adapter factors at {name} have shapes {tuple(a.shape)}, {tuple(b.shape)}; "
                                       f"expected ({rank}, {in_f}) and ({out_f}, {rank})")
+            if not (torch.isfinite(a.to(self.dtype)).all() and torch.isfinite(b.to(self.dtype)).all()):
+                raise InvalidArgument(f"adapter factors at {name} hold values that are not finite in {self.dtype} "
+                                      "(NaN, inf, or past its range)")
 
     def _buffers(self, name: str) -> None:
         if name not in self._a:

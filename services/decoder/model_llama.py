@@ -161,7 +161,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward: flat batch -> final hidden states; compute_logits: selected rows -> logits."""
+    """forward: flat batch -> last layer's residual stream; compute_logits: selected rows -> final
+    norm -> logits."""
 
     attention_cls: type[LlamaAttention] = LlamaAttention
 
@@ -193,7 +194,8 @@ class LlamaForCausalLM(nn.Module):
             embed_rows / embed_values: optional int64 [n] flat rows whose embedding lookup is
                 replaced by `embed_values` [n, hidden] (projected image rows).
         Returns:
-            final-norm hidden states [num_tokens, hidden].
+            the residual stream after the last layer [num_tokens, hidden]; `compute_logits` applies
+            the final norm, to the rows it projects only.
         """
         x = self.embed(input_ids)  # [num_tokens, hidden]
         if embed_rows is not None and embed_rows.numel():
@@ -201,11 +203,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [num_tokens, head_dim]
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, meta)
-        return self.model.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> float32 logits [rows, vocab]."""
-        return linear(hidden, self.lm_head.weight).float()
+        """Residual rows [rows, hidden] (from `forward`) -> final norm -> float32 logits [rows, vocab]."""
+        return linear(self.model.norm(hidden), self.lm_head.weight).float()
 
 
 def load_checkpoint(model_cls: type[LlamaForCausalLM], model_dir: str | Path, dtype: torch.dtype,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import FailedPrecondition, TesseraError
+from services.common.errors import FailedPrecondition, InvalidArgument, TesseraError
 from services.decoder.attention import (AttentionMetadata, TritonMetadata, decode_group_cap, plan_decode,
                                         prefill_span)
 from services.decoder.block_manager import BlockManager, padded_block_tables
@@ -115,7 +115,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, inputs: ModelInputs) -> torch.Tensor:
-        """Float32 logits [num_sampled, vocab] for the sampled requests' last rows."""
+        """Float32 logits [num_sampled, vocab] for the sampled requests' last rows.
+
+        A row whose hidden state left float32's range reads as NaN: RMSNorm's statistic
+        mean(x^2) overflows to inf for finite |x| past ~1e19 and then scales the row to zeros,
+        which would give flat, finite logits (garbage tokens served as if fine).
+        """
         if self.bank is None:
             hidden = self._forward(inputs)
         else:
@@ -125,7 +130,10 @@ class ModelRunner:
                     hidden = self._forward(inputs)
                 finally:
                     self.bank.set_token_slots(None)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        residual = hidden[inputs.sample_rows]  # [num_sampled, hidden], before the final norm
+        logits = self.model.compute_logits(residual)  # [num_sampled, vocab]
+        overflow = ~torch.isfinite(residual.float().pow(2).mean(-1))  # [num_sampled], as RMSNorm computes it
+        return logits.masked_fill_(overflow[:, None], float("nan"))
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.cache, inputs.meta,
@@ -135,9 +143,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, Sample | TesseraError]:
         """Run the step; returns {request key: sample} for requests that sampled.
 
-        A request whose logits are not all finite (NaN/inf: an adapter with absurd weights, an
-        overflow) gets an error instead of a sample: no token is drawn from meaningless scores, and
-        its NaNs never reach the sampling of its neighbours (multinomial would fail the whole step).
+        A request whose hidden state or logits are not all finite (NaN/inf, or past float32's
+        range: an adapter with absurd weights, image rows of absurd magnitude) gets an error instead
+        of a sample: no token is drawn from meaningless scores, and its NaNs never reach the sampling
+        of its neighbours (multinomial would fail the whole step).
         """
         inputs = self.prepare(out)
         if not inputs.sampled:
@@ -156,10 +165,13 @@ class ModelRunner:
 
 
 def _non_finite(request: Request) -> TesseraError:
-    """The error for a request whose logits hold NaN or inf (FAILED_PRECONDITION when its adapter
-    is the likely cause, else INTERNAL)."""
+    """The error for a request whose hidden state or logits are not finite: FAILED_PRECONDITION
+    when its adapter is the likely cause, INVALID_ARGUMENT when its image rows are, else INTERNAL."""
+    what = "the hidden states or logits of this request are not finite (NaN, inf, or past float32's range)"
     if request.lora_slot is not None:
         adapter = request.lora_name or f"slot {request.lora_slot}"
-        return FailedPrecondition(f"the logits of this request are not finite (NaN or inf) under adapter "
-                                  f"{adapter!r}; its weights overflow the model, so no token can be drawn")
-    return TesseraError("the model's logits for this request are not finite (NaN or inf)")
+        return FailedPrecondition(f"{what} under adapter {adapter!r}; its weights overflow the model, so no token "
+                                  "can be drawn")
+    if request.prompt.image_spans:
+        return InvalidArgument(f"{what}; its image rows drive the model out of range, so no token can be drawn")
+    return TesseraError(what)

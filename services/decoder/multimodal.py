@@ -18,6 +18,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, ImageSpan, Part,
                                      PromptInputs, RawImagePart, TextPart)
+from services.decoder.prefix_cache import rows_digest
 
 ROLES = ("system", "user", "assistant")
 SENTINEL = "\u2063tessera-image\u2063"
@@ -28,8 +29,10 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, vocab_size: int, hidden_size: int,
                  mrope_section: tuple[int, int, int] | None, image_token_id: int | None,
-                 vision_start_id: int | None = None, vision_end_id: int | None = None) -> None:
+                 vision_start_id: int | None = None, vision_end_id: int | None = None,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
         self.tokenizer = tokenizer
+        self.compute_dtype = compute_dtype  # image rows must be finite in it
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.mrope_section = mrope_section
@@ -128,6 +131,11 @@ class PromptBuilder:
             raise InvalidArgument(f"image rows have shape {tuple(rows.shape)}; the decoder's hidden size is {self.hidden_size}")
         if rows.shape[0] != grid[0] * grid[1] * grid[2]:
             raise InvalidArgument(f"image has {rows.shape[0]} rows but grid {grid} needs {grid[0] * grid[1] * grid[2]}")
+        peak = float(rows.abs().max()) if rows.numel() else 0.0
+        limit = torch.finfo(self.compute_dtype).max
+        if not peak <= limit:  # NaN compares false
+            raise InvalidArgument(f"image rows hold a value of magnitude {peak:g}; they must be finite in the decoder's "
+                                  f"{str(self.compute_dtype).removeprefix('torch.')} (|x| <= {limit:.4g})")
         if tuple(part.mrope_section) != tuple(self.mrope_section):
             raise InvalidArgument(f"image mrope_section {tuple(part.mrope_section)} differs from the "
                                   f"decoder's {tuple(self.mrope_section)}")
@@ -146,7 +154,8 @@ class PromptBuilder:
                     ids.append(self.vision_start_id)
                     axes.append(torch.full((3, 1), cursor))
                     cursor += 1
-                spans.append(ImageSpan(len(ids), image.rows.float().clone(), image.content_hash))
+                rows = image.rows.float().clone()  # [t*h*w, hidden]
+                spans.append(ImageSpan(len(ids), rows, image.content_hash, rows_digest(rows, (t, h, w))))
                 ids.extend([self.image_token_id] * (t * h * w))
                 axes.append(cursor + image_coordinates(t, h, w))
                 cursor += max(t, h, w)

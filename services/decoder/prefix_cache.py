@@ -5,16 +5,18 @@
     parent      = hash(block i-1), or 32 zero bytes for block 0
     token ids   = the block's `block_size` ids as little-endian int64, after a length prefix
     extra keys  = strings, each length-prefixed (little-endian int64 byte count, then UTF-8):
-                  "lora:<weight digest>"                 every block, when the request has an adapter
-                  "image:<content>:<start>:<end>:<pos>"  every image overlapping the block
-                  "mrope:<t>,<h>,<w>:<rope delta>"       every block from the first image's block on
+                  "lora:<weight digest>"                     every block, when the request has an adapter
+                  "image:<hash>:<rows>:<start>:<end>:<pos>"  every image overlapping the block
+                  "mrope:<t>,<h>,<w>:<rope delta>"           every block from the first image's block on
 
 Because each hash includes its parent, salting a block salts every later one: two prompts share
 KV only up to the first block where token ids, adapter weights or image contents/positions
 differ. The adapter key is its weight digest (never a slot number or name). An image key holds
-its content hash (or, when the vision service sent none, a digest of the rows themselves), its
-physical span and a digest of its M-RoPE positions; the sections and the rope delta (which moves
-every later decode position) salt every block from the first one an image touches.
+the vision service's content hash, a digest of the rows and grid this decoder actually received
+(`rows_digest`: the hash is only a caller's claim, so rows forged under a real image's hash never
+share KV with that image), its physical span and a digest of its M-RoPE positions; the sections
+and the rope delta (which moves every later decode position) salt every block from the first one
+an image touches.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ def _tensor_digest(x: torch.Tensor) -> str:
     return hashlib.sha256(x.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
+def rows_digest(rows: torch.Tensor, grid_thw: Sequence[int]) -> str:
+    """sha256 hex of an image's rows (float32 [t*h*w, hidden], native C-order bytes) and its grid
+    (little-endian int64 t, h, w): what the decoder computes the image's KV from. O(rows), once per
+    image per request (the prompt builder's thread)."""
+    h = hashlib.sha256(struct.pack(f"<{len(grid_thw)}q", *grid_thw))
+    h.update(rows.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class ImageKey:
     """Salt for the blocks overlapping physical prompt positions [start, end)."""
@@ -57,12 +68,13 @@ class ImageKey:
 
 
 def image_keys(prompt: PromptInputs) -> list[ImageKey]:
-    """One key per image span: content hash (or rows digest), span and M-RoPE positions digest."""
+    """One key per image span: content hash, received rows digest, span and M-RoPE positions digest."""
     keys = []
     for span in prompt.image_spans:
-        content = span.content_hash or "rows-" + _tensor_digest(span.rows)
+        received = span.rows_digest or rows_digest(span.rows, ())
         positions = "" if prompt.mrope_positions is None else _tensor_digest(prompt.mrope_positions[:, span.start:span.end])
-        keys.append(ImageKey(span.start, span.end, f"image:{content}:{span.start}:{span.end}:{positions}"))
+        keys.append(ImageKey(span.start, span.end,
+                             f"image:{span.content_hash}:{received}:{span.start}:{span.end}:{positions}"))
     return keys
 
 

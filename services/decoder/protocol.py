@@ -5,20 +5,25 @@ from __future__ import annotations
 
 from services.common.errors import InvalidArgument
 from services.common.limits import GenerateLimits, check_generate
-from services.common.tensor import from_pb
+from services.common.tensor import FLOAT_DTYPES, from_pb
 from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, Part, RawImagePart,
                                      SamplingParams, TextPart)
 from services.decoder.request import RequestOutput
 from tessera.v1 import decoder_pb2, tensor_pb2
 
 
-def part_from_pb(part: decoder_pb2.ContentPart) -> Part:
+def part_from_pb(part: decoder_pb2.ContentPart, where: str = "part") -> Part:
+    """One content part; `where` names it in errors (e.g. "messages[0].content[1]").
+
+    Raises InvalidArgument for an empty part, or image rows that are not a finite 2-D float tensor.
+    """
     kind = part.WhichOneof("part")
     if kind == "text":
         return TextPart(part.text)
     if kind == "encoded_image":
         image = part.encoded_image
-        return ImagePart(from_pb(image.rows), tuple(image.grid_thw), tuple(image.mrope_section), image.content_hash)
+        rows = from_pb(image.rows, f"{where}.encoded_image.rows", FLOAT_DTYPES, (None, None), finite=True)
+        return ImagePart(rows, tuple(image.grid_thw), tuple(image.mrope_section), image.content_hash)
     if kind is None:
         raise InvalidArgument("a content part has neither text nor an image")
     return RawImagePart()
@@ -45,8 +50,10 @@ def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimit
     return GenerateInput(
         sampling=sampling_from_pb(request.sampling),
         request_id=request.request_id,
-        prompt=tuple(part_from_pb(p) for p in request.prompt),
-        messages=tuple(ChatMessage(m.role, tuple(part_from_pb(p) for p in m.content)) for m in request.messages),
+        prompt=tuple(part_from_pb(p, f"prompt[{i}]") for i, p in enumerate(request.prompt)),
+        messages=tuple(ChatMessage(m.role, tuple(part_from_pb(p, f"messages[{i}].content[{j}]")
+                                                 for j, p in enumerate(m.content)))
+                       for i, m in enumerate(request.messages)),
         prompt_token_ids=tuple(request.prompt_token_ids),
         lora=request.lora,
     )

@@ -87,3 +87,26 @@ def test_registry_over_grpc(registry_address, root, adapter_in_root):
             assert len(details) < 1200
         assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \
             health_pb2.HealthCheckResponse.SERVING
+
+
+def test_load_adapter_refuses_disagreeing_or_overflowing_adapters(registry_address, root, adapter_in_root,
+                                                                  edit_adapter_config):
+    """Observed: target_modules ["nonexistent_proj"] over q_proj/v_proj weights, and lora_B x 1e37
+    (finite in float32), both loaded and were applied. Both are INVALID_ARGUMENT at LoadAdapter."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter_in_root, root / "nowhere")
+    edit_adapter_config(root / "nowhere", target_modules=["nonexistent_proj"])
+    shutil.copytree(adapter_in_root, root / "huge")
+    weights = root / "huge" / "adapter_model.safetensors"
+    save_file({k: v * 1e37 if "lora_B" in k else v for k, v in load_file(str(weights)).items()}, str(weights))
+    with grpc.insecure_channel(registry_address) as channel:
+        stub = adapters_pb2_grpc.AdaptersStub(channel)
+        for path, needle in [("nowhere", "target_modules entry 'nonexistent_proj' matches no linear module"),
+                             ("huge", "the effective LoRA delta (scale * B @ A) reaches up to")]:
+            code, details = _code(stub.LoadAdapter, adapters_pb2.LoadAdapterRequest(name=path, path=path),
+                                  metadata=ADMIN)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, (code, details)
+        assert list(stub.ListAdapters(adapters_pb2.ListAdaptersRequest()).adapters) == []

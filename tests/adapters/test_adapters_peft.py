@@ -137,3 +137,100 @@ def test_targets_checked_against_base_model(root, adapter_in_root, base_model_di
     wider_base = BaseModelShapes.from_model_dir(wider)
     with pytest.raises(InvalidArgument, match="base model's layer is 64 ->"):
         _read(adapter_in_root, root, base=wider_base)
+
+
+# --- config and weights agree (PEFT refuses target_modules that match nothing in the base model) ---------------
+
+
+def _base_with_weights(directory) -> BaseModelShapes:
+    from conftest import tiny_llama
+    tiny_llama(seed=3).save_pretrained(str(directory))
+    return BaseModelShapes.from_model_dir(directory)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"target_modules": ["nonexistent_proj"]}, "target_modules entry 'nonexistent_proj' matches no linear module"),
+    ({"target_modules": ["q_proj", "nonexistent_proj"]}, "entry 'nonexistent_proj' matches no linear"),
+    ({"target_modules": r".*\.mlp\.fc1"}, r"entry '.*\\\\.mlp\\\\.fc1' matches no linear"),
+    ({"target_modules": ["q_proj"]}, "layers.0.self_attn.v_proj: the weights adapt a module that "
+                                     "adapter_config.json's target_modules does not name"),
+    ({"exclude_modules": ["v_proj"]}, "entry 'v_proj' matches no linear"),  # every v_proj excluded
+    ({"exclude_modules": ["layers.1.self_attn.v_proj"]}, "layers.1.self_attn.v_proj: the weights adapt a module"),
+    ({"layers_to_transform": [1]}, "layers.0.self_attn.q_proj: the weights adapt a module"),
+    ({"target_modules": []}, "target_modules is missing or empty"),
+    ({"target_modules": "(unclosed"}, "target_modules='\\(unclosed' is not a valid regular expression"),
+])
+def test_config_and_weights_must_agree(root, adapter_in_root, edit_adapter_config, base_model_dir, changes, message):
+    edit_adapter_config(adapter_in_root, **changes)
+    with pytest.raises(InvalidArgument, match=message):
+        _read(adapter_in_root, root, base=BaseModelShapes.from_model_dir(base_model_dir))
+
+
+def test_weights_for_unnamed_targets_are_refused_without_a_base_model(root, adapter_in_root, edit_adapter_config):
+    """The observed failure: target_modules ["nonexistent_proj"] over q_proj/v_proj weights loaded."""
+    edit_adapter_config(adapter_in_root, target_modules=["nonexistent_proj"])
+    with pytest.raises(InvalidArgument, match="layers.0.self_attn.q_proj: the weights adapt a module"):
+        _read(adapter_in_root, root)
+
+
+@pytest.mark.parametrize("changes", [
+    {"target_modules": r"model\.layers\.\d+\.self_attn\.(q|v)_proj"},      # PEFT's regex form
+    {"target_modules": ["self_attn.q_proj", "v_proj", "k_proj"]},          # dotted suffix; k_proj untrained is fine
+    {"target_modules": "all-linear"},
+    {"layers_to_transform": [0, 1], "exclude_modules": ["o_proj"]},
+])
+def test_agreeing_forms_of_target_modules_load(root, adapter_in_root, edit_adapter_config, base_model_dir,
+                                               plain_adapter, changes):
+    edit_adapter_config(adapter_in_root, **changes)
+    _assert_matches_peft(_read(adapter_in_root, root, base=BaseModelShapes.from_model_dir(base_model_dir)),
+                         plain_adapter[1])
+
+
+def test_wrong_shape_weight_is_refused(root, adapter_in_root, base_model_dir):
+    def widen(tensors):  # a consistent pair, but for a 48-feature input where the base layer has 32
+        tensors[f"{Q0}.lora_A.weight"] = torch.ones(4, 48)
+    _edit_tensors(adapter_in_root, widen)
+    with pytest.raises(InvalidArgument, match="q_proj: LoRA maps 48 -> 32 features but the base model's layer is "
+                                              "32 -> 32"):
+        _read(adapter_in_root, root, base=BaseModelShapes.from_model_dir(base_model_dir))
+
+
+def test_rank_pattern_must_match_the_weights(root, adapter_in_root, edit_adapter_config):
+    edit_adapter_config(adapter_in_root, rank_pattern={"layers.1.self_attn.v_proj": 2})
+    with pytest.raises(InvalidArgument, match="layers.1.self_attn.v_proj: tensors have rank 4 but "
+                                              r"adapter_config.json \(r/rank_pattern\) says 2"):
+        _read(adapter_in_root, root)
+
+
+# --- effective delta bound ------------------------------------------------------------------------------------
+
+
+def test_overflowing_delta_is_refused(root, adapter_in_root, tmp_path):
+    """lora_B x 1e37 is finite in float32, but scale * B @ A is far past any layer's range."""
+    _edit_tensors(adapter_in_root, lambda t: t.__setitem__(f"{Q0}.lora_B.weight", t[f"{Q0}.lora_B.weight"] * 1e37))
+    assert torch.isfinite(load_file(str(adapter_in_root / "adapter_model.safetensors"))[f"{Q0}.lora_B.weight"]).all()
+    with pytest.raises(InvalidArgument, match=r"layers.0.self_attn.q_proj: the effective LoRA delta \(scale \* B @ A\) "
+                                              r"reaches up to .*e\+3\d; the limit is 1e\+03"):
+        _read(adapter_in_root, root)
+    base = _base_with_weights(tmp_path / "weights")
+    with pytest.raises(InvalidArgument, match="the base layer's max |W|"):
+        _read(adapter_in_root, root, base=base)
+
+
+def test_delta_bound_is_relative_to_the_base_layer(root, adapter_in_root, tmp_path):
+    """The bound is 1e3 x max |W| of the base layer: an adapter within it loads, one past it is refused."""
+    base = _base_with_weights(tmp_path / "weights")
+    module = "model.layers.0.self_attn.q_proj"
+    scale = base.weight_scale(module)
+    weights = load_file(str(tmp_path / "weights" / "model.safetensors"))
+    assert scale == float(weights[f"{module}.weight"].abs().max()) and 0 < scale < 1
+    adapter = _read(adapter_in_root, root, base=base)  # the trained-like adapter is far inside
+    target = adapter.targets[module]
+    bound = float((target.lora_b.double().abs() @ target.lora_a.double().abs().amax(dim=1)).max())
+    assert bound >= float((target.lora_b @ target.lora_a).abs().max())
+    factor = 1.5 * 1e3 * scale / bound  # past the base-relative limit, inside the 1e3 fallback
+    assert factor * bound < 1e3
+    _edit_tensors(adapter_in_root, lambda t: t.__setitem__(f"{Q0}.lora_B.weight", t[f"{Q0}.lora_B.weight"] * factor))
+    _read(adapter_in_root, root)
+    with pytest.raises(InvalidArgument, match=rf"the limit is {1e3 * scale:.3g} \(1000 x the base layer's max"):
+        _read(adapter_in_root, root, base=base)

@@ -168,3 +168,32 @@ def test_an_overflowing_request_leaves_no_poison_in_reused_blocks(tiny_llama):
         assert all(bool(torch.isfinite(v).all()) for v in engine.cache.value)
     finally:
         engine.shutdown()
+
+
+def test_hidden_states_past_float32_range_fail_the_request(tiny_llama):
+    """An adapter that slips past the registry's checks (loaded straight into the bank) and drives the
+    residual stream to ~1e21: finite, but RMSNorm's mean(x^2) overflows, scaling rows to zeros, so the
+    logits were flat and finite and greedy served token 0 forever. The request must fail instead."""
+    from services.common.errors import FailedPrecondition
+
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
+                                     max_lora_rank=16))
+    name = "model.layers.0.self_attn.o_proj"
+    in_f, out_f = engine.bank.module_shapes[name]
+    loud = LoRAWeights("loud", {name: (torch.full((4, in_f), 1.0), torch.full((out_f, 4), 1e20))})
+    slot = engine.bank.load(loud)
+
+    async def run(lora_slot):
+        request = GenerateInput(SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True),
+                                prompt_token_ids=tuple(PROMPTS[1]))
+        return [out async for out in engine.generate(request, lora_slot=lora_slot)]
+
+    try:
+        engine.bank.acquire("loud")
+        with pytest.raises(FailedPrecondition, match="hidden states or logits of this request are not finite"):
+            asyncio.run(run(slot))
+        base = asyncio.run(run(None))  # the base model is unharmed
+        assert sum(len(out.token_ids) for out in base) == 4
+        assert engine.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
+    finally:
+        engine.shutdown()

@@ -8,7 +8,7 @@ import torch
 
 from services.decoder.block_manager import BlockManager
 from services.decoder.inputs import ImageSpan, PromptInputs, SamplingParams
-from services.decoder.prefix_cache import BlockHasher, hash_block, image_keys
+from services.decoder.prefix_cache import BlockHasher, hash_block, image_keys, rows_digest
 from services.decoder.request import Request
 from services.decoder.scheduler import Scheduler
 
@@ -58,14 +58,27 @@ def test_image_salts_from_its_first_block_on_and_never_before():
     ha, hb = a.update(ids), b.update(ids)
     assert ha[0] == hb[0] == hash_block(None, ids[:4])       # block 0: untouched by the image
     assert ha[1] != hb[1] and ha[2] != hb[2] and ha[3] != hb[3]
-    key = image_keys(_image_prompt(0, "img-a"))[0].key
-    assert key.startswith("image:img-a:5:9:")
+    prompt = _image_prompt(0, "img-a")
+    key = image_keys(prompt)[0].key
+    assert key.startswith(f"image:img-a:{rows_digest(prompt.image_spans[0].rows, ())}:5:9:")
     assert a.extra_keys(1) == (key, "mrope:1,1,2:-1")
     assert a.extra_keys(3) == ("mrope:1,1,2:-1",)            # after the image: delta and sections still salt
     # without a content hash the rows themselves key the image
     r0 = BlockHasher.for_prompt(4, _image_prompt(0, ""), None, section).update(ids)
     r1 = BlockHasher.for_prompt(4, _image_prompt(1, ""), None, section).update(ids)
     assert r0[0] == r1[0] and r0[1] != r1[1]
+    # a content hash is a claim: other rows under the same hash key differently
+    forged = BlockHasher.for_prompt(4, _image_prompt(1, "img-a"), None, section).update(ids)
+    assert forged[0] == ha[0] and forged[1] != ha[1]
+
+
+def test_rows_digest_covers_the_received_rows_and_grid():
+    rows = torch.randn(4, 8)
+    digest = rows_digest(rows, (1, 2, 2))
+    expected = hashlib.sha256(struct.pack("<3q", 1, 2, 2) + rows.numpy().tobytes()).hexdigest()
+    assert digest == expected
+    assert rows_digest(rows * -3, (1, 2, 2)) != digest and rows_digest(rows, (1, 4, 1)) != digest
+    assert rows_digest(rows.to(torch.bfloat16), (1, 2, 2)) == rows_digest(rows.to(torch.bfloat16).float(), (1, 2, 2))
 
 
 def test_allocation_hits_refcounts_and_lru_eviction_order():

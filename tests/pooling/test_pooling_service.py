@@ -189,12 +189,13 @@ def small(minilm_model_config, minilm_loaded):
     (lambda s: s.embed(["ok"], truncation_direction="middle"), "truncation direction must be one of"),
     (lambda s: s.embed(["ok"], prompt_name="query"), "has no prompt 'query'"),
     (lambda s: s.embed(token_ids=((101, 99999, 102),)), r"id 99999, outside the vocabulary \[0, 30522\)"),
-    (lambda s: s.embed(token_ids=((),)), r"input_ids\[0\] is an empty string"),
+    (lambda s: s.embed(token_ids=((),)), r"input_ids\[0\] is an empty id list; every input must hold at least one"),
+    (lambda s: s.embed(token_ids=((101, 102), ())), r"input_ids\[1\] is an empty id list"),
     (lambda s: s.rerank("q", ["a"], method="cross-encoder"), "reranks by 'bi-encoder'; 'cross-encoder' needs a model"),
 ], ids=["no-inputs", "empty-input", "too-many", "too-long", "empty-query", "no-docs", "empty-doc", "too-many-docs",
         "top-n-0", "top-n-past", "top-n-negative", "long-query", "long-doc", "embed-chars", "rerank-chars",
         "tokenize-chars"]
-    + ["dimensions", "direction", "prompt", "bad-id", "empty-ids", "rerank-method"])
+    + ["dimensions", "direction", "prompt", "bad-id", "empty-ids", "second-empty-ids", "rerank-method"])
 def test_invalid_requests(small, call, message):
     with pytest.raises(InvalidArgument, match=message):
         asyncio.run(call(small))
