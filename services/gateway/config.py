@@ -1,10 +1,15 @@
-"""Gateway configuration: where the other services are."""
+"""Gateway configuration: where the other services are.
+
+`decoder` and `pooling` are gRPC targets that may name several replicas (`host:port`,
+`ipv4:a:p,b:p`, `dns:///name:port`; services/gateway/replicas.py); the others are one host:port.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from services.common.server import DEFAULT_PORTS
+from services.gateway.replicas import parse_target
 
 
 def _check_address(field: str, value: str) -> None:
@@ -15,7 +20,8 @@ def _check_address(field: str, value: str) -> None:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """Addresses as host:port. `vision` may be empty: then image parts are refused."""
+    """`decoder`, `pooling`: replica targets; the rest host:port. `vision` may be empty: then image
+    parts are refused."""
 
     address: str = f"127.0.0.1:{DEFAULT_PORTS['gateway']}"
     decoder: str = f"127.0.0.1:{DEFAULT_PORTS['decoder']}"
@@ -25,8 +31,13 @@ class GatewayConfig:
     max_images_per_request: int = 8
 
     def __post_init__(self) -> None:
-        for field in ("address", "decoder", "pooling", "adapters"):
+        for field in ("address", "adapters"):
             _check_address(field, getattr(self, field))
+        for field in ("decoder", "pooling"):
+            try:
+                parse_target(getattr(self, field))
+            except ValueError as error:
+                raise ValueError(f"{field}: {error}") from None
         if self.vision:
             _check_address("vision", self.vision)
         if self.max_images_per_request < 0:
