@@ -22,9 +22,11 @@ ever a preference.
 
 Scoring, in units of one queued request (higher wins):
 
-    score(r) = prefix_weight * matched_blocks(r) / num_blocks      if gap(r) <= max_queue_gap
+    score(r) = prefix_weight * (matched(r) - least matched) / num_blocks  if gap(r) <= max_queue_gap
              + (adapter_queue_gap + 1/2) * [adapter resident on r]  if gap(r) <= adapter_queue_gap
              - gap(r) - kv_weight * kv_usage(r)
+    matched(r) = leading blocks of the request that r holds (least matched: the minimum over ready
+               replicas, so a system prompt every replica holds decides nothing)
     gap(r)   = queue(r) - min over ready replicas of queue
     queue(r) = max(gateway's own requests in flight on r, r's reported running + waiting)
 
@@ -62,27 +64,30 @@ class RoutingKey:
     image_offsets: tuple[tuple[int, str], ...] = ()
 
 
+def _keys_bytes(extra_keys: Sequence[str]) -> bytes:
+    return b"".join(struct.pack("<q", len(data)) + data for data in (key.encode() for key in extra_keys))
+
+
 def hash_block(parent: bytes | None, block: bytes, extra_keys: Sequence[str] = ()) -> bytes:
     """The 32-byte sha256 of one block: parent, length-prefixed bytes, length-prefixed extra keys."""
-    h = hashlib.sha256()
-    h.update(parent if parent is not None else ROOT_PARENT)
-    h.update(struct.pack("<q", len(block)))
-    h.update(block)
-    for key in extra_keys:
-        data = key.encode()
-        h.update(struct.pack("<q", len(data)))
-        h.update(data)
-    return h.digest()
+    parent = parent if parent is not None else ROOT_PARENT
+    return hashlib.sha256(parent + struct.pack("<q", len(block)) + block + _keys_bytes(extra_keys)).digest()
 
 
 def block_hashes(key: RoutingKey, block_bytes: int) -> list[bytes]:
     """Chain hashes of every full `block_bytes`-byte block of `key.content` (a partial tail is not hashed)."""
-    lora = (f"lora:{key.adapter}",) if key.adapter else ()
+    lora = _keys_bytes([f"lora:{key.adapter}"] if key.adapter else [])
+    size = struct.pack("<q", block_bytes)
+    sha256, content = hashlib.sha256, key.content
     hashes: list[bytes] = []
-    for index in range(len(key.content) // block_bytes):
+    parent = ROOT_PARENT
+    for index in range(len(content) // block_bytes):
         lo, hi = index * block_bytes, (index + 1) * block_bytes
-        extra = lora + tuple(f"image:{h}" for offset, h in key.image_offsets if lo <= offset < hi)
-        hashes.append(hash_block(hashes[-1] if hashes else None, key.content[lo:hi], extra))
+        extra = lora
+        if key.image_offsets:
+            extra += _keys_bytes([f"image:{h}" for offset, h in key.image_offsets if lo <= offset < hi])
+        parent = sha256(parent + size + content[lo:hi] + extra).digest()
+        hashes.append(parent)
     return hashes
 
 
@@ -115,6 +120,18 @@ class PrefixIndex:
                 break
             count += 1
         return count
+
+    def matched_by_replica(self, hashes: Sequence[bytes], replicas: Collection[str]) -> dict[str, int]:
+        """`matched_blocks` of each of `replicas`, in one walk of the chain."""
+        matched = dict.fromkeys(replicas, 0)
+        alive = set(matched)
+        for depth, h in enumerate(hashes):
+            alive &= self._holders.get(h, set())
+            if not alive:
+                break
+            for replica in alive:
+                matched[replica] = depth + 1
+        return matched
 
     def forget(self, replica: str) -> None:
         """Drop `replica` everywhere (it restarted or left: its KV cache is gone)."""
@@ -215,29 +232,34 @@ class Router:
         return adapter in load.resident_adapters or (
             routed is not None and now - routed <= self.config.adapter_memory_s)
 
-    def pick(self, key: RoutingKey, ready: Sequence[str], now: float) -> Decision | None:
+    def pick(self, key: RoutingKey, ready: Sequence[str], now: float,
+             hashes: Sequence[bytes] | None = None) -> Decision | None:
         """The best of `ready` for `key` (None when `ready` is empty); records the decision.
 
-        `now`: seconds on the caller's monotonic clock (adapter memory ages with it).
+        `now`: seconds on the caller's monotonic clock (adapter memory ages with it); `hashes`:
+        `block_hashes(key, block_bytes)` when the caller has them already.
         """
         if not ready:
             return None
         cfg = self.config
-        hashes = block_hashes(key, cfg.block_bytes)
+        hashes = block_hashes(key, cfg.block_bytes) if hashes is None else hashes
         shortest = min(self.load(r).queue for r in ready)
+        matched = self.index.matched_by_replica(hashes, ready)
+        least_matched = min(matched.values())
         turn = next(self._round_robin)
         best: tuple | None = None
         for position, replica in enumerate(ready):
             load = self.load(replica)
             gap = load.queue - shortest
-            matched = self.index.matched_blocks(hashes, replica) if gap <= cfg.max_queue_gap else 0
+            score = -gap - cfg.kv_weight * load.kv_usage
+            if hashes and gap <= cfg.max_queue_gap:
+                score += cfg.prefix_weight * (matched[replica] - least_matched) / len(hashes)
             resident = bool(key.adapter) and self.resident(replica, key.adapter, now)
-            score = (cfg.prefix_weight * matched / len(hashes) if hashes else 0.0) - gap - cfg.kv_weight * load.kv_usage
             if resident and gap <= cfg.adapter_queue_gap:
                 score += cfg.adapter_queue_gap + 0.5  # outweighs any gap up to adapter_queue_gap
             rank = (score, -load.num_outstanding, -((position - turn) % len(ready)))
             if best is None or rank > best[0]:
-                best = (rank, Decision(replica, matched, len(hashes), resident))
+                best = (rank, Decision(replica, matched[replica], len(hashes), resident))
         decision = best[1]
         self.record(key, decision.replica, now, hashes)
         return decision

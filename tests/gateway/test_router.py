@@ -57,6 +57,7 @@ def test_prefix_index_is_bounded_lru_and_forgets_replicas():
     index.insert([b"a", b"c"], "r1")
     assert index.matched_blocks([b"a", b"b"], "r0") == 2
     assert index.matched_blocks([b"a", b"b"], "r1") == 1
+    assert index.matched_by_replica([b"a", b"b"], ["r0", "r1", "r2"]) == {"r0": 2, "r1": 1, "r2": 0}
     index.insert([b"d"], "r1")  # 4 hashes > capacity 3: the least recently used ("b") goes
     assert len(index) == 3 and index.matched_blocks([b"a", b"b"], "r0") == 1
     index.forget("r0")
