@@ -149,7 +149,7 @@ class ReplicaSet:
         self.info_interval_s = info_interval_s
         self.replicas: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task] = []
-        self._sync(resolve(self.target))
+        self._add(resolve(self.target))
 
     def start(self) -> None:
         """Start resolving (DNS targets) and polling on the running loop."""
@@ -158,25 +158,28 @@ class ReplicaSet:
         if self.poll is not None:
             self._tasks.append(asyncio.get_running_loop().create_task(self._poll_loop()))
 
-    def _sync(self, addresses: list[str]) -> None:
-        for address in [a for a in self.replicas if a not in addresses]:
-            replica = self.replicas.pop(address)
-            asyncio.ensure_future(replica.channel.close()) if _loop_running() else None
-            self.on_leave(address)
-            log.info("%s replica %s left %s", self.service, address, self.target.text)
+    def _add(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self.replicas:
                 channel = grpc.aio.insecure_channel(
                     address, options=[*CHANNEL_OPTIONS, ("grpc.service_config", SERVICE_CONFIG)])
                 self.replicas[address] = Replica(address, channel, self.stub_class(channel))
+                log.info("%s replica %s joined %s", self.service, address, self.target.text)
+
+    async def _sync(self, addresses: list[str]) -> None:
+        for address in [a for a in self.replicas if a not in addresses]:
+            replica = self.replicas.pop(address)
+            self.on_leave(address)
+            log.info("%s replica %s left %s", self.service, address, self.target.text)
+            await replica.channel.close()  # its calls in flight end UNAVAILABLE
+        self._add(addresses)
 
     async def _resolve_loop(self) -> None:
         while True:
             await asyncio.sleep(self.resolve_interval_s)
             addresses = await asyncio.to_thread(resolve, self.target)
-            if addresses or not self.replicas:
-                self._sync(addresses)
-            # a lookup that fails keeps the last replicas: a DNS hiccup takes no replica away
+            if addresses:  # a failed lookup keeps the last replicas: a DNS hiccup takes none away
+                await self._sync(addresses)
 
     def ready(self) -> list[Replica]:
         """Replicas whose channel is READY (health SERVING); a replica that stopped being ready is left."""
@@ -223,10 +226,3 @@ class ReplicaSet:
         for replica in self.replicas.values():
             await replica.channel.close()
 
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False

@@ -28,7 +28,8 @@ Scoring, in units of one queued request (higher wins):
     matched(r) = leading blocks of the request that r holds (least matched: the minimum over ready
                replicas, so a system prompt every replica holds decides nothing)
     gap(r)   = queue(r) - min over ready replicas of queue
-    queue(r) = max(gateway's own requests in flight on r, r's reported running + waiting)
+    queue(r) = the gateway's own requests in flight on r + what r last reported running or
+               waiting beyond those (other gateways' requests)
 
 So affinity never sends a request to a replica whose queue is more than `max_queue_gap` longer
 than the shortest, and a hot adapter stays on the replica holding it only while that replica's
@@ -172,16 +173,16 @@ class ReplicaLoad:
     """A replica's load: the gateway's own count, and the decoder's last report (GetInfo)."""
 
     num_outstanding: int = 0           # requests the gateway has in flight there
-    num_running: int = 0
-    num_waiting: int = 0
+    num_others: int = 0                # reported running + waiting requests that are not the gateway's
     kv_usage: float = 0.0              # fraction of KV blocks in use, 0..1
     resident_adapters: frozenset[str] = frozenset()
     routed_adapters: dict[str, float] = field(default_factory=dict)  # name -> when last routed there
 
     @property
     def queue(self) -> int:
-        # the gateway's count is fresh; the report also holds other gateways' requests
-        return max(self.num_outstanding, self.num_running + self.num_waiting)
+        # the gateway's own count is fresh; a report (up to a poll interval old) adds only what other
+        # clients (other gateways) have queued there
+        return self.num_outstanding + self.num_others
 
 
 @dataclass(frozen=True)
@@ -209,14 +210,21 @@ class Router:
         return self.loads.setdefault(replica, ReplicaLoad())
 
     def set_report(self, replica: str, num_running: int, num_waiting: int, kv_usage: float,
-                   resident_adapters: Collection[str]) -> None:
+                   resident_adapters: Collection[str], num_outstanding_then: int | None = None) -> None:
+        """A replica's report (GetInfo). `num_outstanding_then`: the gateway's own requests in flight
+        there when the report was asked for (default: now); the rest of its queue is other clients'."""
         load = self.load(replica)
-        load.num_running, load.num_waiting, load.kv_usage = num_running, num_waiting, kv_usage
+        own = max(load.num_outstanding, num_outstanding_then or 0)
+        load.num_others = max(0, num_running + num_waiting - own)
+        load.kv_usage = kv_usage
         load.resident_adapters = frozenset(resident_adapters)
 
     def remove(self, replica: str) -> None:
-        """The replica left or restarted: forget its load, adapters and prefixes."""
-        self.loads.pop(replica, None)
+        """The replica left or restarted: forget its reported load, adapters and prefixes (the
+        gateway's own requests still in flight there are still counted until they end)."""
+        load = self.loads.pop(replica, None)
+        if load is not None and load.num_outstanding:
+            self.loads[replica] = ReplicaLoad(num_outstanding=load.num_outstanding)
         self.index.forget(replica)
 
     def started(self, replica: str) -> None:

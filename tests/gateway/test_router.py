@@ -98,6 +98,16 @@ def test_reported_load_counts_too():
     router.set_report("r0:1", num_running=8, num_waiting=4, kv_usage=0.9, resident_adapters=())
     picks = {router.pick(RoutingKey(b"q%d" % i), REPLICAS, now=0.0).replica for i in range(6)}
     assert "r0:1" not in picks
+    # a report counts only what is not the gateway's own: 4 of the 5 reported were in flight from
+    # here when it was asked for, and 3 of those have finished since
+    router = Router()
+    for _ in range(4):
+        router.started("r1:1")
+    router.set_report("r1:1", num_running=2, num_waiting=3, kv_usage=0.0, resident_adapters=(),
+                      num_outstanding_then=4)
+    for _ in range(3):
+        router.finished("r1:1")
+    assert router.load("r1:1").queue == 1 + 1
 
 
 def test_hot_adapter_sticks_then_spreads_to_a_second_replica():
