@@ -44,8 +44,8 @@ class SimConfig:
     zipf_s: float = 1.1
     adapter_slots: int = 4
     kv_blocks: int = 2000                      # of the router's 64-byte blocks (~16 tokens each)
-    prefill_s: float = 0.0005                  # per uncached prompt token
-    decode_s: float = 0.01                     # per output token
+    prefill_s: float = 0.0017                  # per uncached prompt token (bench/results/prefix.md: 1.75 ms)
+    decode_s: float = 0.012                    # per output token (bench/results/decode.md: ~85 tok/s)
     swap_s: float = 0.3                        # loading an adapter into a slot
     burst_size: tuple[int, int] = (1, 6)
     think_s: float = 3.0                       # mean pause between a reply and the next turn

@@ -37,13 +37,17 @@ def run_simulation(args) -> str:
     lines = ["## simulated (`tessera bench route --simulate`)", "",
              f"{args.conversations} conversations per replica, 2-6 turns, 6 shared system prompts, 24 adapters "
              f"(Zipf s=1.1, 30% base model), {args.adapter_slots} adapter slots and {args.kv_blocks} KV blocks "
-             "(64 bytes ~ 16 tokens each) per replica, prefill 0.5 ms/token, decode 10 ms/token, adapter swap "
-             "0.3 s, bursts of 1-6 conversations, ~70% offered load; one request at a time per replica.", "",
+             f"(64 bytes ~ 16 tokens each) per replica, prefill {args.prefill_ms} ms/token, decode "
+             f"{args.decode_ms} ms/token (SmolLM2-135M on this machine: bench/results/prefix.md, decode.md), "
+             "adapter swap 0.3 s, bursts of 1-6 conversations, ~70% offered load; each replica serves one "
+             "request at a time, first come first served (no batching: queueing costs more than on a real "
+             "decoder, so this is a pessimistic setting for affinity).", "",
              "| replicas | policy | requests | prefix-hit rate | adapter swaps | queue imbalance | "
              "mean latency s | p95 latency s |", "|---|---|---|---|---|---|---|---|"]
     for n in args.replicas:
         cfg = SimConfig(num_replicas=n, conversations_per_replica=args.conversations,
-                        adapter_slots=args.adapter_slots, kv_blocks=args.kv_blocks, seed=args.seed)
+                        adapter_slots=args.adapter_slots, kv_blocks=args.kv_blocks, seed=args.seed,
+                        prefill_s=args.prefill_ms / 1000, decode_s=args.decode_ms / 1000)
         for policy in POLICIES:
             start = time.perf_counter()
             r = simulate(cfg, policy)
@@ -153,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--simulate", action="store_true", help="simulated replicas instead of real decoders")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    parser.add_argument("--conversations", type=int, default=20, help="simulated conversations per replica")
+    parser.add_argument("--conversations", type=int, default=10, help="simulated conversations per replica")
     parser.add_argument("--adapter-slots", type=int, default=4)
     parser.add_argument("--kv-blocks", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-ms", type=float, default=1.7, help="simulated prefill time per uncached token")
+    parser.add_argument("--decode-ms", type=float, default=12.0, help="simulated decode time per output token")
     parser.add_argument("--streams", type=int, default=8, help="real: streams in flight")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     admin = argparse.ArgumentParser(add_help=False, parents=[remote])
     admin.add_argument("--admin-token", default=None, help="bearer token for load/unload (default: $TESSERA_ADMIN_TOKEN)")
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels, route)")
+    bench = sub.add_parser("bench",
+                           help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels, route)")
     bench.add_argument("name", help="benchmark name: the file bench/NAME.py")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_bench)

@@ -15,8 +15,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     d = GatewayConfig()
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     parser.add_argument("--address", default=d.address, help="bind host:port (default %(default)s)")
-    parser.add_argument("--decoder", default=d.decoder, help="decoder replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
-    parser.add_argument("--pooling", default=d.pooling, help="pooling replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
+    parser.add_argument("--decoder", default=d.decoder,
+                        help="decoder replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
+    parser.add_argument("--pooling", default=d.pooling,
+                        help="pooling replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
     parser.add_argument("--adapters", default=d.adapters, help="adapter registry host:port")
     parser.add_argument("--vision", default=d.vision, help="vision host:port; empty string = no vision (images refused)")
     parser.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)

@@ -88,7 +88,8 @@ class DecoderPool(_Pool):
 
     async def _poll(self, replica: Replica) -> None:
         outstanding = replica.num_outstanding
-        info = await replica.stub.GetInfo(decoder_pb2.DecoderInfoRequest(), timeout=max(1.0, self.replicas.info_interval_s))
+        timeout = max(1.0, self.replicas.info_interval_s)
+        info = await replica.stub.GetInfo(decoder_pb2.DecoderInfoRequest(), timeout=timeout)
         replica.info = info
         kv_usage = 1.0 - info.num_free_blocks / info.num_blocks if info.num_blocks else 0.0
         self.router.set_report(replica.address, info.num_running, info.num_waiting, kv_usage,

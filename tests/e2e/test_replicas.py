@@ -87,7 +87,8 @@ def generate(stub, request) -> tuple[str, list[int], str]:
     return dict(call.initial_metadata())[REPLICA_METADATA], ids, "".join(text)
 
 
-def conversation_request(turns: list[tuple[str, str]], max_tokens: int = 6, lora: str = "") -> decoder_pb2.GenerateRequest:
+def conversation_request(turns: list[tuple[str, str]], max_tokens: int = 6,
+                         lora: str = "") -> decoder_pb2.GenerateRequest:
     return decoder_pb2.GenerateRequest(
         request_id=uuid.uuid4().hex, lora=lora, sampling=decoder_pb2.SamplingParams(max_tokens=max_tokens),
         messages=[decoder_pb2.ChatMessage(role=role, content=[decoder_pb2.ContentPart(text=text)])
@@ -186,8 +187,9 @@ def test_killed_decoder_fails_fast_retries_and_rejoins(replicated, stub):
     victim_address = next(o["replica"] for o in outcomes.values() if o["replica"])
     [victim] = [name for name in spec.replicas("decoder") if spec.address(name) == victim_address]
     started_there = [i for i, o in outcomes.items() if o["replica"] == victim_address]
-    killed_at = time.monotonic()
     os.kill(replicated.processes[victim].pid, signal.SIGKILL)
+    replicated.processes[victim].wait(30)  # reaped: the kernel has closed its sockets
+    killed_at = time.monotonic()
     # a new request right away succeeds on the other replica
     replica, ids, _ = generate(stub, chat_request(CHAT_PROMPTS[0], 4))
     assert replica != victim_address and len(ids) == 4
@@ -207,7 +209,6 @@ def test_killed_decoder_fails_fast_retries_and_rejoins(replicated, stub):
     counts = replica_counts(stub, "decoder")
     assert sum(counts.values()) - counts_before >= 8 + 1 + 1  # the 8 streams, the retries, the new request
 
-    replicated.processes[victim].wait(10)
     replicated.restart(victim)
     deadline = time.monotonic() + 20
     served = set()
