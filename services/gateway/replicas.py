@@ -134,12 +134,13 @@ class ReplicaSet:
 
     `stub_class`: the service's generated stub; `poll`: optional `async (replica) -> None` run every
     `info_interval_s` on each ready replica (GetInfo for the router); `on_leave(address)`: called
-    when a replica is dropped or stops being ready.
+    when a replica is dropped or stops being ready; `resolver`: target -> addresses (`resolve`).
     """
 
     def __init__(self, service: str, target: str, stub_class, poll=None,
                  on_leave: Callable[[str], None] = lambda address: None,
-                 resolve_interval_s: float = 5.0, info_interval_s: float = 0.5) -> None:
+                 resolve_interval_s: float = 5.0, info_interval_s: float = 0.5,
+                 resolver: Callable[[Target], list[str]] = resolve) -> None:
         self.service = service
         self.target = parse_target(target)
         self.stub_class = stub_class
@@ -147,9 +148,10 @@ class ReplicaSet:
         self.on_leave = on_leave
         self.resolve_interval_s = resolve_interval_s
         self.info_interval_s = info_interval_s
+        self.resolver = resolver
         self.replicas: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task] = []
-        self._add(resolve(self.target))
+        self._add(resolver(self.target))
 
     def start(self) -> None:
         """Start resolving (DNS targets) and polling on the running loop."""
@@ -177,7 +179,7 @@ class ReplicaSet:
     async def _resolve_loop(self) -> None:
         while True:
             await asyncio.sleep(self.resolve_interval_s)
-            addresses = await asyncio.to_thread(resolve, self.target)
+            addresses = await asyncio.to_thread(self.resolver, self.target)
             if addresses:  # a failed lookup keeps the last replicas: a DNS hiccup takes none away
                 await self._sync(addresses)
 

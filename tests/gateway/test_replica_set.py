@@ -69,3 +69,27 @@ def test_dns_target_names_every_resolved_address():
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_dns_replicas_join_and_leave_as_the_name_resolves():
+    answers = [["10.0.0.1:7"], ["10.0.0.1:7", "10.0.0.2:7"], [], ["10.0.0.2:7"]]
+    seen = []
+
+    def resolver(target):
+        seen.append(target.host)
+        return answers[min(len(seen) - 1, len(answers) - 1)]
+
+    async def main():
+        left = []
+        replicas = ReplicaSet("decoder", "dns:///decoder:7", decoder_pb2_grpc.DecoderStub, on_leave=left.append,
+                              resolve_interval_s=0.02, resolver=resolver)
+        assert list(replicas.replicas) == ["10.0.0.1:7"]
+        replicas.start()
+        try:
+            await _until(lambda: len(seen) >= 5)  # the fourth answer has been applied
+            # a failed lookup ([]) kept both; the last answer dropped the first replica
+            assert list(replicas.replicas) == ["10.0.0.2:7"] and left == ["10.0.0.1:7"]
+        finally:
+            await replicas.close()
+
+    asyncio.run(main())
