@@ -122,6 +122,7 @@ def run_real(args) -> str:
         raise SystemExit("bench route needs two cores to pin two replicas")
     log_dir = Path(tempfile.mkdtemp(prefix="bench-route-"))
     per_replica = max(1, args.streams // 2)
+    load_start = os.getloadavg()[0]
 
     def decoder(name: str, max_num_seqs: int, core: int):
         service = _start("services.decoder", ["--model-dir", str(default_decoder_dir()), "--max-num-seqs",
@@ -157,8 +158,9 @@ def run_real(args) -> str:
         f"| two replicas | {two:.1f} | {len(results['two'][1])} |",
         f"| one replica allowed all {args.streams} sequences in one batch | {wide:.1f} | 1 |", "",
         f"speed-up, two replicas / one: {two / one:.2f}x (target >= 1.6x); two replicas / one replica "
-        f"batching everything: {two / wide:.2f}x (a small model's decode step costs about the same for 4 or "
-        "8 sequences, so one replica batching all streams gains most of what a second core gives)."])
+        f"batching everything: {two / wide:.2f}x (a bigger batch makes each decode step cheaper per token, "
+        "so one replica given the whole batch narrows the gap). Load average (other users' work on the same "
+        f"cores) at the start and end: {load_start:.1f} and {os.getloadavg()[0]:.1f}."])
 
 
 def _write(section: str, heading: str) -> None:
