@@ -75,8 +75,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request = await self._encode_images(request, context)
         key = routing_key(request)
         tried: list[str] = []
+        failure: Exception | None = None
         while True:
-            replica = await self.decoders.pick(key, tried, context.time_remaining())
+            try:  # a retry takes another replica that is ready now, without waiting
+                replica = await self.decoders.pick(key, tried, 0.0 if tried else context.time_remaining())
+            except Unavailable:
+                if failure is not None:  # no other replica to retry on: the first one's answer
+                    raise failure from None
+                raise
             call = replica.stub.Generate(request, timeout=context.time_remaining())
             streamed = False
             try:
@@ -87,10 +93,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield response
                 return
             except grpc.aio.AioRpcError as error:
+                failure = self._downstream("decoder", replica.address, error, replica)
                 if error.code() == grpc.StatusCode.UNAVAILABLE and not streamed and not tried:
                     tried.append(replica.address)  # nothing streamed yet: once more, elsewhere
                     continue
-                raise self._downstream("decoder", replica.address, error, replica) from error
+                raise failure from error
             finally:
                 call.cancel()  # client gone or finished: the decoder frees the request's KV blocks and lease
                 self.decoders.finished(replica)
@@ -133,17 +140,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self._pooled("Tokenize", request, context)
 
     async def _pooled(self, method: str, request, context):
-        """One pooling call on the least busy pooler; retried once elsewhere if that one is unreachable."""
+        """One pooling call on the least busy pooler; retried once on another ready pooler if that
+        one could not be reached (its channel left READY)."""
         tried: list[str] = []
+        failure: Exception | None = None
         while True:
-            replica = await self.poolers.pick(tried, context.time_remaining())
+            try:
+                replica = await self.poolers.pick(tried, 0.0 if tried else context.time_remaining())
+            except Unavailable:
+                if failure is not None:  # no other pooler to retry on: the first one's answer
+                    raise failure from None
+                raise
             try:
                 return await self._unary("pooling", replica.address, getattr(replica.stub, method), request,
                                          context, replica=replica)
-            except Unavailable:
+            except Unavailable as error:
                 if tried or replica.channel.get_state() == grpc.ChannelConnectivity.READY:
                     raise
                 tried.append(replica.address)
+                failure = error
             finally:
                 self.poolers.finished(replica)
 
