@@ -140,7 +140,24 @@ def info(stub, out=sys.stdout) -> gateway_pb2.ClusterInfo:
 
     response = stub.GetInfo(gateway_pb2.ClusterInfoRequest())
     out.write(json_format.MessageToJson(response, indent=2) + "\n")
+    out.write(replica_table(response))
     return response
+
+
+def replica_table(info: gateway_pb2.ClusterInfo) -> str:
+    """One line per replica: service, address, health, requests, queue, KV usage, resident adapters."""
+    lines = [f"{'replica':<8} {'address':<22} {'health':<18} {'sent':>6} {'now':>4} {'run':>4} {'wait':>4} "
+             f"{'kv':>5}  adapters"]
+    for r in info.replicas:
+        health = "SERVING" if r.ready else f"not ready ({r.state})"
+        d = r.decoder
+        known = r.service == "decoder" and d.num_blocks > 0
+        kv = f"{1 - d.num_free_blocks / d.num_blocks:5.0%}" if known else f"{'-':>5}"
+        queue = f"{d.num_running:>4} {d.num_waiting:>4}" if known else f"{'-':>4} {'-':>4}"
+        adapters = ",".join(d.resident_adapters) if known else ""
+        lines.append(f"{r.service:<8} {r.address:<22} {health:<18} {r.num_requests:>6} {r.num_outstanding:>4} "
+                     f"{queue} {kv}  {adapters or '-'}")
+    return "\n".join(lines) + "\n"
 
 
 def b64_to_vector(text: str) -> torch.Tensor:

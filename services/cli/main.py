@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--image-token", default="<empty_output>",
                     help="reserved token the decoder uses as the image placeholder")
     up.add_argument("--service-args", action="append", default=[], metavar="SERVICE=ARGS",
-                    help='extra flags for one service, e.g. decoder="--num-blocks 512" (repeatable)')
+                    help='extra flags for one service (all its replicas), e.g. decoder="--num-blocks 512" (repeatable)')
+    up.add_argument("--decoders", type=int, default=1,
+                    help="decoder replicas; the gateway routes Generate over them (prefix, adapter, load)")
+    up.add_argument("--poolers", type=int, default=1, help="pooling replicas; least outstanding requests")
     up.set_defaults(func=_up)
 
     remote = argparse.ArgumentParser(add_help=False)
@@ -47,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     admin = argparse.ArgumentParser(add_help=False, parents=[remote])
     admin.add_argument("--admin-token", default=None, help="bearer token for load/unload (default: $TESSERA_ADMIN_TOKEN)")
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels)")
+    bench = sub.add_parser("bench",
+                           help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels, route)")
     bench.add_argument("name", help="benchmark name: the file bench/NAME.py")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_bench)
@@ -97,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true")
     ad.set_defaults(func=_adapters)
 
-    inf = client("info", "show the cluster's model and limits")
+    inf = client("info", "show the cluster's model, limits and replicas (health, queue, KV usage, adapters)")
     inf.set_defaults(func=_info)
     return parser
 
@@ -116,7 +120,8 @@ def _up(args) -> int:
                        embedding_model_dir=args.embedding_model_dir, reranker_dir=args.reranker_dir,
                        adapter_root=args.adapter_root,
                        admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
-                       image_token=args.image_token, extra_args=parse_extra(args.service_args))
+                       image_token=args.image_token, extra_args=parse_extra(args.service_args),
+                       num_decoders=args.decoders, num_poolers=args.poolers)
     return run_until_signalled(spec)
 
 

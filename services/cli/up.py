@@ -7,11 +7,19 @@ SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period
 that exits on its own, or whose health has not said SERVING for UNHEALTHY_RESTART_S (its engine
 loop died or is wedged), is killed and restarted, as an orchestrator's liveness probe would (the
 others keep serving meanwhile), up to MAX_RESTARTS a minute.
+
+Replicas (`num_decoders`, `num_poolers`) are processes of their own, named `decoder`, `decoder-2`,
+...: the first replica of each keeps the service's usual port (base + PORT_OFFSETS), the others
+take the ports after the five, decoders' first, then poolers'. The gateway gets the same kind of
+target a Kubernetes or compose deployment gives it, an `ipv4:a:p,b:p` list of every replica
+(services/gateway/replicas.py), and balances over them itself.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -37,6 +45,12 @@ MAX_RESTARTS = 5          # per RESTART_WINDOW_S, across services, before `up` g
 RESTART_WINDOW_S = 60.0
 UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> killed and restarted
 PORT_OFFSETS = {"gateway": 0, "vision": 1, "decoder": 2, "pooling": 3, "adapters": 4}
+REPLICATED = ("decoder", "pooling")
+
+
+def service_of(instance: str) -> str:
+    """`decoder-2` -> `decoder`: the service a process (replica) runs."""
+    return instance.split("-", 1)[0]
 
 
 @dataclass
@@ -53,17 +67,50 @@ class ClusterSpec:
     image_token: str = "<empty_output>"
     log_dir: Path = field(default_factory=lambda: tessera_home() / "logs")
     extra_args: dict[str, list[str]] = field(default_factory=dict)
+    num_decoders: int = 1
+    num_poolers: int = 1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.base_port <= 65535 - len(SERVICES):
-            raise ValueError(f"base_port must leave room for {len(SERVICES)} ports below 65536, got {self.base_port}")
+        for name in ("num_decoders", "num_poolers"):
+            if not 1 <= getattr(self, name) <= 64:
+                raise ValueError(f"{name} must be in 1..64, got {getattr(self, name)}")
+        if not 1 <= self.base_port <= 65535 - self.num_ports:
+            raise ValueError(f"base_port must leave room for {self.num_ports} ports below 65536, got {self.base_port}")
+        if self.num_decoders + self.num_poolers > 2:
+            try:
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ValueError(f"replicas need host to be an IP address (the gateway's ipv4:/ipv6: target), "
+                                 f"got {self.host!r}") from None
         for name in ("decoder_model_dir", "embedding_model_dir"):
             path = Path(getattr(self, name))
             if not (path / "config.json").exists():
                 raise ValueError(f"{name} {path} has no config.json; run `tessera models prepare` first")
 
-    def address(self, service: str) -> str:
-        return f"{self.host}:{self.base_port + PORT_OFFSETS[service]}"
+    @property
+    def num_ports(self) -> int:
+        return len(SERVICES) + self.num_decoders - 1 + self.num_poolers - 1
+
+    def replicas(self, service: str) -> list[str]:
+        """Process names of `service`'s replicas: the service's name, then `<service>-2`, ..."""
+        count = {"decoder": self.num_decoders, "pooling": self.num_poolers}.get(service, 1)
+        return [service] + [f"{service}-{i}" for i in range(2, count + 1)]
+
+    def address(self, instance: str) -> str:
+        """host:port of a service or replica (`decoder-2`)."""
+        service, _, number = instance.partition("-")
+        if not number or number == "1":
+            return f"{self.host}:{self.base_port + PORT_OFFSETS[service]}"
+        index = int(number) - 2 + (self.num_decoders - 1 if service == "pooling" else 0)
+        return f"{self.host}:{self.base_port + len(SERVICES) + index}"
+
+    def target(self, service: str) -> str:
+        """The gateway's target for every replica of `service` (one address, or an ipv4:/ipv6: list)."""
+        addresses = [self.address(r) for r in self.replicas(service)]
+        if len(addresses) == 1:
+            return addresses[0]
+        scheme = "ipv6" if ipaddress.ip_address(self.host).version == 6 else "ipv4"
+        return f"{scheme}:{','.join(addresses)}"
 
     @property
     def native_vision(self) -> bool:
@@ -71,7 +118,9 @@ class ClusterSpec:
         config = json.loads((Path(self.decoder_model_dir) / "config.json").read_text())
         return config.get("model_type") == "qwen2_vl"
 
-    def command(self, service: str) -> list[str]:
+    def command(self, instance: str) -> list[str]:
+        """The command line of a service or replica process."""
+        service = service_of(instance)
         a = self.address
         native = self.native_vision
         if native:  # the checkpoint's vision tower; sections and placeholders come from its config
@@ -88,14 +137,25 @@ class ClusterSpec:
                         *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
             "decoder": ["--model-dir", str(self.decoder_model_dir), "--adapters-address", a("adapters"),
                         *(decoder_vision if self.vision else [])],
-            "gateway": ["--decoder", a("decoder"), "--pooling", a("pooling"), "--adapters", a("adapters"),
+            "gateway": ["--decoder", self.target("decoder"), "--pooling", self.target("pooling"),
+                        "--adapters", a("adapters"),
                         "--vision", a("vision") if self.vision else ""],
         }[service]
-        return [sys.executable, "-m", f"services.{service}", "--address", a(service), *args,
+        return [sys.executable, "-m", f"services.{service}", "--address", a(instance), *args,
                 *self.extra_args.get(service, [])]
 
+    def environment(self, instance: str) -> dict[str, str]:
+        """Environment overrides of a process: replicas of one service share the CPUs (each gets
+        cpu_count / replicas intra-op threads) unless the caller set OMP_NUM_THREADS."""
+        service = service_of(instance)
+        replicas = len(self.replicas(service))
+        if replicas == 1 or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // replicas))}
+
     def services(self) -> list[str]:
-        return [s for s in SERVICES if self.vision or s != "vision"]
+        """Every process to run, replicas included, in start order."""
+        return [r for s in SERVICES if self.vision or s != "vision" for r in self.replicas(s)]
 
 
 class Cluster:
@@ -122,7 +182,7 @@ class Cluster:
         with open(self.spec.log_dir / f"{service}.log", "ab") as log:
             self.processes[service] = subprocess.Popen(
                 self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=service_env())
+                env=service_env(self.spec.environment(service)))
 
     def restart(self, service: str, timeout_s: float = 300.0) -> None:
         """Start a service that exited again, and wait until it is SERVING."""
@@ -269,7 +329,7 @@ def parse_extra(values: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for value in values:
         service, sep, args = value.partition("=")
-        if not sep or service not in SERVICES:
+        if not sep or service not in SERVICES:  # applies to every replica of the service
             raise ValueError(f"--service-args wants SERVICE=ARGS with SERVICE in {SERVICES}, got {value!r}")
         out.setdefault(service, []).extend(shlex.split(args))
     return out

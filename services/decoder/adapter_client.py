@@ -161,6 +161,12 @@ class AdapterClient:
         self._check_drain(name, digest)
         return self.bank.acquire(digest, name)
 
+    def resident_names(self) -> list[str]:
+        """Adapter names whose last known weights sit in a device slot now (sorted)."""
+        with self.bank.lock:
+            resident = set(self.bank.residency())
+        return sorted(name for name, digest in list(self._name_to_digest.items()) if digest in resident)
+
     def start_reporting(self) -> None:
         """Start the periodic residency report on the running loop (idempotent)."""
         if self.address is not None and (self._reporter is None or self._reporter.done()):

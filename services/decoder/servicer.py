@@ -57,4 +57,5 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             mrope_section=list(self.config.mrope_section or ()), image_token_id=engine.image_token_id or 0,
             num_running=stats.num_running, num_waiting=stats.num_waiting, dtype=self.config.dtype,
             num_cached_blocks=stats.num_cached_blocks, prefix_cache_hits=stats.prefix_cache_hits,
-            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens)
+            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+            resident_adapters=engine.adapters.resident_names())

@@ -16,8 +16,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     d = GatewayConfig()
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     parser.add_argument("--address", default=d.address, help="bind host:port (default %(default)s)")
-    parser.add_argument("--decoder", default=d.decoder, help="decoder host:port")
-    parser.add_argument("--pooling", default=d.pooling, help="pooling host:port")
+    parser.add_argument("--decoder", default=d.decoder,
+                        help="decoder replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
+    parser.add_argument("--pooling", default=d.pooling,
+                        help="pooling replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
     parser.add_argument("--adapters", default=d.adapters, help="adapter registry host:port")
     parser.add_argument("--vision", default=d.vision, help="vision host:port; empty string = no vision (images refused)")
     parser.add_argument("--max-path-chars", type=int, default=d.max_path_chars,
@@ -37,7 +39,7 @@ async def _main(config: GatewayConfig) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
-    await serve("gateway", config.address, register, stop=servicer.close)
+    await serve("gateway", config.address, register, start=servicer.start, stop=servicer.close)
 
 
 def main(argv: list[str] | None = None) -> None:

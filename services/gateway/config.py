@@ -1,4 +1,8 @@
-"""Gateway configuration: where the other services are, and the caps on each public request."""
+"""Gateway configuration: where the other services are, and the caps on each public request.
+
+`decoder` and `pooling` are gRPC targets that may name several replicas (`host:port`,
+`ipv4:a:p,b:p`, `dns:///name:port`; services/gateway/replicas.py); the others are one host:port.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass, field
 
 from services.common.limits import GenerateLimits, PoolingLimits
 from services.common.server import DEFAULT_PORTS
+from services.gateway.replicas import parse_target
 
 
 def _check_address(field: str, value: str) -> None:
@@ -16,11 +21,12 @@ def _check_address(field: str, value: str) -> None:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """Addresses as host:port. `vision` may be empty: then image parts are refused.
+    """`decoder`, `pooling`: replica targets; the rest host:port. `vision` may be empty: then image
+    parts are refused.
 
     `limits` caps Generate requests and `pooling_limits` Embed / Rerank / Tokenize requests, as the
     decoder and pooling services do with the same flags (services/common/limits.py);
-    `max_path_chars` caps LoadAdapter's path. Raises ValueError for a bad address or cap.
+    `max_path_chars` caps LoadAdapter's path. Raises ValueError for a bad address, target or cap.
     """
 
     address: str = f"127.0.0.1:{DEFAULT_PORTS['gateway']}"
@@ -33,8 +39,13 @@ class GatewayConfig:
     max_path_chars: int = 4096
 
     def __post_init__(self) -> None:
-        for field in ("address", "decoder", "pooling", "adapters"):
-            _check_address(field, getattr(self, field))
+        for name in ("address", "adapters"):
+            _check_address(name, getattr(self, name))
+        for name in ("decoder", "pooling"):
+            try:
+                parse_target(getattr(self, name))
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
         if self.vision:
             _check_address("vision", self.vision)
         if self.max_path_chars < 1:

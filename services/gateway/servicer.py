@@ -1,8 +1,15 @@
 """The public endpoint: validate, route, encode images through vision before the decoder.
 
-Never computes model math. Downstream statuses pass through unchanged (a decoder's
-INVALID_ARGUMENT reaches the client as INVALID_ARGUMENT); a service that is down answers
-UNAVAILABLE naming it. Deadlines propagate: each downstream call gets the client's remaining time.
+Never computes model math. Generate goes to the decoder replica the router scores best
+(services/gateway/router.py: prefix affinity, adapter affinity, load); pooling calls go to the
+pooler with the fewest requests in flight (services/gateway/pools.py). A Generate whose replica
+fails (UNAVAILABLE) before it streamed a token is retried once on another replica; one already
+streaming ends with UNAVAILABLE naming the replica as soon as its connection breaks. Each Generate's
+initial metadata names its replica (`tessera-replica: host:port`).
+
+Downstream statuses pass through unchanged (a decoder's INVALID_ARGUMENT reaches the client as
+INVALID_ARGUMENT); a service that is down answers UNAVAILABLE naming it. Deadlines propagate: each
+downstream call gets the client's remaining time.
 """
 
 from __future__ import annotations
@@ -14,15 +21,16 @@ import grpc
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.server import insecure_channel
 from services.gateway.config import GatewayConfig
+from services.gateway.convert import routing_key
 from services.gateway.limits import GatewayLimits
+from services.gateway.pools import DecoderPool, PoolerPool
+from services.gateway.replicas import Replica
 from tessera.v1 import (
     adapters_pb2_grpc,
     decoder_pb2,
-    decoder_pb2_grpc,
     gateway_pb2,
     gateway_pb2_grpc,
     pooling_pb2,
-    pooling_pb2_grpc,
     vision_pb2,
     vision_pb2_grpc,
 )
@@ -30,31 +38,44 @@ from tessera.v1 import (
 # Admin metadata the gateway relays to the registry; nothing else crosses.
 _FORWARDED_METADATA = ("authorization",)
 INFO_TIMEOUT_S = 5.0  # GetInfo lists a service that has not answered by then as unavailable
+REPLICA_METADATA = "tessera-replica"  # initial metadata of a Generate: the decoder replica serving it
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self._channels = {
-            "decoder": insecure_channel(config.decoder),
-            "pooling": insecure_channel(config.pooling),
-            "adapters": insecure_channel(config.adapters),
-        }
+        self.decoders = DecoderPool(config.decoder)
+        self.poolers = PoolerPool(config.pooling)
+        self._channels = {"adapters": insecure_channel(config.adapters)}
         if config.vision:
             self._channels["vision"] = insecure_channel(config.vision)
-        self.decoder = decoder_pb2_grpc.DecoderStub(self._channels["decoder"])
-        self.pooling = pooling_pb2_grpc.PoolingStub(self._channels["pooling"])
         self.adapters = adapters_pb2_grpc.AdaptersStub(self._channels["adapters"])
         self.vision = vision_pb2_grpc.VisionStub(self._channels["vision"]) if config.vision else None
-        self.limits = GatewayLimits(config, lambda timeout: self.decoder.GetInfo(decoder_pb2.DecoderInfoRequest(),
-                                                                                 timeout=timeout))
+        self.limits = GatewayLimits(config, self._decoder_info)
 
-    def _downstream(self, service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
+    async def _decoder_info(self, timeout_s: float) -> decoder_pb2.DecoderInfo:
+        """The latest DecoderInfo any decoder replica reported (replicas share a model and context);
+        an empty one (max_model_len 0: unknown) before the first report."""
+        for replica in self.decoders.replicas.replicas.values():
+            if isinstance(replica.info, decoder_pb2.DecoderInfo):
+                return replica.info
+        return decoder_pb2.DecoderInfo()
+
+    async def start(self) -> None:
+        """Start resolving replicas and polling the decoders' load (on the server's loop)."""
+        self.decoders.start()
+        self.poolers.start()
+
+    def _downstream(self, service: str, address: str, error: grpc.aio.AioRpcError,
+                    replica: Replica | None = None) -> Exception:
         """`_downstream` with whether the channel to `service` is connected (it answered itself)."""
-        reachable = self._channels[service].get_state() == grpc.ChannelConnectivity.READY
+        channel = replica.channel if replica is not None else self._channels[service]
+        reachable = channel.get_state() == grpc.ChannelConnectivity.READY
         return _downstream(service, address, error, reachable)
 
     async def close(self) -> None:
+        await self.decoders.close()
+        await self.poolers.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -62,14 +83,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         request = await self._encode_images(request, context, await self.limits.generate(request))
-        call = self.decoder.Generate(request, timeout=context.time_remaining())
-        try:
-            async for response in call:
-                yield response
-        except grpc.aio.AioRpcError as error:
-            raise self._downstream("decoder", self.config.decoder, error) from error
-        finally:
-            call.cancel()  # client gone or finished: the decoder frees the request's KV blocks and lease
+        key = routing_key(request)
+        tried: list[str] = []
+        failure: Exception | None = None
+        while True:
+            try:  # a retry takes another replica that is ready now, without waiting
+                replica = await self.decoders.pick(key, tried, 0.0 if tried else context.time_remaining())
+            except Unavailable:
+                if failure is not None:  # no other replica to retry on: the first one's answer
+                    raise failure from None
+                raise
+            call = replica.stub.Generate(request, timeout=context.time_remaining())
+            streamed = False
+            try:
+                async for response in call:
+                    if not streamed:
+                        await context.send_initial_metadata(((REPLICA_METADATA, replica.address),))
+                        streamed = True
+                    yield response
+                return
+            except grpc.aio.AioRpcError as error:
+                failure = self._downstream("decoder", replica.address, error, replica)
+                if error.code() == grpc.StatusCode.UNAVAILABLE and not streamed and not tried:
+                    tried.append(replica.address)  # nothing streamed yet: once more, elsewhere
+                    continue
+                raise failure from error
+            finally:
+                call.cancel()  # client gone or finished: the decoder frees the request's KV blocks and lease
+                self.decoders.finished(replica)
 
     async def _encode_images(self, request: decoder_pb2.GenerateRequest, context,
                              max_image_tokens: int) -> decoder_pb2.GenerateRequest:
@@ -100,20 +141,41 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # -- pooling ------------------------------------------------------------------------------
 
     async def Embed(self, request, context):
-        self.limits.embed(request)
-        return await self._unary("pooling", self.config.pooling, self.pooling.Embed, request, context)
+        return await self._pooled("Embed", request, context)
 
     async def Rerank(self, request, context):
-        self.limits.rerank(request)
-        return await self._unary("pooling", self.config.pooling, self.pooling.Rerank, request, context)
+        return await self._pooled("Rerank", request, context)
 
     async def Tokenize(self, request, context):
-        self.limits.tokenize(request)
-        return await self._unary("pooling", self.config.pooling, self.pooling.Tokenize, request, context)
+        return await self._pooled("Tokenize", request, context)
+
+    async def _pooled(self, method: str, request, context):
+        """One pooling call on the least busy pooler; retried once on another ready pooler if that
+        one could not be reached (its channel left READY)."""
+        tried: list[str] = []
+        failure: Exception | None = None
+        while True:
+            try:
+                replica = await self.poolers.pick(tried, 0.0 if tried else context.time_remaining())
+            except Unavailable:
+                if failure is not None:  # no other pooler to retry on: the first one's answer
+                    raise failure from None
+                raise
+            try:
+                return await self._unary("pooling", replica.address, getattr(replica.stub, method), request,
+                                         context, replica=replica)
+            except Unavailable as error:
+                if tried or replica.channel.get_state() == grpc.ChannelConnectivity.READY:
+                    raise
+                tried.append(replica.address)
+                failure = error
+            finally:
+                self.poolers.finished(replica)
 
     async def EmbedStream(self, request_iterator, context):
         relay = _RequestRelay(self.limits.embed_stream(request_iterator))
-        call = self.pooling.EmbedStream(relay.requests(), timeout=context.time_remaining())
+        replica = await self.poolers.pick(remaining=context.time_remaining())
+        call = replica.stub.EmbedStream(relay.requests(), timeout=context.time_remaining())
         relay.on_failure = call.cancel
         try:
             async for response in call:
@@ -122,9 +184,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             relay.raise_failure()  # the client's stream broke (a message that did not parse): its status
             if isinstance(error, asyncio.CancelledError):
                 raise
-            raise self._downstream("pooling", self.config.pooling, error) from error
+            raise self._downstream("pooling", replica.address, error, replica) from error
         finally:
             call.cancel()  # client gone or finished: the pooling service drops its queued inputs
+            self.poolers.finished(replica)
         relay.raise_failure()
 
     # -- adapters -----------------------------------------------------------------------------
@@ -144,17 +207,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def GetInfo(self, request, context):
         info = gateway_pb2.ClusterInfo()
-        sections = [("decoder", self.config.decoder, self.decoder.GetInfo, decoder_pb2.DecoderInfoRequest()),
-                    ("pooling", self.config.pooling, self.pooling.GetInfo, pooling_pb2.PoolingInfoRequest())]
-        if self.vision is not None:
-            sections.append(("vision", self.config.vision, self.vision.GetInfo, vision_pb2.VisionInfoRequest()))
+        sections = [("decoder", self.decoders, decoder_pb2.DecoderInfoRequest()),
+                    ("pooling", self.poolers, pooling_pb2.PoolingInfoRequest())]
         remaining = context.time_remaining()
         # a frozen section is cut off in time to answer the others within the client's deadline too
         timeout = INFO_TIMEOUT_S if remaining is None else min(INFO_TIMEOUT_S, 0.8 * remaining)
 
-        async def section(service, address, method, section_request):
+        async def section(service, pool, section_request):
             try:
-                return await self._unary(service, address, method, section_request, context, timeout)
+                if pool is None:
+                    address, method = self.config.vision, self.vision.GetInfo
+                    replica = None
+                else:  # every replica serves the same model and limits: ask a ready one
+                    [replica, *_] = await pool.ready((), min(timeout, 1.0))
+                    address, method = replica.address, replica.stub.GetInfo
+                return await self._unary(service, address, method, section_request, context, timeout, replica)
             except Unavailable as error:
                 return error
             except grpc.aio.AioRpcError as error:
@@ -162,22 +229,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise
                 return Unavailable(f"{service} service at {address} did not answer within {timeout:.1f} s")
 
+        if self.vision is not None:
+            sections.append(("vision", None, vision_pb2.VisionInfoRequest()))
         replies = await asyncio.gather(*(section(*s) for s in sections))  # one frozen service delays none
         for (service, *_), reply in zip(sections, replies):
             if isinstance(reply, Unavailable):
                 info.unavailable.append(str(reply))
             else:
                 getattr(info, service).CopyFrom(reply)
+        info.replicas.extend([*self.decoders.info(), *self.poolers.info()])
         return info
 
-    async def _unary(self, service: str, address: str, method, request, context, timeout: float | None = None):
+    async def _unary(self, service: str, address: str, method, request, context, timeout: float | None = None,
+                     replica: Replica | None = None):
         """`method(request)` downstream with the client's remaining time (or `timeout`) and its admin metadata."""
         metadata = [(k, v) for k, v in context.invocation_metadata() or () if k in _FORWARDED_METADATA]
         try:
             return await method(request, timeout=context.time_remaining() if timeout is None else timeout,
                                 metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            raise self._downstream(service, address, error) from error
+            raise self._downstream(service, address, error, replica) from error
 
 
 class _RequestRelay:

@@ -115,7 +115,7 @@ class DecoderInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecoderInfo(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "hidden_size", "block_size", "num_blocks", "num_free_blocks", "mrope_section", "image_token_id", "num_running", "num_waiting", "dtype", "num_cached_blocks", "prefix_cache_hits", "prefix_cache_hit_tokens")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "hidden_size", "block_size", "num_blocks", "num_free_blocks", "mrope_section", "image_token_id", "num_running", "num_waiting", "dtype", "num_cached_blocks", "prefix_cache_hits", "prefix_cache_hit_tokens", "resident_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class DecoderInfo(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -148,4 +149,5 @@ class DecoderInfo(_message.Message):
     num_cached_blocks: int
     prefix_cache_hits: int
     prefix_cache_hit_tokens: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ..., image_token_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ..., image_token_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

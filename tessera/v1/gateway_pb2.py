@@ -28,7 +28,7 @@ from tessera.v1 import pooling_pb2 as tessera_dot_v1_dot_pooling__pb2
 from tessera.v1 import vision_pb2 as tessera_dot_v1_dot_vision__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/gateway.proto\x12\ntessera.v1\x1a\x19tessera/v1/adapters.proto\x1a\x18tessera/v1/decoder.proto\x1a\x18tessera/v1/pooling.proto\x1a\x17tessera/v1/vision.proto\"\x14\n\x12\x43lusterInfoRequest\"\x9e\x01\n\x0b\x43lusterInfo\x12(\n\x07\x64\x65\x63oder\x18\x01 \x01(\x0b\x32\x17.tessera.v1.DecoderInfo\x12(\n\x07pooling\x18\x02 \x01(\x0b\x32\x17.tessera.v1.PoolingInfo\x12&\n\x06vision\x18\x03 \x01(\x0b\x32\x16.tessera.v1.VisionInfo\x12\x13\n\x0bunavailable\x18\x04 \x03(\t2\x95\x05\n\x07Gateway\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse\x12?\n\x06Rerank\x12\x19.tessera.v1.RerankRequest\x1a\x1a.tessera.v1.RerankResponse\x12\x45\n\x08Tokenize\x12\x1b.tessera.v1.TokenizeRequest\x1a\x1c.tessera.v1.TokenizeResponse\x12\x46\n\x0b\x45mbedStream\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse(\x01\x30\x01\x12\x46\n\x0bLoadAdapter\x12\x1e.tessera.v1.LoadAdapterRequest\x1a\x17.tessera.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .tessera.v1.UnloadAdapterRequest\x1a!.tessera.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12\x42\n\x07GetInfo\x12\x1e.tessera.v1.ClusterInfoRequest\x1a\x17.tessera.v1.ClusterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/gateway.proto\x12\ntessera.v1\x1a\x19tessera/v1/adapters.proto\x1a\x18tessera/v1/decoder.proto\x1a\x18tessera/v1/pooling.proto\x1a\x17tessera/v1/vision.proto\"\x14\n\x12\x43lusterInfoRequest\"\xc9\x01\n\x0b\x43lusterInfo\x12(\n\x07\x64\x65\x63oder\x18\x01 \x01(\x0b\x32\x17.tessera.v1.DecoderInfo\x12(\n\x07pooling\x18\x02 \x01(\x0b\x32\x17.tessera.v1.PoolingInfo\x12&\n\x06vision\x18\x03 \x01(\x0b\x32\x16.tessera.v1.VisionInfo\x12\x13\n\x0bunavailable\x18\x04 \x03(\t\x12)\n\x08replicas\x18\x05 \x03(\x0b\x32\x17.tessera.v1.ReplicaInfo\"\xa6\x01\n\x0bReplicaInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0cnum_requests\x18\x05 \x01(\x03\x12\x17\n\x0fnum_outstanding\x18\x06 \x01(\x05\x12(\n\x07\x64\x65\x63oder\x18\x07 \x01(\x0b\x32\x17.tessera.v1.DecoderInfo2\x95\x05\n\x07Gateway\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse\x12?\n\x06Rerank\x12\x19.tessera.v1.RerankRequest\x1a\x1a.tessera.v1.RerankResponse\x12\x45\n\x08Tokenize\x12\x1b.tessera.v1.TokenizeRequest\x1a\x1c.tessera.v1.TokenizeResponse\x12\x46\n\x0b\x45mbedStream\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse(\x01\x30\x01\x12\x46\n\x0bLoadAdapter\x12\x1e.tessera.v1.LoadAdapterRequest\x1a\x17.tessera.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .tessera.v1.UnloadAdapterRequest\x1a!.tessera.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12\x42\n\x07GetInfo\x12\x1e.tessera.v1.ClusterInfoRequest\x1a\x17.tessera.v1.ClusterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLUSTERINFOREQUEST']._serialized_start=144
   _globals['_CLUSTERINFOREQUEST']._serialized_end=164
   _globals['_CLUSTERINFO']._serialized_start=167
-  _globals['_CLUSTERINFO']._serialized_end=325
-  _globals['_GATEWAY']._serialized_start=328
-  _globals['_GATEWAY']._serialized_end=989
+  _globals['_CLUSTERINFO']._serialized_end=368
+  _globals['_REPLICAINFO']._serialized_start=371
+  _globals['_REPLICAINFO']._serialized_end=537
+  _globals['_GATEWAY']._serialized_start=540
+  _globals['_GATEWAY']._serialized_end=1201
 # @@protoc_insertion_point(module_scope)
