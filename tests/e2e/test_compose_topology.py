@@ -160,7 +160,7 @@ def test_every_capability_answers_through_the_gateway(topology, gateway, peft_ad
     assert answer["finish"] in ("stop", "length") and answer["ids"]
 
     embeddings = gateway.Embed(pooling_pb2.EmbedRequest(inputs=["a cat", "a kitten", "a truck"]), timeout=120)
-    assert len(embeddings.embeddings) == 3
+    assert list(embeddings.embeddings.shape) == [3, 384]
     ranked = gateway.Rerank(pooling_pb2.RerankRequest(
         query="capital of France", documents=["Bananas are yellow.", "Paris is the capital of France."]),
         timeout=120)
