@@ -5,6 +5,10 @@ Each service is its own OS process (`python -m services.<name>`), logging to
 decoder, gateway); `up` returns only when every health check says SERVING, and on Ctrl-C /
 SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period. A service
 that exits on its own is restarted (the others keep serving meanwhile), up to MAX_RESTARTS a minute.
+
+Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
+0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
+the internal ports then refuse callers without it (services/common/auth.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.adapters.config import ADMIN_TOKEN_ENV
+from services.common import auth
 from services.common.launch import service_env, wait_serving
 from services.common.paths import (
     default_adapter_root,
@@ -45,6 +51,7 @@ class ClusterSpec:
     mrope_section: str = "8,12,12"
     image_token: str = "<empty_output>"
     log_dir: Path = field(default_factory=lambda: tessera_home() / "logs")
+    internal_auth: bool = True  # a per-cluster internal token (False: internal ports trust any caller)
     extra_args: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,8 +81,7 @@ class ClusterSpec:
             vision = ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section]
             decoder_vision = ["--mrope-section", self.mrope_section, "--image-token", self.image_token]
         args = {
-            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir),
-                         *(["--admin-token", self.admin_token] if self.admin_token else [])],
+            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir)],
             "vision": vision,
             "pooling": ["--model-dir", str(self.embedding_model_dir),
                         *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
@@ -97,10 +103,13 @@ class Cluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         self.processes: dict[str, subprocess.Popen] = {}
+        self.token_file: Path | None = None  # the cluster's internal token, written by `start`
 
     def start(self, timeout_s: float = 300.0) -> None:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
+        if self.spec.internal_auth:
+            self.token_file = auth.write_token_file(self.spec.log_dir)
         try:
             for service in self.spec.services():
                 self._spawn(service)
@@ -115,7 +124,14 @@ class Cluster:
         with open(self.spec.log_dir / f"{service}.log", "ab") as log:
             self.processes[service] = subprocess.Popen(
                 self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=service_env())
+                env=service_env(self._env(service)))
+
+    def _env(self, service: str) -> dict[str, str]:
+        """Secrets travel by environment, never argv (which every local user can read in ps)."""
+        env = {auth.INTERNAL_TOKEN_FILE_ENV: str(self.token_file)} if self.token_file else {}
+        if service == "adapters" and self.spec.admin_token:
+            env[ADMIN_TOKEN_ENV] = self.spec.admin_token
+        return env
 
     def restart(self, service: str, timeout_s: float = 300.0) -> None:
         """Start a service that exited again, and wait until it is SERVING."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common import auth
+from services.common.message_limits import decoder_bytes
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
-from services.decoder.config import DecoderConfig
+from services.decoder.config import DecoderConfig, read_model_config
+from services.decoder.model_qwen2_vl import text_config
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 
@@ -46,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
                    help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1); cpu: "
                         "decode rows in a C kernel built at start (needs a C compiler with OpenMP, float32)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
+    auth.add_arguments(p)
     a = p.parse_args(argv)
     config = DecoderConfig(
         model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
@@ -59,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
 
 def main(argv: list[str] | None = None) -> None:
     address, config = parse_args(argv)
+    auth.configure_security(argv)
     configure_logging()
     servicer = DecoderServicer(config)
 
@@ -66,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
-    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop))
+    hidden_size = text_config(read_model_config(config.model_dir))["hidden_size"]
+    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop,
+                      max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
 
 
 if __name__ == "__main__":

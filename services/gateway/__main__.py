@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common import auth
+from services.common.message_limits import gateway_bytes
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
 from services.gateway.servicer import GatewayServicer
@@ -20,24 +22,29 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--adapters", default=d.adapters, help="adapter registry host:port")
     parser.add_argument("--vision", default=d.vision, help="vision host:port; empty string = no vision (images refused)")
     parser.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
+    auth.add_arguments(parser, tls=True)
     args = parser.parse_args(argv)
     return GatewayConfig(address=args.address, decoder=args.decoder, pooling=args.pooling, adapters=args.adapters,
                          vision=args.vision, max_images_per_request=args.max_images_per_request)
 
 
-async def _main(config: GatewayConfig) -> None:
+async def _main(config: GatewayConfig, security: auth.Security) -> None:
     servicer = GatewayServicer(config)
 
     def register(server):
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
-    await serve("gateway", config.address, register, stop=servicer.close)
+    # The public port: no internal-token check; the servicer's channels send the token.
+    await serve("gateway", config.address, register, stop=servicer.close, public=True,
+                credentials=security.server_credentials(),
+                max_receive_bytes=gateway_bytes(config.max_images_per_request))
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config = parse_args(argv)
+    asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common import auth
+from services.common.message_limits import pooling_bytes
 from services.common.paths import default_embedding_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-chars", type=int, default=2_000_000,
                         help="most characters of text per request, checked before tokenizing (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    auth.add_arguments(parser)
     return parser
 
 
@@ -80,12 +83,16 @@ async def _main(config: PoolingConfig) -> None:
     async def start() -> None:
         await service.compute.run(service.load)  # weights touched first by the compute thread
 
-    await serve("pooling", config.address, register, start=start)
+    longest = max(m.max_input_length for m in config.models)
+    await serve("pooling", config.address, register, start=start,
+                max_receive_bytes=pooling_bytes(config.max_request_chars, config.max_batch_size, longest))
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config = parse_args(argv)
+    auth.configure_security(argv)
+    asyncio.run(_main(config))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common import auth
+from services.common.message_limits import vision_bytes
 from services.common.paths import default_decoder_dir
 from services.common.server import configure_logging, serve
 from services.vision.config import DEFAULT_ENCODER_CACHE_BYTES, DecoderGeometry, VisionConfig, parse_sections
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{','.join(map(str, VisionConfig.mrope_section))}); qwen2-vl: from the checkpoint")
     parser.add_argument("--background", default="white",
                         help="colour under transparent pixels: name, #RRGGBB or R,G,B (default %(default)s)")
+    auth.add_arguments(parser)
     return parser
 
 
@@ -106,12 +109,16 @@ async def _main(config: VisionConfig) -> None:
         vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)
         return [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name]
 
-    await serve("vision", config.address, register, start=servicer.start)
+    processor = config.processor
+    await serve("vision", config.address, register, start=servicer.start,
+                max_receive_bytes=vision_bytes(processor.max_images, processor.max_image_bytes))
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config = parse_args(argv)
+    auth.configure_security(argv)
+    asyncio.run(_main(config))
 
 
 if __name__ == "__main__":
