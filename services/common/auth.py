@@ -164,9 +164,8 @@ def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandl
     return factory(refuse)
 
 
-class InternalTokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                                     grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds the internal token to the metadata of every call on a channel."""
+class _TokenMetadata:
+    """Adds the internal token to the metadata of each call it intercepts."""
 
     def __init__(self, token: str) -> None:
         self._entry = (INTERNAL_TOKEN_METADATA, token)
@@ -176,22 +175,34 @@ class InternalTokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
+
+# One class per call kind: a grpc.aio channel files each interceptor under the first kind it
+# implements only, so one class implementing all four would miss three of them.
+class _UnaryUnaryToken(_TokenMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _UnaryStreamToken(_TokenMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _StreamUnaryToken(_TokenMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStreamToken(_TokenMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """The interceptors every internal channel of this process carries (none when auth is off)."""
-    return [InternalTokenClientInterceptor(_process_token)] if _process_token else []
+    if not _process_token:
+        return []
+    return [kind(_process_token) for kind in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
 
 
 def server_interceptors(public: bool) -> list[grpc.aio.ServerInterceptor]:

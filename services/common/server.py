@@ -147,7 +147,24 @@ def _status_logged(method: str, error: Exception) -> tuple[grpc.StatusCode, str]
         log.exception("%s failed", method, exc_info=error)
     else:
         log.info("%s -> %s: %s", method, code.name, message)
+    _drop_tracebacks(error)
     return code, message
+
+
+def _drop_tracebacks(error: BaseException) -> None:
+    """Unlink the tracebacks of `error` and of every exception it chains.
+
+    A frame that catches an exception and raises another (`except X as e: raise Y from e`) keeps
+    `e` as a local while `e`'s traceback keeps the frame: a reference cycle holding the frame's
+    request until a full gc. Once the status is logged nothing needs those frames.
+    """
+    pending, seen = [error], set()
+    while pending:
+        chained = pending.pop()
+        if chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            chained.__traceback__ = None
+            pending += [chained.__cause__, chained.__context__]
 
 
 def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:

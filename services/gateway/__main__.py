@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from services.common import auth
+from services.common.memory import unmap_large_buffers
 from services.common.message_limits import gateway_bytes
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
@@ -44,6 +45,7 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     config = parse_args(argv)
+    unmap_large_buffers()  # the gateway relays messages and computes no tensors
     asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
 
 
