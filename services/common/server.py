@@ -8,6 +8,7 @@ once the service's model is loaded, and back to NOT_SERVING on SIGTERM before th
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import sys
@@ -36,6 +37,29 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
+# Clients re-resolve a DNS target (a headless Service, a compose service name) only when a
+# connection ends: closing each connection after MAX_CONNECTION_AGE_MS lets them find new
+# replicas. Streams open at that moment get the grace period to finish.
+MAX_CONNECTION_AGE_MS = 120_000
+MAX_CONNECTION_AGE_GRACE_MS = 3_600_000
+# Load balancers, meshes and SDKs send keepalive pings, also on idle connections and during a
+# long prefill; pings at intervals of MIN_PING_INTERVAL_MS or more are accepted without data
+# (grpc's default of 5 min answers a 10 s pinger with GOAWAY "too_many_pings").
+MIN_PING_INTERVAL_MS = 5_000
+
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A port another process holds is an error, not a second listener sharing its traffic.
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+    ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
 DEFAULT_PORTS = {"gateway": 50051, "vision": 50052, "decoder": 50053, "pooling": 50054, "adapters": 50055}
 
 
@@ -48,7 +72,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     Wraps all four handler kinds, so servicers never catch errors just to translate them. A
     request that is not valid protobuf (e.g. a string field with bad UTF-8) is INVALID_ARGUMENT
-    rather than grpc's default UNKNOWN.
+    rather than grpc's default UNKNOWN. A streaming handler is either an async generator or a
+    coroutine that writes its responses with `context.write` (grpc's health Watch is one); each
+    is wrapped in its own shape. Synchronous handlers pass through untouched.
     """
 
     # kind -> (handler factory, request is a stream, response is a stream)
@@ -65,10 +91,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         for kind, (factory, streams_in, streams_out) in self._KINDS.items():
             inner = getattr(handler, kind)
-            if inner is not None:
-                wrap = _wrap_streaming if streams_out else _wrap_single
-                return factory(wrap(inner, details.method, streams_in),
-                               _tolerant(handler.request_deserializer), handler.response_serializer)
+            if inner is None:
+                continue
+            if streams_out and inspect.isasyncgenfunction(inner):
+                wrap = _wrap_streaming
+            elif inspect.iscoroutinefunction(inner):
+                wrap = _wrap_single
+            else:
+                return handler
+            return factory(wrap(inner, details.method, streams_in),
+                           _tolerant(handler.request_deserializer), handler.response_serializer)
         return handler
 
 
@@ -185,7 +217,7 @@ def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, pu
     """A server whose internal port checks the cluster's token first (auth.py; `public`: the
     gateway's port, which does not), and refuses requests over `max_receive_bytes` with
     RESOURCE_EXHAUSTED before reading them."""
-    options = [(key, value) for key, value in CHANNEL_OPTIONS if key != "grpc.max_receive_message_length"]
+    options = [(key, value) for key, value in SERVER_OPTIONS if key != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
     return grpc.aio.server(interceptors=[*auth.server_interceptors(public), ErrorInterceptor(), *interceptors],
                            options=options)
@@ -195,6 +227,25 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
     """A client channel to another service: the servers' message limits, and the cluster's internal
     token on every call when this process has one."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=auth.client_interceptors())
+
+
+def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.ServerCredentials | None = None) -> None:
+    """Listen on `address` (TLS with `credentials`), or raise OSError naming the port when it cannot be had.
+
+    Raises:
+        OSError: the port is in use (another process holds it; SO_REUSEPORT is off) or the
+            address cannot be bound.
+    """
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as error:  # grpc raises on a failed bind; older releases returned 0
+        bound, cause = 0, error
+    else:
+        cause = None
+    if bound == 0:
+        _, _, port = address.rpartition(":")
+        raise OSError(f"{name}: cannot listen on {address}: port {port} is in use or the address is not "
+                      f"available on this host") from cause
 
 
 async def serve(
@@ -230,9 +281,7 @@ async def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"{name}: cannot bind {address}")
+    bind(server, name, address, credentials)
     await server.start()
     not_serving, serving = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
     for service in ["", *service_names]:
