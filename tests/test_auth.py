@@ -3,6 +3,7 @@ gateway's public port can serve TLS. (The cluster's internal ports: tests/e2e/te
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import subprocess
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import auth
 from services.common.launch import REPO, free_port
+from services.common.server import create_server, insecure_channel
 
 
 @pytest.fixture
@@ -127,3 +129,71 @@ def test_gateway_serves_tls(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+async def _echo_unary(request, context):
+    return request
+
+
+async def _echo_stream(request_iterator, context):
+    async for request in request_iterator:
+        yield request
+
+
+def test_internal_port_refuses_every_call_kind_without_the_token(process_token):
+    """All four call kinds, in process: missing and wrong token UNAUTHENTICATED, the right one served."""
+    async def scenario() -> dict[str, list]:
+        auth.use_internal_token("right-token")
+        server = create_server()
+        handlers = {
+            "UU": grpc.unary_unary_rpc_method_handler(_echo_unary),
+            "US": grpc.unary_stream_rpc_method_handler(_echo_one),
+            "SU": grpc.stream_unary_rpc_method_handler(_first),
+            "SS": grpc.stream_stream_rpc_method_handler(_echo_stream),
+        }
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Echo", handlers)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        results = {}
+        try:
+            for label, metadata in (("missing", ()), ("wrong", ((auth.INTERNAL_TOKEN_METADATA, "wrong-token"),))):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    results[label] = [await _code(_invoke(channel, kind, metadata)) for kind in handlers]
+            async with insecure_channel(f"127.0.0.1:{port}") as channel:  # sends the process's token
+                results["right"] = [await _invoke(channel, kind, ()) for kind in handlers]
+        finally:
+            await server.stop(0)
+        return results
+
+    results = asyncio.run(scenario())
+    assert results["missing"] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    assert results["wrong"] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    assert results["right"] == [b"x"] * 4
+
+
+async def _echo_one(request, context):
+    yield request
+
+
+async def _first(request_iterator, context):
+    async for request in request_iterator:
+        return request
+
+
+async def _invoke(channel, kind: str, metadata) -> bytes:
+    method = f"/t.Echo/{kind}"
+    if kind == "UU":
+        return await channel.unary_unary(method)(b"x", metadata=metadata, timeout=10)
+    if kind == "US":
+        return b"".join([r async for r in channel.unary_stream(method)(b"x", metadata=metadata, timeout=10)])
+    if kind == "SU":
+        return await channel.stream_unary(method)(iter([b"x"]), metadata=metadata, timeout=10)
+    return b"".join([r async for r in channel.stream_stream(method)(iter([b"x"]), metadata=metadata, timeout=10)])
+
+
+async def _code(call) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK

@@ -146,22 +146,20 @@ def _as_bytes(value: str | bytes) -> bytes:
 
 
 def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED.
+
+    It sets the status rather than raising grpc's AbortError, which grpc keeps on the call in a
+    reference cycle with the handler's frame (services/common/server.py `_end_with_status`).
+    """
 
     async def refuse(request, context):
         del request  # nothing of a refused call outlives it
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        context.set_details(reason)
 
-    async def refuse_streaming(request, context):
-        del request
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-        yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
-
-    if handler.response_streaming:
-        factory = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
-        return factory(refuse_streaming)
-    factory = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
-    return factory(refuse)
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return kinds[handler.request_streaming, handler.response_streaming](refuse)
 
 
 class _TokenMetadata:
