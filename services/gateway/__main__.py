@@ -45,7 +45,7 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     config = parse_args(argv)
-    unmap_large_buffers()  # the gateway relays messages and computes no tensors
+    unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
     asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
 
 
