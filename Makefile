@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup models up demo test proto bench clean
+.PHONY: setup deploy-tools models up demo test proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +15,14 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) deploy-tools
+
+# Debian's docker-compose checks deploy/docker-compose.yml (tests/deploy); installed only when missing,
+# without its recommended Docker engine. kubectl comes with this machine's image (tests/deploy says so).
+deploy-tools:
+	@command -v docker-compose >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; }
 
 models: setup
 	$(BIN)/tessera models prepare

@@ -30,6 +30,11 @@ class RegistryConfig:
         lease_confirm_s: reports are periodic, so a lease count may belong to a request that has
             just finished; a non-draining unload/replace waits up to this long for a report newer
             than the call from each decoder still showing leases before it refuses.
+        max_path_chars: characters of LoadAdapter's path (checked before it is resolved).
+        max_name_chars: characters of a name, digest or decoder id in any request (adapter names
+            have their own, tighter rule: services/common/names.py).
+        max_report_entries: resident digests, names per digest and acknowledged drains in one
+            ResidencyReport, each.
     """
 
     root: Path = field(default_factory=default_adapter_root)
@@ -40,6 +45,9 @@ class RegistryConfig:
     report_ttl_s: float = 10.0
     drain_poll_s: float = 0.05
     lease_confirm_s: float = 3.0  # decoders report every second
+    max_path_chars: int = 4096
+    max_name_chars: int = 256
+    max_report_entries: int = 4096
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).expanduser()
@@ -56,6 +64,9 @@ class RegistryConfig:
                 raise ValueError(f"base_model_dir {self.base_model_dir} has no config.json")
         if not 1 <= self.max_rank <= RANK_LIMIT:
             raise ValueError(f"max_rank={self.max_rank} must be in [1, {RANK_LIMIT}]")
+        for name in ("max_path_chars", "max_name_chars", "max_report_entries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.lease_confirm_s < 0:
             raise ValueError(f"lease_confirm_s={self.lease_confirm_s} must be >= 0")
         if not self.report_ttl_s > 0 or not self.drain_poll_s > 0:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.adapters.convert import draining_to_pb, info_to_pb, report_from_pb, status_to_pb, weights_to_pb
+from services.adapters.convert import (check_request, draining_to_pb, info_to_pb, report_from_pb, status_to_pb,
+                                       weights_to_pb)
 from services.adapters.service import RegistryService
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
@@ -16,10 +17,12 @@ class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
         self.registry = registry
 
     async def LoadAdapter(self, request, context):
+        check_request(request, self.registry.config)
         record = await self.registry.load_async(request.name, request.path, request.replace, request.drain)
         return info_to_pb(record)
 
     async def UnloadAdapter(self, request, context):
+        check_request(request, self.registry.config)
         await self.registry.unload_async(request.name, request.drain)
         return adapters_pb2.UnloadAdapterResponse(name=request.name)
 
@@ -28,6 +31,7 @@ class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
         return adapters_pb2.ListAdaptersResponse(adapters=[status_to_pb(s) for s in statuses])
 
     async def GetAdapter(self, request, context):
+        check_request(request, self.registry.config)
         if request.include_weights:
             record, adapter = await asyncio.to_thread(self.registry.get_weights, request.name)
             return await asyncio.to_thread(weights_to_pb, record, adapter)
@@ -35,7 +39,7 @@ class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
         return weights_to_pb(record, None)
 
     async def ReportResidency(self, request, context):
-        resident, leases, acked = report_from_pb(request)
+        resident, leases, acked = report_from_pb(request, self.registry.config)
         return draining_to_pb(self.registry.report_residency(request.decoder_id, resident, leases, acked))
 
 

@@ -4,7 +4,9 @@ Each service is its own OS process (`python -m services.<name>`), logging to
 `$TESSERA_HOME/logs/<name>.log`. Startup order follows dependencies (registry, vision, pooling,
 decoder, gateway); `up` returns only when every health check says SERVING, and on Ctrl-C /
 SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period. A service
-that exits on its own is restarted (the others keep serving meanwhile), up to MAX_RESTARTS a minute.
+that exits on its own, or whose health has not said SERVING for UNHEALTHY_RESTART_S (its engine
+loop died or is wedged), is killed and restarted, as an orchestrator's liveness probe would (the
+others keep serving meanwhile), up to MAX_RESTARTS a minute.
 
 Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
 0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
@@ -19,8 +21,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.adapters.config import ADMIN_TOKEN_ENV
 from services.common import auth
@@ -35,6 +41,7 @@ from services.common.paths import (
 SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
 MAX_RESTARTS = 5          # per RESTART_WINDOW_S, across services, before `up` gives up
 RESTART_WINDOW_S = 60.0
+UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> killed and restarted
 PORT_OFFSETS = {"gateway": 0, "vision": 1, "decoder": 2, "pooling": 3, "adapters": 4}
 
 
@@ -182,35 +189,95 @@ def run_until_signalled(spec: ClusterSpec) -> int:
     for service in spec.services():
         print(f"  {service:<9} {spec.address(service)}  SERVING", flush=True)
     print(f"tessera is up: gateway at {spec.address('gateway')} (Ctrl-C to stop)", flush=True)
-    code = 0
+    policy = RestartPolicy()
     restarts: list[float] = []
+    code = 0
     while not stop["signalled"]:
-        dead = [s for s, p in cluster.processes.items() if p.poll() is not None]
-        for service in dead:
-            # One service down must not take the others with it: the gateway answers UNAVAILABLE
-            # for that service meanwhile; we restart it, unless it keeps dying.
-            returncode = cluster.processes[service].returncode
-            restarts = [t for t in restarts if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
-            if len(restarts) > MAX_RESTARTS:
-                print(f"{service} exited (code {returncode}); {MAX_RESTARTS} restarts within "
-                      f"{RESTART_WINDOW_S:.0f} s already, giving up:\n{cluster.log_tail(service)}",
-                      file=sys.stderr, flush=True)
-                code = 1
-                break
-            print(f"{service} exited unexpectedly (code {returncode}); restarting it", file=sys.stderr, flush=True)
-            try:
-                cluster.restart(service)
-                print(f"  {service:<9} {spec.address(service)}  SERVING again", flush=True)
-            except (RuntimeError, TimeoutError) as error:
-                print(f"{service} failed to restart: {error}", file=sys.stderr, flush=True)
-                code = 1
-                break
-        if code:
+        if not restart_failing(cluster, policy, restarts):
+            code = 1
             break
         time.sleep(0.5)
     print("stopping tessera", flush=True)
     cluster.stop()
     return code
+
+
+def restart_failing(cluster: Cluster, policy: RestartPolicy, restarts: list[float]) -> bool:
+    """Kill and restart each service `policy` finds exited or unhealthy; False when one keeps failing
+    (more than MAX_RESTARTS in RESTART_WINDOW_S, appended to `restarts`) or does not come back.
+
+    One service down must not take the others with it: the gateway answers UNAVAILABLE for that
+    service meanwhile.
+    """
+    for service, reason in services_to_restart(cluster.processes, cluster.spec.address, policy):
+        now = time.monotonic()
+        restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(restarts) > MAX_RESTARTS:
+            print(f"{service} {reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already, "
+                  f"giving up:\n{cluster.log_tail(service)}", file=sys.stderr, flush=True)
+            return False
+        print(f"{service} {reason}; restarting it", file=sys.stderr, flush=True)
+        try:
+            _kill(cluster.processes[service])
+            cluster.restart(service)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"{service} failed to restart: {error}", file=sys.stderr, flush=True)
+            return False
+        print(f"  {service:<9} {cluster.spec.address(service)}  SERVING again", flush=True)
+    return True
+
+
+class RestartPolicy:
+    """When `up` restarts a service: it exited, or its health has not said SERVING (NOT_SERVING,
+    or no answer) for `unhealthy_s` seconds in a row, as a liveness probe's failure threshold."""
+
+    def __init__(self, unhealthy_s: float = UNHEALTHY_RESTART_S) -> None:
+        self.unhealthy_s = unhealthy_s
+        self._unhealthy_since: dict[str, float] = {}
+
+    def reason(self, service: str, returncode: int | None, serving: bool, now: float) -> str | None:
+        """Why `service` must be restarted now, or None. `now`: time.monotonic() seconds."""
+        if returncode is not None:
+            self._unhealthy_since.pop(service, None)
+            return f"exited unexpectedly (code {returncode})"
+        if serving:
+            self._unhealthy_since.pop(service, None)
+            return None
+        since = self._unhealthy_since.setdefault(service, now)
+        if now - since < self.unhealthy_s:
+            return None
+        del self._unhealthy_since[service]
+        return f"has not been SERVING for {now - since:.0f} s (its health says why in its log)"
+
+
+def services_to_restart(processes: dict[str, subprocess.Popen], address_of: Callable[[str], str],
+                        policy: RestartPolicy, probe_timeout_s: float = 1.0) -> list[tuple[str, str]]:
+    """(service, reason) for each running service `policy` says to restart, probing health of live ones."""
+    due = []
+    for service, process in processes.items():
+        returncode = process.poll()
+        serving = returncode is None and _is_serving(address_of(service), probe_timeout_s)
+        reason = policy.reason(service, returncode, serving, time.monotonic())
+        if reason is not None:
+            due.append((service, reason))
+    return due
+
+
+def _is_serving(address: str, timeout_s: float) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """SIGKILL: an unhealthy service may not drain (its loop is dead or stuck); no-op once exited."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
 
 
 def parse_extra(values: list[str]) -> dict[str, list[str]]:

@@ -24,10 +24,10 @@ def image_wire_bytes(max_image_bytes: int) -> int:
     return -(-max_image_bytes * 4 // 3) + 256
 
 
-def pooling_bytes(max_request_chars: int, max_batch_size: int, max_input_length: int) -> int:
-    """Embed/Rerank/Tokenize: `max_request_chars` of UTF-8 text, or a full batch of token ids."""
+def pooling_bytes(max_request_chars: int, max_request_token_ids: int) -> int:
+    """Embed/Rerank/Tokenize: `max_request_chars` of UTF-8 text, or `max_request_token_ids` token ids."""
     text = max_request_chars * UTF8_MAX_BYTES_PER_CHAR
-    token_ids = max_batch_size * max_input_length * VARINT_MAX_BYTES
+    token_ids = max_request_token_ids * VARINT_MAX_BYTES
     return max(text, token_ids) + FRAMING_BYTES
 
 

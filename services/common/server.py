@@ -1,8 +1,9 @@
 """Server lifecycle shared by every service: options, interceptors, health, reflection, SIGTERM.
 
 Every service calls `serve(...)` with its servicers; health starts NOT_SERVING, flips to SERVING
-once the service's model is loaded, and back to NOT_SERVING on SIGTERM before the drain
-(`server.stop(grace)`), as in grpc's python examples and TGI's server.
+once the service's model is loaded, follows the service's own check afterwards (NOT_SERVING while
+its engine loop has died or is wedged, services/common/liveness.py), and goes NOT_SERVING on
+SIGTERM before the drain (`server.stop(grace)`), as in grpc's python examples and TGI's server.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import auth
@@ -59,6 +61,8 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+HEALTH_POLL_S = 0.5  # how often `serve` asks the service's health check
 
 DEFAULT_PORTS = {"gateway": 50051, "vision": 50052, "decoder": 50053, "pooling": 50054, "adapters": 50055}
 
@@ -259,6 +263,7 @@ async def serve(
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     public: bool = False,
     credentials: grpc.ServerCredentials | None = None,
+    health: Callable[[], str | None] | None = None,
 ) -> None:
     """Run one service until SIGTERM/SIGINT.
 
@@ -274,10 +279,13 @@ async def serve(
         max_receive_bytes: the largest request the service can accept (from its config).
         public: the gateway's port: no internal-token check (auth.py).
         credentials: serve TLS with these instead of plaintext.
+        health: the service's runtime check, polled every HEALTH_POLL_S seconds on the event loop
+            once SERVING: None = healthy, else the reason, which turns every status NOT_SERVING
+            (logged once) until the check passes again.
     """
     server = create_server(interceptors, public=public, max_receive_bytes=max_receive_bytes)
     service_names = list(register(server))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
@@ -300,10 +308,36 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    follower = None if health is None else asyncio.create_task(
+        _follow_health(name, health, health_servicer, ["", *service_names]))
     await stopping.wait()
+    if follower is not None:
+        follower.cancel()
     log.info("%s: draining", name)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
     if stop is not None:
         await stop()
     log.info("%s stopped", name)
+
+
+async def _follow_health(name: str, check: Callable[[], str | None], health_servicer: grpc_health.aio.HealthServicer,
+                         services: list[str]) -> None:
+    """Set every status from `check()` each HEALTH_POLL_S; log each change of verdict once."""
+    reported: str | None = None
+    while True:
+        await asyncio.sleep(HEALTH_POLL_S)
+        try:
+            reason = check()
+        except Exception as error:  # noqa: BLE001 - a check that fails is itself a verdict
+            reason = f"the health check failed: {type(error).__name__}: {error}"
+        if reason == reported:
+            continue
+        if reason is None:
+            log.warning("%s: healthy again; SERVING", name)
+        else:
+            log.error("%s: NOT_SERVING: %s", name, reason)
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if reason else health_pb2.HealthCheckResponse.SERVING
+        for service in services:
+            await health_servicer.set(service, status)
+        reported = reason

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 from services.common import auth
 from services.common.message_limits import decoder_bytes
+from services.common.metrics import DecoderCollector, start_metrics_server
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S
+from services.common.limits import GenerateLimits, add_flags, from_flags
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig, read_model_config
@@ -50,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
                         "decode rows in a C kernel built at start (needs a C compiler with OpenMP, float32)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
     auth.add_arguments(p)
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
+    p.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
+                   help="health turns NOT_SERVING when requests are queued and no engine step completes for "
+                        "this long (seconds; must exceed the longest step; default %(default)s)")
+    add_flags(p, GenerateLimits)
     a = p.parse_args(argv)
     config = DecoderConfig(
         model_dir=a.model_dir, block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
@@ -57,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
         mrope_section=a.mrope_section, image_token=a.image_token, adapters_address=a.adapters_address or None,
         adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank, lora_backend=a.lora_backend, dtype=a.dtype,
         adapter_host_cache_mb=a.adapter_host_cache_mb,
-        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend)
+        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
+        metrics_port=a.metrics_port, wedged_after_s=a.wedged_after_s,
+        limits=from_flags(GenerateLimits, a))
     return a.address, config
 
 
@@ -66,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     auth.configure_security(argv)
     configure_logging()
     servicer = DecoderServicer(config)
+    start_metrics_server(config.metrics_port, address, DecoderCollector(
+        Path(config.model_dir).name, lambda: servicer.engine.stats() if servicer.engine is not None else None))
 
     def register(server):
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
@@ -73,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
 
     hidden_size = text_config(read_model_config(config.model_dir))["hidden_size"]
     asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop,
-                      max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
+                      health=servicer.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.metrics import check_metrics_port
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
+from services.common.limits import GenerateLimits
 from services.common.paths import default_decoder_dir
 from services.decoder.kernels import native
 from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
@@ -42,6 +45,10 @@ class DecoderConfig:
 TRITON_INTERPRET=1 on CPU, and a power-of-two block_size) or "cpu" (decode rows in a C kernel built
 at start with the C compiler, cpu_attention.py; float32 only; about 3x faster decode attention than
 the torch path on long contexts).
+`wedged_after_s`: seconds with requests queued and no engine step completed before health says
+NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
+`limits`: caps on each Generate request, checked on the protobuf before tokenizing
+(services/common/limits.py); its prompt character cap defaults to 32 x max_model_len.
     """
 
     model_dir: str = str(default_decoder_dir())
@@ -61,8 +68,13 @@ the torch path on long contexts).
     dtype: str = "float32"
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
+    metrics_port: int = 0  # Prometheus /metrics (services/common/metrics.py); 0 = off
+    wedged_after_s: float = DEFAULT_WEDGED_AFTER_S
+    limits: GenerateLimits = field(default_factory=GenerateLimits)
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
+        check_wedged_after_s(self.wedged_after_s)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
                      "adapter_slots", "max_lora_rank"):
             if getattr(self, name) < 1:

@@ -4,6 +4,11 @@
 engine thread hands over with `loop.call_soon_threadsafe`, once per step. Leaving the iterator
 early (client cancel, deadline, disconnect) aborts the request: its blocks and adapter lease are
 freed before the next step.
+
+The whole step is guarded: an error in scheduling, the forward, the scheduler's update or token
+bookkeeping fails that step's requests (their blocks and leases come back) and the loop goes on.
+Should the thread stop anyway, every pending and later request fails at once with UNAVAILABLE
+naming the cause, and `health()` says so (as it does when steps stop completing: `Liveness`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from transformers import AutoTokenizer
 
 from services.common.compute import claim_intra_op_threads
 from services.common.errors import InvalidArgument
+from services.common.liveness import Liveness
 from services.decoder.adapter_client import AdapterClient
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import DecoderConfig, read_model_config
@@ -82,6 +88,7 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine thread only
         self._stopped = False
+        self.liveness = Liveness("the decoder engine", config.wedged_after_s)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(num_threads or torch.get_num_threads(),),
@@ -147,12 +154,14 @@ class LLMEngine:
         `lora_slot` instead (the engine releases it at the end).
 
         Raises (before the first output): InvalidArgument (bad prompt, too long), NotFound /
-        Unavailable (adapter), ResourceExhausted (waiting queue full). With every adapter slot
-        leased the admission waits for one to free.
+        Unavailable (adapter), ResourceExhausted (waiting queue full), Unavailable (the engine
+        thread has stopped; also raised mid-stream when it stops). With every adapter slot leased
+        the admission waits for one to free.
         """
         slot = lora_slot
         lease_name = request_input.lora if lora_slot is None else ""  # the name the lease is taken as
         try:
+            self.liveness.raise_if_dead()
             prompt = await asyncio.to_thread(self.prompts.build, request_input)
             self._check_length(len(prompt.token_ids), request_input.sampling.max_tokens)
             if slot is None and request_input.lora:
@@ -165,6 +174,7 @@ class LLMEngine:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         try:
             with self._cond:
+                self.liveness.raise_if_dead()  # under the lock: a dying engine fails what it holds, or we see it
                 self.scheduler.add(*requests)
                 for request in requests:
                     self._requests[request.key] = request
@@ -219,6 +229,10 @@ class LLMEngine:
                 self._aborts.add(key)
             self._cond.notify()
 
+    def health(self) -> str | None:
+        """None while the engine thread runs and completes steps; else why not (see `Liveness`)."""
+        return self.liveness.check(bool(self._aborts) or self.scheduler.has_work())
+
     def stats(self) -> EngineStats:
         with self._cond:
             bm = self.block_manager
@@ -259,7 +273,11 @@ class LLMEngine:
             return
         finally:
             self._ready.set()
-        self._loop()
+        try:
+            self._loop()
+        except BaseException as cause:  # noqa: BLE001 - the thread ends here; its callers must hear why
+            log.critical("the decoder engine thread stopped; failing every request", exc_info=cause)
+            self._die(cause)
 
     def _loop(self) -> None:
         while True:
@@ -268,20 +286,30 @@ class LLMEngine:
                     self._cond.wait()
                 if self._stopped:
                     return
+            self._step()
+            self.liveness.num_steps += 1
+            self._flush()
+
+    def _step(self) -> None:
+        """Schedule and run one batch; an error fails the requests it touched, never the loop."""
+        try:
+            with self._cond:
                 self._process_aborts()
                 out = self.scheduler.schedule()
-            self._flush()
-            if not out.scheduled:
-                continue
-            try:
-                sampled = self.runner.execute(out)
-            except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
-                log.exception("engine step failed")
-                with self._cond:
-                    for item in out.scheduled:
-                        self._finish(item.request, "abort", error=error)
-                self._flush()
-                continue
+        except Exception as error:  # noqa: BLE001 - fail what scheduling was working on, keep serving
+            log.exception("engine step failed while scheduling")
+            with self._cond:
+                # admission takes waiting requests in order and moves each to running, so the request
+                # being handled is running or the head of the queue; aborts pending are of running ones
+                suspects = [*self.scheduler.running, *list(self.scheduler.waiting)[:1]]
+                self._aborts.clear()
+            self._fail(suspects, error)
+            return
+        self._flush()
+        if not out.scheduled:
+            return
+        try:
+            sampled = self.runner.execute(out)
             with self._cond:
                 self.scheduler.update(out)
                 for item in out.scheduled:
@@ -290,7 +318,37 @@ class LLMEngine:
                         self._finish(item.request, "abort", error=token)
                     elif token is not None:
                         self._append_token(item.request, token)
-            self._flush()
+        except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("engine step failed")
+            self._fail([item.request for item in out.scheduled], error)
+
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        """End `requests` with `error` (those a step has not finished already), freeing their blocks
+        and leases. An error here means the engine's state is broken: it ends the thread."""
+        with self._cond:
+            for request in requests:
+                if request.key in self._requests:
+                    self._finish(request, "abort", error=error)
+
+    def _die(self, cause: BaseException) -> None:
+        """Fail every request the engine holds, now and later, with Unavailable naming `cause`."""
+        self.liveness.die(cause)
+        error = self.liveness.dead_error()
+        with self._cond:
+            streams = list(self._streams.values())
+            for request in list(self._requests.values()):
+                try:
+                    self._retire(request, "abort")  # frees blocks and the adapter lease where it still can
+                except Exception:  # noqa: BLE001 - the state that killed the thread may be broken
+                    log.debug("could not retire %s", request.key, exc_info=True)
+            for stream in streams:
+                self._emit(stream, error)
+            self._requests.clear()
+            self._streams.clear()
+            self._aborts.clear()
+            self.scheduler.running.clear()
+            self.scheduler.waiting.clear()
+        self._flush()
 
     def _process_aborts(self) -> None:
         for key in self._aborts:

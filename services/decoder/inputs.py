@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.errors import InvalidArgument
+from services.common.limits import MAX_N, MAX_TOP_LOGPROBS
 
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
@@ -47,8 +48,6 @@ class ChatMessage:
     content: tuple[Part, ...]
 
 
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass

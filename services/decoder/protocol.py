@@ -4,6 +4,7 @@ servicer and the adapter client, that touches generated stubs)."""
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
+from services.common.limits import GenerateLimits, check_generate
 from services.common.tensor import from_pb
 from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, Part, RawImagePart,
                                      SamplingParams, TextPart)
@@ -35,7 +36,12 @@ def sampling_from_pb(sampling: decoder_pb2.SamplingParams) -> SamplingParams:
         top_logprobs=sampling.top_logprobs)
 
 
-def generate_from_pb(request: decoder_pb2.GenerateRequest) -> GenerateInput:
+def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimits | None = None,
+                     max_model_len: int | None = None) -> GenerateInput:
+    """Raises InvalidArgument: a cap of `limits` passed (checked first, on the protobuf, before any
+    tensor is copied; `max_model_len` adds the context checks that need no tokenizer), or a bad part."""
+    if limits is not None:
+        check_generate(request, limits, max_model_len)
     return GenerateInput(
         sampling=sampling_from_pb(request.sampling),
         request_id=request.request_id,

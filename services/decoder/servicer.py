@@ -32,6 +32,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             await self.engine.adapters.close()
             await asyncio.to_thread(self.engine.shutdown)
 
+    def health(self) -> str | None:
+        """None while the engine works (or is still loading: health is NOT_SERVING then anyway)."""
+        return None if self.engine is None else self.engine.health()
+
     def _engine(self) -> LLMEngine:
         if self.engine is None:
             raise Unavailable("the decoder is still loading its model")
@@ -39,7 +43,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
     async def Generate(self, request, context):
         # Leaving this generator (cancel, deadline, disconnect) closes the engine stream, which aborts it.
-        async for output in self._engine().generate(generate_from_pb(request)):
+        async for output in self._engine().generate(
+                generate_from_pb(request, self.config.limits, self.config.max_model_len)):
             yield output_to_pb(output)
 
     async def GetInfo(self, request, context):

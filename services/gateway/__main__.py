@@ -8,6 +8,7 @@ import asyncio
 from services.common import auth
 from services.common.memory import unmap_large_buffers
 from services.common.message_limits import gateway_bytes
+from services.common.limits import GenerateLimits, PoolingLimits, add_flags, from_flags
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
 from services.gateway.servicer import GatewayServicer
@@ -22,11 +23,15 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--pooling", default=d.pooling, help="pooling host:port")
     parser.add_argument("--adapters", default=d.adapters, help="adapter registry host:port")
     parser.add_argument("--vision", default=d.vision, help="vision host:port; empty string = no vision (images refused)")
-    parser.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
+    parser.add_argument("--max-path-chars", type=int, default=d.max_path_chars,
+                        help="characters of LoadAdapter's path (default %(default)s)")
+    add_flags(parser, GenerateLimits)
+    add_flags(parser, PoolingLimits)
     auth.add_arguments(parser, tls=True)
     args = parser.parse_args(argv)
     return GatewayConfig(address=args.address, decoder=args.decoder, pooling=args.pooling, adapters=args.adapters,
-                         vision=args.vision, max_images_per_request=args.max_images_per_request)
+                         vision=args.vision, limits=from_flags(GenerateLimits, args),
+                         pooling_limits=from_flags(PoolingLimits, args), max_path_chars=args.max_path_chars)
 
 
 async def _main(config: GatewayConfig, security: auth.Security) -> None:
@@ -39,7 +44,7 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
     # The public port: no internal-token check; the servicer's channels send the token.
     await serve("gateway", config.address, register, stop=servicer.close, public=True,
                 credentials=security.server_credentials(),
-                max_receive_bytes=gateway_bytes(config.max_images_per_request))
+                max_receive_bytes=gateway_bytes(config.limits.max_images))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ import grpc
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.server import insecure_channel
 from services.gateway.config import GatewayConfig
+from services.gateway.limits import GatewayLimits
 from tessera.v1 import (
     adapters_pb2_grpc,
     decoder_pb2,
@@ -45,6 +46,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.pooling = pooling_pb2_grpc.PoolingStub(self._channels["pooling"])
         self.adapters = adapters_pb2_grpc.AdaptersStub(self._channels["adapters"])
         self.vision = vision_pb2_grpc.VisionStub(self._channels["vision"]) if config.vision else None
+        self.limits = GatewayLimits(config, lambda timeout: self.decoder.GetInfo(decoder_pb2.DecoderInfoRequest(),
+                                                                                 timeout=timeout))
 
     def _downstream(self, service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
         """`_downstream` with whether the channel to `service` is connected (it answered itself)."""
@@ -58,7 +61,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # -- generation ---------------------------------------------------------------------------
 
     async def Generate(self, request, context):
-        request = await self._encode_images(request, context)
+        request = await self._encode_images(request, context, await self.limits.generate(request))
         call = self.decoder.Generate(request, timeout=context.time_remaining())
         try:
             async for response in call:
@@ -68,8 +71,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             call.cancel()  # client gone or finished: the decoder frees the request's KV blocks and lease
 
-    async def _encode_images(self, request: decoder_pb2.GenerateRequest, context) -> decoder_pb2.GenerateRequest:
-        """Replace every `image` part with the vision service's `encoded_image`, in order."""
+    async def _encode_images(self, request: decoder_pb2.GenerateRequest, context,
+                             max_image_tokens: int) -> decoder_pb2.GenerateRequest:
+        """Replace every `image` part with the vision service's `encoded_image`, in order; vision
+        refuses images that expand past `max_image_tokens` (0 = no budget) before encoding any."""
         parts = [*request.prompt, *(p for m in request.messages for p in m.content)]
         images = [p for p in parts if p.WhichOneof("part") == "image"]
         if any(p.WhichOneof("part") == "encoded_image" for p in parts):
@@ -78,12 +83,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return request
         if self.vision is None:
             raise InvalidArgument("no vision service is configured; image parts are not accepted")
-        if len(images) > self.config.max_images_per_request:
-            raise InvalidArgument(
-                f"request has {len(images)} images; the limit is {self.config.max_images_per_request} per request")
         try:
             encoded = await self.vision.EncodeImages(
-                vision_pb2.EncodeImagesRequest(images=[p.image for p in images]), timeout=context.time_remaining())
+                vision_pb2.EncodeImagesRequest(images=[p.image for p in images], max_image_tokens=max_image_tokens),
+                timeout=context.time_remaining())
         except grpc.aio.AioRpcError as error:
             raise self._downstream("vision", self.config.vision, error) from error
         out = decoder_pb2.GenerateRequest()
@@ -97,16 +100,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # -- pooling ------------------------------------------------------------------------------
 
     async def Embed(self, request, context):
+        self.limits.embed(request)
         return await self._unary("pooling", self.config.pooling, self.pooling.Embed, request, context)
 
     async def Rerank(self, request, context):
+        self.limits.rerank(request)
         return await self._unary("pooling", self.config.pooling, self.pooling.Rerank, request, context)
 
     async def Tokenize(self, request, context):
+        self.limits.tokenize(request)
         return await self._unary("pooling", self.config.pooling, self.pooling.Tokenize, request, context)
 
     async def EmbedStream(self, request_iterator, context):
-        relay = _RequestRelay(request_iterator)
+        relay = _RequestRelay(self.limits.embed_stream(request_iterator))
         call = self.pooling.EmbedStream(relay.requests(), timeout=context.time_remaining())
         relay.on_failure = call.cancel
         try:
@@ -124,9 +130,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # -- adapters -----------------------------------------------------------------------------
 
     async def LoadAdapter(self, request, context):
+        self.limits.adapter_request(request)
         return await self._unary("adapters", self.config.adapters, self.adapters.LoadAdapter, request, context)
 
     async def UnloadAdapter(self, request, context):
+        self.limits.adapter_request(request)
         return await self._unary("adapters", self.config.adapters, self.adapters.UnloadAdapter, request, context)
 
     async def ListAdapters(self, request, context):

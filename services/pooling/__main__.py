@@ -7,6 +7,9 @@ import asyncio
 
 from services.common import auth
 from services.common.message_limits import pooling_bytes
+from services.common.metrics import PoolingCollector, start_metrics_server
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S
+from services.common.limits import PoolingLimits
 from services.common.paths import default_embedding_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
@@ -47,8 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most sequences queued per model before RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--max-request-chars", type=int, default=2_000_000,
                         help="most characters of text per request, checked before tokenizing (default %(default)s)")
+    parser.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
+                        help="health turns NOT_SERVING when sequences are queued and no forward completes for this "
+                             "long (seconds; must exceed the longest forward; default %(default)s)")
+    parser.add_argument("--max-name-chars", type=int, default=PoolingLimits.max_name_chars,
+                        help="characters of a request's model, prompt_name and method (default %(default)s)")
+    parser.add_argument("--max-request-token-ids", type=int, default=PoolingLimits.max_request_token_ids,
+                        help="token ids over one Embed request's input_ids (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     auth.add_arguments(parser)
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     return parser
 
 
@@ -68,13 +80,16 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
         return PoolingConfig(models=models, address=args.address, max_batch_size=args.max_batch_size,
                              device=args.device, dynamic_batching=args.dynamic_batching,
                              max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-                             max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars)
+                             max_queue_size=args.max_queue_size, max_request_chars=args.max_request_chars,
+                             metrics_port=args.metrics_port, wedged_after_s=args.wedged_after_s,
+                             max_name_chars=args.max_name_chars, max_request_token_ids=args.max_request_token_ids)
     except ValueError as error:
         parser.error(str(error))
 
 
 async def _main(config: PoolingConfig) -> None:
     service = PoolingService(config)
+    start_metrics_server(config.metrics_port, config.address, PoolingCollector(service.queue_sizes))
 
     def register(server):
         pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(service), server)
@@ -83,9 +98,8 @@ async def _main(config: PoolingConfig) -> None:
     async def start() -> None:
         await service.compute.run(service.load)  # weights touched first by the compute thread
 
-    longest = max(m.max_input_length for m in config.models)
-    await serve("pooling", config.address, register, start=start,
-                max_receive_bytes=pooling_bytes(config.max_request_chars, config.max_batch_size, longest))
+    await serve("pooling", config.address, register, start=start, health=service.health,
+                max_receive_bytes=pooling_bytes(config.max_request_chars, config.max_request_token_ids))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,12 +16,18 @@ While a forward runs, new requests queue; they form the next batch. A request wh
 would push the queue past `max_queue_size` is refused (RESOURCE_EXHAUSTED) before anything is
 queued. Cancelled requests' sequences are skipped. With `enabled=False` each request is one
 forward of its own, in turn: the per-call lock baseline.
+
+A step that fails (forming the batch, the forward, handing rows out) fails that batch's requests
+and the drain goes on. Should the drain task end anyway, every queued and later request fails at
+once with UNAVAILABLE naming the cause, and `health()` says so (as it does when no forward
+completes while sequences wait: services/common/liveness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +36,10 @@ import torch
 
 from services.common.compute import ComputeThread
 from services.common.errors import ResourceExhausted
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, Liveness
 from services.pooling.tokens import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,14 +61,20 @@ class DynamicBatcher:
         max_wait_s: longest hold of the oldest queued sequence before its forward starts.
         max_queue_size: most sequences waiting (queued, not yet in a forward).
         enabled: False = one forward per request, serialized (no gathering).
+        wedged_after_s: seconds with sequences waiting and no forward completed before `health()`
+            reports the batcher wedged.
     """
 
     def __init__(self, name: str, forward: Callable[[list[Sequence]], torch.Tensor], compute: ComputeThread,
-                 max_batch_tokens: int, max_wait_s: float, max_queue_size: int, enabled: bool = True):
+                 max_batch_tokens: int, max_wait_s: float, max_queue_size: int, enabled: bool = True,
+                 wedged_after_s: float = DEFAULT_WEDGED_AFTER_S):
         self.name, self._forward, self._compute = name, forward, compute
         self.max_batch_tokens, self.max_wait_s, self.max_queue_size = max_batch_tokens, max_wait_s, max_queue_size
         self.enabled = enabled
         self._queue: collections.deque[_Pending] = collections.deque()
+        self._batch: list[_Pending] = []  # in the forward now
+        self._num_computing = 0             # sequences in a forward now, either mode
+        self.liveness = Liveness(f"model {name!r}'s batcher", wedged_after_s)
         self._num_waiting = 0
         self._drainer: asyncio.Task | None = None
         self._arrived: asyncio.Event | None = None
@@ -72,12 +87,18 @@ class DynamicBatcher:
         """Sequences accepted and not yet in a forward."""
         return self._num_waiting
 
+    def health(self) -> str | None:
+        """None while the batcher works; else why not (its drain died, or it is wedged)."""
+        return self.liveness.check(self._num_waiting > 0 or self._num_computing > 0)
+
     async def submit(self, sequences: list[Sequence]) -> torch.Tensor:
         """Run `sequences` (possibly beside other requests' sequences); rows come back in input order.
 
         Raises:
             ResourceExhausted: the queue cannot take them (the message gives the counts and the limit).
+            Unavailable: the batcher's drain task has stopped (also raised for sequences it held).
         """
+        self.liveness.raise_if_dead()
         if self._num_waiting + len(sequences) > self.max_queue_size:
             raise ResourceExhausted(
                 f"model {self.name!r} has {self._num_waiting} sequences queued and this request adds "
@@ -103,7 +124,12 @@ class DynamicBatcher:
                 self._num_waiting -= len(sequences)
                 started = True
                 self.batch_shapes.append((len(sequences), max(map(len, sequences))))
-                return await self._compute.run(self._forward, sequences)
+                self._num_computing = len(sequences)
+                try:
+                    return await self._compute.run(self._forward, sequences)
+                finally:
+                    self._num_computing = 0
+                    self.liveness.num_steps += 1
         finally:
             if not started:  # cancelled while waiting for the lock
                 self._num_waiting -= len(sequences)
@@ -115,22 +141,44 @@ class DynamicBatcher:
         return self._lock_by_loop[1]
 
     async def _drain(self) -> None:
-        while self._queue:
+        try:
+            while self._queue:
+                await self._step()
+                self.liveness.num_steps += 1
+        except asyncio.CancelledError:
+            raise
+        except BaseException as cause:  # noqa: BLE001 - the drain ends here; its callers must hear why
+            log.critical("%s stopped; failing every queued request", self.liveness.what, exc_info=cause)
+            self._die(cause)
+
+    async def _step(self) -> None:
+        """Form one batch, run its forward and hand the rows out; an error fails this batch only
+        (when forming the batch fails, the oldest sequence, so the next step moves on)."""
+        try:
             await self._hold()
-            batch = self._take()
-            if not batch:
-                continue
-            self.batch_shapes.append((len(batch), max(len(item.sequence) for item in batch)))
-            try:
-                out = await self._compute.run(self._forward, [item.sequence for item in batch])
-            except Exception as error:  # noqa: BLE001 - handed to every request in the batch
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(error)
-                continue
-            for item, row in zip(batch, out, strict=True):
+            self._batch = self._take()
+            if not self._batch:
+                return
+            self.batch_shapes.append((len(self._batch), max(len(item.sequence) for item in self._batch)))
+            self._num_computing = len(self._batch)
+            out = await self._compute.run(self._forward, [item.sequence for item in self._batch])
+            for item, row in zip(self._batch, out, strict=True):
                 if not item.future.done():
                     item.future.set_result(row)
+        except Exception as error:  # noqa: BLE001 - handed to every request in the batch
+            if not self._batch and self._queue:
+                self._batch = [self._queue.popleft()]
+                self._num_waiting -= 1
+            log.warning("%s: a step failed: %r", self.liveness.what, error)
+            _fail(self._batch, error)
+        self._batch, self._num_computing = [], 0  # kept on a fatal error, for `_die` to fail
+
+    def _die(self, cause: BaseException) -> None:
+        """Fail every held sequence, now and later, with Unavailable naming `cause`."""
+        self.liveness.die(cause)
+        _fail([*self._batch, *self._queue], self.liveness.dead_error())
+        self._queue.clear()
+        self._batch, self._num_waiting, self._num_computing = [], 0, 0
 
     async def _hold(self) -> None:
         """Wait for more sequences until the budget is full or the oldest has waited max_wait_s."""
@@ -165,3 +213,9 @@ class DynamicBatcher:
         taken = [self._queue.popleft() for _ in range(num)]
         self._num_waiting -= num
         return [item for item in taken if not item.future.done()]  # cancelled requests drop out
+
+
+def _fail(items: list[_Pending], error: BaseException) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(error)

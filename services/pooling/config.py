@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.metrics import check_metrics_port
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
+from services.common.limits import PoolingLimits
 from services.common.server import DEFAULT_PORTS
 from services.pooling.st_config import POOLING_MODES, read_st_config
 
@@ -167,6 +170,13 @@ class PoolingConfig:
         max_request_chars: most characters of text one request may carry, all inputs (or query and
             documents) together, checked before tokenizing (tokenizing is linear in it and runs
             before truncation: 10 MB of text took ~20 s of CPU). TEI's --payload-limit, 2 MB, in spirit.
+        metrics_port: Prometheus /metrics port (services/common/metrics.py); 0 = off.
+        wedged_after_s: seconds with sequences queued and no forward completed before health says
+            NOT_SERVING (services/common/liveness.py); it must exceed the longest forward.
+        max_name_chars: characters of a request's model, prompt_name and method.
+        max_request_token_ids: token ids over every input_ids list of one Embed request.
+        The request caps together are `limits`, checked on the protobuf before conversion
+        (services/common/limits.py); the gateway checks the same caps by the same flags.
 
     Raises:
         ValueError: no models, duplicate model names, an address without a port, a limit below 1,
@@ -175,15 +185,21 @@ class PoolingConfig:
 
     models: list[ModelConfig]
     address: str = f"127.0.0.1:{DEFAULT_PORTS['pooling']}"
-    max_batch_size: int = 64
+    max_batch_size: int = PoolingLimits.max_batch_size
     device: str = "cpu"
     dynamic_batching: bool = True
     max_batch_tokens: int = 16384
     max_wait_ms: float = 2.0
     max_queue_size: int = 4096
-    max_request_chars: int = 2_000_000
+    metrics_port: int = 0
+    wedged_after_s: float = DEFAULT_WEDGED_AFTER_S
+    max_request_chars: int = PoolingLimits.max_request_chars
+    max_name_chars: int = PoolingLimits.max_name_chars
+    max_request_token_ids: int = PoolingLimits.max_request_token_ids
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
+        check_wedged_after_s(self.wedged_after_s)
         if ":" not in self.address:
             raise ValueError(f"address must be host:port, got {self.address!r}")
         if not self.models:
@@ -194,6 +210,7 @@ class PoolingConfig:
         if self.max_batch_size < 1 or self.max_request_chars < 1:
             raise ValueError(f"max_batch_size ({self.max_batch_size}) and max_request_chars "
                              f"({self.max_request_chars}) must be >= 1")
+        self.limits  # noqa: B018 - validates the request caps (ValueError naming the first below 1)
         longest = max(m.max_input_length for m in self.models)
         if self.max_batch_tokens < longest:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} is below the longest max_input_length "
@@ -203,6 +220,13 @@ class PoolingConfig:
         if self.max_queue_size < self.max_batch_size + 1:
             raise ValueError(f"max_queue_size {self.max_queue_size} must hold one full request "
                              f"(max_batch_size + 1 = {self.max_batch_size + 1})")
+
+    @property
+    def limits(self) -> PoolingLimits:
+        """The caps on one Embed / Rerank / Tokenize request."""
+        return PoolingLimits(max_name_chars=self.max_name_chars, max_batch_size=self.max_batch_size,
+                             max_request_chars=self.max_request_chars,
+                             max_request_token_ids=self.max_request_token_ids)
 
     @property
     def default_model(self) -> ModelConfig:

@@ -76,8 +76,13 @@ class PoolingService:
             loaded = models[model_config.model_name]
             # a fresh batcher per service, with this service's limits; the loaded weights are shared
             batcher = DynamicBatcher(model_config.model_name, loaded.runner.forward, self.compute,
-                                     c.max_batch_tokens, c.max_wait_ms / 1000.0, c.max_queue_size, c.dynamic_batching)
+                                     c.max_batch_tokens, c.max_wait_ms / 1000.0, c.max_queue_size, c.dynamic_batching,
+                                     c.wedged_after_s)
             self._models[model_config.model_name] = ServedModel(model_config, loaded.tokenizer, loaded.runner, batcher)
+
+    def health(self) -> str | None:
+        """None while every model's batcher works (or before loading); else the first reason why not."""
+        return next((reason for served in self._models.values() if (reason := served.batcher.health())), None)
 
     # -- embed -------------------------------------------------------------------------------------
 
@@ -251,6 +256,10 @@ class PoolingService:
             dimension=default.dimension, max_input_length=default.max_input_length, max_batch_size=c.max_batch_size,
             rerank_method=rerank_default.runner.method, models=models, max_batch_tokens=c.max_batch_tokens,
             max_queue_size=c.max_queue_size, max_wait_ms=c.max_wait_ms, dynamic_batching=c.dynamic_batching)
+
+    def queue_sizes(self) -> dict[str, int]:
+        """Sequences accepted and not yet in a forward, by model name (empty before `load()`)."""
+        return {name: served.batcher.num_waiting for name, served in self._models.items()}
 
     @staticmethod
     def _model_info(served: ServedModel) -> ModelInfo:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from services.common.errors import InvalidArgument
+from services.common.limits import PoolingLimits, check_embed, check_rerank, check_tokenize
+from services.common.streams import RequestPump
 from services.common.tensor import to_pb
 from services.pooling.domain import EmbedQuery, Embeddings, Ranking, ServiceInfo, Tokenization
 from services.pooling.service import PoolingService
@@ -24,25 +26,34 @@ _DIRECTIONS = {pooling_pb2.TRUNCATION_DIRECTION_RIGHT: "right", pooling_pb2.TRUN
 class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
     def __init__(self, service: PoolingService):
         self.service = service
+        self.limits = service.config.limits
 
     async def Embed(self, request: pooling_pb2.EmbedRequest, context) -> pooling_pb2.EmbedResponse:
-        result = await self.service.embed_query(embed_query_from_pb(request))
+        result = await self.service.embed_query(embed_query_from_pb(request, self.limits))
         return embeddings_to_pb(result, request.encoding_format)
 
     async def EmbedStream(self, request_iterator, context):
         formats: list[int] = []  # encoding format per request, in order
+        pump = RequestPump(request_iterator)
 
         async def queries():
-            async for request in request_iterator:
+            async for request in pump:
                 formats.append(request.encoding_format)
-                yield embed_query_from_pb(request)
+                yield embed_query_from_pb(request, self.limits)
 
         index = 0
-        async for result in self.service.embed_stream(queries()):
-            yield embeddings_to_pb(result, formats[index])
-            index += 1
+        try:
+            async for result in self.service.embed_stream(queries()):
+                yield embeddings_to_pb(result, formats[index])
+                index += 1
+        except Exception:
+            await pump.drain()  # the status after the client's last message (services/common/streams.py)
+            raise
+        finally:
+            pump.cancel()
 
     async def Rerank(self, request: pooling_pb2.RerankRequest, context) -> pooling_pb2.RerankResponse:
+        check_rerank(request, self.limits)
         top_n = request.top_n if request.HasField("top_n") else None
         ranking = await self.service.rerank(request.query, list(request.documents), top_n=top_n,
                                             return_documents=request.return_documents, model=request.model,
@@ -50,6 +61,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         return ranking_to_pb(ranking)
 
     async def Tokenize(self, request: pooling_pb2.TokenizeRequest, context) -> pooling_pb2.TokenizeResponse:
+        check_tokenize(request, self.limits)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         result = await self.service.tokenize(list(request.inputs), model=request.model,
                                              add_special_tokens=add_special, prompt_name=request.prompt_name)
@@ -59,7 +71,10 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         return info_to_pb(self.service.info())
 
 
-def embed_query_from_pb(request: pooling_pb2.EmbedRequest) -> EmbedQuery:
+def embed_query_from_pb(request: pooling_pb2.EmbedRequest, limits: PoolingLimits | None = None) -> EmbedQuery:
+    """Raises InvalidArgument: a cap of `limits` passed (checked first), or an unknown enum value."""
+    if limits is not None:
+        check_embed(request, limits)
     for field, enum in (("encoding_format", pooling_pb2.EncodingFormat),
                         ("truncation_direction", pooling_pb2.TruncationDirection)):
         value = getattr(request, field)

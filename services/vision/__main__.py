@@ -12,6 +12,7 @@ import asyncio
 
 from services.common import auth
 from services.common.message_limits import vision_bytes
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.paths import default_decoder_dir
 from services.common.server import configure_logging, serve
 from services.vision.config import DEFAULT_ENCODER_CACHE_BYTES, DecoderGeometry, VisionConfig, parse_sections
@@ -51,9 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-image-pixels", type=int, default=p.max_image_pixels,
                         help="width*height per image, checked from the header (default %(default)s)")
     parser.add_argument("--max-images", type=int, default=p.max_images, help="images per request (default %(default)s)")
+    parser.add_argument("--max-request-pixels", type=int, default=p.max_request_pixels,
+                        help="width*height over a request's images to decode, from the headers (default %(default)s)")
     parser.add_argument("--mrope-section", default=None,
                         help="demo: rotary pairs per (t,h,w) axis, e.g. 8,12,12 (default "
                              f"{','.join(map(str, VisionConfig.mrope_section))}); qwen2-vl: from the checkpoint")
+    parser.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
+                        help="health turns NOT_SERVING when images wait and no encode completes for this long "
+                             "(seconds; must exceed the longest encode; default %(default)s)")
     parser.add_argument("--background", default="white",
                         help="colour under transparent pixels: name, #RRGGBB or R,G,B (default %(default)s)")
     auth.add_arguments(parser)
@@ -73,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
     """Raises ValueError for any inconsistent flag (e.g. output width != decoder hidden size)."""
     processor = ProcessorConfig(image_size=args.image_size, max_image_bytes=args.max_image_bytes,
                                 max_image_pixels=args.max_image_pixels, max_images=args.max_images,
+                                max_request_pixels=args.max_request_pixels,
                                 background=parse_color(args.background))
     if args.encoder == "qwen2-vl":
         return _qwen2_vl_config(args, processor)
@@ -85,7 +92,8 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
                                 patch_size=args.patch_size, seed=args.seed)
     sections = parse_sections(args.mrope_section or ",".join(map(str, VisionConfig.mrope_section)))
     return VisionConfig(encoder=encoder, processor=processor, address=args.address, mrope_section=sections,
-                        decoder=decoder, encoder_cache_bytes=args.encoder_cache_bytes)
+                        decoder=decoder, encoder_cache_bytes=args.encoder_cache_bytes,
+                        wedged_after_s=args.wedged_after_s)
 
 
 def _qwen2_vl_config(args: argparse.Namespace, processor: ProcessorConfig) -> VisionConfig:
@@ -96,7 +104,8 @@ def _qwen2_vl_config(args: argparse.Namespace, processor: ProcessorConfig) -> Vi
     encoder = Qwen2VLEncoderConfig(model_dir=args.model_dir, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     decoder = DecoderGeometry.from_model_dir(args.decoder_model_dir or args.model_dir)
     config = VisionConfig.for_qwen2_vl(encoder, processor, address=args.address, decoder=decoder,
-                                       encoder_cache_bytes=args.encoder_cache_bytes)
+                                       encoder_cache_bytes=args.encoder_cache_bytes,
+                                       wedged_after_s=args.wedged_after_s)
     if args.mrope_section is not None and parse_sections(args.mrope_section) != config.mrope_section:
         raise ValueError(f"--mrope-section {args.mrope_section} differs from the checkpoint's {config.mrope_section}")
     return config
@@ -110,7 +119,7 @@ async def _main(config: VisionConfig) -> None:
         return [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name]
 
     processor = config.processor
-    await serve("vision", config.address, register, start=servicer.start,
+    await serve("vision", config.address, register, start=servicer.start, health=servicer.health,
                 max_receive_bytes=vision_bytes(processor.max_images, processor.max_image_bytes))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.server import DEFAULT_PORTS
 from services.vision.encoder import DemoEncoderConfig, decoder_geometry
 from services.vision.processor import ProcessorConfig
@@ -54,6 +55,7 @@ class VisionConfig:
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
     decoder: DecoderGeometry | None = None
     encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES  # 0 disables the encoder cache
+    wedged_after_s: float = DEFAULT_WEDGED_AFTER_S  # encodes waiting, none completed this long -> NOT_SERVING
 
     @classmethod
     def for_qwen2_vl(cls, encoder: Qwen2VLEncoderConfig, processor: ProcessorConfig | None = None,
@@ -67,6 +69,7 @@ class VisionConfig:
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"address must be host:port with a port in 1..65535, got {self.address!r}")
+        check_wedged_after_s(self.wedged_after_s)
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
         if len(self.mrope_section) != 3 or any(s < 1 for s in self.mrope_section):

@@ -1,9 +1,17 @@
 """The vision engine: processor + encoder cache + encoder + content hash, with no gRPC types.
 
     sources --byte caps--> content hash (bytes + recipe + encoder revision)
-            --cache hit?--> cached rows (no decoding, no encoder)
-            --miss--> decode + preprocess (processor) --> encoder (misses only, duplicates once)
+            --cache hit?--> cached rows and grid (no decoding, no encoder)
+            --miss--> header only: pixel and frame caps, grid from the resize rule
+            --every image inspected--> request pixel budget (misses), token budget (all)
+            --misses--> decode + preprocess (processor) --> encoder (misses only, duplicates once)
             --> cache.put --> EncodedImage per source, in order
+
+The grid an image will have is known from its header size: the demo encoder's is fixed
+(image_size / patch_size per side); Qwen2-VL's is smart_resize(height, width) / (patch * merge),
+the processor's own rule (`qwen2_vl_pixels.smart_resize`), which is symmetric in the two sides, so
+EXIF orientation does not change it. A request whose images expand past its token budget is
+refused before a single image is decoded.
 
 `process` (lookups and PIL decoding) is safe to run concurrently; `encode` touches the model and
 must be serialized by the caller (the servicer holds a lock and runs both off the event loop).
@@ -20,6 +28,7 @@ from services.vision.config import VisionConfig
 from services.vision.encoder import DemoEncoder, EncoderOutput, ImageEncoder
 from services.vision.encoder_cache import EncoderCache, EncoderCacheStats
 from services.vision.processor import ImageProcessor, ImageSource, ProcessedImage, content_hash
+from services.vision.qwen2_vl_pixels import smart_resize
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoder, Qwen2VLEncoderConfig
 
 
@@ -36,6 +45,26 @@ class EncodedImage:
     grid_thw: tuple[int, int, int]
     mrope_section: tuple[int, int, int]
     content_hash: str
+
+
+@dataclass(frozen=True)
+class InspectedImage:
+    """One source after its byte and header checks, nothing decoded yet.
+
+    `size`: (width, height) from the header, None for a cache hit (nothing to decode);
+    `grid_thw`: what the encoder will make of it, in LLM units.
+    """
+
+    data: bytes
+    content_hash: str
+    grid_thw: tuple[int, int, int]
+    size: tuple[int, int] | None = None
+    cached: EncoderOutput | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 @dataclass(frozen=True)
@@ -78,29 +107,43 @@ class VisionEngine:
         self.cache = EncoderCache(config.encoder_cache_bytes)
         self.images_encoded = 0
 
-    def process(self, sources: list[ImageSource]) -> list[PreparedImage]:
-        """Count cap first, then each image's caps; decodes only cache misses.
+    def process(self, sources: list[ImageSource], max_image_tokens: int = 0) -> list[PreparedImage]:
+        """Count cap first, then every image's byte and header caps, then the request's budgets
+        (pixels of the images to decode; `max_image_tokens` over all, 0 = none), then decoding of
+        cache misses only.
 
-        Raises InvalidArgument naming the image index when a request has several images.
+        Raises InvalidArgument (naming the image index when a request has several images).
         """
         self.processor.check_count(len(sources))
-        prepared = []
-        for i, source in enumerate(sources):
-            try:
-                prepared.append(self._prepare(source))
-            except InvalidArgument as error:
-                if len(sources) > 1:
-                    raise InvalidArgument(f"image {i}: {error}") from error
-                raise
-        return prepared
+        inspected = [_indexed(i, len(sources), self.inspect, source) for i, source in enumerate(sources)]
+        self.processor.check_request_pixels([item.size for item in inspected if item.size is not None])
+        check_image_tokens(inspected, max_image_tokens)
+        return [_indexed(i, len(sources), self._decode, item) for i, item in enumerate(inspected)]
 
-    def _prepare(self, source: ImageSource) -> PreparedImage:
+    def inspect(self, source: ImageSource) -> InspectedImage:
+        """Byte cap, content hash, cache lookup; for a miss the header checks and the grid to come."""
         data = self.processor.image_bytes(source)  # byte cap, base64 decoding
         key = content_hash(data, self.config.processor, self.encoder.revision)
         cached = self.cache.get(key)
         if cached is not None:  # same bytes + recipe + weights: already validated and encoded
-            return PreparedImage(content_hash=key, cached=cached)
-        return PreparedImage(content_hash=key, processed=self.processor.process(ImageSource(data=data)))
+            return InspectedImage(data=data, content_hash=key, grid_thw=tuple(cached.grid_thw), cached=cached)
+        width, height = self.processor.header_size(data)
+        return InspectedImage(data=data, content_hash=key, grid_thw=self.grid_for(width, height),
+                              size=(width, height))
+
+    def grid_for(self, width: int, height: int) -> tuple[int, int, int]:
+        """(t, h, w) in LLM units an image of this header size is encoded to (see the module docstring)."""
+        qwen = self.config.processor.qwen2_vl
+        if qwen is None:
+            return self.config.encoder.grid_thw
+        resized_h, resized_w = smart_resize(height, width, qwen)
+        return (1, resized_h // qwen.factor, resized_w // qwen.factor)
+
+    def _decode(self, item: InspectedImage) -> PreparedImage:
+        if item.cached is not None:
+            return PreparedImage(content_hash=item.content_hash, cached=item.cached)
+        return PreparedImage(content_hash=item.content_hash,
+                             processed=self.processor.process(ImageSource(data=item.data)))
 
     def encode(self, prepared: list[PreparedImage]) -> list[EncodedImage]:
         """Rows for every prepared image, in order; the encoder runs once per distinct missing hash."""
@@ -127,3 +170,23 @@ class VisionEngine:
                           max_images_per_request=p.max_images, mrope_section=self.config.mrope_section,
                           min_pixels=qwen.min_pixels if qwen else 0, max_pixels=qwen.max_pixels if qwen else 0,
                           cache=self.cache.stats(), images_encoded=self.images_encoded)
+
+
+def check_image_tokens(images: list[InspectedImage], max_image_tokens: int) -> None:
+    """Raises InvalidArgument when the images expand past `max_image_tokens` (0 = no budget)."""
+    total = sum(image.num_tokens for image in images)
+    if max_image_tokens and total > max_image_tokens:
+        shown = ", ".join("x".join(map(str, image.grid_thw)) for image in images[:8])
+        more = ", ..." if len(images) > 8 else ""
+        raise InvalidArgument(f"{len(images)} images expand to {total} tokens (grids {shown}{more}); the budget is "
+                              f"{max_image_tokens} (max_image_tokens: the decoder's context less max_tokens)")
+
+
+def _indexed(index: int, count: int, step, item):
+    """`step(item)`, its InvalidArgument prefixed with the image index when a request has several."""
+    try:
+        return step(item)
+    except InvalidArgument as error:
+        if count > 1:
+            raise InvalidArgument(f"image {index}: {error}") from error
+        raise

@@ -3,7 +3,9 @@
 Every cap is checked before the expensive step it protects, as the seed's VisionProcessor does:
 
     request  --count cap-->  per image: compressed-byte cap  --(decode base64)-->  byte cap again
-             --PIL header (size is lazy)-->  pixel cap, frame count  --load()-->  EXIF orientation
+             --PIL header (size is lazy)-->  pixel cap, frame count
+             (every image's header first: the request's pixel and token budgets, see engine.py)
+             --load()-->  EXIF orientation
              --> RGB (alpha composited on the background)  --> bicubic resize S x S  --> [-1, 1]
 
 Remote URLs are never fetched (ARCHITECTURE invariant 6): only raw bytes or a base64
@@ -67,6 +69,7 @@ class ProcessorConfig:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # compressed bytes, after base64 decoding
     max_image_pixels: int = 40_000_000         # width * height from the header
     max_images: int = 8                        # per request
+    max_request_pixels: int = 80_000_000       # width * height over a request's images that need decoding
     background: tuple[int, int, int] = (255, 255, 255)  # RGB under transparent pixels
     qwen2_vl: Qwen2VLPixelConfig | None = None  # None: fixed image_size, [-1, 1]; set: Qwen2-VL's recipe
 
@@ -82,6 +85,9 @@ class ProcessorConfig:
                              f"got {self.max_image_pixels}")
         if self.max_images < 1:
             raise ValueError(f"max_images must be >= 1, got {self.max_images}")
+        if self.max_request_pixels < self.max_image_pixels:
+            raise ValueError(f"max_request_pixels ({self.max_request_pixels}) must hold one image of "
+                             f"max_image_pixels ({self.max_image_pixels})")
         if len(self.background) != 3 or any(not 0 <= int(c) <= 255 for c in self.background):
             raise ValueError(f"background must be 3 channels in 0..255, got {self.background}")
 
@@ -116,7 +122,8 @@ class ImageProcessor:
     def check_count(self, num_images: int) -> None:
         """Raises InvalidArgument when a request carries more images than `max_images`."""
         if num_images > self.config.max_images:
-            raise InvalidArgument(f"request has {num_images} images; at most {self.config.max_images} are allowed")
+            raise InvalidArgument(f"request has {num_images} images; at most {self.config.max_images} are allowed "
+                                  "(--max-images)")
 
     def image_bytes(self, source: ImageSource) -> bytes:
         """The encoded bytes of `source`, byte cap checked before any base64 decoding."""
@@ -143,6 +150,19 @@ class ImageProcessor:
         if len(data) > cap:
             raise InvalidArgument(f"image has {len(data)} bytes; the limit is {cap}")
         return data
+
+    def header_size(self, data: bytes) -> tuple[int, int]:
+        """(width, height) read from the header (nothing decoded), after the pixel, frame and
+        Qwen2-VL patch / aspect checks. Raises InvalidArgument."""
+        return self._open_checked(data).size
+
+    def check_request_pixels(self, sizes: list[tuple[int, int]]) -> None:
+        """Raises InvalidArgument when images of these (width, height) pass max_request_pixels together."""
+        total = sum(w * h for w, h in sizes)
+        if total > self.config.max_request_pixels:
+            shown = ", ".join(f"{w}x{h}" for w, h in sizes[:8]) + (", ..." if len(sizes) > 8 else "")
+            raise InvalidArgument(f"images hold {total} pixels together ({shown}); the limit is "
+                                  f"{self.config.max_request_pixels} per request (--max-request-pixels)")
 
     def process(self, source: ImageSource) -> ProcessedImage:
         """Decode, check, orient, convert and normalize one image. Raises InvalidArgument."""

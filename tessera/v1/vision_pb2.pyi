@@ -28,10 +28,12 @@ class EncodedImage(_message.Message):
     def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., mrope_section: _Optional[_Iterable[int]] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class EncodeImagesRequest(_message.Message):
-    __slots__ = ("images",)
+    __slots__ = ("images", "max_image_tokens")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageInput]
-    def __init__(self, images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+    max_image_tokens: int
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., max_image_tokens: _Optional[int] = ...) -> None: ...
 
 class EncodeImagesResponse(_message.Message):
     __slots__ = ("images",)

@@ -1,0 +1,87 @@
+"""The gateway's request caps: every public RPC is checked here before any downstream call.
+
+Generate runs the decoder's own checks (`services.common.limits.check_generate`, same caps by
+the same flags) with the decoder's context, so a request the decoder would refuse never has its
+images encoded. The context comes from the decoder's GetInfo, cached for CONTEXT_TTL_S; while the
+decoder does not answer, the checks that need it are left to the decoder.
+
+Image token budget: what the vision service may expand a request's images to is the context less
+max_tokens (`EncodeImagesRequest.max_image_tokens`). It is an upper bound: the text's tokens
+(known only after the decoder tokenizes) and any vision start/end tokens come on top, and the
+decoder's exact context check still applies. With it, vision refuses from the image headers
+(each image's size through the processor's resize rule), before decoding or encoding anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from services.common.errors import InvalidArgument
+from services.common.limits import check_chars, check_embed, check_generate, check_rerank, check_tokenize
+from services.gateway.config import GatewayConfig
+
+CONTEXT_TTL_S = 30.0  # a decoder restarted with another max_model_len is seen within this long
+CONTEXT_TIMEOUT_S = 2.0
+
+
+class GatewayLimits:
+    """Checks one request of each public RPC; raises InvalidArgument naming the field, its size
+    and the limit (with its flag).
+
+    `decoder_info(timeout)` answers the decoder's `DecoderInfo` (its `max_model_len` is read).
+    """
+
+    def __init__(self, config: GatewayConfig, decoder_info: Callable[[float], Awaitable]) -> None:
+        self.config = config
+        self._decoder_info = decoder_info
+        self._context: tuple[float, int] | None = None  # (monotonic time read, max_model_len)
+
+    async def max_model_len(self) -> int | None:
+        """The decoder's context in tokens (cached), or None while it does not answer."""
+        now = time.monotonic()
+        if self._context is not None and now - self._context[0] < CONTEXT_TTL_S:
+            return self._context[1]
+        try:
+            info = await self._decoder_info(CONTEXT_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return None if self._context is None else self._context[1]
+        if info.max_model_len < 1:
+            return None
+        self._context = (now, info.max_model_len)
+        return info.max_model_len
+
+    async def generate(self, request) -> int:
+        """Checks a GenerateRequest; returns its image token budget (0 = unknown: no budget)."""
+        max_model_len = await self.max_model_len()
+        check_generate(request, self.config.limits, max_model_len)
+        return 0 if max_model_len is None else max_model_len - request.sampling.max_tokens
+
+    def embed(self, request) -> None:
+        check_embed(request, self.config.pooling_limits)
+
+    async def embed_stream(self, requests: AsyncIterator) -> AsyncIterator:
+        """`requests`, each checked as it arrives; the first over a cap ends the stream with it, once
+        the client has sent its last message (read and dropped: see services/common/streams.py)."""
+        async for request in requests:
+            try:
+                self.embed(request)
+            except InvalidArgument:
+                async for _ in requests:
+                    pass
+                raise
+            yield request
+
+    def rerank(self, request) -> None:
+        check_rerank(request, self.config.pooling_limits)
+
+    def tokenize(self, request) -> None:
+        check_tokenize(request, self.config.pooling_limits)
+
+    def adapter_request(self, request) -> None:
+        """LoadAdapter / UnloadAdapter: the name, and the path where there is one."""
+        check_chars("name", request.name, self.config.limits.max_name_chars, "max_name_chars")
+        if hasattr(request, "path"):
+            check_chars("path", request.path, self.config.max_path_chars, "max_path_chars")

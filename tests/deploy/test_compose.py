@@ -1,0 +1,162 @@
+"""deploy/docker-compose.yml: valid for docker-compose and the compose-spec schema, and every
+command, port, volume and setting is one the services accept."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.service_commands import (
+    DEPLOY,
+    GRPC_SERVICE,
+    IMAGE_HOME,
+    IMAGE_MODELS,
+    PATH_FLAGS,
+    SERVICES,
+    TOKEN_FILE,
+    flag_values,
+    host_port,
+    parse_command,
+    run,
+    tool,
+)
+
+COMPOSE = DEPLOY / "docker-compose.yml"
+
+
+def compose_config(path: Path = COMPOSE) -> tuple[int, str, str]:
+    # the deploy file's own defaults, whatever this shell exports
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    done = subprocess.run([tool("docker-compose"), "-f", str(path), "config"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    """The file as docker-compose resolves it (anchors merged, defaults interpolated)."""
+    code, out, err = compose_config()
+    assert code == 0, err
+    return yaml.safe_load(out)
+
+
+def test_docker_compose_config_accepts_it(compose):
+    assert set(compose["services"]) == {*SERVICES, "models"}
+
+
+def test_docker_compose_config_refuses_mistakes(compose, tmp_path):
+    """The `compose` fixture is the check itself (config exits 0); this shows the check has teeth."""
+    text = COMPOSE.read_text()
+    typo = tmp_path / "typo.yml"
+    typo.write_text(text.replace('    restart: "no"\n', '    restart: "no"\n    restrat: always\n', 1))
+    code, _, err = compose_config(typo)
+    assert code != 0 and "restrat" in err
+    undefined = tmp_path / "undefined.yml"
+    undefined.write_text(text.replace("adapters: {condition: service_healthy}", "adaptors: {condition: service_healthy}", 1))
+    code, _, err = compose_config(undefined)
+    assert code != 0 and "adaptors" in err
+
+
+def test_compose_spec_schema():
+    done = run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_topology(compose):
+    services = compose["services"]
+    assert set(services) == {*SERVICES, "models"}
+    assert [name for name, s in services.items() if s.get("ports")] == ["gateway"]
+    [published] = services["gateway"]["ports"]
+    if not isinstance(published, str):  # the long syntax
+        published = f"{published['host_ip']}:{published['published']}:{published['target']}"
+    assert published.removesuffix("/tcp") == "127.0.0.1:50051:50051"  # loopback unless TESSERA_GATEWAY_HOST
+    assert services["decoder"]["deploy"]["replicas"] == 2 and services["pooling"]["deploy"]["replicas"] == 2
+    for name in SERVICES:
+        service = services[name]
+        assert service["restart"] == "unless-stopped"
+        assert service["environment"]["TESSERA_INTERNAL_TOKEN_FILE"] == TOKEN_FILE
+        assert [s["source"] if isinstance(s, dict) else s for s in service["secrets"]] == [Path(TOKEN_FILE).name]
+        assert "egress" not in service["networks"], f"{name} must not reach outside networks"
+        for dependency, condition in service["depends_on"].items():
+            want = "service_completed_successfully" if dependency == "models" else "service_healthy"
+            assert condition == {"condition": want}, (name, dependency)
+    assert compose["networks"]["backend"]["internal"] is True
+    assert services["models"]["restart"] == "no" and "healthcheck" not in services["models"]
+    assert set(services["gateway"]["depends_on"]) == {"adapters", "vision", "decoder", "pooling"}
+
+
+def mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """container path -> (volume, read-only)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":") if isinstance(volume, str) else (
+            volume["source"], volume["target"], "ro" if volume.get("read_only") else "rw")
+        out[target] = (source, mode == ["ro"])
+    return out
+
+
+def test_commands_parse_with_each_services_own_parser(compose, tmp_path):
+    services = compose["services"]
+    addresses = {}
+    for name in SERVICES:
+        service = services[name]
+        parsed, address, config = parse_command(service["command"], tmp_path)
+        assert parsed == name
+        host, port = host_port(address)
+        addresses[name] = port
+        assert host == "0.0.0.0", f"{name} must listen on the container's interfaces"
+        # the healthcheck asks this very port, for this service's name
+        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck",
+                                                  f"127.0.0.1:{port}", GRPC_SERVICE[name]]
+        exposed = {int(p) for p in service["expose"]}
+        metrics_port = getattr(config, "metrics_port", 0)
+        assert exposed == {port} | ({metrics_port} if metrics_port else set()), name
+    assert {n: services[n]["deploy"]["replicas"] for n in ("decoder", "pooling")} == {"decoder": 2, "pooling": 2}
+    assert parse_command(services["decoder"]["command"], tmp_path)[2].metrics_port == 9090
+    # every address a service dials is another service's name and listening port
+    gateway = services["gateway"]["command"]
+    for flag, target_service in (("--decoder", "decoder"), ("--pooling", "pooling"), ("--adapters", "adapters"),
+                                 ("--vision", "vision")):
+        [target] = flag_values(gateway, flag)
+        assert host_port(target) == (target_service, addresses[target_service]), target
+    assert flag_values(gateway, "--decoder") == ["dns:///decoder:50053"]   # every replica, not one VIP
+    assert flag_values(gateway, "--pooling") == ["dns:///pooling:50054"]
+    [registry] = flag_values(services["decoder"]["command"], "--adapters-address")
+    assert host_port(registry) == ("adapters", addresses["adapters"])
+
+
+@pytest.mark.parametrize("name", [*SERVICES, "models"])
+def test_paths_in_commands_lie_on_volumes(compose, name):
+    service = compose["services"][name]
+    mounted = mounts(service)
+    command = service["command"]
+    for flag in PATH_FLAGS:
+        for path in flag_values(command, flag):
+            [target] = [t for t in mounted if path == t or path.startswith(t + "/")] or [None]
+            assert target, f"{name} {flag} {path} is on no volume (mounts: {sorted(mounted)})"
+            assert path.startswith(IMAGE_HOME)
+    if name == "models":
+        assert mounted[IMAGE_MODELS] == ("models", False) and flag_values(command, "--dir") == [IMAGE_MODELS]
+    elif IMAGE_MODELS in mounted:
+        assert mounted[IMAGE_MODELS] == ("models", True), f"{name} must mount the models read-only"
+    if name == "adapters":
+        [root], [db] = flag_values(command, "--root"), flag_values(command, "--db")
+        assert mounted[root][0] == "adapters" and mounted[str(Path(db).parent)][0] == "registry"
+        assert set(compose["volumes"]) >= {"models", "adapters", "registry"}
+
+
+def test_dockerfile_matches_pyproject_and_the_deploy_paths():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    pyproject = (DEPLOY.parent / "pyproject.toml").read_text()
+    [torch_pin] = re.findall(r'"torch==([^"]+)"', pyproject)
+    assert f"ARG TORCH_VERSION={torch_pin}\n" in dockerfile
+    assert "--index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    assert f"TESSERA_HOME={IMAGE_HOME}" in dockerfile
+    assert "HF_HUB_OFFLINE=1" in dockerfile and "TRANSFORMERS_OFFLINE=1" in dockerfile
+    [user] = re.findall(r"^USER (\S+)$", dockerfile, re.M)
+    assert not user.startswith(("root", "0")), user
