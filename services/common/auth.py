@@ -196,11 +196,14 @@ class _StreamStreamToken(_TokenMetadata, grpc.aio.StreamStreamClientInterceptor)
         return await continuation(self._details(details), request_iterator)
 
 
+def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """grpc.aio client interceptors that send `token` on every call of a channel."""
+    return [kind(token) for kind in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
+
+
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """The interceptors every internal channel of this process carries (none when auth is off)."""
-    if not _process_token:
-        return []
-    return [kind(_process_token) for kind in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
+    return token_interceptors(_process_token) if _process_token else []
 
 
 def server_interceptors(public: bool) -> list[grpc.aio.ServerInterceptor]:

@@ -19,7 +19,7 @@ from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, pooling_pb2, pooling_pb2_grpc
 
 NUM_REFUSED = 10
-WARMUP_ROUNDS = 3   # the allocator's arenas and grpc's connection buffers reach their working size
+WARMUP_ROUNDS = 5   # the allocator's arenas and grpc's connection buffers reach their working size
 IDLE_S = 0.5        # what is measured is what a process holds when idle
 RSS_TOLERANCE = 0.05
 # 3 M characters: over pooling's max_request_chars (2 M), under its receive limit (~9 MiB).
