@@ -10,6 +10,8 @@ from services.adapters.auth import AdminAuthInterceptor
 from services.adapters.config import ADMIN_TOKEN_ENV, RegistryConfig
 from services.adapters.servicer import register
 from services.adapters.service import RegistryService
+from services.common import auth
+from services.common.message_limits import REGISTRY_BYTES
 from services.common.limits import flag
 from services.common.paths import default_adapter_root
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
@@ -24,6 +26,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
                         help=f"bearer token for Load/Unload (default ${ADMIN_TOKEN_ENV}; empty = no auth)")
     parser.add_argument("--base-model-dir", default=None, help="validate targets against this model's config.json")
     parser.add_argument("--max-rank", type=int, default=64)
+    auth.add_arguments(parser)
     defaults = RegistryConfig.__dataclass_fields__
     for name, help_text in (("max_path_chars", "characters of LoadAdapter's path"),
                             ("max_name_chars", "characters of a name, digest or decoder id"),
@@ -44,6 +47,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
 
 def main(argv: list[str] | None = None) -> None:
     address, config = parse_config(argv)
+    auth.configure_security(argv)
     configure_logging()
     registry = RegistryService(config)
 
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         registry.close()
 
     asyncio.run(serve("adapters", address, lambda server: register(server, registry), stop=stop,
-                      interceptors=[AdminAuthInterceptor(config.admin_token)]))
+                      interceptors=[AdminAuthInterceptor(config.admin_token)], max_receive_bytes=REGISTRY_BYTES))
 
 
 if __name__ == "__main__":

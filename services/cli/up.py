@@ -13,6 +13,10 @@ Replicas (`num_decoders`, `num_poolers`) are processes of their own, named `deco
 take the ports after the five, decoders' first, then poolers'. The gateway gets the same kind of
 target a Kubernetes or compose deployment gives it, an `ipv4:a:p,b:p` list of every replica
 (services/gateway/replicas.py), and balances over them itself.
+
+Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
+0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
+the internal ports then refuse callers without it (services/common/auth.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.adapters.config import ADMIN_TOKEN_ENV
+from services.common import auth
 from services.common.launch import service_env, wait_serving
 from services.common.paths import (
     default_adapter_root,
@@ -66,6 +72,7 @@ class ClusterSpec:
     mrope_section: str = "8,12,12"
     image_token: str = "<empty_output>"
     log_dir: Path = field(default_factory=lambda: tessera_home() / "logs")
+    internal_auth: bool = True  # a per-cluster internal token (False: internal ports trust any caller)
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     num_decoders: int = 1
     num_poolers: int = 1
@@ -130,8 +137,7 @@ class ClusterSpec:
             vision = ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section]
             decoder_vision = ["--mrope-section", self.mrope_section, "--image-token", self.image_token]
         args = {
-            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir),
-                         *(["--admin-token", self.admin_token] if self.admin_token else [])],
+            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir)],
             "vision": vision,
             "pooling": ["--model-dir", str(self.embedding_model_dir),
                         *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
@@ -164,10 +170,13 @@ class Cluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         self.processes: dict[str, subprocess.Popen] = {}
+        self.token_file: Path | None = None  # the cluster's internal token, written by `start`
 
     def start(self, timeout_s: float = 300.0) -> None:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
+        if self.spec.internal_auth:
+            self.token_file = auth.write_token_file(self.spec.log_dir)
         try:
             for service in self.spec.services():
                 self._spawn(service)
@@ -182,7 +191,16 @@ class Cluster:
         with open(self.spec.log_dir / f"{service}.log", "ab") as log:
             self.processes[service] = subprocess.Popen(
                 self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=service_env(self.spec.environment(service)))
+                env=service_env(self._env(service)))
+
+    def _env(self, service: str) -> dict[str, str]:
+        """Secrets travel by environment, never argv (which every local user can read in ps)."""
+        env = self.spec.environment(service)
+        if self.token_file:
+            env[auth.INTERNAL_TOKEN_FILE_ENV] = str(self.token_file)
+        if service_of(service) == "adapters" and self.spec.admin_token:
+            env[ADMIN_TOKEN_ENV] = self.spec.admin_token
+        return env
 
     def restart(self, service: str, timeout_s: float = 300.0) -> None:
         """Start a service that exited again, and wait until it is SERVING."""

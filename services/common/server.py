@@ -21,6 +21,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import auth
 from services.common.errors import InvalidArgument, status_of
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,9 @@ def _wrap_single(inner, method: str, streams_in: bool):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001 - this is the backstop
-            await _abort(context, method, error)
+            code, message = _status_logged(method, error)
+        del request  # see _end_with_status
+        _end_with_status(context, code, message)
 
     return behavior
 
@@ -165,38 +168,80 @@ def _wrap_streaming(inner, method: str, streams_in: bool):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001
-            await _abort(context, method, error)
+            code, message = _status_logged(method, error)
+        else:
+            return
+        del request  # see _end_with_status
+        _end_with_status(context, code, message)
 
     return behavior
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+def _status_logged(method: str, error: Exception) -> tuple[grpc.StatusCode, str]:
     code, message = status_of(error)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=error)
     else:
         log.info("%s -> %s: %s", method, code.name, message)
-    await context.abort(code, message)
+    _drop_tracebacks(error)
+    return code, message
 
 
-def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors], options=SERVER_OPTIONS)
+def _drop_tracebacks(error: BaseException) -> None:
+    """Unlink the tracebacks of `error` and of every exception it chains.
+
+    A frame that catches an exception and raises another (`except X as e: raise Y from e`) keeps
+    `e` as a local while `e`'s traceback keeps the frame: a reference cycle holding the frame's
+    request until a full gc. Once the status is logged nothing needs those frames.
+    """
+    pending, seen = [error], set()
+    while pending:
+        chained = pending.pop()
+        if chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            chained.__traceback__ = None
+            pending += [chained.__cause__, chained.__context__]
+
+
+def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with `code`, keeping nothing of the request alive.
+
+    Called after the `except` block, never inside it: the exception's traceback holds every
+    servicer frame and the request, and `context.abort` would chain it to an AbortError that grpc
+    keeps on the call's state in a reference cycle (a refused 50 MB request stayed in memory until
+    a full gc). Setting the status instead of aborting raises nothing at all; grpc discards the
+    handler's return value when the code is not OK. The caller drops its `request` first.
+    """
+    context.set_code(code)
+    context.set_details(message)
+
+
+def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, public: bool = False,
+                  max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    """A server whose internal port checks the cluster's token first (auth.py; `public`: the
+    gateway's port, which does not), and refuses requests over `max_receive_bytes` with
+    RESOURCE_EXHAUSTED before reading them."""
+    options = [(key, value) for key, value in SERVER_OPTIONS if key != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return grpc.aio.server(interceptors=[*auth.server_interceptors(public), ErrorInterceptor(), *interceptors],
+                           options=options)
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A client channel with the same message limits as the servers."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A client channel to another service: the servers' message limits, and the cluster's internal
+    token on every call when this process has one."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=auth.client_interceptors())
 
 
-def bind(server: grpc.aio.Server, name: str, address: str) -> None:
-    """Listen on `address`, or raise OSError naming the port when it cannot be had.
+def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.ServerCredentials | None = None) -> None:
+    """Listen on `address` (TLS with `credentials`), or raise OSError naming the port when it cannot be had.
 
     Raises:
         OSError: the port is in use (another process holds it; SO_REUSEPORT is off) or the
             address cannot be bound.
     """
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as error:  # grpc raises on a failed bind; older releases returned 0
         bound, cause = 0, error
     else:
@@ -215,6 +260,9 @@ async def serve(
     stop: Callable[[], Awaitable[None]] | None = None,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     grace_s: float = 5.0,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    public: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
     health: Callable[[], str | None] | None = None,
 ) -> None:
     """Run one service until SIGTERM/SIGINT.
@@ -228,17 +276,20 @@ async def serve(
             service's compute thread); afterwards every other thread computes single-threaded
             (services/common/compute.py).
         stop: awaited after the drain (release engines, close channels).
+        max_receive_bytes: the largest request the service can accept (from its config).
+        public: the gateway's port: no internal-token check (auth.py).
+        credentials: serve TLS with these instead of plaintext.
         health: the service's runtime check, polled every HEALTH_POLL_S seconds on the event loop
             once SERVING: None = healthy, else the reason, which turns every status NOT_SERVING
             (logged once) until the check passes again.
     """
-    server = create_server(interceptors)
+    server = create_server(interceptors, public=public, max_receive_bytes=max_receive_bytes)
     service_names = list(register(server))
     health_servicer = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    bind(server, name, address)
+    bind(server, name, address, credentials)
     await server.start()
     not_serving, serving = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
     for service in ["", *service_names]:

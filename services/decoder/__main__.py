@@ -6,12 +6,15 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from services.common import auth
+from services.common.message_limits import decoder_bytes
 from services.common.metrics import DecoderCollector, start_metrics_server
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.limits import GenerateLimits, add_flags, from_flags
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
-from services.decoder.config import DecoderConfig
+from services.decoder.config import DecoderConfig, read_model_config
+from services.decoder.model_qwen2_vl import text_config
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 
@@ -50,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
                    help="paged attention implementation; triton needs a GPU (or TRITON_INTERPRET=1); cpu: "
                         "decode rows in a C kernel built at start (needs a C compiler with OpenMP, float32)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks between requests")
+    auth.add_arguments(p)
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     p.add_argument("--wedged-after-s", type=float, default=DEFAULT_WEDGED_AFTER_S,
@@ -71,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
 
 def main(argv: list[str] | None = None) -> None:
     address, config = parse_args(argv)
+    auth.configure_security(argv)
     configure_logging()
     servicer = DecoderServicer(config)
     start_metrics_server(config.metrics_port, address, DecoderCollector(
@@ -80,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
+    hidden_size = text_config(read_model_config(config.model_dir))["hidden_size"]
     asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop,
-                      health=servicer.health))
+                      health=servicer.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
 
 
 if __name__ == "__main__":

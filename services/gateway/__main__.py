@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common import auth
+from services.common.memory import unmap_large_buffers
+from services.common.message_limits import gateway_bytes
 from services.common.limits import GenerateLimits, PoolingLimits, add_flags, from_flags
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
@@ -26,25 +29,31 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         help="characters of LoadAdapter's path (default %(default)s)")
     add_flags(parser, GenerateLimits)
     add_flags(parser, PoolingLimits)
+    auth.add_arguments(parser, tls=True)
     args = parser.parse_args(argv)
     return GatewayConfig(address=args.address, decoder=args.decoder, pooling=args.pooling, adapters=args.adapters,
                          vision=args.vision, limits=from_flags(GenerateLimits, args),
                          pooling_limits=from_flags(PoolingLimits, args), max_path_chars=args.max_path_chars)
 
 
-async def _main(config: GatewayConfig) -> None:
+async def _main(config: GatewayConfig, security: auth.Security) -> None:
     servicer = GatewayServicer(config)
 
     def register(server):
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
-    await serve("gateway", config.address, register, start=servicer.start, stop=servicer.close)
+    # The public port: no internal-token check; the servicer's channels send the token.
+    await serve("gateway", config.address, register, start=servicer.start, stop=servicer.close, public=True,
+                credentials=security.server_credentials(),
+                max_receive_bytes=gateway_bytes(config.limits.max_images))
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config = parse_args(argv)
+    unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
+    asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
 
 
 if __name__ == "__main__":

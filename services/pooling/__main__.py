@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common import auth
+from services.common.message_limits import pooling_bytes
 from services.common.metrics import PoolingCollector, start_metrics_server
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.limits import PoolingLimits
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-token-ids", type=int, default=PoolingLimits.max_request_token_ids,
                         help="token ids over one Embed request's input_ids (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    auth.add_arguments(parser)
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     return parser
@@ -95,12 +98,15 @@ async def _main(config: PoolingConfig) -> None:
     async def start() -> None:
         await service.compute.run(service.load)  # weights touched first by the compute thread
 
-    await serve("pooling", config.address, register, start=start, health=service.health)
+    await serve("pooling", config.address, register, start=start, health=service.health,
+                max_receive_bytes=pooling_bytes(config.max_request_chars, config.max_request_token_ids))
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config = parse_args(argv)
+    auth.configure_security(argv)
+    asyncio.run(_main(config))
 
 
 if __name__ == "__main__":

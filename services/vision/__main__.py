@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common import auth
+from services.common.message_limits import vision_bytes
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.paths import default_decoder_dir
 from services.common.server import configure_logging, serve
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(seconds; must exceed the longest encode; default %(default)s)")
     parser.add_argument("--background", default="white",
                         help="colour under transparent pixels: name, #RRGGBB or R,G,B (default %(default)s)")
+    auth.add_arguments(parser)
     return parser
 
 
@@ -115,12 +118,16 @@ async def _main(config: VisionConfig) -> None:
         vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)
         return [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name]
 
-    await serve("vision", config.address, register, start=servicer.start, health=servicer.health)
+    processor = config.processor
+    await serve("vision", config.address, register, start=servicer.start, health=servicer.health,
+                max_receive_bytes=vision_bytes(processor.max_images, processor.max_image_bytes))
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config = parse_args(argv)
+    auth.configure_security(argv)
+    asyncio.run(_main(config))
 
 
 if __name__ == "__main__":

@@ -38,10 +38,10 @@ import torch
 from PIL import Image, ImageColor, ImageOps, UnidentifiedImageError
 
 from services.common.errors import InvalidArgument, TesseraError
+from services.common.message_limits import DEFAULT_MAX_IMAGE_BYTES
 from services.vision import qwen2_vl_pixels
 from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig
 
-MIB = 1024 * 1024
 _DATA_URI = re.compile(r"data:image/([A-Za-z0-9.+-]+);base64,", re.ASCII)
 _REMOTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -66,7 +66,7 @@ class ProcessorConfig:
     """Preprocessing recipe and input caps. Every field is part of the content hash."""
 
     image_size: int = 64
-    max_image_bytes: int = 20 * MIB            # compressed bytes, after base64 decoding
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # compressed bytes, after base64 decoding
     max_image_pixels: int = 40_000_000         # width * height from the header
     max_images: int = 8                        # per request
     max_request_pixels: int = 80_000_000       # width * height over a request's images that need decoding

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.up import SERVICES, Cluster, ClusterSpec
+from services.common.auth import INTERNAL_TOKEN_METADATA
 from services.common.paths import default_decoder_dir, default_embedding_dir
 from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import gateway_pb2_grpc
@@ -105,6 +107,43 @@ def hf_decoder():
 @pytest.fixture(scope="session")
 def embedding_dir() -> Path:
     return default_embedding_dir()
+
+
+class _SendToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the cluster's internal token to every call of a (synchronous) channel."""
+
+    def __init__(self, token: str):
+        self._entry = (INTERNAL_TOKEN_METADATA, token)
+
+    def _details(self, details):
+        return _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._entry],
+                            details.credentials, details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+class _CallDetails(namedtuple("_CallDetails", "method timeout metadata credentials wait_for_ready compression"),
+                   grpc.ClientCallDetails):
+    pass
+
+
+def internal_token(cluster) -> str:
+    return Path(cluster.token_file).read_text().strip()
+
+
+def internal_channel(cluster, service: str) -> grpc.Channel:
+    """A channel to one service's own (internal) port that sends the cluster's internal token."""
+    channel = grpc.insecure_channel(cluster.spec.address(service), options=CHANNEL_OPTIONS)
+    return grpc.intercept_channel(channel, _SendToken(internal_token(cluster)))
 
 
 def run_cli(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -29,6 +29,8 @@ from PIL import Image
 from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, pooling_pb2, tensor_pb2, vision_pb2
 
+from .conftest import internal_channel
+
 MAX_EXAMPLES = 50
 DECODER_HIDDEN = 576  # SmolLM2-135M, the cluster's decoder
 CALL_TIMEOUT_S = 5.0
@@ -151,7 +153,8 @@ def _call(channel: grpc.Channel, method, request) -> None:
 
 @pytest.fixture(scope="module")
 def channels(cluster):
-    opened = {name: grpc.insecure_channel(cluster.spec.address(name), options=CHANNEL_OPTIONS) for name in SERVICES}
+    opened = {name: grpc.insecure_channel(cluster.spec.address(name), options=CHANNEL_OPTIONS) if name == "gateway"
+              else internal_channel(cluster, name) for name in SERVICES}
     yield opened
     for channel in opened.values():
         channel.close()

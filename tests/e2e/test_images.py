@@ -12,6 +12,7 @@ import grpc
 import pytest
 from PIL import Image
 
+from services.common.auth import INTERNAL_TOKEN_FILE_ENV
 from tessera.v1 import decoder_pb2, gateway_pb2, gateway_pb2_grpc, vision_pb2
 
 from .conftest import VISION_MAX_BYTES
@@ -62,7 +63,8 @@ def test_gateway_without_vision_refuses_images(cluster):
     process = subprocess.Popen([sys.executable, "-m", "services.gateway", "--address", address,
                                 "--decoder", spec.address("decoder"), "--pooling", spec.address("pooling"),
                                 "--adapters", spec.address("adapters"), "--vision", ""],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, INTERNAL_TOKEN_FILE_ENV: str(cluster.token_file)})  # the cluster's secret
     try:
         with grpc.insecure_channel(address) as channel:
             grpc.channel_ready_future(channel).result(timeout=60)

@@ -11,11 +11,12 @@ import grpc
 import pytest
 from PIL import Image
 
+from services.common.auth import token_interceptors
 from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import (adapters_pb2, adapters_pb2_grpc, decoder_pb2, decoder_pb2_grpc, gateway_pb2, pooling_pb2,
                         pooling_pb2_grpc, vision_pb2, vision_pb2_grpc)
 
-from .conftest import DECODER_MAX_MODEL_LEN
+from .conftest import DECODER_MAX_MODEL_LEN, internal_channel, internal_token
 
 BOUND_S = 1.0  # a refusal costs the request's parse, nothing more
 STUBS = {"decoder": decoder_pb2_grpc.DecoderStub, "pooling": pooling_pb2_grpc.PoolingStub,
@@ -25,7 +26,7 @@ STUBS = {"decoder": decoder_pb2_grpc.DecoderStub, "pooling": pooling_pb2_grpc.Po
 @pytest.fixture(scope="module")
 def direct(cluster):
     """Stubs on each service's own port."""
-    channels = {name: grpc.insecure_channel(cluster.spec.address(name), options=CHANNEL_OPTIONS) for name in STUBS}
+    channels = {name: internal_channel(cluster, name) for name in STUBS}
     yield {name: STUBS[name](channel) for name, channel in channels.items()}
     for channel in channels.values():
         channel.close()
@@ -70,11 +71,16 @@ def test_50_mb_prompt_is_refused_before_tokenizing(cluster, assert_healthy, port
     # Serialized up front: the bound is on the service's time, not on this client encoding 50 MB.
     payload = generate(text="lorem ipsum " * 4_166_667).SerializeToString()
     service = "Gateway" if port == "gateway" else "Decoder"
-    with grpc.insecure_channel(cluster.spec.address(port), options=CHANNEL_OPTIONS) as channel:
+    opened = internal_channel(cluster, port) if port != "gateway" else \
+        grpc.insecure_channel(cluster.spec.address(port), options=CHANNEL_OPTIONS)
+    with opened as channel:
         error, seconds = refusal(channel.unary_stream(f"/tessera.v1.{service}/Generate"), payload, streaming=True)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    limit = 32 * DECODER_MAX_MODEL_LEN
-    assert f"prompt text has 50000004 characters; the limit is {limit} (--max-prompt-chars" in error.details()
+    if port == "gateway":
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        limit = 32 * DECODER_MAX_MODEL_LEN
+        assert f"prompt text has 50000004 characters; the limit is {limit} (--max-prompt-chars" in error.details()
+    else:  # past the decoder port's receive limit (services/common/message_limits.py): grpc refuses it unread
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     print(f"50 MB prompt refused by the {port} in {seconds:.3f} s")
     assert seconds < BOUND_S
     assert_healthy()
@@ -161,7 +167,9 @@ def test_a_refused_stream_message_keeps_its_status_for_asyncio_clients(cluster, 
 
     async def run() -> list[grpc.StatusCode]:
         codes = []
-        async with grpc.aio.insecure_channel(cluster.spec.address(port), options=CHANNEL_OPTIONS) as channel:
+        interceptors = None if port == "gateway" else token_interceptors(internal_token(cluster))
+        async with grpc.aio.insecure_channel(cluster.spec.address(port), options=CHANNEL_OPTIONS,
+                                             interceptors=interceptors) as channel:
             call = channel.stream_stream(f"/tessera.v1.{service}/EmbedStream",
                                          request_serializer=pooling_pb2.EmbedRequest.SerializeToString,
                                          response_deserializer=pooling_pb2.EmbedResponse.FromString)

@@ -1,0 +1,199 @@
+"""Service security settings: the internal token file is read once and required when named; the
+gateway's public port can serve TLS. (The cluster's internal ports: tests/e2e/test_internal_auth.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import auth
+from services.common.launch import REPO, free_port
+from services.common.server import create_server, insecure_channel
+
+
+@pytest.fixture
+def process_token():
+    """Restore the process-wide token after a test that configures one."""
+    yield
+    auth.use_internal_token(None)
+
+
+def test_token_file_is_read_and_configures_the_process(tmp_path, monkeypatch, process_token):
+    monkeypatch.delenv(auth.INTERNAL_TOKEN_FILE_ENV, raising=False)
+    path = tmp_path / "token"
+    path.write_text("s3cret-token\n")
+    security = auth.configure_security(["--internal-token-file", str(path), "--other-flag", "x"])
+    assert security.internal_token == "s3cret-token" and auth.internal_token() == "s3cret-token"
+    assert "s3cret" not in repr(security)
+    assert len(auth.client_interceptors()) == 4 and len(auth.server_interceptors(public=False)) == 1
+    assert auth.server_interceptors(public=True) == []
+
+
+def test_environment_names_the_token_file(tmp_path, monkeypatch, process_token):
+    path = tmp_path / "token"
+    path.write_text("from-env")
+    monkeypatch.setenv(auth.INTERNAL_TOKEN_FILE_ENV, str(path))
+    assert auth.configure_security([]).internal_token == "from-env"
+
+
+def test_no_token_means_auth_off(monkeypatch, process_token):
+    monkeypatch.delenv(auth.INTERNAL_TOKEN_FILE_ENV, raising=False)
+    assert auth.configure_security([]).internal_token is None
+    assert auth.client_interceptors() == [] and auth.server_interceptors(public=False) == []
+
+
+@pytest.mark.parametrize("content", [None, "", "  \n"], ids=["missing", "empty", "blank"])
+def test_named_token_file_must_hold_a_token(tmp_path, content, process_token):
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as error:
+        auth.configure_security(["--internal-token-file", str(path)])
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_service_refuses_to_start_with_a_missing_token_file(tmp_path):
+    missing = tmp_path / "nope"
+    result = subprocess.run([sys.executable, "-m", "services.gateway", "--address", f"127.0.0.1:{free_port()}",
+                             "--internal-token-file", str(missing)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == f"internal token file {missing}: No such file or directory"
+
+
+def test_written_token_file_is_private(tmp_path):
+    path = auth.write_token_file(tmp_path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert len(path.read_text()) >= 32 and path.read_text() != auth.write_token_file(tmp_path).read_text()
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def test_gateway_serves_tls(tmp_path):
+    cert_file, key_file = _self_signed(tmp_path)
+    address = f"127.0.0.1:{free_port()}"
+    unused = f"127.0.0.1:{free_port()}"  # no backends: the port's own answers are what is tested
+    with (tmp_path / "gateway.log").open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
+             "--adapters", unused, "--vision", "", "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert_file.read_bytes())
+        with grpc.secure_channel(address, credentials) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None, (tmp_path / "gateway.log").read_text()
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
+                    time.sleep(0.2)
+        with grpc.insecure_channel(address) as plaintext:
+            with pytest.raises(grpc.RpcError) as error:
+                health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def _echo_unary(request, context):
+    return request
+
+
+async def _echo_stream(request_iterator, context):
+    async for request in request_iterator:
+        yield request
+
+
+def test_internal_port_refuses_every_call_kind_without_the_token(process_token):
+    """All four call kinds, in process: missing and wrong token UNAUTHENTICATED, the right one served."""
+    async def scenario() -> dict[str, list]:
+        auth.use_internal_token("right-token")
+        server = create_server()
+        handlers = {
+            "UU": grpc.unary_unary_rpc_method_handler(_echo_unary),
+            "US": grpc.unary_stream_rpc_method_handler(_echo_one),
+            "SU": grpc.stream_unary_rpc_method_handler(_first),
+            "SS": grpc.stream_stream_rpc_method_handler(_echo_stream),
+        }
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Echo", handlers)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        results = {}
+        try:
+            for label, metadata in (("missing", ()), ("wrong", ((auth.INTERNAL_TOKEN_METADATA, "wrong-token"),))):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    results[label] = [await _code(_invoke(channel, kind, metadata)) for kind in handlers]
+            async with insecure_channel(f"127.0.0.1:{port}") as channel:  # sends the process's token
+                results["right"] = [await _invoke(channel, kind, ()) for kind in handlers]
+        finally:
+            await server.stop(0)
+        return results
+
+    results = asyncio.run(scenario())
+    assert results["missing"] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    assert results["wrong"] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    assert results["right"] == [b"x"] * 4
+
+
+async def _echo_one(request, context):
+    yield request
+
+
+async def _first(request_iterator, context):
+    async for request in request_iterator:
+        return request
+
+
+async def _invoke(channel, kind: str, metadata) -> bytes:
+    method = f"/t.Echo/{kind}"
+    if kind == "UU":
+        return await channel.unary_unary(method)(b"x", metadata=metadata, timeout=10)
+    if kind == "US":
+        return b"".join([r async for r in channel.unary_stream(method)(b"x", metadata=metadata, timeout=10)])
+    if kind == "SU":
+        return await channel.stream_unary(method)(iter([b"x"]), metadata=metadata, timeout=10)
+    return b"".join([r async for r in channel.stream_stream(method)(iter([b"x"]), metadata=metadata, timeout=10)])
+
+
+async def _code(call) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
