@@ -191,7 +191,17 @@ class Cluster:
         with open(self.spec.log_dir / f"{service}.log", "ab") as log:
             self.processes[service] = subprocess.Popen(
                 self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=service_env(self._env(service)))
+                env=self._environment(service))
+
+    def _environment(self, service: str) -> dict[str, str]:
+        """The process's whole environment; secrets a service has no use for are left out, also when
+        the caller's shell exports them."""
+        env = service_env(self._env(service))
+        if service_of(service) != "adapters":
+            env.pop(ADMIN_TOKEN_ENV, None)
+        if not self.token_file:
+            env.pop(auth.INTERNAL_TOKEN_FILE_ENV, None)
+        return env
 
     def _env(self, service: str) -> dict[str, str]:
         """Secrets travel by environment, never argv (which every local user can read in ps)."""

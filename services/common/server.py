@@ -13,7 +13,7 @@ import inspect
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -227,10 +227,11 @@ def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, pu
                            options=options)
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A client channel to another service: the servers' message limits, and the cluster's internal
-    token on every call when this process has one."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=auth.client_interceptors())
+def insecure_channel(address: str, extra_options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A client channel to another service: the servers' message limits, `extra_options` (e.g. a
+    service config), and the cluster's internal token on every call when this process has one."""
+    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *extra_options],
+                                     interceptors=auth.client_interceptors())
 
 
 def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.ServerCredentials | None = None) -> None:

@@ -8,8 +8,9 @@ so a pooling refusal of one bad message reached users as INTERNAL about one time
 
 `RequestPump` reads the client's messages in a task of its own. After a refusal the handler
 `drain()`s it: messages still arriving are read and dropped (no work is done on them) until the
-client half-closes, cancels or its deadline passes, and only then does the handler raise, so the
-status is the last thing on the stream.
+client half-closes, cancels, its deadline passes or DRAIN_TIMEOUT_S goes by (a client that waits
+for a reply before sending more would otherwise wait forever), and only then does the handler
+raise, so the status is the last thing on the stream.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 _END = object()
+DRAIN_TIMEOUT_S = 2.0
 
 
 class RequestPump:
@@ -47,11 +49,13 @@ class RequestPump:
             yield item
 
     async def drain(self) -> None:
-        """Drop what is buffered and every message still to come; returns when the client's stream ends."""
+        """Drop what is buffered and every message still to come; returns when the client's stream
+        ends, or after DRAIN_TIMEOUT_S."""
         self._draining = True
         while not self._queue.empty():
             self._queue.get_nowait()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.wait([self._task], timeout=DRAIN_TIMEOUT_S)
+        self._task.cancel()
 
     def cancel(self) -> None:
         self._task.cancel()

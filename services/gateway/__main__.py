@@ -7,7 +7,7 @@ import asyncio
 
 from services.common import auth
 from services.common.memory import unmap_large_buffers
-from services.common.message_limits import gateway_bytes
+from services.common.message_limits import gateway_bytes, pooling_bytes
 from services.common.limits import GenerateLimits, PoolingLimits, add_flags, from_flags
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
@@ -46,7 +46,9 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
     # The public port: no internal-token check; the servicer's channels send the token.
     await serve("gateway", config.address, register, start=servicer.start, stop=servicer.close, public=True,
                 credentials=security.server_credentials(),
-                max_receive_bytes=gateway_bytes(config.limits.max_images))
+                max_receive_bytes=max(gateway_bytes(config.limits.max_images),
+                                      pooling_bytes(config.pooling_limits.max_request_chars,
+                                                    config.pooling_limits.max_request_token_ids)))
 
 
 def main(argv: list[str] | None = None) -> None:

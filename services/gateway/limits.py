@@ -14,6 +14,7 @@ decoder's exact context check still applies. With it, vision refuses from the im
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -21,6 +22,7 @@ import grpc
 
 from services.common.errors import InvalidArgument
 from services.common.limits import check_chars, check_embed, check_generate, check_rerank, check_tokenize
+from services.common.streams import DRAIN_TIMEOUT_S
 from services.gateway.config import GatewayConfig
 
 CONTEXT_TTL_S = 30.0  # a decoder restarted with another max_model_len is seen within this long
@@ -69,7 +71,11 @@ class GatewayLimits:
             try:
                 self.embed(request)
             except InvalidArgument:
-                async for _ in requests:
+                try:
+                    async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                        async for _ in requests:
+                            pass
+                except TimeoutError:
                     pass
                 raise
             yield request

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.server import CHANNEL_OPTIONS
+from services.common.server import insecure_channel
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # than pick_first apply (grpc's client-side health checking design, A17)
 SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
 DNS_PREFIXES = ("dns:///", "dns:")
+# A replica that left the target (scaled down, rescheduled) keeps its channel this long, so the
+# streams it is serving can finish; new requests never go to it.
+LEFT_REPLICA_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class ReplicaSet:
         self.resolver = resolver
         self.replicas: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task] = []
+        self._closing: set[asyncio.Task] = set()  # channels of replicas that left, in their grace period
         self._add(resolver(self.target))
 
     def start(self) -> None:
@@ -163,8 +167,7 @@ class ReplicaSet:
     def _add(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self.replicas:
-                channel = grpc.aio.insecure_channel(
-                    address, options=[*CHANNEL_OPTIONS, ("grpc.service_config", SERVICE_CONFIG)])
+                channel = insecure_channel(address, [("grpc.service_config", SERVICE_CONFIG)])
                 self.replicas[address] = Replica(address, channel, self.stub_class(channel))
                 log.info("%s replica %s joined %s", self.service, address, self.target.text)
 
@@ -173,7 +176,10 @@ class ReplicaSet:
             replica = self.replicas.pop(address)
             self.on_leave(address)
             log.info("%s replica %s left %s", self.service, address, self.target.text)
-            await replica.channel.close()  # its calls in flight end UNAVAILABLE
+            # Calls in flight may finish (a draining pod completes its streams); new ones go elsewhere.
+            closing = asyncio.get_running_loop().create_task(replica.channel.close(grace=LEFT_REPLICA_GRACE_S))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         self._add(addresses)
 
     async def _resolve_loop(self) -> None:
@@ -219,12 +225,11 @@ class ReplicaSet:
         except grpc.aio.AioRpcError as error:
             log.debug("%s replica %s: GetInfo failed: %s", self.service, replica.address, error.details())
 
-    def describe(self) -> str:
-        return f"{self.service} target {self.target.text} ({', '.join(self.replicas) or 'no addresses'})"
-
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         for replica in self.replicas.values():
             await replica.channel.close()
+        for closing in list(self._closing):
+            closing.cancel()
 

@@ -276,7 +276,11 @@ class Router:
         """`replica` now holds `key`'s blocks and adapter (a routed or retried request)."""
         self.index.insert(block_hashes(key, self.config.block_bytes) if hashes is None else hashes, replica)
         if key.adapter:
-            self.load(replica).routed_adapters[key.adapter] = now
+            routed = self.load(replica).routed_adapters
+            # names past their memory are dropped, so names clients invent cannot grow the table
+            for name in [n for n, t in routed.items() if now - t > self.config.adapter_memory_s]:
+                del routed[name]
+            routed[key.adapter] = now
 
 
 class LeastOutstanding:

@@ -126,10 +126,16 @@ class DynamicBatcher:
                 self.batch_shapes.append((len(sequences), max(map(len, sequences))))
                 self._num_computing = len(sequences)
                 try:
-                    return await self._compute.run(self._forward, sequences)
+                    rows = await self._compute.run(self._forward, sequences)
+                except asyncio.CancelledError:  # the caller gave up; the forward may still run: no progress
+                    raise
+                except Exception:
+                    self.liveness.num_steps += 1
+                    raise
                 finally:
                     self._num_computing = 0
-                    self.liveness.num_steps += 1
+                self.liveness.num_steps += 1
+                return rows
         finally:
             if not started:  # cancelled while waiting for the lock
                 self._num_waiting -= len(sequences)

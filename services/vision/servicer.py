@@ -46,8 +46,11 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         self.liveness.raise_if_dead()
         self._num_encoding += 1
         try:
-            return await self._compute.run(engine.encode, prepared)
-        except (Exception, asyncio.CancelledError):  # this request only
+            encoded = await self._compute.run(engine.encode, prepared)
+        except asyncio.CancelledError:  # the caller gave up; the encode may still be running: no progress
+            raise
+        except Exception:  # this request only; the encoder finished a step
+            self.liveness.num_steps += 1
             raise
         except BaseException as cause:  # noqa: BLE001 - fatal: the encoder stops serving
             log.critical("the vision encoder stopped", exc_info=cause)
@@ -55,7 +58,8 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             raise self.liveness.dead_error() from cause
         finally:
             self._num_encoding -= 1
-            self.liveness.num_steps += 1
+        self.liveness.num_steps += 1
+        return encoded
 
     @property
     def engine(self) -> VisionEngine:
