@@ -143,7 +143,7 @@ def test_targets_checked_against_base_model(root, adapter_in_root, base_model_di
 
 
 def _base_with_weights(directory) -> BaseModelShapes:
-    from conftest import tiny_llama
+    from tests.adapters.conftest import tiny_llama
     tiny_llama(seed=3).save_pretrained(str(directory))
     return BaseModelShapes.from_model_dir(directory)
 
