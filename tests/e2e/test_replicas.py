@@ -17,11 +17,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.up import Cluster, ClusterSpec
+from services.common.auth import INTERNAL_TOKEN_METADATA
 from services.common.server import CHANNEL_OPTIONS
 from services.gateway.servicer import REPLICA_METADATA
 from tessera.v1 import adapters_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, pooling_pb2
 
-from .conftest import run_cli
+from .conftest import internal_token, run_cli
 from .test_generate import CHAT_PROMPTS, chat_request, hf_greedy
 from .test_lora import peft_adapter  # noqa: F401 - the session's PEFT adapter under adapter_root
 
@@ -67,9 +68,12 @@ def stub(replicated):
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 
-def decoder_info(address: str) -> decoder_pb2.DecoderInfo:
+def decoder_info(cluster: Cluster, address: str) -> decoder_pb2.DecoderInfo:
+    """One replica's own GetInfo, asked on its internal port with the cluster's token."""
     with grpc.insecure_channel(address) as channel:
-        return decoder_pb2_grpc.DecoderStub(channel).GetInfo(decoder_pb2.DecoderInfoRequest(), timeout=10)
+        return decoder_pb2_grpc.DecoderStub(channel).GetInfo(
+            decoder_pb2.DecoderInfoRequest(), timeout=10,
+            metadata=((INTERNAL_TOKEN_METADATA, internal_token(cluster)),))
 
 
 def replica_counts(stub, service: str) -> dict[str, int]:
@@ -126,7 +130,7 @@ def test_conversation_turns_land_where_their_prefix_is(replicated, stub):
     first_homes = {turns[0] for turns in conversations}
     assert len(first_homes) == 2, "first turns of concurrent conversations use both decoders"
     for address in first_homes:
-        assert decoder_info(address).prefix_cache_hit_tokens > 0
+        assert decoder_info(replicated, address).prefix_cache_hit_tokens > 0
 
 
 def test_adapter_requests_stick_to_the_replica_holding_it(replicated, stub):
@@ -137,7 +141,7 @@ def test_adapter_requests_stick_to_the_replica_holding_it(replicated, stub):
     [home] = homes
     for spec_name in replicated.spec.replicas("decoder"):
         address = replicated.spec.address(spec_name)
-        assert ("hot" in decoder_info(address).resident_adapters) == (address == home)
+        assert ("hot" in decoder_info(replicated, address).resident_adapters) == (address == home)
     info = stub.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=10)
     [listed] = [r for r in info.replicas if r.address == home]
     assert "hot" in listed.decoder.resident_adapters and listed.ready
