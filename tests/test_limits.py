@@ -35,7 +35,8 @@ def encoded(grid) -> decoder_pb2.ContentPart:
     return decoder_pb2.ContentPart(encoded_image=vision_pb2.EncodedImage(grid_thw=grid))
 
 
-def gen(prompt=(text("hi"),), messages=(), max_tokens=4, **fields) -> decoder_pb2.GenerateRequest:
+def gen(prompt=None, messages=(), max_tokens=4, **fields) -> decoder_pb2.GenerateRequest:
+    prompt = (text("hi"),) if prompt is None else prompt
     sampling = {k: fields.pop(k) for k in ("stop", "stop_token_ids", "n", "top_logprobs") if k in fields}
     return decoder_pb2.GenerateRequest(prompt=list(prompt), messages=list(messages),
                                        sampling=decoder_pb2.SamplingParams(max_tokens=max_tokens, **sampling), **fields)

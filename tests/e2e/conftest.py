@@ -23,7 +23,7 @@ from services.cli.up import SERVICES, Cluster, ClusterSpec
 from services.common.auth import INTERNAL_TOKEN_METADATA
 from services.common.paths import default_decoder_dir, default_embedding_dir
 from services.common.server import CHANNEL_OPTIONS
-from tessera.v1 import gateway_pb2_grpc
+from tessera.v1 import gateway_pb2_grpc, pooling_pb2
 
 # Small enough that "image over the byte cap" needs no huge upload.
 VISION_MAX_BYTES = 200_000
@@ -144,6 +144,19 @@ def internal_channel(cluster, service: str) -> grpc.Channel:
     """A channel to one service's own (internal) port that sends the cluster's internal token."""
     channel = grpc.insecure_channel(cluster.spec.address(service), options=CHANNEL_OPTIONS)
     return grpc.intercept_channel(channel, _SendToken(internal_token(cluster)))
+
+
+def embed_once_back(gateway, timeout_s: float = 15.0):
+    """An Embed through the gateway once a restarted pooler is back: UNAVAILABLE is retried for
+    `timeout_s` (the gateway's channel reconnects within its 2 s max backoff), anything else raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return gateway.Embed(pooling_pb2.EmbedRequest(inputs=["back"]), timeout=30)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
 
 
 def run_cli(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ import pytest
 from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import decoder_pb2, gateway_pb2, pooling_pb2
 
+from .conftest import embed_once_back
 from .test_generate import CHAT_PROMPTS, chat_request, collect
 
 
@@ -98,16 +99,7 @@ def test_killed_pooling_replica(cluster, gateway, assert_healthy):
         assert any("pooling" in line for line in info.unavailable)
     finally:
         cluster.restart("pooling")
-    deadline = time.monotonic() + 15  # the gateway's channel reconnects within its 2 s max backoff
-    while True:
-        try:
-            reply = gateway.Embed(pooling_pb2.EmbedRequest(inputs=["back"]), timeout=30)
-            break
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
-    assert list(reply.embeddings.shape) == [1, 384]
+    assert list(embed_once_back(gateway).embeddings.shape) == [1, 384]
     assert_healthy()
 
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import signal
 import time
 
-import grpc
-
 from services.cli.up import RestartPolicy, restart_failing
-from tessera.v1 import pooling_pb2
+
+from .conftest import embed_once_back
 
 
 def test_up_restarts_a_service_that_is_not_serving(cluster, gateway, assert_healthy):
@@ -27,14 +26,5 @@ def test_up_restarts_a_service_that_is_not_serving(cluster, gateway, assert_heal
             frozen.send_signal(signal.SIGCONT)
     assert frozen.returncode == -signal.SIGKILL and len(restarts) == 1  # only the frozen one
     assert time.monotonic() - started >= 2.0
-    deadline = time.monotonic() + 15  # the gateway's channel reconnects within its 2 s max backoff
-    while True:
-        try:
-            reply = gateway.Embed(pooling_pb2.EmbedRequest(inputs=["back"]), timeout=30)
-            break
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
-    assert list(reply.embeddings.shape) == [1, 384]
+    assert list(embed_once_back(gateway).embeddings.shape) == [1, 384]
     assert_healthy()
