@@ -2,8 +2,8 @@
 
 Generate runs the decoder's own checks (`services.common.limits.check_generate`, same caps by
 the same flags) with the decoder's context, so a request the decoder would refuse never has its
-images encoded. The context comes from the decoder's GetInfo, cached for CONTEXT_TTL_S; while the
-decoder does not answer, the checks that need it are left to the decoder.
+images encoded. The context comes from the decoder replicas' GetInfo reports, which the gateway
+polls anyway for routing; until the first report, the checks that need it are left to the decoder.
 
 Image token budget: what the vision service may expand a request's images to is the context less
 max_tokens (`EncodeImagesRequest.max_image_tokens`). It is an upper bound: the text's tokens
@@ -15,49 +15,28 @@ decoder's exact context check still applies. With it, vision refuses from the im
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-
-import grpc
+from collections.abc import AsyncIterator, Callable
 
 from services.common.errors import InvalidArgument
 from services.common.limits import check_chars, check_embed, check_generate, check_rerank, check_tokenize
 from services.common.streams import DRAIN_TIMEOUT_S
 from services.gateway.config import GatewayConfig
 
-CONTEXT_TTL_S = 30.0  # a decoder restarted with another max_model_len is seen within this long
-CONTEXT_TIMEOUT_S = 2.0
-
-
 class GatewayLimits:
     """Checks one request of each public RPC; raises InvalidArgument naming the field, its size
     and the limit (with its flag).
 
-    `decoder_info(timeout)` answers the decoder's `DecoderInfo` (its `max_model_len` is read).
+    `max_model_len()` answers the decoder's context in tokens, or None while no decoder has
+    reported one.
     """
 
-    def __init__(self, config: GatewayConfig, decoder_info: Callable[[float], Awaitable]) -> None:
+    def __init__(self, config: GatewayConfig, max_model_len: Callable[[], int | None]) -> None:
         self.config = config
-        self._decoder_info = decoder_info
-        self._context: tuple[float, int] | None = None  # (monotonic time read, max_model_len)
+        self.max_model_len = max_model_len
 
-    async def max_model_len(self) -> int | None:
-        """The decoder's context in tokens (cached), or None while it does not answer."""
-        now = time.monotonic()
-        if self._context is not None and now - self._context[0] < CONTEXT_TTL_S:
-            return self._context[1]
-        try:
-            info = await self._decoder_info(CONTEXT_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return None if self._context is None else self._context[1]
-        if info.max_model_len < 1:
-            return None
-        self._context = (now, info.max_model_len)
-        return info.max_model_len
-
-    async def generate(self, request) -> int:
+    def generate(self, request) -> int:
         """Checks a GenerateRequest; returns its image token budget (0 = unknown: no budget)."""
-        max_model_len = await self.max_model_len()
+        max_model_len = self.max_model_len()
         check_generate(request, self.config.limits, max_model_len)
         return 0 if max_model_len is None else max_model_len - request.sampling.max_tokens
 

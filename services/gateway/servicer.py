@@ -51,15 +51,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._channels["vision"] = insecure_channel(config.vision)
         self.adapters = adapters_pb2_grpc.AdaptersStub(self._channels["adapters"])
         self.vision = vision_pb2_grpc.VisionStub(self._channels["vision"]) if config.vision else None
-        self.limits = GatewayLimits(config, self._decoder_info)
+        self.limits = GatewayLimits(config, self._max_model_len)
 
-    async def _decoder_info(self, timeout_s: float) -> decoder_pb2.DecoderInfo:
-        """The latest DecoderInfo any decoder replica reported (replicas share a model and context);
-        an empty one (max_model_len 0: unknown) before the first report."""
+    def _max_model_len(self) -> int | None:
+        """The context the decoder replicas report (they serve one model), or None before any has."""
         for replica in self.decoders.replicas.replicas.values():
-            if isinstance(replica.info, decoder_pb2.DecoderInfo):
-                return replica.info
-        return decoder_pb2.DecoderInfo()
+            if isinstance(replica.info, decoder_pb2.DecoderInfo) and replica.info.max_model_len > 0:
+                return replica.info.max_model_len
+        return None
 
     async def start(self) -> None:
         """Start resolving replicas and polling the decoders' load (on the server's loop)."""
@@ -82,7 +81,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # -- generation ---------------------------------------------------------------------------
 
     async def Generate(self, request, context):
-        request = await self._encode_images(request, context, await self.limits.generate(request))
+        request = await self._encode_images(request, context, self.limits.generate(request))
         key = routing_key(request)
         tried: list[str] = []
         failure: Exception | None = None
