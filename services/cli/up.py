@@ -33,11 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.adapters.config import ADMIN_TOKEN_ENV
 from services.common import auth
+from services.common.healthcheck import check as check_health
 from services.common.launch import service_env, wait_serving
 from services.common.paths import (
     default_adapter_root,
@@ -328,21 +327,11 @@ def services_to_restart(processes: dict[str, subprocess.Popen], address_of: Call
     due = []
     for service, process in processes.items():
         returncode = process.poll()
-        serving = returncode is None and _is_serving(address_of(service), probe_timeout_s)
+        serving = returncode is None and check_health(address_of(service), timeout_s=probe_timeout_s) is None
         reason = policy.reason(service, returncode, serving, time.monotonic())
         if reason is not None:
             due.append((service, reason))
     return due
-
-
-def _is_serving(address: str, timeout_s: float) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                              timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _kill(process: subprocess.Popen) -> None:

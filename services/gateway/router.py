@@ -69,12 +69,6 @@ def _keys_bytes(extra_keys: Sequence[str]) -> bytes:
     return b"".join(struct.pack("<q", len(data)) + data for data in (key.encode() for key in extra_keys))
 
 
-def hash_block(parent: bytes | None, block: bytes, extra_keys: Sequence[str] = ()) -> bytes:
-    """The 32-byte sha256 of one block: parent, length-prefixed bytes, length-prefixed extra keys."""
-    parent = parent if parent is not None else ROOT_PARENT
-    return hashlib.sha256(parent + struct.pack("<q", len(block)) + block + _keys_bytes(extra_keys)).digest()
-
-
 def block_hashes(key: RoutingKey, block_bytes: int) -> list[bytes]:
     """Chain hashes of every full `block_bytes`-byte block of `key.content` (a partial tail is not hashed)."""
     lora = _keys_bytes([f"lora:{key.adapter}"] if key.adapter else [])
