@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.common.mrope import check_mrope_section
 from services.vision.encoder import EncoderOutput, ImageEncoder, weights_digest
 from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig, patchify
 from services.vision.qwen2_vl_tower import Qwen2VLVisionConfig, Qwen2VLVisionTower
@@ -81,9 +82,7 @@ def _mrope_section(config: dict) -> tuple[int, int, int]:
         for key in ("rope_parameters", "rope_scaling"):
             section = (holder.get(key) or {}).get("mrope_section")
             if section is not None:
-                if len(section) != 3:
-                    raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {section}")
-                return tuple(int(s) for s in section)  # type: ignore[return-value]
+                return check_mrope_section(section)
     raise ValueError("config.json has no mrope_section in rope_parameters/rope_scaling; not a Qwen2-VL checkpoint")
 
 
