@@ -8,7 +8,7 @@ import asyncio
 from services.adapters.auth import AdminAuthInterceptor
 from services.adapters.config import RegistryConfig
 from services.adapters.servicer import register
-from services.adapters.service import RegistryService
+from services.adapters.engine import AdapterRegistry
 from services.common import auth
 from services.common.message_limits import REGISTRY_BYTES
 from services.common.config_cli import add_flags, from_flags
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     address, config = parse_config(argv)
     auth.configure_security(argv)
     configure_logging()
-    registry = RegistryService(config)
+    registry = AdapterRegistry(config)
 
     async def stop() -> None:
         registry.close()

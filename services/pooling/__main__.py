@@ -11,7 +11,7 @@ from services.common.metrics import PoolingCollector, start_metrics_server
 from services.common.config_cli import add_flags, from_flags
 from services.common.server import configure_logging, serve
 from services.pooling.config import ModelFlags, PoolingConfig
-from services.pooling.service import PoolingService
+from services.pooling.engine import PoolingEngine
 from services.pooling.servicer import PoolingServicer
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 
@@ -34,17 +34,17 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
 
 
 async def _main(config: PoolingConfig) -> None:
-    service = PoolingService(config)
-    start_metrics_server(config.metrics_port, config.address, PoolingCollector(service.queue_sizes))
+    engine = PoolingEngine(config)
+    start_metrics_server(config.metrics_port, config.address, PoolingCollector(engine.queue_sizes))
 
     def register(server):
-        pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(service), server)
+        pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(engine), server)
         return [pooling_pb2.DESCRIPTOR.services_by_name["Pooling"].full_name]
 
     async def start() -> None:
-        await service.compute.run(service.load)  # weights touched first by the compute thread
+        await engine.compute.run(engine.load)  # weights touched first by the compute thread
 
-    await serve("pooling", config.address, register, start=start, health=service.health,
+    await serve("pooling", config.address, register, start=start, health=engine.health,
                 max_receive_bytes=pooling_bytes(config.max_request_chars, config.max_request_token_ids))
 
 

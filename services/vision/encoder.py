@@ -124,7 +124,7 @@ class DemoEncoder(ImageEncoder):
             torch.manual_seed(config.seed)
             self.model = _DemoTower(config).eval()
         self.output_width = config.output_width
-        self.revision = weights_digest(self.model)
+        self.revision = state_dict_digest(self.model)
 
     def encode(self, pixels: list[torch.Tensor]) -> list[EncoderOutput]:
         """pixels: list of float32 [3, S, S] in [-1, 1] -> per image rows [P, output_width] float32."""
@@ -140,7 +140,7 @@ class DemoEncoder(ImageEncoder):
         return [EncoderOutput(rows=r.contiguous().clone(), grid_thw=grid) for r in rows]
 
 
-def weights_digest(module: nn.Module, length: int = 16) -> str:
+def state_dict_digest(module: nn.Module, length: int = 16) -> str:
     """Short sha256 hex over every tensor's name, shape, dtype and little-endian bytes, in name order."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.mrope import check_mrope_section
-from services.vision.encoder import EncoderOutput, ImageEncoder, weights_digest
+from services.vision.encoder import EncoderOutput, ImageEncoder, state_dict_digest
 from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig, patchify
 from services.vision.qwen2_vl_tower import Qwen2VLVisionConfig, Qwen2VLVisionTower
 
@@ -151,7 +151,7 @@ class Qwen2VLEncoder(ImageEncoder):
             raise ValueError(f"visual.* weights do not fit the tower: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
         self.output_width = self.checkpoint.vision.hidden_size
-        self.revision = weights_digest(self.model)
+        self.revision = state_dict_digest(self.model)
 
     @property
     def pixel_config(self) -> Qwen2VLPixelConfig:
