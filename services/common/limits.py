@@ -23,7 +23,7 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 # A BPE token of real text spans a few characters (~4 in English; runs of spaces or symbols merge
 # into longer ones). A prompt with more characters than this many per context token cannot fit the
-# context, so it is refused before the tokenizer spends time on it (~2.3 s per MB on one core).
+# context, so it is refused before the tokenizer spends time on it (bench/results/settings.md).
 CHARS_PER_CONTEXT_TOKEN = 32
 
 

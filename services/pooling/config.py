@@ -170,7 +170,7 @@ class PoolingConfig:
             with RESOURCE_EXHAUSTED.
         max_request_chars: most characters of text one request may carry, all inputs (or query and
             documents) together, checked before tokenizing (tokenizing is linear in it and runs
-            before truncation: 10 MB of text took ~20 s of CPU). TEI's --payload-limit, 2 MB, in spirit.
+            before truncation: bench/results/settings.md). TEI's --payload-limit, 2 MB, in spirit.
         metrics_port: Prometheus /metrics port (services/common/metrics.py); 0 = off.
         wedged_after_s: seconds with sequences queued and no forward completed before health says
             NOT_SERVING (services/common/liveness.py); it must exceed the longest forward.

@@ -1,6 +1,6 @@
 """`python -m services.vision`: images -> projected rows for the decoder.
 
-Two encoders: `--encoder demo` (default; the seed's fixed-resolution tower with seeded RANDOM
+Two encoders: `--encoder demo` (default; a fixed-resolution tower with seeded RANDOM
 weights -- plumbing, not answers) and `--encoder qwen2-vl --model-dir DIR` (a Qwen2-VL
 checkpoint's vision tower + PatchMerger, with its preprocessing recipe and M-RoPE sections).
 """

@@ -5,7 +5,7 @@
 !!! language model was trained against its projector, so a decoder fed these rows cannot
 !!! describe the image. `GetInfo` reports encoder="demo" so no client mistakes it for a VLM.
 
-The demo architecture is the seed's fixed-resolution ViT (Dosovitskiy et al.; projector as in
+The demo architecture is a fixed-resolution ViT (Dosovitskiy et al.; projector as in
 LLaVA):
 
     pixels [N, 3, S, S]
@@ -65,7 +65,7 @@ class ImageEncoder(ABC):
 
 @dataclass(frozen=True)
 class DemoEncoderConfig:
-    """The seed's demo tower. `output_width` must equal the decoder's hidden size."""
+    """The demo tower. `output_width` must equal the decoder's hidden size."""
 
     output_width: int
     image_size: int = 64

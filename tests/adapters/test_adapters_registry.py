@@ -206,19 +206,3 @@ def test_restarted_registry_waits_for_reports_before_unloading(config, adapter_i
         assert restarted.list() == []
     finally:
         restarted.close()
-
-
-def test_leases_a_report_does_not_attribute_to_a_name_count_for_every_name(config, adapter_in_root):
-    """A decoder from before per-name leases reports only a digest's total: an unload of any name
-    on that digest is refused rather than let through on leased weights."""
-    registry = AdapterRegistry(config)
-    try:
-        digest = registry.load("a", "plain").digest
-        registry.load("b", "plain")
-        registry.report_residency("old-decoder", {digest: 2}, {}, set())
-        assert [s.residency for s in registry.list_status()] == [(("old-decoder", 2),)] * 2
-        registry.report_residency("new-decoder", {digest: 3}, {("a", digest): 1}, set())  # 2 unattributed
-        assert [s.residency for s in registry.list_status()] == [(("new-decoder", 3), ("old-decoder", 2)),
-                                                                 (("new-decoder", 2), ("old-decoder", 2))]
-    finally:
-        registry.close()
