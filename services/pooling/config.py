@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from services.common.checkpoint import CheckpointConfig
 from services.common.metrics import check_metrics_port
 from services.common.paths import default_embedding_dir
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
@@ -78,13 +78,14 @@ class ModelConfig:
     do_lower_case: bool = field(default=False, init=False)
     default_prompt_name: str | None = field(default=None, init=False)
     is_matryoshka: bool = field(default=False, init=False)
+    checkpoint: CheckpointConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir).expanduser()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model_dir {str(self.model_dir)!r} has no config.json; expected a local transformers model directory")
-        hf = json.loads((self.model_dir / "config.json").read_text())
-        architectures = hf.get("architectures") or []
+        hf = self.checkpoint = CheckpointConfig.read(self.model_dir)
+        architectures = hf.architectures
         if self.kind is None:
             self.kind = CROSS_ENCODER if any(a.endswith("ForSequenceClassification") for a in architectures) else EMBEDDING
         if self.kind not in MODEL_KINDS:
@@ -109,9 +110,8 @@ class ModelConfig:
         self._resolve_matryoshka(hf)
         self._resolve_judge(hf)
 
-    def _resolve_max_input_length(self, st_max_seq_length: int | None, hf: dict[str, Any]) -> int:
-        value = hf.get("max_position_embeddings")
-        max_positions = int(value) if value is not None else None
+    def _resolve_max_input_length(self, st_max_seq_length: int | None, hf: CheckpointConfig) -> int:
+        max_positions = hf.max_position_embeddings
         if self.max_input_length is not None:
             if self.max_input_length < 1:
                 raise ValueError(f"max_input_length must be >= 1, got {self.max_input_length}")
@@ -127,8 +127,8 @@ class ModelConfig:
                              "set max_input_length")
         return min(limits)
 
-    def _resolve_matryoshka(self, hf: dict[str, Any]) -> None:
-        hidden = int(hf.get("hidden_size", 0)) or None
+    def _resolve_matryoshka(self, hf: CheckpointConfig) -> None:
+        hidden = hf.hidden_size or None
         if self.matryoshka_dimensions is None:
             declared = hf.get("matryoshka_dimensions")
             self.is_matryoshka = bool(declared) or bool(hf.get("is_matryoshka", False))
@@ -140,7 +140,7 @@ class ModelConfig:
             if not 1 <= width <= (hidden or width):
                 raise ValueError(f"matryoshka dimension {width} is outside 1..{hidden} (the model's hidden size)")
 
-    def _resolve_judge(self, hf: dict[str, Any]) -> None:
+    def _resolve_judge(self, hf: CheckpointConfig) -> None:
         if self.judge_tokens is None:
             no_yes = hf.get("classifier_from_token")
             self.judge_tokens = (no_yes[1], no_yes[0]) if no_yes and len(no_yes) == 2 else ("yes", "no")

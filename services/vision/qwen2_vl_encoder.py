@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.common.checkpoint import CheckpointConfig
 from services.common.mrope import check_mrope_section
 from services.vision.encoder import EncoderOutput, ImageEncoder, state_dict_digest
 from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig, patchify
@@ -107,8 +108,8 @@ def _pixel_config(raw: dict, vision: Qwen2VLVisionConfig, encoder: Qwen2VLEncode
 
 def read_checkpoint(encoder: Qwen2VLEncoderConfig) -> Qwen2VLCheckpoint:
     """Parse config.json (+ preprocessor_config.json when present). Raises ValueError naming the problem."""
-    root = Path(encoder.model_dir).expanduser()
-    config = _read_json(root / "config.json")
+    checkpoint = CheckpointConfig.read(encoder.model_dir)
+    root, config = checkpoint.model_dir, checkpoint.raw
     if "vision_config" not in config:
         raise ValueError(f"{root / 'config.json'} has no vision_config; not a Qwen2-VL checkpoint")
     vision = _vision_config(config["vision_config"])
@@ -152,11 +153,6 @@ class Qwen2VLEncoder(ImageEncoder):
                              f"unexpected {sorted(unexpected)[:5]}")
         self.output_width = self.checkpoint.vision.hidden_size
         self.revision = state_dict_digest(self.model)
-
-    @property
-    def pixel_config(self) -> Qwen2VLPixelConfig:
-        """The recipe the processor must use for this tower (config files + min/max overrides)."""
-        return self.checkpoint.pixels
 
     def encode(self, pixels: list[torch.Tensor]) -> list[EncoderOutput]:
         """pixels: list of float32 [3, H, W] (CLIP-normalized, H, W multiples of 28) -> per image
