@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from services.common.checkpoint import CheckpointConfig
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -68,17 +69,14 @@ class BaseModelShapes:
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> BaseModelShapes:
         """Raises ValueError when config.json lacks a field the layout needs."""
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        config = config.get("text_config", config)  # VL checkpoints nest the decoder's config
-        try:
-            hidden = int(config["hidden_size"])
-            intermediate = int(config["intermediate_size"])
-            num_heads = int(config["num_attention_heads"])
-            num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-            num_layers = int(config["num_hidden_layers"])
-        except KeyError as missing:
-            raise ValueError(f"base model config.json in {model_dir} lacks {missing}") from None
-        head_dim = int(config.get("head_dim") or hidden // num_heads)
+        config = CheckpointConfig.read(model_dir)
+        required = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+        missing = [name for name in required if getattr(config, name) is None]
+        if missing:
+            raise ValueError(f"base model config.json in {model_dir} lacks {missing[0]!r}")
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        num_layers, head_dim = config.num_hidden_layers, config.head_dim
         per_layer = {
             "self_attn.q_proj": LinearShape(hidden, num_heads * head_dim),
             "self_attn.k_proj": LinearShape(hidden, num_kv_heads * head_dim),

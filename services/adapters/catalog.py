@@ -40,7 +40,7 @@ class AdapterRecord:
 
     Attributes:
         path: POSIX path relative to the adapter root.
-        digest: sha256 hex of the effective weights (see lora.weights_digest).
+        digest: sha256 hex of the effective weights (see lora.adapter_digest).
         targets: sorted module names.
         generation: 1 on first load, +1 on every later load of the name.
         created_at: unix seconds of the load that produced this generation.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.paths import default_adapter_root
+from services.common.server import default_address
 
 ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
 RANK_LIMIT = 1024  # a sanity bound on max_rank itself
@@ -35,19 +36,25 @@ class RegistryConfig:
             have their own, tighter rule: services/common/names.py).
         max_report_entries: resident digests, names per digest and acknowledged drains in one
             ResidencyReport, each.
+        address: host:port the registry binds.
     """
 
-    root: Path = field(default_factory=default_adapter_root)
-    db_path: Path | None = None
-    admin_token: str | None = None
-    base_model_dir: Path | None = None
-    max_rank: int = 64
+    root: Path = field(default_factory=default_adapter_root,
+                       metadata={"help": "adapter root; clients may only name PEFT directories inside it"})
+    db_path: Path | None = field(default=None, metadata={"help": "SQLite catalog", "flag": "--db",
+                                                          "default_help": "<root>/registry.sqlite3"})
+    admin_token: str | None = field(default=None, metadata={"help": "bearer token for Load/Unload; empty = no auth",
+                                                             "env": ADMIN_TOKEN_ENV, "default_help": '""'})
+    base_model_dir: Path | None = field(default=None,
+                                        metadata={"help": "validate targets against this model's config.json"})
+    max_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted, per target module"})
     report_ttl_s: float = 10.0
     drain_poll_s: float = 0.05
     lease_confirm_s: float = 3.0  # decoders report every second
-    max_path_chars: int = 4096
-    max_name_chars: int = 256
-    max_report_entries: int = 4096
+    max_path_chars: int = field(default=4096, metadata={"help": "characters of LoadAdapter's path"})
+    max_name_chars: int = field(default=256, metadata={"help": "characters of a name, digest or decoder id"})
+    max_report_entries: int = field(default=4096, metadata={"help": "entries of each list of a ResidencyReport"})
+    address: str = field(default=default_address("adapters"), metadata={"help": "bind host:port"})
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).expanduser()

@@ -5,8 +5,7 @@ from __future__ import annotations
 from services.adapters.catalog import AdapterRecord
 from services.adapters.config import RegistryConfig
 from services.adapters.leases import AdapterRef
-from services.adapters.lora import LoraAdapter
-from services.adapters.service import DRAINING, AdapterStatus
+from services.adapters.types import DRAINING, AdapterStatus, LoRAAdapter
 from services.common.limits import check_chars, check_count
 from services.common.tensor import to_pb
 from tessera.v1 import adapters_pb2
@@ -54,7 +53,7 @@ def draining_to_pb(refs: list[AdapterRef]) -> adapters_pb2.ResidencyAck:
     return adapters_pb2.ResidencyAck(draining=[adapters_pb2.AdapterRef(name=n, digest=d) for n, d in refs])
 
 
-def weights_to_pb(record: AdapterRecord, adapter: LoraAdapter | None) -> adapters_pb2.AdapterWeights:
+def weights_to_pb(record: AdapterRecord, adapter: LoRAAdapter | None) -> adapters_pb2.AdapterWeights:
     """AdapterWeights with tensors sorted by module name (empty when `adapter` is None)."""
     tensors = []
     if adapter is not None:

@@ -31,11 +31,6 @@ class DecoderReport:
     draining_acked: frozenset[AdapterRef]
     at: float = field(default_factory=time.monotonic)
 
-    def unattributed(self, digest: str) -> int:
-        """Leases on `digest` that no name accounts for."""
-        named = sum(n for (_, d), n in self.leases.items() if d == digest)
-        return max(0, self.resident.get(digest, 0) - named)
-
 
 class LeaseTable:
     def __init__(self, ttl_s: float = 10.0) -> None:
@@ -52,15 +47,9 @@ class LeaseTable:
             return sorted(self._draining)
 
     def residency(self, ref: AdapterRef) -> list[tuple[str, int]]:
-        """(decoder id, leases taken as ref's name) for every live decoder holding ref's digest.
-
-        Leases a report does not attribute to a name (a decoder from before per-name leases sends
-        only the digest's total) count against every name of that digest: an unload is refused
-        rather than let through on leased weights.
-        """
+        """(decoder id, leases taken as ref's name) for every live decoder holding ref's digest."""
         with self._lock:
-            return sorted((d, r.leases.get(ref, 0) + r.unattributed(ref[1])) for d, r in self._live()
-                          if ref[1] in r.resident)
+            return sorted((d, r.leases.get(ref, 0)) for d, r in self._live() if ref[1] in r.resident)
 
     def reported_since(self, since: float) -> bool:
         """Whether every live decoder has reported after `since` (time.monotonic()): an older count
@@ -85,8 +74,7 @@ class LeaseTable:
     def drained(self, ref: AdapterRef) -> bool:
         """True when every live decoder acknowledged the drain of `ref` with zero leases on it."""
         with self._lock:
-            return all(ref in r.draining_acked and r.leases.get(ref, 0) + r.unattributed(ref[1]) == 0
-                       for _, r in self._live())
+            return all(ref in r.draining_acked and r.leases.get(ref, 0) == 0 for _, r in self._live())
 
     def _live(self) -> list[tuple[str, DecoderReport]]:
         now = time.monotonic()

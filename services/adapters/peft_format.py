@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from services.adapters.base_model import BaseModelShapes
-from services.adapters.lora import LoraAdapter, LoraTarget
+from services.adapters.types import LoRAAdapter, LoRATarget
 from services.adapters.paths import file_in_root
 from services.adapters.targets import TargetModules
 from services.common.errors import InvalidArgument
@@ -47,7 +47,7 @@ DELTA_SCALE_FACTOR = 1e3
 
 
 @dataclass(frozen=True)
-class LoraSettings:
+class LoRASettings:
     """The accepted subset of a PEFT LoraConfig."""
 
     r: int
@@ -80,11 +80,11 @@ def _pattern_regex(key: str) -> str:
 
 
 def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
-                      base: BaseModelShapes | None = None) -> LoraAdapter:
+                      base: BaseModelShapes | None = None) -> LoRAAdapter:
     """Parse and validate the PEFT LoRA adapter in `directory` (already resolved inside `root`).
 
     Returns:
-        A `LoraAdapter` whose targets hold A [r, in] and scaled B [out, r], float32.
+        A `LoRAAdapter` whose targets hold A [r, in] and scaled B [out, r], float32.
 
     Raises:
         InvalidArgument: a missing/unreadable file, an unsupported PEFT feature (the message names
@@ -103,11 +103,11 @@ def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
             raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
                                   "does not name")
     targets = {module: _build_target(module, a, b, settings, max_rank, base) for module, (a, b) in pairs.items()}
-    return LoraAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
+    return LoRAAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
                        use_rslora=settings.use_rslora, targets=targets)
 
 
-def read_lora_settings(config_path: Path) -> LoraSettings:
+def read_lora_settings(config_path: Path) -> LoRASettings:
     """Parse adapter_config.json, refusing every PEFT feature the decoder cannot reproduce."""
     try:
         config = json.loads(config_path.read_text())
@@ -125,7 +125,7 @@ def read_lora_settings(config_path: Path) -> LoraSettings:
         raise InvalidArgument(f"adapter_config.json: lora_alpha={_clip(alpha)} must be a finite number")
     rank_pattern = _pattern(config, "rank_pattern", _is_positive_int, "a positive integer rank")
     alpha_pattern = _pattern(config, "alpha_pattern", _is_finite_number, "a finite number")
-    return LoraSettings(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora")), targets=targets,
+    return LoRASettings(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora")), targets=targets,
                         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
 
 
@@ -218,8 +218,8 @@ def _pair_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Ten
     return {module: (pair["A"], pair["B"]) for module, pair in parts.items()}
 
 
-def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoraSettings, max_rank: int,
-                  base: BaseModelShapes | None) -> LoraTarget:
+def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, max_rank: int,
+                  base: BaseModelShapes | None) -> LoRATarget:
     """Check one pair (A [r, in], B [out, r]) and return it in float32 with B scaled."""
     for part, tensor in (("A", a), ("B", b)):
         if tensor.dim() != 2:
@@ -249,7 +249,7 @@ def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoraS
     if not (torch.isfinite(a).all() and torch.isfinite(b).all() and torch.isfinite(lora_b).all()):
         raise InvalidArgument(f"{module}: LoRA weights contain non-finite values")
     _check_delta_bound(module, a, scaled_b, None if base is None else base.weight_scale(module))
-    return LoraTarget(lora_a=lora_a, lora_b=lora_b, alpha=alpha)
+    return LoRATarget(lora_a=lora_a, lora_b=lora_b, alpha=alpha)
 
 
 def _check_delta_bound(module: str, a: torch.Tensor, scaled_b: torch.Tensor, base_scale: float | None) -> None:

@@ -1,4 +1,4 @@
-"""gRPC servicer for tessera.v1.Adapters: protobuf in -> RegistryService -> protobuf out."""
+"""gRPC servicer for tessera.v1.Adapters: protobuf in -> AdapterRegistry -> protobuf out."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import asyncio
 
 from services.adapters.convert import (check_request, draining_to_pb, info_to_pb, report_from_pb, status_to_pb,
                                        weights_to_pb)
-from services.adapters.service import RegistryService
+from services.adapters.engine import AdapterRegistry
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 
 class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
     """Thin: file reads and hashing run in a worker thread so the event loop keeps serving."""
 
-    def __init__(self, registry: RegistryService) -> None:
+    def __init__(self, registry: AdapterRegistry) -> None:
         self.registry = registry
 
     async def LoadAdapter(self, request, context):
@@ -43,7 +43,7 @@ class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
         return draining_to_pb(self.registry.report_residency(request.decoder_id, resident, leases, acked))
 
 
-def register(server, registry: RegistryService) -> list[str]:
+def register(server, registry: AdapterRegistry) -> list[str]:
     """Add the Adapters servicer to `server`; returns the full service names (health, reflection)."""
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(registry), server)
     return [adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name]

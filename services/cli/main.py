@@ -9,8 +9,9 @@ from pathlib import Path
 import grpc
 
 from services.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
+from services.common.server import DEFAULT_PORTS
 
-DEFAULT_ADDRESS = "localhost:50051"
+DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORTS['gateway']}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start all five services on loopback until Ctrl-C")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--base-port", type=int, default=50051,
+    up.add_argument("--base-port", type=int, default=DEFAULT_PORTS["gateway"],
                     help="gateway port; vision, decoder, pooling, adapters take the next four")
     up.add_argument("--decoder-model-dir", type=Path, default=default_decoder_dir())
     up.add_argument("--embedding-model-dir", type=Path, default=default_embedding_dir())
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="start the cluster, send one of each request, stop it")
-    demo.add_argument("--base-port", type=int, default=50051)
+    demo.add_argument("--base-port", type=int, default=DEFAULT_PORTS["gateway"])
     demo.set_defaults(func=_demo)
 
     def client(name: str, help: str) -> argparse.ArgumentParser:

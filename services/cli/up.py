@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from services.adapters.config import ADMIN_TOKEN_ENV
 from services.common import auth
 from services.common.healthcheck import check as check_health
@@ -44,12 +43,13 @@ from services.common.paths import (
     default_embedding_dir,
     tessera_home,
 )
+from services.common.server import DEFAULT_PORTS
 
 SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
 MAX_RESTARTS = 5          # per RESTART_WINDOW_S, across services, before `up` gives up
 RESTART_WINDOW_S = 60.0
 UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> killed and restarted
-PORT_OFFSETS = {"gateway": 0, "vision": 1, "decoder": 2, "pooling": 3, "adapters": 4}
+PORT_OFFSETS = {service: port - DEFAULT_PORTS["gateway"] for service, port in DEFAULT_PORTS.items()}
 REPLICATED = ("decoder", "pooling")
 
 
@@ -61,7 +61,7 @@ def service_of(instance: str) -> str:
 @dataclass
 class ClusterSpec:
     host: str = "127.0.0.1"
-    base_port: int = 50051
+    base_port: int = DEFAULT_PORTS["gateway"]
     decoder_model_dir: Path = field(default_factory=default_decoder_dir)
     embedding_model_dir: Path = field(default_factory=default_embedding_dir)
     reranker_dir: Path | None = None  # a cross-encoder checkpoint; None = bi-encoder rerank

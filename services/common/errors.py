@@ -1,10 +1,12 @@
-"""One error hierarchy for every service, mapped once to gRPC status codes.
+"""One error hierarchy for every service, mapped to gRPC status codes and back from one table.
 
 Core code raises these (never gRPC types); `ErrorInterceptor` turns them into statuses at the
-edge, and answers INTERNAL (and logs) for anything else. The mapping follows ARCHITECTURE.md:
-bad input -> INVALID_ARGUMENT, unknown adapter/model -> NOT_FOUND, busy/full ->
-RESOURCE_EXHAUSTED, unload of a leased adapter -> FAILED_PRECONDITION, auth ->
-UNAUTHENTICATED / PERMISSION_DENIED, replica down -> UNAVAILABLE.
+edge (`status_of`), and answers INTERNAL (and logs) for anything else. Clients turn a peer's
+status back into the same domain error (`error_from_rpc`), so a relayed failure keeps its
+meaning. The mapping follows ARCHITECTURE.md: bad input -> INVALID_ARGUMENT, unknown
+adapter/model -> NOT_FOUND, busy/full -> RESOURCE_EXHAUSTED, unload of a leased adapter ->
+FAILED_PRECONDITION, auth -> UNAUTHENTICATED / PERMISSION_DENIED, replica down -> UNAVAILABLE,
+a peer out of time -> DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -57,22 +59,50 @@ class DeadlineExceeded(TesseraError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Internal(TesseraError):
+    """A failure with no domain meaning: a peer's INTERNAL, or a status no other error stands for."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+# The one table, read both ways: each error's `code` is its status, and each status its error.
+ERRORS = (InvalidArgument, NotFound, ResourceExhausted, FailedPrecondition, AlreadyExists, Unauthenticated,
+          PermissionDenied, Unavailable, DeadlineExceeded, Internal)
+_ERROR_OF_CODE = {error.code: error for error in ERRORS}
+
+
 MAX_MESSAGE_CHARS = 1024  # status messages travel in a trailer (gRPC's metadata limit is 16 KiB)
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The (code, message) a client sees for `error`; the message is at most MAX_MESSAGE_CHARS.
 
-    A `grpc.aio.AioRpcError` from a downstream service passes through unchanged, so the gateway
-    relays the decoder's INVALID_ARGUMENT rather than hiding it behind INTERNAL. Messages often
-    quote client input (an adapter name, a path): cut whole, a huge one would overflow the trailer
-    and the client would see RESOURCE_EXHAUSTED instead of the real status.
+    A `grpc.aio.AioRpcError` from a downstream service goes through `error_from_rpc`, so the
+    gateway relays the decoder's INVALID_ARGUMENT rather than hiding it behind INTERNAL. Messages
+    often quote client input (an adapter name, a path): cut whole, a huge one would overflow the
+    trailer and the client would see RESOURCE_EXHAUSTED instead of the real status.
     """
+    if isinstance(error, grpc.aio.AioRpcError):
+        error = error_from_rpc(error)
     if isinstance(error, TesseraError):
         return error.code, clip_message(str(error))
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code(), clip_message(error.details() or "")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+
+
+def error_of(code: grpc.StatusCode, message: str) -> TesseraError:
+    """The domain error a peer's status `code` stands for, with its `message`.
+
+    A code no domain error stands for (CANCELLED, UNIMPLEMENTED, ...) becomes `Internal`, naming it.
+    """
+    error = _ERROR_OF_CODE.get(code)
+    if error is None:
+        return Internal(f"{code.name}: {message}")
+    return error(message)
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError) -> TesseraError:
+    """`error_of` for a failed call's status and details."""
+    return error_of(error.code(), error.details() or "")
 
 
 def clip_message(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:

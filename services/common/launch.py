@@ -56,9 +56,9 @@ def wait_serving(address: str, process: subprocess.Popen, timeout_s: float, name
 
 
 # Environment defaults of every service process (the caller's environment wins). GNU OpenMP's
-# workers spin ~3 ms (GOMP_SPINCOUNT 300000) waiting for the next parallel region; 20000 (~0.2 ms)
-# measured +5% decoder throughput on 2 cores (bench decode over gRPC, 90.2/90.5 vs 85.9/86.1 tok/s).
-# libgomp reads it when torch loads, so it is set in the launcher rather than in the service.
+# workers spin waiting for the next parallel region; a shorter spin leaves the cores to the other
+# services (bench/results/settings.md). libgomp reads it when torch loads, so it is set in the
+# launcher rather than in the service.
 SERVICE_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "20000"}
 
 

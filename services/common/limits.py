@@ -8,15 +8,14 @@ costs its parse and nothing more.
 `GenerateLimits` are the caps of one Generate request. The gateway and the decoder hold the same
 dataclass (each from its own flags) and run the same `check_generate`: the gateway so that a
 request the decoder would refuse never has its images encoded, the decoder because its port
-trusts no caller. `add_flags` / `from_flags` generate the CLI from the dataclass fields.
+trusts no caller. Each cap is a flag of the same name (services/common/config_cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field
 
+from services.common.config_cli import flag
 from services.common.errors import InvalidArgument
 
 # Sampling bounds the sampler is built and tested for; a flag may lower them, never raise them.
@@ -24,13 +23,13 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 # A BPE token of real text spans a few characters (~4 in English; runs of spaces or symbols merge
 # into longer ones). A prompt with more characters than this many per context token cannot fit the
-# context, so it is refused before the tokenizer spends time on it (~2.3 s per MB on one core).
+# context, so it is refused before the tokenizer spends time on it (bench/results/settings.md).
 CHARS_PER_CONTEXT_TOKEN = 32
 
 
-def flag(name: str) -> str:
-    """The CLI flag of config field `name`: max_name_chars -> --max-name-chars."""
-    return "--" + name.replace("_", "-")
+def _cap(default: int, help_text: str):
+    """A request cap: an int config field with its flag's help (services/common/config_cli.py)."""
+    return field(default=default, metadata={"help": help_text})
 
 
 def check_chars(field: str, value: str, limit: int, setting: str) -> None:
@@ -74,16 +73,17 @@ class GenerateLimits:
             sampler's bounds.
     """
 
-    max_name_chars: int = 256
-    max_prompt_chars: int = 0
-    max_messages: int = 1024
-    max_content_parts: int = 1024
-    max_images: int = 8
-    max_stop: int = 16
-    max_stop_chars: int = 1024
-    max_stop_token_ids: int = 256
-    max_n: int = MAX_N
-    max_logprobs: int = MAX_TOP_LOGPROBS
+    max_name_chars: int = _cap(256, "characters of request_id, lora and each message's role")
+    max_prompt_chars: int = _cap(0, "characters of prompt text over every part and message; "
+                                    f"0 = {CHARS_PER_CONTEXT_TOKEN} x the decoder's context")
+    max_messages: int = _cap(1024, "chat messages per request")
+    max_content_parts: int = _cap(1024, "content parts over the prompt and every message")
+    max_images: int = _cap(8, "image parts per request")
+    max_stop: int = _cap(16, "stop strings per request")
+    max_stop_chars: int = _cap(1024, "characters of each stop string")
+    max_stop_token_ids: int = _cap(256, "entries of stop_token_ids")
+    max_n: int = _cap(MAX_N, f"choices per request (at most {MAX_N})")
+    max_logprobs: int = _cap(MAX_TOP_LOGPROBS, f"top_logprobs per token (at most {MAX_TOP_LOGPROBS})")
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_name_chars", "max_messages", "max_content_parts", "max_images", "max_stop",
@@ -185,10 +185,10 @@ class PoolingLimits:
         ValueError: a cap below 1.
     """
 
-    max_name_chars: int = 256
-    max_batch_size: int = 64
-    max_request_chars: int = 2_000_000
-    max_request_token_ids: int = 262_144
+    max_name_chars: int = _cap(256, "characters of a request's model, prompt_name and method")
+    max_batch_size: int = _cap(64, "inputs per Embed or Tokenize, documents per Rerank")
+    max_request_chars: int = _cap(2_000_000, "characters of text per request, checked before tokenizing")
+    max_request_token_ids: int = _cap(262_144, "token ids over one Embed request's input_ids")
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_name_chars", "max_batch_size", "max_request_chars", "max_request_token_ids"))
@@ -228,23 +228,3 @@ def _check_texts(field: str, texts, extra_chars: int, limits: PoolingLimits) -> 
     if chars > limits.max_request_chars:
         raise InvalidArgument(f"{field} hold {chars} characters of text; the limit is {limits.max_request_chars} "
                               f"({flag('max_request_chars')})")
-
-
-def add_flags(parser: argparse.ArgumentParser, cls: type, defaults: Any = None) -> None:
-    """One `--field-name` int flag per field of dataclass `cls` (defaults from `defaults` or `cls()`).
-
-    A flag the parser already has is kept: a cap of the same name is one setting (the gateway's
-    --max-name-chars covers Generate's and the pooling RPCs' names alike).
-    """
-    defaults = defaults if defaults is not None else cls()
-    for f in fields(cls):
-        if flag(f.name) in parser._option_string_actions:  # noqa: SLF001 - argparse has no public lookup
-            continue
-        parser.add_argument(flag(f.name), type=int, default=getattr(defaults, f.name),
-                            help=f"request cap (default %(default)s; see {cls.__name__})")
-
-
-def from_flags(cls: type, args: argparse.Namespace):
-    """The `cls` instance the flags of `add_flags` describe."""
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-

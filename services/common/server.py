@@ -64,7 +64,13 @@ SERVER_OPTIONS = [
 
 HEALTH_POLL_S = 0.5  # how often `serve` asks the service's health check
 
+# The one port table: each service's default port (`tessera up` offsets them from its --base-port).
 DEFAULT_PORTS = {"gateway": 50051, "vision": 50052, "decoder": 50053, "pooling": 50054, "adapters": 50055}
+
+
+def default_address(service: str) -> str:
+    """The loopback host:port `service` binds by default."""
+    return f"127.0.0.1:{DEFAULT_PORTS[service]}"
 
 
 def configure_logging(level: str = "INFO") -> None:

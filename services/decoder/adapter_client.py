@@ -26,7 +26,8 @@ import uuid
 import grpc
 import torch
 
-from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.errors import (DeadlineExceeded, FailedPrecondition, NotFound, TesseraError, Unavailable,
+                                    error_from_rpc)
 from services.common.names import check_adapter_name
 from services.common.server import insecure_channel
 from services.common.tensor import from_pb
@@ -189,7 +190,7 @@ class AdapterClient:
         while True:
             try:
                 await self.report_once()
-            except (Unavailable, grpc.aio.AioRpcError) as error:
+            except TesseraError as error:
                 log.debug("residency report to %s failed: %s", self.address, error)
             await asyncio.sleep(self.report_interval_s)
 
@@ -197,12 +198,8 @@ class AdapterClient:
         request = adapters_pb2.GetAdapterRequest(name=name, include_weights=include_weights)
         try:
             return await self._call("GetAdapter", request)
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(f"unknown adapter {name!r}") from None
-            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FailedPrecondition(error.details()) from None
-            raise
+        except NotFound:
+            raise NotFound(f"unknown adapter {name!r}") from None
 
     async def _call(self, method: str, request):
         if self._stub is None:
@@ -211,9 +208,10 @@ class AdapterClient:
         try:
             return await getattr(self._stub, method)(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            failure = error_from_rpc(error)
+            if isinstance(failure, (Unavailable, DeadlineExceeded)):
                 raise Unavailable(f"adapter registry at {self.address} is unavailable: {error.details()}") from None
-            raise
+            raise failure from None
 
     async def close(self) -> None:
         if self._reporter is not None:

@@ -9,7 +9,9 @@ from pathlib import Path
 from services.common.metrics import check_metrics_port
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.limits import GenerateLimits
+from services.common.mrope import check_mrope_section, parse_mrope_section
 from services.common.paths import default_decoder_dir
+from services.common.server import default_address
 from services.decoder.kernels import native
 from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
@@ -32,6 +34,11 @@ def read_model_config(model_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _flag(default, help_text: str, **metadata):
+    """A config field with its command-line flag (services/common/config_cli.py)."""
+    return field(default=default, metadata={"help": help_text, **metadata})
+
+
 @dataclass
 class DecoderConfig:
     """Everything the decoder needs to start.
@@ -49,28 +56,40 @@ the torch path on long contexts).
 NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
 (services/common/limits.py); its prompt character cap defaults to 32 x max_model_len.
+`address`: host:port the decoder binds.
     """
 
-    model_dir: str = str(default_decoder_dir())
-    block_size: int = 16
-    num_blocks: int = 0
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0
-    max_waiting: int = 256
-    mrope_section: tuple[int, int, int] | None = None
-    image_token: str | None = None
-    adapters_address: str | None = None
-    adapter_slots: int = 8
-    max_lora_rank: int = 64
-    lora_backend: str = "torch"  # "torch" (grouped shrink/expand), "triton" (BGMV/SGMV) or "cpu" (C BGMV for decode rows)
-    adapter_host_cache_mb: int = 1024  # host-memory tier: adapter weights kept by digest for swap-ins
-    dtype: str = "float32"
-    enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
-    metrics_port: int = 0  # Prometheus /metrics (services/common/metrics.py); 0 = off
-    wedged_after_s: float = DEFAULT_WEDGED_AFTER_S
+    model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
+    block_size: int = _flag(16, "tokens per KV-cache block")
+    num_blocks: int = _flag(0, "KV-cache blocks; 0 = derive from max_num_seqs * max_model_len")
+    max_num_seqs: int = _flag(32, "most sequences in one step")
+    max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
+    max_model_len: int = _flag(0, "context length in tokens; 0 = min(max_position_embeddings, 8192)")
+    max_waiting: int = _flag(256, "most queued requests before RESOURCE_EXHAUSTED")
+    mrope_section: tuple[int, int, int] | None = _flag(None, 'M-RoPE pairs per (t,h,w) axis, e.g. "8,12,12"; '
+                                                             "empty = text-only", type=parse_mrope_section)
+    image_token: str | None = _flag(None, "the placeholder token for image rows")
+    adapters_address: str | None = _flag(None, "the adapter registry host:port; empty = no adapters",
+                                         type=lambda text: text or None)
+    adapter_slots: int = _flag(8, "adapters resident at once")
+    max_lora_rank: int = _flag(64, "largest LoRA rank a slot holds")
+    lora_backend: str = _flag("torch", "multi-LoRA compute: torch grouped matmuls, Triton BGMV/SGMV kernels (GPU "
+                                       "or TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel built at start",
+                              choices=LORA_BACKENDS)
+    adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
+                                             "refetching)")
+    dtype: str = _flag("float32", f"model dtype, one of {', '.join(DTYPES)}")
+    enable_prefix_caching: bool = _flag(True, "share KV blocks of full prompt blocks between requests",
+                                        flag="--prefix-caching")
+    attention_backend: str = _flag("torch", "paged attention implementation; triton needs a GPU (or "
+                                            "TRITON_INTERPRET=1); cpu: decode rows in a C kernel built at start "
+                                            "(needs a C compiler with OpenMP, float32)",
+                                   choices=ATTENTION_BACKENDS)
+    metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
+    wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
+                                  "no engine step completes for this long (seconds; must exceed the longest step)")
     limits: GenerateLimits = field(default_factory=GenerateLimits)
+    address: str = _flag(default_address("decoder"), "bind host:port")
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -121,14 +140,8 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
             self._check_mrope(model)
 
     def _check_mrope(self, model: dict) -> None:
-        section = tuple(int(s) for s in self.mrope_section)
-        if len(section) != 3 or min(section) < 0:
-            raise ValueError(f"mrope_section must be three non-negative ints, got {self.mrope_section}")
         head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
-        if 2 * sum(section) != head_dim:
-            raise ValueError(f"mrope_section {section} sums to {sum(section)} pairs; the model's "
-                             f"head_dim {head_dim} needs {head_dim // 2}")
-        self.mrope_section = section
+        self.mrope_section = check_mrope_section(self.mrope_section, head_dim)
         if self.image_token is None and model.get("image_token_id") is None:
             raise ValueError("mrope_section needs image_token (a token in the vocabulary) "
                              "because config.json has no image_token_id")

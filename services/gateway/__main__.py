@@ -8,32 +8,31 @@ import asyncio
 from services.common import auth
 from services.common.memory import unmap_large_buffers
 from services.common.message_limits import gateway_bytes, pooling_bytes
-from services.common.limits import GenerateLimits, PoolingLimits, add_flags, from_flags
+from services.common.config_cli import add_flags, from_flags
+from services.common.limits import GenerateLimits, PoolingLimits
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
 from services.gateway.servicer import GatewayServicer
 from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 
 
-def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    d = GatewayConfig()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    parser.add_argument("--address", default=d.address, help="bind host:port (default %(default)s)")
-    parser.add_argument("--decoder", default=d.decoder,
-                        help="decoder replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
-    parser.add_argument("--pooling", default=d.pooling,
-                        help="pooling replicas: host:port, ipv4:a:p,b:p or dns:///name:port")
-    parser.add_argument("--adapters", default=d.adapters, help="adapter registry host:port")
-    parser.add_argument("--vision", default=d.vision, help="vision host:port; empty string = no vision (images refused)")
-    parser.add_argument("--max-path-chars", type=int, default=d.max_path_chars,
-                        help="characters of LoadAdapter's path (default %(default)s)")
+    add_flags(parser, GatewayConfig)
     add_flags(parser, GenerateLimits)
     add_flags(parser, PoolingLimits)
     auth.add_arguments(parser, tls=True)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return GatewayConfig(address=args.address, decoder=args.decoder, pooling=args.pooling, adapters=args.adapters,
-                         vision=args.vision, limits=from_flags(GenerateLimits, args),
-                         pooling_limits=from_flags(PoolingLimits, args), max_path_chars=args.max_path_chars)
+    try:
+        return from_flags(GatewayConfig, args, limits=from_flags(GenerateLimits, args),
+                          pooling_limits=from_flags(PoolingLimits, args))
+    except ValueError as error:
+        parser.error(str(error))
 
 
 async def _main(config: GatewayConfig, security: auth.Security) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.limits import GenerateLimits, PoolingLimits
-from services.common.server import DEFAULT_PORTS
+from services.common.server import default_address
 from services.gateway.replicas import parse_target
 
 
@@ -29,14 +29,17 @@ class GatewayConfig:
     `max_path_chars` caps LoadAdapter's path. Raises ValueError for a bad address, target or cap.
     """
 
-    address: str = f"127.0.0.1:{DEFAULT_PORTS['gateway']}"
-    decoder: str = f"127.0.0.1:{DEFAULT_PORTS['decoder']}"
-    pooling: str = f"127.0.0.1:{DEFAULT_PORTS['pooling']}"
-    adapters: str = f"127.0.0.1:{DEFAULT_PORTS['adapters']}"
-    vision: str = f"127.0.0.1:{DEFAULT_PORTS['vision']}"
+    address: str = field(default=default_address("gateway"), metadata={"help": "bind host:port"})
+    decoder: str = field(default=default_address("decoder"),
+                         metadata={"help": "decoder replicas: host:port, ipv4:a:p,b:p or dns:///name:port"})
+    pooling: str = field(default=default_address("pooling"),
+                         metadata={"help": "pooling replicas: host:port, ipv4:a:p,b:p or dns:///name:port"})
+    adapters: str = field(default=default_address("adapters"), metadata={"help": "adapter registry host:port"})
+    vision: str = field(default=default_address("vision"),
+                        metadata={"help": "vision host:port; empty string = no vision (images refused)"})
     limits: GenerateLimits = field(default_factory=GenerateLimits)
     pooling_limits: PoolingLimits = field(default_factory=PoolingLimits)
-    max_path_chars: int = 4096
+    max_path_chars: int = field(default=4096, metadata={"help": "characters of LoadAdapter's path"})
 
     def __post_init__(self) -> None:
         for name in ("address", "adapters"):

@@ -18,7 +18,7 @@ import asyncio
 
 import grpc
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidArgument, TesseraError, Unavailable, error_from_rpc
 from services.common.server import insecure_channel
 from services.gateway.config import GatewayConfig
 from services.gateway.convert import routing_key
@@ -66,7 +66,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.poolers.start()
 
     def _downstream(self, service: str, address: str, error: grpc.aio.AioRpcError,
-                    replica: Replica | None = None) -> Exception:
+                    replica: Replica | None = None) -> TesseraError:
         """`_downstream` with whether the channel to `service` is connected (it answered itself)."""
         channel = replica.channel if replica is not None else self._channels[service]
         reachable = channel.get_state() == grpc.ChannelConnectivity.READY
@@ -223,9 +223,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return await self._unary(service, address, method, section_request, context, timeout, replica)
             except Unavailable as error:
                 return error
-            except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
+            except DeadlineExceeded:
                 return Unavailable(f"{service} service at {address} did not answer within {timeout:.1f} s")
 
         if self.vision is not None:
@@ -277,11 +275,12 @@ class _RequestRelay:
             raise self._failure
 
 
-def _downstream(service: str, address: str, error: grpc.aio.AioRpcError, reachable: bool) -> Exception:
-    """A downstream failure: UNAVAILABLE names the service (or, when that service answered it
-    itself, says what it was relayed by); other statuses pass through as they are."""
-    if error.code() != grpc.StatusCode.UNAVAILABLE:
-        return error
+def _downstream(service: str, address: str, error: grpc.aio.AioRpcError, reachable: bool) -> TesseraError:
+    """A downstream failure as its domain error (services/common/errors.py); UNAVAILABLE names the
+    service (or, when that service answered it itself, says what it was relayed by)."""
+    failure = error_from_rpc(error)
+    if not isinstance(failure, Unavailable):
+        return failure
     if reachable:  # e.g. the decoder is up but its adapter registry is not
         return Unavailable(f"{error.details()} (answered by the {service} service at {address})")
     return Unavailable(f"{service} service at {address} is unavailable: {error.details()}")

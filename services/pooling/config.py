@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from services.common.checkpoint import CheckpointConfig
 from services.common.metrics import check_metrics_port
+from services.common.paths import default_embedding_dir
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.limits import PoolingLimits
-from services.common.server import DEFAULT_PORTS
+from services.common.server import default_address
 from services.pooling.st_config import POOLING_MODES, read_st_config
 
 # Tokenizers without a real limit report a huge sentinel (transformers' VERY_LARGE_INTEGER).
@@ -77,13 +78,14 @@ class ModelConfig:
     do_lower_case: bool = field(default=False, init=False)
     default_prompt_name: str | None = field(default=None, init=False)
     is_matryoshka: bool = field(default=False, init=False)
+    checkpoint: CheckpointConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir).expanduser()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model_dir {str(self.model_dir)!r} has no config.json; expected a local transformers model directory")
-        hf = json.loads((self.model_dir / "config.json").read_text())
-        architectures = hf.get("architectures") or []
+        hf = self.checkpoint = CheckpointConfig.read(self.model_dir)
+        architectures = hf.architectures
         if self.kind is None:
             self.kind = CROSS_ENCODER if any(a.endswith("ForSequenceClassification") for a in architectures) else EMBEDDING
         if self.kind not in MODEL_KINDS:
@@ -108,9 +110,8 @@ class ModelConfig:
         self._resolve_matryoshka(hf)
         self._resolve_judge(hf)
 
-    def _resolve_max_input_length(self, st_max_seq_length: int | None, hf: dict[str, Any]) -> int:
-        value = hf.get("max_position_embeddings")
-        max_positions = int(value) if value is not None else None
+    def _resolve_max_input_length(self, st_max_seq_length: int | None, hf: CheckpointConfig) -> int:
+        max_positions = hf.max_position_embeddings
         if self.max_input_length is not None:
             if self.max_input_length < 1:
                 raise ValueError(f"max_input_length must be >= 1, got {self.max_input_length}")
@@ -126,8 +127,8 @@ class ModelConfig:
                              "set max_input_length")
         return min(limits)
 
-    def _resolve_matryoshka(self, hf: dict[str, Any]) -> None:
-        hidden = int(hf.get("hidden_size", 0)) or None
+    def _resolve_matryoshka(self, hf: CheckpointConfig) -> None:
+        hidden = hf.hidden_size or None
         if self.matryoshka_dimensions is None:
             declared = hf.get("matryoshka_dimensions")
             self.is_matryoshka = bool(declared) or bool(hf.get("is_matryoshka", False))
@@ -139,7 +140,7 @@ class ModelConfig:
             if not 1 <= width <= (hidden or width):
                 raise ValueError(f"matryoshka dimension {width} is outside 1..{hidden} (the model's hidden size)")
 
-    def _resolve_judge(self, hf: dict[str, Any]) -> None:
+    def _resolve_judge(self, hf: CheckpointConfig) -> None:
         if self.judge_tokens is None:
             no_yes = hf.get("classifier_from_token")
             self.judge_tokens = (no_yes[1], no_yes[0]) if no_yes and len(no_yes) == 2 else ("yes", "no")
@@ -169,7 +170,7 @@ class PoolingConfig:
             with RESOURCE_EXHAUSTED.
         max_request_chars: most characters of text one request may carry, all inputs (or query and
             documents) together, checked before tokenizing (tokenizing is linear in it and runs
-            before truncation: 10 MB of text took ~20 s of CPU). TEI's --payload-limit, 2 MB, in spirit.
+            before truncation: bench/results/settings.md). TEI's --payload-limit, 2 MB, in spirit.
         metrics_port: Prometheus /metrics port (services/common/metrics.py); 0 = off.
         wedged_after_s: seconds with sequences queued and no forward completed before health says
             NOT_SERVING (services/common/liveness.py); it must exceed the longest forward.
@@ -184,18 +185,27 @@ class PoolingConfig:
     """
 
     models: list[ModelConfig]
-    address: str = f"127.0.0.1:{DEFAULT_PORTS['pooling']}"
-    max_batch_size: int = PoolingLimits.max_batch_size
-    device: str = "cpu"
-    dynamic_batching: bool = True
-    max_batch_tokens: int = 16384
-    max_wait_ms: float = 2.0
-    max_queue_size: int = 4096
-    metrics_port: int = 0
-    wedged_after_s: float = DEFAULT_WEDGED_AFTER_S
-    max_request_chars: int = PoolingLimits.max_request_chars
-    max_name_chars: int = PoolingLimits.max_name_chars
-    max_request_token_ids: int = PoolingLimits.max_request_token_ids
+    address: str = field(default=default_address("pooling"), metadata={"help": "bind host:port"})
+    max_batch_size: int = field(default=PoolingLimits.max_batch_size, metadata={"help": "most inputs per request"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    dynamic_batching: bool = field(default=True, metadata={
+        "help": "gather concurrent requests into shared forwards; --no-dynamic-batching = one forward per "
+                "request under a lock"})
+    max_batch_tokens: int = field(default=16384, metadata={"help": "token budget of one forward, padded length x rows"})
+    max_wait_ms: float = field(default=2.0, metadata={"help": "longest hold for more requests before a forward"})
+    max_queue_size: int = field(default=4096, metadata={
+        "help": "most sequences queued per model before RESOURCE_EXHAUSTED"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "serve Prometheus /metrics on this port, same host as --address; 0 = off"})
+    wedged_after_s: float = field(default=DEFAULT_WEDGED_AFTER_S, metadata={
+        "help": "health turns NOT_SERVING when sequences are queued and no forward completes for this long "
+                "(seconds; must exceed the longest forward)"})
+    max_request_chars: int = field(default=PoolingLimits.max_request_chars, metadata={
+        "help": "most characters of text per request, checked before tokenizing"})
+    max_name_chars: int = field(default=PoolingLimits.max_name_chars, metadata={
+        "help": "characters of a request's model, prompt_name and method"})
+    max_request_token_ids: int = field(default=PoolingLimits.max_request_token_ids, metadata={
+        "help": "token ids over one Embed request's input_ids"})
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -231,6 +241,58 @@ class PoolingConfig:
     @property
     def default_model(self) -> ModelConfig:
         return self.models[0]
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    """"64,128" -> (64, 128)."""
+    return tuple(int(width) for width in text.split(","))
+
+
+@dataclass
+class ModelFlags:
+    """The command line's model settings, one set for every served model of a kind.
+
+    Attributes mirror `ModelConfig`'s; `model_dir`, `reranker_dir` and `judge_dir` list the
+    embedding, cross-encoder and LLM-judge directories. With no directory at all, the prepared
+    all-MiniLM-L6-v2 is served.
+    """
+
+    model_dir: list[Path] = field(default_factory=list, metadata={
+        "help": "embedding model directory, repeatable; the first is the default", "append": True,
+        "default_help": "the prepared all-MiniLM-L6-v2 when no model is given at all"})
+    reranker_dir: list[Path] = field(default_factory=list, metadata={
+        "help": "cross-encoder directory (a *ForSequenceClassification checkpoint), repeatable", "append": True})
+    judge_dir: list[Path] = field(default_factory=list, metadata={
+        "help": "causal LM directory served as an LLM-judge reranker (Qwen3-Reranker convention), repeatable",
+        "append": True})
+    max_input_length: int | None = field(default=None, metadata={
+        "help": "most tokens per input, every model", "default_help": "each model's max_seq_length"})
+    pooling_mode: str | None = field(default=None, metadata={
+        "help": "embedding models' pooling", "choices": POOLING_MODES,
+        "default_help": "each model's 1_Pooling/config.json"})
+    normalize: bool | None = field(default=None, metadata={
+        "help": "unit-normalize embeddings by default", "default_help": "the model's Normalize module"})
+    matryoshka_dimensions: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "comma-separated widths `dimensions` may take, embedding models", "type": _widths,
+        "default_help": "config.json"})
+    judge_instruction: str | None = field(default=None, metadata={
+        "help": "LLM-judge instruction", "default_help": "the model's / Qwen3-Reranker's"})
+
+    def models(self) -> list[ModelConfig]:
+        """Validated `ModelConfig`s: embedding models first, then rerankers, then judges.
+
+        Raises:
+            ValueError: from `ModelConfig`.
+        """
+        embedding_dirs = self.model_dir or ([] if self.reranker_dir or self.judge_dir else [default_embedding_dir()])
+        models = [ModelConfig(model_dir=d, kind=EMBEDDING, max_input_length=self.max_input_length,
+                              pooling_mode=self.pooling_mode, normalize=self.normalize,
+                              matryoshka_dimensions=self.matryoshka_dimensions) for d in embedding_dirs]
+        models += [ModelConfig(model_dir=d, kind=CROSS_ENCODER, max_input_length=self.max_input_length)
+                   for d in self.reranker_dir]
+        models += [ModelConfig(model_dir=d, kind=LLM_JUDGE, max_input_length=self.max_input_length,
+                               judge_instruction=self.judge_instruction) for d in self.judge_dir]
+        return models
 
 
 def _tokenizer_max_length(model_dir: Path) -> int | None:

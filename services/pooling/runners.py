@@ -44,7 +44,7 @@ def collate(sequences: list[Sequence], pad_token_id: int, device: torch.device) 
     return {k: v.to(device) for k, v in batch.items()}
 
 
-class ModelRunner(ABC):
+class PoolingRunner(ABC):
     """Contract: `forward(sequences)` runs one forward (blocking; called from a worker thread, one at
     a time per device) and returns float32 CPU rows in input order: [B, D] pooled embeddings for
     "embedding" runners, [B] scalar logits for rerank runners. No row depends on the other rows."""
@@ -57,7 +57,7 @@ class ModelRunner(ABC):
     def forward(self, sequences: list[Sequence]) -> torch.Tensor: ...
 
 
-class EmbeddingRunner(ModelRunner):
+class EmbeddingRunner(PoolingRunner):
     """`AutoModel` (BERT-family encoder or causal decoder) + pooling ("mean", "cls" or "last")."""
 
     kind, method = EMBEDDING, "bi-encoder"
@@ -75,7 +75,7 @@ class EmbeddingRunner(ModelRunner):
         return pool(hidden, batch["attention_mask"], self.pooling_mode).cpu()  # [B, H] fp32
 
 
-class CrossEncoderRunner(ModelRunner):
+class CrossEncoderRunner(PoolingRunner):
     """`AutoModelForSequenceClassification` with one label: its trained head scores a (query, document) pair.
 
     Raises:
@@ -99,7 +99,7 @@ class CrossEncoderRunner(ModelRunner):
         return self.model(**batch).logits[:, 0].float().cpu()  # [B]
 
 
-class JudgeRunner(ModelRunner):
+class JudgeRunner(PoolingRunner):
     """A causal LM as a yes/no judge (the Qwen3-Reranker convention).
 
     The score head is w = lm_head[yes] - lm_head[no] (+ the bias difference), applied to the last
@@ -131,7 +131,7 @@ class JudgeRunner(ModelRunner):
         return (last @ self.score_weight + self.score_bias).cpu()  # [B]
 
 
-def load_runner(config: ModelConfig, tokenizer: ModelTokenizer, device: str) -> ModelRunner:
+def load_runner(config: ModelConfig, tokenizer: ModelTokenizer, device: str) -> PoolingRunner:
     """The runner for `config.kind`, weights loaded from its directory (seconds; blocking)."""
     torch_device = torch.device(device)
     if config.kind == EMBEDDING:

@@ -6,25 +6,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
-from services.common.server import DEFAULT_PORTS
+from services.common.mrope import check_mrope_section, parse_mrope_section
+from services.common.paths import default_decoder_dir
+from services.common.server import default_address
 from services.vision.encoder import DemoEncoderConfig, decoder_geometry
-from services.vision.processor import ProcessorConfig
+from services.vision.processor import ProcessorConfig, parse_color
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig, read_checkpoint
 
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 1024 * 1024
 
 DEFAULT_MROPE_SECTION = (8, 12, 12)  # pairs per (t, h, w) axis for head_dim 64, e.g. SmolLM2-135M
-
-
-def parse_sections(value: str) -> tuple[int, int, int]:
-    """Parse "8,12,12" into (8, 12, 12). Raises ValueError naming the value."""
-    try:
-        sections = tuple(int(part) for part in value.split(","))
-    except ValueError as error:
-        raise ValueError(f"mrope_section must be three comma-separated integers, got {value!r}") from error
-    if len(sections) != 3:
-        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {value!r}")
-    return sections  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ class VisionConfig:
 
     encoder: DemoEncoderConfig | Qwen2VLEncoderConfig
     processor: ProcessorConfig = field(default_factory=ProcessorConfig)
-    address: str = f"127.0.0.1:{DEFAULT_PORTS['vision']}"
+    address: str = default_address("vision")
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
     decoder: DecoderGeometry | None = None
     encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES  # 0 disables the encoder cache
@@ -72,17 +63,14 @@ class VisionConfig:
         check_wedged_after_s(self.wedged_after_s)
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
-        if len(self.mrope_section) != 3 or any(s < 1 for s in self.mrope_section):
-            raise ValueError(f"mrope_section must be 3 positive pair counts (t, h, w), got {self.mrope_section}")
+        check_mrope_section(self.mrope_section, minimum=1)
         output_width = self._check_encoder()
         if self.decoder is None:
             return
         if output_width != self.decoder.hidden_size:
             raise ValueError(f"output_width {output_width} must equal the decoder's hidden_size "
                              f"{self.decoder.hidden_size}")
-        if 2 * sum(self.mrope_section) != self.decoder.head_dim:
-            raise ValueError(f"mrope_section {self.mrope_section} covers {sum(self.mrope_section)} rotary pairs; "
-                             f"the decoder's head_dim {self.decoder.head_dim} has {self.decoder.head_dim // 2}")
+        check_mrope_section(self.mrope_section, self.decoder.head_dim, minimum=1)
 
     def _check_encoder(self) -> int:
         """Processor/encoder agreement; returns the encoder's output width."""
@@ -101,3 +89,83 @@ class VisionConfig:
             raise ValueError(f"mrope_section {self.mrope_section} differs from the checkpoint's "
                              f"{checkpoint.mrope_section}")
         return checkpoint.vision.hidden_size
+
+
+_PROCESSOR, _DEMO = ProcessorConfig(), DemoEncoderConfig(output_width=1)
+
+
+def _flag(default, help_text: str, **metadata):
+    return field(default=default, metadata={"help": help_text, **metadata})
+
+
+@dataclass
+class VisionFlags:
+    """The command line of `python -m services.vision`; `vision_config()` builds the `VisionConfig`.
+
+    Two encoders: "demo" (a fixed-resolution tower with seeded random weights) and "qwen2-vl"
+    (a Qwen2-VL checkpoint's vision tower, its preprocessing recipe and M-RoPE sections).
+    """
+
+    address: str = _flag(default_address("vision"), "bind host:port")
+    encoder: str = _flag("demo", "image encoder", choices=("demo", "qwen2-vl"))
+    model_dir: str | None = _flag(None, "Qwen2-VL checkpoint directory (--encoder qwen2-vl)")
+    min_pixels: int | None = _flag(None, "qwen2-vl: min H*W after resizing",
+                                   default_help="the checkpoint's preprocessor config")
+    max_pixels: int | None = _flag(None, "qwen2-vl: max H*W after resizing",
+                                   default_help="the checkpoint's preprocessor config")
+    encoder_cache_bytes: int = _flag(DEFAULT_ENCODER_CACHE_BYTES, "encoder-output cache size in bytes, 0 disables")
+    output_width: int | None = _flag(None, "demo: rows' width; must equal the decoder's hidden_size",
+                                     default_help="from --decoder-model-dir")
+    decoder_model_dir: str | None = _flag(
+        None, "decoder checkpoint whose config.json gives hidden_size and head_dim",
+        default_help="demo: the prepared decoder when --output-width is not given; qwen2-vl: --model-dir")
+    seed: int = _flag(_DEMO.seed, "demo encoder weight seed")
+    image_size: int = _flag(_PROCESSOR.image_size, "demo resize side in pixels")
+    patch_size: int = _flag(_DEMO.patch_size, "demo patch side in pixels")
+    max_image_bytes: int = _flag(_PROCESSOR.max_image_bytes, "compressed bytes per image")
+    max_image_pixels: int = _flag(_PROCESSOR.max_image_pixels, "width*height per image, checked from the header")
+    max_images: int = _flag(_PROCESSOR.max_images, "images per request")
+    max_request_pixels: int = _flag(_PROCESSOR.max_request_pixels,
+                                    "width*height over a request's images to decode, from the headers")
+    mrope_section: tuple[int, int, int] | None = _flag(
+        None, "rotary pairs per (t,h,w) axis, e.g. 8,12,12", type=parse_mrope_section,
+        default_help=f"demo: {','.join(map(str, DEFAULT_MROPE_SECTION))}; qwen2-vl: the checkpoint's")
+    wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S,
+                                  "health turns NOT_SERVING when images wait and no encode completes for this "
+                                  "long (seconds; must exceed the longest encode)")
+    background: str = _flag("white", "colour under transparent pixels: name, #RRGGBB or R,G,B")
+
+    def vision_config(self) -> VisionConfig:
+        """Raises ValueError for any inconsistent flag (e.g. output width != decoder hidden size)."""
+        processor = ProcessorConfig(image_size=self.image_size, max_image_bytes=self.max_image_bytes,
+                                    max_image_pixels=self.max_image_pixels, max_images=self.max_images,
+                                    max_request_pixels=self.max_request_pixels,
+                                    background=parse_color(self.background))
+        if self.encoder == "qwen2-vl":
+            return self._qwen2_vl_config(processor)
+        model_dir = self.decoder_model_dir
+        if model_dir is None and self.output_width is None:
+            model_dir = default_decoder_dir()
+        decoder = DecoderGeometry.from_model_dir(model_dir) if model_dir is not None else None
+        output_width = self.output_width if self.output_width is not None else decoder.hidden_size
+        encoder = DemoEncoderConfig(output_width=output_width, image_size=self.image_size,
+                                    patch_size=self.patch_size, seed=self.seed)
+        return VisionConfig(encoder=encoder, processor=processor, address=self.address,
+                            mrope_section=self.mrope_section or DEFAULT_MROPE_SECTION, decoder=decoder,
+                            encoder_cache_bytes=self.encoder_cache_bytes, wedged_after_s=self.wedged_after_s)
+
+    def _qwen2_vl_config(self, processor: ProcessorConfig) -> VisionConfig:
+        if self.model_dir is None:
+            raise ValueError("--encoder qwen2-vl needs --model-dir (a Qwen2-VL checkpoint directory)")
+        if self.output_width is not None:
+            raise ValueError("--output-width applies to the demo encoder; Qwen2-VL's comes from its vision_config")
+        encoder = Qwen2VLEncoderConfig(model_dir=self.model_dir, min_pixels=self.min_pixels,
+                                       max_pixels=self.max_pixels)
+        decoder = DecoderGeometry.from_model_dir(self.decoder_model_dir or self.model_dir)
+        config = VisionConfig.for_qwen2_vl(encoder, processor, address=self.address, decoder=decoder,
+                                           encoder_cache_bytes=self.encoder_cache_bytes,
+                                           wedged_after_s=self.wedged_after_s)
+        if self.mrope_section is not None and self.mrope_section != config.mrope_section:
+            raise ValueError(f"--mrope-section {','.join(map(str, self.mrope_section))} differs from the "
+                             f"checkpoint's {config.mrope_section}")
+        return config

@@ -5,7 +5,7 @@
 !!! language model was trained against its projector, so a decoder fed these rows cannot
 !!! describe the image. `GetInfo` reports encoder="demo" so no client mistakes it for a VLM.
 
-The demo architecture is the seed's fixed-resolution ViT (Dosovitskiy et al.; projector as in
+The demo architecture is a fixed-resolution ViT (Dosovitskiy et al.; projector as in
 LLaVA):
 
     pixels [N, 3, S, S]
@@ -22,13 +22,14 @@ weights' names, shapes, dtypes and bytes) says so.
 from __future__ import annotations
 
 import hashlib
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from services.common.checkpoint import CheckpointConfig
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class ImageEncoder(ABC):
 
 @dataclass(frozen=True)
 class DemoEncoderConfig:
-    """The seed's demo tower. `output_width` must equal the decoder's hidden size."""
+    """The demo tower. `output_width` must equal the decoder's hidden size."""
 
     output_width: int
     image_size: int = 64
@@ -124,7 +125,7 @@ class DemoEncoder(ImageEncoder):
             torch.manual_seed(config.seed)
             self.model = _DemoTower(config).eval()
         self.output_width = config.output_width
-        self.revision = weights_digest(self.model)
+        self.revision = state_dict_digest(self.model)
 
     def encode(self, pixels: list[torch.Tensor]) -> list[EncoderOutput]:
         """pixels: list of float32 [3, S, S] in [-1, 1] -> per image rows [P, output_width] float32."""
@@ -140,7 +141,7 @@ class DemoEncoder(ImageEncoder):
         return [EncoderOutput(rows=r.contiguous().clone(), grid_thw=grid) for r in rows]
 
 
-def weights_digest(module: nn.Module, length: int = 16) -> str:
+def state_dict_digest(module: nn.Module, length: int = 16) -> str:
     """Short sha256 hex over every tensor's name, shape, dtype and little-endian bytes, in name order."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
@@ -151,19 +152,11 @@ def weights_digest(module: nn.Module, length: int = 16) -> str:
 
 
 def decoder_geometry(model_dir: str | Path) -> tuple[int, int]:
-    """(hidden_size, head_dim) from a Hugging Face decoder's config.json.
+    """(hidden_size, head_dim) of a Hugging Face decoder checkpoint (services/common/checkpoint.py).
 
-    head_dim is the config's `head_dim` when present, else hidden_size // num_attention_heads
-    (the transformers Llama/Qwen2 convention). Raises ValueError when the file or keys are missing.
+    Raises ValueError when config.json or its hidden_size is missing.
     """
-    path = Path(model_dir).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read the decoder config {path}: {error}") from error
-    config = config.get("text_config", config)  # VLM checkpoints nest the language model's config
-    if "hidden_size" not in config:
-        raise ValueError(f"{path} has no hidden_size")
-    hidden = int(config["hidden_size"])
-    head_dim = config.get("head_dim") or hidden // int(config.get("num_attention_heads", 1))
-    return hidden, int(head_dim)
+    checkpoint = CheckpointConfig.read(model_dir)
+    if checkpoint.hidden_size is None:
+        raise ValueError(f"{checkpoint.model_dir / 'config.json'} has no hidden_size")
+    return checkpoint.hidden_size, checkpoint.head_dim or checkpoint.hidden_size

@@ -1,6 +1,6 @@
 """Image processor: client bytes -> normalized RGB pixels for the demo or the Qwen2-VL encoder.
 
-Every cap is checked before the expensive step it protects, as the seed's VisionProcessor does:
+Every cap is checked before the expensive step it protects:
 
     request  --count cap-->  per image: compressed-byte cap  --(decode base64)-->  byte cap again
              --PIL header (size is lazy)-->  pixel cap, frame count

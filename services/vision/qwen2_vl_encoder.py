@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.vision.encoder import EncoderOutput, ImageEncoder, weights_digest
+from services.common.checkpoint import CheckpointConfig
+from services.common.mrope import check_mrope_section
+from services.vision.encoder import EncoderOutput, ImageEncoder, state_dict_digest
 from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig, patchify
 from services.vision.qwen2_vl_tower import Qwen2VLVisionConfig, Qwen2VLVisionTower
 
@@ -81,9 +83,7 @@ def _mrope_section(config: dict) -> tuple[int, int, int]:
         for key in ("rope_parameters", "rope_scaling"):
             section = (holder.get(key) or {}).get("mrope_section")
             if section is not None:
-                if len(section) != 3:
-                    raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {section}")
-                return tuple(int(s) for s in section)  # type: ignore[return-value]
+                return check_mrope_section(section)
     raise ValueError("config.json has no mrope_section in rope_parameters/rope_scaling; not a Qwen2-VL checkpoint")
 
 
@@ -108,8 +108,8 @@ def _pixel_config(raw: dict, vision: Qwen2VLVisionConfig, encoder: Qwen2VLEncode
 
 def read_checkpoint(encoder: Qwen2VLEncoderConfig) -> Qwen2VLCheckpoint:
     """Parse config.json (+ preprocessor_config.json when present). Raises ValueError naming the problem."""
-    root = Path(encoder.model_dir).expanduser()
-    config = _read_json(root / "config.json")
+    checkpoint = CheckpointConfig.read(encoder.model_dir)
+    root, config = checkpoint.model_dir, checkpoint.raw
     if "vision_config" not in config:
         raise ValueError(f"{root / 'config.json'} has no vision_config; not a Qwen2-VL checkpoint")
     vision = _vision_config(config["vision_config"])
@@ -152,12 +152,7 @@ class Qwen2VLEncoder(ImageEncoder):
             raise ValueError(f"visual.* weights do not fit the tower: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
         self.output_width = self.checkpoint.vision.hidden_size
-        self.revision = weights_digest(self.model)
-
-    @property
-    def pixel_config(self) -> Qwen2VLPixelConfig:
-        """The recipe the processor must use for this tower (config files + min/max overrides)."""
-        return self.checkpoint.pixels
+        self.revision = state_dict_digest(self.model)
 
     def encode(self, pixels: list[torch.Tensor]) -> list[EncoderOutput]:
         """pixels: list of float32 [3, H, W] (CLIP-normalized, H, W multiples of 28) -> per image

@@ -73,11 +73,6 @@ class Qwen2VLPixelConfig:
         """Resized sides are multiples of this (patch * merge = 28 for Qwen2-VL)."""
         return self.patch_size * self.merge_size
 
-    @property
-    def patch_dim(self) -> int:
-        """Width of one pixel_values row: 3 * T * P * P (1176 for Qwen2-VL)."""
-        return 3 * self.temporal_patch_size * self.patch_size ** 2
-
 
 def check_source_size(width: int, height: int, config: Qwen2VLPixelConfig) -> None:
     """Refuse, from the header size alone, images the recipe cannot take. Raises InvalidArgument.

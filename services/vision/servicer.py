@@ -21,7 +21,7 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.common.liveness import Liveness
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
-from services.vision.wire import encoded_image_to_pb, image_source_from_pb, vision_info_to_pb
+from services.vision.convert import encoded_image_to_pb, image_source_from_pb, vision_info_to_pb
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""RegistryService: generations, digests, persistence across restarts, on-disk change detection."""
+"""AdapterRegistry: generations, digests, persistence across restarts, on-disk change detection."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.adapters.config import RegistryConfig
-from services.adapters.service import RegistryService
+from services.adapters.engine import AdapterRegistry
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 
@@ -27,7 +27,7 @@ def _scale_b(directory, factor):
 
 
 def test_generation_and_digest_semantics(config, adapter_in_root, root):
-    registry = RegistryService(config)
+    registry = AdapterRegistry(config)
     first = registry.load("support", "plain")
     assert (first.generation, first.state, first.path, first.rank) == (1, "ready", "plain", 4)
     assert len(first.digest) == 64 and len(first.targets) == 4
@@ -48,12 +48,12 @@ def test_generation_and_digest_semantics(config, adapter_in_root, root):
 
 
 def test_catalog_survives_restart(config, adapter_in_root):
-    registry = RegistryService(config)
+    registry = AdapterRegistry(config)
     loaded = registry.load("support", "plain")
     registry.load("gone", "plain")
     registry.unload("gone")
     registry.close()
-    restarted = RegistryService(RegistryConfig(root=config.root, admin_token="", base_model_dir=config.base_model_dir))
+    restarted = AdapterRegistry(RegistryConfig(root=config.root, admin_token="", base_model_dir=config.base_model_dir))
     assert restarted.list() == [loaded]
     record, adapter = restarted.get_weights("support")
     assert record == loaded and adapter.digest == loaded.digest
@@ -61,7 +61,7 @@ def test_catalog_survives_restart(config, adapter_in_root):
 
 
 def test_weights_rechecked_against_digest(config, adapter_in_root):
-    registry = RegistryService(config)
+    registry = AdapterRegistry(config)
     registry.load("support", "plain")
     _, adapter = registry.get_weights("support")
     expected = adapter.targets["model.layers.1.self_attn.v_proj"].lora_b
@@ -79,7 +79,7 @@ def test_weights_rechecked_against_digest(config, adapter_in_root):
 
 
 def test_unknown_names_and_bad_loads(config, adapter_in_root, edit_adapter_config):
-    registry = RegistryService(config)
+    registry = AdapterRegistry(config)
     with pytest.raises(NotFound, match="unknown adapter 'x'"):
         registry.get("x")
     with pytest.raises(NotFound, match="unknown adapter 'x'"):
@@ -106,7 +106,7 @@ def test_unload_waits_for_a_fresh_report_before_refusing(config, adapter_in_root
     import asyncio
     import dataclasses
 
-    registry = RegistryService(dataclasses.replace(config, lease_confirm_s=2.0, drain_poll_s=0.01))
+    registry = AdapterRegistry(dataclasses.replace(config, lease_confirm_s=2.0, drain_poll_s=0.01))
     try:
         digest = registry.load("a", adapter_in_root.name).digest
         registry.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())  # stale: the request ends right after
@@ -142,7 +142,7 @@ def test_names_sharing_weights_are_leased_and_drained_separately(config, adapter
     import asyncio
     import dataclasses
 
-    registry = RegistryService(dataclasses.replace(config, lease_confirm_s=1.0, drain_poll_s=0.01))
+    registry = AdapterRegistry(dataclasses.replace(config, lease_confirm_s=1.0, drain_poll_s=0.01))
     try:
         digest = registry.load("alice", "plain").digest
         assert registry.load("bob", "plain").digest == digest
@@ -178,10 +178,10 @@ def test_restarted_registry_waits_for_reports_before_unloading(config, adapter_i
     import dataclasses
 
     config = dataclasses.replace(config, lease_confirm_s=1.0, report_ttl_s=1.5, drain_poll_s=0.01)
-    registry = RegistryService(config)
+    registry = AdapterRegistry(config)
     digest = registry.load("a", "plain").digest
     registry.close()
-    restarted = RegistryService(config)
+    restarted = AdapterRegistry(config)
     try:
         async def main():
             report = {"resident": {digest: 1}, "leases": {("a", digest): 1}, "draining_acked": set()}
@@ -206,19 +206,3 @@ def test_restarted_registry_waits_for_reports_before_unloading(config, adapter_i
         assert restarted.list() == []
     finally:
         restarted.close()
-
-
-def test_leases_a_report_does_not_attribute_to_a_name_count_for_every_name(config, adapter_in_root):
-    """A decoder from before per-name leases reports only a digest's total: an unload of any name
-    on that digest is refused rather than let through on leased weights."""
-    registry = RegistryService(config)
-    try:
-        digest = registry.load("a", "plain").digest
-        registry.load("b", "plain")
-        registry.report_residency("old-decoder", {digest: 2}, {}, set())
-        assert [s.residency for s in registry.list_status()] == [(("old-decoder", 2),)] * 2
-        registry.report_residency("new-decoder", {digest: 3}, {("a", digest): 1}, set())  # 2 unattributed
-        assert [s.residency for s in registry.list_status()] == [(("new-decoder", 3), ("old-decoder", 2)),
-                                                                 (("new-decoder", 2), ("old-decoder", 2))]
-    finally:
-        registry.close()

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, BertConfig, BertForSequenceClassificatio
 
 from services.common.paths import default_decoder_dir, default_embedding_dir
 from services.pooling.config import ModelConfig, PoolingConfig
-from services.pooling.service import load_model
+from services.pooling.engine import load_served_model
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def minilm_config(minilm_model_config) -> PoolingConfig:
 @pytest.fixture(scope="session")
 def minilm_loaded(minilm_model_config):
     """The loaded MiniLM (tokenizer + runner), shared by every service a test builds."""
-    return load_model(minilm_model_config)
+    return load_served_model(minilm_model_config)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
 from services.pooling.config import ModelConfig, PoolingConfig
-from services.pooling.service import PoolingService, ServedModel
+from services.pooling.engine import PoolingEngine, ServedModel
 
 SHORT = "A cat sat on the mat."
 LONG = " ".join(f"Paragraph {i} describes the history of ancient trade routes across deserts." for i in range(34))
@@ -18,12 +18,12 @@ LONG = " ".join(f"Paragraph {i} describes the history of ancient trade routes ac
 
 def _service(model_config, loaded):
     served = ServedModel(model_config, loaded.tokenizer, loaded.runner)  # same weights, this model's config
-    return PoolingService(PoolingConfig(models=[model_config]), models={model_config.model_name: served})
+    return PoolingEngine(PoolingConfig(models=[model_config]), models={model_config.model_name: served})
 
 
 @pytest.fixture(scope="module")
 def service(minilm_config, minilm_loaded):
-    return PoolingService(minilm_config, models={minilm_loaded.name: minilm_loaded})
+    return PoolingEngine(minilm_config, models={minilm_loaded.name: minilm_loaded})
 
 
 @pytest.fixture(scope="module")

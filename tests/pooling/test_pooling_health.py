@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from services.pooling.service import PoolingService
+from services.pooling.engine import PoolingEngine
 from services.pooling.servicer import PoolingServicer
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 from tests.common.serving import NOT_SERVING, SERVING, WatchedHealth, serving
@@ -24,12 +24,12 @@ class BatcherKilled(BaseException):
     """Not an Exception: the step guard does not catch it, so the drain task ends."""
 
 
-def _batcher(service: PoolingService, name: str):
+def _batcher(service: PoolingEngine, name: str):
     return service._models[name].batcher
 
 
 def test_a_failing_forward_fails_only_its_batch(minilm_config, minilm_loaded):
-    service = PoolingService(minilm_config, models={minilm_loaded.name: minilm_loaded})
+    service = PoolingEngine(minilm_config, models={minilm_loaded.name: minilm_loaded})
     batcher = _batcher(service, minilm_loaded.name)
     forward = batcher._forward
 
@@ -48,7 +48,7 @@ def test_a_failing_forward_fails_only_its_batch(minilm_config, minilm_loaded):
 
 
 def test_a_dead_batcher_says_not_serving_and_fails_requests_at_once(minilm_config, minilm_loaded):
-    service = PoolingService(minilm_config, models={minilm_loaded.name: minilm_loaded})
+    service = PoolingEngine(minilm_config, models={minilm_loaded.name: minilm_loaded})
 
     def register(server):
         pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(service), server)
@@ -85,7 +85,7 @@ def test_a_wedged_batcher_turns_unhealthy_after_the_bound(minilm_loaded):
     from services.pooling.config import PoolingConfig
 
     config = PoolingConfig(models=[minilm_loaded.config], wedged_after_s=1.0)
-    service = PoolingService(config, models={minilm_loaded.name: minilm_loaded})
+    service = PoolingEngine(config, models={minilm_loaded.name: minilm_loaded})
     batcher = _batcher(service, minilm_loaded.name)
     release = threading.Event()
     forward = batcher._forward

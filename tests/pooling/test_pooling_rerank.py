@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.common.errors import InvalidArgument, NotFound
 from services.pooling.config import EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
-from services.pooling.service import PoolingService, load_model
+from services.pooling.engine import PoolingEngine, load_served_model
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["Paris is the capital and largest city of France.", "Bananas are yellow.",
@@ -26,8 +26,8 @@ def cluster(tiny_cross_encoder_dir, tiny_decoder_dir, minilm_model_config, minil
     models = [minilm_model_config, ModelConfig(model_dir=tiny_cross_encoder_dir),
               ModelConfig(model_dir=tiny_decoder_dir, kind=LLM_JUDGE),
               ModelConfig(model_dir=tiny_decoder_dir, kind=EMBEDDING, model_name="tiny-decoder-embed")]
-    loaded = {m.model_name: (minilm_loaded if m is minilm_model_config else load_model(m)) for m in models}
-    return PoolingService(PoolingConfig(models=models, max_wait_ms=20), models=loaded)
+    loaded = {m.model_name: (minilm_loaded if m is minilm_model_config else load_served_model(m)) for m in models}
+    return PoolingEngine(PoolingConfig(models=models, max_wait_ms=20), models=loaded)
 
 
 def _rerank(service, **kwargs):

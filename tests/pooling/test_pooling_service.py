@@ -1,4 +1,4 @@
-"""`PoolingService` on the prepared all-MiniLM-L6-v2, checked against sentence-transformers."""
+"""`PoolingEngine` on the prepared all-MiniLM-L6-v2, checked against sentence-transformers."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from sentence_transformers import SentenceTransformer
 
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.pooling.config import PoolingConfig
-from services.pooling.service import PoolingService
-from services.pooling.servicer import embeddings_to_pb
+from services.pooling.engine import PoolingEngine
+from services.pooling.convert import embeddings_to_pb
 from tessera.v1 import pooling_pb2
 
 SHORT = "A cat sat on the mat."
@@ -44,7 +44,7 @@ def st_model(minilm_dir):
 
 
 def _service(config, loaded):
-    return PoolingService(config, models={loaded.name: loaded})
+    return PoolingEngine(config, models={loaded.name: loaded})
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def test_model_name(small):
 
 def test_not_loaded_is_unavailable(minilm_config):
     with pytest.raises(Unavailable):
-        asyncio.run(PoolingService(minilm_config).embed(["hi"]))
+        asyncio.run(PoolingEngine(minilm_config).embed(["hi"]))
 
 
 def test_info(small):

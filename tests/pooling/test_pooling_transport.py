@@ -11,7 +11,7 @@ import sys
 import grpc
 
 from services.common.launch import REPO, free_port, service_env
-from services.pooling.service import PoolingService
+from services.pooling.engine import PoolingEngine
 from services.pooling.servicer import PoolingServicer
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 from tests.common.serving import serving
@@ -25,7 +25,7 @@ IDLE_S = 45
 
 
 def test_a_keepalive_client_keeps_an_idle_embed_stream(minilm_config, minilm_loaded):
-    service = PoolingService(minilm_config, models={minilm_loaded.name: minilm_loaded})
+    service = PoolingEngine(minilm_config, models={minilm_loaded.name: minilm_loaded})
 
     def register(server):
         pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(service), server)

@@ -85,7 +85,7 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class ServiceInfo:
+class PoolingInfo:
     """The default model's fields (as before multi-model serving), every model, and the batching limits."""
 
     model: str

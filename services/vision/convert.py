@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common.errors import InvalidArgument
 from services.common.tensor import to_pb
-from services.vision.engine import EncodedImage, VisionInfo
+from services.vision.types import EncodedImage, VisionInfo
 from services.vision.processor import ImageSource
 from tessera.v1 import vision_pb2
 

@@ -10,13 +10,12 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from services.adapters.base_model import BaseModelShapes
 from services.adapters.catalog import READY, AdapterRecord, Catalog
 from services.adapters.config import RegistryConfig
 from services.adapters.leases import AdapterRef, LeaseTable
-from services.adapters.lora import LoraAdapter
+from services.adapters.types import AdapterStatus, LoRAAdapter
 from services.adapters.paths import relative_to_root, resolve_in_root
 from services.adapters.peft_format import read_peft_adapter
 from services.common.errors import (
@@ -28,24 +27,9 @@ from services.common.errors import (
 from services.common.names import check_adapter_name
 
 log = logging.getLogger(__name__)
-DRAINING = "draining"
 
 
-@dataclass(frozen=True)
-class AdapterStatus:
-    """A ready record with what decoders report: residency [(decoder id, leases taken as this
-    name)] and drain state."""
-
-    record: AdapterRecord
-    residency: tuple[tuple[str, int], ...]
-    draining: bool
-
-    @property
-    def num_leases(self) -> int:
-        return sum(n for _, n in self.residency)
-
-
-class RegistryService:
+class AdapterRegistry:
     """Authority for adapter names, sources, content digests and generations.
 
     Raises (from its methods): InvalidArgument (bad name/path/adapter), NotFound (unknown name or
@@ -149,7 +133,7 @@ class RegistryService:
             raise FailedPrecondition(f"adapter {record.name!r} is leased by {leases} running request(s) ({where}); "
                                      "pass drain=true to refuse new requests and wait for these to finish")
 
-    def _put(self, name: str, directory, adapter: LoraAdapter, replace: bool) -> AdapterRecord:
+    def _put(self, name: str, directory, adapter: LoRAAdapter, replace: bool) -> AdapterRecord:
         digest = adapter.digest
         while True:
             previous = self._refuse_existing(name, replace)
@@ -190,7 +174,7 @@ class RegistryService:
                                      "new requests for it are refused")
         return record
 
-    def get_weights(self, name: str) -> tuple[AdapterRecord, LoraAdapter]:
+    def get_weights(self, name: str) -> tuple[AdapterRecord, LoRAAdapter]:
         """The record and its weights, re-read from disk and checked against the recorded digest.
 
         Raises:
@@ -218,7 +202,7 @@ class RegistryService:
                                 "pass replace=true to load new weights under this name")
         return previous
 
-    def _read(self, name: str, directory) -> LoraAdapter:
+    def _read(self, name: str, directory) -> LoRAAdapter:
         return read_peft_adapter(directory, self.root, name, self.config.max_rank, self.base)
 
 

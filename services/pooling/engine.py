@@ -22,9 +22,9 @@ from services.common.compute import shared_compute_thread
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.pooling.batcher import DynamicBatcher
 from services.pooling.config import EMBEDDING, ModelConfig, PoolingConfig
-from services.pooling.domain import EmbedQuery, Embeddings, ModelInfo, RankedDocument, Ranking, ServiceInfo, Tokenization
+from services.pooling.types import EmbedQuery, Embeddings, ModelInfo, RankedDocument, Ranking, PoolingInfo, Tokenization
 from services.pooling.pooling import normalize as unit_normalize
-from services.pooling.runners import ModelRunner, load_runner
+from services.pooling.runners import PoolingRunner, load_runner
 from services.pooling.tokens import NO_TRUNCATE_HINT, ModelTokenizer, Sequence
 
 BI_ENCODER = "bi-encoder"
@@ -37,7 +37,7 @@ class ServedModel:
 
     config: ModelConfig
     tokenizer: ModelTokenizer
-    runner: ModelRunner
+    runner: PoolingRunner
     batcher: DynamicBatcher | None = None
 
     @property
@@ -45,13 +45,13 @@ class ServedModel:
         return self.config.model_name
 
 
-def load_model(config: ModelConfig, device: str = "cpu") -> ServedModel:
+def load_served_model(config: ModelConfig, device: str = "cpu") -> ServedModel:
     """Tokenizer + runner for one model (seconds; blocking)."""
     tokenizer = ModelTokenizer(config.model_dir, config.max_input_length, config.do_lower_case)
     return ServedModel(config=config, tokenizer=tokenizer, runner=load_runner(config, tokenizer, device))
 
 
-class PoolingService:
+class PoolingEngine:
     """Embeddings, reranking and tokenization for the models of a `PoolingConfig`.
 
     Call `load()` (blocking; the server runs it on `self.compute` before reporting SERVING) or pass
@@ -68,7 +68,7 @@ class PoolingService:
     def load(self) -> None:
         """Load every configured model (seconds per model; blocking)."""
         if not self._models:
-            self._install({m.model_name: load_model(m, self.config.device) for m in self.config.models})
+            self._install({m.model_name: load_served_model(m, self.config.device) for m in self.config.models})
 
     def _install(self, models: dict[str, ServedModel]) -> None:
         c = self.config
@@ -246,12 +246,12 @@ class PoolingService:
         tokens = await asyncio.to_thread(served.tokenizer.tokens, [prefix + t for t in texts], add_special_tokens)
         return Tokenization(model=served.name, results=tokens)
 
-    def info(self) -> ServiceInfo:
+    def info(self) -> PoolingInfo:
         models = [self._model_info(self._model(m.model_name, "")) for m in self.config.models]
         default = next(m for m in models if m.model == self._default_embedding_name())
         rerank_default = self._rerank_model("")
         c = self.config
-        return ServiceInfo(
+        return PoolingInfo(
             model=default.model, pooling_mode=default.pooling_mode, normalize=default.normalize,
             dimension=default.dimension, max_input_length=default.max_input_length, max_batch_size=c.max_batch_size,
             rerank_method=rerank_default.runner.method, models=models, max_batch_tokens=c.max_batch_tokens,

@@ -1,4 +1,4 @@
-"""The registry's domain object for a parsed LoRA adapter, and its content digest."""
+"""Domain types of the adapter registry: a parsed LoRA adapter, its content digest, an adapter's status."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from services.adapters.catalog import AdapterRecord
+
 
 @dataclass(frozen=True)
-class LoraTarget:
+class LoRATarget:
     """One target module's factors, ready for `y += lora_b @ (lora_a @ x)`.
 
     Attributes:
@@ -29,7 +31,7 @@ class LoraTarget:
 
 
 @dataclass(frozen=True)
-class LoraAdapter:
+class LoRAAdapter:
     """A validated LoRA adapter.
 
     Attributes:
@@ -45,7 +47,7 @@ class LoraAdapter:
     rank: int
     alpha: float
     use_rslora: bool
-    targets: dict[str, LoraTarget]
+    targets: dict[str, LoRATarget]
 
     @property
     def target_modules(self) -> list[str]:
@@ -53,10 +55,10 @@ class LoraAdapter:
 
     @property
     def digest(self) -> str:
-        return weights_digest(self.targets)
+        return adapter_digest(self.targets)
 
 
-def weights_digest(targets: dict[str, LoraTarget]) -> str:
+def adapter_digest(targets: dict[str, LoRATarget]) -> str:
     """sha256 hex over sorted target names, factor shapes and effective fp32 little-endian bytes.
 
     Only effective weights enter (B is scaled), so two names with identical effective weights
@@ -72,3 +74,20 @@ def weights_digest(targets: dict[str, LoraTarget]) -> str:
             array = tensor.detach().to(torch.float32).contiguous().numpy()
             digest.update(array.astype("<f4", copy=False).tobytes())
     return digest.hexdigest()
+
+
+DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """A ready record with what decoders report: residency [(decoder id, leases taken as this
+    name)] and drain state."""
+
+    record: AdapterRecord
+    residency: tuple[tuple[str, int], ...]
+    draining: bool
+
+    @property
+    def num_leases(self) -> int:
+        return sum(n for _, n in self.residency)
