@@ -1,0 +1,145 @@
+"""The FastAPI application: OpenAI-compatible routes over the gateway's gRPC API.
+
+Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
+/tokenize; GET /v1/models, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
+the `Authorization` header is relayed to the adapter registry, which checks its admin token).
+With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
+`extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
+Bodies past `max_body_bytes` are refused with 413 before they are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.http import convert, generate, models
+from services.gateway.http.backend import Backend
+from services.gateway.http.errors import HANDLERS, ApiError, error_body
+from tessera.v1 import adapters_pb2, pooling_pb2
+
+ERROR_RESPONSES = {status: {"model": models.ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 503)}
+
+
+def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = ()) -> FastAPI:
+    app = FastAPI(title="tessera", summary="OpenAI-compatible HTTP API of the tessera gateway",
+                  responses=ERROR_RESPONSES)
+    for error, handler in HANDLERS.items():
+        app.add_exception_handler(error, handler)
+
+    @app.middleware("http")
+    async def refuse_large_bodies(request: Request, call_next):
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            return JSONResponse(error_body(f"the request body has {length} bytes; the limit is {max_body_bytes}",
+                                           "invalid_request_error", None, 413), status_code=413)
+        return await call_next(request)
+
+    async def api_key(authorization: str | None = Header(default=None)) -> None:
+        backend.check_api_key(authorization)
+
+    def admin_metadata(request: Request) -> list[tuple[str, str]]:
+        value = request.headers.get("authorization")
+        return [("authorization", value)] if value else []
+
+    inference = [Depends(api_key)]
+
+    @app.post("/v1/chat/completions", dependencies=inference, response_model=models.ChatCompletion)
+    async def chat_completions(body: models.ChatCompletionRequest):
+        request = convert.chat_request(body, await backend.lora_for(body.model))
+        return await _generate(backend, [request], body, chat=True, logprobs=request.sampling.logprobs)
+
+    @app.post("/v1/completions", dependencies=inference, response_model=models.Completion)
+    async def completions(body: models.CompletionRequest):
+        requests = convert.completion_requests(body, await backend.lora_for(body.model))
+        return await _generate(backend, requests, body, chat=False, logprobs=body.logprobs is not None)
+
+    @app.post("/v1/embeddings", dependencies=inference, response_model=models.EmbeddingList)
+    async def embeddings(body: models.EmbeddingRequest):
+        reply = await backend.stub.Embed(convert.embed_request(body))
+        data = [models.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
+        tokens = reply.usage.total_tokens or reply.usage.prompt_tokens
+        return models.EmbeddingList(data=data, model=reply.model,
+                                    usage=models.Usage(prompt_tokens=reply.usage.prompt_tokens, total_tokens=tokens))
+
+    async def rerank(body: models.RerankRequest) -> models.RerankResponse:
+        return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body)))
+
+    app.post("/v1/rerank", dependencies=inference, response_model=models.RerankResponse)(rerank)
+    app.post("/rerank", dependencies=inference, response_model=models.RerankResponse)(rerank)
+
+    @app.post("/tokenize", dependencies=inference, response_model=models.TokenizeResponse)
+    async def tokenize(body: models.TokenizeRequest):
+        request = pooling_pb2.TokenizeRequest(model=body.model or "", inputs=[body.prompt],
+                                              add_special_tokens=body.add_special_tokens)
+        reply = await backend.stub.Tokenize(request)
+        tokens = list(reply.results[0].tokens) if reply.results else []
+        return models.TokenizeResponse(model=reply.model, count=len(tokens), tokens=[t.id for t in tokens],
+                                       token_strs=[t.text for t in tokens])
+
+    @app.get("/v1/models", dependencies=inference, response_model=models.ModelList)
+    async def list_models():
+        return await _models(backend)
+
+    @app.post("/v1/load_lora_adapter", response_model=models.Model)
+    async def load_lora_adapter(body: models.LoadLoraAdapterRequest, request: Request):
+        info = await backend.stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=body.lora_name,
+                                                                              path=body.lora_path),
+                                              metadata=admin_metadata(request))
+        return models.Model(id=info.name, root=info.path, parent=await backend.base_model())
+
+    @app.post("/v1/unload_lora_adapter", response_model=models.Model)
+    async def unload_lora_adapter(body: models.UnloadLoraAdapterRequest, request: Request):
+        reply = await backend.stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=body.lora_name),
+                                                 metadata=admin_metadata(request))
+        return models.Model(id=reply.name)
+
+    @app.get("/health", response_model=models.Health, responses={503: {"model": models.Health}})
+    async def health():
+        problems = await backend.not_serving()
+        if problems:
+            return JSONResponse(models.Health(status="unavailable", not_serving=problems).model_dump(),
+                                status_code=503)
+        return models.Health(status="ok")
+
+    for path, asgi in dict(extra_routes).items():
+        app.mount(path, asgi)
+    return app
+
+
+async def _generate(backend: Backend, requests, body: models.SamplingFields, chat: bool, logprobs: bool):
+    """Open every prompt's Generate (so a refusal answers with its status), then answer whole or as SSE."""
+    streams = []
+    try:
+        for request in requests:
+            streams.append(await generate.Stream.open(backend.stub, request, ()))
+    except BaseException:
+        for stream in streams:
+            stream.call.cancel()
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(generate.events(streams, body.n, body.model, chat, logprobs, include_usage),
+                                 media_type="text/event-stream")
+    tally = await generate.collect(streams, body.n)
+    return (generate.chat_completion if chat else generate.completion)(tally, body.model, logprobs)
+
+
+async def _models(backend: Backend) -> models.ModelList:
+    """The decoder's base model, every pooling model, and each loaded adapter (parent: the base)."""
+    info = await backend.info()
+    if info.unavailable and not info.decoder.model and not info.pooling.model:
+        raise ApiError(503, "; ".join(info.unavailable), "service_unavailable")
+    data = []
+    base = info.decoder.model or None
+    if base:
+        data.append(models.Model(id=base, root=base, max_model_len=info.decoder.max_model_len))
+    pooled = list(info.pooling.models) or ([info.pooling] if info.pooling.model else [])
+    for model in pooled:
+        data.append(models.Model(id=model.model, root=model.model, max_model_len=model.max_input_length or None))
+    adapters = await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())
+    for adapter in adapters.adapters:
+        data.append(models.Model(id=adapter.name, root=adapter.path, parent=base))
+    return models.ModelList(data=data)
