@@ -70,7 +70,7 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
     """Pydantic's errors as one 400: the first problem's location is the `param`."""
     problems = error.errors()
     first = problems[0] if problems else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and first.get("type") != "json_invalid"]
     param = ".".join(location) or None
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in problems[:5])

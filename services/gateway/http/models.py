@@ -8,9 +8,14 @@ silently ignored. Unknown extra fields are ignored, as OpenAI-compatible servers
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
+
+# protobuf's int32 fields: a larger number is refused here (400), not by the message setter
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+TokenIds = list[Int32]
 
 # OpenAI's documented default for /v1/completions; chat has no fixed default there (the rest of
 # the context), which a gateway cannot compute before tokenizing, so chat takes a larger one.
@@ -49,10 +54,10 @@ class SamplingFields(BaseModel):
     model: str = Field(description="the decoder's base model name, or a loaded adapter's name")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Count | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    n: int = Field(default=1, ge=1)
+    n: Count = 1
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stream: bool = False
@@ -62,13 +67,13 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="text, a list of texts, token ids, or a list of token-id lists")
     logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per position")
     echo: bool = Field(default=False, description="not supported: refused when true")
@@ -77,9 +82,9 @@ class CompletionRequest(SamplingFields):
 
 class EmbeddingRequest(BaseModel):
     model: str = Field(description="the pooling service's embedding model name")
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1, lt=2**31)
+    dimensions: Count | None = None
     user: str | None = None
 
 
@@ -93,7 +98,7 @@ class RerankRequest(BaseModel):
     model: str | None = None
     query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = Field(default=None, ge=1, lt=2**31)
+    top_n: Count | None = None
     return_documents: bool = False
 
 
