@@ -29,14 +29,6 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     for error, handler in HANDLERS.items():
         app.add_exception_handler(error, handler)
 
-    @app.middleware("http")
-    async def refuse_large_bodies(request: Request, call_next):
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > max_body_bytes:
-            return JSONResponse(error_body(f"the request body has {length} bytes; the limit is {max_body_bytes}",
-                                           "invalid_request_error", None, 413), status_code=413)
-        return await call_next(request)
-
     async def api_key(authorization: str | None = Header(default=None)) -> None:
         backend.check_api_key(authorization)
 
@@ -48,12 +40,16 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
 
     @app.post("/v1/chat/completions", dependencies=inference, response_model=models.ChatCompletion)
     async def chat_completions(body: models.ChatCompletionRequest):
-        request = convert.chat_request(body, await backend.lora_for(body.model))
+        request = convert.chat_request(body)  # bad input refused before any call
+        request.lora = await backend.lora_for(body.model)
         return await _generate(backend, [request], body, chat=True, logprobs=request.sampling.logprobs)
 
     @app.post("/v1/completions", dependencies=inference, response_model=models.Completion)
     async def completions(body: models.CompletionRequest):
-        requests = convert.completion_requests(body, await backend.lora_for(body.model))
+        requests = convert.completion_requests(body)
+        lora = await backend.lora_for(body.model)
+        for request in requests:
+            request.lora = lora
         return await _generate(backend, requests, body, chat=False, logprobs=body.logprobs is not None)
 
     @app.post("/v1/embeddings", dependencies=inference, response_model=models.EmbeddingList)
@@ -106,7 +102,36 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
 
     for path, asgi in dict(extra_routes).items():
         app.mount(path, asgi)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app
+
+
+class BodyLimit:
+    """Refuses a body past `max_bytes` with 413: from its Content-Length before reading it, or,
+    for a chunked body, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            response = JSONResponse(error_body(f"the request body has {int(length)} bytes; the limit is "
+                                               f"{self.max_bytes}", "invalid_request_error", None, 413), 413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise ApiError(413, f"the request body passed {self.max_bytes} bytes, the limit")
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def _generate(backend: Backend, requests, body: models.SamplingFields, chat: bool, logprobs: bool):
@@ -116,8 +141,7 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, cha
         for request in requests:
             streams.append(await generate.Stream.open(backend.stub, request, ()))
     except BaseException:
-        for stream in streams:
-            stream.call.cancel()
+        generate.cancel(streams)
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -62,15 +62,16 @@ def sampling(body: models.SamplingFields, max_tokens: int | None, default_max_to
     return params
 
 
-def chat_request(body: models.ChatCompletionRequest, lora: str) -> decoder_pb2.GenerateRequest:
+def chat_request(body: models.ChatCompletionRequest) -> decoder_pb2.GenerateRequest:
+    """The chat's Generate request, base model (the caller sets `lora`)."""
     return decoder_pb2.GenerateRequest(
-        messages=chat_messages(body.messages), lora=lora,
+        messages=chat_messages(body.messages),
         sampling=sampling(body, body.max_completion_tokens or body.max_tokens, models.DEFAULT_CHAT_MAX_TOKENS,
                           body.logprobs or bool(body.top_logprobs), body.top_logprobs or 0))
 
 
-def completion_requests(body: models.CompletionRequest, lora: str) -> list[decoder_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt (a list of texts or of id lists is a batch, as in OpenAI).
+def completion_requests(body: models.CompletionRequest) -> list[decoder_pb2.GenerateRequest]:
+    """One GenerateRequest (base model) per prompt (a list of texts or of id lists is a batch, as in OpenAI).
 
     Raises:
         ApiError: 400 for `echo` or `suffix` (not supported) or an empty prompt list.
@@ -87,16 +88,15 @@ def completion_requests(body: models.CompletionRequest, lora: str) -> list[decod
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt[0], int):
-        return [decoder_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=params, lora=lora)]
+        return [decoder_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=params)]
     else:
         prompts = prompt
     out = []
     for item in prompts:
         if isinstance(item, str):
-            out.append(decoder_pb2.GenerateRequest(prompt=[decoder_pb2.ContentPart(text=item)], sampling=params,
-                                                   lora=lora))
+            out.append(decoder_pb2.GenerateRequest(prompt=[decoder_pb2.ContentPart(text=item)], sampling=params))
         else:
-            out.append(decoder_pb2.GenerateRequest(prompt_token_ids=item, sampling=params, lora=lora))
+            out.append(decoder_pb2.GenerateRequest(prompt_token_ids=item, sampling=params))
     return out
 
 

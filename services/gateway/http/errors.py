@@ -34,11 +34,12 @@ STATUS_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
 _TOO_LARGE_MARKERS = ("larger than max", "message larger")
 
 
-class ApiError(Exception):
-    """A refusal with its HTTP status, OpenAI error type, and the offending parameter if known."""
+class ApiError(HTTPException):
+    """A refusal with its HTTP status, OpenAI error type, and the offending parameter if known (an
+    HTTPException, so FastAPI re-raises it as it is from wherever it is raised, body reading included)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
+        super().__init__(status, message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
     def response(self) -> JSONResponse:

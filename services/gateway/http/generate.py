@@ -89,11 +89,20 @@ def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def cancel(streams: list[Stream]) -> None:
+    """End every call (a failure or a departed client must not leave later prompts generating)."""
+    for stream in streams:
+        stream.call.cancel()
+
+
 async def collect(streams: list[Stream], n: int) -> Tally:
     tally = Tally(n)
-    for prompt, stream in enumerate(streams):
-        async for message in stream.messages():
-            tally.add(prompt, message)
+    try:
+        for prompt, stream in enumerate(streams):
+            async for message in stream.messages():
+                tally.add(prompt, message)
+    finally:
+        cancel(streams)
     return tally
 
 
@@ -151,4 +160,6 @@ async def events(streams: list[Stream], n: int, model: str, chat: bool, logprobs
     else:
         if include_usage:
             yield _event({**head, "choices": [], "usage": tally.usage().model_dump()})
+    finally:
+        cancel(streams)
     yield "data: [DONE]\n\n"
