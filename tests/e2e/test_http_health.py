@@ -73,9 +73,10 @@ def test_api_keys_guard_inference_routes(keyed_gateway, gateway):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         refused = requests.post(f"{url}/v1/embeddings", json={"model": "m", "input": "x"}, headers=headers, timeout=30)
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong-key", max_retries=0).models.list()
-    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    assert embedding_model in {m.id for m in sdk.models.list().data}
-    assert len(sdk.embeddings.create(model=embedding_model, input="x").data[0].embedding) > 0
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong-key", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as sdk:
+        assert embedding_model in {m.id for m in sdk.models.list().data}
+        assert len(sdk.embeddings.create(model=embedding_model, input="x").data[0].embedding) > 0
     assert requests.get(f"{url}/health", timeout=30).status_code == 200  # probes send no key

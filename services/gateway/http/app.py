@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.http import convert, generate, models
@@ -32,19 +32,25 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     async def api_key(authorization: str | None = Header(default=None)) -> None:
         backend.check_api_key(authorization)
 
-    def admin_metadata(request: Request) -> list[tuple[str, str]]:
-        value = request.headers.get("authorization")
-        return [("authorization", value)] if value else []
+    app.include_router(_generation_routes(backend), dependencies=[Depends(api_key)])
+    app.include_router(_pooling_routes(backend), dependencies=[Depends(api_key)])
+    app.include_router(_cluster_routes(backend, [Depends(api_key)]))
+    for path, asgi in dict(extra_routes).items():
+        app.mount(path, asgi)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    return app
 
-    inference = [Depends(api_key)]
 
-    @app.post("/v1/chat/completions", dependencies=inference, response_model=models.ChatCompletion)
+def _generation_routes(backend: Backend) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", response_model=models.ChatCompletion)
     async def chat_completions(body: models.ChatCompletionRequest):
         request = convert.chat_request(body)  # bad input refused before any call
         request.lora = await backend.lora_for(body.model)
         return await _generate(backend, [request], body, chat=True, logprobs=request.sampling.logprobs)
 
-    @app.post("/v1/completions", dependencies=inference, response_model=models.Completion)
+    @router.post("/v1/completions", response_model=models.Completion)
     async def completions(body: models.CompletionRequest):
         requests = convert.completion_requests(body)
         lora = await backend.lora_for(body.model)
@@ -52,7 +58,13 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
             request.lora = lora
         return await _generate(backend, requests, body, chat=False, logprobs=body.logprobs is not None)
 
-    @app.post("/v1/embeddings", dependencies=inference, response_model=models.EmbeddingList)
+    return router
+
+
+def _pooling_routes(backend: Backend) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/embeddings", response_model=models.EmbeddingList)
     async def embeddings(body: models.EmbeddingRequest):
         reply = await backend.stub.Embed(convert.embed_request(body))
         data = [models.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
@@ -63,10 +75,10 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     async def rerank(body: models.RerankRequest) -> models.RerankResponse:
         return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body)))
 
-    app.post("/v1/rerank", dependencies=inference, response_model=models.RerankResponse)(rerank)
-    app.post("/rerank", dependencies=inference, response_model=models.RerankResponse)(rerank)
+    router.post("/v1/rerank", response_model=models.RerankResponse)(rerank)
+    router.post("/rerank", response_model=models.RerankResponse)(rerank)
 
-    @app.post("/tokenize", dependencies=inference, response_model=models.TokenizeResponse)
+    @router.post("/tokenize", response_model=models.TokenizeResponse)
     async def tokenize(body: models.TokenizeRequest):
         request = pooling_pb2.TokenizeRequest(model=body.model or "", inputs=[body.prompt],
                                               add_special_tokens=body.add_special_tokens)
@@ -75,24 +87,35 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
         return models.TokenizeResponse(model=reply.model, count=len(tokens), tokens=[t.id for t in tokens],
                                        token_strs=[t.text for t in tokens])
 
-    @app.get("/v1/models", dependencies=inference, response_model=models.ModelList)
+    return router
+
+
+def _cluster_routes(backend: Backend, inference) -> APIRouter:
+    """Models (an inference route: API key), adapters (admin: the registry's token), health (open)."""
+    router = APIRouter()
+
+    def admin_metadata(request: Request) -> list[tuple[str, str]]:
+        value = request.headers.get("authorization")
+        return [("authorization", value)] if value else []
+
+    @router.get("/v1/models", dependencies=inference, response_model=models.ModelList)
     async def list_models():
         return await _models(backend)
 
-    @app.post("/v1/load_lora_adapter", response_model=models.Model)
+    @router.post("/v1/load_lora_adapter", response_model=models.Model)
     async def load_lora_adapter(body: models.LoadLoraAdapterRequest, request: Request):
         info = await backend.stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=body.lora_name,
                                                                               path=body.lora_path),
                                               metadata=admin_metadata(request))
         return models.Model(id=info.name, root=info.path, parent=await backend.base_model())
 
-    @app.post("/v1/unload_lora_adapter", response_model=models.Model)
+    @router.post("/v1/unload_lora_adapter", response_model=models.Model)
     async def unload_lora_adapter(body: models.UnloadLoraAdapterRequest, request: Request):
         reply = await backend.stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=body.lora_name),
                                                  metadata=admin_metadata(request))
         return models.Model(id=reply.name)
 
-    @app.get("/health", response_model=models.Health, responses={503: {"model": models.Health}})
+    @router.get("/health", response_model=models.Health, responses={503: {"model": models.Health}})
     async def health():
         problems = await backend.not_serving()
         if problems:
@@ -100,10 +123,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
                                 status_code=503)
         return models.Health(status="ok")
 
-    for path, asgi in dict(extra_routes).items():
-        app.mount(path, asgi)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    return app
+    return router
 
 
 class BodyLimit:
