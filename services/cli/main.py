@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decoders", type=int, default=1,
                     help="decoder replicas; the gateway routes Generate over them (prefix, adapter, load)")
     up.add_argument("--poolers", type=int, default=1, help="pooling replicas; least outstanding requests")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the gateway's OpenAI-compatible HTTP API on --host (default %(default)s; 0 = off)")
     up.set_defaults(func=_up)
 
     remote = argparse.ArgumentParser(add_help=False)
@@ -122,7 +124,7 @@ def _up(args) -> int:
                        adapter_root=args.adapter_root,
                        admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
                        image_token=args.image_token, extra_args=parse_extra(args.service_args),
-                       num_decoders=args.decoders, num_poolers=args.poolers)
+                       num_decoders=args.decoders, num_poolers=args.poolers, http_port=args.http_port)
     return run_until_signalled(spec)
 
 

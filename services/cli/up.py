@@ -75,6 +75,7 @@ class ClusterSpec:
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     num_decoders: int = 1
     num_poolers: int = 1
+    http_port: int = 0  # the gateway's HTTP API on `host` (0 = off; the `tessera up` command asks 8000)
 
     def __post_init__(self) -> None:
         for name in ("num_decoders", "num_poolers"):
@@ -144,7 +145,7 @@ class ClusterSpec:
                         *(decoder_vision if self.vision else [])],
             "gateway": ["--decoder", self.target("decoder"), "--pooling", self.target("pooling"),
                         "--adapters", a("adapters"),
-                        "--vision", a("vision") if self.vision else ""],
+                        "--vision", a("vision") if self.vision else "", "--http-port", str(self.http_port)],
         }[service]
         return [sys.executable, "-m", f"services.{service}", "--address", a(instance), *args,
                 *self.extra_args.get(service, [])]
@@ -259,7 +260,8 @@ def run_until_signalled(spec: ClusterSpec) -> int:
     cluster.start()
     for service in spec.services():
         print(f"  {service:<9} {spec.address(service)}  SERVING", flush=True)
-    print(f"tessera is up: gateway at {spec.address('gateway')} (Ctrl-C to stop)", flush=True)
+    http = f", HTTP at http://{spec.host}:{spec.http_port}" if spec.http_port else ""
+    print(f"tessera is up: gateway at {spec.address('gateway')}{http} (Ctrl-C to stop)", flush=True)
     policy = RestartPolicy()
     restarts: list[float] = []
     code = 0

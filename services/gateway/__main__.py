@@ -1,4 +1,4 @@
-"""`python -m services.gateway`: the public gRPC endpoint."""
+"""`python -m services.gateway`: the public gRPC endpoint, and with `--http-port` its HTTP API."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from services.common.config_cli import add_flags, from_flags
 from services.common.limits import GenerateLimits, PoolingLimits
 from services.common.server import configure_logging, serve
 from services.gateway.config import GatewayConfig
+from services.gateway.http import http_server
 from services.gateway.servicer import GatewayServicer
 from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -37,17 +38,31 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 
 async def _main(config: GatewayConfig, security: auth.Security) -> None:
     servicer = GatewayServicer(config)
+    max_receive_bytes = max(gateway_bytes(config.limits.max_images),
+                            pooling_bytes(config.pooling_limits.max_request_chars,
+                                          config.pooling_limits.max_request_token_ids))
+    try:
+        http = http_server(config, max_receive_bytes, security.tls_cert_file) if config.http_port else None
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+
+    async def start() -> None:
+        await servicer.start()
+        if http is not None:
+            await http.start()
+
+    async def stop() -> None:
+        if http is not None:
+            await http.stop()
+        await servicer.close()
 
     def register(server):
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
     # The public port: no internal-token check; the servicer's channels send the token.
-    await serve("gateway", config.address, register, start=servicer.start, stop=servicer.close, public=True,
-                credentials=security.server_credentials(),
-                max_receive_bytes=max(gateway_bytes(config.limits.max_images),
-                                      pooling_bytes(config.pooling_limits.max_request_chars,
-                                                    config.pooling_limits.max_request_token_ids)))
+    await serve("gateway", config.address, register, start=start, stop=stop, public=True,
+                credentials=security.server_credentials(), max_receive_bytes=max_receive_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:

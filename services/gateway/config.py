@@ -26,7 +26,9 @@ class GatewayConfig:
 
     `limits` caps Generate requests and `pooling_limits` Embed / Rerank / Tokenize requests, as the
     decoder and pooling services do with the same flags (services/common/limits.py);
-    `max_path_chars` caps LoadAdapter's path. Raises ValueError for a bad address, target or cap.
+    `max_path_chars` caps LoadAdapter's path. `http_port` serves the HTTP API
+    (services/gateway/http/) beside gRPC; `api_key_file` names its keys (a path: keys never go in
+    argv). Raises ValueError for a bad address, target or cap.
     """
 
     address: str = field(default=default_address("gateway"), metadata={"help": "bind host:port"})
@@ -40,6 +42,13 @@ class GatewayConfig:
     limits: GenerateLimits = field(default_factory=GenerateLimits)
     pooling_limits: PoolingLimits = field(default_factory=PoolingLimits)
     max_path_chars: int = field(default=4096, metadata={"help": "characters of LoadAdapter's path"})
+    http_port: int = field(default=0, metadata={
+        "help": "serve the OpenAI-compatible HTTP API on this port, on the gRPC address's host (0 = off)",
+        "env": "TESSERA_HTTP_PORT"})
+    api_key_file: str = field(default="", metadata={
+        "help": "file of API keys, one a line: HTTP inference routes then need Authorization: Bearer <key> "
+                "(empty = no keys)",
+        "env": "TESSERA_API_KEY_FILE"})
 
     def __post_init__(self) -> None:
         for name in ("address", "adapters"):
@@ -51,5 +60,7 @@ class GatewayConfig:
                 raise ValueError(f"{name}: {error}") from None
         if self.vision:
             _check_address("vision", self.vision)
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 0..65535 (0 = off), got {self.http_port}")
         if self.max_path_chars < 1:
             raise ValueError(f"max_path_chars must be >= 1, got {self.max_path_chars}")

@@ -48,6 +48,12 @@ def _free_base_port() -> int:
     raise RuntimeError("no free port range")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def adapter_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("adapter-root")
@@ -63,6 +69,7 @@ def cluster(tmp_path_factory, adapter_root):
             "vision": ["--max-image-bytes", str(VISION_MAX_BYTES)],
             "decoder": ["--max-model-len", str(DECODER_MAX_MODEL_LEN)],
         },
+        http_port=free_port(),
     )
     with Cluster(spec) as running:
         yield running
@@ -71,6 +78,12 @@ def cluster(tmp_path_factory, adapter_root):
 @pytest.fixture(scope="session")
 def gateway_address(cluster) -> str:
     return cluster.spec.address("gateway")
+
+
+@pytest.fixture(scope="session")
+def http_url(cluster) -> str:
+    """The gateway's HTTP API (services/gateway/http/), e.g. http://127.0.0.1:PORT."""
+    return f"http://{cluster.spec.host}:{cluster.spec.http_port}"
 
 
 @pytest.fixture(scope="session")

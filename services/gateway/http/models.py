@@ -1,0 +1,246 @@
+"""Request and response bodies of the HTTP API, in OpenAI's (and vLLM's, Jina's, Cohere's) shapes.
+
+Only what the gateway can honour is declared; bounds that the gRPC side already enforces (the
+gateway's caps, the sampler's ranges) are left to it, so one place states each limit. Fields
+OpenAI defines that tessera does not support are declared and refused when set (`echo`), never
+silently ignored. Unknown extra fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+# protobuf's int32 fields: a larger number is refused here (400), not by the message setter
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+TokenIds = list[Int32]
+
+# OpenAI's documented default for /v1/completions; chat has no fixed default there (the rest of
+# the context), which a gateway cannot compute before tokenizing, so chat takes a larger one.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 512
+
+
+class ImageURL(BaseModel):
+    url: str = Field(description="a base64 data URI (data:image/png;base64,...); remote URLs are refused")
+    detail: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields chat and completions share (OpenAI's names and ranges)."""
+
+    model: str = Field(description="the decoder's base model name, or a loaded adapter's name")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: Count | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    n: Count = 1
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="text, a list of texts, token ids, or a list of token-id lists")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per position")
+    echo: bool = Field(default=False, description="not supported: refused when true")
+    suffix: str | None = Field(default=None, description="not supported: refused when set")
+
+
+class EmbeddingRequest(BaseModel):
+    model: str = Field(description="the pooling service's embedding model name")
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Count | None = None
+    user: str | None = None
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """Jina's and Cohere's rerank body; documents are texts or `{"text": ...}` objects."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: Count | None = None
+    return_documents: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    model: str
+    results: list[RerankResult]
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    model: str
+    count: int
+    tokens: list[int]
+    token_strs: list[str]
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "tessera"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    not_serving: list[str] = []
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

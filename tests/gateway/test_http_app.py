@@ -1,0 +1,138 @@
+"""The HTTP app's refusals, in process (ASGI calls, no sockets): each answers OpenAI's error object
+with its documented status before any gRPC call is spent, and a gateway that does not answer is a
+503, never a 500. The routes' answers against a running cluster: tests/e2e/test_http_*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from services.gateway.http.app import create_app
+from services.gateway.http.backend import Backend, loopback_address, read_api_keys
+
+UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end UNAVAILABLE
+
+
+class App:
+    """The app and the one event loop its gRPC channel lives on."""
+
+    def __init__(self, api_keys: frozenset[str] = frozenset()):
+        self.loop = asyncio.new_event_loop()
+
+        async def build():
+            return create_app(Backend(UNREACHABLE, {}, api_keys), max_body_bytes=4096)
+
+        self.asgi = self.loop.run_until_complete(build())
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def call(app: App, path: str, body: bytes | None, headers: dict[str, str] = (), chunks: int = 1) -> tuple[int, dict]:
+    """POST `body` (GET when None) in `chunks` pieces; (status, JSON answer)."""
+    raw = [(k.lower().encode(), v.encode()) for k, v in dict(headers).items()]
+    if body is not None:
+        raw.append((b"content-type", b"application/json"))
+    size = max(1, len(body or b"") // chunks + 1)
+    pieces = [(body or b"")[i:i + size] for i in range(0, len(body or b""), size)] or [b""]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET" if body is None else "POST", "path": path, "headers": raw,
+             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    app.loop.run_until_complete(app.asgi(scope, receive, send))
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+@pytest.fixture
+def app():
+    app = App()
+    yield app
+    app.close()
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def error_of(answer: dict) -> dict:
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}, answer
+    return answer["error"]
+
+
+def test_remote_image_url_is_refused_naming_the_rule(app):
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    status, answer = call(app, "/v1/chat/completions", chat(messages=[{"role": "user", "content": [image]}]))
+    assert status == 400 and "base64 data URI" in error_of(answer)["message"]
+    assert error_of(answer)["param"] == "messages.0.content.0.image_url"
+
+
+@pytest.mark.parametrize("fields, param", [({"temperature": 2.5}, "temperature"), ({"n": 0}, "n"),
+                                           ({"max_tokens": 2**31}, "max_tokens"), ({"top_logprobs": 21}, "top_logprobs")])
+def test_bad_parameters_are_400_naming_them(app, fields, param):
+    status, answer = call(app, "/v1/chat/completions", chat(**fields))
+    assert status == 400 and error_of(answer)["param"] == param
+
+
+def test_token_ids_past_int32_and_echo_are_refused(app):
+    status, answer = call(app, "/v1/completions", json.dumps({"model": "m", "prompt": [1, 2**31]}).encode())
+    assert status == 400 and error_of(answer)["param"].startswith("prompt")
+    status, answer = call(app, "/v1/completions", json.dumps({"model": "m", "prompt": "x", "echo": True}).encode())
+    assert status == 400 and error_of(answer)["param"] == "echo"
+
+
+def test_malformed_json_unknown_route_and_method(app):
+    assert call(app, "/v1/embeddings", b"{not json")[0] == 400
+    status, answer = call(app, "/v1/nothing", None)
+    assert status == 404 and error_of(answer)["type"] == "not_found_error"
+    assert call(app, "/v1/chat/completions", None)[0] == 405
+
+
+def test_bodies_past_the_limit_are_413_announced_or_chunked(app):
+    big = chat(messages=[{"role": "user", "content": "x" * 5000}])
+    status, answer = call(app, "/v1/chat/completions", big, {"Content-Length": str(len(big))})
+    assert status == 413 and "4096" in error_of(answer)["message"]
+    status, answer = call(app, "/v1/chat/completions", big, chunks=4)  # no Content-Length: counted as read
+    assert status == 413
+
+
+def test_a_gateway_that_does_not_answer_is_503(app):
+    status, answer = call(app, "/v1/embeddings", json.dumps({"model": "m", "input": "x"}).encode())
+    assert status == 503 and error_of(answer)["type"] == "service_unavailable"
+
+
+def test_api_keys(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\n\nkey-a\n")
+    app = App(read_api_keys(str(keys)))
+    body = json.dumps({"model": "m", "input": "x"}).encode()
+    assert call(app, "/v1/embeddings", body)[0] == 401
+    assert call(app, "/v1/embeddings", body, {"Authorization": "Bearer key-b"})[0] == 401
+    assert call(app, "/v1/embeddings", body, {"Authorization": "Bearer key-a"})[0] == 503  # past auth: no gateway
+    app.close()
+    (tmp_path / "empty").write_text("# none\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        read_api_keys(str(tmp_path / "empty"))
+
+
+def test_openapi_document_lists_every_route(app):
+    status, document = call(app, "/openapi.json", None)
+    assert status == 200
+    assert set(document["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
+                                      "/rerank", "/tokenize", "/v1/models", "/v1/load_lora_adapter",
+                                      "/v1/unload_lora_adapter", "/health"}
+
+
+def test_loopback_address():
+    assert loopback_address("0.0.0.0:50051") == "127.0.0.1:50051"
+    assert loopback_address("[::]:50051") == "[::1]:50051"
+    assert loopback_address("10.0.0.2:7") == "10.0.0.2:7"
