@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from services.cli import client
 from services.cli.up import Cluster, ClusterSpec
+from tessera.client import SamplingParams
 
 DEMO_ADAPTER = "demo-lora"
 
@@ -56,13 +57,12 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
         address = cluster.spec.address("gateway")
         print(f"tessera is up: gateway at {address}", flush=True)
         stub = client.connect(address)
+        greedy = SamplingParams(max_tokens=48)
 
         _banner("chat (SmolLM2-135M-Instruct, greedy)")
         question = "What is the capital of France? Answer in one sentence."
         print(f"> {question}")
-        client.generate(stub, client.build_generate_request(
-            question, chat=True, max_tokens=48, temperature=0.0, top_p=1.0, top_k=0, seed=None, lora="",
-            images=[], stop=[]), as_json=False)
+        client.generate(stub, question, chat=True, sampling=greedy)
 
         _banner("embeddings (all-MiniLM-L6-v2)")
         client.embed(stub, ["A cat sits on the mat.", "A kitten rests on a rug.", "Stocks fell sharply today.",
@@ -80,12 +80,10 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
             buffer = io.BytesIO()
             pixels.save(buffer, format="PNG")
             image_path.write_bytes(buffer.getvalue())
-            result = client.generate(stub, client.build_generate_request(
-                "Describe this image.", chat=True, max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                lora="", images=[image_path], stop=[]), as_json=True, out=io.StringIO())
-            usage = result["usage"]
-            print(f"answer: {result['text']!r}")
-            print(f"prompt tokens {usage['prompt_tokens']} of which image tokens {usage['image_tokens']}")
+            result = client.generate(stub, "Describe this image.", chat=True, sampling=SamplingParams(max_tokens=16),
+                                     images=[image_path], as_json=True, out=io.StringIO())
+            print(f"answer: {result.text!r}")
+            print(f"prompt tokens {result.usage.prompt_tokens} of which image tokens {result.usage.image_tokens}")
 
         _banner("LoRA (random adapter in PEFT format, per-request)")
         write_random_lora(spec.adapter_root / DEMO_ADAPTER, spec.decoder_model_dir)
@@ -93,9 +91,7 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
         client.adapters(stub, "list")
         for lora in ("", DEMO_ADAPTER):
             print(f"[{lora or 'base model'}] ", end="")
-            client.generate(stub, client.build_generate_request(
-                "Name three fruits.", chat=True, max_tokens=24, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                lora=lora, images=[], stop=[]), as_json=False)
+            client.generate(stub, "Name three fruits.", chat=True, sampling=SamplingParams(max_tokens=24), lora=lora)
         client.adapters(stub, "unload", name=DEMO_ADAPTER)
         print("\nstopping tessera", flush=True)
     print("done", flush=True)
