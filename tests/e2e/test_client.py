@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +21,7 @@ from services.common.paths import default_decoder_dir
 from services.common.tensor import from_pb
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2, vision_pb2
 
+from .conftest import run_cli
 from .test_generate import chat_request, collect
 
 PROMPT = "What is the capital of France?"
@@ -52,8 +54,8 @@ def adapter(gateway, adapter_root):
 
 
 def test_chat_stream_equals_grpc_and_deltas_make_the_result(client, gateway):
-    expected = collect(gateway, chat_request(PROMPT, 16))
-    stream = client.chat_stream([tc.Message("user", PROMPT)], max_tokens=16)
+    expected = collect(gateway, chat_request(PROMPT, 8))
+    stream = client.chat_stream([tc.Message("user", PROMPT)], max_tokens=8)
     deltas = list(stream)
     result = stream.result
     assert result.token_ids == expected["ids"] and result.text == expected["text"] != ""
@@ -67,35 +69,38 @@ def test_chat_stream_equals_grpc_and_deltas_make_the_result(client, gateway):
 
 def test_generate_raw_prompt_and_token_ids_equal_grpc(client, gateway):
     request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.ContentPart(text="The capital of France is")],
-                                          sampling=decoder_pb2.SamplingParams(max_tokens=8))
+                                          sampling=decoder_pb2.SamplingParams(max_tokens=4))
     expected = collect(gateway, request)
-    by_text = client.generate("The capital of France is", max_tokens=8)
+    by_text = client.generate("The capital of France is", max_tokens=4)
     assert by_text.token_ids == expected["ids"] and by_text.text == expected["text"]
     ids = [504, 3575, 282, 4649]  # any ids of the decoder's vocabulary
-    request = decoder_pb2.GenerateRequest(prompt_token_ids=ids, sampling=decoder_pb2.SamplingParams(max_tokens=8))
-    assert client.generate(ids, max_tokens=8).token_ids == collect(gateway, request)["ids"]
+    request = decoder_pb2.GenerateRequest(prompt_token_ids=ids, sampling=decoder_pb2.SamplingParams(max_tokens=4))
+    assert client.generate(ids, max_tokens=4).token_ids == collect(gateway, request)["ids"]
 
 
 def test_sampling_n_logprobs_and_seed(client, gateway):
-    result = client.chat([{"role": "user", "content": PROMPT}], max_tokens=6, n=2, temperature=1.0, seed=11,
+    request = chat_request(PROMPT, 4, n=2, temperature=1.0, seed=11)
+    expected = {}
+    for response in gateway.Generate(request, timeout=120):
+        expected.setdefault(response.index, []).extend(response.token_ids)
+    result = client.chat([{"role": "user", "content": PROMPT}], max_tokens=4, n=2, temperature=1.0, seed=11,
                          logprobs=True, top_logprobs=2)
     assert [c.index for c in result.choices] == [0, 1]
     for choice in result.choices:
-        assert len(choice.logprobs) == len(choice.token_ids) == 6 and choice.finish_reason == "length"
+        assert choice.token_ids == expected[choice.index] and choice.finish_reason == "length"
+        assert [p.token_id for p in choice.logprobs] == choice.token_ids
         assert all(len(p.top) == 2 and p.logprob <= 0 for p in choice.logprobs)
-    again = client.chat([{"role": "user", "content": PROMPT}], max_tokens=6, n=2, temperature=1.0, seed=11)
-    assert [c.token_ids for c in again.choices] == [c.token_ids for c in result.choices]
 
 
 def test_chat_with_an_image_from_bytes_path_or_pil(client, gateway, tmp_path):
     data = png_bytes()
-    request = chat_request("Describe the image.", 6)
+    request = chat_request("Describe the image.", 3)
     request.messages[0].content.insert(0, decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data=data)))
     expected = collect(gateway, request)
     path = tmp_path / "image.png"
     path.write_bytes(data)
     for image in (data, path, Image.open(io.BytesIO(data))):
-        result = client.chat([{"role": "user", "content": [image, "Describe the image."]}], max_tokens=6)
+        result = client.chat([{"role": "user", "content": [image, "Describe the image."]}], max_tokens=3)
         assert result.token_ids == expected["ids"], type(image)
         assert result.usage.image_tokens == expected["usage"].image_tokens > 0
 
@@ -128,9 +133,9 @@ def test_adapters_load_list_generate_unload(client, gateway, adapter):
     assert adapter in [a.name for a in client.list_adapters()]
     with pytest.raises(tc.AlreadyExists):
         client.load_adapter(adapter, adapter)
-    request = chat_request(PROMPT, 12)
+    request = chat_request(PROMPT, 6)
     request.lora = adapter
-    assert client.chat([tc.Message("user", PROMPT)], max_tokens=12, lora=adapter).token_ids == \
+    assert client.chat([tc.Message("user", PROMPT)], max_tokens=6, lora=adapter).token_ids == \
         collect(gateway, request)["ids"]
     client.unload_adapter(adapter)
     assert adapter not in [a.name for a in client.list_adapters()]
@@ -162,8 +167,8 @@ def test_errors_and_deadlines(client):
 
 def test_async_client_equals_sync(gateway_address, client, adapter):
     sync = {
-        "chat": client.chat([tc.Message("user", PROMPT)], max_tokens=12),
-        "generate": client.generate("The capital of France is", max_tokens=6),
+        "chat": client.chat([tc.Message("user", PROMPT)], max_tokens=6),
+        "generate": client.generate("The capital of France is", max_tokens=3),
         "embed": client.embed(TEXTS).embeddings,
         "rerank": client.rerank(PROMPT, DOCUMENTS).results,
         "tokenize": client.tokenize(TEXTS).tokens,
@@ -172,7 +177,7 @@ def test_async_client_equals_sync(gateway_address, client, adapter):
 
     async def scenario():
         async with tc.AsyncClient(gateway_address, timeout=120) as aclient:
-            stream = aclient.chat_stream([tc.Message("user", PROMPT)], max_tokens=12)
+            stream = aclient.chat_stream([tc.Message("user", PROMPT)], max_tokens=6)
             deltas = [d async for d in stream]
             assert "".join(d.text for d in deltas) == stream.result.text
             loaded = await aclient.load_adapter(adapter, adapter, replace=True)
@@ -182,7 +187,7 @@ def test_async_client_equals_sync(gateway_address, client, adapter):
                 await aclient.generate("hi", max_tokens=0)
             return {
                 "chat": stream.result,
-                "generate": await aclient.generate("The capital of France is", max_tokens=6),
+                "generate": await aclient.generate("The capital of France is", max_tokens=3),
                 "embed": (await aclient.embed(TEXTS)).embeddings,
                 "rerank": (await aclient.rerank(PROMPT, DOCUMENTS)).results,
                 "tokenize": (await aclient.tokenize(TEXTS)).tokens,
@@ -276,3 +281,15 @@ def test_unavailable_after_the_first_token_is_not_retried(gateway, flaky):
 
 def client_embed(gateway) -> np.ndarray:
     return from_pb(gateway.Embed(pooling_pb2.EmbedRequest(inputs=TEXTS), timeout=60).embeddings).numpy()
+
+
+def test_cli_tokenize_info_and_errors(gateway_address, gateway):
+    result = run_cli(gateway_address, "tokenize", "Hello tessera", "--json")
+    assert result.returncode == 0, result.stderr
+    expected = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["Hello tessera"]), timeout=60)
+    assert [t["id"] for t in json.loads(result.stdout)["tokens"][0]] == [t.id for t in expected.results[0].tokens]
+    result = run_cli(gateway_address, "info")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout[:result.stdout.index("\nreplica ")])["decoder"]["maxModelLen"] == 2048
+    result = run_cli(gateway_address, "adapters", "unload", "no-such-adapter")
+    assert result.returncode == 1 and result.stderr.startswith("error: NOT_FOUND: ")
