@@ -9,9 +9,18 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 import grpc
 
 from tessera.client import convert
-from tessera.client.channel import CHANNEL_OPTIONS, DEFAULT_ADDRESS, RetryPolicy, Settings, retryable
+from tessera.client.channel import (
+    CHANNEL_OPTIONS,
+    DEFAULT_ADDRESS,
+    NO_RETRY,
+    Deadline,
+    RetryPolicy,
+    Settings,
+    merge_sampling,
+    retryable,
+)
 from tessera.client.errors import from_rpc_error
-from tessera.client.sync import REPLICA_METADATA, Deadline, _sampling
+from tessera.client.sync import REPLICA_METADATA
 from tessera.client.types import (
     AdapterInfo,
     ClusterInfo,
@@ -37,8 +46,12 @@ class AsyncGenerateStream:
         self._deadline, self._retry = deadline, retry
         self._builder = convert.ResultBuilder(request.request_id)
         self._result: GenerateResult | None = None
+        self._started = False
 
     async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
+        if self._started:
+            raise RuntimeError("a stream is read once; start another call for another answer")
+        self._started = True
         for attempt in range(1, self._retry.max_attempts + 1):
             call = self._stub.Generate(self._request, timeout=self._deadline.remaining(), metadata=self._metadata)
             received = False
@@ -96,7 +109,7 @@ class AsyncClient:
         return Deadline(timeout if timeout is not None else self.settings.timeout)
 
     async def _unary(self, method: str, request, timeout: float | None, admin: bool = False):
-        deadline, retry = self._deadline(timeout), RetryPolicy(max_attempts=1) if admin else self.settings.retry
+        deadline, retry = self._deadline(timeout), NO_RETRY if admin else self.settings.retry
         for attempt in range(1, retry.max_attempts + 1):
             try:
                 return await getattr(self._stub, method)(request, timeout=deadline.remaining(),
@@ -112,7 +125,7 @@ class AsyncClient:
                         timeout: float | None = None, **sampling_fields) -> AsyncGenerateStream:
         """As Client.generate_stream; iterate with `async for`."""
         request = convert.generate_request(prompt=prompt, images=images, lora=lora, request_id=request_id,
-                                           sampling=_sampling(sampling, sampling_fields))
+                                           sampling=merge_sampling(sampling, sampling_fields))
         return AsyncGenerateStream(self._stub, request, self.settings.metadata(), self._deadline(timeout),
                                    self.settings.retry)
 
@@ -125,7 +138,7 @@ class AsyncClient:
                     **sampling_fields) -> AsyncGenerateStream:
         """As Client.chat_stream; iterate with `async for`."""
         request = convert.generate_request(messages=messages, lora=lora, request_id=request_id,
-                                           sampling=_sampling(sampling, sampling_fields))
+                                           sampling=merge_sampling(sampling, sampling_fields))
         return AsyncGenerateStream(self._stub, request, self.settings.metadata(), self._deadline(timeout),
                                    self.settings.retry)
 
@@ -151,7 +164,7 @@ class AsyncClient:
 
     async def tokenize(self, inputs: str | Sequence[str], *, add_special_tokens: bool = True, model: str = "",
                        prompt_name: str = "", timeout: float | None = None) -> TokenizeResult:
-        request = pooling_pb2.TokenizeRequest(model=model, inputs=[inputs] if isinstance(inputs, str) else inputs,
+        request = pooling_pb2.TokenizeRequest(model=model, inputs=[inputs] if isinstance(inputs, str) else list(inputs),
                                               add_special_tokens=add_special_tokens, prompt_name=prompt_name)
         return convert.tokenize_result(await self._unary("Tokenize", request, timeout))
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from tessera.client.types import SamplingParams
 
 DEFAULT_ADDRESS = "localhost:50051"
 API_TOKEN_ENV = "TESSERA_API_TOKEN"
@@ -92,3 +96,21 @@ class Settings:
 
 def retryable(error: grpc.RpcError) -> bool:
     return error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def merge_sampling(sampling: SamplingParams | None, fields: dict) -> SamplingParams:
+    """`sampling` (default SamplingParams()) with `fields` replaced; TypeError names an unknown field."""
+    return dataclasses.replace(sampling or SamplingParams(), **fields)
+
+
+class Deadline:
+    """A call's deadline across its attempts: `remaining()` seconds for the next one (None: none)."""
+
+    def __init__(self, timeout: float | None):
+        self._end = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+    def allows(self, wait_s: float) -> bool:
+        return self._end is None or time.monotonic() + wait_s < self._end

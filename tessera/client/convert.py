@@ -129,6 +129,8 @@ def generate_request(*, prompt: str | Sequence[int] | None = None, messages: Ite
                                           sampling=sampling_params(sampling), lora=lora)
     if messages is not None:
         request.messages.extend(chat_messages(messages))
+    elif images and not isinstance(prompt, str):
+        raise ValueError("images go with a text prompt; token ids have no place for them")
     elif isinstance(prompt, str):
         request.prompt.extend([image_part(i) for i in images] + [decoder_pb2.ContentPart(text=prompt)])
     else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -10,7 +9,16 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from tessera.client import convert
-from tessera.client.channel import CHANNEL_OPTIONS, DEFAULT_ADDRESS, RetryPolicy, Settings, retryable
+from tessera.client.channel import (
+    CHANNEL_OPTIONS,
+    DEFAULT_ADDRESS,
+    NO_RETRY,
+    Deadline,
+    RetryPolicy,
+    Settings,
+    merge_sampling,
+    retryable,
+)
 from tessera.client.errors import from_rpc_error
 from tessera.client.types import (
     AdapterInfo,
@@ -29,19 +37,6 @@ from tessera.v1 import adapters_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2
 REPLICA_METADATA = "tessera-replica"  # a Generate's initial metadata: the decoder replica serving it
 
 
-class Deadline:
-    """A call's deadline across its attempts: `remaining()` seconds for the next one (None: none)."""
-
-    def __init__(self, timeout: float | None):
-        self._end = None if timeout is None else time.monotonic() + timeout
-
-    def remaining(self) -> float | None:
-        return None if self._end is None else max(0.0, self._end - time.monotonic())
-
-    def allows(self, wait_s: float) -> bool:
-        return self._end is None or time.monotonic() + wait_s < self._end
-
-
 class GenerateStream:
     """Iterate it for `GenerateDelta`s as the decoder produces them; `result` holds the whole
     answer once the stream has ended. Retries (see RetryPolicy) happen only before the first
@@ -53,8 +48,12 @@ class GenerateStream:
         self._deadline, self._retry = deadline, retry
         self._builder = convert.ResultBuilder(request.request_id)
         self._result: GenerateResult | None = None
+        self._started = False
 
     def __iter__(self) -> Iterator[GenerateDelta]:
+        if self._started:
+            raise RuntimeError("a stream is read once; start another call for another answer")
+        self._started = True
         for attempt in range(1, self._retry.max_attempts + 1):
             call = self._stub.Generate(self._request, timeout=self._deadline.remaining(), metadata=self._metadata)
             received = False
@@ -120,7 +119,7 @@ class Client:
 
     def _unary(self, method: str, request, timeout: float | None, admin: bool = False):
         """One unary call; reads (not admin calls, which change state) retry on UNAVAILABLE."""
-        deadline, retry = self._deadline(timeout), RetryPolicy(max_attempts=1) if admin else self.settings.retry
+        deadline, retry = self._deadline(timeout), NO_RETRY if admin else self.settings.retry
         for attempt in range(1, retry.max_attempts + 1):
             try:
                 return getattr(self._stub, method)(request, timeout=deadline.remaining(),
@@ -144,7 +143,7 @@ class Client:
         while iterating (InvalidArgument for bad input, NotFound for an unknown adapter, ...).
         """
         request = convert.generate_request(prompt=prompt, images=images, lora=lora, request_id=request_id,
-                                           sampling=_sampling(sampling, sampling_fields))
+                                           sampling=merge_sampling(sampling, sampling_fields))
         return GenerateStream(self._stub, request, self.settings.metadata(), self._deadline(timeout),
                               self.settings.retry)
 
@@ -163,7 +162,7 @@ class Client:
         generate_stream.
         """
         request = convert.generate_request(messages=messages, lora=lora, request_id=request_id,
-                                           sampling=_sampling(sampling, sampling_fields))
+                                           sampling=merge_sampling(sampling, sampling_fields))
         return GenerateStream(self._stub, request, self.settings.metadata(), self._deadline(timeout),
                               self.settings.retry)
 
@@ -200,7 +199,7 @@ class Client:
     def tokenize(self, inputs: str | Sequence[str], *, add_special_tokens: bool = True, model: str = "",
                  prompt_name: str = "", timeout: float | None = None) -> TokenizeResult:
         """The pooling model's tokens of each input, with character offsets."""
-        request = pooling_pb2.TokenizeRequest(model=model, inputs=[inputs] if isinstance(inputs, str) else inputs,
+        request = pooling_pb2.TokenizeRequest(model=model, inputs=[inputs] if isinstance(inputs, str) else list(inputs),
                                               add_special_tokens=add_special_tokens, prompt_name=prompt_name)
         return convert.tokenize_result(self._unary("Tokenize", request, timeout))
 
@@ -224,10 +223,6 @@ class Client:
     def info(self, *, timeout: float | None = None) -> ClusterInfo:
         """The cluster's models, limits and replicas (health, queue, KV usage, resident adapters)."""
         return convert.cluster_info(self._unary("GetInfo", gateway_pb2.ClusterInfoRequest(), timeout))
-
-
-def _sampling(sampling: SamplingParams | None, fields: dict) -> SamplingParams:
-    return dataclasses.replace(sampling or SamplingParams(), **fields)
 
 
 def _drain(stream: GenerateStream) -> GenerateResult:

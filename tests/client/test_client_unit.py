@@ -15,7 +15,7 @@ import pytest
 from google.protobuf import json_format
 
 import tessera.client as tc
-from services.cli.client import _json_names
+from services.cli.client import _json_names, replica_table
 from services.common.launch import REPO
 from tessera.client import convert
 from tessera.client.errors import STATUS_TO_ERROR, from_rpc_error
@@ -121,3 +121,16 @@ def test_info_json_has_protobufs_json_keys():
         replicas=[gateway_pb2.ReplicaInfo(service="decoder", address="h:1", ready=True)])
     ours = _json_names(dataclasses.asdict(convert.cluster_info(message)))
     assert ours == json.loads(json_format.MessageToJson(message))
+
+
+def test_replica_table_rows():
+    message = gateway_pb2.ClusterInfo(replicas=[
+        gateway_pb2.ReplicaInfo(service="decoder", address="h:1", ready=True, state="READY", num_requests=7,
+                                num_outstanding=1, decoder=decoder_pb2.DecoderInfo(
+                                    num_blocks=10, num_free_blocks=5, num_running=1, num_waiting=2,
+                                    resident_adapters=["hot", "warm"])),
+        gateway_pb2.ReplicaInfo(service="pooling", address="h:2", state="CONNECTING")])
+    header, decoder, pooling = replica_table(convert.cluster_info(message)).splitlines()
+    assert header.split() == ["replica", "address", "health", "sent", "now", "run", "wait", "kv", "adapters"]
+    assert decoder.split() == ["decoder", "h:1", "SERVING", "7", "1", "1", "2", "50%", "hot,warm"]
+    assert pooling.split() == ["pooling", "h:2", "not", "ready", "(CONNECTING)", "0", "0", "-", "-", "-", "-"]
