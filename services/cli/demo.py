@@ -56,20 +56,19 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
     with Cluster(spec) as cluster:
         address = cluster.spec.address("gateway")
         print(f"tessera is up: gateway at {address}", flush=True)
-        stub = client.connect(address)
-        greedy = SamplingParams(max_tokens=48)
+        gateway = client.connect(address)
 
         _banner("chat (SmolLM2-135M-Instruct, greedy)")
         question = "What is the capital of France? Answer in one sentence."
         print(f"> {question}")
-        client.generate(stub, question, chat=True, sampling=greedy)
+        client.generate(gateway, question, chat=True, sampling=SamplingParams(max_tokens=48))
 
         _banner("embeddings (all-MiniLM-L6-v2)")
-        client.embed(stub, ["A cat sits on the mat.", "A kitten rests on a rug.", "Stocks fell sharply today.",
+        client.embed(gateway, ["A cat sits on the mat.", "A kitten rests on a rug.", "Stocks fell sharply today.",
                             "The market dropped at the open."], as_json=False)
 
         _banner("rerank (bi-encoder cosine)")
-        client.rerank(stub, "What is the capital of France?", [
+        client.rerank(gateway, "What is the capital of France?", [
             "Bananas are a good source of potassium.", "Paris is the capital and largest city of France.",
             "The Eiffel Tower was finished in 1889.", "Mount Everest is the highest mountain."], None, False)
 
@@ -80,19 +79,20 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
             buffer = io.BytesIO()
             pixels.save(buffer, format="PNG")
             image_path.write_bytes(buffer.getvalue())
-            result = client.generate(stub, "Describe this image.", chat=True, sampling=SamplingParams(max_tokens=16),
+            result = client.generate(gateway, "Describe this image.", chat=True, sampling=SamplingParams(max_tokens=16),
                                      images=[image_path], as_json=True, out=io.StringIO())
             print(f"answer: {result.text!r}")
             print(f"prompt tokens {result.usage.prompt_tokens} of which image tokens {result.usage.image_tokens}")
 
         _banner("LoRA (random adapter in PEFT format, per-request)")
         write_random_lora(spec.adapter_root / DEMO_ADAPTER, spec.decoder_model_dir)
-        client.adapters(stub, "load", name=DEMO_ADAPTER, path=DEMO_ADAPTER, replace=True)
-        client.adapters(stub, "list")
+        client.adapters(gateway, "load", name=DEMO_ADAPTER, path=DEMO_ADAPTER, replace=True)
+        client.adapters(gateway, "list")
         for lora in ("", DEMO_ADAPTER):
             print(f"[{lora or 'base model'}] ", end="")
-            client.generate(stub, "Name three fruits.", chat=True, sampling=SamplingParams(max_tokens=24), lora=lora)
-        client.adapters(stub, "unload", name=DEMO_ADAPTER)
+            client.generate(gateway, "Name three fruits.", chat=True, sampling=SamplingParams(max_tokens=24), lora=lora)
+        client.adapters(gateway, "unload", name=DEMO_ADAPTER)
+        gateway.close()
         print("\nstopping tessera", flush=True)
     print("done", flush=True)
     return 0
