@@ -79,8 +79,9 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
             buffer = io.BytesIO()
             pixels.save(buffer, format="PNG")
             image_path.write_bytes(buffer.getvalue())
-            result = client.generate(gateway, "Describe this image.", chat=True, sampling=SamplingParams(max_tokens=16),
-                                     images=[image_path], as_json=True, out=io.StringIO())
+            result = client.generate(gateway, "Describe this image.", chat=True,
+                                     sampling=SamplingParams(max_tokens=16), images=[image_path], as_json=True,
+                                     out=io.StringIO())
             print(f"answer: {result.text!r}")
             print(f"prompt tokens {result.usage.prompt_tokens} of which image tokens {result.usage.image_tokens}")
 
@@ -90,7 +91,8 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
         client.adapters(gateway, "list")
         for lora in ("", DEMO_ADAPTER):
             print(f"[{lora or 'base model'}] ", end="")
-            client.generate(gateway, "Name three fruits.", chat=True, sampling=SamplingParams(max_tokens=24), lora=lora)
+            client.generate(gateway, "Name three fruits.", chat=True, sampling=SamplingParams(max_tokens=24),
+                            lora=lora)
         client.adapters(gateway, "unload", name=DEMO_ADAPTER)
         gateway.close()
         print("\nstopping tessera", flush=True)
