@@ -116,7 +116,8 @@ def test_info_json_has_protobufs_json_keys():
     message = gateway_pb2.ClusterInfo(
         unavailable=["vision: down"],
         decoder=decoder_pb2.DecoderInfo(model="m", max_model_len=2048, mrope_section=[8, 12, 12]),
-        pooling=pooling_pb2.PoolingInfo(model="p", models=[pooling_pb2.PoolingModelInfo(model="p", prompts={"q": "Q"})]),
+        pooling=pooling_pb2.PoolingInfo(model="p",
+                                        models=[pooling_pb2.PoolingModelInfo(model="p", prompts={"q": "Q"})]),
         vision=vision_pb2.VisionInfo(encoder="demo", encoder_cache=vision_pb2.EncoderCacheStats()),
         replicas=[gateway_pb2.ReplicaInfo(service="decoder", address="h:1", ready=True)])
     ours = _json_names(dataclasses.asdict(convert.cluster_info(message)))
