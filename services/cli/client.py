@@ -1,84 +1,60 @@
-"""Client commands against the gateway: generate, embed, rerank, adapters, info.
+"""Client commands against the gateway: generate, embed, rerank, tokenize, adapters, info.
 
-Synchronous grpc stubs; errors print `error: CODE: details` to stderr and exit with status 1.
+Each command is one call of `tessera.client.Client` and prints its typed result; errors raise
+tessera.client.TesseraError, which `tessera` prints as `error: CODE: details` (exit status 1).
 """
 
 from __future__ import annotations
 
-import base64
+import dataclasses
 import json
-import os
 import sys
-import uuid
 from pathlib import Path
 
-import grpc
-import torch
+import numpy as np
 
-from services.common.server import CHANNEL_OPTIONS
-from services.common.tensor import from_pb
-from tessera.v1 import (
-    adapters_pb2,
-    decoder_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    pooling_pb2,
-    vision_pb2,
-)
+from tessera.client import Client, ClusterInfo, GenerateResult, SamplingParams
 
 
-def connect(address: str) -> gateway_pb2_grpc.GatewayStub:
-    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+def connect(address: str, admin_token: str | None = None) -> Client:
+    """A client for `address`; tokens and TLS root certificate default to the environment
+    ($TESSERA_API_TOKEN, $TESSERA_ADMIN_TOKEN, $TESSERA_TLS_ROOT_CERT)."""
+    return Client(address, admin_token=admin_token)
 
 
-def build_generate_request(prompt: str, *, chat: bool, max_tokens: int, temperature: float, top_p: float,
-                           top_k: int, seed: int | None, lora: str, images: list[Path],
-                           stop: list[str]) -> decoder_pb2.GenerateRequest:
-    """Images come before the text, as one user turn (chat) or one raw prompt."""
-    parts = [decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data=Path(p).read_bytes())) for p in images]
-    parts.append(decoder_pb2.ContentPart(text=prompt))
-    sampling = decoder_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                          top_k=top_k, stop=stop)
-    if seed is not None:
-        sampling.seed = seed
-    request = decoder_pb2.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sampling, lora=lora)
+def generate(client: Client, prompt: str, *, chat: bool, sampling: SamplingParams, lora: str = "",
+             images: list[Path] = (), as_json: bool = False, out=sys.stdout) -> GenerateResult:
+    """Stream the answer (text deltas as they arrive) or print it as one JSON object.
+
+    Images come before the text, as one user turn (chat) or one raw prompt.
+    """
     if chat:
-        request.messages.append(decoder_pb2.ChatMessage(role="user", content=parts))
+        content = [Path(p) for p in images] + [prompt]
+        stream = client.chat_stream([{"role": "user", "content": content}], sampling, lora=lora)
     else:
-        request.prompt.extend(parts)
-    return request
-
-
-def generate(stub, request: decoder_pb2.GenerateRequest, as_json: bool, out=sys.stdout) -> dict:
-    """Stream the answer (text deltas as they arrive) or collect it into one JSON object."""
-    token_ids, texts, finish, usage = [], [], "", None
-    for response in stub.Generate(request):
-        token_ids.extend(response.token_ids)
-        texts.append(response.text)
-        if not as_json and response.text:
-            out.write(response.text)
+        stream = client.generate_stream(prompt, sampling, images=[Path(p) for p in images], lora=lora)
+    for delta in stream:
+        if not as_json and delta.text:
+            out.write(delta.text)
             out.flush()
-        if response.finish_reason:
-            finish, usage = response.finish_reason, response.usage
-    result = {
-        "request_id": request.request_id, "token_ids": token_ids, "text": "".join(texts), "finish_reason": finish,
-        "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                  "total_tokens": usage.total_tokens, "image_tokens": usage.image_tokens,
-                  "cached_prompt_tokens": usage.cached_prompt_tokens} if usage else {},
-    }
-    out.write(json.dumps(result) + "\n" if as_json else "\n")
+    result = stream.result
+    if as_json:
+        out.write(json.dumps({"request_id": result.request_id, "token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason,
+                              "usage": dataclasses.asdict(result.usage)}) + "\n")
+    else:
+        out.write("\n")
     return result
 
 
-def embed(stub, texts: list[str], as_json: bool, out=sys.stdout) -> torch.Tensor:
-    response = stub.Embed(pooling_pb2.EmbedRequest(inputs=texts))
-    vectors = from_pb(response.embeddings)
+def embed(client: Client, texts: list[str], as_json: bool, out=sys.stdout) -> np.ndarray:
+    result = client.embed(texts)
+    vectors = result.embeddings  # [N, D] float32
     if as_json:
-        out.write(json.dumps({"model": response.model, "embeddings": vectors.tolist(),
-                              "usage": {"prompt_tokens": response.usage.prompt_tokens}}) + "\n")
+        out.write(json.dumps({"model": result.model, "embeddings": vectors.tolist(),
+                              "usage": {"prompt_tokens": result.prompt_tokens}}) + "\n")
         return vectors
-    out.write(f"{response.model}: {len(texts)} x {vectors.shape[1]} embeddings, "
-              f"{response.usage.prompt_tokens} tokens\n")
+    out.write(f"{result.model}: {len(texts)} x {vectors.shape[1]} embeddings, {result.prompt_tokens} tokens\n")
     if len(texts) > 1:
         similarity = vectors @ vectors.T
         labels = [t if len(t) <= 28 else t[:25] + "..." for t in texts]
@@ -88,46 +64,47 @@ def embed(stub, texts: list[str], as_json: bool, out=sys.stdout) -> torch.Tensor
     return vectors
 
 
-def rerank(stub, query: str, documents: list[str], top_n: int | None, as_json: bool, out=sys.stdout):
-    request = pooling_pb2.RerankRequest(query=query, documents=documents, return_documents=True)
-    if top_n is not None:
-        request.top_n = top_n
-    response = stub.Rerank(request)
-    results = [{"index": r.index, "score": r.score, "document": r.document} for r in response.results]
+def rerank(client: Client, query: str, documents: list[str], top_n: int | None, as_json: bool, out=sys.stdout):
+    result = client.rerank(query, documents, top_n=top_n, return_documents=True)
+    rows = [dataclasses.asdict(r) for r in result.results]
     if as_json:
-        out.write(json.dumps({"model": response.model, "method": response.method, "results": results}) + "\n")
+        out.write(json.dumps({"model": result.model, "method": result.method, "results": rows}) + "\n")
     else:
-        out.write(f"{response.model} ({response.method})\n")
-        for rank, r in enumerate(results, 1):
+        out.write(f"{result.model} ({result.method})\n")
+        for rank, r in enumerate(rows, 1):
             out.write(f"{rank:>2}. [{r['index']}] {r['score']:.4f}  {r['document']}\n")
-    return response
+    return result
 
 
-def _admin_metadata(token: str | None) -> list[tuple[str, str]]:
-    token = token if token is not None else os.environ.get("TESSERA_ADMIN_TOKEN", "")
-    return [("authorization", f"Bearer {token}")] if token else []
+def tokenize(client: Client, texts: list[str], as_json: bool, out=sys.stdout):
+    result = client.tokenize(texts)
+    if as_json:
+        out.write(json.dumps({"model": result.model,
+                              "tokens": [[dataclasses.asdict(t) for t in tokens] for tokens in result.tokens]}) + "\n")
+    else:
+        for text, tokens in zip(texts, result.tokens):
+            out.write(f"{len(tokens)} tokens: " + " ".join(f"{t.text}({t.id})" for t in tokens) + "\n")
+    return result
 
 
-def adapters(stub, action: str, name: str = "", path: str = "", replace: bool = False,
-             admin_token: str | None = None, as_json: bool = False, out=sys.stdout):
-    metadata = _admin_metadata(admin_token)
+def adapters(client: Client, action: str, name: str = "", path: str = "", replace: bool = False,
+             as_json: bool = False, out=sys.stdout):
     if action == "load":
-        info = stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=name, path=path, replace=replace),
-                                metadata=metadata)
+        info = client.load_adapter(name, path, replace=replace)
         out.write(f"loaded {info.name} rank={info.rank} digest={info.digest[:16]} "
                   f"targets={len(info.target_modules)}\n")
         return info
     if action == "unload":
-        stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=name), metadata=metadata)
+        client.unload_adapter(name)
         out.write(f"unloaded {name}\n")
         return None
-    listing = stub.ListAdapters(adapters_pb2.ListAdaptersRequest())
+    listing = client.list_adapters()
     rows = [{"name": a.name, "digest": a.digest, "rank": a.rank, "state": a.state, "generation": a.generation,
-             "target_modules": list(a.target_modules), "path": a.path} for a in listing.adapters]
+             "target_modules": a.target_modules, "path": a.path} for a in listing]
     if as_json:
         out.write(json.dumps(rows) + "\n")
     else:
-        for row in rows or []:
+        for row in rows:
             out.write(f"{row['name']:<20} rank={row['rank']:<3} {row['state']:<8} {row['digest'][:16]}  "
                       f"{row['path']}\n")
         if not rows:
@@ -135,33 +112,40 @@ def adapters(stub, action: str, name: str = "", path: str = "", replace: bool = 
     return listing
 
 
-def info(stub, out=sys.stdout) -> gateway_pb2.ClusterInfo:
-    from google.protobuf import json_format
+def info(client: Client, out=sys.stdout) -> ClusterInfo:
+    """The cluster's info as JSON (protobuf's JSON names; unset and zero fields left out), then
+    the replica table."""
+    result = client.info()
+    out.write(json.dumps(_json_names(dataclasses.asdict(result)), indent=2) + "\n")
+    out.write(replica_table(result))
+    return result
 
-    response = stub.GetInfo(gateway_pb2.ClusterInfoRequest())
-    out.write(json_format.MessageToJson(response, indent=2) + "\n")
-    out.write(replica_table(response))
-    return response
+
+def _json_names(value):
+    """protobuf's JSON mapping of a result dict: lowerCamelCase keys, empty and zero values left out."""
+    if isinstance(value, dict):
+        return {_camel(k): _json_names(v) for k, v in value.items() if v not in (None, 0, "", False, [], {})}
+    if isinstance(value, list):
+        return [_json_names(v) for v in value]
+    return value
 
 
-def replica_table(info: gateway_pb2.ClusterInfo) -> str:
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(word.capitalize() for word in rest)
+
+
+def replica_table(info: ClusterInfo) -> str:
     """One line per replica: service, address, health, requests, queue, KV usage, resident adapters."""
     lines = [f"{'replica':<8} {'address':<22} {'health':<18} {'sent':>6} {'now':>4} {'run':>4} {'wait':>4} "
              f"{'kv':>5}  adapters"]
     for r in info.replicas:
         health = "SERVING" if r.ready else f"not ready ({r.state})"
         d = r.decoder
-        known = r.service == "decoder" and d.num_blocks > 0
+        known = r.service == "decoder" and d is not None and d.num_blocks > 0
         kv = f"{1 - d.num_free_blocks / d.num_blocks:5.0%}" if known else f"{'-':>5}"
         queue = f"{d.num_running:>4} {d.num_waiting:>4}" if known else f"{'-':>4} {'-':>4}"
-        adapters = ",".join(d.resident_adapters) if known else ""
+        resident = ",".join(d.resident_adapters) if known else ""
         lines.append(f"{r.service:<8} {r.address:<22} {health:<18} {r.num_requests:>6} {r.num_outstanding:>4} "
-                     f"{queue} {kv}  {adapters or '-'}")
+                     f"{queue} {kv}  {resident or '-'}")
     return "\n".join(lines) + "\n"
-
-
-def b64_to_vector(text: str) -> torch.Tensor:
-    """Decode one base64 little-endian float32 embedding."""
-    import numpy as np
-
-    return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<f4").copy())

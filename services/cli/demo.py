@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from services.cli import client
 from services.cli.up import Cluster, ClusterSpec
+from tessera.client import SamplingParams
 
 DEMO_ADAPTER = "demo-lora"
 
@@ -55,21 +56,19 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
     with Cluster(spec) as cluster:
         address = cluster.spec.address("gateway")
         print(f"tessera is up: gateway at {address}", flush=True)
-        stub = client.connect(address)
+        gateway = client.connect(address)
 
         _banner("chat (SmolLM2-135M-Instruct, greedy)")
         question = "What is the capital of France? Answer in one sentence."
         print(f"> {question}")
-        client.generate(stub, client.build_generate_request(
-            question, chat=True, max_tokens=48, temperature=0.0, top_p=1.0, top_k=0, seed=None, lora="",
-            images=[], stop=[]), as_json=False)
+        client.generate(gateway, question, chat=True, sampling=SamplingParams(max_tokens=48))
 
         _banner("embeddings (all-MiniLM-L6-v2)")
-        client.embed(stub, ["A cat sits on the mat.", "A kitten rests on a rug.", "Stocks fell sharply today.",
+        client.embed(gateway, ["A cat sits on the mat.", "A kitten rests on a rug.", "Stocks fell sharply today.",
                             "The market dropped at the open."], as_json=False)
 
         _banner("rerank (bi-encoder cosine)")
-        client.rerank(stub, "What is the capital of France?", [
+        client.rerank(gateway, "What is the capital of France?", [
             "Bananas are a good source of potassium.", "Paris is the capital and largest city of France.",
             "The Eiffel Tower was finished in 1889.", "Mount Everest is the highest mountain."], None, False)
 
@@ -80,23 +79,22 @@ def run_demo(spec: ClusterSpec | None = None) -> int:
             buffer = io.BytesIO()
             pixels.save(buffer, format="PNG")
             image_path.write_bytes(buffer.getvalue())
-            result = client.generate(stub, client.build_generate_request(
-                "Describe this image.", chat=True, max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                lora="", images=[image_path], stop=[]), as_json=True, out=io.StringIO())
-            usage = result["usage"]
-            print(f"answer: {result['text']!r}")
-            print(f"prompt tokens {usage['prompt_tokens']} of which image tokens {usage['image_tokens']}")
+            result = client.generate(gateway, "Describe this image.", chat=True,
+                                     sampling=SamplingParams(max_tokens=16), images=[image_path], as_json=True,
+                                     out=io.StringIO())
+            print(f"answer: {result.text!r}")
+            print(f"prompt tokens {result.usage.prompt_tokens} of which image tokens {result.usage.image_tokens}")
 
         _banner("LoRA (random adapter in PEFT format, per-request)")
         write_random_lora(spec.adapter_root / DEMO_ADAPTER, spec.decoder_model_dir)
-        client.adapters(stub, "load", name=DEMO_ADAPTER, path=DEMO_ADAPTER, replace=True)
-        client.adapters(stub, "list")
+        client.adapters(gateway, "load", name=DEMO_ADAPTER, path=DEMO_ADAPTER, replace=True)
+        client.adapters(gateway, "list")
         for lora in ("", DEMO_ADAPTER):
             print(f"[{lora or 'base model'}] ", end="")
-            client.generate(stub, client.build_generate_request(
-                "Name three fruits.", chat=True, max_tokens=24, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                lora=lora, images=[], stop=[]), as_json=False)
-        client.adapters(stub, "unload", name=DEMO_ADAPTER)
+            client.generate(gateway, "Name three fruits.", chat=True, sampling=SamplingParams(max_tokens=24),
+                            lora=lora)
+        client.adapters(gateway, "unload", name=DEMO_ADAPTER)
+        gateway.close()
         print("\nstopping tessera", flush=True)
     print("done", flush=True)
     return 0

@@ -6,12 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import grpc
-
 from services.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
 from services.common.server import DEFAULT_PORTS
-
-DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORTS['gateway']}"
+from tessera.client import DEFAULT_ADDRESS, TesseraError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true")
     ad.set_defaults(func=_adapters)
 
+    tok = client("tokenize", "show the pooling model's tokens of each text")
+    tok.add_argument("texts", nargs="+")
+    tok.add_argument("--json", action="store_true")
+    tok.set_defaults(func=_tokenize)
+
     inf = client("info", "show the cluster's model, limits and replicas (health, queue, KV usage, adapters)")
     inf.set_defaults(func=_info)
     return parser
@@ -143,41 +145,54 @@ def _demo(args) -> int:
 
 def _generate(args) -> int:
     from services.cli import client
+    from tessera.client import SamplingParams
 
-    request = client.build_generate_request(
-        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, lora=args.lora, images=args.image, stop=args.stop)
-    client.generate(client.connect(args.address), request, args.json)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+    with client.connect(args.address) as c:
+        client.generate(c, args.prompt, chat=args.chat, sampling=sampling, lora=args.lora, images=args.image,
+                        as_json=args.json)
     return 0
 
 
 def _embed(args) -> int:
     from services.cli import client
 
-    client.embed(client.connect(args.address), args.texts, args.json)
+    with client.connect(args.address) as c:
+        client.embed(c, args.texts, args.json)
     return 0
 
 
 def _rerank(args) -> int:
     from services.cli import client
 
-    client.rerank(client.connect(args.address), args.query, args.documents, args.top_n, args.json)
+    with client.connect(args.address) as c:
+        client.rerank(c, args.query, args.documents, args.top_n, args.json)
+    return 0
+
+
+def _tokenize(args) -> int:
+    from services.cli import client
+
+    with client.connect(args.address) as c:
+        client.tokenize(c, args.texts, args.json)
     return 0
 
 
 def _adapters(args) -> int:
     from services.cli import client
 
-    client.adapters(client.connect(args.address), args.action, name=getattr(args, "name", ""),
-                    path=getattr(args, "path", ""), replace=getattr(args, "replace", False),
-                    admin_token=getattr(args, "admin_token", None), as_json=getattr(args, "json", False))
+    with client.connect(args.address, admin_token=getattr(args, "admin_token", None)) as c:
+        client.adapters(c, args.action, name=getattr(args, "name", ""), path=getattr(args, "path", ""),
+                        replace=getattr(args, "replace", False), as_json=getattr(args, "json", False))
     return 0
 
 
 def _info(args) -> int:
     from services.cli import client
 
-    client.info(client.connect(args.address))
+    with client.connect(args.address) as c:
+        client.info(c)
     return 0
 
 
@@ -185,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except grpc.RpcError as error:
-        print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+    except TesseraError as error:
+        print(f"error: {error.code.name}: {error.details}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

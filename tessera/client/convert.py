@@ -1,0 +1,228 @@
+"""protobuf <-> the client's types: request builders and result readers, shared by Client and AsyncClient."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import io
+import os
+import typing
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tessera.client.types import (
+    Choice,
+    ClusterInfo,
+    Content,
+    EmbedResult,
+    GenerateDelta,
+    GenerateResult,
+    ImageLike,
+    Message,
+    RerankItem,
+    RerankResult,
+    SamplingParams,
+    Token,
+    TokenizeResult,
+    TokenLogprob,
+    Usage,
+)
+from tessera.v1 import decoder_pb2, pooling_pb2, tensor_pb2, vision_pb2
+
+_NUMPY_DTYPES = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "int64": "<i8", "int32": "<i4",
+                 "int8": "i1", "uint8": "u1", "bool": "?"}
+
+
+@functools.cache
+def _hints(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def from_pb(cls, message):
+    """The dataclass `cls` filled from the same-named fields of `message`, recursively.
+
+    A nested dataclass field typed `X | None` is None when the message field is unset.
+    """
+    values = {}
+    for f in dataclasses.fields(cls):
+        hint = _hints(cls)[f.name]
+        value = getattr(message, f.name)
+        args = typing.get_args(hint)
+        inner = next((a for a in args if dataclasses.is_dataclass(a)), None)
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = from_pb(hint, value)
+        elif inner is not None and type(None) in args:
+            values[f.name] = from_pb(inner, value) if message.HasField(f.name) else None
+        elif typing.get_origin(hint) is list:
+            values[f.name] = [from_pb(inner, v) for v in value] if inner is not None else list(value)
+        elif typing.get_origin(hint) is dict:
+            values[f.name] = dict(value)
+        else:
+            values[f.name] = value
+    return cls(**values)
+
+
+def tensor_to_numpy(tensor: tensor_pb2.Tensor) -> np.ndarray:
+    """A wire tensor as a numpy array of its shape (little-endian C order; bfloat16 is not supported)."""
+    if tensor.dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"tensor dtype {tensor.dtype!r} has no numpy equivalent")
+    return np.frombuffer(tensor.data, dtype=_NUMPY_DTYPES[tensor.dtype]).reshape(tuple(tensor.shape)).copy()
+
+
+def base64_to_vector(text: str) -> np.ndarray:
+    """One base64 little-endian float32 embedding as a [D] float32 array."""
+    return np.frombuffer(base64.b64decode(text), dtype="<f4").astype(np.float32)
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+def image_part(image: ImageLike) -> decoder_pb2.ContentPart:
+    """A content part for raw bytes, a file path or a PIL image (encoded as PNG)."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+    elif isinstance(image, (str, os.PathLike)):
+        data = Path(image).read_bytes()
+    elif hasattr(image, "save") and hasattr(image, "mode"):  # PIL.Image.Image, without importing PIL
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        data = buffer.getvalue()
+    else:
+        raise TypeError(f"an image is bytes, a path or a PIL image; got {type(image).__name__}")
+    return decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data=data))
+
+
+def content_parts(content: Content) -> list[decoder_pb2.ContentPart]:
+    """Message content as parts: a str is text; in a list, str items are text and others images."""
+    if isinstance(content, str):
+        return [decoder_pb2.ContentPart(text=content)]
+    return [decoder_pb2.ContentPart(text=p) if isinstance(p, str) else image_part(p) for p in content]
+
+
+def chat_messages(messages: Iterable[Message | dict]) -> list[decoder_pb2.ChatMessage]:
+    """Messages as `Message`s or OpenAI-style dicts with "role" and "content"."""
+    out = []
+    for m in messages:
+        role, content = (m["role"], m["content"]) if isinstance(m, dict) else (m.role, m.content)
+        out.append(decoder_pb2.ChatMessage(role=role, content=content_parts(content)))
+    return out
+
+
+def sampling_params(params: SamplingParams) -> decoder_pb2.SamplingParams:
+    fields = dataclasses.asdict(params)
+    seed = fields.pop("seed")
+    sampling = decoder_pb2.SamplingParams(**{k: list(v) if isinstance(v, tuple | list) else v
+                                             for k, v in fields.items()})
+    if seed is not None:
+        sampling.seed = seed
+    return sampling
+
+
+def generate_request(*, prompt: str | Sequence[int] | None = None, messages: Iterable[Message | dict] | None = None,
+                     images: Sequence[ImageLike] = (), lora: str = "", request_id: str | None = None,
+                     sampling: SamplingParams) -> decoder_pb2.GenerateRequest:
+    """A raw prompt (text, or token ids), or chat messages. `images` go before a text prompt's text."""
+    request = decoder_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex,
+                                          sampling=sampling_params(sampling), lora=lora)
+    if messages is not None:
+        request.messages.extend(chat_messages(messages))
+    elif images and not isinstance(prompt, str):
+        raise ValueError("images go with a text prompt; token ids have no place for them")
+    elif isinstance(prompt, str):
+        request.prompt.extend([image_part(i) for i in images] + [decoder_pb2.ContentPart(text=prompt)])
+    else:
+        request.prompt_token_ids.extend(prompt)
+    return request
+
+
+def embed_request(inputs: str | Sequence[str] | None, *, input_ids: Sequence[Sequence[int]] | None, model: str,
+                  normalize: bool | None, dimensions: int | None, truncate: bool, prompt_name: str,
+                  encoding_format: str) -> pooling_pb2.EmbedRequest:
+    if encoding_format not in ("float", "base64"):
+        raise ValueError(f"encoding_format is 'float' or 'base64'; got {encoding_format!r}")
+    request = pooling_pb2.EmbedRequest(
+        model=model, truncate=truncate, prompt_name=prompt_name,
+        encoding_format=pooling_pb2.ENCODING_FORMAT_BASE64 if encoding_format == "base64"
+        else pooling_pb2.ENCODING_FORMAT_FLOAT)
+    if input_ids is not None:
+        request.input_ids.extend(pooling_pb2.TokenIds(ids=list(ids)) for ids in input_ids)
+    else:
+        request.inputs.extend([inputs] if isinstance(inputs, str) else list(inputs or ()))
+    if normalize is not None:
+        request.normalize = normalize
+    if dimensions is not None:
+        request.dimensions = dimensions
+    return request
+
+
+def rerank_request(query: str, documents: Sequence[str], *, top_n: int | None, return_documents: bool,
+                   model: str, raw_scores: bool) -> pooling_pb2.RerankRequest:
+    request = pooling_pb2.RerankRequest(query=query, documents=list(documents), return_documents=return_documents,
+                                        model=model, raw_scores=raw_scores)
+    if top_n is not None:
+        request.top_n = top_n
+    return request
+
+
+# --- results ----------------------------------------------------------------------------------
+
+def generate_delta(response: decoder_pb2.GenerateResponse) -> GenerateDelta:
+    return GenerateDelta(index=response.index, text=response.text, token_ids=list(response.token_ids),
+                         finish_reason=response.finish_reason,
+                         logprobs=[from_pb(TokenLogprob, p) for p in response.logprobs])
+
+
+class ResultBuilder:
+    """Gathers a Generate's streamed messages into its GenerateResult."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.replica = ""
+        self._texts: dict[int, list[str]] = {}
+        self._ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
+        self._finish: dict[int, str] = {}
+        self._usage = Usage()
+
+    def add(self, response: decoder_pb2.GenerateResponse) -> GenerateDelta:
+        delta = generate_delta(response)
+        self._texts.setdefault(delta.index, []).append(delta.text)
+        self._ids.setdefault(delta.index, []).extend(delta.token_ids)
+        self._logprobs.setdefault(delta.index, []).extend(delta.logprobs)
+        if delta.finish_reason:
+            self._finish[delta.index] = delta.finish_reason
+        if response.HasField("usage"):
+            self._usage = from_pb(Usage, response.usage)
+        return delta
+
+    def result(self) -> GenerateResult:
+        choices = [Choice(index=i, text="".join(self._texts[i]), token_ids=self._ids[i],
+                          finish_reason=self._finish.get(i, ""), logprobs=self._logprobs[i])
+                   for i in sorted(self._texts)]
+        return GenerateResult(request_id=self.request_id, choices=choices or [Choice(0, "", [], "")],
+                              usage=self._usage, replica=self.replica)
+
+
+def embed_result(response: pooling_pb2.EmbedResponse) -> EmbedResult:
+    if response.embeddings_base64:
+        vectors = np.stack([base64_to_vector(text) for text in response.embeddings_base64])
+    else:
+        vectors = tensor_to_numpy(response.embeddings).astype(np.float32, copy=False)
+    return EmbedResult(model=response.model, embeddings=vectors, prompt_tokens=response.usage.prompt_tokens)
+
+
+def rerank_result(response: pooling_pb2.RerankResponse) -> RerankResult:
+    return RerankResult(model=response.model, method=response.method,
+                        results=[from_pb(RerankItem, r) for r in response.results])
+
+
+def tokenize_result(response: pooling_pb2.TokenizeResponse) -> TokenizeResult:
+    return TokenizeResult(model=response.model,
+                          tokens=[[from_pb(Token, t) for t in r.tokens] for r in response.results])
+
+
+def cluster_info(response) -> ClusterInfo:
+    return from_pb(ClusterInfo, response)

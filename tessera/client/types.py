@@ -1,0 +1,281 @@
+"""Typed results of the client (dataclasses; the protobuf messages stay inside the client).
+
+Counts are tokens unless named otherwise; embeddings are numpy float32 arrays.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+# An image part: raw encoded bytes (PNG, JPEG, ...), a file path (pathlib.Path or os.PathLike;
+# a plain str inside message content is text), or a PIL.Image.Image (sent as PNG).
+ImageLike = Union[bytes, os.PathLike, Any]
+# Message content: text, or a list of parts (str = text, anything else an ImageLike).
+Content = Union[str, Sequence[Any]]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat turn. `role` is "system", "user" or "assistant"; images come in `content` as parts."""
+
+    role: str
+    content: Content
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample (the decoder's SamplingParams). temperature 0 is greedy; top_p 1 and top_k 0
+    are off; `seed` makes sampling repeatable; `stop` strings are not returned; `n` choices share
+    the prompt's KV blocks; `logprobs` returns each chosen token's log-probability and
+    `top_logprobs` (0..20) alternatives; penalties follow OpenAI (presence, frequency) and
+    transformers (repetition, 1 = off)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    image_tokens: int = 0          # of prompt_tokens, how many were image placeholders
+    cached_prompt_tokens: int = 0  # of prompt_tokens, how many came from the prefix cache
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability (natural log, raw model distribution) of a chosen token and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GenerateDelta:
+    """What one streamed message added to choice `index`: new text and token ids.
+
+    `finish_reason` is "" while the choice runs, then "stop", "length" or "abort".
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A finished Generate: every choice (n of them, index order) and the usage.
+
+    `text`, `token_ids` and `finish_reason` are choice 0's. `replica` is the decoder replica
+    that served it (host:port), as the gateway reports it.
+    """
+
+    request_id: str
+    choices: list[Choice]
+    usage: Usage
+    replica: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    model: str
+    embeddings: np.ndarray  # [num_inputs, dimension] float32, input order
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class RerankItem:
+    index: int          # position in the request's documents
+    score: float
+    document: str = ""  # set when return_documents
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    model: str
+    method: str              # "bi-encoder", "cross-encoder" or "llm-judge"
+    results: list[RerankItem]  # descending score, ties by index
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    text: str
+    special: bool
+    start: int  # character offsets into the input; 0, 0 for special tokens
+    stop: int
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    model: str
+    tokens: list[list[Token]]  # one list per input
+
+
+@dataclass(frozen=True)
+class AdapterResidency:
+    decoder_id: str
+    leases: int
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    digest: str               # sha256 hex over target names and effective (scaled) weights
+    rank: int
+    target_modules: list[str]
+    lora_alpha: float
+    use_rslora: bool
+    path: str                 # as resolved inside the adapter root
+    generation: int           # bumps each time the name is (re)loaded
+    state: str                # "ready" or "draining"
+    residency: list[AdapterResidency] = field(default_factory=list)
+    leases: int = 0
+
+
+@dataclass(frozen=True)
+class DecoderInfo:
+    model: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    mrope_section: list[int]
+    image_token_id: int
+    num_running: int
+    num_waiting: int
+    dtype: str
+    num_cached_blocks: int
+    prefix_cache_hits: int
+    prefix_cache_hit_tokens: int
+    resident_adapters: list[str]
+
+
+@dataclass(frozen=True)
+class PoolingModelInfo:
+    model: str
+    kind: str  # "embedding", "cross-encoder" or "llm-judge"
+    pooling_mode: str
+    normalize: bool
+    dimension: int
+    max_input_length: int
+    rerank_method: str
+    matryoshka_dimensions: list[int]
+    matryoshka: bool
+    prompts: dict[str, str]
+
+
+@dataclass(frozen=True)
+class PoolingInfo:
+    model: str
+    pooling_mode: str
+    normalize: bool
+    dimension: int
+    max_input_length: int
+    max_batch_size: int
+    rerank_method: str
+    models: list[PoolingModelInfo]
+    max_batch_tokens: int
+    max_queue_size: int
+    max_wait_ms: float
+    dynamic_batching: bool
+
+
+@dataclass(frozen=True)
+class EncoderCacheStats:
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    encoder: str
+    revision: str
+    output_width: int
+    image_size: int
+    patch_size: int
+    max_image_bytes: int
+    max_image_pixels: int
+    max_images_per_request: int
+    mrope_section: list[int]
+    min_pixels: int
+    max_pixels: int
+    encoder_cache: EncoderCacheStats | None
+    images_encoded: int
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    service: str            # "decoder" or "pooling"
+    address: str
+    ready: bool             # connected and its health says SERVING
+    state: str              # the gateway's channel state (READY, CONNECTING, TRANSIENT_FAILURE...)
+    num_requests: int       # requests the gateway has sent it
+    num_outstanding: int    # of those, in flight now
+    decoder: DecoderInfo | None  # a decoder replica's last report (queue, KV blocks, adapters)
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """The gateway's view. A section is None when its service did not answer (see `unavailable`)."""
+
+    decoder: DecoderInfo | None
+    pooling: PoolingInfo | None
+    vision: VisionInfo | None
+    unavailable: list[str]
+    replicas: list[ReplicaInfo]
