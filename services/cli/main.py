@@ -173,8 +173,10 @@ def _adapters(args) -> int:
 
 def _info(args) -> int:
     from services.cli import client
+    from services.cli.up import metrics_table
 
     client.info(client.connect(args.address))
+    print(metrics_table(args.address), end="")  # the metrics URLs of a cluster this machine's `tessera up` runs
     return 0
 
 

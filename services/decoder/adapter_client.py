@@ -55,6 +55,8 @@ class AdapterClient:
         self.num_weight_fetches = 0                # weight downloads from the registry
         self._fetching: dict[tuple[str, str], asyncio.Task] = {}  # (name, digest) -> the fetch in flight
         self.num_slot_waits = 0                    # admissions that waited for a leased slot to free
+        self.num_swaps = 0                         # adapters loaded into a bank slot (swap-ins)
+        self.num_host_cache_hits = 0               # swap-ins whose weights came from the host cache
         self.slot_wait_poll_s = slot_wait_poll_s
 
     async def acquire(self, name: str) -> int:
@@ -87,6 +89,7 @@ class AdapterClient:
             self._check_drain(name, digest)
             slot = self.bank.load_and_acquire(weights, name)  # no await since the drain check (see _lease)
             if slot is not None:
+                self.num_swaps += 1
                 return slot
             await self._wait_for_slot(name)
 
@@ -110,6 +113,7 @@ class AdapterClient:
         concurrent admissions of one name and digest share a single fetch."""
         cached = self.host_cache.get(digest)
         if cached is not None:
+            self.num_host_cache_hits += 1
             return cached
         key = (name, digest)  # by name too: a fetch returns what its name means by then (a replace)
         task = self._fetching.get(key)

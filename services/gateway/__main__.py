@@ -8,8 +8,10 @@ import asyncio
 from services.common import auth
 from services.common.memory import unmap_large_buffers
 from services.common.message_limits import gateway_bytes, pooling_bytes
+from services.common.metrics import record_downstream, start_metrics_server
 from services.common.limits import GenerateLimits, PoolingLimits, add_flags, from_flags
 from services.common.server import configure_logging, serve
+from services.gateway import metrics as gateway_metrics
 from services.gateway.config import GatewayConfig
 from services.gateway.servicer import GatewayServicer
 from tessera.v1 import gateway_pb2, gateway_pb2_grpc
@@ -30,14 +32,19 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     add_flags(parser, GenerateLimits)
     add_flags(parser, PoolingLimits)
     auth.add_arguments(parser, tls=True)
+    parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                        help="also serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     args = parser.parse_args(argv)
     return GatewayConfig(address=args.address, decoder=args.decoder, pooling=args.pooling, adapters=args.adapters,
                          vision=args.vision, limits=from_flags(GenerateLimits, args),
-                         pooling_limits=from_flags(PoolingLimits, args), max_path_chars=args.max_path_chars)
+                         pooling_limits=from_flags(PoolingLimits, args), max_path_chars=args.max_path_chars,
+                         metrics_port=args.metrics_port)
 
 
 async def _main(config: GatewayConfig, security: auth.Security) -> None:
+    record_downstream()  # before the servicer opens its channels
     servicer = GatewayServicer(config)
+    start_metrics_server(config.metrics_port, config.address, *gateway_metrics.collectors(servicer))
 
     def register(server):
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)

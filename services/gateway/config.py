@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.limits import GenerateLimits, PoolingLimits
+from services.common.metrics import check_metrics_port
 from services.common.server import DEFAULT_PORTS
 from services.gateway.replicas import parse_target
 
@@ -37,6 +38,9 @@ class GatewayConfig:
     limits: GenerateLimits = field(default_factory=GenerateLimits)
     pooling_limits: PoolingLimits = field(default_factory=PoolingLimits)
     max_path_chars: int = 4096
+    metrics_port: int = field(default=0, metadata={
+        "help": "also serve Prometheus /metrics on this port, same host as --address (0: off; the HTTP port "
+                "serves them at /metrics)", "env": "TESSERA_METRICS_PORT"})
 
     def __post_init__(self) -> None:
         for name in ("address", "adapters"):
@@ -48,5 +52,6 @@ class GatewayConfig:
                 raise ValueError(f"{name}: {error}") from None
         if self.vision:
             _check_address("vision", self.vision)
+        check_metrics_port(self.metrics_port)
         if self.max_path_chars < 1:
             raise ValueError(f"max_path_chars must be >= 1, got {self.max_path_chars}")

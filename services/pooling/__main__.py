@@ -7,7 +7,7 @@ import asyncio
 
 from services.common import auth
 from services.common.message_limits import pooling_bytes
-from services.common.metrics import PoolingCollector, start_metrics_server
+from services.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.limits import PoolingLimits
 from services.common.paths import default_embedding_dir
@@ -89,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
 
 async def _main(config: PoolingConfig) -> None:
     service = PoolingService(config)
-    start_metrics_server(config.metrics_port, config.address, PoolingCollector(service.queue_sizes))
+    start_metrics_server(config.metrics_port, config.address, PoolingCollector(service.queue_sizes),
+                         MergedCollector(service.batcher_stats))
 
     def register(server):
         pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(service), server)

@@ -12,6 +12,7 @@ import asyncio
 
 from services.common import auth
 from services.common.message_limits import vision_bytes
+from services.common.metrics import start_metrics_server
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S
 from services.common.paths import default_decoder_dir
 from services.common.server import configure_logging, serve
@@ -20,6 +21,7 @@ from services.vision.encoder import DemoEncoderConfig
 from services.vision.processor import ProcessorConfig, parse_color
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 from services.vision.servicer import VisionServicer
+from services.vision.stats import VisionCollector
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 
 
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--background", default="white",
                         help="colour under transparent pixels: name, #RRGGBB or R,G,B (default %(default)s)")
     auth.add_arguments(parser)
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     return parser
 
 
@@ -93,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
     sections = parse_sections(args.mrope_section or ",".join(map(str, VisionConfig.mrope_section)))
     return VisionConfig(encoder=encoder, processor=processor, address=args.address, mrope_section=sections,
                         decoder=decoder, encoder_cache_bytes=args.encoder_cache_bytes,
-                        wedged_after_s=args.wedged_after_s)
+                        wedged_after_s=args.wedged_after_s, metrics_port=args.metrics_port)
 
 
 def _qwen2_vl_config(args: argparse.Namespace, processor: ProcessorConfig) -> VisionConfig:
@@ -105,7 +109,7 @@ def _qwen2_vl_config(args: argparse.Namespace, processor: ProcessorConfig) -> Vi
     decoder = DecoderGeometry.from_model_dir(args.decoder_model_dir or args.model_dir)
     config = VisionConfig.for_qwen2_vl(encoder, processor, address=args.address, decoder=decoder,
                                        encoder_cache_bytes=args.encoder_cache_bytes,
-                                       wedged_after_s=args.wedged_after_s)
+                                       wedged_after_s=args.wedged_after_s, metrics_port=args.metrics_port)
     if args.mrope_section is not None and parse_sections(args.mrope_section) != config.mrope_section:
         raise ValueError(f"--mrope-section {args.mrope_section} differs from the checkpoint's {config.mrope_section}")
     return config
@@ -113,6 +117,7 @@ def _qwen2_vl_config(args: argparse.Namespace, processor: ProcessorConfig) -> Vi
 
 async def _main(config: VisionConfig) -> None:
     servicer = VisionServicer(config)
+    start_metrics_server(config.metrics_port, config.address, VisionCollector(lambda: servicer._engine))
 
     def register(server):
         vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
+from services.common.metrics import check_metrics_port
 from services.common.server import DEFAULT_PORTS
 from services.vision.encoder import DemoEncoderConfig, decoder_geometry
 from services.vision.processor import ProcessorConfig
@@ -56,6 +57,9 @@ class VisionConfig:
     decoder: DecoderGeometry | None = None
     encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES  # 0 disables the encoder cache
     wedged_after_s: float = DEFAULT_WEDGED_AFTER_S  # encodes waiting, none completed this long -> NOT_SERVING
+    metrics_port: int = field(default=0, metadata={
+        "help": "serve Prometheus /metrics on this port, same host as --address (0: off)",
+        "env": "TESSERA_METRICS_PORT"})
 
     @classmethod
     def for_qwen2_vl(cls, encoder: Qwen2VLEncoderConfig, processor: ProcessorConfig | None = None,
@@ -70,6 +74,7 @@ class VisionConfig:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"address must be host:port with a port in 1..65535, got {self.address!r}")
         check_wedged_after_s(self.wedged_after_s)
+        check_metrics_port(self.metrics_port)
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
         if len(self.mrope_section) != 3 or any(s < 1 for s in self.mrope_section):

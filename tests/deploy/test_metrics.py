@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import urllib.request
@@ -18,6 +19,7 @@ from services.common.metrics import (
     DecoderCollector,
 )
 from services.common.tensor import from_pb
+from tests.deploy.prom import Samples
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import EngineStats
 from services.pooling import __main__ as pooling_main
@@ -29,6 +31,10 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     return {family.name: {s.labels.get("model_name", ""): s.value for s in family.samples}
             for family in text_string_to_metric_families(text)}
+
+
+def samples(url: str) -> Samples:
+    return Samples.parse(urllib.request.urlopen(url, timeout=5).read().decode())
 
 
 def test_decoder_gauges_follow_the_scheduler(decoder_service):
@@ -94,3 +100,83 @@ def test_decoder_collector_reads_engine_stats_and_is_silent_while_loading():
     assert {f.name: [(s.labels, s.value) for s in f.samples] for f in collector.collect()} == {
         DECODER_WAITING: [({"model_name": "m"}, 5)], DECODER_RUNNING: [({"model_name": "m"}, 2)],
         DECODER_KV_USAGE: [({"model_name": "m"}, pytest.approx(0.3))]}
+
+
+DECODER_MODEL = "smollm2-135m-instruct"
+DECODER_NAMES = {  # every family the issue names, with the sample that must be present
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+    "vllm:lora_requests_info", "vllm:cache_config_info",
+    "tessera_adapter_swaps_total", "tessera_adapter_host_cache_hits_total"}
+
+
+def _wait_idle(url: str) -> Samples:
+    deadline = time.monotonic() + 30
+    while True:
+        now = samples(url)
+        idle = now.get(DECODER_RUNNING) == 0 and now.get(DECODER_WAITING) == 0
+        if idle or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+def _generate(stub, prompt: list[int], max_tokens: int, stop_token_ids=()) -> list[int]:
+    request = decoder_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=decoder_pb2.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop_token_ids)))
+    return [t for response in stub.Generate(request, timeout=120) for t in response.token_ids]
+
+
+def test_decoder_counters_and_histograms_count_a_known_workload_exactly(decoder_service):
+    """Four sequential requests of one 40-token prompt (3 of 5 tokens, 1 stopped at its first
+    token), then one aborted stream: vLLM's counters move by exactly the workload's counts."""
+    url = decoder_service.metrics_url
+    prompt = random.Random(time.time_ns()).sample(range(1000, 40000), 40)  # fresh: no cached prefix yet
+    before = _wait_idle(url)
+    assert DECODER_NAMES <= before.sample_names
+    with grpc.insecure_channel(decoder_service.address) as channel:
+        stub = decoder_pb2_grpc.DecoderStub(channel)
+        outputs = [_generate(stub, prompt, 5) for _ in range(3)]
+        assert [len(o) for o in outputs] == [5, 5, 5]
+        assert _generate(stub, prompt, 5, stop_token_ids=[outputs[0][0]]) == [outputs[0][0]]  # greedy: same first
+        after = _wait_idle(url)
+        stream = stub.Generate(decoder_pb2.GenerateRequest(prompt_token_ids=prompt[:7], sampling=decoder_pb2.SamplingParams(
+            max_tokens=400, ignore_eos=True)), timeout=120)
+        next(stream)
+        stream.cancel()
+    aborted = _wait_idle(url)
+
+    model = {"model_name": DECODER_MODEL}
+    assert after.delta(before, "vllm:request_success_total", finished_reason="length", **model) == 3
+    assert after.delta(before, "vllm:request_success_total", finished_reason="stop", **model) == 1
+    assert after.delta(before, "vllm:request_success_total", finished_reason="abort", **model) == 0
+    assert after.delta(before, "vllm:prompt_tokens_total", **model) == 4 * 40
+    assert after.delta(before, "vllm:generation_tokens_total", **model) == 3 * 5 + 1
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                      "vllm:request_queue_time_seconds"):
+        assert after.delta(before, f"{histogram}_count", **model) == 4, histogram
+        assert after.delta(before, f"{histogram}_sum", **model) > 0, histogram
+    assert after.delta(before, "vllm:inter_token_latency_seconds_count", **model) == 3 * 4  # gaps between tokens
+    # prefix cache in tokens, as vLLM counts: each admission queries its 40 tokens; the 2nd..4th
+    # reuse the first's two full 16-token blocks (never the last token's block)
+    assert after.delta(before, "vllm:prefix_cache_queries_total", **model) == 4 * 40
+    assert after.delta(before, "vllm:prefix_cache_hits_total", **model) == 3 * 32
+    assert after.delta(before, "vllm:num_preemptions_total", **model) == 0
+    assert after.get(DECODER_KV_USAGE, **model) == 0.0  # idle: cached blocks no request holds are free
+
+    assert aborted.delta(after, "vllm:request_success_total", finished_reason="abort", **model) == 1
+    assert aborted.delta(after, "vllm:prompt_tokens_total", **model) == 7
+    assert aborted.delta(after, "vllm:e2e_request_latency_seconds_count", **model) == 1
+    assert aborted.get(DECODER_KV_USAGE, **model) == 0.0
+    assert aborted.get(DECODER_RUNNING, **model) == 0.0
+
+    [cache_info] = aborted.labels("vllm:cache_config_info")
+    assert cache_info == {"model_name": DECODER_MODEL, "block_size": "16", "num_gpu_blocks": "64",
+                          "enable_prefix_caching": "True", "cache_dtype": "float32"}
+    [lora_info] = aborted.labels("vllm:lora_requests_info")
+    assert lora_info == {"model_name": DECODER_MODEL, "running_lora_adapters": "", "waiting_lora_adapters": "",
+                         "max_lora": "8"}
+    assert aborted.types["vllm:request_success"] == "counter"
+    assert aborted.types["vllm:time_to_first_token_seconds"] == "histogram"
