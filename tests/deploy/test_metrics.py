@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import random
 import threading
 import time
@@ -9,6 +10,8 @@ import urllib.request
 
 import grpc
 import pytest
+from PIL import Image
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import (
@@ -17,12 +20,21 @@ from services.common.metrics import (
     DECODER_WAITING,
     POOLING_QUEUE,
     DecoderCollector,
+    make_registry,
 )
 from services.common.tensor import from_pb
 from tests.deploy.prom import Samples
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import EngineStats
+from services.gateway import __main__ as gateway_main
+from services.gateway.config import GatewayConfig
 from services.pooling import __main__ as pooling_main
+from services.vision import __main__ as vision_main
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource
+from services.vision.stats import VisionCollector
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, pooling_pb2, pooling_pb2_grpc
 
 
@@ -180,3 +192,68 @@ def test_decoder_counters_and_histograms_count_a_known_workload_exactly(decoder_
                          "max_lora": "8"}
     assert aborted.types["vllm:request_success"] == "counter"
     assert aborted.types["vllm:time_to_first_token_seconds"] == "histogram"
+
+
+POOLING_HISTOGRAMS = ("tessera_pooling_batch_size", "tessera_pooling_batch_tokens",
+                      "tessera_pooling_request_queue_duration_seconds",
+                      "tessera_pooling_batch_inference_duration_seconds", "tessera_pooling_request_duration_seconds")
+
+
+def test_pooling_histograms_count_a_known_workload(pooling_service):
+    """Two Embed requests of 3 and 5 texts: 2 request durations, 8 queue waits, and batches whose
+    sizes and (unpadded) tokens add up to the 8 texts and their token counts."""
+    url = pooling_service.metrics_url
+    texts = [f"metrics sentence {i} " + "with words " * i for i in range(8)]
+    model = {"model_name": "all-minilm-l6-v2"}
+    with grpc.insecure_channel(pooling_service.address) as channel:
+        stub = pooling_pb2_grpc.PoolingStub(channel)
+        num_tokens = sum(len(r.tokens) for r in stub.Tokenize(pooling_pb2.TokenizeRequest(inputs=texts)).results)
+        before = samples(url)
+        assert {f"{name}_count" for name in POOLING_HISTOGRAMS} <= before.sample_names
+        stub.Embed(pooling_pb2.EmbedRequest(inputs=texts[:3]), timeout=60)
+        stub.Embed(pooling_pb2.EmbedRequest(inputs=texts[3:]), timeout=60)
+    after = samples(url)
+    assert after.delta(before, "tessera_pooling_request_duration_seconds_count", **model) == 2
+    assert after.delta(before, "tessera_pooling_request_queue_duration_seconds_count", **model) == 8
+    assert after.delta(before, "tessera_pooling_batch_size_sum", **model) == 8
+    assert after.delta(before, "tessera_pooling_batch_tokens_sum", **model) == num_tokens
+    num_batches = after.delta(before, "tessera_pooling_batch_size_count", **model)
+    assert num_batches >= 2  # sequential requests never share a forward
+    assert after.delta(before, "tessera_pooling_batch_tokens_count", **model) == num_batches
+    assert after.delta(before, "tessera_pooling_batch_inference_duration_seconds_count", **model) == num_batches
+    assert after.get(POOLING_QUEUE, **model) == 0
+
+
+def _png(color: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (40, 30), color).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_vision_cache_counters_and_encode_seconds():
+    """Three images, one of them twice in a second request: 4 lookups, 1 hit, 3 misses, 3 images
+    encoded in 2 encoder forwards."""
+    engine = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=64)))
+    registry = make_registry(VisionCollector(lambda: engine))
+    red, green, blue = (ImageSource(data=_png(c)) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255)))
+    first = engine.encode(engine.process([red, green]))
+    second = engine.encode(engine.process([red, blue]))
+    row_bytes = sum(image.rows.numel() * image.rows.element_size() for image in [*first, second[1]])
+    scraped = Samples.parse(generate_latest(registry).decode())
+    model = {"model_name": engine.encoder.name}
+    assert scraped.get("tessera_vision_encoder_cache_hits_total", **model) == 1
+    assert scraped.get("tessera_vision_encoder_cache_misses_total", **model) == 3
+    assert scraped.get("tessera_vision_images_encoded_total", **model) == 3
+    assert scraped.get("tessera_vision_encode_seconds_count", **model) == 2
+    assert scraped.get("tessera_vision_encoder_cache_bytes", **model) == row_bytes > 0
+    assert Samples.parse(generate_latest(make_registry(VisionCollector(lambda: None))).decode()).get(
+        "tessera_vision_encoder_cache_hits_total") == 0  # loading: no samples
+
+
+def test_every_service_takes_metrics_port():
+    assert vision_main.parse_args(["--metrics-port", "9091", "--output-width", "64"]).metrics_port == 9091
+    assert gateway_main.parse_args(["--metrics-port", "9092"]).metrics_port == 9092
+    with pytest.raises(SystemExit):
+        vision_main.parse_args(["--metrics-port", "70000", "--output-width", "64"])
+    with pytest.raises(ValueError, match="metrics_port must be 0 .* got -1"):
+        GatewayConfig(metrics_port=-1)
