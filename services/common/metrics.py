@@ -145,8 +145,9 @@ class DownstreamMetrics:
                                  ["service", "replica", "method"], buckets=DOWNSTREAM_BUCKETS, registry=None)
         self._pending: set[asyncio.Task] = set()
 
-    def interceptor(self, address: str) -> grpc.aio.ClientInterceptor:
-        return _DownstreamInterceptor(self, address)
+    def interceptors(self, address: str) -> list[grpc.aio.ClientInterceptor]:
+        """Interceptors recording every call on a channel to `address` (one per RPC kind)."""
+        return [kind(self, address) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
     async def record(self, call, address: str, method: str, started: float) -> None:
         service, _, name = method.strip("/").rpartition("/")
@@ -163,8 +164,7 @@ class DownstreamMetrics:
         yield from self.seconds.collect()
 
 
-class _DownstreamInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                             grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+class _DownstreamInterceptor:
     def __init__(self, metrics: DownstreamMetrics, address: str) -> None:
         self.metrics, self.address = metrics, address
 
@@ -177,8 +177,22 @@ class _DownstreamInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.Unar
         task.add_done_callback(self.metrics._pending.discard)
         return call
 
-    intercept_unary_unary = intercept_unary_stream = _intercept
-    intercept_stream_unary = intercept_stream_stream = _intercept
+
+# grpc.aio files an interceptor under the first of the four kinds it is an instance of: one class each
+class _UnaryUnary(_DownstreamInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _DownstreamInterceptor._intercept
+
+
+class _UnaryStream(_DownstreamInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _DownstreamInterceptor._intercept
+
+
+class _StreamUnary(_DownstreamInterceptor, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _DownstreamInterceptor._intercept
+
+
+class _StreamStream(_DownstreamInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _DownstreamInterceptor._intercept
 
 
 _downstream: DownstreamMetrics | None = None
@@ -195,4 +209,4 @@ def record_downstream() -> DownstreamMetrics:
 
 def client_interceptors(address: str) -> list[grpc.aio.ClientInterceptor]:
     """The downstream-metrics interceptor for a channel to `address`, once `record_downstream()` ran."""
-    return [] if _downstream is None else [_downstream.interceptor(address)]
+    return [] if _downstream is None else _downstream.interceptors(address)
