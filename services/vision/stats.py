@@ -28,18 +28,20 @@ ENCODE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 
 
 class VisionStats:
-    """The encode-time histogram of one vision engine."""
+    """The encode-time histogram of one vision engine, whose encoder is `model_name`."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, model_name: str, clock=time.monotonic) -> None:
         self.clock = clock
-        self.encode_seconds = Histogram("tessera_vision_encode_seconds", "Seconds of one encoder forward.",
-                                        ["model_name"], buckets=ENCODE_BUCKETS, registry=None)
+        histogram = Histogram("tessera_vision_encode_seconds", "Seconds of one encoder forward.",
+                              ["model_name"], buckets=ENCODE_BUCKETS, registry=None)
+        self.encode_seconds = histogram
+        self._observe = histogram.labels(model_name).observe  # the series exists, at zero, from the start
 
-    def timed(self, model_name: str, encode: Callable[..., T], *args) -> T:
-        """`encode(*args)`, its seconds observed under `model_name` (not when it raises)."""
+    def timed(self, encode: Callable[..., T], *args) -> T:
+        """`encode(*args)`, its seconds observed (not when it raises)."""
         started = self.clock()
         result = encode(*args)
-        self.encode_seconds.labels(model_name).observe(self.clock() - started)
+        self._observe(self.clock() - started)
         return result
 
 

@@ -22,7 +22,6 @@ from services.common.metrics import (
     DecoderCollector,
     make_registry,
 )
-from services.common.launch import ServiceProcess, free_port
 from services.common.tensor import from_pb
 from tests.deploy.prom import Samples
 from services.decoder.config import DecoderConfig
@@ -260,38 +259,35 @@ def test_every_service_takes_metrics_port():
         GatewayConfig(metrics_port=-1)
 
 
-def test_gateway_counts_downstream_calls_by_status_and_reports_replicas_up_and_down(decoder_service,
-                                                                                    pooling_service):
-    """A gateway over the decoder and a second decoder address nobody serves: the live replica is
-    up, the dead one down; its Embed and Generate calls are counted per downstream by status."""
-    port, dead = free_port(), f"127.0.0.1:{free_port()}"
-    args = ["--decoder", f"ipv4:{decoder_service.address},{dead}", "--pooling", pooling_service.address,
-            "--adapters", f"127.0.0.1:{free_port()}", "--vision", "", "--metrics-port", str(port)]
-    url = f"http://127.0.0.1:{port}/metrics"
-    with ServiceProcess("services.gateway", args) as gateway, grpc.insecure_channel(gateway.address) as channel:
+def test_gateway_counts_downstream_calls_by_status_and_reports_replicas_up_and_down(
+        decoder_service, pooling_service, gateway_service):
+    """The live decoder replica is up, the dead one down; Embed and Generate calls through the
+    gateway are counted per downstream by status, and timed."""
+    pooled = {"service": "pooling", "replica": pooling_service.address, "method": "Embed"}
+    generated = {"service": "decoder", "replica": decoder_service.address, "method": "Generate"}
+    name, seconds = "tessera_gateway_downstream_requests_total", "tessera_gateway_downstream_request_duration_seconds"
+    before = samples(gateway_service.metrics_url)
+    with grpc.insecure_channel(gateway_service.address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         for _ in range(2):
             stub.Embed(pooling_pb2.EmbedRequest(inputs=["a sentence"]), timeout=60)
-        with pytest.raises(grpc.RpcError) as refused:  # the pooler's own INVALID_ARGUMENT, relayed
+        with pytest.raises(grpc.RpcError) as refused:  # the pooler's own answer, relayed
             stub.Embed(pooling_pb2.EmbedRequest(inputs=["x"], model="no-such-model"), timeout=60)
         request = decoder_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=decoder_pb2.SamplingParams(
             max_tokens=3, ignore_eos=True))
         assert sum(len(r.token_ids) for r in stub.Generate(request, timeout=120)) == 3
-        deadline = time.monotonic() + 10
-        while True:  # each call is recorded when its status arrives, just after the client has it
-            scraped = samples(url)
-            pooled = {"service": "pooling", "replica": pooling_service.address, "method": "Embed"}
-            generated = {"service": "decoder", "replica": decoder_service.address, "method": "Generate"}
-            counts = (scraped.get("tessera_gateway_downstream_requests_total", code="OK", **pooled),
-                      scraped.get("tessera_gateway_downstream_requests_total", code=refused.value.code().name,
-                                  **pooled),
-                      scraped.get("tessera_gateway_downstream_requests_total", code="OK", **generated))
-            if counts == (2, 1, 1) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert counts == (2, 1, 1), scraped.labels("tessera_gateway_downstream_requests_total")
-    assert scraped.get("tessera_gateway_downstream_request_duration_seconds_count", **pooled) == 3
-    assert scraped.get("tessera_gateway_downstream_request_duration_seconds_count", **generated) == 1
-    assert scraped.get("tessera_gateway_replica_up", service="decoder", replica=decoder_service.address) == 1
-    assert scraped.get("tessera_gateway_replica_up", service="decoder", replica=dead) == 0
-    assert scraped.get("tessera_gateway_replica_up", service="pooling", replica=pooling_service.address) == 1
+    code = refused.value.code().name
+    deadline = time.monotonic() + 10
+    while True:  # each call is recorded when its status arrives, just after the client has it
+        after = samples(gateway_service.metrics_url)
+        counts = (after.delta(before, name, code="OK", **pooled), after.delta(before, name, code=code, **pooled),
+                  after.delta(before, name, code="OK", **generated))
+        if counts == (2, 1, 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert counts == (2, 1, 1), after.labels(name)
+    assert after.delta(before, f"{seconds}_count", **pooled) == 3
+    assert after.delta(before, f"{seconds}_count", **generated) == 1
+    assert after.get("tessera_gateway_replica_up", service="decoder", replica=decoder_service.address) == 1
+    assert after.get("tessera_gateway_replica_up", service="decoder", replica=gateway_service.dead_decoder) == 0
+    assert after.get("tessera_gateway_replica_up", service="pooling", replica=pooling_service.address) == 1
