@@ -12,6 +12,7 @@ from services.adapters.servicer import register
 from services.adapters.service import RegistryService
 from services.common import auth
 from services.common.message_limits import REGISTRY_BYTES
+from services.common.metrics import start_metrics_server
 from services.common.limits import flag
 from services.common.paths import default_adapter_root
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
@@ -27,6 +28,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
     parser.add_argument("--base-model-dir", default=None, help="validate targets against this model's config.json")
     parser.add_argument("--max-rank", type=int, default=64)
     auth.add_arguments(parser)
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus /metrics on this port, same host as --address (default 0: off)")
     defaults = RegistryConfig.__dataclass_fields__
     for name, help_text in (("max_path_chars", "characters of LoadAdapter's path"),
                             ("max_name_chars", "characters of a name, digest or decoder id"),
@@ -36,7 +39,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
     args = parser.parse_args(argv)
     kwargs = {"db_path": args.db, "admin_token": args.admin_token, "base_model_dir": args.base_model_dir,
               "max_rank": args.max_rank, "max_path_chars": args.max_path_chars,
-              "max_name_chars": args.max_name_chars, "max_report_entries": args.max_report_entries}
+              "max_name_chars": args.max_name_chars, "max_report_entries": args.max_report_entries,
+              "metrics_port": args.metrics_port}
     if args.root:
         kwargs["root"] = args.root
     try:
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     auth.configure_security(argv)
     configure_logging()
     registry = RegistryService(config)
+    start_metrics_server(config.metrics_port, address)
 
     async def stop() -> None:
         registry.close()

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.metrics import check_metrics_port
 from services.common.paths import default_adapter_root
 
 ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
@@ -48,8 +49,12 @@ class RegistryConfig:
     max_path_chars: int = 4096
     max_name_chars: int = 256
     max_report_entries: int = 4096
+    metrics_port: int = field(default=0, metadata={
+        "help": "serve Prometheus /metrics (process gauges) on this port, same host as --address (0: off)",
+        "env": "TESSERA_METRICS_PORT"})
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         self.root = Path(self.root).expanduser()
         if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"adapter root {self.root} exists and is not a directory")

@@ -26,6 +26,7 @@ from services.common.tensor import from_pb
 from tests.deploy.prom import Samples
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import EngineStats
+from services.adapters import __main__ as adapters_main
 from services.gateway import __main__ as gateway_main
 from services.gateway.config import GatewayConfig
 from services.pooling import __main__ as pooling_main
@@ -253,6 +254,7 @@ def test_vision_cache_counters_and_encode_seconds():
 def test_every_service_takes_metrics_port():
     assert vision_main.parse_args(["--metrics-port", "9091", "--output-width", "64"]).metrics_port == 9091
     assert gateway_main.parse_args(["--metrics-port", "9092"]).metrics_port == 9092
+    assert adapters_main.parse_config(["--metrics-port", "9093"])[1].metrics_port == 9093
     with pytest.raises(SystemExit):
         vision_main.parse_args(["--metrics-port", "70000", "--output-width", "64"])
     with pytest.raises(ValueError, match="metrics_port must be 0 .* got -1"):
