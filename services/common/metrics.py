@@ -1,10 +1,13 @@
-"""Prometheus metrics over HTTP: queue depth and KV usage, the signals an autoscaler scales on.
+"""Prometheus metrics over HTTP: the pieces every service shares.
 
-`--metrics-port N` (decoder, pooling; 0 = off, the default) serves prometheus-client's text format
-at `http://HOST:N/metrics`, HOST being the host of the service's `--address`. Gauges are read from
-the running service when Prometheus scrapes (custom collectors), so serving requests costs nothing
-extra. The decoder's names and meanings are vLLM's, so dashboards, alerts and autoscaling rules
-written for vLLM read a tessera decoder unchanged:
+`--metrics-port N` (every service; 0 = off, the default) serves prometheus-client's text format at
+`http://HOST:N/metrics`, HOST being the host of the service's `--address`, from a registry of the
+service's own (`make_registry`). Gauges are read from the running service when Prometheus scrapes
+(custom collectors); request metrics come from each service's stats object (services/decoder/
+stats.py, services/pooling/stats.py, services/vision/stats.py) and, for the gateway, from the
+downstream-call interceptors below (services/gateway/metrics.py). The decoder's names and meanings
+are vLLM's, so dashboards, alerts and autoscaling rules written for vLLM read a tessera decoder
+unchanged; the scheduler gauges:
 
     vllm:num_requests_waiting{model_name}   requests queued, not yet scheduled
     vllm:num_requests_running{model_name}   requests holding KV blocks in the running batch
