@@ -55,8 +55,7 @@ class AdapterClient:
         self.num_weight_fetches = 0                # weight downloads from the registry
         self._fetching: dict[tuple[str, str], asyncio.Task] = {}  # (name, digest) -> the fetch in flight
         self.num_slot_waits = 0                    # admissions that waited for a leased slot to free
-        self.num_swaps = 0                         # adapters loaded into a bank slot (swap-ins)
-        self.num_host_cache_hits = 0               # swap-ins whose weights came from the host cache
+        self.num_host_cache_hits = 0               # weight lookups the host cache answered
         self.slot_wait_poll_s = slot_wait_poll_s
 
     async def acquire(self, name: str) -> int:
@@ -89,7 +88,6 @@ class AdapterClient:
             self._check_drain(name, digest)
             slot = self.bank.load_and_acquire(weights, name)  # no await since the drain check (see _lease)
             if slot is not None:
-                self.num_swaps += 1
                 return slot
             await self._wait_for_slot(name)
 

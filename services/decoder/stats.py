@@ -123,6 +123,8 @@ class DecoderStats(Collector):
         """`request` left the engine with `reason` (stop, length, abort)."""
         timing = self._timings.pop(request.key, None)
         self.request_success.labels(self.model_name, reason).inc()
+        if not self._timings:  # idle: no step will run to say that no adapter is in use any more
+            self.lora = LoraSnapshot(updated_s=time.time())
         if timing is not None:
             self.e2e.labels(self.model_name).observe(self.clock() - timing.arrival_s)
 
@@ -143,10 +145,10 @@ class EngineCollector(Collector):
                                                         value: wall-clock time of the last update
         vllm:cache_config_info{block_size, num_gpu_blocks, enable_prefix_caching, cache_dtype}  1
         tessera_adapter_swaps_total                     adapters loaded into a bank slot
-        tessera_adapter_host_cache_hits_total           swap-ins served from the host-memory tier
+        tessera_adapter_host_cache_hits_total           adapter weights found in the host-memory tier
         tessera_adapter_weight_fetches_total            weight downloads from the adapter registry
 
-    `engine` returns the running `LLMEngine` (its `config`, `metrics`, `block_manager`, `adapters`).
+    `engine` returns the running `LLMEngine` (its `config`, `metrics`, `block_manager`, `bank`, `adapters`).
     """
 
     def __init__(self, model_name: str, engine: Callable[[], object | None]) -> None:
@@ -162,8 +164,8 @@ class EngineCollector(Collector):
         for metric, doc, value in (
                 ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", prefix.num_query_tokens),
                 ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", prefix.num_hit_tokens),
-                ("tessera_adapter_swaps", "Adapters loaded into a device slot.", adapters.num_swaps),
-                ("tessera_adapter_host_cache_hits", "Adapter swap-ins from the host-memory tier.",
+                ("tessera_adapter_swaps", "Adapters written into a device slot.", engine.bank.num_swaps),
+                ("tessera_adapter_host_cache_hits", "Adapter weights found in the host-memory tier.",
                  adapters.num_host_cache_hits),
                 ("tessera_adapter_weight_fetches", "Adapter weight downloads from the registry.",
                  adapters.num_weight_fetches)):
