@@ -59,6 +59,11 @@ def registry(servicer) -> CollectorRegistry:
 
 
 def asgi_app(servicer):
-    """An ASGI app answering GET with the Prometheus text of `registry(servicer)`; mount it at
-    /metrics on the gateway's HTTP app (FastAPI: `app.mount("/metrics", asgi_app(servicer))`)."""
+    """An ASGI app answering GET with the Prometheus text of `registry(servicer)`.
+
+    FastAPI/Starlette: `app.mount("/metrics", asgi_app(servicer))` serves `/metrics/` (and
+    redirects `/metrics` there, which Prometheus follows); for `/metrics` itself add a route that
+    returns `Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)` with `reg =
+    registry(servicer)` (prometheus_client). Either way `record_downstream()` must have run before
+    the servicer opened its channels (`python -m services.gateway` does so first)."""
     return make_asgi_app(registry(servicer))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import random
 import threading
@@ -22,6 +23,7 @@ from services.common.metrics import (
     DecoderCollector,
     make_registry,
 )
+from services.common.launch import free_port
 from services.common.tensor import from_pb
 from tests.deploy.prom import Samples
 from services.decoder.config import DecoderConfig
@@ -293,3 +295,24 @@ def test_gateway_counts_downstream_calls_by_status_and_reports_replicas_up_and_d
     assert after.get("tessera_gateway_replica_up", service="decoder", replica=decoder_service.address) == 1
     assert after.get("tessera_gateway_replica_up", service="decoder", replica=gateway_service.dead_decoder) == 0
     assert after.get("tessera_gateway_replica_up", service="pooling", replica=pooling_service.address) == 1
+
+
+def test_gateway_metrics_app_serves_on_an_asgi_http_app():
+    """`services.gateway.metrics.asgi_app`, mounted on a FastAPI app as the gateway's HTTP port does."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from services.gateway.metrics import asgi_app
+    from services.gateway.servicer import GatewayServicer
+
+    async def build() -> GatewayServicer:  # its channels belong to a loop
+        return GatewayServicer(GatewayConfig(decoder=f"127.0.0.1:{free_port()}"))
+
+    servicer = asyncio.run(build())
+    app = FastAPI()
+    app.mount("/metrics", asgi_app(servicer))
+    reply = TestClient(app).get("/metrics/")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    scraped = Samples.parse(reply.text)
+    assert scraped.get("tessera_gateway_replica_up", service="decoder", replica=servicer.config.decoder) == 0
+    assert "process_resident_memory_bytes" in scraped.sample_names
