@@ -12,6 +12,7 @@ from services.adapters.engine import AdapterRegistry
 from services.common import auth
 from services.common.message_limits import REGISTRY_BYTES
 from services.common.config_cli import add_flags, from_flags
+from services.common.metrics import start_metrics_server
 from services.common.server import configure_logging, serve
 
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     auth.configure_security(argv)
     configure_logging()
     registry = AdapterRegistry(config)
+    start_metrics_server(config.metrics_port, address)
 
     async def stop() -> None:
         registry.close()

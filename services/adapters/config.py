@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.metrics import check_metrics_port
 from services.common.paths import default_adapter_root
 from services.common.server import default_address
 
@@ -55,8 +56,12 @@ class RegistryConfig:
     max_name_chars: int = field(default=256, metadata={"help": "characters of a name, digest or decoder id"})
     max_report_entries: int = field(default=4096, metadata={"help": "entries of each list of a ResidencyReport"})
     address: str = field(default=default_address("adapters"), metadata={"help": "bind host:port"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "serve Prometheus /metrics (process gauges) on this port, same host as --address (0: off)",
+        "env": "TESSERA_METRICS_PORT"})
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         self.root = Path(self.root).expanduser()
         if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"adapter root {self.root} exists and is not a directory")

@@ -190,9 +190,11 @@ def _adapters(args) -> int:
 
 def _info(args) -> int:
     from services.cli import client
+    from services.cli.up import metrics_table
 
     with client.connect(args.address) as c:
         client.info(c)
+        print(metrics_table(args.address), end="")  # the metrics URLs of a cluster this machine's `tessera up` runs
     return 0
 
 

@@ -12,7 +12,9 @@ Replicas (`num_decoders`, `num_poolers`) are processes of their own, named `deco
 ...: the first replica of each keeps the service's usual port (base + PORT_OFFSETS), the others
 take the ports after the five, decoders' first, then poolers'. The gateway gets the same kind of
 target a Kubernetes or compose deployment gives it, an `ipv4:a:p,b:p` list of every replica
-(services/gateway/replicas.py), and balances over them itself.
+(services/gateway/replicas.py), and balances over them itself. Every process also serves
+Prometheus /metrics on its gRPC port + METRICS_PORT_OFFSET (`--metrics-port`); `up` prints them and
+writes `<log dir>/endpoints.json`, which `tessera info` lists.
 
 Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
 0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
@@ -51,6 +53,8 @@ RESTART_WINDOW_S = 60.0
 UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> killed and restarted
 PORT_OFFSETS = {service: port - DEFAULT_PORTS["gateway"] for service, port in DEFAULT_PORTS.items()}
 REPLICATED = ("decoder", "pooling")
+METRICS_PORT_OFFSET = 100  # a process's Prometheus port: its gRPC port + this
+ENDPOINTS_FILE = "endpoints.json"
 
 
 def service_of(instance: str) -> str:
@@ -81,8 +85,9 @@ class ClusterSpec:
         for name in ("num_decoders", "num_poolers"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ValueError(f"{name} must be in 1..64, got {getattr(self, name)}")
-        if not 1 <= self.base_port <= 65535 - self.num_ports:
-            raise ValueError(f"base_port must leave room for {self.num_ports} ports below 65536, got {self.base_port}")
+        if not 1 <= self.base_port <= 65535 - self.num_ports - METRICS_PORT_OFFSET:
+            raise ValueError(f"base_port must leave room for {self.num_ports} ports and their metrics ports "
+                             f"(+{METRICS_PORT_OFFSET}) below 65536, got {self.base_port}")
         if self.num_decoders + self.num_poolers > 2:
             try:
                 ipaddress.ip_address(self.host)
@@ -110,6 +115,11 @@ class ClusterSpec:
             return f"{self.host}:{self.base_port + PORT_OFFSETS[service]}"
         index = int(number) - 2 + (self.num_decoders - 1 if service == "pooling" else 0)
         return f"{self.host}:{self.base_port + len(SERVICES) + index}"
+
+    def metrics_url(self, instance: str) -> str:
+        """Where a service or replica serves Prometheus /metrics (its gRPC port + METRICS_PORT_OFFSET)."""
+        host, _, port = self.address(instance).rpartition(":")
+        return f"http://{host}:{int(port) + METRICS_PORT_OFFSET}/metrics"
 
     def target(self, service: str) -> str:
         """The gateway's target for every replica of `service` (one address, or an ipv4:/ipv6: list)."""
@@ -147,8 +157,9 @@ class ClusterSpec:
                         "--adapters", a("adapters"),
                         "--vision", a("vision") if self.vision else "", "--http-port", str(self.http_port)],
         }[service]
+        metrics_port = int(a(instance).rpartition(":")[2]) + METRICS_PORT_OFFSET
         return [sys.executable, "-m", f"services.{service}", "--address", a(instance), *args,
-                *self.extra_args.get(service, [])]
+                "--metrics-port", str(metrics_port), *self.extra_args.get(service, [])]
 
     def environment(self, instance: str) -> dict[str, str]:
         """Environment overrides of a process: replicas of one service share the CPUs (each gets
@@ -177,6 +188,7 @@ class Cluster:
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
         if self.spec.internal_auth:
             self.token_file = auth.write_token_file(self.spec.log_dir)
+        write_endpoints(self.spec)
         try:
             for service in self.spec.services():
                 self._spawn(service)
@@ -259,7 +271,7 @@ def run_until_signalled(spec: ClusterSpec) -> int:
     print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)
     cluster.start()
     for service in spec.services():
-        print(f"  {service:<9} {spec.address(service)}  SERVING", flush=True)
+        print(f"  {service:<9} {spec.address(service)}  SERVING  metrics {spec.metrics_url(service)}", flush=True)
     http = f", HTTP at http://{spec.host}:{spec.http_port}" if spec.http_port else ""
     print(f"tessera is up: gateway at {spec.address('gateway')}{http} (Ctrl-C to stop)", flush=True)
     policy = RestartPolicy()
@@ -341,6 +353,27 @@ def _kill(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.kill()
     process.wait()
+
+
+def write_endpoints(spec: ClusterSpec) -> None:
+    """`<log dir>/endpoints.json`: the gateway's address and each process's gRPC address and metrics URL."""
+    endpoints = {"gateway": spec.address("gateway"),
+                 "services": {name: {"address": spec.address(name), "metrics": spec.metrics_url(name)}
+                              for name in spec.services()}}
+    (spec.log_dir / ENDPOINTS_FILE).write_text(json.dumps(endpoints, indent=2) + "\n")
+
+
+def metrics_table(gateway_address: str, log_dir: Path | None = None) -> str:
+    """The metrics URLs `tessera up` wrote for the cluster whose gateway is `gateway_address`
+    (one line per process), or "" when the last local `up` served another gateway or none."""
+    path = (log_dir or tessera_home() / "logs") / ENDPOINTS_FILE
+    try:
+        endpoints = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    if endpoints.get("gateway") != gateway_address:
+        return ""
+    return "".join(f"{'metrics':<8} {name:<10} {entry['metrics']}\n" for name, entry in endpoints["services"].items())
 
 
 def parse_extra(values: list[str]) -> dict[str, list[str]]:

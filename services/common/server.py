@@ -21,7 +21,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import auth
+from services.common import auth, metrics
 from services.common.errors import InvalidArgument, status_of
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def insecure_channel(address: str, extra_options: Sequence[tuple[str, object]] =
     """A client channel to another service: the servers' message limits, `extra_options` (e.g. a
     service config), and the cluster's internal token on every call when this process has one."""
     return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *extra_options],
-                                     interceptors=auth.client_interceptors())
+                                     interceptors=[*auth.client_interceptors(), *metrics.client_interceptors(address)])
 
 
 def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.ServerCredentials | None = None) -> None:

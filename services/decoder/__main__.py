@@ -15,6 +15,7 @@ from services.common.server import configure_logging, serve
 from services.decoder.config import DecoderConfig, read_model_config
 from services.decoder.model_qwen2_vl import text_config
 from services.decoder.servicer import DecoderServicer
+from services.decoder.stats import EngineCollector
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 
 
@@ -37,8 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     auth.configure_security(argv)
     configure_logging()
     servicer = DecoderServicer(config)
+    name = Path(config.model_dir).name
     start_metrics_server(config.metrics_port, address, DecoderCollector(
-        Path(config.model_dir).name, lambda: servicer.engine.stats() if servicer.engine is not None else None))
+        name, lambda: servicer.engine.stats() if servicer.engine is not None else None),
+        EngineCollector(name, lambda: servicer.engine))
 
     def register(server):
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)

@@ -56,6 +56,7 @@ class AdapterClient:
         self.num_weight_fetches = 0                # weight downloads from the registry
         self._fetching: dict[tuple[str, str], asyncio.Task] = {}  # (name, digest) -> the fetch in flight
         self.num_slot_waits = 0                    # admissions that waited for a leased slot to free
+        self.num_host_cache_hits = 0               # weight lookups the host cache answered
         self.slot_wait_poll_s = slot_wait_poll_s
 
     async def acquire(self, name: str) -> int:
@@ -111,6 +112,7 @@ class AdapterClient:
         concurrent admissions of one name and digest share a single fetch."""
         cached = self.host_cache.get(digest)
         if cached is not None:
+            self.num_host_cache_hits += 1
             return cached
         key = (name, digest)  # by name too: a fetch returns what its name means by then (a replace)
         task = self._fetching.get(key)

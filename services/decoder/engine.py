@@ -44,6 +44,7 @@ from services.decoder.prefix_cache import BlockHasher
 from services.decoder.request import Request, RequestOutput, RequestStatus, Usage
 from services.decoder.sampler import Sample, make_generator
 from services.decoder.scheduler import Scheduler
+from services.decoder.stats import DecoderStats
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class LLMEngine:
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine thread only
         self._stopped = False
         self.liveness = Liveness("the decoder engine", config.wedged_after_s)
+        self.metrics = DecoderStats(Path(config.model_dir).name)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(num_threads or torch.get_num_threads(),),
@@ -177,6 +179,7 @@ class LLMEngine:
             with self._cond:
                 self.liveness.raise_if_dead()  # under the lock: a dying engine fails what it holds, or we see it
                 self.scheduler.add(*requests)
+                self.metrics.on_arrival(requests)
                 for request in requests:
                     self._requests[request.key] = request
                     self._streams[request.key] = _Stream(loop, queue, IncrementalDetokenizer(
@@ -297,6 +300,7 @@ class LLMEngine:
             with self._cond:
                 self._process_aborts()
                 out = self.scheduler.schedule()
+                self.metrics.on_schedule(out, self.scheduler)
         except Exception as error:  # noqa: BLE001 - fail what scheduling was working on, keep serving
             log.exception("engine step failed while scheduling")
             with self._cond:
@@ -361,6 +365,7 @@ class LLMEngine:
     def _append_token(self, request: Request, sample: Sample) -> None:
         token = sample.token_id
         request.output_token_ids.append(token)
+        self.metrics.on_token(request)
         stream = self._streams[request.key]
         params = request.sampling
         reason = None
@@ -391,6 +396,7 @@ class LLMEngine:
     def _retire(self, request: Request, reason: str) -> _Stream:
         """Take `request` out of the engine (its queue, blocks and adapter lease); returns its stream."""
         self.scheduler.finish(request, reason)
+        self.metrics.on_finish(request, reason)
         if request.lora_slot is not None:
             self.bank.release(request.lora_slot, request.lora_name)
         self._requests.pop(request.key, None)

@@ -63,6 +63,7 @@ class AdapterBank:
         self.backend = backend or TorchLoRABackend()
         self._batch: LoRABatch | None = None  # this step's row permutation / segments
         self._waiters: list[Callable[[], None]] = []  # admissions waiting for a slot to free
+        self.num_swaps = 0  # adapters written into a slot (swap-ins)
 
     def slot_of(self, digest: str) -> int | None:
         with self.lock:
@@ -165,6 +166,7 @@ class AdapterBank:
                 self._a[name][slot, :rank] = a.to(self.dtype)
                 self._b[name][slot, :, :rank] = b.to(self.dtype)
             self._digests[slot] = weights.digest
+            self.num_swaps += 1
             self._idle[slot] = None
             return slot
 

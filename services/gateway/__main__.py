@@ -10,7 +10,9 @@ from services.common.memory import unmap_large_buffers
 from services.common.message_limits import gateway_bytes, pooling_bytes
 from services.common.config_cli import add_flags, from_flags
 from services.common.limits import GenerateLimits, PoolingLimits
+from services.common.metrics import record_downstream, start_metrics_server
 from services.common.server import configure_logging, serve
+from services.gateway import metrics as gateway_metrics
 from services.gateway.config import GatewayConfig
 from services.gateway.http import http_server
 from services.gateway.servicer import GatewayServicer
@@ -37,12 +39,15 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 
 
 async def _main(config: GatewayConfig, security: auth.Security) -> None:
+    record_downstream()  # before the servicer opens its channels
     servicer = GatewayServicer(config)
     max_receive_bytes = max(gateway_bytes(config.limits.max_images),
                             pooling_bytes(config.pooling_limits.max_request_chars,
                                           config.pooling_limits.max_request_token_ids))
     try:
-        http = http_server(config, max_receive_bytes, security.tls_cert_file) if config.http_port else None
+        http = (http_server(config, max_receive_bytes, security.tls_cert_file,
+                            extra_routes={"/metrics": gateway_metrics.asgi_app(servicer)})
+                if config.http_port else None)
     except ValueError as error:
         raise SystemExit(str(error)) from None
 
@@ -55,6 +60,8 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         if http is not None:
             await http.stop()
         await servicer.close()
+
+    start_metrics_server(config.metrics_port, config.address, *gateway_metrics.collectors(servicer))
 
     def register(server):
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)

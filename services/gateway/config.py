@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.limits import GenerateLimits, PoolingLimits
+from services.common.metrics import check_metrics_port
 from services.common.server import default_address
 from services.gateway.replicas import parse_target
 
@@ -49,6 +50,9 @@ class GatewayConfig:
         "help": "file of API keys, one a line: HTTP inference routes then need Authorization: Bearer <key> "
                 "(empty = no keys)",
         "env": "TESSERA_API_KEY_FILE"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "also serve Prometheus /metrics on this port, same host as --address (0: off; the HTTP port "
+                "serves them at /metrics)", "env": "TESSERA_METRICS_PORT"})
 
     def __post_init__(self) -> None:
         for name in ("address", "adapters"):
@@ -62,5 +66,6 @@ class GatewayConfig:
             _check_address("vision", self.vision)
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in 0..65535 (0 = off), got {self.http_port}")
+        check_metrics_port(self.metrics_port)
         if self.max_path_chars < 1:
             raise ValueError(f"max_path_chars must be >= 1, got {self.max_path_chars}")

@@ -7,7 +7,7 @@ import asyncio
 
 from services.common import auth
 from services.common.message_limits import pooling_bytes
-from services.common.metrics import PoolingCollector, start_metrics_server
+from services.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
 from services.common.config_cli import add_flags, from_flags
 from services.common.server import configure_logging, serve
 from services.pooling.config import ModelFlags, PoolingConfig
@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
 
 async def _main(config: PoolingConfig) -> None:
     engine = PoolingEngine(config)
-    start_metrics_server(config.metrics_port, config.address, PoolingCollector(engine.queue_sizes))
+    start_metrics_server(config.metrics_port, config.address, PoolingCollector(engine.queue_sizes),
+                         MergedCollector(engine.batcher_stats))
 
     def register(server):
         pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(engine), server)

@@ -37,6 +37,7 @@ import torch
 from services.common.compute import ComputeThread
 from services.common.errors import ResourceExhausted
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, Liveness
+from services.pooling.stats import BatcherStats
 from services.pooling.tokens import Sequence
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class DynamicBatcher:
         self._batch: list[_Pending] = []  # in the forward now
         self._num_computing = 0             # sequences in a forward now, either mode
         self.liveness = Liveness(f"model {name!r}'s batcher", wedged_after_s)
+        self.stats = BatcherStats(name)
         self._num_waiting = 0
         self._drainer: asyncio.Task | None = None
         self._arrived: asyncio.Event | None = None
@@ -115,6 +117,7 @@ class DynamicBatcher:
         if self._drainer is None or self._drainer.done() or self._drainer.get_loop() is not loop:
             self._drainer = loop.create_task(self._drain())
         rows = await asyncio.gather(*(item.future for item in items))
+        self.stats.on_request_done(now)
         return torch.stack(rows)
 
     async def _submit_locked(self, sequences: list[Sequence]) -> torch.Tensor:
@@ -167,7 +170,9 @@ class DynamicBatcher:
                 return
             self.batch_shapes.append((len(self._batch), max(len(item.sequence) for item in self._batch)))
             self._num_computing = len(self._batch)
+            self.stats.on_batch(self._batch)
             out = await self._compute.run(self._forward, [item.sequence for item in self._batch])
+            self.stats.on_forward_end()
             for item, row in zip(self._batch, out, strict=True):
                 if not item.future.done():
                     item.future.set_result(row)

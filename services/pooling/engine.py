@@ -261,6 +261,10 @@ class PoolingEngine:
         """Sequences accepted and not yet in a forward, by model name (empty before `load()`)."""
         return {name: served.batcher.num_waiting for name, served in self._models.items()}
 
+    def batcher_stats(self) -> list:
+        """Each model's `BatcherStats` (services/pooling/stats.py; empty before `load()`)."""
+        return [served.batcher.stats for served in self._models.values()]
+
     @staticmethod
     def _model_info(served: ServedModel) -> ModelInfo:
         c = served.config

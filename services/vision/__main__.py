@@ -13,9 +13,11 @@ import asyncio
 from services.common import auth
 from services.common.message_limits import vision_bytes
 from services.common.config_cli import add_flags, from_flags
+from services.common.metrics import start_metrics_server
 from services.common.server import configure_logging, serve
 from services.vision.config import VisionConfig, VisionFlags
 from services.vision.servicer import VisionServicer
+from services.vision.stats import VisionCollector
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 
 
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> VisionConfig:
 
 async def _main(config: VisionConfig) -> None:
     servicer = VisionServicer(config)
+    start_metrics_server(config.metrics_port, config.address, VisionCollector(lambda: servicer._engine))
 
     def register(server):
         vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
+from services.common.metrics import check_metrics_port
 from services.common.mrope import check_mrope_section, parse_mrope_section
 from services.common.paths import default_decoder_dir
 from services.common.server import default_address
@@ -47,6 +48,7 @@ class VisionConfig:
     decoder: DecoderGeometry | None = None
     encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES  # 0 disables the encoder cache
     wedged_after_s: float = DEFAULT_WEDGED_AFTER_S  # encodes waiting, none completed this long -> NOT_SERVING
+    metrics_port: int = 0  # Prometheus /metrics on this port, same host as `address`; 0: off
 
     @classmethod
     def for_qwen2_vl(cls, encoder: Qwen2VLEncoderConfig, processor: ProcessorConfig | None = None,
@@ -61,6 +63,7 @@ class VisionConfig:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"address must be host:port with a port in 1..65535, got {self.address!r}")
         check_wedged_after_s(self.wedged_after_s)
+        check_metrics_port(self.metrics_port)
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
         check_mrope_section(self.mrope_section, minimum=1)
@@ -134,6 +137,8 @@ class VisionFlags:
                                   "health turns NOT_SERVING when images wait and no encode completes for this "
                                   "long (seconds; must exceed the longest encode)")
     background: str = _flag("white", "colour under transparent pixels: name, #RRGGBB or R,G,B")
+    metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address (0: off)",
+                              env="TESSERA_METRICS_PORT")
 
     def vision_config(self) -> VisionConfig:
         """Raises ValueError for any inconsistent flag (e.g. output width != decoder hidden size)."""
@@ -152,7 +157,8 @@ class VisionFlags:
                                     patch_size=self.patch_size, seed=self.seed)
         return VisionConfig(encoder=encoder, processor=processor, address=self.address,
                             mrope_section=self.mrope_section or DEFAULT_MROPE_SECTION, decoder=decoder,
-                            encoder_cache_bytes=self.encoder_cache_bytes, wedged_after_s=self.wedged_after_s)
+                            encoder_cache_bytes=self.encoder_cache_bytes, wedged_after_s=self.wedged_after_s,
+                            metrics_port=self.metrics_port)
 
     def _qwen2_vl_config(self, processor: ProcessorConfig) -> VisionConfig:
         if self.model_dir is None:
@@ -164,7 +170,7 @@ class VisionFlags:
         decoder = DecoderGeometry.from_model_dir(self.decoder_model_dir or self.model_dir)
         config = VisionConfig.for_qwen2_vl(encoder, processor, address=self.address, decoder=decoder,
                                            encoder_cache_bytes=self.encoder_cache_bytes,
-                                           wedged_after_s=self.wedged_after_s)
+                                           wedged_after_s=self.wedged_after_s, metrics_port=self.metrics_port)
         if self.mrope_section is not None and self.mrope_section != config.mrope_section:
             raise ValueError(f"--mrope-section {','.join(map(str, self.mrope_section))} differs from the "
                              f"checkpoint's {config.mrope_section}")

@@ -27,6 +27,7 @@ from services.vision.processor import ImageProcessor, ImageSource, content_hash
 from services.vision.qwen2_vl_pixels import smart_resize
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoder, Qwen2VLEncoderConfig
 from services.vision.types import EncodedImage, InspectedImage, PreparedImage, VisionInfo
+from services.vision.stats import VisionStats
 
 
 def build_encoder(config: VisionConfig) -> ImageEncoder:
@@ -42,6 +43,7 @@ class VisionEngine:
         self.encoder = encoder or build_encoder(config)
         self.cache = EncoderCache(config.encoder_cache_bytes)
         self.images_encoded = 0
+        self.stats = VisionStats(self.encoder.name)
 
     def process(self, sources: list[ImageSource], max_image_tokens: int = 0) -> list[PreparedImage]:
         """Count cap first, then every image's byte and header caps, then the request's budgets
@@ -86,7 +88,7 @@ class VisionEngine:
         outputs = {p.content_hash: p.cached for p in prepared if p.cached is not None}
         misses = {p.content_hash: p.processed for p in prepared if p.content_hash not in outputs}
         if misses:
-            encoded = self.encoder.encode([p.pixels for p in misses.values()])
+            encoded = self.stats.timed(self.encoder.encode, [p.pixels for p in misses.values()])
             self.images_encoded += len(encoded)
             for key, output in zip(misses, encoded, strict=True):
                 self.cache.put(key, output)

@@ -32,3 +32,19 @@ def decoder_service():
     args = ["--metrics-port", str(port), "--max-num-seqs", "1", "--max-model-len", "512", "--num-blocks", "64"]
     with ServiceProcess("services.decoder", args, startup_s=180) as service:
         yield Running(service.address, f"http://127.0.0.1:{port}/metrics")
+
+
+@dataclass
+class Gateway(Running):
+    dead_decoder: str  # a second decoder replica address that nothing serves
+
+
+@pytest.fixture(scope="session")
+def gateway_service(decoder_service, pooling_service):
+    """A gateway over the decoder, a decoder address nobody serves, and the pooler; /metrics on its
+    own port (`--metrics-port`)."""
+    port, dead = free_port(), f"127.0.0.1:{free_port()}"
+    args = ["--decoder", f"ipv4:{decoder_service.address},{dead}", "--pooling", pooling_service.address,
+            "--adapters", f"127.0.0.1:{free_port()}", "--vision", "", "--metrics-port", str(port)]
+    with ServiceProcess("services.gateway", args) as service:
+        yield Gateway(service.address, f"http://127.0.0.1:{port}/metrics", dead)
