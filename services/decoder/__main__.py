@@ -14,6 +14,7 @@ from services.common.limits import GenerateLimits, add_flags, from_flags
 from services.common.paths import default_decoder_dir
 from services.common.server import DEFAULT_PORTS, configure_logging, serve
 from services.decoder.config import DecoderConfig, read_model_config
+from services.decoder.lora.registry import LORA_BACKENDS
 from services.decoder.model_qwen2_vl import text_config
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
     p.add_argument("--adapters-address", default=None)
     p.add_argument("--adapter-slots", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--lora-backend", choices=("torch", "triton", "cpu"), default="torch",
+    p.add_argument("--lora-backend", choices=tuple(LORA_BACKENDS), default="torch",
                    help="multi-LoRA compute: torch grouped matmuls, Triton BGMV/SGMV kernels (GPU or "
                         "TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel built at start")
     p.add_argument("--adapter-host-cache-mb", type=int, default=1024,

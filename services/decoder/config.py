@@ -11,7 +11,7 @@ from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_
 from services.common.limits import GenerateLimits
 from services.common.paths import default_decoder_dir
 from services.decoder.kernels import native
-from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
+from services.decoder.lora.registry import LORA_BACKENDS
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
 
@@ -63,7 +63,10 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
     adapters_address: str | None = None
     adapter_slots: int = 8
     max_lora_rank: int = 64
-    lora_backend: str = "torch"  # "torch" (grouped shrink/expand), "triton" (BGMV/SGMV) or "cpu" (C BGMV for decode rows)
+    lora_backend: str = field(default="torch", metadata={
+        "help": "multi-LoRA compute: torch grouped matmuls, Triton BGMV/SGMV kernels (GPU or TRITON_INTERPRET=1), "
+                "or cpu: decode rows in a C BGMV kernel built when the engine starts (float32)",
+        "choices": tuple(LORA_BACKENDS)})
     adapter_host_cache_mb: int = 1024  # host-memory tier: adapter weights kept by digest for swap-ins
     dtype: str = "float32"
     enable_prefix_caching: bool = True
@@ -87,7 +90,7 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
         if self.adapter_host_cache_mb < 0:
             raise ValueError(f"adapter_host_cache_mb must be >= 0, got {self.adapter_host_cache_mb}")
         if self.lora_backend not in LORA_BACKENDS:
-            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {self.lora_backend!r}")
+            raise ValueError(f"lora_backend must be one of {tuple(LORA_BACKENDS)}, got {self.lora_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.block_size & (self.block_size - 1):
@@ -97,6 +100,7 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
         if "cpu" in (self.attention_backend, self.lora_backend):
             if self.dtype != "float32":
                 raise ValueError(f"the cpu attention and LoRA backends compute float32 only, got dtype {self.dtype!r}")
+        if self.attention_backend == "cpu":
             try:
                 native.load()  # builds the kernels now: a missing compiler fails at start, not mid-request
             except RuntimeError as exc:

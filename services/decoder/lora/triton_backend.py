@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.decoder.kernels.backend import LoRABackend
-from services.decoder.kernels.batch import LoRABatch
+from services.decoder.lora.backend import LoRABackend
+from services.decoder.lora.batch import LoRABatch
 
 BLOCK_M = 16   # rows per SGMV program (tl.dot needs >= 16 on GPUs)
 BLOCK_K = 64   # reduction tile over in_features
@@ -133,7 +133,7 @@ def bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """y[rows[i]] += x[rows[i]] @ a[slots[i]].T @ b[slots[i]].T for each i with slots[i] >= 0.
 
     x [T, in], y [T, out] (last dim contiguous); a [S, R, in] contiguous; b [S, out, R], any strides
-    (the bank stores it as the transposed view of a contiguous [S, R, out]);
+    (AdapterSlots stores it as the transposed view of a contiguous [S, R, out]);
     rows, slots int64 [n]. Rows must be distinct.
     """
     n = rows.numel()

@@ -93,8 +93,8 @@ class PaddedGroups:
     """Group g (slot slots[g]) fills cells [g * max_len, (g + 1) * max_len) of a flat grid:
     `grid_rows` is the flat-batch row in each cell; `cells[i]` is the cell of `rows[i]`."""
 
-    slots: torch.Tensor       # int64 [num_groups] bank slot of each group, ascending
-    leading_slots: bool       # slots == 0..num_groups-1 (the bank's first slots: no weight gather)
+    slots: torch.Tensor       # int64 [num_groups] adapter slot of each group, ascending
+    leading_slots: bool       # slots == 0..num_groups-1 (the first adapter slots: no weight gather)
     rows: torch.Tensor        # int64 [num_rows] adapter rows, grouped by slot
     grid_rows: torch.Tensor   # int64 [num_groups * max_len]
     cells: torch.Tensor | None  # int64 [num_rows]; None when no cell is padding (cells == arange)
