@@ -143,7 +143,7 @@ class AdapterSlots:
 
         Raises:
             InvalidArgument: unknown module name, factors that are not 2-D float tensors, shape
-                mismatch, rank above max_rank, or values not finite in the bank's dtype.
+                mismatch, rank above max_rank, or values not finite in the slots' dtype.
         """
         self._validate(weights)
         with self.lock:
