@@ -43,5 +43,5 @@ class LoRABackend(ABC):
             ValueError: a dtype, layout or shape the backend does not compute.
         """
 
-    def end_step(self) -> None:
+    def end_step(self) -> None:  # noqa: B027 - an optional hook; a stateless backend keeps nothing
         """The step's forward is over: drop anything kept for it."""

@@ -85,7 +85,7 @@ class LoRABatch:
         grouped = rows[torch.sort(token_slots[rows], stable=True).indices].split(counts.tolist())
         return cls(token_slots, dec, token_slots[dec], perm, seg_starts, seg_lens, seg_slots,
                    int(seg_lens.max()) if seg_lens.numel() else 0,
-                   tuple(zip(slots.tolist(), grouped)))
+                   tuple(zip(slots.tolist(), grouped, strict=True)))
 
 
 @dataclass(frozen=True)
