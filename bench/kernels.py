@@ -74,8 +74,9 @@ def lora_rows(shapes: dict, rows_per_adapter, device: torch.device, dtype: torch
 def _lora_case(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, device: torch.device,
                repeats: int) -> tuple[dict[str, float], float]:
     """ms per call of each kernel on rows sorted by adapter, m per adapter; the largest error vs float64."""
-    from services.decoder.kernels import LoRABatch, TorchLoRABackend
-    from services.decoder.kernels.triton_lora import bgmv, sgmv
+    from services.decoder.lora.batch import LoRABatch
+    from services.decoder.lora.torch_backend import TorchLoRABackend
+    from services.decoder.lora.triton_backend import bgmv, sgmv
 
     adapters, n = a.shape[0], x.shape[0]
     slots = torch.arange(adapters).repeat_interleave(m).to(device)

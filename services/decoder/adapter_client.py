@@ -31,7 +31,7 @@ from services.common.errors import (DeadlineExceeded, FailedPrecondition, NotFou
 from services.common.names import check_adapter_name
 from services.common.server import insecure_channel
 from services.common.tensor import from_pb
-from services.decoder.lora import AdapterBank, HostAdapterCache, LoRAWeights
+from services.decoder.lora import AdapterSlots, HostAdapterCache, LoRAWeights
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ _FLOAT32 = frozenset({"float32"})
 
 
 class AdapterClient:
-    def __init__(self, address: str | None, bank: AdapterBank, timeout_s: float = 30.0,
+    def __init__(self, address: str | None, bank: AdapterSlots, timeout_s: float = 30.0,
                  decoder_id: str | None = None, report_interval_s: float = 1.0,
                  host_cache_bytes: int = 1 << 30, slot_wait_poll_s: float = 1.0) -> None:
         self.address = address

@@ -13,7 +13,7 @@ from services.common.mrope import check_mrope_section, parse_mrope_section
 from services.common.paths import default_decoder_dir
 from services.common.server import default_address
 from services.decoder.kernels import native
-from services.decoder.kernels.backend import BACKENDS as LORA_BACKENDS
+from services.decoder.lora.registry import LORA_BACKENDS
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
 
@@ -74,8 +74,9 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
     adapter_slots: int = _flag(8, "adapters resident at once")
     max_lora_rank: int = _flag(64, "largest LoRA rank a slot holds")
     lora_backend: str = _flag("torch", "multi-LoRA compute: torch grouped matmuls, Triton BGMV/SGMV kernels (GPU "
-                                       "or TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel built at start",
-                              choices=LORA_BACKENDS)
+                                       "or TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel built when the "
+                                       "engine starts (float32)",
+                              choices=tuple(LORA_BACKENDS))
     adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
                                              "refetching)")
     dtype: str = _flag("float32", f"model dtype, one of {', '.join(DTYPES)}")
@@ -106,7 +107,7 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
         if self.adapter_host_cache_mb < 0:
             raise ValueError(f"adapter_host_cache_mb must be >= 0, got {self.adapter_host_cache_mb}")
         if self.lora_backend not in LORA_BACKENDS:
-            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {self.lora_backend!r}")
+            raise ValueError(f"lora_backend must be one of {tuple(LORA_BACKENDS)}, got {self.lora_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.block_size & (self.block_size - 1):
@@ -116,6 +117,7 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
         if "cpu" in (self.attention_backend, self.lora_backend):
             if self.dtype != "float32":
                 raise ValueError(f"the cpu attention and LoRA backends compute float32 only, got dtype {self.dtype!r}")
+        if self.attention_backend == "cpu":
             try:
                 native.load()  # builds the kernels now: a missing compiler fails at start, not mid-request
             except RuntimeError as exc:

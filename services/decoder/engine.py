@@ -34,8 +34,8 @@ from services.decoder.config import DecoderConfig, read_model_config
 from services.decoder.detokenizer import IncrementalDetokenizer
 from services.decoder.inputs import GenerateInput
 from services.decoder.kv_cache import KVCache
-from services.decoder.kernels import make_backend
-from services.decoder.lora import AdapterBank, attach_bank, target_shapes
+from services.decoder.lora import AdapterSlots, LoRAContext, target_shapes
+from services.decoder.lora.registry import make_backend
 from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, text_config
 from services.decoder.model_runner import ModelRunner
 from services.decoder.models import load_model
@@ -109,9 +109,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
-        self.bank = AdapterBank(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype,
-                                make_backend(config.lora_backend))
-        attach_bank(self.model, self.bank)
+        self.bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype)
         self.adapters = AdapterClient(config.adapters_address, self.bank,
                                       host_cache_bytes=config.adapter_host_cache_mb << 20)
         self.image_token_id = self._image_token_id()
@@ -120,7 +118,8 @@ class LLMEngine:
                                      config.mrope_section, self.image_token_id,
                                      vision.start if vision else None, vision.end if vision else None,
                                      compute_dtype=self.dtype)
-        self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.bank,
+        self.runner = ModelRunner(self.model, self.cache, self.block_manager,
+                                  LoRAContext(self.bank, make_backend(config.lora_backend)),
                                   config.mrope_section is not None, config.attention_backend)
 
     # ---- setup helpers -------------------------------------------------------------------

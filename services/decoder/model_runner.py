@@ -22,7 +22,7 @@ from services.decoder.attention import (AttentionMetadata, TritonMetadata, decod
 from services.decoder.block_manager import BlockManager, padded_block_tables
 from services.decoder.cpu_attention import decode_metadata
 from services.decoder.kv_cache import KVCache
-from services.decoder.lora import BASE_SLOT, AdapterBank
+from services.decoder.lora import BASE_SLOT, LoRAContext, attach_context
 from services.decoder.model_llama import LlamaForCausalLM
 from services.decoder.request import Request
 from services.decoder.sampler import Sample, SamplingRow, sample
@@ -43,12 +43,14 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
-                 bank: AdapterBank | None, mrope: bool, attention_backend: str = "torch") -> None:
+                 lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch") -> None:
         self.attention_backend = attention_backend
         self.model = model
         self.cache = cache
         self.block_manager = block_manager
-        self.bank = bank
+        self.lora = lora  # this runner's per-step LoRA state; the model's LoRALinear layers call it
+        if lora is not None:
+            attach_context(model, lora)
         self.mrope = mrope
         self.max_group_positions = decode_group_cap(cache.head_dim, cache.dtype)
 
@@ -121,15 +123,11 @@ class ModelRunner:
         mean(x^2) overflows to inf for finite |x| past ~1e19 and then scales the row to zeros,
         which would give flat, finite logits (garbage tokens served as if fine).
         """
-        if self.bank is None:
+        if self.lora is None:
             hidden = self._forward(inputs)
         else:
-            with self.bank.lock:
-                self.bank.set_token_slots(inputs.token_slots, inputs.meta.decode_rows)
-                try:
-                    hidden = self._forward(inputs)
-                finally:
-                    self.bank.set_token_slots(None)
+            with self.lora.step(inputs.token_slots, inputs.meta.decode_rows):
+                hidden = self._forward(inputs)
         residual = hidden[inputs.sample_rows]  # [num_sampled, hidden], before the final norm
         logits = self.model.compute_logits(residual)  # [num_sampled, vocab]
         overflow = ~torch.isfinite(residual.float().pow(2).mean(-1))  # [num_sampled], as RMSNorm computes it

@@ -12,7 +12,7 @@ from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.inputs import GenerateInput, SamplingParams
-from services.decoder.lora import AdapterBank, LoRAWeights
+from services.decoder.lora import AdapterSlots, LoRAWeights
 
 PROMPTS = [[1, 5, 77, 300, 12], list(range(100, 130))]
 NEW_TOKENS = 24
@@ -84,7 +84,7 @@ def test_lora_and_base_in_one_batch_equal_peft_and_base(tiny_llama):
 
 def test_bank_leases_lru_and_slot_rewrite():
     shapes = {"m.q": (4, 4), "m.v": (4, 2)}
-    bank = AdapterBank(num_slots=2, max_rank=4, module_shapes=shapes)
+    bank = AdapterSlots(num_slots=2, max_rank=4, module_shapes=shapes)
     w = lambda d, name, val: LoRAWeights(d, {name: (torch.full((2, shapes[name][0]), val), torch.full((shapes[name][1], 2), val))})
     assert bank.load(w("a", "m.q", 1.0)) == 0
     assert bank.load(w("b", "m.v", 2.0)) == 1

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.kernels import LoRABatch, make_backend
+from services.decoder.lora.batch import LoRABatch
+from services.decoder.lora.registry import make_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from decoder_testing import capture_logits
 from lora_mixed_cases import ADAPTERS
 from lora_registry_cases import (PROMPT, assert_nothing_leaked, generate, load_request, make_engine, peft_ids, run,
                                  save_all_adapters, save_variant, start_registry)
-from services.decoder.lora import AdapterBank, HostAdapterCache, LoRAWeights
+from services.decoder.lora import AdapterSlots, HostAdapterCache, LoRAWeights
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 PROMPTS = [PROMPT, list(range(100, 117))]
@@ -119,7 +119,7 @@ def test_slot_reuse_equals_cold_run_and_n_plus_one_cycles_leak_nothing(tiny_llam
 
 
 def test_bank_waiter_is_woken_by_the_release_that_frees_a_slot():
-    bank = AdapterBank(num_slots=1, max_rank=2, module_shapes={"m.q": (2, 2)})
+    bank = AdapterSlots(num_slots=1, max_rank=2, module_shapes={"m.q": (2, 2)})
     weights = lambda d: LoRAWeights(d, {"m.q": (torch.ones(1, 2), torch.ones(2, 1))})
     assert not bank.when_slot_frees(lambda: None)           # a slot is empty: nothing to wait for
     slot = bank.load_and_acquire(weights("a"))

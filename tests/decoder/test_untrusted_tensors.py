@@ -25,7 +25,7 @@ from services.common.tensor import to_pb
 from services.decoder.adapter_client import AdapterClient
 from services.decoder.config import DecoderConfig
 from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams
-from services.decoder.lora import AdapterBank
+from services.decoder.lora import AdapterSlots
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource
@@ -186,7 +186,7 @@ def test_adapter_weights_from_the_registry_are_checked_on_arrival(lora_b, needle
         adapters_pb2_grpc.add_AdaptersServicer_to_server(_TamperedRegistry(lora_b), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        bank = AdapterBank(num_slots=1, max_rank=4, module_shapes={"m.q_proj": (4, 4)})
+        bank = AdapterSlots(num_slots=1, max_rank=4, module_shapes={"m.q_proj": (4, 4)})
         client = AdapterClient(f"127.0.0.1:{port}", bank, timeout_s=5.0)
         try:
             with pytest.raises(InvalidArgument) as refusal:

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.decoder.kernels.backend import LoRABackend
-from services.decoder.kernels.batch import LoRABatch
+from services.decoder.lora.backend import LoRABackend
+from services.decoder.lora.batch import LoRABatch
 
 BLOCK_M = 16   # rows per SGMV program (tl.dot needs >= 16 on GPUs)
 BLOCK_K = 64   # reduction tile over in_features
@@ -90,8 +90,9 @@ def _sgmv_shrink(x_ptr, a_ptr, perm_ptr, starts_ptr, lens_ptr, slots_ptr, s_ptr,
         k_mask = k < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)           # [BM, BK]
+        a_mask = k_mask[:, None] & r_mask[None, :] & (offs_r[None, :] * 0 + slot_in >= 0)
         a = tl.load(a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + k[:, None],
-                    mask=k_mask[:, None] & r_mask[None, :] & (offs_r[None, :] * 0 + slot_in >= 0), other=0.0).to(tl.float32)  # [BK, BR]
+                    mask=a_mask, other=0.0).to(tl.float32)                                      # [BK, BR]
         acc += tl.dot(x, a, input_precision="ieee")
     s_ptrs = s_ptr + (start + offs_m)[:, None] * stride_sm + offs_r[None, :]
     tl.store(s_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
@@ -115,8 +116,9 @@ def _sgmv_expand(s_ptr, b_ptr, perm_ptr, starts_ptr, lens_ptr, slots_ptr, y_ptr,
     rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0)
     s = tl.load(s_ptr + (start + offs_m)[:, None] * stride_sm + offs_r[None, :],
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)                               # [BM, BR]
+    b_mask = r_mask[:, None] & n_mask[None, :] & (offs_r[:, None] * 0 + slot_in >= 0)
     b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                mask=r_mask[:, None] & n_mask[None, :] & (offs_r[:, None] * 0 + slot_in >= 0), other=0.0).to(tl.float32)      # [BR, BN]
+                mask=b_mask, other=0.0).to(tl.float32)                                          # [BR, BN]
     delta = tl.dot(s, b, input_precision="ieee")                                                # [BM, BN]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -133,7 +135,7 @@ def bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """y[rows[i]] += x[rows[i]] @ a[slots[i]].T @ b[slots[i]].T for each i with slots[i] >= 0.
 
     x [T, in], y [T, out] (last dim contiguous); a [S, R, in] contiguous; b [S, out, R], any strides
-    (the bank stores it as the transposed view of a contiguous [S, R, out]);
+    (AdapterSlots stores it as the transposed view of a contiguous [S, R, out]);
     rows, slots int64 [n]. Rows must be distinct.
     """
     n = rows.numel()

@@ -1,11 +1,10 @@
-"""Multi-LoRA, torch reference path: an adapter bank of fixed slots and grouped shrink/expand.
+"""Adapter slots: which adapters are resident on the device, their factors, and who leases them.
 
-Each targeted linear `y = x W^T + b` gets `y += (x A_s^T) B_s^T` for the tokens whose slot is
-s, where A is [rank, in] and B is [out, rank] with the LoRA scale already folded in by the
-registry. Slots are padded to `max_rank` with zeros; slot -1 is the base model (no correction).
-One batch can mix adapters and the base model: the step's `LoRABatch` (row permutation and
-segments, built once per step by `set_token_slots`) is shared by every projection, and a
-`LoRABackend` (torch grouped shrink/expand, or Triton BGMV/SGMV) computes the correction.
+Each targeted linear `y = x W^T + b` of the model gets `y += (x A_s^T) B_s^T` for the rows whose
+slot is s, where A is [rank, in] and B is [out, rank] with the LoRA scale already folded in by the
+registry. `AdapterSlots` keeps every slot's A and B (padded to `max_rank` with zeros) in one buffer
+per module; the model runner's `LoRAContext` (context.py) reads them each step and hands them
+to a `LoRABackend`. Slot -1 (`BASE_SLOT`) is the base model, no correction.
 """
 
 from __future__ import annotations
@@ -16,13 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from services.common.errors import InvalidArgument
-from services.decoder.kernels import BASE_SLOT, LoRABackend, LoRABatch, TorchLoRABackend  # noqa: F401 (BASE_SLOT re-exported)
-from services.decoder.linear import linear
-
-TARGET_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -36,19 +30,24 @@ class LoRAWeights:
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-class AdapterBank:
+class AdapterSlots:
     """Fixed slots of adapter weights, keyed by content digest, with leases and an LRU.
 
     A slot holding a leased adapter is never reused; unleased resident slots are recycled
     least recently used first. Each lease carries the adapter name its request was admitted under
     ("" for callers without one): two registry names loaded from the same files share a slot, but
-    the registry drains and unloads them by name. When every slot is leased a load returns None and the caller
-    registers `when_slot_frees` to retry once a lease ends (admission waits, never fails). Loading into a slot rewrites every target buffer of that slot.
-    Thread-safe: the engine thread reads while the servicer thread loads.
+    the registry drains and unloads them by name. When every slot is leased a load returns None and
+    the caller registers `when_slot_frees` to retry once a lease ends (admission waits, never fails).
+    Loading into a slot rewrites every target buffer of that slot.
+
+    Thread-safe: the registry client loads and leases from the event loop while the engine thread
+    runs steps. A step takes no lock: every row of a step belongs to a request that holds a lease on
+    its slot until the engine thread retires it after the step, and a load writes only a slot
+    without leases, so the rows a forward reads never change under it (`factors`).
     """
 
     def __init__(self, num_slots: int, max_rank: int, module_shapes: dict[str, tuple[int, int]],
-                 dtype: torch.dtype = torch.float32, backend: LoRABackend | None = None) -> None:
+                 dtype: torch.dtype = torch.float32) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.module_shapes = module_shapes  # name -> (in_features, out_features)
@@ -60,8 +59,6 @@ class AdapterBank:
         self._leases = [0] * num_slots
         self._named: list[Counter[str]] = [Counter() for _ in range(num_slots)]  # slot -> leases by name
         self._idle: OrderedDict[int, None] = OrderedDict()  # unleased resident slots, LRU first
-        self.backend = backend or TorchLoRABackend()
-        self._batch: LoRABatch | None = None  # this step's row permutation / segments
         self._waiters: list[Callable[[], None]] = []  # admissions waiting for a slot to free
         self.num_swaps = 0  # adapters written into a slot (swap-ins)
 
@@ -147,7 +144,7 @@ class AdapterBank:
 
         Raises:
             InvalidArgument: unknown module name, factors that are not 2-D float tensors, shape
-                mismatch, rank above max_rank, or values not finite in the bank's dtype.
+                mismatch, rank above max_rank, or values not finite in the slots' dtype.
         """
         self._validate(weights)
         with self.lock:
@@ -197,104 +194,16 @@ class AdapterBank:
                 raise InvalidArgument(f"adapter factors at {name} hold values that are not finite in {self.dtype} "
                                       "(NaN, inf, or past its range)")
 
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [slots, max_rank, in], B [slots, out, max_rank]) of module `name`; None while no
+        resident adapter has ever targeted it. Lock-free: called per projection of every step."""
+        a = self._a.get(name)
+        return None if a is None else (a, self._b[name])
+
     def _buffers(self, name: str) -> None:
         if name not in self._a:
             in_f, out_f = self.module_shapes[name]
-            self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype)
-            # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends)
+            # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends).
+            # B before A: `factors` reads without the lock and finds B wherever it finds A.
             self._b[name] = torch.zeros(self.num_slots, self.max_rank, out_f, dtype=self.dtype).transpose(1, 2)
-
-    def set_token_slots(self, token_slots: torch.Tensor | None, decode_rows: torch.Tensor | None = None) -> None:
-        """Build the step's LoRA metadata once, reused by every projection of the forward.
-
-        token_slots: int64 [num_tokens] slot per row (-1 = base); None = all base.
-        decode_rows: int64 rows that decode one token (BGMV); the rest are prefill (SGMV).
-        """
-        self._batch = None if token_slots is None else LoRABatch.build(token_slots, decode_rows)
-        if token_slots is None:
-            self.backend.end_step()
-
-    @property
-    def active(self) -> bool:
-        """True while a step with at least one adapter row is running."""
-        return self._batch is not None
-
-    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add the LoRA correction of module `name` to `y` [num_tokens, out] in place (x: [num_tokens, in])."""
-        if name not in self._a or self._batch is None:
-            return
-        self.backend.add_lora(y, x, self._a[name], self._b[name], self._batch)
-
-
-class LoRALinear(nn.Linear):
-    """nn.Linear whose output gets the bank's per-token LoRA correction (parameter names unchanged)."""
-
-    lora_name: str = ""
-    lora_bank: AdapterBank | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
-        if self.lora_bank is not None and self.lora_bank.active:
-            self.lora_bank.apply(self.lora_name, x, y)
-        return y
-
-
-def attach_bank(model: nn.Module, bank: AdapterBank) -> None:
-    """Point every LoRALinear of `model` at `bank`."""
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            module.lora_bank = bank
-
-
-def target_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every LoRA-capable linear, by module name."""
-    return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
-            if isinstance(m, LoRALinear)}
-
-
-class HostAdapterCache:
-    """The host-memory tier: adapter weights by digest, bounded by bytes, least recently used out.
-
-    More adapters than device slots can be in use: a swap-in into an idle slot copies from here
-    instead of fetching the weights from the registry again (and works while it is down).
-    `max_bytes` counts the float32 A and B factors; 0 keeps nothing.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self.num_bytes = 0
-        self._entries: OrderedDict[str, tuple[LoRAWeights, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __contains__(self, digest: str) -> bool:
-        with self._lock:
-            return digest in self._entries
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def get(self, digest: str) -> LoRAWeights | None:
-        with self._lock:
-            entry = self._entries.get(digest)
-            if entry is None:
-                return None
-            self._entries.move_to_end(digest)
-            return entry[0]
-
-    def put(self, weights: LoRAWeights) -> None:
-        """Keep `weights` (evicting the least recently used); one larger than max_bytes is not kept."""
-        size = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in weights.modules.values())
-        with self._lock:
-            old = self._entries.pop(weights.digest, None)
-            if old is not None:
-                self.num_bytes -= old[1]
-            if size > self.max_bytes:
-                return
-            while self.num_bytes + size > self.max_bytes:
-                _, (_, evicted) = self._entries.popitem(last=False)
-                self.num_bytes -= evicted
-            self._entries[weights.digest] = (weights, size)
-            self.num_bytes += size
+            self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype)

@@ -85,7 +85,7 @@ class LoRABatch:
         grouped = rows[torch.sort(token_slots[rows], stable=True).indices].split(counts.tolist())
         return cls(token_slots, dec, token_slots[dec], perm, seg_starts, seg_lens, seg_slots,
                    int(seg_lens.max()) if seg_lens.numel() else 0,
-                   tuple(zip(slots.tolist(), grouped)))
+                   tuple(zip(slots.tolist(), grouped, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,8 @@ class PaddedGroups:
     """Group g (slot slots[g]) fills cells [g * max_len, (g + 1) * max_len) of a flat grid:
     `grid_rows` is the flat-batch row in each cell; `cells[i]` is the cell of `rows[i]`."""
 
-    slots: torch.Tensor       # int64 [num_groups] bank slot of each group, ascending
-    leading_slots: bool       # slots == 0..num_groups-1 (the bank's first slots: no weight gather)
+    slots: torch.Tensor       # int64 [num_groups] adapter slot of each group, ascending
+    leading_slots: bool       # slots == 0..num_groups-1 (the first adapter slots: no weight gather)
     rows: torch.Tensor        # int64 [num_rows] adapter rows, grouped by slot
     grid_rows: torch.Tensor   # int64 [num_groups * max_len]
     cells: torch.Tensor | None  # int64 [num_rows]; None when no cell is padding (cells == arange)
