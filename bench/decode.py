@@ -108,7 +108,7 @@ def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int
     own model forward + lm_head inside those steps (one sample per step)."""
     from services.decoder.config import DecoderConfig
     from services.decoder.engine import LLMEngine
-    from services.decoder.inputs import GenerateInput, SamplingParams
+    from services.decoder.types import GenerateInput, SamplingParams
 
     engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
                                      attention_backend=backend))

@@ -107,7 +107,7 @@ def decoder_prefix(model_dir: Path, vision: VisionEngine, data: list[bytes]) -> 
 
     from services.decoder.config import DecoderConfig
     from services.decoder.engine import LLMEngine
-    from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams, TextPart
+    from services.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
 
     engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=2048, num_blocks=1024))
 

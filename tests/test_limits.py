@@ -13,7 +13,7 @@ from services.adapters.convert import check_request, report_from_pb
 from services.common.errors import InvalidArgument
 from services.common.limits import (CHARS_PER_CONTEXT_TOKEN, GenerateLimits, PoolingLimits, add_flags, check_embed,
                                     check_generate, check_rerank, check_tokenize, from_flags)
-from services.decoder.protocol import generate_from_pb
+from services.decoder.convert import generate_from_pb
 from tessera.v1 import adapters_pb2, decoder_pb2, pooling_pb2, vision_pb2
 
 G = GenerateLimits(max_name_chars=10, max_prompt_chars=50, max_messages=3, max_content_parts=4, max_images=2,

@@ -32,7 +32,7 @@ from services.decoder.adapter_client import AdapterClient
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import DecoderConfig, read_model_config
 from services.decoder.detokenizer import IncrementalDetokenizer
-from services.decoder.inputs import GenerateInput
+from services.decoder.types import GenerateInput
 from services.decoder.kv_cache import KVCache
 from services.decoder.kernels import make_backend
 from services.decoder.lora import AdapterBank, attach_bank, target_shapes

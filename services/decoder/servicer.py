@@ -10,7 +10,7 @@ import torch
 from services.common.errors import Unavailable
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.protocol import generate_from_pb, output_to_pb
+from services.decoder.convert import generate_from_pb, output_to_pb
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 
 

@@ -45,7 +45,7 @@ def engine_case(model_dir: str) -> None:
     from decoder_testing import capture_logits, run_requests
     from services.decoder.config import DecoderConfig
     from services.decoder.engine import LLMEngine
-    from services.decoder.inputs import GenerateInput, SamplingParams
+    from services.decoder.types import GenerateInput, SamplingParams
 
     prompts = [list(range(100, 120)), [5, 6, 7]]
     results = {}

@@ -21,7 +21,7 @@ from services.adapters.base_model import BaseModelShapes
 from services.adapters.peft_format import read_peft_adapter
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import LoRAWeights
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

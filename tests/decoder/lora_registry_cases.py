@@ -18,7 +18,7 @@ from transformers import LlamaForCausalLM
 from services.common.launch import ServiceProcess
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2
 
 PROMPT = [1, 5, 77, 300, 12, 9, 44, 8, 19]

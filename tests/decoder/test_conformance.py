@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from decoder_testing import cancel_mid_stream, check_greedy, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.types import GenerateInput, SamplingParams
 
 NEW_TOKENS = 64
 LENGTHS = [1, 3, 5, 9, 16, 17, 20, 24, 31, 33, 40, 47, 50, 57, 64, 70]

@@ -17,7 +17,7 @@ import torch
 
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import LoRAWeights
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc

@@ -9,7 +9,7 @@ from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams,
+from services.decoder.types import (ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams,
                                      TextPart)
 from services.decoder.multimodal import PromptInputs
 from services.decoder.request import Request

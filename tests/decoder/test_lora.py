@@ -11,7 +11,7 @@ from decoder_testing import hf_greedy
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import AdapterBank, LoRAWeights
 
 PROMPTS = [[1, 5, 77, 300, 12], list(range(100, 130))]

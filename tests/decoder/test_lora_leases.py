@@ -26,7 +26,7 @@ from lora_mixed_cases import save_adapters
 from services.common.errors import FailedPrecondition
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from transformers import LlamaForCausalLM
 from decoder_testing import hf_greedy, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams, TextPart
+from services.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
 
 SECTION = (2, 3, 3)  # tiny model: head_dim 16 -> 8 rotary pairs
 IMAGE_TOKEN = "<repo_name>"

@@ -23,7 +23,7 @@ from decoder_testing import capture_logits, capture_prompt_logits, run_requests,
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
+from services.decoder.types import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource

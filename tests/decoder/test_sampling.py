@@ -7,7 +7,7 @@ import pytest
 from decoder_testing import run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.types import GenerateInput, SamplingParams
 
 PROMPT = (1, 5, 77, 300, 12)
 

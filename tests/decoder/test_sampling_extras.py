@@ -10,8 +10,8 @@ from decoder_testing import hf_reference
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
-from services.decoder.protocol import output_to_pb, sampling_from_pb
+from services.decoder.types import GenerateInput, SamplingParams
+from services.decoder.convert import output_to_pb, sampling_from_pb
 from tessera.v1 import decoder_pb2
 
 PROMPT = tuple(range(300, 340))  # 40 tokens: 2 full 16-token blocks

@@ -13,7 +13,7 @@ from decoder_testing import cancel_mid_stream, check_greedy, run_requests
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.inputs import ChatMessage, GenerateInput, SamplingParams, TextPart
+from services.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
 
 NEW_TOKENS = 64
 PAD = 2

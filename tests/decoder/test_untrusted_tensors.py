@@ -24,7 +24,7 @@ from services.common.server import create_server
 from services.common.tensor import to_pb
 from services.decoder.adapter_client import AdapterClient
 from services.decoder.config import DecoderConfig
-from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams
+from services.decoder.types import GenerateInput, ImagePart, SamplingParams
 from services.decoder.lora import AdapterBank
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
@@ -129,7 +129,7 @@ def test_image_rows_must_be_finite_in_the_compute_dtype(tiny):
 def test_forged_rows_under_a_real_hash_never_share_the_images_kv(tiny):
     """Observed: rows x -3 sent with image X's real content hash were cached under X's key, and a
     later user of X was served that forged prefix. The key now digests the rows received."""
-    from services.decoder.protocol import generate_from_pb
+    from services.decoder.convert import generate_from_pb
 
     directory, encoded = tiny
     genuine = _request(_image(encoded))
