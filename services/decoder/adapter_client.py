@@ -218,10 +218,12 @@ class RegistryAdapterSource(AdapterSource):
             raise
 
     async def close(self) -> None:
+        """Stop the reports and close the channel; a later acquire (on any loop) opens them again."""
         if self._reporter is not None:
             self._reporter.cancel()
         if self._channel is not None:
-            await self._channel.close()
+            channel, self._channel, self._stub = self._channel, None, None
+            await channel.close()
 
 
 def _factor(name: str, module: str, part: str, message) -> torch.Tensor:

@@ -438,6 +438,22 @@ class LLMEngine:
                 pass
 
 
+def start_engine(config: DecoderConfig, adapters: AdapterSource | None = None) -> LLMEngine:
+    """An engine started outside any event loop (scripts, benchmarks, tests); `shutdown()` ends it.
+
+    The source's loop-bound work (a registry's residency reports and channel) is closed with the
+    loop `start` ran on; the registry source resumes it on the loop of its next acquire.
+    """
+    engine = LLMEngine(config, adapters)
+
+    async def start() -> None:
+        await engine.start()
+        await engine.adapters.close()
+
+    asyncio.run(start())
+    return engine
+
+
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for queue, output in items:
         queue.put_nowait(output)
