@@ -10,6 +10,7 @@ adapter a request names, and gives the lease back when the request ends. The reg
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 
@@ -49,8 +50,9 @@ class AdapterSource(ABC):
     def resident_names(self) -> list[str]:
         """Adapter names whose weights sit in a device slot now (sorted)."""
 
+    @abstractmethod
     async def close(self) -> None:
-        """Stop background work (none by default)."""
+        """Stop background work; a later `acquire` may start it again."""
 
 
 class InMemoryAdapterSource(AdapterSource):
@@ -80,6 +82,9 @@ class InMemoryAdapterSource(AdapterSource):
             resident = set(self.slots.residency())
         return sorted(name for name, weights in self.adapters.items() if weights.digest in resident)
 
+    async def close(self) -> None:
+        """Nothing runs in the background."""
+
 
 async def wait_for_free_slot(slots: AdapterBank, name: str, poll_s: float) -> bool:
     """Wait, for an admission of adapter `name`, until `slots` has an unleased slot (woken by the
@@ -89,16 +94,12 @@ async def wait_for_free_slot(slots: AdapterBank, name: str, poll_s: float) -> bo
     woken = loop.create_future()
 
     def wake() -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # that loop is closed: its admission is gone
             loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
-        except RuntimeError:  # that loop is closed; its admission is gone
-            pass
 
     if not slots.when_slot_frees(wake):
         return False
     log.info("adapter %r waits for one of %d leased adapter slots", name, slots.num_slots)
-    try:
+    with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(woken, poll_s)
-    except TimeoutError:
-        pass
     return True

@@ -12,7 +12,6 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.limits import MAX_N, MAX_TOP_LOGPROBS
 
-
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 

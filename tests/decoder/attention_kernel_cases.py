@@ -51,7 +51,7 @@ def engine_case(model_dir: str) -> None:
     results = {}
     for backend in ("torch", "triton"):
         engine = start_engine(DecoderConfig(model_dir=model_dir, num_blocks=16, block_size=8, max_model_len=128,
-                                         max_num_batched_tokens=12, attention_backend=backend))
+                                            max_num_batched_tokens=12, attention_backend=backend))
         logits = capture_logits(engine)
         try:
             ids = [r[0] for r in run_requests(engine, [GenerateInput(SamplingParams(max_tokens=4), request_id=f"r{i}",

@@ -70,7 +70,7 @@ def peft_references(model_dir: Path, root: Path) -> dict[str, tuple[list[int], t
 def run_engine(model_dir: Path, root: Path, backend: str) -> dict[str, tuple[list[int], torch.Tensor]]:
     """All 8 requests (2 prompts x base + 3 adapters) submitted at once to one engine."""
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256,
-                                     adapter_slots=len(ADAPTERS), max_lora_rank=MAX_RANK, lora_backend=backend),
+                                        adapter_slots=len(ADAPTERS), max_lora_rank=MAX_RANK, lora_backend=backend),
                           InMemoryAdapterSource())
     try:
         for name in ADAPTERS:

@@ -53,7 +53,7 @@ def _fail_once(owner, name: str):
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=32, max_model_len=256, max_num_seqs=1,
-                                     wedged_after_s=1.0), InMemoryAdapterSource())
+                                        wedged_after_s=1.0), InMemoryAdapterSource())
     yield engine
     engine.shutdown()
 

@@ -88,7 +88,7 @@ def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(tiny_llama):
     import threading
 
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64, max_num_seqs=1,
-                                     max_waiting=1))
+                                        max_waiting=1))
     execute, in_step, resume = engine.runner.execute, threading.Event(), threading.Event()
 
     def slow_execute(out):

@@ -59,7 +59,7 @@ def test_lora_and_base_in_one_batch_equal_peft_and_base(tiny_llama):
 
     adapters = InMemoryAdapterSource()
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
-                                     max_lora_rank=16), adapters)
+                                        max_lora_rank=16), adapters)
     try:
         weights_a, weights_b = _weights(peft_a, "digest-a"), _weights(peft_b, "digest-b")
         slot_a = engine.bank.load(weights_a)
@@ -112,7 +112,7 @@ def test_non_finite_logits_fail_only_their_request(tiny_llama):
     from services.common.errors import FailedPrecondition
 
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
-                                     max_lora_rank=16), InMemoryAdapterSource())
+                                        max_lora_rank=16), InMemoryAdapterSource())
     shapes = engine.bank.module_shapes
     huge = LoRAWeights("huge", {name: (torch.full((4, i), 1e30), torch.full((o, 4), 1e30))
                                 for name, (i, o) in shapes.items() if name.endswith(("o_proj", "down_proj"))})
@@ -146,7 +146,7 @@ def test_an_overflowing_request_leaves_no_poison_in_reused_blocks(tiny_llama):
 
     def engine_():
         return start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=6, block_size=16, max_model_len=96,
-                                       adapter_slots=2, max_lora_rank=16, enable_prefix_caching=False),
+                                          adapter_slots=2, max_lora_rank=16, enable_prefix_caching=False),
                             InMemoryAdapterSource())
 
     def run(engine, prompt, lora=""):
@@ -184,7 +184,7 @@ def test_hidden_states_past_float32_range_fail_the_request(tiny_llama):
     from services.common.errors import FailedPrecondition
 
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
-                                     max_lora_rank=16), InMemoryAdapterSource())
+                                        max_lora_rank=16), InMemoryAdapterSource())
     name = "model.layers.0.self_attn.o_proj"
     in_f, out_f = engine.bank.module_shapes[name]
     loud = LoRAWeights("loud", {name: (torch.full((4, in_f), 1.0), torch.full((out_f, 4), 1e20))})
