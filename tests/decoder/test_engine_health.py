@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from services.decoder.config import DecoderConfig
+from services.common.errors import Unavailable
 from services.decoder.adapter_source import InMemoryAdapterSource
 from services.decoder.engine import LLMEngine, start_engine
 from services.decoder.types import GenerateInput, SamplingParams
@@ -163,3 +164,19 @@ def test_the_wedge_bound_is_a_flag(tiny_llama):
     assert parse_args(["--model-dir", str(tiny_llama)])[1].wedged_after_s == 60.0
     with pytest.raises(ValueError, match="wedged_after_s must be > 0 seconds, got -1"):
         DecoderConfig(model_dir=str(tiny_llama), wedged_after_s=-1)
+
+
+def test_an_engine_not_started_refuses_with_unavailable(tiny_llama):
+    """Before `start` nothing is loaded: generate and info raise UNAVAILABLE, health has no verdict
+    (the server says NOT_SERVING until start returns), and stop is safe."""
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=32, max_model_len=256))
+
+    async def main():
+        with pytest.raises(Unavailable, match="still loading its model"):
+            await _tokens(engine, _request("early"))
+        with pytest.raises(Unavailable, match="still loading its model"):
+            engine.info()
+        assert engine.health() is None and not engine.started
+        await engine.stop()
+
+    asyncio.run(main())
