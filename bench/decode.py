@@ -107,11 +107,11 @@ def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int
     """Seconds per engine step at `batch` x `context` while all rows decode, and seconds of the engine's
     own model forward + lm_head inside those steps (one sample per step)."""
     from services.decoder.config import DecoderConfig
-    from services.decoder.engine import LLMEngine
-    from services.decoder.inputs import GenerateInput, SamplingParams
+    from services.decoder.engine import start_engine
+    from services.decoder.types import GenerateInput, SamplingParams
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
-                                     attention_backend=backend))
+    engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
+                                        attention_backend=backend))
     stamps, forwards = [], []
     schedule, logits = engine.scheduler.schedule, engine.runner.logits
 

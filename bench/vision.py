@@ -106,10 +106,10 @@ def decoder_prefix(model_dir: Path, vision: VisionEngine, data: list[bytes]) -> 
     import asyncio
 
     from services.decoder.config import DecoderConfig
-    from services.decoder.engine import LLMEngine
-    from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams, TextPart
+    from services.decoder.engine import start_engine
+    from services.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), max_model_len=2048, num_blocks=1024))
+    engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=2048, num_blocks=1024))
 
     async def one(image: bytes) -> tuple[float, int]:
         e = vision.encode(vision.process([ImageSource(data=image)]))[0]

@@ -14,7 +14,7 @@ from services.common.errors import InvalidArgument
 from services.common.config_cli import add_flags, from_flags
 from services.common.limits import (CHARS_PER_CONTEXT_TOKEN, GenerateLimits, PoolingLimits, check_embed,
                                     check_generate, check_rerank, check_tokenize)
-from services.decoder.protocol import generate_from_pb
+from services.decoder.convert import generate_from_pb
 from tessera.v1 import adapters_pb2, decoder_pb2, pooling_pb2, vision_pb2
 
 G = GenerateLimits(max_name_chars=10, max_prompt_chars=50, max_messages=3, max_content_parts=4, max_images=2,

@@ -12,7 +12,9 @@ from services.common.metrics import DecoderCollector, start_metrics_server
 from services.common.config_cli import add_flags, from_flags
 from services.common.limits import GenerateLimits
 from services.common.server import configure_logging, serve
+from services.decoder.adapter_client import RegistryAdapterSource
 from services.decoder.config import DecoderConfig, read_model_config
+from services.decoder.engine import LLMEngine
 from services.decoder.model_qwen2_vl import text_config
 from services.decoder.servicer import DecoderServicer
 from services.decoder.stats import EngineCollector
@@ -37,19 +39,20 @@ def main(argv: list[str] | None = None) -> None:
     address, config = parse_args(argv)
     auth.configure_security(argv)
     configure_logging()
-    servicer = DecoderServicer(config)
+    engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
+    servicer = DecoderServicer(engine)
     name = Path(config.model_dir).name
     start_metrics_server(config.metrics_port, address, DecoderCollector(
-        name, lambda: servicer.engine.stats() if servicer.engine is not None else None),
-        EngineCollector(name, lambda: servicer.engine))
+        name, lambda: engine.stats() if engine.started else None),
+        EngineCollector(name, lambda: engine if engine.started else None))
 
     def register(server):
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
     hidden_size = text_config(read_model_config(config.model_dir))["hidden_size"]
-    asyncio.run(serve("decoder", address, register, start=servicer.start, stop=servicer.stop,
-                      health=servicer.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
+    asyncio.run(serve("decoder", address, register, start=engine.start, stop=engine.stop,
+                      health=engine.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
 
 
 if __name__ == "__main__":

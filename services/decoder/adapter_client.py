@@ -1,4 +1,5 @@
-"""Resolves adapter names through the registry, keeps their weights resident, reports leases.
+"""The registry's `AdapterSource`: resolves adapter names over gRPC, keeps their weights resident,
+reports leases.
 
 `acquire(name)` asks the registry for the name's digest (no weights); if the bank does not hold
 that digest it takes the weights from the host-memory cache (bounded LRU by digest) or asks the
@@ -31,6 +32,8 @@ from services.common.errors import (DeadlineExceeded, FailedPrecondition, NotFou
 from services.common.names import check_adapter_name
 from services.common.server import insecure_channel
 from services.common.tensor import from_pb
+from services.decoder.adapter_source import AdapterSource, wait_for_free_slot
+from services.decoder.config import DecoderConfig
 from services.decoder.lora import AdapterSlots, HostAdapterCache, LoRAWeights
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
@@ -38,12 +41,17 @@ log = logging.getLogger(__name__)
 _FLOAT32 = frozenset({"float32"})
 
 
-class AdapterClient:
-    def __init__(self, address: str | None, bank: AdapterSlots, timeout_s: float = 30.0,
-                 decoder_id: str | None = None, report_interval_s: float = 1.0,
-                 host_cache_bytes: int = 1 << 30, slot_wait_poll_s: float = 1.0) -> None:
+class RegistryAdapterSource(AdapterSource):
+    """Adapters of the registry at `address` (None: no registry, every name is NotFound).
+
+    `start(slots)` begins the residency reports; `acquire` also starts them (on its loop) if they
+    are not running.
+    """
+
+    def __init__(self, address: str | None, timeout_s: float = 30.0, decoder_id: str | None = None,
+                 report_interval_s: float = 1.0, host_cache_bytes: int = 1 << 30,
+                 slot_wait_poll_s: float = 1.0) -> None:
         self.address = address
-        self.bank = bank
         self.timeout_s = timeout_s
         self.decoder_id = decoder_id or f"decoder-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.report_interval_s = report_interval_s
@@ -58,6 +66,16 @@ class AdapterClient:
         self.num_slot_waits = 0                    # admissions that waited for a leased slot to free
         self.num_host_cache_hits = 0               # weight lookups the host cache answered
         self.slot_wait_poll_s = slot_wait_poll_s
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, **options) -> RegistryAdapterSource:
+        """The source a decoder started with `config` uses (its registry address and host cache)."""
+        return cls(config.adapters_address, host_cache_bytes=config.adapter_host_cache_mb << 20, **options)
+
+    async def start(self, slots: AdapterSlots) -> None:
+        """Serve leases of `slots`; residency reports start now, not at the first acquire."""
+        self.slots = slots
+        self.start_reporting()
 
     async def acquire(self, name: str) -> int:
         """Lease a bank slot holding adapter `name`; returns the slot.
@@ -87,7 +105,7 @@ class AdapterClient:
                 weights = await self._weights(name, digest)
                 digest = weights.digest
             self._check_drain(name, digest)
-            slot = self.bank.load_and_acquire(weights, name)  # no await since the drain check (see _lease)
+            slot = self.slots.load_and_acquire(weights, name)  # no await since the drain check (see _lease)
             if slot is not None:
                 return slot
             await self._wait_for_slot(name)
@@ -101,7 +119,7 @@ class AdapterClient:
             raise
         except Unavailable:
             digest = self._name_to_digest.get(name)
-            if digest is None or (self.bank.slot_of(digest) is None and digest not in self.host_cache):
+            if digest is None or (self.slots.slot_of(digest) is None and digest not in self.host_cache):
                 raise
             return digest
         self._name_to_digest[name] = info.info.digest
@@ -133,24 +151,8 @@ class AdapterClient:
         return weights
 
     async def _wait_for_slot(self, name: str) -> None:
-        """Wait until the bank has an idle slot (woken by a release; re-checked every poll_s)."""
-        loop = asyncio.get_running_loop()
-        woken = loop.create_future()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
-            except RuntimeError:  # that loop is closed; its admission is gone
-                pass
-
-        if not self.bank.when_slot_frees(wake):
-            return
-        self.num_slot_waits += 1
-        log.info("adapter %r waits for one of %d leased adapter slots", name, self.bank.num_slots)
-        try:
-            await asyncio.wait_for(woken, self.slot_wait_poll_s)
-        except TimeoutError:
-            pass
+        if await wait_for_free_slot(self.slots, name, self.slot_wait_poll_s):
+            self.num_slot_waits += 1
 
     def _check_drain(self, name: str, digest: str) -> None:
         if (name, digest) in self.draining:
@@ -162,12 +164,12 @@ class AdapterClient:
         if digest is None:
             return None
         self._check_drain(name, digest)
-        return self.bank.acquire(digest, name)
+        return self.slots.acquire(digest, name)
 
     def resident_names(self) -> list[str]:
         """Adapter names whose last known weights sit in a device slot now (sorted)."""
-        with self.bank.lock:
-            resident = set(self.bank.residency())
+        with self.slots.lock:
+            resident = set(self.slots.residency())
         return sorted(name for name, digest in list(self._name_to_digest.items()) if digest in resident)
 
     def start_reporting(self) -> None:
@@ -178,8 +180,8 @@ class AdapterClient:
     async def report_once(self) -> None:
         """Send {digest: leases by name} and the acknowledged drains; adopt the registry's draining pairs."""
         acked = sorted(self.draining)  # taken before the residency snapshot
-        with self.bank.lock:  # one consistent snapshot of both views
-            residency, by_name = self.bank.residency(), self.bank.leases_by_name()
+        with self.slots.lock:  # one consistent snapshot of both views
+            residency, by_name = self.slots.residency(), self.slots.leases_by_name()
         resident = [adapters_pb2.ResidentDigest(digest=d, leases=n, by_name=[
             adapters_pb2.NameLeases(name=k, leases=v) for k, v in sorted(by_name.get(d, {}).items())])
             for d, n in residency.items()]
@@ -216,10 +218,12 @@ class AdapterClient:
             raise failure from None
 
     async def close(self) -> None:
+        """Stop the reports and close the channel; a later acquire (on any loop) opens them again."""
         if self._reporter is not None:
             self._reporter.cancel()
         if self._channel is not None:
-            await self._channel.close()
+            channel, self._channel, self._stub = self._channel, None, None
+            await channel.close()
 
 
 def _factor(name: str, module: str, part: str, message) -> torch.Tensor:

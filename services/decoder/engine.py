@@ -1,9 +1,17 @@
 """The engine: owns model, cache, scheduler and adapter bank; a background thread steps it.
 
+Lifecycle: `LLMEngine(config, adapters)` builds nothing; `await start()` loads the model on the
+engine thread and starts the adapter source (adapter_source.py) on the caller's loop; `await
+stop()` closes the source and ends the thread. `health()` and `info()` report on it. The engine
+knows no transport: the servicer converts protobuf to the domain types (types.py) and back.
+
 `generate(...)` (asyncio) validates and submits a request and yields `RequestOutput`s that the
 engine thread hands over with `loop.call_soon_threadsafe`, once per step. Leaving the iterator
 early (client cancel, deadline, disconnect) aborts the request: its blocks and adapter lease are
 freed before the next step.
+
+Request lifecycle points: arrival (`_admit`), each token (`_append_token`), finish or abort
+(`_finish` / `_retire`); preemption is the scheduler's (scheduler.py).
 
 The whole step is guarded: an error in scheduling, the forward, the scheduler's update or token
 bookkeeping fails that step's requests (their blocks and leases come back) and the loop goes on.
@@ -26,13 +34,12 @@ import torch
 from transformers import AutoTokenizer
 
 from services.common.compute import claim_intra_op_threads
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.liveness import Liveness
-from services.decoder.adapter_client import AdapterClient
+from services.decoder.adapter_source import AdapterSource, InMemoryAdapterSource
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import DecoderConfig, read_model_config
 from services.decoder.detokenizer import IncrementalDetokenizer
-from services.decoder.inputs import GenerateInput
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import AdapterSlots, LoRAContext, target_shapes
 from services.decoder.lora.registry import make_backend
@@ -41,24 +48,13 @@ from services.decoder.model_runner import ModelRunner
 from services.decoder.models import load_model
 from services.decoder.multimodal import PromptBuilder
 from services.decoder.prefix_cache import BlockHasher
-from services.decoder.request import Request, RequestOutput, RequestStatus, Usage
-from services.decoder.sampler import Sample, make_generator
+from services.decoder.request import Request, RequestStatus
+from services.decoder.sampler import make_generator
 from services.decoder.scheduler import Scheduler
 from services.decoder.stats import DecoderStats
+from services.decoder.types import DecoderInfo, EngineStats, GenerateInput, RequestOutput, Sample, Usage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_blocks: int
-    num_free_blocks: int
-    num_running: int
-    num_waiting: int
-    num_cached_blocks: int = 0
-    prefix_cache_queries: int = 0      # admissions that looked the prefix cache up
-    prefix_cache_hits: int = 0         # admissions that reused at least one cached block
-    prefix_cache_hit_tokens: int = 0
 
 
 @dataclass
@@ -71,18 +67,13 @@ class _Stream:
 
 
 class LLMEngine:
-    def __init__(self, config: DecoderConfig, num_threads: int | None = None) -> None:
-        """Loads the model on the engine thread (the process's one multi-threaded torch thread, see
-        services/common/compute.py) and returns once it is ready; load errors are re-raised here.
+    """Continuous batching over one model. `adapters` resolves the LoRA adapter a request names
+    (default: an empty `InMemoryAdapterSource`, so every name is NotFound)."""
 
-        `num_threads`: the engine thread's intra-op threads (None = torch.get_num_threads() here;
-        a caller on a worker thread passes it so that thread never initializes torch threading).
-        """
+    def __init__(self, config: DecoderConfig, adapters: AdapterSource | None = None) -> None:
         self.config = config
-        self.model_config = read_model_config(config.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        self.adapters = adapters if adapters is not None else InMemoryAdapterSource()
         self.dtype = getattr(torch, config.dtype)
-        self.eos_token_ids = self._eos_token_ids()
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._requests: dict[str, Request] = {}
@@ -93,8 +84,35 @@ class LLMEngine:
         self.metrics = DecoderStats(Path(config.model_dir).name)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(num_threads or torch.get_num_threads(),),
-                                        name="decoder-engine", daemon=True)
+        self._thread: threading.Thread | None = None
+        self.started = False  # the model is loaded and the engine thread steps
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the model on the engine thread (the process's one multi-threaded torch thread, see
+        services/common/compute.py), then start the adapter source on the running loop. Returns
+        once both are ready; load errors are raised here."""
+        # read on the loop's thread: the worker waiting for the load never touches torch threading
+        num_threads = torch.get_num_threads()
+        await asyncio.to_thread(self._launch, num_threads)
+        await self.adapters.start(self.bank)
+        self.started = True
+
+    async def stop(self) -> None:
+        """Close the adapter source and end the engine thread."""
+        await self.adapters.close()
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """End the engine thread (blocks up to 10 s); the adapter source stays open."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _launch(self, num_threads: int) -> None:
+        self._thread = threading.Thread(target=self._run, args=(num_threads,), name="decoder-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
@@ -102,6 +120,9 @@ class LLMEngine:
 
     def _build(self) -> None:
         config = self.config
+        self.model_config = read_model_config(config.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        self.eos_token_ids = self._eos_token_ids()
         self.model = load_model(config.model_dir, self.dtype, config.mrope_section)
         spec = self.model.spec
         self.cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads,
@@ -110,8 +131,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
         self.bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype)
-        self.adapters = AdapterClient(config.adapters_address, self.bank,
-                                      host_cache_bytes=config.adapter_host_cache_mb << 20)
         self.image_token_id = self._image_token_id()
         vision = VisionTokens.from_config(self.model_config) if is_qwen2_vl(self.model_config) else None
         self.prompts = PromptBuilder(self.tokenizer, spec.vocab_size, spec.hidden_size,
@@ -147,48 +166,22 @@ class LLMEngine:
         return ids
 
     # ---- public API ----------------------------------------------------------------------
-    async def generate(self, request_input: GenerateInput,
-                       lora_slot: int | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_input: GenerateInput) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs; the last one carries finish_reason and usage.
 
-        `request_input.lora` is resolved through the registry and leased; a caller that already
-        holds a lease on a bank slot, taken without a name (`bank.acquire(digest)`), passes
-        `lora_slot` instead (the engine releases it at the end).
-
-        Raises (before the first output): InvalidArgument (bad prompt, too long), NotFound /
-        Unavailable (adapter), ResourceExhausted (waiting queue full), Unavailable (the engine
-        thread has stopped; also raised mid-stream when it stops). With every adapter slot leased
-        the admission waits for one to free.
+        `request_input.lora` names an adapter, leased from the adapter source for the request's
+        life. Raises (before the first output): InvalidArgument (bad prompt, too long), NotFound /
+        FailedPrecondition / Unavailable (adapter), ResourceExhausted (waiting queue full),
+        Unavailable (still loading, or the engine thread has stopped; also raised mid-stream when
+        it stops). With every adapter slot leased the admission waits for one to free.
         """
-        slot = lora_slot
-        lease_name = request_input.lora if lora_slot is None else ""  # the name the lease is taken as
-        try:
-            self.liveness.raise_if_dead()
-            prompt = await asyncio.to_thread(self.prompts.build, request_input)
-            self._check_length(len(prompt.token_ids), request_input.sampling.max_tokens)
-            if slot is None and request_input.lora:
-                slot = await self.adapters.acquire(request_input.lora)
-        except BaseException:
-            if slot is not None:
-                self.bank.release(slot, lease_name)
-            raise
-        requests = self._make_requests(request_input, prompt, slot, lease_name)
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        try:
-            with self._cond:
-                self.liveness.raise_if_dead()  # under the lock: a dying engine fails what it holds, or we see it
-                self.scheduler.add(*requests)
-                self.metrics.on_arrival(requests)
-                for request in requests:
-                    self._requests[request.key] = request
-                    self._streams[request.key] = _Stream(loop, queue, IncrementalDetokenizer(
-                        self.tokenizer, prompt.token_ids, request.sampling.stop))
-                self._cond.notify()
-        except BaseException:
-            for request in requests:
-                if request.lora_slot is not None:
-                    self.bank.release(request.lora_slot, request.lora_name)
-            raise
+        self._check_serving()
+        prompt = await asyncio.to_thread(self.prompts.build, request_input)
+        self._check_length(len(prompt.token_ids), request_input.sampling.max_tokens)
+        slot = await self.adapters.acquire(request_input.lora) if request_input.lora else None
+        requests = self._make_requests(request_input, prompt, slot, request_input.lora)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._admit(requests, prompt.token_ids, queue)
         num_finished = 0
         try:
             while num_finished < len(requests):
@@ -201,6 +194,26 @@ class LLMEngine:
             if num_finished < len(requests):
                 for request in requests:
                     self.abort(request.key)
+
+    def _admit(self, requests: list[Request], prompt_ids: list[int], queue: asyncio.Queue) -> None:
+        """Hand `requests` to the scheduler; their outputs go to `queue` on the running loop. On a
+        refusal (queue full, dead engine) their leases are given back and the error raised."""
+        loop = asyncio.get_running_loop()
+        try:
+            with self._cond:
+                self.liveness.raise_if_dead()  # under the lock: a dying engine fails what it holds, or we see it
+                self.scheduler.add(*requests)
+                self.metrics.on_arrival(requests)
+                for request in requests:
+                    self._requests[request.key] = request
+                    self._streams[request.key] = _Stream(loop, queue, IncrementalDetokenizer(
+                        self.tokenizer, prompt_ids, request.sampling.stop))
+                self._cond.notify()
+        except BaseException:
+            for request in requests:
+                if request.lora_slot is not None:
+                    self.adapters.release(request.lora_slot, request.lora_name)
+            raise
 
     def _make_requests(self, request_input: GenerateInput, prompt, slot: int | None, lease_name: str) -> list[Request]:
         """The n choices: choice i samples with seed + i and holds its own adapter lease on `slot`
@@ -233,8 +246,28 @@ class LLMEngine:
             self._cond.notify()
 
     def health(self) -> str | None:
-        """None while the engine thread runs and completes steps; else why not (see `Liveness`)."""
+        """None while the engine thread runs and completes steps (or is still loading: a service
+        says NOT_SERVING until `start` returns anyway); else why not (see `Liveness`)."""
+        if not self.started:
+            return None
         return self.liveness.check(bool(self._aborts) or self.scheduler.has_work())
+
+    def info(self) -> DecoderInfo:
+        """The served model and the engine's load now. Raises Unavailable while still loading."""
+        self._check_serving(dead_ok=True)
+        spec = self.model.spec
+        return DecoderInfo(model=Path(self.config.model_dir).name, architecture=spec.architecture,
+                           dtype=self.config.dtype, max_model_len=self.config.max_model_len,
+                           vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, block_size=self.config.block_size,
+                           mrope_section=tuple(self.config.mrope_section or ()), image_token_id=self.image_token_id,
+                           stats=self.stats(), resident_adapters=self.adapters.resident_names())
+
+    def _check_serving(self, dead_ok: bool = False) -> None:
+        """Raises Unavailable while the model is loading, or (unless `dead_ok`) once the engine died."""
+        if not self.started:
+            raise Unavailable("the decoder is still loading its model")
+        if not dead_ok:
+            self.liveness.raise_if_dead()
 
     def stats(self) -> EngineStats:
         with self._cond:
@@ -249,12 +282,6 @@ class LLMEngine:
             return None
         digest = None if lora_slot is None else self.bank.digest_of(lora_slot)
         return BlockHasher.for_prompt(self.config.block_size, prompt, digest, self.config.mrope_section)
-
-    def shutdown(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
 
     def _check_length(self, num_prompt: int, max_tokens: int) -> None:
         limit = self.config.max_model_len
@@ -397,7 +424,7 @@ class LLMEngine:
         self.scheduler.finish(request, reason)
         self.metrics.on_finish(request, reason)
         if request.lora_slot is not None:
-            self.bank.release(request.lora_slot, request.lora_name)
+            self.adapters.release(request.lora_slot, request.lora_name)
         self._requests.pop(request.key, None)
         return self._streams.pop(request.key)
 
@@ -414,6 +441,22 @@ class LLMEngine:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the caller's loop is closed; nobody is listening
                 pass
+
+
+def start_engine(config: DecoderConfig, adapters: AdapterSource | None = None) -> LLMEngine:
+    """An engine started outside any event loop (scripts, benchmarks, tests); `shutdown()` ends it.
+
+    The source's loop-bound work (a registry's residency reports and channel) is closed with the
+    loop `start` ran on; the registry source resumes it on the loop of its next acquire.
+    """
+    engine = LLMEngine(config, adapters)
+
+    async def start() -> None:
+        await engine.start()
+        await engine.adapters.close()
+
+    asyncio.run(start())
+    return engine
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

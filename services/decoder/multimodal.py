@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from services.common.errors import InvalidArgument
-from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, ImageSpan, Part,
+from services.decoder.types import (ChatMessage, GenerateInput, ImagePart, ImageSpan, Part,
                                      PromptInputs, RawImagePart, TextPart)
 from services.decoder.prefix_cache import rows_digest
 

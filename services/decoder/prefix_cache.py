@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.inputs import PromptInputs
+from services.decoder.types import PromptInputs
 
 ROOT_PARENT = bytes(32)
 

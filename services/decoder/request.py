@@ -1,46 +1,19 @@
-"""A request's life inside the engine: tokens, progress through the prompt, outputs."""
+"""A request's life inside the engine: tokens, progress through the prompt, lease and status."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 
 import torch
 
-from services.decoder.inputs import PromptInputs, SamplingParams
 from services.decoder.prefix_cache import BlockHasher
-from services.decoder.sampler import Sample
+from services.decoder.types import PromptInputs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    image_tokens: int
-    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class RequestOutput:
-    """What one engine step produced for one request (deltas since the previous output)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
-    usage: Usage | None = None
-    logprobs: list[Sample] = field(default_factory=list)  # one per token id when requested
-    index: int = 0                    # choice index among the request's n
 
 
 class Request:

@@ -8,20 +8,11 @@ tokens whatever else shares its batch. Log-probabilities describe the raw model 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from services.decoder.inputs import SamplingParams
-
-
-@dataclass
-class Sample:
-    """One chosen token; `logprob`/`top` are filled only when the request asked for logprobs."""
-
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+from services.decoder.types import Sample, SamplingParams
 
 
 @dataclass

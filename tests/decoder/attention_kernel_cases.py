@@ -44,14 +44,14 @@ def engine_case(model_dir: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from decoder_testing import capture_logits, run_requests
     from services.decoder.config import DecoderConfig
-    from services.decoder.engine import LLMEngine
-    from services.decoder.inputs import GenerateInput, SamplingParams
+    from services.decoder.engine import start_engine
+    from services.decoder.types import GenerateInput, SamplingParams
 
     prompts = [list(range(100, 120)), [5, 6, 7]]
     results = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(DecoderConfig(model_dir=model_dir, num_blocks=16, block_size=8, max_model_len=128,
-                                         max_num_batched_tokens=12, attention_backend=backend))
+        engine = start_engine(DecoderConfig(model_dir=model_dir, num_blocks=16, block_size=8, max_model_len=128,
+                                            max_num_batched_tokens=12, attention_backend=backend))
         logits = capture_logits(engine)
         try:
             ids = [r[0] for r in run_requests(engine, [GenerateInput(SamplingParams(max_tokens=4), request_id=f"r{i}",

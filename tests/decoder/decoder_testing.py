@@ -208,18 +208,19 @@ def check_greedy(engine, refs, requests, concurrent: bool = True) -> list[tuple[
 async def with_decoder_server(config, body):
     """Serve a DecoderServicer for `config` on a free local port; returns `await body(stub, servicer)`."""
     from services.common.server import create_server, insecure_channel
+    from services.decoder.engine import LLMEngine
     from services.decoder.servicer import DecoderServicer
     from tessera.v1 import decoder_pb2_grpc
 
-    servicer = DecoderServicer(config)
+    servicer = DecoderServicer(LLMEngine(config))
     server = create_server()
     decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    await servicer.start()
+    await servicer.engine.start()
     try:
         async with insecure_channel(f"127.0.0.1:{port}") as channel:
             return await body(decoder_pb2_grpc.DecoderStub(channel), servicer)
     finally:
         await server.stop(0)
-        await servicer.stop()
+        await servicer.engine.stop()

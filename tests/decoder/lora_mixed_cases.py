@@ -20,8 +20,9 @@ from decoder_testing import capture_logits, hf_reference
 from services.adapters.base_model import BaseModelShapes
 from services.adapters.peft_format import read_peft_adapter
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import LoRAWeights
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -68,25 +69,28 @@ def peft_references(model_dir: Path, root: Path) -> dict[str, tuple[list[int], t
 
 def run_engine(model_dir: Path, root: Path, backend: str) -> dict[str, tuple[list[int], torch.Tensor]]:
     """All 8 requests (2 prompts x base + 3 adapters) submitted at once to one engine."""
-    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256,
-                                     adapter_slots=len(ADAPTERS), max_lora_rank=MAX_RANK, lora_backend=backend))
+    engine = start_engine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256,
+                                        adapter_slots=len(ADAPTERS), max_lora_rank=MAX_RANK, lora_backend=backend),
+                          InMemoryAdapterSource())
     try:
         for name in ADAPTERS:
-            engine.bank.load(registry_weights(model_dir, root, name))
+            weights = registry_weights(model_dir, root, name)
+            engine.bank.load(weights)
+            engine.adapters.add(name, weights)
         logits = capture_logits(engine)
         jobs = []
         for name in [None, *ADAPTERS]:
             for i, prompt in enumerate(PROMPTS):
-                slot = None if name is None else engine.bank.acquire(registry_weights(model_dir, root, name).digest)
                 request = GenerateInput(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
-                                        request_id=f"{name or 'base'}-{i}", prompt_token_ids=tuple(prompt))
-                jobs.append((request, slot))
+                                        request_id=f"{name or 'base'}-{i}", prompt_token_ids=tuple(prompt),
+                                        lora=name or "")
+                jobs.append((request, name))
 
-        async def collect(request, slot):
-            return [t async for out in engine.generate(request, lora_slot=slot) for t in out.token_ids]
+        async def collect(request):
+            return [t async for out in engine.generate(request) for t in out.token_ids]
 
         async def main():
-            return await asyncio.gather(*(collect(r, s) for r, s in jobs))
+            return await asyncio.gather(*(collect(r) for r, _ in jobs))
 
         ids = asyncio.run(main())
         assert all(engine.bank.num_leases(s) == 0 for s in range(engine.bank.num_slots))

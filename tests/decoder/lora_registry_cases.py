@@ -17,8 +17,9 @@ from transformers import LlamaForCausalLM
 
 from services.common.launch import ServiceProcess
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.engine import LLMEngine, start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2
 
 PROMPT = [1, 5, 77, 300, 12, 9, 44, 8, 19]
@@ -64,8 +65,9 @@ def peft_ids(model_dir: Path, adapter_dir: Path | None, prompt=PROMPT, new_token
 
 
 def make_engine(model_dir: Path, address: str, slots: int) -> LLMEngine:
-    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256, adapter_slots=slots,
-                                     max_lora_rank=MAX_RANK, adapters_address=address))
+    config = DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256, adapter_slots=slots,
+                           max_lora_rank=MAX_RANK, adapters_address=address)
+    engine = start_engine(config, RegistryAdapterSource.from_config(config))
     engine.adapters.report_interval_s = 0.05
     engine.adapters.slot_wait_poll_s = 0.2
     return engine

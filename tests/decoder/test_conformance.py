@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from decoder_testing import cancel_mid_stream, check_greedy, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 
 NEW_TOKENS = 64
 LENGTHS = [1, 3, 5, 9, 16, 17, 20, 24, 31, 33, 40, 47, 50, 57, 64, 70]
@@ -36,7 +36,7 @@ def _engine(model_dir, attention_backend="torch", **overrides):
     options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16,
                    attention_backend=attention_backend)
     options.update(overrides)
-    return LLMEngine(DecoderConfig(**options))
+    return start_engine(DecoderConfig(**options))
 
 
 def _greedy(prompt, request_id, max_tokens=NEW_TOKENS):

@@ -8,6 +8,7 @@ block, on the running engine instance.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -16,8 +17,10 @@ import pytest
 import torch
 
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.common.errors import Unavailable
+from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.engine import LLMEngine, start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import LoRAWeights
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
@@ -33,8 +36,8 @@ def _request(request_id: str, max_tokens: int = 4) -> GenerateInput:
                          prompt_token_ids=tuple(range(100, 120)))
 
 
-async def _tokens(engine: LLMEngine, request: GenerateInput, lora_slot: int | None = None) -> list[int]:
-    return [t async for out in engine.generate(request, lora_slot=lora_slot) for t in out.token_ids]
+async def _tokens(engine: LLMEngine, request: GenerateInput, lora: str = "") -> list[int]:
+    return [t async for out in engine.generate(dataclasses.replace(request, lora=lora)) for t in out.token_ids]
 
 
 def _fail_once(owner, name: str):
@@ -50,8 +53,8 @@ def _fail_once(owner, name: str):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=32, max_model_len=256, max_num_seqs=1,
-                                     wedged_after_s=1.0))
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=32, max_model_len=256, max_num_seqs=1,
+                                        wedged_after_s=1.0), InMemoryAdapterSource())
     yield engine
     engine.shutdown()
 
@@ -59,14 +62,16 @@ def engine(tiny_llama):
 @pytest.mark.parametrize("owner,name", [("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "update")])
 def test_a_bad_step_fails_only_its_requests(engine, owner, name):
     torch.manual_seed(0)  # a small adapter on q_proj: each request holds a lease on its slot
-    slot = engine.bank.load(LoRAWeights("digest-x", {f"model.layers.{i}.self_attn.q_proj": (
-        torch.randn(4, 64) * 0.1, torch.randn(64, 4) * 0.1) for i in range(2)}))
+    weights = LoRAWeights("digest-x", {f"model.layers.{i}.self_attn.q_proj": (
+        torch.randn(4, 64) * 0.1, torch.randn(64, 4) * 0.1) for i in range(2)})
+    slot = engine.bank.load(weights)
+    engine.adapters.add("x", weights)
 
     async def main():
         _fail_once(getattr(engine, owner), name)
         # max_num_seqs 1: the failing step holds one request; the other waits, then runs
         results = await asyncio.wait_for(asyncio.gather(*(
-            _tokens(engine, _request(key), engine.bank.acquire("digest-x")) for key in ("a", "b")),
+            _tokens(engine, _request(key), "x") for key in ("a", "b")),
             return_exceptions=True), 30)
         failed = [r for r in results if isinstance(r, BaseException)]
         assert len(failed) == 1 and isinstance(failed[0], RuntimeError)
@@ -114,7 +119,8 @@ def test_a_wedged_engine_turns_unhealthy_after_the_bound(engine):
 
 
 def test_a_dead_engine_says_not_serving_and_fails_requests_at_once(tiny_llama):
-    servicer = DecoderServicer(DecoderConfig(model_dir=str(tiny_llama), num_blocks=32, max_model_len=256))
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=32, max_model_len=256))
+    servicer = DecoderServicer(engine)
 
     def register(server):
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
@@ -124,7 +130,7 @@ def test_a_dead_engine_says_not_serving_and_fails_requests_at_once(tiny_llama):
         raise EngineKilled("injected: the scheduler took the engine thread down")
 
     async def main():
-        async with serving("decoder", register, servicer.health, start=servicer.start, stop=servicer.stop) as channel:
+        async with serving("decoder", register, engine.health, start=engine.start, stop=engine.stop) as channel:
             stub = decoder_pb2_grpc.DecoderStub(channel)
             watch = WatchedHealth(channel, "tessera.v1.Decoder")
             await watch.wait_for(SERVING, 5)
@@ -158,3 +164,19 @@ def test_the_wedge_bound_is_a_flag(tiny_llama):
     assert parse_args(["--model-dir", str(tiny_llama)])[1].wedged_after_s == 60.0
     with pytest.raises(ValueError, match="wedged_after_s must be > 0 seconds, got -1"):
         DecoderConfig(model_dir=str(tiny_llama), wedged_after_s=-1)
+
+
+def test_an_engine_not_started_refuses_with_unavailable(tiny_llama):
+    """Before `start` nothing is loaded: generate and info raise UNAVAILABLE, health has no verdict
+    (the server says NOT_SERVING until start returns), and stop is safe."""
+    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=32, max_model_len=256))
+
+    async def main():
+        with pytest.raises(Unavailable, match="still loading its model"):
+            await _tokens(engine, _request("early"))
+        with pytest.raises(Unavailable, match="still loading its model"):
+            engine.info()
+        assert engine.health() is None and not engine.started
+        await engine.stop()
+
+    asyncio.run(main())

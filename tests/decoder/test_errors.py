@@ -8,8 +8,8 @@ import torch
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams,
+from services.decoder.engine import start_engine
+from services.decoder.types import (ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams,
                                      TextPart)
 from services.decoder.multimodal import PromptInputs
 from services.decoder.request import Request
@@ -18,7 +18,7 @@ from services.decoder.scheduler import Scheduler
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64))
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64))
     yield engine
     engine.shutdown()
 
@@ -87,8 +87,8 @@ def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(tiny_llama):
     whose caller went away leaves the queue, and a new request is admitted in its place."""
     import threading
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64, max_num_seqs=1,
-                                     max_waiting=1))
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64, max_num_seqs=1,
+                                        max_waiting=1))
     execute, in_step, resume = engine.runner.execute, threading.Event(), threading.Event()
 
     def slow_execute(out):

@@ -10,8 +10,9 @@ from transformers import LlamaForCausalLM
 from decoder_testing import hf_greedy
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import AdapterSlots, LoRAWeights
 
 PROMPTS = [[1, 5, 77, 300, 12], list(range(100, 130))]
@@ -56,23 +57,27 @@ def test_lora_and_base_in_one_batch_equal_peft_and_base(tiny_llama):
     refs_base = [hf_greedy(tiny_llama, p, NEW_TOKENS) for p in PROMPTS]
     assert refs_a != refs_base and refs_b != refs_base
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
-                                     max_lora_rank=16))
+    adapters = InMemoryAdapterSource()
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
+                                        max_lora_rank=16), adapters)
     try:
-        slot_a = engine.bank.load(_weights(peft_a, "digest-a"))
-        slot_b = engine.bank.load(_weights(peft_b, "digest-b"))
+        weights_a, weights_b = _weights(peft_a, "digest-a"), _weights(peft_b, "digest-b")
+        slot_a = engine.bank.load(weights_a)
+        slot_b = engine.bank.load(weights_b)
+        adapters.add("a", weights_a)
+        adapters.add("b", weights_b)
         assert (slot_a, slot_b) == (0, 1)
-        requests, slots = [], []
+        requests = []
         for prompt in PROMPTS:
-            for digest in ("digest-a", None, "digest-b"):  # a leased slot per adapter request
-                requests.append(GenerateInput(SamplingParams(max_tokens=NEW_TOKENS), prompt_token_ids=tuple(prompt)))
-                slots.append(engine.bank.acquire(digest) if digest else None)
+            for name in ("a", "", "b"):  # a leased slot per adapter request
+                requests.append(GenerateInput(SamplingParams(max_tokens=NEW_TOKENS), prompt_token_ids=tuple(prompt),
+                                              lora=name))
 
-        async def collect(request, slot):
-            return [t async for out in engine.generate(request, lora_slot=slot) for t in out.token_ids]
+        async def collect(request):
+            return [t async for out in engine.generate(request) for t in out.token_ids]
 
         async def main():
-            return await asyncio.gather(*(collect(r, s) for r, s in zip(requests, slots)))
+            return await asyncio.gather(*(collect(r) for r in requests))
 
         results = asyncio.run(main())
         expected = [ref for triple in zip(refs_a, refs_base, refs_b) for ref in triple]
@@ -106,22 +111,22 @@ def test_non_finite_logits_fail_only_their_request(tiny_llama):
     probabilities used to fail multinomial, and with it every request of the step)."""
     from services.common.errors import FailedPrecondition
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
-                                     max_lora_rank=16))
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
+                                        max_lora_rank=16), InMemoryAdapterSource())
     shapes = engine.bank.module_shapes
     huge = LoRAWeights("huge", {name: (torch.full((4, i), 1e30), torch.full((o, 4), 1e30))
                                 for name, (i, o) in shapes.items() if name.endswith(("o_proj", "down_proj"))})
     slot = engine.bank.load(huge)
+    engine.adapters.add("huge", huge)
 
-    async def sampled(lora_slot):
+    async def sampled(lora):
         request = GenerateInput(SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True),
-                                prompt_token_ids=tuple(PROMPTS[1]))
-        return [t async for out in engine.generate(request, lora_slot=lora_slot) for t in out.token_ids]
+                                prompt_token_ids=tuple(PROMPTS[1]), lora=lora)
+        return [t async for out in engine.generate(request) for t in out.token_ids]
 
     async def main():
-        alone = await sampled(None)
-        engine.bank.acquire("huge")
-        together = await asyncio.gather(sampled(slot), sampled(None), return_exceptions=True)
+        alone = await sampled("")
+        together = await asyncio.gather(sampled("huge"), sampled(""), return_exceptions=True)
         return alone, together
 
     try:
@@ -140,13 +145,15 @@ def test_an_overflowing_request_leaves_no_poison_in_reused_blocks(tiny_llama):
     from services.common.errors import FailedPrecondition
 
     def engine_():
-        return LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=6, block_size=16, max_model_len=96,
-                                       adapter_slots=2, max_lora_rank=16, enable_prefix_caching=False))
+        return start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=6, block_size=16, max_model_len=96,
+                                          adapter_slots=2, max_lora_rank=16, enable_prefix_caching=False),
+                            InMemoryAdapterSource())
 
-    def run(engine, prompt, slot=None):
+    def run(engine, prompt, lora=""):
         async def go():
-            request = GenerateInput(SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=tuple(prompt))
-            return [t async for out in engine.generate(request, lora_slot=slot) for t in out.token_ids]
+            request = GenerateInput(SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=tuple(prompt),
+                                    lora=lora)
+            return [t async for out in engine.generate(request) for t in out.token_ids]
         return asyncio.run(go())
 
     prompts = [list(range(10 + i, 10 + i + 5 + 7 * i)) for i in range(5)]
@@ -159,11 +166,11 @@ def test_an_overflowing_request_leaves_no_poison_in_reused_blocks(tiny_llama):
     try:
         huge = LoRAWeights("huge", {name: (torch.full((4, i), 1e30), torch.full((o, 4), 1e30))
                                     for name, (i, o) in engine.bank.module_shapes.items()})
-        slot = engine.bank.load(huge)
+        engine.bank.load(huge)
+        engine.adapters.add("huge", huge)
         for _ in range(3):
-            engine.bank.acquire("huge")
             with pytest.raises(FailedPrecondition, match="not finite"):
-                run(engine, list(range(200, 260)), slot)
+                run(engine, list(range(200, 260)), "huge")
         assert [run(engine, p) for p in prompts] == expected
         assert all(bool(torch.isfinite(v).all()) for v in engine.cache.value)
     finally:
@@ -176,23 +183,23 @@ def test_hidden_states_past_float32_range_fail_the_request(tiny_llama):
     logits were flat and finite and greedy served token 0 forever. The request must fail instead."""
     from services.common.errors import FailedPrecondition
 
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
-                                     max_lora_rank=16))
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
+                                        max_lora_rank=16), InMemoryAdapterSource())
     name = "model.layers.0.self_attn.o_proj"
     in_f, out_f = engine.bank.module_shapes[name]
     loud = LoRAWeights("loud", {name: (torch.full((4, in_f), 1.0), torch.full((out_f, 4), 1e20))})
     slot = engine.bank.load(loud)
+    engine.adapters.add("loud", loud)
 
-    async def run(lora_slot):
+    async def run(lora):
         request = GenerateInput(SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True),
-                                prompt_token_ids=tuple(PROMPTS[1]))
-        return [out async for out in engine.generate(request, lora_slot=lora_slot)]
+                                prompt_token_ids=tuple(PROMPTS[1]), lora=lora)
+        return [out async for out in engine.generate(request)]
 
     try:
-        engine.bank.acquire("loud")
         with pytest.raises(FailedPrecondition, match="hidden states or logits of this request are not finite"):
-            asyncio.run(run(slot))
-        base = asyncio.run(run(None))  # the base model is unharmed
+            asyncio.run(run("loud"))
+        base = asyncio.run(run(""))  # the base model is unharmed
         assert sum(len(out.token_ids) for out in base) == 4
         assert engine.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
     finally:

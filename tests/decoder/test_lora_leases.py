@@ -25,8 +25,9 @@ from decoder_testing import hf_reference
 from lora_mixed_cases import save_adapters
 from services.common.errors import FailedPrecondition
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,8 +70,9 @@ def _peft_ids(model_dir, adapter_dir):
 
 def _engine(model_dir, address):
     """An engine on the registry at `address`, reporting leases every 50 ms."""
-    engine = LLMEngine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256, adapter_slots=2,
-                                     max_lora_rank=16, adapters_address=address))
+    config = DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256, adapter_slots=2,
+                           max_lora_rank=16, adapters_address=address)
+    engine = start_engine(config, RegistryAdapterSource.from_config(config))
     engine.adapters.report_interval_s = 0.05
     return engine
 

@@ -14,7 +14,9 @@ from lora_mixed_cases import registry_weights
 from lora_registry_cases import (assert_nothing_leaked, generate, load_request, make_engine, peft_ids, run,
                                  save_all_adapters, start_registry)
 from services.common.errors import NotFound, Unavailable
+from services.decoder.adapter_client import RegistryAdapterSource
 from services.decoder.config import DecoderConfig
+from services.decoder.engine import LLMEngine
 from services.decoder.servicer import DecoderServicer
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
@@ -122,16 +124,17 @@ def test_registry_restart_fails_no_request_and_resident_adapters_keep_serving(ti
 
 
 def test_decoder_service_reports_residency_from_start(tiny_llama, root, tmp_path):
-    """servicer.start() starts the residency reports: weights made resident without any request
+    """engine.start() starts the residency reports: weights made resident without any request
     (so no acquire ever ran) show up in the registry's ListAdapters under this decoder's id."""
     registry = start_registry(tiny_llama, root, tmp_path / "catalog.sqlite3")
-    servicer = DecoderServicer(DecoderConfig(model_dir=str(tiny_llama), num_blocks=16, max_model_len=128,
-                                             adapter_slots=1, max_lora_rank=16, adapters_address=registry.address))
+    config = DecoderConfig(model_dir=str(tiny_llama), num_blocks=16, max_model_len=128, adapter_slots=1,
+                           max_lora_rank=16, adapters_address=registry.address)
+    servicer = DecoderServicer(LLMEngine(config, RegistryAdapterSource.from_config(config)))
 
     async def main():
         async with grpc.aio.insecure_channel(registry.address) as channel:
             await adapters_pb2_grpc.AdaptersStub(channel).LoadAdapter(load_request("pre", "pattern16"))
-        await servicer.start()
+        await servicer.engine.start()
         try:
             servicer.engine.adapters.report_interval_s = 0.05
             servicer.engine.bank.load(registry_weights(tiny_llama, root, "pattern16"))
@@ -143,7 +146,7 @@ def test_decoder_service_reports_residency_from_start(tiny_llama, root, tmp_path
                 await asyncio.sleep(0.05)
             return [], servicer.engine.adapters.decoder_id
         finally:
-            await servicer.stop()
+            await servicer.engine.stop()
 
     try:
         reported, decoder_id = run(main())

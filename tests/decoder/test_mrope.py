@@ -6,8 +6,8 @@ from transformers import LlamaForCausalLM
 
 from decoder_testing import hf_greedy, run_requests
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams, TextPart
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
 
 SECTION = (2, 3, 3)  # tiny model: head_dim 16 -> 8 rotary pairs
 IMAGE_TOKEN = "<repo_name>"
@@ -18,7 +18,7 @@ def _engine(model_dir, **overrides):
     options = dict(model_dir=str(model_dir), num_blocks=64, max_model_len=512, mrope_section=SECTION,
                    image_token=IMAGE_TOKEN)
     options.update(overrides)
-    return LLMEngine(DecoderConfig(**options))
+    return start_engine(DecoderConfig(**options))
 
 
 @pytest.fixture(scope="module")

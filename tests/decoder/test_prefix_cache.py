@@ -7,7 +7,7 @@ import struct
 import torch
 
 from services.decoder.block_manager import BlockManager
-from services.decoder.inputs import ImageSpan, PromptInputs, SamplingParams
+from services.decoder.types import ImageSpan, PromptInputs, SamplingParams
 from services.decoder.prefix_cache import BlockHasher, hash_block, image_keys, rows_digest
 from services.decoder.request import Request
 from services.decoder.scheduler import Scheduler

@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 from decoder_testing import capture_logits, capture_prompt_logits, run_requests, with_decoder_server
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
+from services.decoder.engine import start_engine
+from services.decoder.types import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource
@@ -45,7 +45,7 @@ def tiny(tmp_path_factory):
 def _engine(directory, **overrides):
     options = dict(model_dir=str(directory), num_blocks=64, block_size=8, max_model_len=512)
     options.update(overrides)
-    return LLMEngine(DecoderConfig(**options))
+    return start_engine(DecoderConfig(**options))
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,15 @@ import pytest
 
 from decoder_testing import run_requests
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 
 PROMPT = (1, 5, 77, 300, 12)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512))
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512))
     yield engine
     engine.shutdown()
 

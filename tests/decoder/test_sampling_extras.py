@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM
 from decoder_testing import hf_reference
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import GenerateInput, SamplingParams
-from services.decoder.protocol import output_to_pb, sampling_from_pb
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
+from services.decoder.convert import output_to_pb, sampling_from_pb
 from tessera.v1 import decoder_pb2
 
 PROMPT = tuple(range(300, 340))  # 40 tokens: 2 full 16-token blocks
@@ -19,7 +19,7 @@ PROMPT = tuple(range(300, 340))  # 40 tokens: 2 full 16-token blocks
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    engine = LLMEngine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512))
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512))
     yield engine
     engine.shutdown()
 

@@ -1,7 +1,7 @@
 """Scheduler on a tiny pool: chunked prefill, decode-first order, recompute preemption (exact block ids)."""
 
 from services.decoder.block_manager import BlockManager
-from services.decoder.inputs import PromptInputs, SamplingParams
+from services.decoder.types import PromptInputs, SamplingParams
 from services.decoder.request import Request, RequestStatus
 from services.decoder.scheduler import Scheduler
 

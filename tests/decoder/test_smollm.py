@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from decoder_testing import cancel_mid_stream, check_greedy, run_requests
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import LLMEngine
-from services.decoder.inputs import ChatMessage, GenerateInput, SamplingParams, TextPart
+from services.decoder.engine import start_engine
+from services.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
 
 NEW_TOKENS = 64
 PAD = 2
@@ -75,7 +75,7 @@ def _engine(model_dir, attention_backend="torch", **overrides):
     options = dict(model_dir=str(model_dir), num_blocks=160, max_model_len=512, max_num_seqs=16,
                    attention_backend=attention_backend)
     options.update(overrides)
-    return LLMEngine(DecoderConfig(**options))
+    return start_engine(DecoderConfig(**options))
 
 
 def _greedy(prompt, request_id, max_tokens=NEW_TOKENS):

@@ -22,9 +22,9 @@ from decoder_testing import with_decoder_server
 from services.common.errors import InvalidArgument
 from services.common.server import create_server
 from services.common.tensor import to_pb
-from services.decoder.adapter_client import AdapterClient
+from services.decoder.adapter_client import RegistryAdapterSource
 from services.decoder.config import DecoderConfig
-from services.decoder.inputs import GenerateInput, ImagePart, SamplingParams
+from services.decoder.types import GenerateInput, ImagePart, SamplingParams
 from services.decoder.lora import AdapterSlots
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
@@ -110,10 +110,10 @@ def test_image_rows_are_checked_on_arrival(tiny):
 
 def test_image_rows_must_be_finite_in_the_compute_dtype(tiny):
     """Rows are cast to the model's dtype: a float16 decoder refuses rows past 65504 (inf there)."""
-    from services.decoder.engine import LLMEngine
+    from services.decoder.engine import start_engine
 
     directory, encoded = tiny
-    engine = LLMEngine(_config(directory))
+    engine = start_engine(_config(directory))
     try:
         half = copy.copy(engine.prompts)
         half.compute_dtype = torch.float16
@@ -129,7 +129,7 @@ def test_image_rows_must_be_finite_in_the_compute_dtype(tiny):
 def test_forged_rows_under_a_real_hash_never_share_the_images_kv(tiny):
     """Observed: rows x -3 sent with image X's real content hash were cached under X's key, and a
     later user of X was served that forged prefix. The key now digests the rows received."""
-    from services.decoder.protocol import generate_from_pb
+    from services.decoder.convert import generate_from_pb
 
     directory, encoded = tiny
     genuine = _request(_image(encoded))
@@ -187,7 +187,8 @@ def test_adapter_weights_from_the_registry_are_checked_on_arrival(lora_b, needle
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         bank = AdapterSlots(num_slots=1, max_rank=4, module_shapes={"m.q_proj": (4, 4)})
-        client = AdapterClient(f"127.0.0.1:{port}", bank, timeout_s=5.0)
+        client = RegistryAdapterSource(f"127.0.0.1:{port}", timeout_s=5.0)
+        await client.start(bank)
         try:
             with pytest.raises(InvalidArgument) as refusal:
                 await client.acquire("support")

@@ -1,7 +1,7 @@
 /* BGMV for CPUs: the LoRA corrections of decode rows, grouped by adapter slot (float32).
  *
  * Built and loaded with paged_attention.c by services/decoder/kernels/native.py; called by the
- * "cpu" LoRA backend (kernels/backend.py) for decode rows, one call per projection.
+ * "cpu" LoRA backend (services/decoder/lora/cpu_backend.py) for decode rows, one call per projection.
  *
  * Rows rows[group_starts[g]:group_starts[g + 1]] use slot group_slots[g]. Each slot's factors are
  * read once per call, whatever its number of rows:

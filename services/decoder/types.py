@@ -1,9 +1,10 @@
-"""Domain types for what a Generate call asks for (the servicer converts protobuf into these)."""
+"""The decoder's domain types: what a Generate call asks for (parts, messages, sampling), what
+the engine answers (outputs, usage, sampled tokens) and what it reports (`DecoderInfo`,
+`EngineStats`). No protobuf here: convert.py maps the wire messages onto these."""
 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch
@@ -11,9 +12,9 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.limits import MAX_N, MAX_TOP_LOGPROBS
 
-
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class TextPart:
@@ -46,8 +47,6 @@ Part = TextPart | ImagePart | RawImagePart
 class ChatMessage:
     role: str
     content: tuple[Part, ...]
-
-
 
 
 @dataclass
@@ -159,3 +158,72 @@ class PromptInputs:
     @property
     def num_image_tokens(self) -> int:
         return sum(s.rows.shape[0] for s in self.image_spans)
+
+
+@dataclass
+class Sample:
+    """One chosen token; `logprob`/`top` are filled only when the request asked for logprobs."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    image_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (deltas since the previous output)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    usage: Usage | None = None
+    logprobs: list[Sample] = field(default_factory=list)  # one per token id when requested
+    index: int = 0                    # choice index among the request's n
+
+
+@dataclass
+class EngineStats:
+    """The scheduler's and the KV cache's state now (counts of blocks and requests)."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0      # admissions that looked the prefix cache up
+    prefix_cache_hits: int = 0         # admissions that reused at least one cached block
+    prefix_cache_hit_tokens: int = 0
+
+
+@dataclass
+class DecoderInfo:
+    """What a decoder serves and its load now (GetInfo's answer).
+
+    `mrope_section` is empty for a text-only decoder (image parts are refused); `image_token_id`
+    is None then. `resident_adapters`: adapter names whose weights sit in a device slot (sorted).
+    """
+
+    model: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    block_size: int
+    mrope_section: tuple[int, ...]
+    image_token_id: int | None
+    stats: EngineStats
+    resident_adapters: list[str] = field(default_factory=list)

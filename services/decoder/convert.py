@@ -1,14 +1,13 @@
-"""Protobuf <-> domain conversion for the Decoder service (the only decoder module, with the
-servicer and the adapter client, that touches generated stubs)."""
+"""Protobuf <-> domain conversion for the Decoder service (types.py); with the servicer and the
+registry client (adapter_client.py) the only decoder modules that touch generated stubs."""
 
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
 from services.common.limits import GenerateLimits, check_generate
 from services.common.tensor import FLOAT_DTYPES, from_pb
-from services.decoder.inputs import (ChatMessage, GenerateInput, ImagePart, Part, RawImagePart,
-                                     SamplingParams, TextPart)
-from services.decoder.request import RequestOutput
+from services.decoder.types import (ChatMessage, DecoderInfo, GenerateInput, ImagePart, Part, RawImagePart,
+                                    RequestOutput, SamplingParams, TextPart)
 from tessera.v1 import decoder_pb2, tensor_pb2
 
 
@@ -72,3 +71,14 @@ def output_to_pb(output: RequestOutput) -> decoder_pb2.GenerateResponse:
                                                  total_tokens=u.total_tokens, image_tokens=u.image_tokens,
                                                  cached_prompt_tokens=u.cached_prompt_tokens))
     return response
+
+
+def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:
+    stats = info.stats
+    return decoder_pb2.DecoderInfo(
+        model=info.model, architecture=info.architecture, max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, hidden_size=info.hidden_size, block_size=info.block_size,
+        num_blocks=stats.num_blocks, num_free_blocks=stats.num_free_blocks, mrope_section=list(info.mrope_section),
+        image_token_id=info.image_token_id or 0, num_running=stats.num_running, num_waiting=stats.num_waiting,
+        dtype=info.dtype, num_cached_blocks=stats.num_cached_blocks, prefix_cache_hits=stats.prefix_cache_hits,
+        prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens, resident_adapters=info.resident_adapters)
