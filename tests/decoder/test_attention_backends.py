@@ -4,8 +4,8 @@ reference (triton in the interpreter subprocess of test_triton_attention.py, whi
 attention_kernel_cases.backend_case("triton"))."""
 
 import pytest
-
 from attention_kernel_cases import backend_case
+
 from services.decoder.attention import ATTENTION_BACKENDS, make_attention_backend
 from services.decoder.config import DecoderConfig
 from services.decoder.kernels import native

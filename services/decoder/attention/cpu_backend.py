@@ -84,8 +84,8 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
     def build_metadata(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]],
                        cache: KVCache) -> CpuAttentionMetadata:
         batch = split_batch(scheduled, block_tables, cache.block_size)
-        meta = CpuAttentionMetadata(slot_mapping=batch.slot_mapping, write_index=cache.write_index(batch.slot_mapping),
-                                    prefills=batch.prefills)
+        slots = batch.slot_mapping
+        meta = CpuAttentionMetadata(slot_mapping=slots, write_index=cache.write_index(slots), prefills=batch.prefills)
         if batch.decode_rows:
             meta.block_size = cache.block_size
             meta.decode = decode_metadata(batch.decode_rows, batch.decode_tables, batch.decode_lens, cache.block_size)

@@ -192,8 +192,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
     def build_metadata(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]],
                        cache: KVCache) -> TorchAttentionMetadata:
         batch = split_batch(scheduled, block_tables, cache.block_size)
-        meta = TorchAttentionMetadata(slot_mapping=batch.slot_mapping, write_index=cache.write_index(batch.slot_mapping),
-                                      prefills=batch.prefills)
+        slots = batch.slot_mapping
+        meta = TorchAttentionMetadata(slot_mapping=slots, write_index=cache.write_index(slots), prefills=batch.prefills)
         if batch.decode_rows:
             meta.block_size = cache.block_size
             meta.decode_groups, meta.decode_index = plan_decode(
