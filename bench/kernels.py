@@ -116,7 +116,7 @@ def _attention_case(batch: int, context: int, heads: int, kv_heads: int, head_di
                     gen: torch.Generator, device: torch.device, dtype: torch.dtype,
                     repeats: int) -> tuple[float, float, float]:
     """(Triton ms, torch ms, max difference) for `batch` sequences of `context` positions."""
-    from services.decoder.triton_attention import triton_paged_attention
+    from services.decoder.attention.triton_kernel import triton_paged_attention
 
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq

@@ -12,14 +12,13 @@ from services.common.limits import GenerateLimits
 from services.common.mrope import check_mrope_section, parse_mrope_section
 from services.common.paths import default_decoder_dir
 from services.common.server import default_address
-from services.decoder.kernels import native
+from services.decoder.attention import ATTENTION_BACKENDS
 from services.decoder.lora.registry import LORA_BACKENDS
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEFAULT_MAX_MODEL_LEN = 8192
-ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 
 
 def read_model_config(model_dir: str | Path) -> dict:
@@ -48,10 +47,10 @@ class DecoderConfig:
     capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
     image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
 `enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
-`attention_backend`: "torch" (CPU default), "triton" (paged attention kernel; needs a GPU, or
-TRITON_INTERPRET=1 on CPU, and a power-of-two block_size) or "cpu" (decode rows in a C kernel built
-at start with the C compiler, cpu_attention.py; float32 only; about 3x faster decode attention than
-the torch path on long contexts).
+`attention_backend`: a name in services/decoder/attention's registry: "torch" (CPU default),
+"triton" (paged attention kernel; needs a GPU, or TRITON_INTERPRET=1 on CPU, and a power-of-two
+block_size) or "cpu" (decode rows in a C kernel built with the C compiler when the engine starts;
+float32 only; faster decode attention than the torch path on long contexts: bench/results/kernels.md).
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
@@ -83,9 +82,9 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
     enable_prefix_caching: bool = _flag(True, "share KV blocks of full prompt blocks between requests",
                                         flag="--prefix-caching")
     attention_backend: str = _flag("torch", "paged attention implementation; triton needs a GPU (or "
-                                            "TRITON_INTERPRET=1); cpu: decode rows in a C kernel built at start "
-                                            "(needs a C compiler with OpenMP, float32)",
-                                   choices=ATTENTION_BACKENDS)
+                                            "TRITON_INTERPRET=1); cpu: decode rows in a C kernel built when the "
+                                            "engine starts (needs a C compiler with OpenMP, float32)",
+                                   choices=tuple(ATTENTION_BACKENDS))
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
     wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
@@ -109,19 +108,14 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"lora_backend must be one of {tuple(LORA_BACKENDS)}, got {self.lora_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.attention_backend == "triton" and self.block_size & (self.block_size - 1):
-            raise ValueError(f"the triton attention backend needs a power-of-two block_size, got {self.block_size}")
+            raise ValueError(f"attention_backend must be one of {tuple(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if "cpu" in (self.attention_backend, self.lora_backend):
+        ATTENTION_BACKENDS[self.attention_backend].check_config(self.block_size, self.dtype)
+        if self.lora_backend == "cpu":
             if self.dtype != "float32":
-                raise ValueError(f"the cpu attention and LoRA backends compute float32 only, got dtype {self.dtype!r}")
-        if self.attention_backend == "cpu":
-            try:
-                native.load()  # builds the kernels now: a missing compiler fails at start, not mid-request
-            except RuntimeError as exc:
-                raise ValueError(str(exc)) from exc
+                raise ValueError(f"the cpu LoRA backend computes float32 only, got dtype {self.dtype!r}")
         outer = read_model_config(self.model_dir)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused

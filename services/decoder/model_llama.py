@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from services.decoder.attention import AttentionMetadata, paged_attention
+from services.decoder.attention import AttentionBackend, AttentionMetadata
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import linear
 from services.decoder.lora import LoRALinear
@@ -112,16 +112,16 @@ class LlamaAttention(nn.Module):
         return q, k
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                attention: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)     # [n, heads, head_dim]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
         q, k = self.normalize_qk(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        cache.write(self.layer, meta.write_index, k, v)
+        attention.write_kv(cache, self.layer, k, v, meta)
         k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
+        out = attention.forward(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -147,8 +147,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+    def forward(self, x, cos, sin, cache, attention, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attention, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, embed_rows: torch.Tensor | None = None,
+                attention: AttentionBackend, meta: AttentionMetadata, embed_rows: torch.Tensor | None = None,
                 embed_values: torch.Tensor | None = None) -> torch.Tensor:
         """Run every layer over a flat batch.
 
@@ -191,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
             input_ids: int64 [num_tokens].
             positions: int64 [num_tokens] (RoPE) or [3, num_tokens] (M-RoPE t/h/w).
             cache: the paged KV cache; this step's K/V are written at `meta.slot_mapping`.
+            attention: the backend that writes K/V and attends; `meta` is its metadata for this step.
             embed_rows / embed_values: optional int64 [n] flat rows whose embedding lookup is
                 replaced by `embed_values` [n, hidden] (projected image rows).
         Returns:
@@ -202,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             x[embed_rows] = embed_values.to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [num_tokens, head_dim]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, meta)
+            x = layer(x, cos, sin, cache, attention, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

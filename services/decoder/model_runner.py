@@ -1,4 +1,4 @@
-"""Executes one scheduler step: flat batch inputs, attention metadata, forward, sampling.
+"""Executes one scheduler step: flat batch inputs, the attention backend's metadata, forward, sampling.
 
 Flat batch layout (two requests, one decoding, one prefilling a chunk):
 
@@ -17,10 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, TesseraError
-from services.decoder.attention import (AttentionMetadata, TritonMetadata, decode_group_cap, plan_decode,
-                                        prefill_span)
-from services.decoder.block_manager import BlockManager, padded_block_tables
-from services.decoder.cpu_attention import decode_metadata
+from services.decoder.attention import AttentionMetadata, make_attention_backend
+from services.decoder.block_manager import BlockManager
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import BASE_SLOT, LoRAContext, attach_context
 from services.decoder.model_llama import LlamaForCausalLM
@@ -33,7 +31,8 @@ from services.decoder.scheduler import ScheduledRequest, SchedulerOutput
 class ModelInputs:
     input_ids: torch.Tensor        # int64 [num_tokens]
     positions: torch.Tensor        # int64 [num_tokens] or [3, num_tokens]
-    meta: AttentionMetadata
+    meta: AttentionMetadata         # the attention backend's own metadata type
+    decode_rows: torch.Tensor | None  # int64 [num_decodes] rows of single-token (decode) requests; None: none
     embed_rows: torch.Tensor | None  # int64 [n] rows replaced by image rows
     embed_values: torch.Tensor | None  # [n, hidden]
     token_slots: torch.Tensor | None  # int64 [num_tokens] adapter slot per row (-1 = base)
@@ -44,7 +43,12 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
                  lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch") -> None:
-        self.attention_backend = attention_backend
+        """`attention_backend`: a name in services/decoder/attention's registry, constructed here.
+
+        Raises:
+            ValueError: an unknown backend, or one that cannot run on this machine.
+        """
+        self.attention = make_attention_backend(attention_backend)
         self.model = model
         self.cache = cache
         self.block_manager = block_manager
@@ -52,23 +56,17 @@ class ModelRunner:
         if lora is not None:
             attach_context(model, lora)
         self.mrope = mrope
-        self.max_group_positions = decode_group_cap(cache.head_dim, cache.dtype)
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
-        ids, positions, slots, prefills = [], [], [], []
-        decode_rows, decode_lens, embed_rows, embed_values, token_slots = [], [], [], [], []
+        ids, positions, decode_rows, embed_rows, embed_values, token_slots = [], [], [], [], [], []
         sample_rows, sampled = [], []
         row = 0
         for item in out.scheduled:
             request, start, end = item.request, item.start, item.end
             ids.extend(request.token_ids(start, end))
             positions.append(request.rope_positions(start, end, self.mrope))
-            slots.append(self.block_manager.slot_mapping(request.key, start, end))
             if item.num_new_tokens == 1:
                 decode_rows.append(row)
-                decode_lens.append(end)
-            else:
-                prefills.append(prefill_span(row, start, self.block_manager.slot_mapping(request.key, 0, end)))
             offsets, blocks = request.image_rows(start, end)
             embed_rows.extend(row + o for o in offsets)
             embed_values.extend(blocks)
@@ -78,42 +76,20 @@ class ModelRunner:
                 sample_rows.append(row + item.num_new_tokens - 1)
                 sampled.append(item)
             row += item.num_new_tokens
-        slot_mapping = torch.cat(slots)
-        meta = AttentionMetadata(slot_mapping, self.cache.write_index(slot_mapping), prefills)
-        if decode_rows:
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-        if self.attention_backend == "triton":
-            meta.triton = self._triton_metadata(out)
-        elif decode_rows:
-            tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled
-                      if item.num_new_tokens == 1]
-            meta.block_size = self.cache.block_size
-            if self.attention_backend == "cpu":
-                meta.cpu = decode_metadata(decode_rows, tables, decode_lens, self.cache.block_size)
-            else:
-                meta.decode_groups, meta.decode_index = plan_decode(
-                    decode_rows, tables, decode_lens, self.cache.block_size, self.cache.num_kv_heads,
-                    self.cache.num_blocks, self.max_group_positions)
+        block_tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
+        meta = self.attention.build_metadata(out.scheduled, block_tables, self.cache)
         slot_tensor = torch.cat(token_slots)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions, dim=-1),
             meta=meta,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long) if decode_rows else None,
             embed_rows=torch.tensor(embed_rows, dtype=torch.long) if embed_rows else None,
             embed_values=torch.cat(embed_values) if embed_values else None,
             token_slots=slot_tensor if bool((slot_tensor != BASE_SLOT).any()) else None,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             sampled=sampled,
         )
-
-    def _triton_metadata(self, out: SchedulerOutput) -> TritonMetadata:
-        """Per-token sequence rows and causal context lengths; block tables padded with block 0."""
-        block_tables = padded_block_tables([self.block_manager.block_table(item.request.key)
-                                            for item in out.scheduled])
-        token_seq = torch.cat([torch.full((item.num_new_tokens,), row, dtype=torch.int32)
-                               for row, item in enumerate(out.scheduled)])
-        context_lens = torch.cat([torch.arange(item.start + 1, item.end + 1, dtype=torch.int32) for item in out.scheduled])
-        return TritonMetadata(block_tables, token_seq, context_lens, self.block_manager.block_size)
 
     @torch.inference_mode()
     def logits(self, inputs: ModelInputs) -> torch.Tensor:
@@ -126,7 +102,7 @@ class ModelRunner:
         if self.lora is None:
             hidden = self._forward(inputs)
         else:
-            with self.lora.step(inputs.token_slots, inputs.meta.decode_rows):
+            with self.lora.step(inputs.token_slots, inputs.decode_rows):
                 hidden = self._forward(inputs)
         residual = hidden[inputs.sample_rows]  # [num_sampled, hidden], before the final norm
         logits = self.model.compute_logits(residual)  # [num_sampled, vocab]
@@ -134,7 +110,7 @@ class ModelRunner:
         return logits.masked_fill_(overflow[:, None], float("nan"))
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, self.cache, inputs.meta,
+        return self.model(inputs.input_ids, inputs.positions, self.cache, self.attention, inputs.meta,
                           inputs.embed_rows, inputs.embed_values)
 
     @torch.inference_mode()

@@ -1,17 +1,24 @@
 """Triton paged attention vs the torch path; run in a subprocess with TRITON_INTERPRET=1 (Triton reads
-it when kernels are defined). `python tests/decoder/attention_kernel_cases.py MODEL_DIR` prints OK lines."""
+it when kernels are defined). `python tests/decoder/attention_kernel_cases.py MODEL_DIR` prints OK lines.
+`backend_case` runs any registered backend from a scheduled batch (test_attention_backends.py)."""
 
 import os
 import sys
 
 import torch
 
-from services.decoder.attention import AttentionMetadata, paged_attention, plan_decode, prefill_span
-from services.decoder.triton_attention import triton_paged_attention
+from services.decoder.attention import make_attention_backend
+from services.decoder.attention.torch_backend import TorchAttentionMetadata, paged_attention, plan_decode, prefill_span
+from services.decoder.inputs import PromptInputs, SamplingParams
+from services.decoder.kv_cache import KVCache
+from services.decoder.request import Request
+from services.decoder.scheduler import ScheduledRequest
 
 
 def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> float:
     """One causal prefill chunk (positions 5..9 of a 10-token sequence) and two decodes, scattered blocks."""
+    from services.decoder.attention.triton_kernel import triton_paged_attention  # defines the kernel
+
     torch.manual_seed(num_heads * 100 + head_dim)
     num_blocks = 12
     k = torch.randn(num_kv_heads, num_blocks * block_size, head_dim)  # head-major, as KVCache
@@ -24,9 +31,9 @@ def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
         return torch.tensor(tables[seq])[pos // block_size] * block_size + pos % block_size
 
     query = torch.randn(7, num_heads, head_dim)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(7, dtype=torch.long),
-                             prefills=[prefill_span(0, 5, slots(0, 10))])
-    meta.decode_rows, meta.block_size = torch.tensor([5, 6]), block_size
+    meta = TorchAttentionMetadata(slot_mapping=torch.zeros(7, dtype=torch.long),
+                                  prefills=[prefill_span(0, 5, slots(0, 10))])
+    meta.block_size = block_size
     meta.decode_groups, meta.decode_index = plan_decode([5, 6], tables[1:], lengths[1:], block_size, num_kv_heads,
                                                         num_blocks)
     expected = paged_attention(query, k, v, meta, head_dim ** -0.5)
@@ -37,6 +44,46 @@ def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     context_lens = torch.tensor([6, 7, 8, 9, 10, lengths[1], lengths[2]], dtype=torch.int32)
     got = triton_paged_attention(query, k, v, padded, token_seq, context_lens, block_size, head_dim ** -0.5)
     return float((got - expected).abs().max())
+
+
+def backend_case(name: str, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 24, block_size: int = 4) -> float:
+    """Backend `name` through its own metadata, from a scheduled batch: largest |difference| to a
+    float64 per-row reference. The batch: a prefill chunk (positions 5..9 of 10), a decode at position
+    2 * block_size - 4, a whole 7-token prompt, a decode at position 3 * block_size - 1; blocks scattered."""
+    torch.manual_seed(7)
+    tables = [[7, 2, 9, 4], [3, 11], [6, 10], [0, 5, 8]]
+    # (positions computed before this step, positions computed in it) per request
+    steps = [(5, 5), (2 * block_size - 4, 1), (0, 7), (3 * block_size - 1, 1)]
+    cache = KVCache(1, 12, block_size, num_kv_heads, head_dim, torch.float32)
+    k_cache, v_cache = cache.layer(0)
+    k_cache.normal_(), v_cache.normal_()
+    scheduled = []
+    for i, (computed, new) in enumerate(steps):
+        request = Request(f"r{i}", f"r{i}", PromptInputs(list(range(computed + new))), SamplingParams(max_tokens=1))
+        request.num_computed_tokens = computed
+        scheduled.append(ScheduledRequest(request, new))
+    num_tokens = sum(new for _, new in steps)
+    query = torch.randn(num_tokens, num_heads, head_dim)
+    key, value = torch.randn(num_tokens, num_kv_heads, head_dim), torch.randn(num_tokens, num_kv_heads, head_dim)
+    backend = make_attention_backend(name)
+    meta = backend.build_metadata(scheduled, tables, cache)
+    backend.write_kv(cache, 0, key, value, meta)
+    out = backend.forward(query, k_cache, v_cache, meta, head_dim ** -0.5)
+    rep, row, err = num_heads // num_kv_heads, 0, 0.0
+    for (computed, new), table in zip(steps, tables):
+        for position in range(computed, computed + new):  # row `row` sees positions 0..position
+            pos = torch.arange(position + 1)
+            slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+            k = k_cache[:, slots].double().repeat_interleave(rep, 0)  # [heads, ctx, d]
+            v = v_cache[:, slots].double().repeat_interleave(rep, 0)
+            weights = torch.softmax((k @ query[row].double()[:, :, None]).squeeze(-1) * head_dim ** -0.5, dim=-1)
+            expected = (weights[:, :, None] * v).sum(1)  # [heads, d]
+            err = max(err, float((out[row].double() - expected).abs().max()))
+            row += 1
+    new_slots = torch.cat([torch.tensor(t)[torch.arange(c, c + n) // block_size] * block_size
+                           + torch.arange(c, c + n) % block_size for (c, n), t in zip(steps, tables)])
+    assert torch.equal(k_cache[:, new_slots], key.transpose(0, 1)), "this step's K is not where write_kv put it"
+    return err
 
 
 def engine_case(model_dir: str) -> None:
@@ -74,4 +121,7 @@ if __name__ == "__main__":
         err = kernel_case(*case)
         assert err < 1e-5, (case, err)
         print("OK kernel", case, err)
+    err = backend_case("triton")
+    assert err < 1e-5, err
+    print("OK backend triton", err)
     engine_case(sys.argv[1])

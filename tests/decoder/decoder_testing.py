@@ -49,7 +49,7 @@ def make_tiny_llama(path: Path, seed: int = 0, family: str = "llama", **override
 
 @pytest.fixture(params=["torch", "cpu"])
 def attention_backend(request) -> str:
-    """Both CPU attention backends: the torch path, and the C kernel for decode rows (cpu_attention.py)."""
+    """Both CPU attention backends: the torch path, and the C kernel for decode rows (attention/cpu_backend.py)."""
     return request.param
 
 

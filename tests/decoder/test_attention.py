@@ -3,7 +3,8 @@ blocks) and prefill spans vs a per-row float64 reference (scattered blocks, GQA,
 
 import torch
 
-from services.decoder.attention import GROUP_COST_POSITIONS, AttentionMetadata, paged_attention, plan_decode, prefill_span
+from services.decoder.attention.torch_backend import (GROUP_COST_POSITIONS, TorchAttentionMetadata, paged_attention,
+                                                     plan_decode, prefill_span)
 from services.decoder.kv_cache import KVCache
 
 
@@ -30,8 +31,8 @@ def scattered(lengths, block_size, num_blocks, seed=0):
 
 
 def decode_meta(rows, tables, lengths, cache, num_tokens, prefills=(), **plan):
-    meta = AttentionMetadata(torch.zeros(num_tokens, dtype=torch.long), prefills=list(prefills))
-    meta.decode_rows, meta.block_size = torch.tensor(rows), cache.block_size
+    meta = TorchAttentionMetadata(slot_mapping=torch.zeros(num_tokens, dtype=torch.long), prefills=list(prefills))
+    meta.block_size = cache.block_size
     meta.decode_groups, meta.decode_index = plan_decode(rows, tables, lengths, cache.block_size,
                                                         cache.num_kv_heads, cache.num_blocks, **plan)
     return meta

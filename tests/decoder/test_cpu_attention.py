@@ -10,13 +10,20 @@ import random
 import pytest
 import torch
 
-from services.decoder import cpu_attention
-from services.decoder.attention import AttentionMetadata, paged_attention, prefill_span
+from services.decoder.attention import cpu_backend as cpu_attention
+from services.decoder.attention import make_attention_backend
+from services.decoder.attention.cpu_backend import CpuAttentionMetadata
+from services.decoder.attention.torch_backend import paged_attention, prefill_span
 from services.decoder.config import DecoderConfig
 from services.decoder.kernels import native
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora.registry import make_backend
 from test_attention import decode_meta, reference, scattered
+
+
+def cpu_paged_attention(query, k_cache, v_cache, meta, scale):
+    """The cpu backend's attention (prefill rows on the torch path, decode rows in the C kernel)."""
+    return make_attention_backend("cpu").forward(query, k_cache, v_cache, meta, scale)
 
 
 def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
@@ -34,9 +41,9 @@ def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
     prefill_slots = torch.arange(20, 30)  # a prefill chunk: positions 5..9 of a 10-token sequence
     prefills = [prefill_span(0, 5, prefill_slots)]
     torch_meta = decode_meta(rows, tables, lengths, cache, num_tokens, prefills)
-    cpu_meta = AttentionMetadata(torch.zeros(num_tokens, dtype=torch.long), prefills=prefills,
-                                 block_size=block_size)
-    cpu_meta.cpu = cpu_attention.decode_metadata(rows, tables, lengths, block_size)
+    cpu_meta = CpuAttentionMetadata(slot_mapping=torch.zeros(num_tokens, dtype=torch.long), prefills=prefills,
+                                    block_size=block_size)
+    cpu_meta.decode = cpu_attention.decode_metadata(rows, tables, lengths, block_size)
     return cache, query, rows, slots, torch_meta, cpu_meta
 
 
@@ -53,7 +60,7 @@ def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_
     k, v = cache.layer(0)
     scale = head_dim ** -0.5
     expected = paged_attention(query, k, v, torch_meta, scale)
-    got = paged_attention(query, k, v, cpu_meta, scale)
+    got = cpu_paged_attention(query, k, v, cpu_meta, scale)
     torch.testing.assert_close(got[:5], expected[:5], atol=0, rtol=0)  # prefill rows: the same torch code
     for row, row_slots in zip(rows, slots):
         torch.testing.assert_close(got[row], expected[row], atol=2e-6, rtol=0)
@@ -67,8 +74,8 @@ SEED_BLOCK_0_FREE = 3
 def test_stale_non_finite_slots_past_the_context_are_never_read():
     cache, query, rows, slots, _, cpu_meta = _case(9, 3, 64, 16, [5, 21, 40], seed=SEED_BLOCK_0_FREE)
     k, v = cache.layer(0)
-    clean = paged_attention(query, k, v, cpu_meta, 0.125)
-    tables = cpu_meta.cpu.block_tables
+    clean = cpu_paged_attention(query, k, v, cpu_meta, 0.125)
+    tables = cpu_meta.decode.block_tables
     for i, n in enumerate([5, 21, 40]):  # poison every slot of the row's last block past its length
         last = (n - 1) // 16
         block, used = int(tables[i, last]), n - 16 * last
@@ -77,7 +84,7 @@ def test_stale_non_finite_slots_past_the_context_are_never_read():
     used_blocks = {int(tables[i, j]) for i, n in enumerate([5, 21, 40]) for j in range(-(-n // 16))}
     assert 0 not in used_blocks  # block 0 only pads the tables in this seed's layout: poison it too
     k[:, 0:16], v[:, 0:16] = float("nan"), float("nan")
-    got = paged_attention(query, k, v, cpu_meta, 0.125)
+    got = cpu_paged_attention(query, k, v, cpu_meta, 0.125)
     for row in rows:
         assert torch.isfinite(got[row]).all()
         torch.testing.assert_close(got[row], clean[row], atol=0, rtol=0)
@@ -87,20 +94,20 @@ def test_a_row_does_not_depend_on_thread_count_or_its_neighbours():
     lengths = [random.Random(i).randint(1, 300) for i in range(24)]
     cache, query, rows, _, _, cpu_meta = _case(9, 3, 64, 16, lengths, seed=5)
     k, v = cache.layer(0)
-    both = paged_attention(query, k, v, cpu_meta, 0.125)
+    both = cpu_paged_attention(query, k, v, cpu_meta, 0.125)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = paged_attention(query, k, v, cpu_meta, 0.125)
+        one = cpu_paged_attention(query, k, v, cpu_meta, 0.125)
     finally:
         torch.set_num_threads(threads)
     for row in rows:
         torch.testing.assert_close(one[row], both[row], atol=0, rtol=0)
     # row 3 alone in its step
-    alone = AttentionMetadata(torch.zeros(query.shape[0], dtype=torch.long), block_size=16)
-    table = cpu_meta.cpu.block_tables[3].tolist()
-    alone.cpu = cpu_attention.decode_metadata([rows[3]], [table], [lengths[3]], 16)
-    torch.testing.assert_close(paged_attention(query, k, v, alone, 0.125)[rows[3]], both[rows[3]], atol=0, rtol=0)
+    alone = CpuAttentionMetadata(slot_mapping=torch.zeros(query.shape[0], dtype=torch.long), block_size=16)
+    table = cpu_meta.decode.block_tables[3].tolist()
+    alone.decode = cpu_attention.decode_metadata([rows[3]], [table], [lengths[3]], 16)
+    torch.testing.assert_close(cpu_paged_attention(query, k, v, alone, 0.125)[rows[3]], both[rows[3]], atol=0, rtol=0)
 
 
 def test_bad_inputs_are_refused():
@@ -108,15 +115,15 @@ def test_bad_inputs_are_refused():
     k, v = cache.layer(0)
     out = torch.empty_like(query)
     with pytest.raises(ValueError, match="contiguous float32"):
-        cpu_attention.paged_decode_attention(query.double(), k, v, cpu_meta.cpu, 4, 0.25, out)
+        cpu_attention.paged_decode_attention(query.double(), k, v, cpu_meta.decode, 4, 0.25, out)
     with pytest.raises(ValueError, match="contiguous float32"):
-        cpu_attention.paged_decode_attention(query.transpose(0, 1), k, v, cpu_meta.cpu, 4, 0.25, out)
+        cpu_attention.paged_decode_attention(query.transpose(0, 1), k, v, cpu_meta.decode, 4, 0.25, out)
     with pytest.raises(ValueError, match="shapes do not fit"):  # the cache's head_dim differs
         cpu_attention.paged_decode_attention(query, k[..., :8].contiguous(), v[..., :8].contiguous(),
-                                             cpu_meta.cpu, 4, 0.25, out)
+                                             cpu_meta.decode, 4, 0.25, out)
     with pytest.raises(ValueError, match="shapes do not fit"):  # tables narrower than the contexts
-        cpu_attention.paged_decode_attention(query, k, v, cpu_meta.cpu, 2, 0.25, out)
-    m = cpu_meta.cpu
+        cpu_attention.paged_decode_attention(query, k, v, cpu_meta.decode, 2, 0.25, out)
+    m = cpu_meta.decode
     with pytest.raises(ValueError, match="max_context"):  # score buffers would be too small
         cpu_attention.CpuDecodeMetadata(m.rows, m.block_tables, m.context_lens, 4)
     with pytest.raises(ValueError, match="int32"):
@@ -129,11 +136,11 @@ def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypa
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(ValueError, match="need a C compiler"):
-        DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu")
+        make_attention_backend("cpu")
     monkeypatch.setenv("CC", "false")  # fails silently: the message still names the command
     with pytest.raises(ValueError, match="'false .*' exited with 1: \\(no output\\)"):
         make_backend("cpu")
     monkeypatch.setenv("CC", "true")  # "succeeds" without building anything
     with pytest.raises(ValueError, match="built but could not be loaded"):
-        DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu")
+        make_attention_backend("cpu")
     assert DecoderConfig(model_dir=str(tiny_llama)).attention_backend == "torch"  # the default needs none

@@ -1,4 +1,4 @@
-"""Paged attention in torch (CPU default): prefill per sequence, decode batched in length groups.
+"""The torch attention backend (CPU default): prefill per sequence, decode batched in length groups.
 
 Both read K/V back from the cache through slots, so a prefill chunk attends to every earlier
 chunk and a recomputed request sees exactly what it wrote. The cache is head-major (see
@@ -22,12 +22,18 @@ plus score matmuls took 147 ms with one gather for all groups and 57 ms in cappe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from services.decoder.cpu_attention import CpuDecodeMetadata, paged_decode_attention
+from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, cache_slots
+
+if TYPE_CHECKING:
+    from services.decoder.kv_cache import KVCache
+    from services.decoder.scheduler import ScheduledRequest
 
 # A group costs a few ops per layer; in gathered positions that is about this many (one SDPA call
 # and two row copies ~ 40 us; one position of K and V for all kv heads ~ 0.17 us on CPU).
@@ -75,36 +81,14 @@ class DecodeGroup:
     first_row: int | None = None  # set when rows are first_row, first_row + 1, ...: slices, no row gather
 
 
-@dataclass
-class AttentionMetadata:
-    """Per-step attention inputs shared by every layer.
+@dataclass(kw_only=True)
+class TorchAttentionMetadata(AttentionMetadata):
+    """The torch backend's step: prefill spans, and decode rows in length groups (see `plan_decode`)."""
 
-    slot_mapping: int64 [num_tokens], where each new token's K/V is written.
-    write_index: int64 [kv_heads * num_tokens], those slots as flat cache rows (`KVCache.write_index`).
-    decode_rows: int64 [num_decodes], flat rows of single-token (decode) sequences.
-    decode_groups / decode_index / block_size: see `plan_decode`.
-    """
-
-    slot_mapping: torch.Tensor
-    write_index: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
-    decode_rows: torch.Tensor | None = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     decode_index: torch.Tensor | None = None
     block_size: int = 0
-    triton: "TritonMetadata | None" = None  # set: the Triton kernel runs instead of the torch path
-    cpu: "CpuDecodeMetadata | None" = None  # set: decode rows run the CPU kernel (cpu_attention.py), not decode_groups
-
-
-@dataclass
-class TritonMetadata:
-    """Inputs of `triton_paged_attention`: block_tables int32 [num_seqs, max_blocks] (padded with
-    block 0), token_seq int32 [num_tokens], context_lens int32 [num_tokens] (query position + 1)."""
-
-    block_tables: torch.Tensor
-    token_seq: torch.Tensor
-    context_lens: torch.Tensor
-    block_size: int
 
 
 def prefill_span(token_start: int, num_computed: int, context_slots: torch.Tensor) -> PrefillSpan:
@@ -168,25 +152,80 @@ def plan_decode(rows: list[int], block_tables: list[list[int]], context_lens: li
     return groups, torch.cat(index)
 
 
+@dataclass
+class BatchSplit:
+    """A scheduled batch as the torch and cpu backends read it: prefill spans, and the decode rows
+    (one new token each) with their block tables and context lengths."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    prefills: list[PrefillSpan]
+    decode_rows: list[int]
+    decode_tables: list[Sequence[int]]
+    decode_lens: list[int]
+
+
+def split_batch(scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]],
+                block_size: int) -> BatchSplit:
+    """Slots of every row; a request computing several tokens becomes a prefill span over its whole
+    context, one computing a single token a decode row."""
+    slots, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], []
+    row = 0
+    for item, table in zip(scheduled, block_tables):
+        if item.num_new_tokens == 1:
+            slots.append(cache_slots(table, item.start, item.end, block_size))
+            decode_rows.append(row)
+            decode_tables.append(table)
+            decode_lens.append(item.end)
+        else:
+            context = cache_slots(table, 0, item.end, block_size)  # [end]
+            slots.append(context[item.start:])
+            prefills.append(prefill_span(row, item.start, context))
+        row += item.num_new_tokens
+    return BatchSplit(torch.cat(slots), prefills, decode_rows, decode_tables, decode_lens)
+
+
+class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
+    """The CPU default: SDPA per prefill span, decode rows as batched matmuls in length groups."""
+
+    name = "torch"
+
+    def build_metadata(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]],
+                       cache: KVCache) -> TorchAttentionMetadata:
+        batch = split_batch(scheduled, block_tables, cache.block_size)
+        slots = batch.slot_mapping
+        meta = TorchAttentionMetadata(slot_mapping=slots, write_index=cache.write_index(slots), prefills=batch.prefills)
+        if batch.decode_rows:
+            meta.block_size = cache.block_size
+            meta.decode_groups, meta.decode_index = plan_decode(
+                batch.decode_rows, batch.decode_tables, batch.decode_lens, cache.block_size, cache.num_kv_heads,
+                cache.num_blocks, decode_group_cap(cache.head_dim, cache.dtype))
+        return meta
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(query, k_cache, v_cache, meta, scale)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of `query` [num_tokens, heads, head_dim] over the slot-indexed caches.
 
     `k_cache`/`v_cache` are head-major [kv_heads, slots, head_dim] (already holding this step's
     K/V). Grouped-query heads share KV as in transformers' `repeat_kv` (head h reads kv head
-    h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim]. With `meta.triton` set the
-    Triton kernel computes the same result (see triton_attention.py); with `meta.cpu` set the decode
-    rows come from the CPU kernel (cpu_attention.py).
+    h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim].
     """
-    if meta.triton is not None:
-        from services.decoder.triton_attention import triton_paged_attention  # optional dependency
-
-        t = meta.triton
-        return triton_paged_attention(query, k_cache, v_cache, t.block_tables, t.token_seq, t.context_lens,
-                                      t.block_size, scale)
-    num_rep = query.shape[1] // k_cache.shape[0]
     out = torch.empty_like(query)
-    for span in meta.prefills:
+    prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out)
+    if meta.decode_groups:
+        _decode(query, k_cache, v_cache, meta, query.shape[1] // k_cache.shape[0], scale, out)
+    return out
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      prefills: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
+    """The prefill spans' rows of `out` [num_tokens, heads, head_dim]: SDPA over each span's context."""
+    num_rep = query.shape[1] // k_cache.shape[0]
+    for span in prefills:
         # 4-D inputs with enable_gqa: SDPA's CPU flash kernel (3-D inputs, or K/V repeated per
         # head, fall back to the slower math path)
         q = query[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
@@ -197,14 +236,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, enable_gqa=num_rep > 1)
         out[span.token_start:span.token_end] = o[0].transpose(0, 1)
-    if meta.cpu is not None:
-        paged_decode_attention(query, k_cache, v_cache, meta.cpu, meta.block_size, scale, out)
-    elif meta.decode_groups:
-        _decode(query, k_cache, v_cache, meta, num_rep, scale, out)
-    return out
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchAttentionMetadata,
             num_rep: int, scale: float, out: torch.Tensor) -> None:
     """Decode rows' attention into `out` (one token per row, groups from `plan_decode`).
 

@@ -1,23 +1,31 @@
-"""The CPU decode-attention kernel (kernels/paged_attention.c): built with the C compiler, called through ctypes.
+"""The cpu attention backend: decode rows in the C kernel (kernels/paged_attention.c, called through
+ctypes), prefill chunks on the torch path (SDPA's flash kernel, torch_backend.py).
 
-`attention_backend="cpu"` computes decode rows with it; prefill chunks stay on the torch path
-(SDPA's flash kernel). The torch path gathers each decode row's K/V blocks into padded groups and
-runs two batched matmuls on the copy; this kernel reads every K and V row once, straight from its
+The torch path gathers each decode row's K/V blocks into padded groups and runs two batched
+matmuls on the copy; this kernel reads every K and V row once, straight from its
 block, and never pads: on the 2-core CI machine, 32 rows x 150-700 positions, one SmolLM2 layer
 took 4.8 ms on the torch path and 1.6 ms here (float32, same results within 2e-7).
 
-The kernel is built at start with the C compiler (kernels/native.py) and runs on the calling
-thread's OpenMP team with torch's thread count.
+The kernel is built with the C compiler (kernels/native.py) when the backend is constructed, and
+runs on the calling thread's OpenMP team with torch's thread count. float32 only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from services.decoder.attention.backend import AttentionBackend, AttentionMetadata
+from services.decoder.attention.torch_backend import PrefillSpan, prefill_attention, split_batch
 from services.decoder.block_manager import padded_block_tables
 from services.decoder.kernels import native
+
+if TYPE_CHECKING:
+    from services.decoder.kv_cache import KVCache
+    from services.decoder.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -42,7 +50,57 @@ class CpuDecodeMetadata:
             raise ValueError(f"CpuDecodeMetadata: context_lens must lie in [1, max_context={self.max_context}]")
 
 
-def decode_metadata(rows: list[int], block_tables: list[list[int]], context_lens: list[int],
+@dataclass(kw_only=True)
+class CpuAttentionMetadata(AttentionMetadata):
+    """The cpu backend's step: prefill spans (torch path) and the kernel's decode rows (None: none)."""
+
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    decode: CpuDecodeMetadata | None = None
+    block_size: int = 0
+
+
+class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
+    """Decode rows in the C kernel, prefill spans as the torch backend computes them."""
+
+    name = "cpu"
+
+    @classmethod
+    def check_config(cls, block_size: int, dtype: str) -> None:
+        if dtype != "float32":
+            raise ValueError(f"the cpu attention backend computes float32 only, got dtype {dtype!r}")
+
+    def __init__(self) -> None:
+        """Builds the kernel now, so a missing compiler fails at start, not mid-request.
+
+        Raises:
+            ValueError: no working C compiler with OpenMP and glibc's libmvec, or the built library
+                cannot be loaded (the message names the command, its exit code and output).
+        """
+        try:
+            native.load()
+        except RuntimeError as exc:
+            raise ValueError(f"attention_backend 'cpu' cannot run here: {exc}") from exc
+
+    def build_metadata(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]],
+                       cache: KVCache) -> CpuAttentionMetadata:
+        batch = split_batch(scheduled, block_tables, cache.block_size)
+        slots = batch.slot_mapping
+        meta = CpuAttentionMetadata(slot_mapping=slots, write_index=cache.write_index(slots), prefills=batch.prefills)
+        if batch.decode_rows:
+            meta.block_size = cache.block_size
+            meta.decode = decode_metadata(batch.decode_rows, batch.decode_tables, batch.decode_lens, cache.block_size)
+        return meta
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out)
+        if meta.decode is not None:
+            paged_decode_attention(query, k_cache, v_cache, meta.decode, meta.block_size, scale, out)
+        return out
+
+
+def decode_metadata(rows: list[int], block_tables: Sequence[Sequence[int]], context_lens: list[int],
                     block_size: int) -> CpuDecodeMetadata:
     """Kernel inputs for decode `rows` whose contexts are positions [0, context_lens[i]) in blocks
     `block_tables[i]` (at least ceil(len / block_size) ids each)."""
