@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup deploy-tools models up demo test proto bench clean
+.PHONY: setup deploy-tools models up demo lint test proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,10 @@ up: models
 demo: models
 	$(BIN)/tessera demo
 
-test: models
+lint: setup
+	$(BIN)/ruff check services tests bench docs tessera
+
+test: models lint
 	$(BIN)/python -m pytest -q
 
 proto: setup

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                      default_backend, runs[-1]))
     rows += [("transformers generate, padded batches of 16", batched, around_batched),
              ("transformers generate, sequential", sequential, around_sequential)]
-    lines = [f"# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, fp32",
+    lines = ["# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, fp32",
              f"workload: {len(work)} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, "
              f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored)",
              f"decoder flags: {' '.join(flags)} --attention-backend {args.attention_backend} "

@@ -26,8 +26,7 @@ import grpc
 from services.common.launch import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("river mountain weather spring model vector search engine query document city music garden "
-         "history science language ocean forest market energy travel coffee morning library").split()
+WORDS = ["river", "mountain", "weather", "spring", "model", "vector", "search", "engine", "query", "document", "city", "music", "garden", "history", "science", "language", "ocean", "forest", "market", "energy", "travel", "coffee", "morning", "library"]
 
 
 def sentences(count: int, seed: int = 0) -> list[str]:

@@ -10,10 +10,17 @@ import pytest
 
 from services.adapters.config import RegistryConfig
 from services.adapters.convert import check_request, report_from_pb
-from services.common.errors import InvalidArgument
 from services.common.config_cli import add_flags, from_flags
-from services.common.limits import (CHARS_PER_CONTEXT_TOKEN, GenerateLimits, PoolingLimits, check_embed,
-                                    check_generate, check_rerank, check_tokenize)
+from services.common.errors import InvalidArgument
+from services.common.limits import (
+    CHARS_PER_CONTEXT_TOKEN,
+    GenerateLimits,
+    PoolingLimits,
+    check_embed,
+    check_generate,
+    check_rerank,
+    check_tokenize,
+)
 from services.decoder.convert import generate_from_pb
 from tessera.v1 import adapters_pb2, decoder_pb2, pooling_pb2, vision_pb2
 

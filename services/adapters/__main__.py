@@ -7,11 +7,11 @@ import asyncio
 
 from services.adapters.auth import AdminAuthInterceptor
 from services.adapters.config import RegistryConfig
-from services.adapters.servicer import register
 from services.adapters.engine import AdapterRegistry
+from services.adapters.servicer import register
 from services.common import auth
-from services.common.message_limits import REGISTRY_BYTES
 from services.common.config_cli import add_flags, from_flags
+from services.common.message_limits import REGISTRY_BYTES
 from services.common.metrics import start_metrics_server
 from services.common.server import configure_logging, serve
 

@@ -54,7 +54,7 @@ class BaseModelShapes:
             for path in self.weight_files:
                 try:
                     with safe_open(str(path), "pt") as reader:
-                        self._key_to_file.update((key, path) for key in reader.keys())
+                        self._key_to_file.update((key, path) for key in reader.keys())  # noqa: SIM118 (safe_open is not a dict)
                 except (SafetensorError, OSError):
                     continue
         suffix = module.removeprefix("model.")

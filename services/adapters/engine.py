@@ -15,9 +15,9 @@ from services.adapters.base_model import BaseModelShapes
 from services.adapters.catalog import READY, AdapterRecord, Catalog
 from services.adapters.config import RegistryConfig
 from services.adapters.leases import AdapterRef, LeaseTable
-from services.adapters.types import AdapterStatus, LoRAAdapter
 from services.adapters.paths import relative_to_root, resolve_in_root
 from services.adapters.peft_format import read_peft_adapter
+from services.adapters.types import AdapterStatus, LoRAAdapter
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,

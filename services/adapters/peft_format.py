@@ -33,9 +33,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from services.adapters.base_model import BaseModelShapes
-from services.adapters.types import LoRAAdapter, LoRATarget
 from services.adapters.paths import file_in_root
 from services.adapters.targets import TargetModules
+from services.adapters.types import LoRAAdapter, LoRATarget
 from services.common.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"

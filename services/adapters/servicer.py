@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from services.adapters.convert import (check_request, draining_to_pb, info_to_pb, report_from_pb, status_to_pb,
-                                       weights_to_pb)
+from services.adapters.convert import (
+    check_request,
+    draining_to_pb,
+    info_to_pb,
+    report_from_pb,
+    status_to_pb,
+    weights_to_pb,
+)
 from services.adapters.engine import AdapterRegistry
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 

@@ -82,7 +82,7 @@ def tokenize(client: Client, texts: list[str], as_json: bool, out=sys.stdout):
         out.write(json.dumps({"model": result.model,
                               "tokens": [[dataclasses.asdict(t) for t in tokens] for tokens in result.tokens]}) + "\n")
     else:
-        for text, tokens in zip(texts, result.tokens):
+        for tokens in result.tokens:
             out.write(f"{len(tokens)} tokens: " + " ".join(f"{t.text}({t.id})" for t in tokens) + "\n")
     return result
 

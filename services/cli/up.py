@@ -250,7 +250,7 @@ class Cluster:
                 process.wait()
         self.processes.clear()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         self.start()
         return self
 

@@ -86,7 +86,7 @@ class ServiceProcess:
             log_path = Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log")[1])
         self.log_path = Path(log_path)
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen([sys.executable, "-m", self.module, "--address", self.address, *self.args],
@@ -98,7 +98,7 @@ class ServiceProcess:
             raise
         return self
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

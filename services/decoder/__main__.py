@@ -7,10 +7,10 @@ import asyncio
 from pathlib import Path
 
 from services.common import auth
-from services.common.message_limits import decoder_bytes
-from services.common.metrics import DecoderCollector, start_metrics_server
 from services.common.config_cli import add_flags, from_flags
 from services.common.limits import GenerateLimits
+from services.common.message_limits import decoder_bytes
+from services.common.metrics import DecoderCollector, start_metrics_server
 from services.common.server import configure_logging, serve
 from services.decoder.adapter_client import RegistryAdapterSource
 from services.decoder.config import DecoderConfig, read_model_config

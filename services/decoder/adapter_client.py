@@ -27,8 +27,14 @@ import uuid
 import grpc
 import torch
 
-from services.common.errors import (DeadlineExceeded, FailedPrecondition, NotFound, TesseraError, Unavailable,
-                                    error_from_rpc)
+from services.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    TesseraError,
+    Unavailable,
+    error_from_rpc,
+)
 from services.common.names import check_adapter_name
 from services.common.server import insecure_channel
 from services.common.tensor import from_pb

@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.metrics import check_metrics_port
-from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.limits import GenerateLimits
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
+from services.common.metrics import check_metrics_port
 from services.common.mrope import check_mrope_section, parse_mrope_section
 from services.common.paths import default_decoder_dir
 from services.common.server import default_address
@@ -92,6 +92,11 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
     address: str = _flag(default_address("decoder"), "bind host:port")
 
     def __post_init__(self) -> None:
+        self._check_values()
+        self._derive_from_checkpoint()
+
+    def _check_values(self) -> None:
+        """Checks that need no checkpoint: ranges, registered backends, dtype."""
         check_metrics_port(self.metrics_port)
         check_wedged_after_s(self.wedged_after_s)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
@@ -113,9 +118,11 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         ATTENTION_BACKENDS[self.attention_backend].check_config(self.block_size, self.dtype)
-        if self.lora_backend == "cpu":
-            if self.dtype != "float32":
-                raise ValueError(f"the cpu LoRA backend computes float32 only, got dtype {self.dtype!r}")
+        if self.lora_backend == "cpu" and self.dtype != "float32":
+            raise ValueError(f"the cpu LoRA backend computes float32 only, got dtype {self.dtype!r}")
+
+    def _derive_from_checkpoint(self) -> None:
+        """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
         outer = read_model_config(self.model_dir)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused

@@ -6,8 +6,17 @@ from __future__ import annotations
 from services.common.errors import InvalidArgument
 from services.common.limits import GenerateLimits, check_generate
 from services.common.tensor import FLOAT_DTYPES, from_pb
-from services.decoder.types import (ChatMessage, DecoderInfo, GenerateInput, ImagePart, Part, RawImagePart,
-                                    RequestOutput, SamplingParams, TextPart)
+from services.decoder.types import (
+    ChatMessage,
+    DecoderInfo,
+    GenerateInput,
+    ImagePart,
+    Part,
+    RawImagePart,
+    RequestOutput,
+    SamplingParams,
+    TextPart,
+)
 from tessera.v1 import decoder_pb2, tensor_pb2
 
 

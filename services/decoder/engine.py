@@ -395,9 +395,7 @@ class LLMEngine:
         stream = self._streams[request.key]
         params = request.sampling
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"
-        elif stream.detokenizer.add(token):
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids) or stream.detokenizer.add(token):
             reason = "stop"
         elif len(request.output_token_ids) >= params.max_tokens:
             reason = "length"

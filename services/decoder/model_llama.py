@@ -25,6 +25,7 @@ from services.decoder.linear import linear
 from services.decoder.lora import LoRALinear
 from services.decoder.rotary import RotaryEmbedding, apply_rotary
 
+
 @dataclass(frozen=True)
 class LlamaSpec:
     """The architecture facts read from config.json."""
@@ -46,7 +47,7 @@ class LlamaSpec:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "LlamaSpec":
+    def from_config(cls, cfg: dict) -> LlamaSpec:
         """Llama's reading of config.json (biases from `attention_bias` / `mlp_bias`).
 
         Raises ValueError for unsupported activations, rope scaling or sliding-window layers.

@@ -92,7 +92,7 @@ class VisionTokens:
     end: int | None
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "VisionTokens":
+    def from_config(cls, cfg: dict) -> VisionTokens:
         """Raises ValueError when config.json has no image_token_id."""
         if cfg.get("image_token_id") is None:
             raise ValueError("Qwen2-VL config.json has no image_token_id")

@@ -16,9 +16,17 @@ from __future__ import annotations
 import torch
 
 from services.common.errors import InvalidArgument
-from services.decoder.types import (ChatMessage, GenerateInput, ImagePart, ImageSpan, Part,
-                                     PromptInputs, RawImagePart, TextPart)
 from services.decoder.prefix_cache import rows_digest
+from services.decoder.types import (
+    ChatMessage,
+    GenerateInput,
+    ImagePart,
+    ImageSpan,
+    Part,
+    PromptInputs,
+    RawImagePart,
+    TextPart,
+)
 
 ROLES = ("system", "user", "assistant")
 SENTINEL = "\u2063tessera-image\u2063"

@@ -97,7 +97,7 @@ class BlockHasher:
 
     @classmethod
     def for_prompt(cls, block_size: int, prompt: PromptInputs, lora_digest: str | None,
-                   mrope_section: Sequence[int] | None) -> "BlockHasher":
+                   mrope_section: Sequence[int] | None) -> BlockHasher:
         return cls(block_size, lora_digest, image_keys(prompt), mrope_section, prompt.rope_delta)
 
     def extra_keys(self, block_index: int) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ class Request:
 
     def __init__(self, key: str, request_id: str, prompt: PromptInputs, sampling: SamplingParams,
                  lora_slot: int | None = None, generator: torch.Generator | None = None,
-                 hasher: BlockHasher | None = None, index: int = 0, parent: "Request | None" = None,
+                 hasher: BlockHasher | None = None, index: int = 0, parent: Request | None = None,
                  lora_name: str = "") -> None:
         self.key = key
         self.request_id = request_id

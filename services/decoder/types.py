@@ -93,6 +93,9 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise InvalidArgument("stop strings must not be empty")
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+        self._check_penalties_and_choices()
+
+    def _check_penalties_and_choices(self) -> None:
         if self.repetition_penalty == 0:
             self.repetition_penalty = 1.0
         if not 0 < self.repetition_penalty <= 10:

@@ -6,10 +6,10 @@ import argparse
 import asyncio
 
 from services.common import auth
-from services.common.memory import unmap_large_buffers
-from services.common.message_limits import gateway_bytes, pooling_bytes
 from services.common.config_cli import add_flags, from_flags
 from services.common.limits import GenerateLimits, PoolingLimits
+from services.common.memory import unmap_large_buffers
+from services.common.message_limits import gateway_bytes, pooling_bytes
 from services.common.metrics import record_downstream, start_metrics_server
 from services.common.server import configure_logging, serve
 from services.gateway import metrics as gateway_metrics

@@ -22,6 +22,7 @@ from services.common.limits import check_chars, check_embed, check_generate, che
 from services.common.streams import DRAIN_TIMEOUT_S
 from services.gateway.config import GatewayConfig
 
+
 class GatewayLimits:
     """Checks one request of each public RPC; raises InvalidArgument naming the field, its size
     and the limit (with its flag).

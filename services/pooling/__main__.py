@@ -6,9 +6,9 @@ import argparse
 import asyncio
 
 from services.common import auth
+from services.common.config_cli import add_flags, from_flags
 from services.common.message_limits import pooling_bytes
 from services.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
-from services.common.config_cli import add_flags, from_flags
 from services.common.server import configure_logging, serve
 from services.pooling.config import ModelFlags, PoolingConfig
 from services.pooling.engine import PoolingEngine

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.checkpoint import CheckpointConfig
+from services.common.limits import PoolingLimits
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.metrics import check_metrics_port
 from services.common.paths import default_embedding_dir
-from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
-from services.common.limits import PoolingLimits
 from services.common.server import default_address
 from services.pooling.st_config import POOLING_MODES, read_st_config
 

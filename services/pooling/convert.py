@@ -15,7 +15,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.limits import PoolingLimits, check_embed
 from services.common.tensor import to_pb
-from services.pooling.types import EmbedQuery, Embeddings, PoolingInfo, Ranking, Tokenization
+from services.pooling.types import Embeddings, EmbedQuery, PoolingInfo, Ranking, Tokenization
 from tessera.v1 import pooling_pb2, tensor_pb2
 
 _DIRECTIONS = {pooling_pb2.TRUNCATION_DIRECTION_RIGHT: "right", pooling_pb2.TRUNCATION_DIRECTION_LEFT: "left"}

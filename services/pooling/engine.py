@@ -22,10 +22,10 @@ from services.common.compute import shared_compute_thread
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.pooling.batcher import DynamicBatcher
 from services.pooling.config import EMBEDDING, ModelConfig, PoolingConfig
-from services.pooling.types import EmbedQuery, Embeddings, ModelInfo, RankedDocument, Ranking, PoolingInfo, Tokenization
 from services.pooling.pooling import normalize as unit_normalize
 from services.pooling.runners import PoolingRunner, load_runner
 from services.pooling.tokens import NO_TRUNCATE_HINT, ModelTokenizer, Sequence
+from services.pooling.types import Embeddings, EmbedQuery, ModelInfo, PoolingInfo, RankedDocument, Ranking, Tokenization
 
 BI_ENCODER = "bi-encoder"
 _STREAM_WINDOW = 64  # EmbedStream requests in flight per call

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from services.common.limits import check_rerank, check_tokenize
 from services.common.streams import RequestPump
-from services.pooling.convert import embed_query_from_pb, embeddings_to_pb, info_to_pb, ranking_to_pb, tokenization_to_pb
+from services.pooling.convert import (
+    embed_query_from_pb,
+    embeddings_to_pb,
+    info_to_pb,
+    ranking_to_pb,
+    tokenization_to_pb,
+)
 from services.pooling.engine import PoolingEngine
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 

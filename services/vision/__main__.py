@@ -11,8 +11,8 @@ import argparse
 import asyncio
 
 from services.common import auth
-from services.common.message_limits import vision_bytes
 from services.common.config_cli import add_flags, from_flags
+from services.common.message_limits import vision_bytes
 from services.common.metrics import start_metrics_server
 from services.common.server import configure_logging, serve
 from services.vision.config import VisionConfig, VisionFlags

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from services.common.errors import InvalidArgument
 from services.common.tensor import to_pb
-from services.vision.types import EncodedImage, VisionInfo
 from services.vision.processor import ImageSource
+from services.vision.types import EncodedImage, VisionInfo
 from tessera.v1 import vision_pb2
 
 

@@ -24,10 +24,10 @@ from services.vision.config import VisionConfig
 from services.vision.encoder import DemoEncoder, ImageEncoder
 from services.vision.encoder_cache import EncoderCache
 from services.vision.processor import ImageProcessor, ImageSource, content_hash
-from services.vision.qwen2_vl_pixels import smart_resize
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoder, Qwen2VLEncoderConfig
-from services.vision.types import EncodedImage, InspectedImage, PreparedImage, VisionInfo
+from services.vision.qwen2_vl_pixels import smart_resize
 from services.vision.stats import VisionStats
+from services.vision.types import EncodedImage, InspectedImage, PreparedImage, VisionInfo
 
 
 def build_encoder(config: VisionConfig) -> ImageEncoder:

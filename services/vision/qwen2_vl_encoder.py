@@ -128,7 +128,7 @@ def load_visual_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
                 if prefix is not None:
                     state[name[len(prefix):]] = handle.get_tensor(name).float()

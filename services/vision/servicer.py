@@ -20,8 +20,8 @@ from services.common.compute import shared_compute_thread
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.liveness import Liveness
 from services.vision.config import VisionConfig
-from services.vision.engine import VisionEngine
 from services.vision.convert import encoded_image_to_pb, image_source_from_pb, vision_info_to_pb
+from services.vision.engine import VisionEngine
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 
 log = logging.getLogger(__name__)

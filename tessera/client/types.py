@@ -8,15 +8,15 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
 # An image part: raw encoded bytes (PNG, JPEG, ...), a file path (pathlib.Path or os.PathLike;
 # a plain str inside message content is text), or a PIL.Image.Image (sent as PNG).
-ImageLike = Union[bytes, os.PathLike, Any]
+ImageLike = bytes | os.PathLike | Any
 # Message content: text, or a list of parts (str = text, anything else an ImageLike).
-Content = Union[str, Sequence[Any]]
+Content = str | Sequence[Any]
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ def engine_case(model_dir: str) -> None:
     """Greedy ids and logits of the whole engine, triton backend vs torch backend (chunked, batched)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from decoder_testing import capture_logits, run_requests
+
     from services.decoder.config import DecoderConfig
     from services.decoder.engine import start_engine
     from services.decoder.types import GenerateInput, SamplingParams

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from services.common.launch import ServiceProcess
-from services.decoder.config import DecoderConfig
 from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine, start_engine
 from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2

@@ -7,9 +7,16 @@ backends: the torch path and the C decode kernel (attention_backend="cpu")."""
 import random
 
 import pytest
+from decoder_testing import (
+    cancel_mid_stream,
+    check_greedy,
+    hf_greedy,
+    hf_reference_batch,
+    make_tiny_llama,
+    run_requests,
+)
 from transformers import AutoModelForCausalLM
 
-from decoder_testing import cancel_mid_stream, check_greedy, hf_greedy, hf_reference_batch, make_tiny_llama, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
 from services.decoder.types import GenerateInput, SamplingParams

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from test_attention import decode_meta, reference, scattered
 
 from services.decoder.attention import cpu_backend as cpu_attention
 from services.decoder.attention import make_attention_backend
@@ -18,7 +19,6 @@ from services.decoder.config import DecoderConfig
 from services.decoder.kernels import native
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora.registry import make_backend
-from test_attention import decode_meta, reference, scattered
 
 
 def cpu_paged_attention(query, k_cache, v_cache, meta, scale):

@@ -6,10 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import grpc
+from lora_registry_cases import generate, load_request, make_engine, run, save_all_adapters, start_registry
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_registry_cases import load_request, make_engine, run, save_all_adapters, start_registry, generate
 from services.common.metrics import make_registry
 from services.decoder.stats import DecoderStats, EngineCollector
 from tessera.v1 import adapters_pb2_grpc

@@ -16,13 +16,13 @@ import grpc
 import pytest
 import torch
 
-from services.decoder.config import DecoderConfig
 from services.common.errors import Unavailable
 from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine, start_engine
-from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import LoRAWeights
 from services.decoder.servicer import DecoderServicer
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 from tests.common.serving import NOT_SERVING, SERVING, WatchedHealth, serving
 

@@ -9,11 +9,10 @@ from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
-from services.decoder.types import (ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams,
-                                     TextPart)
 from services.decoder.multimodal import PromptInputs
 from services.decoder.request import Request
 from services.decoder.scheduler import Scheduler
+from services.decoder.types import ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams, TextPart
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,16 @@ import asyncio
 
 import pytest
 import torch
+from decoder_testing import hf_greedy
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
-from decoder_testing import hf_greedy
 from services.common.errors import InvalidArgument
-from services.decoder.config import DecoderConfig
 from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
-from services.decoder.types import GenerateInput, SamplingParams
 from services.decoder.lora import AdapterSlots, LoRAWeights
+from services.decoder.types import GenerateInput, SamplingParams
 
 PROMPTS = [[1, 5, 77, 300, 12], list(range(100, 130))]
 NEW_TOKENS = 24

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from decoder_testing import hf_reference
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lora_mixed_cases import save_adapters
 from peft import PeftModel
 from transformers import LlamaForCausalLM
 
-from decoder_testing import hf_reference
-from lora_mixed_cases import save_adapters
 from services.common.errors import FailedPrecondition
-from services.decoder.config import DecoderConfig
 from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
 from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from lora_mixed_cases import ADAPTERS, PROMPTS, compare, save_adapters
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,18 @@ import time
 
 import grpc
 import pytest
-
 from lora_mixed_cases import registry_weights
-from lora_registry_cases import (assert_nothing_leaked, generate, load_request, make_engine, peft_ids, run,
-                                 save_all_adapters, start_registry)
+from lora_registry_cases import (
+    assert_nothing_leaked,
+    generate,
+    load_request,
+    make_engine,
+    peft_ids,
+    run,
+    save_all_adapters,
+    start_registry,
+)
+
 from services.common.errors import NotFound, Unavailable
 from services.decoder.adapter_client import RegistryAdapterSource
 from services.decoder.config import DecoderConfig

@@ -10,11 +10,21 @@ import asyncio
 import grpc
 import pytest
 import torch
-
 from decoder_testing import capture_logits
 from lora_mixed_cases import ADAPTERS
-from lora_registry_cases import (PROMPT, assert_nothing_leaked, generate, load_request, make_engine, peft_ids, run,
-                                 save_all_adapters, save_variant, start_registry)
+from lora_registry_cases import (
+    PROMPT,
+    assert_nothing_leaked,
+    generate,
+    load_request,
+    make_engine,
+    peft_ids,
+    run,
+    save_all_adapters,
+    save_variant,
+    start_registry,
+)
+
 from services.decoder.lora import AdapterSlots, HostAdapterCache, LoRAWeights
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from decoder_testing import make_tiny_llama
+
 from services.decoder.model_llama import LlamaForCausalLM
 from services.decoder.model_qwen2 import Qwen2ForCausalLM
 from services.decoder.model_qwen3 import Qwen3Attention, Qwen3ForCausalLM

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from decoder_testing import hf_greedy, run_requests
 from transformers import LlamaForCausalLM
 
-from decoder_testing import hf_greedy, run_requests
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
 from services.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart

@@ -16,10 +16,10 @@ import io
 import numpy as np
 import pytest
 import torch
+from decoder_testing import capture_logits, capture_prompt_logits, run_requests, with_decoder_server
 from PIL import Image
 from transformers import AutoTokenizer
 
-from decoder_testing import capture_logits, capture_prompt_logits, run_requests, with_decoder_server
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine

@@ -3,8 +3,8 @@
 import asyncio
 
 import pytest
-
 from decoder_testing import run_requests
+
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
 from services.decoder.types import GenerateInput, SamplingParams

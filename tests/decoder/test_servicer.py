@@ -4,8 +4,8 @@ import asyncio
 
 import grpc
 import pytest
-
 from decoder_testing import with_decoder_server
+
 from services.decoder.config import DecoderConfig
 from tessera.v1 import decoder_pb2
 

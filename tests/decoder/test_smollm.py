@@ -7,9 +7,9 @@ decode kernel, attention_backend="cpu"). Also the chat template path (prompt ids
 
 import pytest
 import torch
+from decoder_testing import cancel_mid_stream, check_greedy, run_requests
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decoder_testing import cancel_mid_stream, check_greedy, run_requests
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine

@@ -21,7 +21,7 @@ def test_triton_kernel_and_engine_match_torch_in_the_interpreter(tiny_llama):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert sum(line.startswith("OK kernel") for line in lines) == 3 and any(l.startswith("OK engine") for l in lines)
+    assert sum(line.startswith("OK kernel") for line in lines) == 3 and any(line.startswith("OK engine") for line in lines)
 
 
 def test_backend_flag_is_validated(tiny_llama):

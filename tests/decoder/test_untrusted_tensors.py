@@ -16,16 +16,16 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from decoder_testing import with_decoder_server
 from PIL import Image
 
-from decoder_testing import with_decoder_server
 from services.common.errors import InvalidArgument
 from services.common.server import create_server
 from services.common.tensor import to_pb
 from services.decoder.adapter_client import RegistryAdapterSource
 from services.decoder.config import DecoderConfig
-from services.decoder.types import GenerateInput, ImagePart, SamplingParams
 from services.decoder.lora import AdapterSlots
+from services.decoder.types import GenerateInput, ImagePart, SamplingParams
 from services.vision.config import VisionConfig
 from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource

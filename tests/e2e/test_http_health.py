@@ -15,7 +15,6 @@ import requests
 
 from services.common.auth import INTERNAL_TOKEN_FILE_ENV
 from services.common.launch import ServiceProcess
-
 from tessera.v1 import gateway_pb2
 
 from .conftest import free_port
@@ -73,9 +72,9 @@ def test_api_keys_guard_inference_routes(keyed_gateway, gateway):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         refused = requests.post(f"{url}/v1/embeddings", json={"model": "m", "input": "x"}, headers=headers, timeout=30)
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong-key", max_retries=0) as wrong:
-        with pytest.raises(openai.AuthenticationError):
-            wrong.models.list()
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong-key", max_retries=0) as wrong, \
+            pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
     with openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as sdk:
         assert embedding_model in {m.id for m in sdk.models.list().data}
         assert len(sdk.embeddings.create(model=embedding_model, input="x").data[0].embedding) > 0

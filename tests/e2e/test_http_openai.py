@@ -5,10 +5,10 @@ from __future__ import annotations
 import base64
 import socket
 
-import requests
 import numpy as np
 import openai
 import pytest
+import requests
 
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, pooling_pb2
 

@@ -67,9 +67,8 @@ def test_refused_stream_is_unauthenticated_before_any_work(cluster):
     """A streaming RPC (Generate) is refused the same way; nothing is generated."""
     request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.ContentPart(text="hi")],
                                           sampling=decoder_pb2.SamplingParams(max_tokens=4))
-    with grpc.insecure_channel(cluster.spec.address("decoder")) as channel:
-        with pytest.raises(grpc.RpcError) as error:
-            list(decoder_pb2_grpc.DecoderStub(channel).Generate(request, timeout=30))
+    with grpc.insecure_channel(cluster.spec.address("decoder")) as channel, pytest.raises(grpc.RpcError) as error:
+        list(decoder_pb2_grpc.DecoderStub(channel).Generate(request, timeout=30))
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -13,8 +13,17 @@ from PIL import Image
 
 from services.common.auth import token_interceptors
 from services.common.server import CHANNEL_OPTIONS
-from tessera.v1 import (adapters_pb2, adapters_pb2_grpc, decoder_pb2, decoder_pb2_grpc, gateway_pb2, pooling_pb2,
-                        pooling_pb2_grpc, vision_pb2, vision_pb2_grpc)
+from tessera.v1 import (
+    adapters_pb2,
+    adapters_pb2_grpc,
+    decoder_pb2,
+    decoder_pb2_grpc,
+    gateway_pb2,
+    pooling_pb2,
+    pooling_pb2_grpc,
+    vision_pb2,
+    vision_pb2_grpc,
+)
 
 from .conftest import DECODER_MAX_MODEL_LEN, internal_channel, internal_token
 

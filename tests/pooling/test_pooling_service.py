@@ -13,8 +13,8 @@ from sentence_transformers import SentenceTransformer
 
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.pooling.config import PoolingConfig
-from services.pooling.engine import PoolingEngine
 from services.pooling.convert import embeddings_to_pb
+from services.pooling.engine import PoolingEngine
 from tessera.v1 import pooling_pb2
 
 SHORT = "A cat sat on the mat."

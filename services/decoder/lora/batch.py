@@ -39,7 +39,7 @@ class LoRABatch:
         return int(self.seg_slots.numel())
 
     @cached_property
-    def padded(self) -> "PaddedGroups | None":
+    def padded(self) -> PaddedGroups | None:
         """Adapter rows as a [num slots present, longest group] grid for one batched shrink/expand
         pair (torch backend); built on first use, then shared by every projection of the step. None
         when padding would more than double the rows (e.g. one long prefill beside a few decodes)."""
@@ -61,7 +61,7 @@ class LoRABatch:
                             rows, grid_rows, cells if total < len(lens) * longest else None, longest, row_cells)
 
     @classmethod
-    def build(cls, token_slots: torch.Tensor, decode_rows: torch.Tensor | None = None) -> "LoRABatch | None":
+    def build(cls, token_slots: torch.Tensor, decode_rows: torch.Tensor | None = None) -> LoRABatch | None:
         """Metadata for one step; None when every row is base (no LoRA work at all).
 
         token_slots: int64 [num_tokens]; decode_rows: int64 row indices of decode tokens (None =

@@ -64,7 +64,7 @@ class Stream:
         self.call, self.first = call, first
 
     @classmethod
-    async def open(cls, stub, request: decoder_pb2.GenerateRequest, metadata) -> "Stream":
+    async def open(cls, stub, request: decoder_pb2.GenerateRequest, metadata) -> Stream:
         """Start Generate and wait for its first message; raises AioRpcError for a refusal."""
         call = stub.Generate(request, metadata=metadata)
         try:
