@@ -9,10 +9,10 @@ import torch
 
 from services.decoder.attention import make_attention_backend
 from services.decoder.attention.torch_backend import TorchAttentionMetadata, paged_attention, plan_decode, prefill_span
-from services.decoder.types import PromptInputs, SamplingParams
 from services.decoder.kv_cache import KVCache
 from services.decoder.request import Request
 from services.decoder.scheduler import ScheduledRequest
+from services.decoder.types import PromptInputs, SamplingParams
 
 
 def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> float:
