@@ -86,7 +86,7 @@ def tokenize_from_pb(request: decoder_pb2.DecoderTokenizeRequest, limits: Genera
 def tokenization_to_pb(result: Tokenization) -> decoder_pb2.DecoderTokenizeResponse:
     return decoder_pb2.DecoderTokenizeResponse(model=result.model, token_ids=result.token_ids,
                                                count=len(result.token_ids), max_model_len=result.max_model_len,
-                                               tokens=result.tokens)
+                                               tokens=result.tokens, special=result.special)
 
 
 def detokenize_from_pb(request: decoder_pb2.DetokenizeRequest, limits: GenerateLimits,

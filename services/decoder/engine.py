@@ -277,8 +277,10 @@ class LLMEngine:
         InvalidArgument (see `tokens.tokenize`), Unavailable while still loading."""
         self._check_serving(dead_ok=True)
         ids = await asyncio.to_thread(tokenize, self.tokenizer, request)
+        special_ids = set(self.tokenizer.all_special_ids)
         return Tokenization(model=Path(self.config.model_dir).name, token_ids=ids,
-                            tokens=self.tokenizer.convert_ids_to_tokens(ids), max_model_len=self.config.max_model_len)
+                            tokens=self.tokenizer.convert_ids_to_tokens(ids), special=[i in special_ids for i in ids],
+                            max_model_len=self.config.max_model_len)
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of `token_ids`. Raises InvalidArgument (an id out of vocabulary), Unavailable

@@ -144,11 +144,13 @@ class TokenizeInput:
 
 @dataclass(frozen=True)
 class Tokenization:
-    """Token ids of one TokenizeInput with their vocabulary entries, and the model's context."""
+    """Token ids of one TokenizeInput with their vocabulary entries and special flags, and the
+    model's context."""
 
     model: str
     token_ids: list[int]
     tokens: list[str]
+    special: list[bool]
     max_model_len: int
 
 

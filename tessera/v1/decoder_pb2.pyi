@@ -165,18 +165,20 @@ class DecoderTokenizeRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class DecoderTokenizeResponse(_message.Message):
-    __slots__ = ("model", "token_ids", "count", "max_model_len", "tokens")
+    __slots__ = ("model", "token_ids", "count", "max_model_len", "tokens", "special")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     count: int
     max_model_len: int
     tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    special: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tokens: _Optional[_Iterable[str]] = ..., special: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("model", "token_ids", "skip_special_tokens")

@@ -47,12 +47,14 @@ def test_tokenize_and_detokenize_equal_transformers():
         expected = tokenizer(TEXT)["input_ids"]
         assert list(reply.token_ids) == expected and reply.count == len(expected)
         assert list(reply.tokens) == tokenizer.convert_ids_to_tokens(expected)
+        assert list(reply.special) == [i in tokenizer.all_special_ids for i in expected]
         assert reply.max_model_len == MAX_MODEL_LEN and reply.model == model_dir.name
         plain = await stub.Tokenize(decoder_pb2.DecoderTokenizeRequest(text=TEXT, add_special_tokens=False))
         assert list(plain.token_ids) == tokenizer(TEXT, add_special_tokens=False)["input_ids"]
 
         chat = await stub.Tokenize(decoder_pb2.DecoderTokenizeRequest(messages=_chat(MESSAGES)))
         assert list(chat.token_ids) == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+        assert chat.special[0] and chat.tokens[0] == "<|im_start|>"
         bare = await stub.Tokenize(decoder_pb2.DecoderTokenizeRequest(messages=_chat(MESSAGES),
                                                                       add_generation_prompt=False))
         assert list(bare.token_ids) == tokenizer.apply_chat_template(MESSAGES)["input_ids"]
