@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 import pytest
+from decoder_testing import with_decoder_server
 from transformers import AutoTokenizer
 
-from decoder_testing import with_decoder_server
 from services.common.limits import GenerateLimits
 from services.common.paths import default_decoder_dir
 from services.decoder.config import DecoderConfig

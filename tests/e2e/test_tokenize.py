@@ -6,10 +6,14 @@ status over both doors."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import grpc
 import pytest
 import requests
 
+import tessera.client as tc
 from tessera.v1 import decoder_pb2, gateway_pb2, pooling_pb2
 
 from .conftest import DECODER_MAX_MODEL_LEN, run_cli
@@ -116,3 +120,29 @@ def test_refusals_have_the_same_status_over_grpc_and_http(gateway, http_url, hf_
         status, reply = _post(http_url, path, body)
         assert status == http_status and reply["error"]["message"] == details, (path, body)
     assert_healthy()
+
+
+def test_client_and_cli_tokenize_with_model(gateway_address, hf_decoder, decoder_model):
+    _, tokenizer = hf_decoder
+    expected = tokenizer(TEXTS[1])["input_ids"]
+    with tc.Client(gateway_address, timeout=60) as client:
+        result = client.tokenize(TEXTS[1], model=decoder_model)
+        assert [t.id for t in result.tokens[0]] == expected and result.max_model_len == DECODER_MAX_MODEL_LEN
+        chat = client.tokenize(messages=MESSAGES, model=decoder_model)
+        assert [t.id for t in chat.tokens[0]] == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)[
+            "input_ids"]
+        assert client.detokenize(expected, model=decoder_model) == TEXTS[1]
+        with pytest.raises(tc.InvalidArgument):
+            client.detokenize([len(tokenizer)], model=decoder_model)
+
+    async def run_async():
+        async with tc.AsyncClient(gateway_address, timeout=60) as aclient:
+            result = await aclient.tokenize(TEXTS[1], model=decoder_model)
+            return [t.id for t in result.tokens[0]], await aclient.detokenize(expected, model=decoder_model)
+
+    assert asyncio.run(run_async()) == (expected, TEXTS[1])
+
+    result = run_cli(gateway_address, "tokenize", *TEXTS, "--model", decoder_model, "--json")
+    assert result.returncode == 0, result.stderr
+    tokens = json.loads(result.stdout)["tokens"]
+    assert [[t["id"] for t in row] for row in tokens] == [tokenizer(text)["input_ids"] for text in TEXTS]
