@@ -2,10 +2,13 @@
 
 Never computes model math. Generate goes to the decoder replica the router scores best
 (services/gateway/router.py: prefix affinity, adapter affinity, load); pooling calls go to the
-pooler with the fewest requests in flight (services/gateway/pools.py). A Generate whose replica
-fails (UNAVAILABLE) before it streamed a token is retried once on another replica; one already
-streaming ends with UNAVAILABLE naming the replica as soon as its connection breaks. Each Generate's
-initial metadata names its replica (`tessera-replica: host:port`).
+pooler with the fewest requests in flight (services/gateway/pools.py). Tokenize goes by its
+`model`: empty or a pooling model's name to a pooler; the decoder's model or a ready adapter's name
+to the decoder replica with the fewest requests in flight (Detokenize: decoder models only).
+
+A Generate whose replica fails (UNAVAILABLE) before it streamed a token is retried once on another
+replica; one already streaming ends with UNAVAILABLE naming the replica as soon as its connection
+breaks. Each Generate's initial metadata names its replica (`tessera-replica: host:port`).
 
 Downstream statuses pass through unchanged (a decoder's INVALID_ARGUMENT reaches the client as
 INVALID_ARGUMENT); a service that is down answers UNAVAILABLE naming it. Deadlines propagate: each
@@ -189,7 +192,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return None
 
     async def _ask_decoder_model(self, context) -> str | None:
-        """`_decoder_model()`, asked of a ready replica before the first report; None when none answers."""
+        """`_decoder_model()`, asked of a ready replica before the first report; None when none
+        becomes ready within the pool's wait (pools.READY_WAIT_S) or answers."""
         model = self._decoder_model()
         if model is not None:
             return model
