@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.client import Client, ClusterInfo, GenerateResult, SamplingParams
+from tessera.client import Client, ClusterInfo, GenerateResult, SamplingParams, TokenizeResult
 
 
 def connect(address: str, admin_token: str | None = None) -> Client:
@@ -76,8 +76,15 @@ def rerank(client: Client, query: str, documents: list[str], top_n: int | None, 
     return result
 
 
-def tokenize(client: Client, texts: list[str], as_json: bool, out=sys.stdout):
-    result = client.tokenize(texts)
+def tokenize(client: Client, texts: list[str], as_json: bool, out=sys.stdout, model: str = ""):
+    """`model` "" = the embedding model; a decoder model (or adapter) takes one text per request, so
+    each text is sent alone."""
+    if model:
+        parts = [client.tokenize(text, model=model) for text in texts]
+        result = TokenizeResult(model=parts[0].model, tokens=[p.tokens[0] for p in parts],
+                                max_model_len=parts[0].max_model_len)
+    else:
+        result = client.tokenize(texts)
     if as_json:
         out.write(json.dumps({"model": result.model,
                               "tokens": [[dataclasses.asdict(t) for t in tokens] for tokens in result.tokens]}) + "\n")

@@ -101,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true")
     ad.set_defaults(func=_adapters)
 
-    tok = client("tokenize", "show the pooling model's tokens of each text")
+    tok = client("tokenize", "show a model's tokens of each text")
     tok.add_argument("texts", nargs="+")
+    tok.add_argument("--model", default="", help="the decoder's model or a loaded adapter's name, or a pooling "
+                     "model's (default: the embedding model)")
     tok.add_argument("--json", action="store_true")
     tok.set_defaults(func=_tokenize)
 
@@ -175,7 +177,7 @@ def _tokenize(args) -> int:
     from services.cli import client
 
     with client.connect(args.address) as c:
-        client.tokenize(c, args.texts, args.json)
+        client.tokenize(c, args.texts, args.json, model=args.model)
     return 0
 
 

@@ -171,6 +171,33 @@ def _check_context(request, parts: list, max_model_len: int) -> None:
                               f"the model's context is {max_model_len}")
 
 
+def check_decoder_tokenize(field: str, texts, messages, limits: GenerateLimits, max_model_len: int | None) -> None:
+    """Caps of a tokenize by the decoder's tokenizer: `texts` (the strings of `field`) and chat
+    `messages` (`tessera.v1.ChatMessage`s) under Generate's message, part, role and prompt-text
+    caps. `max_model_len`: as for `check_generate`. Raises InvalidArgument for the first cap passed."""
+    check_count("messages", len(messages), limits.max_messages, "max_messages", "messages")
+    num_parts = sum(len(message.content) for message in messages)
+    check_count("messages", num_parts, limits.max_content_parts, "max_content_parts", "content parts")
+    chars = sum(len(text) for text in texts)
+    for index, message in enumerate(messages):
+        check_chars(f"messages[{index}].role", message.role, limits.max_name_chars, "max_name_chars")
+        chars += sum(len(part.text) for part in message.content if part.WhichOneof("part") == "text")
+    cap = limits.prompt_chars(max_model_len)
+    if cap is not None and chars > cap:
+        raise InvalidArgument(f"{field} has {chars} characters of text; the limit is {cap} "
+                              f"({flag('max_prompt_chars')}; default {CHARS_PER_CONTEXT_TOKEN} per context token)")
+
+
+def check_detokenize(request, limits: GenerateLimits, max_model_len: int | None) -> None:
+    """Caps of a `tessera.v1.DetokenizeRequest`: its model name, and at most a context's worth of
+    token ids (no sequence of the model is longer; unchecked while `max_model_len` is None).
+    Raises InvalidArgument."""
+    check_chars("model", request.model, limits.max_name_chars, "max_name_chars")
+    num_ids = len(request.token_ids)
+    if max_model_len is not None and num_ids > max_model_len:
+        raise InvalidArgument(f"token_ids has {num_ids} ids; the limit is the model's context, {max_model_len} tokens")
+
+
 @dataclass(frozen=True)
 class PoolingLimits:
     """Caps on one Embed, Rerank or Tokenize request (gateway and pooling).

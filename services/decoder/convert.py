@@ -4,7 +4,7 @@ registry client (adapter_client.py) the only decoder modules that touch generate
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
-from services.common.limits import GenerateLimits, check_generate
+from services.common.limits import GenerateLimits, check_decoder_tokenize, check_detokenize, check_generate
 from services.common.tensor import FLOAT_DTYPES, from_pb
 from services.decoder.types import (
     ChatMessage,
@@ -16,6 +16,8 @@ from services.decoder.types import (
     RequestOutput,
     SamplingParams,
     TextPart,
+    Tokenization,
+    TokenizeInput,
 )
 from tessera.v1 import decoder_pb2, tensor_pb2
 
@@ -59,12 +61,39 @@ def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimit
         sampling=sampling_from_pb(request.sampling),
         request_id=request.request_id,
         prompt=tuple(part_from_pb(p, f"prompt[{i}]") for i, p in enumerate(request.prompt)),
-        messages=tuple(ChatMessage(m.role, tuple(part_from_pb(p, f"messages[{i}].content[{j}]")
-                                                 for j, p in enumerate(m.content)))
-                       for i, m in enumerate(request.messages)),
+        messages=_messages_from_pb(request.messages),
         prompt_token_ids=tuple(request.prompt_token_ids),
         lora=request.lora,
     )
+
+
+def _messages_from_pb(messages) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(m.role, tuple(part_from_pb(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)))
+                 for i, m in enumerate(messages))
+
+
+def tokenize_from_pb(request: decoder_pb2.DecoderTokenizeRequest, limits: GenerateLimits,
+                     max_model_len: int) -> TokenizeInput:
+    """Raises InvalidArgument: a cap of `limits` passed (checked first), or a bad part."""
+    check_decoder_tokenize("text and messages", [request.text], request.messages, limits, max_model_len)
+    return TokenizeInput(
+        text=request.text, messages=_messages_from_pb(request.messages),
+        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
+        add_generation_prompt=(request.add_generation_prompt if request.HasField("add_generation_prompt")
+                               else True))
+
+
+def tokenization_to_pb(result: Tokenization) -> decoder_pb2.DecoderTokenizeResponse:
+    return decoder_pb2.DecoderTokenizeResponse(model=result.model, token_ids=result.token_ids,
+                                               count=len(result.token_ids), max_model_len=result.max_model_len,
+                                               tokens=result.tokens, special=result.special)
+
+
+def detokenize_from_pb(request: decoder_pb2.DetokenizeRequest, limits: GenerateLimits,
+                       max_model_len: int) -> list[int]:
+    """The request's token ids. Raises InvalidArgument: more ids than the context (checked first)."""
+    check_detokenize(request, limits, max_model_len)
+    return list(request.token_ids)
 
 
 def output_to_pb(output: RequestOutput) -> decoder_pb2.GenerateResponse:

@@ -52,7 +52,17 @@ from services.decoder.request import Request, RequestStatus
 from services.decoder.sampler import make_generator
 from services.decoder.scheduler import Scheduler
 from services.decoder.stats import DecoderStats
-from services.decoder.types import DecoderInfo, EngineStats, GenerateInput, RequestOutput, Sample, Usage
+from services.decoder.tokens import detokenize, tokenize
+from services.decoder.types import (
+    DecoderInfo,
+    EngineStats,
+    GenerateInput,
+    RequestOutput,
+    Sample,
+    Tokenization,
+    TokenizeInput,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +271,22 @@ class LLMEngine:
                            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, block_size=self.config.block_size,
                            mrope_section=tuple(self.config.mrope_section or ()), image_token_id=self.image_token_id,
                            stats=self.stats(), resident_adapters=self.adapters.resident_names())
+
+    async def tokenize(self, request: TokenizeInput) -> Tokenization:
+        """`request` tokenized by the model's tokenizer (services/decoder/tokens.py). Raises
+        InvalidArgument (see `tokens.tokenize`), Unavailable while still loading."""
+        self._check_serving(dead_ok=True)
+        ids = await asyncio.to_thread(tokenize, self.tokenizer, request)
+        special_ids = set(self.tokenizer.all_special_ids)
+        return Tokenization(model=Path(self.config.model_dir).name, token_ids=ids,
+                            tokens=self.tokenizer.convert_ids_to_tokens(ids), special=[i in special_ids for i in ids],
+                            max_model_len=self.config.max_model_len)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `token_ids`. Raises InvalidArgument (an id out of vocabulary), Unavailable
+        while still loading."""
+        self._check_serving(dead_ok=True)
+        return await asyncio.to_thread(detokenize, self.tokenizer, token_ids, skip_special_tokens)
 
     def _check_serving(self, dead_ok: bool = False) -> None:
         """Raises Unavailable while the model is loading, or (unless `dead_ok`) once the engine died."""

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from services.decoder.convert import generate_from_pb, info_to_pb, output_to_pb
+from services.decoder.convert import (
+    detokenize_from_pb,
+    generate_from_pb,
+    info_to_pb,
+    output_to_pb,
+    tokenization_to_pb,
+    tokenize_from_pb,
+)
 from services.decoder.engine import LLMEngine
-from tessera.v1 import decoder_pb2_grpc
+from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
@@ -21,3 +28,14 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
     async def GetInfo(self, request, context):
         return info_to_pb(self.engine.info())
+
+    async def Tokenize(self, request, context):
+        config = self.engine.config
+        result = await self.engine.tokenize(tokenize_from_pb(request, config.limits, config.max_model_len))
+        return tokenization_to_pb(result)
+
+    async def Detokenize(self, request, context):
+        config = self.engine.config
+        token_ids = detokenize_from_pb(request, config.limits, config.max_model_len)
+        text = await self.engine.detokenize(token_ids, request.skip_special_tokens)
+        return decoder_pb2.DetokenizeResponse(model=self.engine.info().model, text=text)

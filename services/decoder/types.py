@@ -131,6 +131,32 @@ class GenerateInput:
     lora: str = ""
 
 
+@dataclass(frozen=True)
+class TokenizeInput:
+    """What to tokenize: exactly one of `text` and `messages` (text parts only).
+
+    add_special_tokens: None = True for text, False for messages (their chat template holds the
+    special tokens), as vLLM's /tokenize. add_generation_prompt: messages only, as Generate renders them.
+    """
+
+    text: str = ""
+    messages: tuple[ChatMessage, ...] = ()
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """Token ids of one TokenizeInput with their vocabulary entries and special flags, and the
+    model's context."""
+
+    model: str
+    token_ids: list[int]
+    tokens: list[str]
+    special: list[bool]
+    max_model_len: int
+
+
 @dataclass
 class ImageSpan:
     """Projected rows that replace the embeddings of prompt positions [start, start + len(rows))."""

@@ -18,7 +18,15 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from services.common.errors import InvalidArgument
-from services.common.limits import check_chars, check_embed, check_generate, check_rerank, check_tokenize
+from services.common.limits import (
+    check_chars,
+    check_decoder_tokenize,
+    check_detokenize,
+    check_embed,
+    check_generate,
+    check_rerank,
+    check_tokenize,
+)
 from services.common.streams import DRAIN_TIMEOUT_S
 from services.gateway.config import GatewayConfig
 
@@ -65,6 +73,14 @@ class GatewayLimits:
 
     def tokenize(self, request) -> None:
         check_tokenize(request, self.config.pooling_limits)
+
+    def decoder_tokenize(self, request) -> None:
+        """A TokenizeRequest for the decoder's tokenizer: Generate's prompt caps over its inputs and messages."""
+        check_decoder_tokenize("inputs and messages", request.inputs, request.messages, self.config.limits,
+                               self.max_model_len())
+
+    def detokenize(self, request) -> None:
+        check_detokenize(request, self.config.limits, self.max_model_len())
 
     def adapter_request(self, request) -> None:
         """LoadAdapter / UnloadAdapter: the name, and the path where there is one."""

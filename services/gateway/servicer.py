@@ -2,10 +2,13 @@
 
 Never computes model math. Generate goes to the decoder replica the router scores best
 (services/gateway/router.py: prefix affinity, adapter affinity, load); pooling calls go to the
-pooler with the fewest requests in flight (services/gateway/pools.py). A Generate whose replica
-fails (UNAVAILABLE) before it streamed a token is retried once on another replica; one already
-streaming ends with UNAVAILABLE naming the replica as soon as its connection breaks. Each Generate's
-initial metadata names its replica (`tessera-replica: host:port`).
+pooler with the fewest requests in flight (services/gateway/pools.py). Tokenize goes by its
+`model`: empty or a pooling model's name to a pooler; the decoder's model or a ready adapter's name
+to the decoder replica with the fewest requests in flight (Detokenize: decoder models only).
+
+A Generate whose replica fails (UNAVAILABLE) before it streamed a token is retried once on another
+replica; one already streaming ends with UNAVAILABLE naming the replica as soon as its connection
+breaks. Each Generate's initial metadata names its replica (`tessera-replica: host:port`).
 
 Downstream statuses pass through unchanged (a decoder's INVALID_ARGUMENT reaches the client as
 INVALID_ARGUMENT); a service that is down answers UNAVAILABLE naming it. Deadlines propagate: each
@@ -18,14 +21,22 @@ import asyncio
 
 import grpc
 
-from services.common.errors import DeadlineExceeded, InvalidArgument, TesseraError, Unavailable, error_from_rpc
+from services.common.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    TesseraError,
+    Unavailable,
+    error_from_rpc,
+)
 from services.common.server import insecure_channel
 from services.gateway.config import GatewayConfig
-from services.gateway.convert import routing_key
+from services.gateway.convert import decoder_tokenize_request, routing_key, tokenize_response
 from services.gateway.limits import GatewayLimits
 from services.gateway.pools import DecoderPool, PoolerPool
 from services.gateway.replicas import Replica
 from tessera.v1 import (
+    adapters_pb2,
     adapters_pb2_grpc,
     decoder_pb2,
     gateway_pb2,
@@ -145,8 +156,93 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Rerank(self, request, context):
         return await self._pooled("Rerank", request, context)
 
+    # -- tokenize -----------------------------------------------------------------------------
+
     async def Tokenize(self, request, context):
-        return await self._pooled("Tokenize", request, context)
+        """`model` empty or a pooling model's name: that pooling model's tokenizer; the decoder's
+        model or a loaded adapter's name: the decoder's (one input, or chat messages)."""
+        self.limits.tokenize(request)
+        if await self._names_decoder(request.model, context):
+            self.limits.decoder_tokenize(request)
+            reply = await self._decoded("Tokenize", decoder_tokenize_request(request), context)
+            return tokenize_response(request.model, reply)
+        if request.messages:
+            raise InvalidArgument(f"messages are tokenized by decoder models only; {self._which_decoder()}")
+        try:
+            return await self._pooled("Tokenize", request, context)
+        except NotFound as error:
+            raise NotFound(f"{error}; {self._which_decoder()}") from None
+
+    async def Detokenize(self, request, context):
+        """Decoder models only; a pooling model (or none) named is INVALID_ARGUMENT, an unknown one NOT_FOUND."""
+        self.limits.detokenize(request)
+        if not await self._names_decoder(request.model, context):
+            if request.model and request.model not in await self._pooling_models(context):
+                raise NotFound(f"model {request.model!r} is not served; detokenize takes {self._which_decoder()}")
+            named = f"{request.model!r} is a pooling model" if request.model else "no model is named"
+            raise InvalidArgument(f"model: {named}; detokenize takes {self._which_decoder()}")
+        reply = await self._decoded("Detokenize", request, context)
+        return decoder_pb2.DetokenizeResponse(model=request.model, text=reply.text)
+
+    def _decoder_model(self) -> str | None:
+        """The decoder replicas' model name (they serve one model), or None before any has reported."""
+        for replica in self.decoders.replicas.replicas.values():
+            if isinstance(replica.info, decoder_pb2.DecoderInfo) and replica.info.model:
+                return replica.info.model
+        return None
+
+    async def _ask_decoder_model(self, context) -> str | None:
+        """`_decoder_model()`, asked of a ready replica before the first report; None when none
+        becomes ready within the pool's wait (pools.READY_WAIT_S) or answers."""
+        model = self._decoder_model()
+        if model is not None:
+            return model
+        try:
+            replica = (await self.decoders.ready((), context.time_remaining()))[0]
+            info = await self._unary("decoder", replica.address, replica.stub.GetInfo, decoder_pb2.DecoderInfoRequest(),
+                                     context, replica=replica)
+        except Unavailable:
+            return None
+        return info.model
+
+    def _which_decoder(self) -> str:
+        model = self._decoder_model()
+        return (f"the decoder's model {model!r} or a loaded adapter's name" if model
+                else "the decoder's model or a loaded adapter's name")
+
+    async def _names_decoder(self, model: str, context) -> bool:
+        """Whether `model` is the decoder's model or a ready adapter of the registry (an adapter
+        shares its base model's tokenizer); False for "" and when the registry cannot answer."""
+        if not model:
+            return False
+        if model == await self._ask_decoder_model(context):
+            return True
+        try:
+            listed = await self._unary("adapters", self.config.adapters, self.adapters.ListAdapters,
+                                       adapters_pb2.ListAdaptersRequest(), context)
+        except Unavailable:
+            return False
+        return any(a.name == model and a.state == "ready" for a in listed.adapters)
+
+    async def _pooling_models(self, context) -> list[str]:
+        """Every pooling model's name ([] when no pooler answers)."""
+        try:
+            replica = (await self.poolers.ready((), context.time_remaining()))[0]
+            info = await self._unary("pooling", replica.address, replica.stub.GetInfo, pooling_pb2.PoolingInfoRequest(),
+                                     context, replica=replica)
+        except Unavailable:
+            return []
+        return [m.model for m in info.models] or [info.model]
+
+    async def _decoded(self, method: str, request, context):
+        """One unary decoder call on the ready replica with the fewest requests in flight."""
+        replica = min(await self.decoders.ready((), context.time_remaining()), key=lambda r: r.num_outstanding)
+        self.decoders.started(replica)
+        try:
+            return await self._unary("decoder", replica.address, getattr(replica.stub, method), request, context,
+                                     replica=replica)
+        finally:
+            self.decoders.finished(replica)
 
     async def _pooled(self, method: str, request, context):
         """One pooling call on the least busy pooler; retried once on another ready pooler if that

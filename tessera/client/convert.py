@@ -219,8 +219,19 @@ def rerank_result(response: pooling_pb2.RerankResponse) -> RerankResult:
                         results=[from_pb(RerankItem, r) for r in response.results])
 
 
+def tokenize_request(inputs: str | Sequence[str] | None, *, messages: Iterable[Message | dict] | None, model: str,
+                     add_special_tokens: bool | None, prompt_name: str) -> pooling_pb2.TokenizeRequest:
+    """Texts (or, for a decoder model, chat messages); `add_special_tokens` None = the server's default."""
+    texts = [] if inputs is None else [inputs] if isinstance(inputs, str) else list(inputs)
+    request = pooling_pb2.TokenizeRequest(model=model, inputs=texts, prompt_name=prompt_name,
+                                          messages=chat_messages(messages or ()))
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    return request
+
+
 def tokenize_result(response: pooling_pb2.TokenizeResponse) -> TokenizeResult:
-    return TokenizeResult(model=response.model,
+    return TokenizeResult(model=response.model, max_model_len=response.max_model_len,
                           tokens=[[from_pb(Token, t) for t in r.tokens] for r in response.results])
 
 

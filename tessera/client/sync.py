@@ -32,7 +32,7 @@ from tessera.client.types import (
     SamplingParams,
     TokenizeResult,
 )
-from tessera.v1 import adapters_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2
+from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc
 
 REPLICA_METADATA = "tessera-replica"  # a Generate's initial metadata: the decoder replica serving it
 
@@ -196,12 +196,23 @@ class Client:
                                          model=model, raw_scores=raw_scores)
         return convert.rerank_result(self._unary("Rerank", request, timeout))
 
-    def tokenize(self, inputs: str | Sequence[str], *, add_special_tokens: bool = True, model: str = "",
-                 prompt_name: str = "", timeout: float | None = None) -> TokenizeResult:
-        """The pooling model's tokens of each input, with character offsets."""
-        request = pooling_pb2.TokenizeRequest(model=model, inputs=[inputs] if isinstance(inputs, str) else list(inputs),
-                                              add_special_tokens=add_special_tokens, prompt_name=prompt_name)
+    def tokenize(self, inputs: str | Sequence[str] | None = None, *, messages: Iterable[Message | dict] | None = None,
+                 model: str = "", add_special_tokens: bool | None = None, prompt_name: str = "",
+                 timeout: float | None = None) -> TokenizeResult:
+        """Tokens of each input by `model`'s tokenizer: "" or a pooling model's name (with character
+        offsets), or the decoder's model or a loaded adapter's name (one input, or chat `messages`
+        rendered with its chat template). NotFound for an unknown model."""
+        request = convert.tokenize_request(inputs, messages=messages, model=model,
+                                           add_special_tokens=add_special_tokens, prompt_name=prompt_name)
         return convert.tokenize_result(self._unary("Tokenize", request, timeout))
+
+    def detokenize(self, token_ids: Sequence[int], *, model: str, skip_special_tokens: bool = False,
+                   timeout: float | None = None) -> str:
+        """The text of `token_ids` by the decoder's tokenizer; `model`: its name or a loaded adapter's.
+        InvalidArgument for a pooling model, an id out of vocabulary or more ids than the context."""
+        request = decoder_pb2.DetokenizeRequest(model=model, token_ids=list(token_ids),
+                                                skip_special_tokens=skip_special_tokens)
+        return (self._unary("Detokenize", request, timeout)).text
 
     # --- adapters and cluster -------------------------------------------------------------------
 

@@ -150,14 +150,15 @@ class Token:
     id: int
     text: str
     special: bool
-    start: int  # character offsets into the input; 0, 0 for special tokens
+    start: int  # character offsets into the input; 0, 0 for special tokens and for decoder models
     stop: int
 
 
 @dataclass(frozen=True)
 class TokenizeResult:
     model: str
-    tokens: list[list[Token]]  # one list per input
+    tokens: list[list[Token]]  # one list per input (decoder models: one, without character offsets)
+    max_model_len: int = 0     # decoder models: the context in tokens; 0 for pooling models
 
 
 @dataclass(frozen=True)

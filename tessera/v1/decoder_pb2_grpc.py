@@ -45,6 +45,16 @@ class DecoderStub:
                 request_serializer=tessera_dot_v1_dot_decoder__pb2.DecoderInfoRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_decoder__pb2.DecoderInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tessera.v1.Decoder/Tokenize',
+                request_serializer=tessera_dot_v1_dot_decoder__pb2.DecoderTokenizeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_decoder__pb2.DecoderTokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tessera.v1.Decoder/Detokenize',
+                request_serializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class DecoderServicer:
@@ -63,6 +73,19 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """With the served model's tokenizer (an adapter shares its base model's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +98,16 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=tessera_dot_v1_dot_decoder__pb2.DecoderInfoRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_decoder__pb2.DecoderInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tessera_dot_v1_dot_decoder__pb2.DecoderTokenizeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_decoder__pb2.DecoderTokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +165,60 @@ class Decoder:
             '/tessera.v1.Decoder/GetInfo',
             tessera_dot_v1_dot_decoder__pb2.DecoderInfoRequest.SerializeToString,
             tessera_dot_v1_dot_decoder__pb2.DecoderInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Decoder/Tokenize',
+            tessera_dot_v1_dot_decoder__pb2.DecoderTokenizeRequest.SerializeToString,
+            tessera_dot_v1_dot_decoder__pb2.DecoderTokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Decoder/Detokenize',
+            tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.SerializeToString,
+            tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

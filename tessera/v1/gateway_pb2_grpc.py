@@ -59,6 +59,11 @@ class GatewayStub:
                 request_serializer=tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tessera.v1.Gateway/Detokenize',
+                request_serializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.EmbedStream = channel.stream_stream(
                 '/tessera.v1.Gateway/EmbedStream',
                 request_serializer=tessera_dot_v1_dot_pooling__pb2.EmbedRequest.SerializeToString,
@@ -115,6 +120,13 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Decoder models (the base model and loaded adapters) only: ids -> text with its tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EmbedStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -167,6 +179,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.SerializeToString,
             ),
             'EmbedStream': grpc.stream_stream_rpc_method_handler(
                     servicer.EmbedStream,
@@ -304,6 +321,33 @@ class Gateway:
             '/tessera.v1.Gateway/Tokenize',
             tessera_dot_v1_dot_pooling__pb2.TokenizeRequest.SerializeToString,
             tessera_dot_v1_dot_pooling__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Gateway/Detokenize',
+            tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.SerializeToString,
+            tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

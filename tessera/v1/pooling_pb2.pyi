@@ -1,3 +1,4 @@
+from tessera.v1 import decoder_pb2 as _decoder_pb2
 from tessera.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -166,16 +167,20 @@ class PoolingModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., rerank_method: _Optional[str] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "inputs", "add_special_tokens", "prompt_name")
+    __slots__ = ("model", "inputs", "add_special_tokens", "prompt_name", "messages", "add_generation_prompt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     add_special_tokens: bool
     prompt_name: str
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., prompt_name: _Optional[str] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_decoder_pb2.ChatMessage]
+    add_generation_prompt: bool
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_decoder_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "special", "start", "stop")
@@ -198,9 +203,11 @@ class TokenizedInput(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("model", "results")
+    __slots__ = ("model", "results", "max_model_len")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     model: str
     results: _containers.RepeatedCompositeFieldContainer[TokenizedInput]
-    def __init__(self, model: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TokenizedInput, _Mapping]]] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, model: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TokenizedInput, _Mapping]]] = ..., max_model_len: _Optional[int] = ...) -> None: ...

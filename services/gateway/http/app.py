@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI-compatible routes over the gateway's gRPC API.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
-/tokenize; GET /v1/models, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
+/tokenize, /detokenize; GET /v1/models, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
 the `Authorization` header is relayed to the adapter registry, which checks its admin token).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
 `extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from services.gateway.http import convert, generate, models
 from services.gateway.http.backend import Backend
 from services.gateway.http.errors import HANDLERS, ApiError, error_body
-from tessera.v1 import adapters_pb2, pooling_pb2
+from tessera.v1 import adapters_pb2, decoder_pb2
 
 ERROR_RESPONSES = {status: {"model": models.ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 503)}
 
@@ -80,12 +80,16 @@ def _pooling_routes(backend: Backend) -> APIRouter:
 
     @router.post("/tokenize", response_model=models.TokenizeResponse)
     async def tokenize(body: models.TokenizeRequest):
-        request = pooling_pb2.TokenizeRequest(model=body.model or "", inputs=[body.prompt],
-                                              add_special_tokens=body.add_special_tokens)
-        reply = await backend.stub.Tokenize(request)
+        reply = await backend.stub.Tokenize(convert.tokenize_request(body))
         tokens = list(reply.results[0].tokens) if reply.results else []
-        return models.TokenizeResponse(model=reply.model, count=len(tokens), tokens=[t.id for t in tokens],
-                                       token_strs=[t.text for t in tokens])
+        return models.TokenizeResponse(model=reply.model, count=len(tokens), max_model_len=reply.max_model_len or None,
+                                       tokens=[t.id for t in tokens], token_strs=[t.text for t in tokens])
+
+    @router.post("/detokenize", response_model=models.DetokenizeResponse)
+    async def detokenize(body: models.DetokenizeRequest):
+        reply = await backend.stub.Detokenize(decoder_pb2.DetokenizeRequest(model=body.model or "",
+                                                                            token_ids=body.tokens))
+        return models.DetokenizeResponse(model=reply.model, prompt=reply.text)
 
     return router
 

@@ -150,6 +150,19 @@ def decode_base64_vector(text: str) -> list[float]:
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
+def tokenize_request(body: models.TokenizeRequest) -> pooling_pb2.TokenizeRequest:
+    """Raises ApiError 400 unless exactly one of prompt and messages is set."""
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "send exactly one of prompt or messages", param="prompt")
+    request = pooling_pb2.TokenizeRequest(model=body.model or "", inputs=[] if body.prompt is None else [body.prompt],
+                                          messages=chat_messages(body.messages or []))
+    if body.add_special_tokens is not None:
+        request.add_special_tokens = body.add_special_tokens
+    if body.messages is not None:
+        request.add_generation_prompt = body.add_generation_prompt
+    return request
+
+
 def rerank_request(body: models.RerankRequest) -> pooling_pb2.RerankRequest:
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     request = pooling_pb2.RerankRequest(model=body.model or "", query=body.query, documents=documents,

@@ -103,9 +103,21 @@ class RerankRequest(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
+    """vLLM's /tokenize: exactly one of `prompt` and `messages` (chat: decoder models only)."""
+
+    model: str | None = Field(default=None, description="empty or a pooling model's name: that model's "
+                              "tokenizer; the decoder's model or a loaded adapter's name: the decoder's")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, description="rendered with the decoder's chat template")
+    add_special_tokens: bool | None = Field(default=None, description="default true for prompt, false for messages")
+    add_generation_prompt: bool = Field(default=True, description="messages only")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize (decoder models only)."""
+
+    model: str | None = Field(default=None, description="the decoder's model or a loaded adapter's name")
+    tokens: TokenIds
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -211,8 +223,14 @@ class RerankResponse(BaseModel):
 class TokenizeResponse(BaseModel):
     model: str
     count: int
+    max_model_len: int | None = Field(default=None, description="decoder models: the context in tokens")
     tokens: list[int]
     token_strs: list[str]
+
+
+class DetokenizeResponse(BaseModel):
+    model: str
+    prompt: str
 
 
 class Model(BaseModel):
