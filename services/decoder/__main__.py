@@ -13,9 +13,8 @@ from services.common.message_limits import decoder_bytes
 from services.common.metrics import DecoderCollector, start_metrics_server
 from services.common.server import configure_logging, serve
 from services.decoder.adapter_client import RegistryAdapterSource
-from services.decoder.config import DecoderConfig, read_model_config
+from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
-from services.decoder.model_qwen2_vl import text_config
 from services.decoder.servicer import DecoderServicer
 from services.decoder.stats import EngineCollector
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
-    hidden_size = text_config(read_model_config(config.model_dir))["hidden_size"]
+    hidden_size = config.checkpoint.hidden_size
     asyncio.run(serve("decoder", address, register, start=engine.start, stop=engine.stop,
                       health=engine.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
 

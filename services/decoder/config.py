@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from services.common.checkpoint import CheckpointConfig
 from services.common.limits import GenerateLimits
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.metrics import check_metrics_port
@@ -19,18 +18,6 @@ from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_se
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEFAULT_MAX_MODEL_LEN = 8192
-
-
-def read_model_config(model_dir: str | Path) -> dict:
-    """The HF `config.json` of `model_dir` as a dict.
-
-    Raises:
-        ValueError: the directory has no config.json.
-    """
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model_dir {str(model_dir)!r} has no config.json")
-    return json.loads(path.read_text())
 
 
 def _flag(default, help_text: str, **metadata):
@@ -90,6 +77,7 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
     limits: GenerateLimits = field(default_factory=GenerateLimits)
     address: str = _flag(default_address("decoder"), "bind host:port")
+    checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
 
     def __post_init__(self) -> None:
         self._check_values()
@@ -123,7 +111,8 @@ NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
 
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
-        outer = read_model_config(self.model_dir)
+        self.checkpoint = CheckpointConfig.read(self.model_dir)  # the one read of config.json
+        outer = dict(self.checkpoint.raw)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
             own = checkpoint_mrope_section(outer)

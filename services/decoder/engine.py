@@ -38,7 +38,7 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.common.liveness import Liveness
 from services.decoder.adapter_source import AdapterSource, InMemoryAdapterSource
 from services.decoder.block_manager import BlockManager
-from services.decoder.config import DecoderConfig, read_model_config
+from services.decoder.config import DecoderConfig
 from services.decoder.detokenizer import IncrementalDetokenizer
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora import AdapterSlots, LoRAContext, target_shapes
@@ -130,10 +130,10 @@ class LLMEngine:
 
     def _build(self) -> None:
         config = self.config
-        self.model_config = read_model_config(config.model_dir)
+        self.model_config = dict(config.checkpoint.raw)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.eos_token_ids = self._eos_token_ids()
-        self.model = load_model(config.model_dir, self.dtype, config.mrope_section)
+        self.model = load_model(config.checkpoint, self.dtype, config.mrope_section)
         spec = self.model.spec
         self.cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads,
                              spec.head_dim, self.dtype)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from services.common.checkpoint import CheckpointConfig
 from services.decoder.attention import AttentionBackend, AttentionMetadata
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import linear
@@ -212,17 +213,16 @@ class LlamaForCausalLM(nn.Module):
         return linear(self.model.norm(hidden), self.lm_head.weight).float()
 
 
-def load_checkpoint(model_cls: type[LlamaForCausalLM], model_dir: str | Path, dtype: torch.dtype,
+def load_checkpoint(model_cls: type[LlamaForCausalLM], checkpoint: CheckpointConfig, dtype: torch.dtype,
                     mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
-    """Build `model_cls` from `config.json` and load its safetensors weights by name.
+    """Build `model_cls` from the checkpoint's config.json and load its safetensors weights by name.
 
     Raises:
         ValueError: unsupported configuration, missing weights or unexpected weight names/shapes.
     """
-    model_dir = Path(model_dir)
-    spec = model_cls.spec_from_config(json.loads((model_dir / "config.json").read_text()))
-    return build_model(model_cls, spec, mrope_section, _read_safetensors(model_dir), dtype,
-                       f"weights in {model_dir} do not match {spec.architecture}")
+    spec = model_cls.spec_from_config(dict(checkpoint.raw))
+    return build_model(model_cls, spec, mrope_section, _read_safetensors(checkpoint.model_dir), dtype,
+                       f"weights in {checkpoint.model_dir} do not match {spec.architecture}")
 
 
 def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_section: tuple[int, int, int] | None,

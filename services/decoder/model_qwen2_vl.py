@@ -20,12 +20,12 @@ config.json (`image_token_id`, `vision_start_token_id`, `vision_end_token_id`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from services.common.checkpoint import CheckpointConfig
 from services.decoder.model_llama import LlamaForCausalLM, LlamaSpec, _read_safetensors, build_model
 from services.decoder.model_qwen2 import Qwen2ForCausalLM
 
@@ -33,10 +33,6 @@ MODEL_TYPES = ("qwen2_vl",)
 PLAIN_ROPE_TYPES = ("default", "mrope")
 VISION_PREFIXES = ("visual.", "model.visual.")
 TEXT_PREFIX = "model.language_model."
-
-
-def _read_config(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def is_qwen2_vl(cfg: dict) -> bool:
@@ -126,7 +122,7 @@ def _text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_qwen2_vl(model_dir: str | Path, dtype: torch.dtype,
+def load_qwen2_vl(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
                   section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
     """The Qwen2-VL language model with the checkpoint's M-RoPE sections.
 
@@ -135,8 +131,9 @@ def load_qwen2_vl(model_dir: str | Path, dtype: torch.dtype,
     Raises:
         ValueError: scaled RoPE, mismatched sections, missing/unexpected text weights.
     """
-    model_dir = Path(model_dir)
-    cfg = _read_config(model_dir)
+    if not isinstance(checkpoint, CheckpointConfig):
+        checkpoint = CheckpointConfig.read(checkpoint)
+    model_dir, cfg = checkpoint.model_dir, dict(checkpoint.raw)
     own = mrope_section(cfg)
     if section is not None and tuple(section) != own:
         raise ValueError(f"mrope_section {tuple(section)} differs from the checkpoint's {own}")
