@@ -74,3 +74,19 @@ def test_benchmarks_page_holds_every_results_table():
         for line in path.read_text().splitlines():
             if line.startswith("|"):
                 assert line in text, (path.name, line)
+
+
+def test_guide_links_resolve_and_the_readme_links_the_guide():
+    import re
+
+    pages = sorted((REPO / "docs").rglob("*.md"))
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links {target}"
+    index = (REPO / "docs" / "README.md").read_text()
+    for page in pages:
+        name = page.relative_to(REPO / "docs").as_posix()
+        if name != "README.md":
+            assert f"]({name})" in index, f"docs/README.md does not link {name}"
+    assert "](docs/README.md)" in (REPO / "README.md").read_text()
