@@ -24,18 +24,20 @@ ADAPTERS = {"pirate": 1, "poet": 2, "terse": 3}  # name -> seed of its random we
 
 
 def make_adapters(base_model_dir: Path, root: Path) -> None:
-    """Write one PEFT LoRA directory per name of ADAPTERS under `root` (rank 4 on q_proj and v_proj)."""
-    import copy
-
+    """Write one PEFT LoRA directory per name of ADAPTERS under `root` (rank 4 on q_proj and v_proj),
+    each with its own random weights: one PEFT model, its LoRA matrices re-drawn per adapter."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
     for name, seed in ADAPTERS.items():
         torch.manual_seed(seed)
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                init_lora_weights=False))
+        for path, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and (".lora_A." in path or ".lora_B." in path):
+                module.reset_parameters()  # nn.Linear's random init, as init_lora_weights=False leaves it
         model.save_pretrained(root / f"example-{name}")
 
 
@@ -44,7 +46,7 @@ def main() -> None:
     parser.add_argument("--address", default=os.environ.get("TESSERA_ADDRESS", "localhost:50051"))
     parser.add_argument("--adapter-root", type=Path, default=HOME / "adapters")
     parser.add_argument("--base-model-dir", type=Path, default=HOME / "models" / "smollm2-135m-instruct")
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
     make_adapters(args.base_model_dir, args.adapter_root)
 
@@ -68,7 +70,7 @@ def main() -> None:
             print(f"{name or 'base'}: {text!r}")
 
         for name in ADAPTERS:
-            client.unload_adapter(name, drain=True)
+            client.unload_adapter(name)
 
 
 if __name__ == "__main__":

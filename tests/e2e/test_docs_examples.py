@@ -47,7 +47,8 @@ def test_three_adapters_example(gateway_address, adapter_root):
         assert re.search(rf"^loaded {name}: rank 4 on 60 modules, ", out, re.MULTILINE), out
     answers = dict(re.findall(r"^(base|pirate|poet|terse): '(.*)'$", out, re.MULTILINE))
     assert set(answers) == {"base", "pirate", "poet", "terse"} and all(answers.values()), out
-    assert len(set(answers.values())) > 1, f"the adapters should change the answer: {answers}"
+    for name in ("pirate", "poet", "terse"):  # random adapters: each one's answer is its own
+        assert answers[name] != answers["base"], answers
 
 
 def test_openai_sdk_example(http_url):
