@@ -1,10 +1,14 @@
-"""Render the generated references of the user guide from their sources.
+"""Render the generated pages of the user guide from their sources.
 
-    python docs/generate.py          # rewrite docs/reference/grpc.md
-    python docs/generate.py --check  # exit 1 if it is stale (what tests/docs checks)
+    python docs/generate.py          # rewrite every generated page
+    python docs/generate.py --check  # exit 1 if one is stale (what tests/docs checks)
 
-docs/reference/grpc.md comes from protos/tessera/v1/*.proto: every service, RPC, message, field
-and enum with the comments written beside them in the protos (protoc's source info).
+- docs/reference/grpc.md from protos/tessera/v1/*.proto: every service, RPC, message, field and
+  enum with the comments written beside them in the protos (protoc's source info).
+- docs/reference/http.md from the OpenAPI document of the gateway's FastAPI app (render_http.py).
+- docs/reference/configuration.md from every service's flags and config dataclass metadata,
+  `tessera up`'s parser and the environment variables the code reads (render_config.py).
+- docs/benchmarks.md from bench/results/*.md (render_bench.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
 GRPC_REFERENCE = ROOT / "docs" / "reference" / "grpc.md"
+sys.path[:0] = [str(ROOT), str(ROOT / "docs")]  # the services package and the render_* modules beside this file
 
 # descriptor.proto field numbers, for SourceCodeInfo paths
 _MESSAGE, _ENUM, _SERVICE = 4, 5, 6
@@ -128,18 +133,34 @@ def render_grpc_reference() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def pages() -> dict[Path, object]:
+    """Each generated page -> the function rendering its text (imported late: some need torch)."""
+    import render_bench
+    import render_config
+    import render_http
+
+    return {GRPC_REFERENCE: render_grpc_reference,
+            ROOT / "docs" / "reference" / "http.md": render_http.render_http_reference,
+            ROOT / "docs" / "reference" / "configuration.md": render_config.render_configuration_reference,
+            ROOT / "docs" / "benchmarks.md": render_bench.render_benchmarks}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a generated file is stale")
     args = parser.parse_args(argv)
-    text = render_grpc_reference()
-    if args.check:
-        if not GRPC_REFERENCE.exists() or GRPC_REFERENCE.read_text() != text:
-            print(f"{GRPC_REFERENCE.relative_to(ROOT)} is stale: run python docs/generate.py", file=sys.stderr)
-            return 1
-        return 0
-    GRPC_REFERENCE.parent.mkdir(parents=True, exist_ok=True)
-    GRPC_REFERENCE.write_text(text)
+    stale = []
+    for path, render in pages().items():
+        text = render()
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path.relative_to(ROOT)))
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    if stale:
+        print(f"stale: {', '.join(stale)}: run python docs/generate.py", file=sys.stderr)
+        return 1
     return 0
 
 
