@@ -71,10 +71,10 @@ def test_topology(compose):
     services = compose["services"]
     assert set(services) == {*SERVICES, "models"}
     assert [name for name, s in services.items() if s.get("ports")] == ["gateway"]
-    [published] = services["gateway"]["ports"]
-    if not isinstance(published, str):  # the long syntax
-        published = f"{published['host_ip']}:{published['published']}:{published['target']}"
-    assert published.removesuffix("/tcp") == "127.0.0.1:50051:50051"  # loopback unless TESSERA_GATEWAY_HOST
+    published = {(p if isinstance(p, str) else f"{p['host_ip']}:{p['published']}:{p['target']}").removesuffix("/tcp")
+                 for p in services["gateway"]["ports"]}  # short or long syntax
+    # gRPC and HTTP, on loopback unless TESSERA_GATEWAY_HOST
+    assert published == {"127.0.0.1:50051:50051", "127.0.0.1:8000:8000"}
     assert services["decoder"]["deploy"]["replicas"] == 2 and services["pooling"]["deploy"]["replicas"] == 2
     for name in SERVICES:
         service = services[name]
@@ -114,8 +114,8 @@ def test_commands_parse_with_each_services_own_parser(compose, tmp_path):
         assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck",
                                                   f"127.0.0.1:{port}", GRPC_SERVICE[name]]
         exposed = {int(p) for p in service["expose"]}
-        metrics_port = getattr(config, "metrics_port", 0)
-        assert exposed == {port} | ({metrics_port} if metrics_port else set()), name
+        extra = {getattr(config, "metrics_port", 0), getattr(config, "http_port", 0)} - {0}
+        assert exposed == {port} | extra, name
     assert {n: services[n]["deploy"]["replicas"] for n in ("decoder", "pooling")} == {"decoder": 2, "pooling": 2}
     assert parse_command(services["decoder"]["command"], tmp_path)[2].metrics_port == 9090
     # every address a service dials is another service's name and listening port
