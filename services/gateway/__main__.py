@@ -13,6 +13,7 @@ from services.common.message_limits import gateway_bytes, pooling_bytes
 from services.common.metrics import record_downstream, start_metrics_server
 from services.common.server import configure_logging, serve
 from services.gateway import metrics as gateway_metrics
+from services.gateway.api_keys import ApiKeyInterceptor, mint_loopback_key, read_api_keys
 from services.gateway.config import GatewayConfig
 from services.gateway.http import http_server
 from services.gateway.servicer import GatewayServicer
@@ -45,11 +46,14 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
                             pooling_bytes(config.pooling_limits.max_request_chars,
                                           config.pooling_limits.max_request_token_ids))
     try:
-        http = (http_server(config, max_receive_bytes, security.tls_cert_file,
-                            extra_routes={"/metrics": gateway_metrics.asgi_app(servicer)})
-                if config.http_port else None)
+        keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    loopback_key = mint_loopback_key() if keys else ""
+    interceptors = [ApiKeyInterceptor(keys | {loopback_key})] if keys else []
+    http = (http_server(config, max_receive_bytes, security.tls_cert_file, loopback_key=loopback_key,
+                        extra_routes={"/metrics": gateway_metrics.asgi_app(servicer)})
+            if config.http_port else None)
 
     async def start() -> None:
         await servicer.start()
@@ -68,7 +72,7 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
     # The public port: no internal-token check; the servicer's channels send the token.
-    await serve("gateway", config.address, register, start=start, stop=stop, public=True,
+    await serve("gateway", config.address, register, start=start, stop=stop, public=True, interceptors=interceptors,
                 credentials=security.server_credentials(), max_receive_bytes=max_receive_bytes)
 
 

@@ -1,4 +1,4 @@
-"""/health follows the required services, and API keys guard the inference routes.
+"""/health follows the required services, and API keys guard the inference routes (HTTP and gRPC).
 
 A second gateway (HTTP on, API keys on) shares the session cluster's decoder, pooling and vision
 but has an adapter registry of its own, which the test stops and starts without disturbing the
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import openai
 import pytest
 import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.auth import INTERNAL_TOKEN_FILE_ENV
 from services.common.launch import ServiceProcess
@@ -24,7 +26,7 @@ API_KEY = "test-key-1"
 
 @pytest.fixture(scope="module")
 def keyed_gateway(cluster, tmp_path_factory):
-    """(registry process, HTTP url) of a gateway with its own registry and an API key file."""
+    """(registry process, HTTP url, gRPC address) of a gateway with its own registry and an API key file."""
     spec = cluster.spec
     tmp_path = tmp_path_factory.mktemp("keyed-gateway")
     keys = tmp_path / "api-keys"
@@ -39,7 +41,7 @@ def keyed_gateway(cluster, tmp_path_factory):
         "--vision", spec.address("vision"), "--http-port", str(http_port)],
         env={**env, "TESSERA_API_KEY_FILE": str(keys)})  # keys by path in the environment, never argv
     with registry, gateway:
-        yield registry, f"http://127.0.0.1:{http_port}"
+        yield registry, f"http://127.0.0.1:{http_port}", gateway.address
 
 
 def _health_becomes(url: str, status: int, timeout_s: float = 20.0) -> requests.Response:
@@ -52,7 +54,7 @@ def _health_becomes(url: str, status: int, timeout_s: float = 20.0) -> requests.
 
 
 def test_health_turns_503_naming_a_stopped_service_and_200_when_back(keyed_gateway):
-    registry, url = keyed_gateway
+    registry, url, _ = keyed_gateway
     healthy = _health_becomes(url, 200)
     assert healthy.status_code == 200 and healthy.json() == {"status": "ok", "not_serving": []}, healthy.text
     registry.stop()
@@ -67,7 +69,7 @@ def test_health_turns_503_naming_a_stopped_service_and_200_when_back(keyed_gatew
 
 def test_api_keys_guard_inference_routes(keyed_gateway, gateway):
     embedding_model = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).pooling.model
-    _, url = keyed_gateway
+    _, url, _ = keyed_gateway
     for key in (None, "wrong-key"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         refused = requests.post(f"{url}/v1/embeddings", json={"model": "m", "input": "x"}, headers=headers, timeout=30)
@@ -79,3 +81,20 @@ def test_api_keys_guard_inference_routes(keyed_gateway, gateway):
         assert embedding_model in {m.id for m in sdk.models.list().data}
         assert len(sdk.embeddings.create(model=embedding_model, input="x").data[0].embedding) > 0
     assert requests.get(f"{url}/health", timeout=30).status_code == 200  # probes send no key
+
+
+def test_api_keys_guard_the_grpc_port_too(keyed_gateway, gateway):
+    """The same keys on the gateway's gRPC port: no key or a wrong one is UNAUTHENTICATED, the right
+    one (tessera.client's api_token) is served; health stays open for probes."""
+    from tessera.client import Client, Unauthenticated
+
+    embedding_model = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).pooling.model
+    _, _, address = keyed_gateway
+    for token in ("", "wrong-key"):
+        with Client(address, api_token=token) as client, pytest.raises(Unauthenticated):
+            client.embed(["x"], model=embedding_model)
+    with Client(address, api_token=API_KEY) as client:
+        assert client.embed(["x"], model=embedding_model).embeddings.shape[0] == 1
+    with grpc.insecure_channel(address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+    assert status == health_pb2.HealthCheckResponse.SERVING

@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from services.gateway.api_keys import read_api_keys
 from services.gateway.http.app import create_app
-from services.gateway.http.backend import Backend, loopback_address, read_api_keys
+from services.gateway.http.backend import Backend, loopback_address
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end UNAVAILABLE
 
@@ -136,3 +137,48 @@ def test_loopback_address():
     assert loopback_address("0.0.0.0:50051") == "127.0.0.1:50051"
     assert loopback_address("[::]:50051") == "[::1]:50051"
     assert loopback_address("10.0.0.2:7") == "10.0.0.2:7"
+
+
+def test_text_that_is_not_unicode_is_400_not_500(app):
+    """JSON may carry a lone UTF-16 surrogate; protobuf strings cannot: 400 in OpenAI's shape."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    status, answer = call(app, "/v1/chat/completions", body)
+    assert status == 400 and "surrogate" in error_of(answer)["message"]
+    status, answer = call(app, "/v1/embeddings", b'{"model": "m", "input": "\\udfff"}')
+    assert status == 400 and error_of(answer)["type"] == "invalid_request_error"
+
+
+def test_too_many_prompts_in_one_completions_call(app):
+    status, answer = call(app, "/v1/completions", json.dumps({"model": "m", "prompt": ["a"] * 65}).encode())
+    assert status == 400 and error_of(answer)["param"] == "prompt" and "64" in error_of(answer)["message"]
+
+
+def test_extra_routes_answer_at_their_exact_path():
+    """/metrics itself answers 200 (no redirect to /metrics/), as scrape configs name it."""
+    from prometheus_client import CollectorRegistry, Counter, make_asgi_app
+
+    registry = CollectorRegistry()
+    Counter("probe", "a counter", registry=registry).inc()
+    loop = asyncio.new_event_loop()
+    try:
+        asgi = loop.run_until_complete(_build_with_metrics(make_asgi_app(registry)))
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "GET", "path": "/metrics", "headers": [], "query_string": b"",
+                 "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "server": ("test", 80),
+                 "client": ("test", 1), "root_path": ""}
+        loop.run_until_complete(asgi(scope, receive, send))
+    finally:
+        loop.close()
+    assert sent[0]["status"] == 200
+    assert b"probe_total 1.0" in b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def _build_with_metrics(metrics_app):
+    return create_app(Backend(UNREACHABLE, {}), max_body_bytes=4096, extra_routes={"/metrics": metrics_app})

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import grpc
 
+from services.gateway.api_keys import read_api_keys
 from services.gateway.config import GatewayConfig
 from services.gateway.http.app import create_app
-from services.gateway.http.backend import Backend, read_api_keys
+from services.gateway.http.backend import Backend
 from services.gateway.http.server import HttpServer
 
 # A JSON body carries images as base64 (4/3 of their bytes) plus quoting: twice the gRPC limit
@@ -22,12 +23,13 @@ BODY_BYTES_PER_GRPC_BYTE = 2
 
 
 def http_server(config: GatewayConfig, max_grpc_bytes: int, tls_cert_file: Path | None = None,
-                extra_routes: Mapping[str, object] = ()) -> HttpServer:
+                extra_routes: Mapping[str, object] = (), loopback_key: str = "") -> HttpServer:
     """The HTTP server for `config.http_port` on the host of `config.address`.
 
     `tls_cert_file`: the gateway's own certificate, trusted by the loopback channel when the gRPC
     port serves TLS (its names must then cover the loopback host). `extra_routes`: more ASGI apps
-    by mount path (/metrics).
+    by path (/metrics). `loopback_key`: sent to the gRPC port when it requires API keys
+    (services/gateway/api_keys.py).
 
     Raises:
         ValueError: `config.api_key_file` is set but unreadable or empty.
@@ -36,7 +38,7 @@ def http_server(config: GatewayConfig, max_grpc_bytes: int, tls_cert_file: Path 
     services = {"adapters": config.adapters, **({"vision": config.vision} if config.vision else {}),
                 "decoder": config.decoder, "pooling": config.pooling}
     credentials = grpc.ssl_channel_credentials(tls_cert_file.read_bytes()) if tls_cert_file else None
-    backend = Backend(config.address, services, keys, credentials)
+    backend = Backend(config.address, services, keys, credentials, loopback_key)
     app = create_app(backend, max_grpc_bytes * BODY_BYTES_PER_GRPC_BYTE, extra_routes)
     host = config.address.rpartition(":")[0]
     return HttpServer(app, host, config.http_port, on_stop=backend.close)

@@ -10,6 +10,7 @@ Bodies past `max_body_bytes` are refused with 413 before they are read.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -21,6 +22,9 @@ from services.gateway.http.errors import HANDLERS, ApiError, error_body
 from tessera.v1 import adapters_pb2, decoder_pb2
 
 ERROR_RESPONSES = {status: {"model": models.ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 503)}
+
+
+DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer checks that its client is still there
 
 
 def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = ()) -> FastAPI:
@@ -36,7 +40,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     app.include_router(_pooling_routes(backend), dependencies=[Depends(api_key)])
     app.include_router(_cluster_routes(backend, [Depends(api_key)]))
     for path, asgi in dict(extra_routes).items():
-        app.mount(path, asgi)
+        app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app
 
@@ -45,18 +49,18 @@ def _generation_routes(backend: Backend) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions", response_model=models.ChatCompletion)
-    async def chat_completions(body: models.ChatCompletionRequest):
+    async def chat_completions(body: models.ChatCompletionRequest, http: Request):
         request = convert.chat_request(body)  # bad input refused before any call
         request.lora = await backend.lora_for(body.model)
-        return await _generate(backend, [request], body, chat=True, logprobs=request.sampling.logprobs)
+        return await _generate(backend, [request], body, http, chat=True, logprobs=request.sampling.logprobs)
 
     @router.post("/v1/completions", response_model=models.Completion)
-    async def completions(body: models.CompletionRequest):
+    async def completions(body: models.CompletionRequest, http: Request):
         requests = convert.completion_requests(body)
         lora = await backend.lora_for(body.model)
         for request in requests:
             request.lora = lora
-        return await _generate(backend, requests, body, chat=False, logprobs=body.logprobs is not None)
+        return await _generate(backend, requests, body, http, chat=False, logprobs=body.logprobs is not None)
 
     return router
 
@@ -108,6 +112,11 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter", response_model=models.Model)
     async def load_lora_adapter(body: models.LoadLoraAdapterRequest, request: Request):
+        info = await backend.info()
+        served = {info.decoder.model, info.pooling.model, *(m.model for m in info.pooling.models)} - {""}
+        if body.lora_name in served:
+            raise ApiError(400, f"lora_name {body.lora_name!r} is the name of a served model; an adapter needs a "
+                                "name of its own", param="lora_name")
         info = await backend.stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=body.lora_name,
                                                                               path=body.lora_path),
                                               metadata=admin_metadata(request))
@@ -158,8 +167,12 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-async def _generate(backend: Backend, requests, body: models.SamplingFields, chat: bool, logprobs: bool):
-    """Open every prompt's Generate (so a refusal answers with its status), then answer whole or as SSE."""
+async def _generate(backend: Backend, requests, body: models.SamplingFields, http: Request, chat: bool,
+                    logprobs: bool):
+    """Open every prompt's Generate (so a refusal answers with its status), then answer whole or as SSE.
+
+    A whole answer whose client goes away is cancelled (its KV blocks and leases come back), as a
+    stream is when its response ends early."""
     streams = []
     try:
         for request in requests:
@@ -171,7 +184,13 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, cha
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(generate.events(streams, body.n, body.model, chat, logprobs, include_usage),
                                  media_type="text/event-stream")
-    tally = await generate.collect(streams, body.n)
+    collecting = asyncio.ensure_future(generate.collect(streams, body.n))
+    while not collecting.done():
+        await asyncio.wait([collecting], timeout=DISCONNECT_POLL_S)
+        if not collecting.done() and await http.is_disconnected():
+            collecting.cancel()  # collect's finally cancels every prompt's call
+            raise ApiError(499, "the client closed the connection", "cancelled")
+    tally = collecting.result()
     return (generate.chat_completion if chat else generate.completion)(tally, body.model, logprobs)
 
 
@@ -191,3 +210,13 @@ async def _models(backend: Backend) -> models.ModelList:
     for adapter in adapters.adapters:
         data.append(models.Model(id=adapter.name, root=adapter.path, parent=base))
     return models.ModelList(data=data)
+
+
+class _AsgiEndpoint:
+    """An ASGI app as a route endpoint (Starlette wraps plain functions as request handlers)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)

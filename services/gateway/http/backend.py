@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.server import CHANNEL_OPTIONS
+from services.gateway.api_keys import bearer_interceptors
 from services.gateway.http.errors import ApiError
 from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -33,22 +33,6 @@ def loopback_address(address: str) -> str:
     return f"{host}:{port}"
 
 
-def read_api_keys(path: str) -> frozenset[str]:
-    """One key per line (blank lines and `#` comments skipped).
-
-    Raises:
-        ValueError: the file cannot be read or holds no key.
-    """
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as error:
-        raise ValueError(f"api key file {path}: {error.strerror or error}") from None
-    keys = frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
-    if not keys:
-        raise ValueError(f"api key file {path} holds no key")
-    return keys
-
-
 class Backend:
     """The loopback stub, the base model's name, and the health of every required service.
 
@@ -58,10 +42,13 @@ class Backend:
     """
 
     def __init__(self, gateway_address: str, services: dict[str, str], api_keys: frozenset[str] = frozenset(),
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, loopback_key: str = ""):
+        """`loopback_key`: the key this process's gRPC port accepts from the HTTP API (when keys are on)."""
         target = loopback_address(gateway_address)
-        self.channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
-                        else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+        interceptors = bearer_interceptors(loopback_key) if loopback_key else None
+        self.channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+                        if credentials else
+                        grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.services = services
         self.api_keys = api_keys

@@ -6,7 +6,6 @@ gateway holds no tokenizer, and an id is exact where a decoded piece of a multi-
 
 from __future__ import annotations
 
-import base64
 import struct
 
 from services.gateway.http import models
@@ -70,11 +69,15 @@ def chat_request(body: models.ChatCompletionRequest) -> decoder_pb2.GenerateRequ
                           body.logprobs or bool(body.top_logprobs), body.top_logprobs or 0))
 
 
+MAX_PROMPTS = 64  # prompts in one completions call, each one Generate (a batch past this: several calls)
+
+
 def completion_requests(body: models.CompletionRequest) -> list[decoder_pb2.GenerateRequest]:
     """One GenerateRequest (base model) per prompt (a list of texts or of id lists is a batch, as in OpenAI).
 
     Raises:
-        ApiError: 400 for `echo` or `suffix` (not supported) or an empty prompt list.
+        ApiError: 400 for `echo` or `suffix` (not supported), an empty prompt list, or more than
+            MAX_PROMPTS prompts.
     """
     if body.echo:
         raise ApiError(400, "echo is not supported: the gateway returns only the generated text", param="echo")
@@ -91,6 +94,9 @@ def completion_requests(body: models.CompletionRequest) -> list[decoder_pb2.Gene
         return [decoder_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=params)]
     else:
         prompts = prompt
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts; the limit is {MAX_PROMPTS} per request",
+                       param="prompt")
     out = []
     for item in prompts:
         if isinstance(item, str):
@@ -144,10 +150,6 @@ def embeddings(reply: pooling_pb2.EmbedResponse) -> list[list[float] | str]:
     return [list(values[r * dim:(r + 1) * dim]) for r in range(rows)]
 
 
-def decode_base64_vector(text: str) -> list[float]:
-    """Little-endian float32 bytes in base64 -> floats (what the openai SDK does)."""
-    raw = base64.b64decode(text)
-    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 def tokenize_request(body: models.TokenizeRequest) -> pooling_pb2.TokenizeRequest:

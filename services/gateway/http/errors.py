@@ -8,6 +8,8 @@ gateway's gRPC status decides the HTTP status; a request body that does not pars
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from services.common.errors import clip_message
+
+log = logging.getLogger(__name__)
 
 # (HTTP status, OpenAI error type) per gRPC status; anything not listed is a 500 server_error.
 STATUS_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -84,8 +88,22 @@ async def http_error_handler(request: Request, error: HTTPException) -> JSONResp
     return ApiError(error.status_code, str(error.detail), type_).response()
 
 
+async def unicode_error_handler(request: Request, error: UnicodeError) -> JSONResponse:
+    """Text protobuf cannot carry: JSON allows lone UTF-16 surrogates ("\\ud800"), UTF-8 does not."""
+    return ApiError(400, f"the request holds text that is not valid Unicode ({error.reason}: a lone UTF-16 "
+                         "surrogate?); every string must encode as UTF-8").response()
+
+
+async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Anything else: a 500 in OpenAI's shape (the cause is in the gateway's log, not the answer)."""
+    log.exception("HTTP %s %s failed", request.method, request.url.path)
+    return ApiError(500, f"internal error ({type(error).__name__}); see the gateway's log", "server_error").response()
+
+
 HANDLERS = {
     ApiError: api_error_handler,
+    UnicodeError: unicode_error_handler,
+    Exception: unexpected_error_handler,
     grpc.aio.AioRpcError: rpc_error_handler,
     RequestValidationError: validation_error_handler,
     HTTPException: http_error_handler,
