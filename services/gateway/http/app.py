@@ -21,7 +21,8 @@ from services.gateway.http.backend import Backend
 from services.gateway.http.errors import HANDLERS, ApiError, error_body
 from tessera.v1 import adapters_pb2, decoder_pb2
 
-ERROR_RESPONSES = {status: {"model": models.ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 503)}
+ERROR_RESPONSES = {status: {"model": models.ErrorResponse}
+                   for status in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
 
 
 DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer checks that its client is still there
@@ -42,7 +43,22 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     for path, asgi in dict(extra_routes).items():
         app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document without its 422 answers: a body that does not validate is 400 here
+    (errors.validation_error_handler), already listed with the other error statuses."""
+    if app.openapi_schema is None:
+        document = FastAPI.openapi(app)  # builds and caches app.openapi_schema; edited in place once
+        for item in document.get("paths", {}).values():
+            for operation in item.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = document.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+    return app.openapi_schema
 
 
 def _generation_routes(backend: Backend) -> APIRouter:
