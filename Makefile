@@ -34,7 +34,7 @@ demo: models
 	$(BIN)/tessera demo
 
 lint: setup
-	$(BIN)/ruff check services tests bench docs tessera
+	$(BIN)/ruff check tessera tests bench docs
 
 test: models lint
 	$(BIN)/python -m pytest -q

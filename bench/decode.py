@@ -3,7 +3,7 @@ engine overhead per decode step.
 
 In one run on one machine:
   1. N requests (prompt lengths and max_tokens drawn uniformly from the given ranges, EOS ignored)
-     sent concurrently over gRPC to `python -m services.decoder --attention-backend cpu` (the C
+     sent concurrently over gRPC to `python -m tessera.decoder --attention-backend cpu` (the C
      decode kernel; `--attention-backend` chooses); generated tokens/s;
   2. the anchor: transformers `generate` in process on the same prompts, sequentially and in
      left-padded batches of 16 (greedy, same max_tokens per request). The machine's speed drifts,
@@ -106,9 +106,9 @@ def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int
                     steps: int = 32) -> tuple[list, list]:
     """Seconds per engine step at `batch` x `context` while all rows decode, and seconds of the engine's
     own model forward + lm_head inside those steps (one sample per step)."""
-    from services.decoder.config import DecoderConfig
-    from services.decoder.engine import start_engine
-    from services.decoder.types import GenerateInput, SamplingParams
+    from tessera.decoder.config import DecoderConfig
+    from tessera.decoder.engine import start_engine
+    from tessera.decoder.types import GenerateInput, SamplingParams
 
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
                                         attention_backend=backend))
@@ -149,7 +149,7 @@ def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int
 def overhead_child(model_dir: Path, backend: str, rounds: int = 3) -> dict:
     """Engine steps and bare transformers forwards, alternated `rounds` times (the machine's speed
     drifts; both sides see the same drift). Each side computes on a thread of its own that ends
-    with it, so only one OpenMP team is alive at a time, as in a decoder process (services/common/
+    with it, so only one OpenMP team is alive at a time, as in a decoder process (tessera/common/
     compute.py). Runs in its own process (see `overhead`)."""
     import threading
 
@@ -174,12 +174,12 @@ def overhead_child(model_dir: Path, backend: str, rounds: int = 3) -> dict:
 
 
 def overhead(model_dir: Path, backend: str) -> dict:
-    """`overhead_child` in a fresh process with a decoder service's environment (services/common/
+    """`overhead_child` in a fresh process with a decoder service's environment (tessera/common/
     launch.py), as the engine runs in production; the bare forward shares that process."""
     import json
     import subprocess
 
-    from services.common.launch import service_env
+    from tessera.common.launch import service_env
 
     done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir), backend], env=service_env(),
                           capture_output=True, text=True)
@@ -204,7 +204,7 @@ def bare_forward(model, batch: int = 16, context: int = 128, steps: int = 32) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.common.paths import default_decoder_dir
+    from tessera.common.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the decoder's attention backend for the measured runs and the engine overhead "
                              "(default cpu, the C decode kernel); with cpu or triton the default torch "
                              "backend is also measured once, for comparison")
-    parser.add_argument("--decoder-flags", default="", help="extra flags for python -m services.decoder")
+    parser.add_argument("--decoder-flags", default="", help="extra flags for python -m tessera.decoder")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 

@@ -15,9 +15,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import auth
-from services.common.launch import REPO, free_port
-from services.common.server import create_server, insecure_channel
+from tessera.common import auth
+from tessera.common.launch import REPO, free_port
+from tessera.common.server import create_server, insecure_channel
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_named_token_file_must_hold_a_token(tmp_path, content, process_token):
 
 def test_service_refuses_to_start_with_a_missing_token_file(tmp_path):
     missing = tmp_path / "nope"
-    result = subprocess.run([sys.executable, "-m", "services.gateway", "--address", f"127.0.0.1:{free_port()}",
+    result = subprocess.run([sys.executable, "-m", "tessera.gateway", "--address", f"127.0.0.1:{free_port()}",
                              "--internal-token-file", str(missing)],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
@@ -105,7 +105,7 @@ def test_gateway_serves_tls(tmp_path):
     unused = f"127.0.0.1:{free_port()}"  # no backends: the port's own answers are what is tested
     with (tmp_path / "gateway.log").open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
+            [sys.executable, "-m", "tessera.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
              "--adapters", unused, "--vision", "", "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:

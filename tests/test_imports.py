@@ -1,4 +1,4 @@
-"""The import graph of services/, read from the source (ast): no cycle, no service importing another
+"""The import graph of the tessera package (the generated tessera.v1 stubs aside), read from the source (ast): no cycle, no service importing another
 service (common and the generated tessera.v1 stubs are shared; cli is the command line over them
 all), and the decoder's engine free of gRPC and generated stubs."""
 
@@ -37,7 +37,7 @@ def _imports(path: Path, module: str, modules: frozenset[str] = frozenset()) -> 
 
 
 def _graph() -> dict[str, set[str]]:
-    paths = {_module_name(p): p for p in (REPO / "services").rglob("*.py")}
+    paths = {_module_name(p): p for p in (REPO / "tessera").rglob("*.py") if "v1" not in p.relative_to(REPO).parts}
     modules = frozenset(paths)
     return {name: {i for i in _imports(path, name, modules) if i in modules} for name, path in paths.items()}
 
@@ -51,8 +51,8 @@ def _service_of(module: str) -> str | None:
 
 
 def test_the_graph_is_read():
-    assert "services.decoder.engine" in GRAPH
-    assert "services.common.errors" in GRAPH["services.common.server"]
+    assert "tessera.decoder.engine" in GRAPH
+    assert "tessera.common.errors" in GRAPH["tessera.common.server"]
 
 
 def test_no_import_cycle():
@@ -85,7 +85,7 @@ def test_no_service_imports_another_service():
 
 
 def test_common_imports_no_service():
-    assert [(m, t) for m, ts in GRAPH.items() if m.startswith("services.common") for t in ts if _service_of(t)] == []
+    assert [(m, t) for m, ts in GRAPH.items() if m.startswith("tessera.common") for t in ts if _service_of(t)] == []
 
 
 def _path_of(module: str) -> Path:
@@ -97,12 +97,12 @@ def _path_of(module: str) -> Path:
 def test_the_decoder_engine_knows_no_transport(forbidden):
     """Neither the engine nor a decoder module it reaches imports `forbidden` (common's shared
     modules, the error table among them, are outside the engine's transport)."""
-    reached, stack = set(), ["services.decoder.engine"]
+    reached, stack = set(), ["tessera.decoder.engine"]
     while stack:
         module = stack.pop()
         if module not in reached:
             reached.add(module)
-            stack.extend(t for t in GRAPH[module] if t.startswith("services.decoder."))
+            stack.extend(t for t in GRAPH[module] if t.startswith("tessera.decoder."))
     offenders = sorted(module for module in reached
                        for name in _imports(_path_of(module), module)
                        if name == forbidden or name.startswith(forbidden + "."))

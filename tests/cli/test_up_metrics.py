@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.cli.up import METRICS_PORT_OFFSET, ClusterSpec, metrics_table, write_endpoints
+from tessera.cli.up import METRICS_PORT_OFFSET, ClusterSpec, metrics_table, write_endpoints
 
 
 def _flag(command: list[str], name: str) -> str:

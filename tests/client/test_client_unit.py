@@ -15,18 +15,20 @@ import pytest
 from google.protobuf import json_format
 
 import tessera.client as tc
-from services.cli.client import _json_names, replica_table
-from services.common.launch import REPO
+from tessera.cli.client import _json_names, replica_table
 from tessera.client import convert
 from tessera.client.errors import STATUS_TO_ERROR, from_rpc_error
+from tessera.common.launch import REPO
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2, vision_pb2
 
 from ..test_auth import _self_signed
 
 
 def test_client_imports_neither_torch_nor_transformers_nor_services():
+    services = ('adapters', 'cli', 'common', 'decoder', 'gateway', 'pooling', 'vision')
     code = ("import sys; import tessera.client; from tessera.client import Client, AsyncClient; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'services')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            f"or (m.startswith('tessera.') and m.split('.')[1] in {services!r})))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -10,9 +10,9 @@ import pytest
 from decoder_testing import with_decoder_server
 from transformers import AutoTokenizer
 
-from services.common.limits import GenerateLimits
-from services.common.paths import default_decoder_dir
-from services.decoder.config import DecoderConfig
+from tessera.common.limits import GenerateLimits
+from tessera.common.paths import default_decoder_dir
+from tessera.decoder.config import DecoderConfig
 from tessera.v1 import decoder_pb2, vision_pb2
 
 TEXT = "Tokenizers split text into pieces: naïve café, 日本語, emoji 🙂 and code def f(x): return x."

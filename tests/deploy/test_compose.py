@@ -111,7 +111,7 @@ def test_commands_parse_with_each_services_own_parser(compose, tmp_path):
         addresses[name] = port
         assert host == "0.0.0.0", f"{name} must listen on the container's interfaces"
         # the healthcheck asks this very port, for this service's name
-        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck",
+        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "tessera.common.healthcheck",
                                                   f"127.0.0.1:{port}", GRPC_SERVICE[name]]
         exposed = {int(p) for p in service["expose"]}
         extra = {getattr(config, "metrics_port", 0), getattr(config, "http_port", 0)} - {0}

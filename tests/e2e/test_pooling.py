@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.common.tensor import from_pb
+from tessera.common.tensor import from_pb
 from tessera.v1 import pooling_pb2
 
 from .conftest import run_cli

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from services.common.server import CHANNEL_OPTIONS
+from tessera.common.server import CHANNEL_OPTIONS
 from tessera.v1 import decoder_pb2, gateway_pb2, pooling_pb2
 
 from .conftest import embed_once_back
@@ -106,7 +106,7 @@ def test_killed_pooling_replica(cluster, gateway, assert_healthy):
 def test_a_frozen_service_is_listed_unavailable_by_get_info(cluster, gateway, assert_healthy):
     """A service that is alive but does not answer (SIGSTOP) must not hang GetInfo: the others'
     sections arrive and the frozen one is listed unavailable after the gateway's per-section cap."""
-    from services.gateway.servicer import INFO_TIMEOUT_S
+    from tessera.gateway.servicer import INFO_TIMEOUT_S
 
     process = cluster.processes["vision"]
     process.send_signal(signal.SIGSTOP)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import time
 
-from services.cli.up import RestartPolicy, restart_failing
+from tessera.cli.up import RestartPolicy, restart_failing
 
 from .conftest import embed_once_back
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from services.gateway.api_keys import read_api_keys
-from services.gateway.http.app import create_app
-from services.gateway.http.backend import Backend, loopback_address
+from tessera.gateway.api_keys import read_api_keys
+from tessera.gateway.http.app import create_app
+from tessera.gateway.http.backend import Backend, loopback_address
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end UNAVAILABLE
 

@@ -1,0 +1,51 @@
+"""`python -m tessera.adapters`: the adapter registry over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from tessera.adapters.auth import AdminAuthInterceptor
+from tessera.adapters.config import RegistryConfig
+from tessera.adapters.engine import AdapterRegistry
+from tessera.adapters.servicer import register
+from tessera.common import auth
+from tessera.common.config_cli import add_flags, from_flags
+from tessera.common.message_limits import REGISTRY_BYTES
+from tessera.common.metrics import start_metrics_server
+from tessera.common.server import configure_logging, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tessera.adapters", description=__doc__)
+    add_flags(parser, RegistryConfig)
+    auth.add_arguments(parser)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = from_flags(RegistryConfig, args)
+    except ValueError as error:
+        parser.error(str(error))
+    return config.address, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    address, config = parse_config(argv)
+    auth.configure_security(argv)
+    configure_logging()
+    registry = AdapterRegistry(config)
+    start_metrics_server(config.metrics_port, address)
+
+    async def stop() -> None:
+        registry.close()
+
+    asyncio.run(serve("adapters", address, lambda server: register(server, registry), stop=stop,
+                      interceptors=[AdminAuthInterceptor(config.admin_token)], max_receive_bytes=REGISTRY_BYTES))
+
+
+if __name__ == "__main__":
+    main()

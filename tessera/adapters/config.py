@@ -1,0 +1,85 @@
+"""Configuration of the adapter registry, validated once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessera.common.metrics import check_metrics_port
+from tessera.common.paths import default_adapter_root
+from tessera.common.server import default_address
+
+ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
+RANK_LIMIT = 1024  # a sanity bound on max_rank itself
+
+
+@dataclass
+class RegistryConfig:
+    """Settings of one registry process.
+
+    Attributes:
+        root: adapter root directory; clients may only name PEFT directories inside it.
+        db_path: SQLite catalog file (default `<root>/registry.sqlite3`).
+        admin_token: bearer token for LoadAdapter/UnloadAdapter; "" disables auth.
+            `None` reads `$TESSERA_ADMIN_TOKEN` (default "").
+        base_model_dir: optional HF model dir; when set, target modules and LoRA shapes are
+            checked against its config.json (Llama-family projection names).
+        max_rank: largest LoRA rank accepted, per target module.
+        report_ttl_s: a decoder whose last residency report is older than this is gone (its
+            leases no longer count, nor block a drain).
+        drain_poll_s: how often a draining unload/replace re-checks the decoders' reports.
+        lease_confirm_s: reports are periodic, so a lease count may belong to a request that has
+            just finished; a non-draining unload/replace waits up to this long for a report newer
+            than the call from each decoder still showing leases before it refuses.
+        max_path_chars: characters of LoadAdapter's path (checked before it is resolved).
+        max_name_chars: characters of a name, digest or decoder id in any request (adapter names
+            have their own, tighter rule: tessera/common/names.py).
+        max_report_entries: resident digests, names per digest and acknowledged drains in one
+            ResidencyReport, each.
+        address: host:port the registry binds.
+    """
+
+    root: Path = field(default_factory=default_adapter_root,
+                       metadata={"help": "adapter root; clients may only name PEFT directories inside it"})
+    db_path: Path | None = field(default=None, metadata={"help": "SQLite catalog", "flag": "--db",
+                                                          "default_help": "<root>/registry.sqlite3"})
+    admin_token: str | None = field(default=None, metadata={"help": "bearer token for Load/Unload; empty = no auth",
+                                                             "env": ADMIN_TOKEN_ENV, "default_help": '""'})
+    base_model_dir: Path | None = field(default=None,
+                                        metadata={"help": "validate targets against this model's config.json"})
+    max_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted, per target module"})
+    report_ttl_s: float = 10.0
+    drain_poll_s: float = 0.05
+    lease_confirm_s: float = 3.0  # decoders report every second
+    max_path_chars: int = field(default=4096, metadata={"help": "characters of LoadAdapter's path"})
+    max_name_chars: int = field(default=256, metadata={"help": "characters of a name, digest or decoder id"})
+    max_report_entries: int = field(default=4096, metadata={"help": "entries of each list of a ResidencyReport"})
+    address: str = field(default=default_address("adapters"), metadata={"help": "bind host:port"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "serve Prometheus /metrics (process gauges) on this port, same host as --address (0: off)",
+        "env": "TESSERA_METRICS_PORT"})
+
+    def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
+        self.root = Path(self.root).expanduser()
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"adapter root {self.root} exists and is not a directory")
+        self.db_path = Path(self.db_path).expanduser() if self.db_path else self.root / "registry.sqlite3"
+        if self.admin_token is None:
+            self.admin_token = os.environ.get(ADMIN_TOKEN_ENV, "")
+        if self.admin_token != self.admin_token.strip():
+            raise ValueError("admin_token has leading or trailing whitespace; it could never match a header")
+        if self.base_model_dir is not None:
+            self.base_model_dir = Path(self.base_model_dir).expanduser()
+            if not (self.base_model_dir / "config.json").is_file():
+                raise ValueError(f"base_model_dir {self.base_model_dir} has no config.json")
+        if not 1 <= self.max_rank <= RANK_LIMIT:
+            raise ValueError(f"max_rank={self.max_rank} must be in [1, {RANK_LIMIT}]")
+        for name in ("max_path_chars", "max_name_chars", "max_report_entries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.lease_confirm_s < 0:
+            raise ValueError(f"lease_confirm_s={self.lease_confirm_s} must be >= 0")
+        if not self.report_ttl_s > 0 or not self.drain_poll_s > 0:
+            raise ValueError(f"report_ttl_s={self.report_ttl_s} and drain_poll_s={self.drain_poll_s} must be > 0")

@@ -1,0 +1,120 @@
+"""`target_modules` of a PEFT LoRA config, matched against module names as PEFT matches them.
+
+PEFT's `check_target_module_exists`: a string is a regular expression that must match the whole
+module name; a list names modules by their last dotted components (an entry matches a module equal
+to it or ending in "." + entry). "all-linear" names every linear layer but the output head; here,
+the Llama-family projections. `exclude_modules` (same two forms) removes modules, and
+`layers_to_transform` keeps only those decoder layers ("...layers.<i>...").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tessera.common.errors import InvalidArgument
+
+ALL_LINEAR = "all-linear"
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class ModuleSelector:
+    """One of PEFT's two forms: a whole-name regex, or names matched at a dot boundary."""
+
+    regex: str | None = None
+    names: tuple[str, ...] = ()
+
+    def matches(self, module: str) -> bool:
+        if self.regex is not None:
+            return re.fullmatch(self.regex, module) is not None
+        return any(module == name or module.endswith("." + name) for name in self.names)
+
+    def entries(self) -> list[ModuleSelector]:
+        """One selector per list entry (a regex is one entry)."""
+        return [self] if self.regex is not None else [ModuleSelector(names=(name,)) for name in self.names]
+
+    def describe(self) -> str:
+        return repr(self.regex) if self.regex is not None else repr(self.names[0] if len(self.names) == 1 else list(self.names))
+
+
+@dataclass(frozen=True)
+class TargetModules:
+    """The modules a LoRA config adapts (PEFT's target_modules, exclude_modules, layers_to_transform)."""
+
+    targets: ModuleSelector
+    excluded: ModuleSelector | None = None
+    layers: frozenset[int] | None = None
+
+    def matches(self, module: str) -> bool:
+        if self.excluded is not None and self.excluded.matches(module):
+            return False
+        if not self.targets.matches(module):
+            return False
+        if self.layers is None:
+            return True
+        index = _LAYER_INDEX.search(module)
+        return index is not None and int(index.group(1)) in self.layers
+
+    def check_against(self, modules: Iterable[str]) -> None:
+        """Refuse a target entry that matches none of `modules` (the base model's linears).
+
+        Raises:
+            InvalidArgument: naming the first entry that matches nothing, as PEFT refuses a config
+                whose target_modules are not found in the base model.
+        """
+        modules = list(modules)
+        for entry in self.targets.entries():
+            if not any(TargetModules(entry, self.excluded, self.layers).matches(m) for m in modules):
+                raise InvalidArgument(f"adapter_config.json: target_modules entry {_clip(entry.describe())} matches "
+                                      "no linear module of the base model")
+
+    @classmethod
+    def from_config(cls, config: dict) -> TargetModules:
+        """Parse target_modules (required), exclude_modules and layers_to_transform.
+
+        Raises:
+            InvalidArgument: a missing, empty or malformed field, naming it.
+        """
+        targets = _selector(config, "target_modules")
+        if targets is None:
+            raise InvalidArgument("adapter_config.json: target_modules is missing or empty; it must name the "
+                                  "modules the LoRA weights adapt")
+        return cls(targets, _selector(config, "exclude_modules"), _layers(config))
+
+
+def _selector(config: dict, field_name: str) -> ModuleSelector | None:
+    value = config.get(field_name)
+    if value is None or value == [] or value == "":
+        return None
+    if value == ALL_LINEAR:
+        return ModuleSelector(names=LINEAR_NAMES)
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as error:
+            raise InvalidArgument(f"adapter_config.json: {field_name}={_clip(repr(value))} is not a valid regular "
+                                  f"expression ({error})") from None
+        return ModuleSelector(regex=value)
+    if not isinstance(value, list) or not all(isinstance(name, str) and name for name in value):
+        raise InvalidArgument(f"adapter_config.json: {field_name}={_clip(repr(value))} must be a string or a list "
+                              "of non-empty strings")
+    return ModuleSelector(names=tuple(value))
+
+
+def _layers(config: dict) -> frozenset[int] | None:
+    value = config.get("layers_to_transform")
+    if value is None or value == []:
+        return None
+    values = [value] if isinstance(value, int) else value
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                               for v in values):
+        raise InvalidArgument(f"adapter_config.json: layers_to_transform={_clip(repr(value))} must be a layer index "
+                              "or a list of them")
+    return frozenset(values)
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,387 @@
+"""`tessera up`: start the five services on loopback, wait for health, stop them together.
+
+Each service is its own OS process (`python -m tessera.<name>`), logging to
+`$TESSERA_HOME/logs/<name>.log`. Startup order follows dependencies (registry, vision, pooling,
+decoder, gateway); `up` returns only when every health check says SERVING, and on Ctrl-C /
+SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period. A service
+that exits on its own, or whose health has not said SERVING for UNHEALTHY_RESTART_S (its engine
+loop died or is wedged), is killed and restarted, as an orchestrator's liveness probe would (the
+others keep serving meanwhile), up to MAX_RESTARTS a minute.
+
+Replicas (`num_decoders`, `num_poolers`) are processes of their own, named `decoder`, `decoder-2`,
+...: the first replica of each keeps the service's usual port (base + PORT_OFFSETS), the others
+take the ports after the five, decoders' first, then poolers'. The gateway gets the same kind of
+target a Kubernetes or compose deployment gives it, an `ipv4:a:p,b:p` list of every replica
+(tessera/gateway/replicas.py), and balances over them itself. Every process also serves
+Prometheus /metrics on its gRPC port + METRICS_PORT_OFFSET (`--metrics-port`); `up` prints them and
+writes `<log dir>/endpoints.json`, which `tessera info` lists.
+
+Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
+0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
+the internal ports then refuse callers without it (tessera/common/auth.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessera.adapters.config import ADMIN_TOKEN_ENV
+from tessera.common import auth
+from tessera.common.healthcheck import check as check_health
+from tessera.common.launch import service_env, wait_serving
+from tessera.common.paths import (
+    default_adapter_root,
+    default_decoder_dir,
+    default_embedding_dir,
+    tessera_home,
+)
+from tessera.common.server import DEFAULT_PORTS
+
+SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
+MAX_RESTARTS = 5          # per RESTART_WINDOW_S, across services, before `up` gives up
+RESTART_WINDOW_S = 60.0
+UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> killed and restarted
+PORT_OFFSETS = {service: port - DEFAULT_PORTS["gateway"] for service, port in DEFAULT_PORTS.items()}
+REPLICATED = ("decoder", "pooling")
+METRICS_PORT_OFFSET = 100  # a process's Prometheus port: its gRPC port + this
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def service_of(instance: str) -> str:
+    """`decoder-2` -> `decoder`: the service a process (replica) runs."""
+    return instance.split("-", 1)[0]
+
+
+@dataclass
+class ClusterSpec:
+    host: str = "127.0.0.1"
+    base_port: int = DEFAULT_PORTS["gateway"]
+    decoder_model_dir: Path = field(default_factory=default_decoder_dir)
+    embedding_model_dir: Path = field(default_factory=default_embedding_dir)
+    reranker_dir: Path | None = None  # a cross-encoder checkpoint; None = bi-encoder rerank
+    adapter_root: Path = field(default_factory=default_adapter_root)
+    admin_token: str = ""
+    vision: bool = True
+    mrope_section: str = "8,12,12"
+    image_token: str = "<empty_output>"
+    log_dir: Path = field(default_factory=lambda: tessera_home() / "logs")
+    internal_auth: bool = True  # a per-cluster internal token (False: internal ports trust any caller)
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
+    num_decoders: int = 1
+    num_poolers: int = 1
+    http_port: int = 0  # the gateway's HTTP API on `host` (0 = off; the `tessera up` command asks 8000)
+
+    def __post_init__(self) -> None:
+        for name in ("num_decoders", "num_poolers"):
+            if not 1 <= getattr(self, name) <= 64:
+                raise ValueError(f"{name} must be in 1..64, got {getattr(self, name)}")
+        if not 1 <= self.base_port <= 65535 - self.num_ports - METRICS_PORT_OFFSET:
+            raise ValueError(f"base_port must leave room for {self.num_ports} ports and their metrics ports "
+                             f"(+{METRICS_PORT_OFFSET}) below 65536, got {self.base_port}")
+        if self.num_decoders + self.num_poolers > 2:
+            try:
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ValueError(f"replicas need host to be an IP address (the gateway's ipv4:/ipv6: target), "
+                                 f"got {self.host!r}") from None
+        for name in ("decoder_model_dir", "embedding_model_dir"):
+            path = Path(getattr(self, name))
+            if not (path / "config.json").exists():
+                raise ValueError(f"{name} {path} has no config.json; run `tessera models prepare` first")
+
+    @property
+    def num_ports(self) -> int:
+        return len(SERVICES) + self.num_decoders - 1 + self.num_poolers - 1
+
+    def replicas(self, service: str) -> list[str]:
+        """Process names of `service`'s replicas: the service's name, then `<service>-2`, ..."""
+        count = {"decoder": self.num_decoders, "pooling": self.num_poolers}.get(service, 1)
+        return [service] + [f"{service}-{i}" for i in range(2, count + 1)]
+
+    def address(self, instance: str) -> str:
+        """host:port of a service or replica (`decoder-2`)."""
+        service, _, number = instance.partition("-")
+        if not number or number == "1":
+            return f"{self.host}:{self.base_port + PORT_OFFSETS[service]}"
+        index = int(number) - 2 + (self.num_decoders - 1 if service == "pooling" else 0)
+        return f"{self.host}:{self.base_port + len(SERVICES) + index}"
+
+    def metrics_url(self, instance: str) -> str:
+        """Where a service or replica serves Prometheus /metrics (its gRPC port + METRICS_PORT_OFFSET)."""
+        host, _, port = self.address(instance).rpartition(":")
+        return f"http://{host}:{int(port) + METRICS_PORT_OFFSET}/metrics"
+
+    def target(self, service: str) -> str:
+        """The gateway's target for every replica of `service` (one address, or an ipv4:/ipv6: list)."""
+        addresses = [self.address(r) for r in self.replicas(service)]
+        if len(addresses) == 1:
+            return addresses[0]
+        scheme = "ipv6" if ipaddress.ip_address(self.host).version == 6 else "ipv4"
+        return f"{scheme}:{','.join(addresses)}"
+
+    @property
+    def native_vision(self) -> bool:
+        """The decoder checkpoint is a VLM (Qwen2-VL): its own vision tower, sections and image token."""
+        config = json.loads((Path(self.decoder_model_dir) / "config.json").read_text())
+        return config.get("model_type") == "qwen2_vl"
+
+    def command(self, instance: str) -> list[str]:
+        """The command line of a service or replica process."""
+        service = service_of(instance)
+        a = self.address
+        native = self.native_vision
+        if native:  # the checkpoint's vision tower; sections and placeholders come from its config
+            vision = ["--encoder", "qwen2-vl", "--model-dir", str(self.decoder_model_dir)]
+            decoder_vision: list[str] = []
+        else:  # the demo encoder, sized for the decoder, with the configured sections and placeholder
+            vision = ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section]
+            decoder_vision = ["--mrope-section", self.mrope_section, "--image-token", self.image_token]
+        args = {
+            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir)],
+            "vision": vision,
+            "pooling": ["--model-dir", str(self.embedding_model_dir),
+                        *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
+            "decoder": ["--model-dir", str(self.decoder_model_dir), "--adapters-address", a("adapters"),
+                        *(decoder_vision if self.vision else [])],
+            "gateway": ["--decoder", self.target("decoder"), "--pooling", self.target("pooling"),
+                        "--adapters", a("adapters"),
+                        "--vision", a("vision") if self.vision else "", "--http-port", str(self.http_port)],
+        }[service]
+        metrics_port = int(a(instance).rpartition(":")[2]) + METRICS_PORT_OFFSET
+        return [sys.executable, "-m", f"tessera.{service}", "--address", a(instance), *args,
+                "--metrics-port", str(metrics_port), *self.extra_args.get(service, [])]
+
+    def environment(self, instance: str) -> dict[str, str]:
+        """Environment overrides of a process: replicas of one service share the CPUs (each gets
+        cpu_count / replicas intra-op threads) unless the caller set OMP_NUM_THREADS."""
+        service = service_of(instance)
+        replicas = len(self.replicas(service))
+        if replicas == 1 or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // replicas))}
+
+    def services(self) -> list[str]:
+        """Every process to run, replicas included, in start order."""
+        return [r for s in SERVICES if self.vision or s != "vision" for r in self.replicas(s)]
+
+
+class Cluster:
+    """The running processes. Use as a context manager, or `start()` / `stop()`."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.token_file: Path | None = None  # the cluster's internal token, written by `start`
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
+        if self.spec.internal_auth:
+            self.token_file = auth.write_token_file(self.spec.log_dir)
+        write_endpoints(self.spec)
+        try:
+            for service in self.spec.services():
+                self._spawn(service)
+            deadline = time.monotonic() + timeout_s
+            for service in self.spec.services():
+                self._wait_serving(service, deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, service: str) -> None:
+        with open(self.spec.log_dir / f"{service}.log", "ab") as log:
+            self.processes[service] = subprocess.Popen(
+                self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self._environment(service))
+
+    def _environment(self, service: str) -> dict[str, str]:
+        """The process's whole environment; secrets a service has no use for are left out, also when
+        the caller's shell exports them."""
+        env = service_env(self._env(service))
+        if service_of(service) != "adapters":
+            env.pop(ADMIN_TOKEN_ENV, None)
+        if not self.token_file:
+            env.pop(auth.INTERNAL_TOKEN_FILE_ENV, None)
+        return env
+
+    def _env(self, service: str) -> dict[str, str]:
+        """Secrets travel by environment, never argv (which every local user can read in ps)."""
+        env = self.spec.environment(service)
+        if self.token_file:
+            env[auth.INTERNAL_TOKEN_FILE_ENV] = str(self.token_file)
+        if service_of(service) == "adapters" and self.spec.admin_token:
+            env[ADMIN_TOKEN_ENV] = self.spec.admin_token
+        return env
+
+    def restart(self, service: str, timeout_s: float = 300.0) -> None:
+        """Start a service that exited again, and wait until it is SERVING."""
+        self._spawn(service)
+        self._wait_serving(service, time.monotonic() + timeout_s)
+
+    def _wait_serving(self, service: str, deadline: float) -> None:
+        wait_serving(self.spec.address(service), self.processes[service], max(0.0, deadline - time.monotonic()),
+                     service, lambda: self.log_tail(service))
+
+    def log_tail(self, service: str, lines: int = 30) -> str:
+        path = self.spec.log_dir / f"{service}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for process in reversed(list(self.processes.values())):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_until_signalled(spec: ClusterSpec) -> int:
+    """Start, print endpoints, restart a service that dies, and stop all on Ctrl-C / SIGTERM."""
+    cluster = Cluster(spec)
+    stop = {"signalled": False}
+
+    def on_signal(signum, frame):
+        stop["signalled"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)
+    cluster.start()
+    for service in spec.services():
+        print(f"  {service:<9} {spec.address(service)}  SERVING  metrics {spec.metrics_url(service)}", flush=True)
+    http = f", HTTP at http://{spec.host}:{spec.http_port}" if spec.http_port else ""
+    print(f"tessera is up: gateway at {spec.address('gateway')}{http} (Ctrl-C to stop)", flush=True)
+    policy = RestartPolicy()
+    restarts: list[float] = []
+    code = 0
+    while not stop["signalled"]:
+        if not restart_failing(cluster, policy, restarts):
+            code = 1
+            break
+        time.sleep(0.5)
+    print("stopping tessera", flush=True)
+    cluster.stop()
+    return code
+
+
+def restart_failing(cluster: Cluster, policy: RestartPolicy, restarts: list[float]) -> bool:
+    """Kill and restart each service `policy` finds exited or unhealthy; False when one keeps failing
+    (more than MAX_RESTARTS in RESTART_WINDOW_S, appended to `restarts`) or does not come back.
+
+    One service down must not take the others with it: the gateway answers UNAVAILABLE for that
+    service meanwhile.
+    """
+    for service, reason in services_to_restart(cluster.processes, cluster.spec.address, policy):
+        now = time.monotonic()
+        restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(restarts) > MAX_RESTARTS:
+            print(f"{service} {reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already, "
+                  f"giving up:\n{cluster.log_tail(service)}", file=sys.stderr, flush=True)
+            return False
+        print(f"{service} {reason}; restarting it", file=sys.stderr, flush=True)
+        try:
+            _kill(cluster.processes[service])
+            cluster.restart(service)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"{service} failed to restart: {error}", file=sys.stderr, flush=True)
+            return False
+        print(f"  {service:<9} {cluster.spec.address(service)}  SERVING again", flush=True)
+    return True
+
+
+class RestartPolicy:
+    """When `up` restarts a service: it exited, or its health has not said SERVING (NOT_SERVING,
+    or no answer) for `unhealthy_s` seconds in a row, as a liveness probe's failure threshold."""
+
+    def __init__(self, unhealthy_s: float = UNHEALTHY_RESTART_S) -> None:
+        self.unhealthy_s = unhealthy_s
+        self._unhealthy_since: dict[str, float] = {}
+
+    def reason(self, service: str, returncode: int | None, serving: bool, now: float) -> str | None:
+        """Why `service` must be restarted now, or None. `now`: time.monotonic() seconds."""
+        if returncode is not None:
+            self._unhealthy_since.pop(service, None)
+            return f"exited unexpectedly (code {returncode})"
+        if serving:
+            self._unhealthy_since.pop(service, None)
+            return None
+        since = self._unhealthy_since.setdefault(service, now)
+        if now - since < self.unhealthy_s:
+            return None
+        del self._unhealthy_since[service]
+        return f"has not been SERVING for {now - since:.0f} s (its health says why in its log)"
+
+
+def services_to_restart(processes: dict[str, subprocess.Popen], address_of: Callable[[str], str],
+                        policy: RestartPolicy, probe_timeout_s: float = 1.0) -> list[tuple[str, str]]:
+    """(service, reason) for each running service `policy` says to restart, probing health of live ones."""
+    due = []
+    for service, process in processes.items():
+        returncode = process.poll()
+        serving = returncode is None and check_health(address_of(service), timeout_s=probe_timeout_s) is None
+        reason = policy.reason(service, returncode, serving, time.monotonic())
+        if reason is not None:
+            due.append((service, reason))
+    return due
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """SIGKILL: an unhealthy service may not drain (its loop is dead or stuck); no-op once exited."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def write_endpoints(spec: ClusterSpec) -> None:
+    """`<log dir>/endpoints.json`: the gateway's address and each process's gRPC address and metrics URL."""
+    endpoints = {"gateway": spec.address("gateway"),
+                 "services": {name: {"address": spec.address(name), "metrics": spec.metrics_url(name)}
+                              for name in spec.services()}}
+    (spec.log_dir / ENDPOINTS_FILE).write_text(json.dumps(endpoints, indent=2) + "\n")
+
+
+def metrics_table(gateway_address: str, log_dir: Path | None = None) -> str:
+    """The metrics URLs `tessera up` wrote for the cluster whose gateway is `gateway_address`
+    (one line per process), or "" when the last local `up` served another gateway or none."""
+    path = (log_dir or tessera_home() / "logs") / ENDPOINTS_FILE
+    try:
+        endpoints = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    if endpoints.get("gateway") != gateway_address:
+        return ""
+    return "".join(f"{'metrics':<8} {name:<10} {entry['metrics']}\n" for name, entry in endpoints["services"].items())
+
+
+def parse_extra(values: list[str]) -> dict[str, list[str]]:
+    """`--service-args decoder="--num-blocks 64"` -> {"decoder": ["--num-blocks", "64"]}."""
+    out: dict[str, list[str]] = {}
+    for value in values:
+        service, sep, args = value.partition("=")
+        if not sep or service not in SERVICES:  # applies to every replica of the service
+            raise ValueError(f"--service-args wants SERVICE=ARGS with SERVICE in {SERVICES}, got {value!r}")
+        out.setdefault(service, []).extend(shlex.split(args))
+    return out

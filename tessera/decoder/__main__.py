@@ -1,0 +1,58 @@
+"""python -m tessera.decoder --address HOST:PORT [flags]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from tessera.common import auth
+from tessera.common.config_cli import add_flags, from_flags
+from tessera.common.limits import GenerateLimits
+from tessera.common.message_limits import decoder_bytes
+from tessera.common.metrics import DecoderCollector, start_metrics_server
+from tessera.common.server import configure_logging, serve
+from tessera.decoder.adapter_client import RegistryAdapterSource
+from tessera.decoder.config import DecoderConfig
+from tessera.decoder.engine import LLMEngine
+from tessera.decoder.servicer import DecoderServicer
+from tessera.decoder.stats import EngineCollector
+from tessera.v1 import decoder_pb2, decoder_pb2_grpc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tessera.decoder", description=__doc__)
+    add_flags(parser, DecoderConfig)
+    add_flags(parser, GenerateLimits)
+    auth.add_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
+    args = build_parser().parse_args(argv)
+    config = from_flags(DecoderConfig, args, limits=from_flags(GenerateLimits, args))
+    return config.address, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    address, config = parse_args(argv)
+    auth.configure_security(argv)
+    configure_logging()
+    engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
+    servicer = DecoderServicer(engine)
+    name = Path(config.model_dir).name
+    start_metrics_server(config.metrics_port, address, DecoderCollector(
+        name, lambda: engine.stats() if engine.started else None),
+        EngineCollector(name, lambda: engine if engine.started else None))
+
+    def register(server):
+        decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
+        return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
+
+    hidden_size = config.checkpoint.hidden_size
+    asyncio.run(serve("decoder", address, register, start=engine.start, stop=engine.stop,
+                      health=engine.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Decoder configuration: one dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.common.checkpoint import CheckpointConfig
+from tessera.common.limits import GenerateLimits
+from tessera.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
+from tessera.common.metrics import check_metrics_port
+from tessera.common.mrope import check_mrope_section, parse_mrope_section
+from tessera.common.paths import default_decoder_dir
+from tessera.common.server import default_address
+from tessera.decoder.attention import ATTENTION_BACKENDS
+from tessera.decoder.lora.registry import LORA_BACKENDS
+from tessera.decoder.model_qwen2_vl import is_qwen2_vl, text_config
+from tessera.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def _flag(default, help_text: str, **metadata):
+    """A config field with its command-line flag (tessera/common/config_cli.py)."""
+    return field(default=default, metadata={"help": help_text, **metadata})
+
+
+@dataclass
+class DecoderConfig:
+    """Everything the decoder needs to start.
+
+    `num_blocks` and `max_model_len` default from the model (0 = derive): max_model_len is
+    min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
+    capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
+    image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
+`enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
+`attention_backend`: a name in tessera/decoder/attention's registry: "torch" (CPU default),
+"triton" (paged attention kernel; needs a GPU, or TRITON_INTERPRET=1 on CPU, and a power-of-two
+block_size) or "cpu" (decode rows in a C kernel built with the C compiler when the engine starts;
+float32 only; faster decode attention than the torch path on long contexts: bench/results/kernels.md).
+`wedged_after_s`: seconds with requests queued and no engine step completed before health says
+NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
+`limits`: caps on each Generate request, checked on the protobuf before tokenizing
+(tessera/common/limits.py); its prompt character cap defaults to 32 x max_model_len.
+`address`: host:port the decoder binds.
+    """
+
+    model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
+    block_size: int = _flag(16, "tokens per KV-cache block")
+    num_blocks: int = _flag(0, "KV-cache blocks; 0 = derive from max_num_seqs * max_model_len")
+    max_num_seqs: int = _flag(32, "most sequences in one step")
+    max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
+    max_model_len: int = _flag(0, "context length in tokens; 0 = min(max_position_embeddings, 8192)")
+    max_waiting: int = _flag(256, "most queued requests before RESOURCE_EXHAUSTED")
+    mrope_section: tuple[int, int, int] | None = _flag(None, 'M-RoPE pairs per (t,h,w) axis, e.g. "8,12,12"; '
+                                                             "empty = text-only", type=parse_mrope_section)
+    image_token: str | None = _flag(None, "the placeholder token for image rows")
+    adapters_address: str | None = _flag(None, "the adapter registry host:port; empty = no adapters",
+                                         type=lambda text: text or None)
+    adapter_slots: int = _flag(8, "adapters resident at once")
+    max_lora_rank: int = _flag(64, "largest LoRA rank a slot holds")
+    lora_backend: str = _flag("torch", "multi-LoRA compute: torch grouped matmuls, Triton BGMV/SGMV kernels (GPU "
+                                       "or TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel built when the "
+                                       "engine starts (float32)",
+                              choices=tuple(LORA_BACKENDS))
+    adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
+                                             "refetching)")
+    dtype: str = _flag("float32", f"model dtype, one of {', '.join(DTYPES)}")
+    enable_prefix_caching: bool = _flag(True, "share KV blocks of full prompt blocks between requests",
+                                        flag="--prefix-caching")
+    attention_backend: str = _flag("torch", "paged attention implementation; triton needs a GPU (or "
+                                            "TRITON_INTERPRET=1); cpu: decode rows in a C kernel built when the "
+                                            "engine starts (needs a C compiler with OpenMP, float32)",
+                                   choices=tuple(ATTENTION_BACKENDS))
+    metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
+    wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
+                                  "no engine step completes for this long (seconds; must exceed the longest step)")
+    limits: GenerateLimits = field(default_factory=GenerateLimits)
+    address: str = _flag(default_address("decoder"), "bind host:port")
+    checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
+
+    def __post_init__(self) -> None:
+        self._check_values()
+        self._derive_from_checkpoint()
+
+    def _check_values(self) -> None:
+        """Checks that need no checkpoint: ranges, registered backends, dtype."""
+        check_metrics_port(self.metrics_port)
+        check_wedged_after_s(self.wedged_after_s)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                     "adapter_slots", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        if self.num_blocks < 0 or self.max_model_len < 0:
+            raise ValueError(f"num_blocks and max_model_len must be >= 0 (0 = derive), got "
+                             f"{self.num_blocks} and {self.max_model_len}")
+        if self.adapter_host_cache_mb < 0:
+            raise ValueError(f"adapter_host_cache_mb must be >= 0, got {self.adapter_host_cache_mb}")
+        if self.lora_backend not in LORA_BACKENDS:
+            raise ValueError(f"lora_backend must be one of {tuple(LORA_BACKENDS)}, got {self.lora_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {tuple(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        ATTENTION_BACKENDS[self.attention_backend].check_config(self.block_size, self.dtype)
+        if self.lora_backend == "cpu" and self.dtype != "float32":
+            raise ValueError(f"the cpu LoRA backend computes float32 only, got dtype {self.dtype!r}")
+
+    def _derive_from_checkpoint(self) -> None:
+        """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
+        self.checkpoint = CheckpointConfig.read(self.model_dir)  # the one read of config.json
+        outer = dict(self.checkpoint.raw)
+        model = text_config(outer)  # Qwen2-VL nests its language model's config
+        if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
+            own = checkpoint_mrope_section(outer)
+            if self.mrope_section is not None and tuple(self.mrope_section) != own:
+                raise ValueError(f"mrope_section {tuple(self.mrope_section)} differs from the checkpoint's {own}")
+            self.mrope_section = own
+        limit = int(model.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        if self.max_model_len == 0:
+            self.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        if self.num_blocks == 0:
+            tokens = self.max_num_seqs * self.max_model_len // 4
+            self.num_blocks = max(1, min(2048, -(-tokens // self.block_size)))
+        if self.mrope_section is not None:
+            self._check_mrope(model)
+
+    def _check_mrope(self, model: dict) -> None:
+        head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+        self.mrope_section = check_mrope_section(self.mrope_section, head_dim)
+        if self.image_token is None and model.get("image_token_id") is None:
+            raise ValueError("mrope_section needs image_token (a token in the vocabulary) "
+                             "because config.json has no image_token_id")

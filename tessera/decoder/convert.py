@@ -1,0 +1,122 @@
+"""Protobuf <-> domain conversion for the Decoder service (types.py); with the servicer and the
+registry client (adapter_client.py) the only decoder modules that touch generated stubs."""
+
+from __future__ import annotations
+
+from tessera.common.errors import InvalidArgument
+from tessera.common.limits import GenerateLimits, check_decoder_tokenize, check_detokenize, check_generate
+from tessera.common.tensor import FLOAT_DTYPES, from_pb
+from tessera.decoder.types import (
+    ChatMessage,
+    DecoderInfo,
+    GenerateInput,
+    ImagePart,
+    Part,
+    RawImagePart,
+    RequestOutput,
+    SamplingParams,
+    TextPart,
+    Tokenization,
+    TokenizeInput,
+)
+from tessera.v1 import decoder_pb2, tensor_pb2
+
+
+def part_from_pb(part: decoder_pb2.ContentPart, where: str = "part") -> Part:
+    """One content part; `where` names it in errors (e.g. "messages[0].content[1]").
+
+    Raises InvalidArgument for an empty part, or image rows that are not a finite 2-D float tensor.
+    """
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return TextPart(part.text)
+    if kind == "encoded_image":
+        image = part.encoded_image
+        rows = from_pb(image.rows, f"{where}.encoded_image.rows", FLOAT_DTYPES, (None, None), finite=True)
+        return ImagePart(rows, tuple(image.grid_thw), tuple(image.mrope_section), image.content_hash)
+    if kind is None:
+        raise InvalidArgument("a content part has neither text nor an image")
+    return RawImagePart()
+
+
+def sampling_from_pb(sampling: decoder_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidArgument on out-of-range values (max_tokens < 1, negative temperature...)."""
+    return SamplingParams(
+        max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.top_p else 1.0, top_k=sampling.top_k,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+        repetition_penalty=sampling.repetition_penalty or 1.0, presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty, n=sampling.n or 1, logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs)
+
+
+def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimits | None = None,
+                     max_model_len: int | None = None) -> GenerateInput:
+    """Raises InvalidArgument: a cap of `limits` passed (checked first, on the protobuf, before any
+    tensor is copied; `max_model_len` adds the context checks that need no tokenizer), or a bad part."""
+    if limits is not None:
+        check_generate(request, limits, max_model_len)
+    return GenerateInput(
+        sampling=sampling_from_pb(request.sampling),
+        request_id=request.request_id,
+        prompt=tuple(part_from_pb(p, f"prompt[{i}]") for i, p in enumerate(request.prompt)),
+        messages=_messages_from_pb(request.messages),
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        lora=request.lora,
+    )
+
+
+def _messages_from_pb(messages) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(m.role, tuple(part_from_pb(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)))
+                 for i, m in enumerate(messages))
+
+
+def tokenize_from_pb(request: decoder_pb2.DecoderTokenizeRequest, limits: GenerateLimits,
+                     max_model_len: int) -> TokenizeInput:
+    """Raises InvalidArgument: a cap of `limits` passed (checked first), or a bad part."""
+    check_decoder_tokenize("text and messages", [request.text], request.messages, limits, max_model_len)
+    return TokenizeInput(
+        text=request.text, messages=_messages_from_pb(request.messages),
+        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
+        add_generation_prompt=(request.add_generation_prompt if request.HasField("add_generation_prompt")
+                               else True))
+
+
+def tokenization_to_pb(result: Tokenization) -> decoder_pb2.DecoderTokenizeResponse:
+    return decoder_pb2.DecoderTokenizeResponse(model=result.model, token_ids=result.token_ids,
+                                               count=len(result.token_ids), max_model_len=result.max_model_len,
+                                               tokens=result.tokens, special=result.special)
+
+
+def detokenize_from_pb(request: decoder_pb2.DetokenizeRequest, limits: GenerateLimits,
+                       max_model_len: int) -> list[int]:
+    """The request's token ids. Raises InvalidArgument: more ids than the context (checked first)."""
+    check_detokenize(request, limits, max_model_len)
+    return list(request.token_ids)
+
+
+def output_to_pb(output: RequestOutput) -> decoder_pb2.GenerateResponse:
+    response = decoder_pb2.GenerateResponse(request_id=output.request_id, token_ids=output.token_ids,
+                                            text=output.text, finish_reason=output.finish_reason or "",
+                                            index=output.index)
+    for sample in output.logprobs:
+        response.logprobs.add(token_id=sample.token_id, logprob=sample.logprob,
+                              top=[decoder_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top])
+    if output.usage is not None:
+        u = output.usage
+        response.usage.CopyFrom(tensor_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                                 total_tokens=u.total_tokens, image_tokens=u.image_tokens,
+                                                 cached_prompt_tokens=u.cached_prompt_tokens))
+    return response
+
+
+def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:
+    stats = info.stats
+    return decoder_pb2.DecoderInfo(
+        model=info.model, architecture=info.architecture, max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, hidden_size=info.hidden_size, block_size=info.block_size,
+        num_blocks=stats.num_blocks, num_free_blocks=stats.num_free_blocks, mrope_section=list(info.mrope_section),
+        image_token_id=info.image_token_id or 0, num_running=stats.num_running, num_waiting=stats.num_waiting,
+        dtype=info.dtype, num_cached_blocks=stats.num_cached_blocks, prefix_cache_hits=stats.prefix_cache_hits,
+        prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens, resident_adapters=info.resident_adapters)

@@ -1,0 +1,56 @@
+"""The host-memory tier of adapter weights: swap-ins into a free slot copy from here."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from tessera.decoder.lora.slots import LoRAWeights
+
+
+class HostAdapterCache:
+    """The host-memory tier: adapter weights by digest, bounded by bytes, least recently used out.
+
+    More adapters than device slots can be in use: a swap-in into an idle slot copies from here
+    instead of fetching the weights from the registry again (and works while it is down).
+    `max_bytes` counts the float32 A and B factors; 0 keeps nothing.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[str, tuple[LoRAWeights, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def get(self, digest: str) -> LoRAWeights | None:
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                return None
+            self._entries.move_to_end(digest)
+            return entry[0]
+
+    def put(self, weights: LoRAWeights) -> None:
+        """Keep `weights` (evicting the least recently used); one larger than max_bytes is not kept."""
+        size = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in weights.modules.values())
+        with self._lock:
+            old = self._entries.pop(weights.digest, None)
+            if old is not None:
+                self.num_bytes -= old[1]
+            if size > self.max_bytes:
+                return
+            while self.num_bytes + size > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.num_bytes -= evicted
+            self._entries[weights.digest] = (weights, size)
+            self.num_bytes += size

@@ -1,0 +1,259 @@
+"""Llama causal LM over a flat token batch and a paged KV cache; the base of the Qwen2 and Qwen3 files.
+
+RMSNorm, SiLU-gated MLP, GQA, default RoPE or M-RoPE, tied or untied lm_head, optional biases
+(`attention_bias`, `mlp_bias`) as in transformers' LlamaForCausalLM. Sliding-window layers are
+refused. Weights load by name from `model.safetensors` (or a sharded index) with the HF
+`config.json`; module names match transformers, so "model.layers.0.self_attn.q_proj" is both a
+weight prefix and a LoRA target name. A family differs by `spec_from_config` and its attention
+class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k RMSNorm); `load_model` (models.py) picks
+the family from config.json's model_type.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from tessera.common.checkpoint import CheckpointConfig
+from tessera.decoder.attention import AttentionBackend, AttentionMetadata
+from tessera.decoder.kv_cache import KVCache
+from tessera.decoder.linear import linear
+from tessera.decoder.lora import LoRALinear
+from tessera.decoder.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The architecture facts read from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> LlamaSpec:
+        """Llama's reading of config.json (biases from `attention_bias` / `mlp_bias`).
+
+        Raises ValueError for unsupported activations, rope scaling or sliding-window layers.
+        """
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported; expected 'silu'")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type != "default":
+            raise ValueError(f"rope scaling {rope_type!r} is not supported; only default RoPE is")
+        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
+            raise ValueError("sliding-window attention layers are not supported")
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        )
+
+
+def _linear(name: str, in_f: int, out_f: int, bias: bool) -> LoRALinear:
+    layer = LoRALinear(in_f, out_f, bias=bias)
+    layer.lora_name = name
+    return layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # statistics in float32
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}.self_attn"
+        h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, d
+        self.scale = d ** -0.5
+        self.q_proj = _linear(f"{prefix}.q_proj", spec.hidden_size, h * d, spec.qkv_bias)
+        self.k_proj = _linear(f"{prefix}.k_proj", spec.hidden_size, kv * d, spec.qkv_bias)
+        self.v_proj = _linear(f"{prefix}.v_proj", spec.hidden_size, kv * d, spec.qkv_bias)
+        self.o_proj = _linear(f"{prefix}.o_proj", h * d, spec.hidden_size, spec.o_bias)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook between projection and RoPE: identity here (Qwen3 normalizes per head)."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                attention: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)     # [n, heads, head_dim]
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
+        q, k = self.normalize_qk(q, k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        attention.write_kv(cache, self.layer, k, v, meta)
+        k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
+        out = attention.forward(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
+        return self.o_proj(out.reshape(n, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}.mlp"
+        hs, inter, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = _linear(f"{prefix}.gate_proj", hs, inter, bias)
+        self.up_proj = _linear(f"{prefix}.up_proj", hs, inter, bias)
+        self.down_proj = _linear(f"{prefix}.down_proj", inter, hs, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in place: no new [tokens, intermediate] buffers (at 2048 prefill tokens each is 12 MB)
+        return self.down_proj(nn.functional.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: int, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(spec, layer)
+        self.mlp = LlamaMLP(spec, layer)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, attention, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attention, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: LlamaSpec, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, attention_cls) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward: flat batch -> last layer's residual stream; compute_logits: selected rows -> final
+    norm -> logits."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    @classmethod
+    def spec_from_config(cls, cfg: dict) -> LlamaSpec:
+        """The family's reading of config.json. Raises ValueError for what the family cannot run."""
+        return LlamaSpec.from_config(cfg)
+
+    def __init__(self, spec: LlamaSpec, mrope_section: tuple[int, int, int] | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec, self.attention_cls)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_section)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [num_tokens, hidden] for int64 ids [num_tokens]."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                attention: AttentionBackend, meta: AttentionMetadata, embed_rows: torch.Tensor | None = None,
+                embed_values: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every layer over a flat batch.
+
+        Args:
+            input_ids: int64 [num_tokens].
+            positions: int64 [num_tokens] (RoPE) or [3, num_tokens] (M-RoPE t/h/w).
+            cache: the paged KV cache; this step's K/V are written at `meta.slot_mapping`.
+            attention: the backend that writes K/V and attends; `meta` is its metadata for this step.
+            embed_rows / embed_values: optional int64 [n] flat rows whose embedding lookup is
+                replaced by `embed_values` [n, hidden] (projected image rows).
+        Returns:
+            the residual stream after the last layer [num_tokens, hidden]; `compute_logits` applies
+            the final norm, to the rows it projects only.
+        """
+        x = self.embed(input_ids)  # [num_tokens, hidden]
+        if embed_rows is not None and embed_rows.numel():
+            x[embed_rows] = embed_values.to(x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [num_tokens, head_dim]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, attention, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Residual rows [rows, hidden] (from `forward`) -> final norm -> float32 logits [rows, vocab]."""
+        return linear(self.model.norm(hidden), self.lm_head.weight).float()
+
+
+def load_checkpoint(model_cls: type[LlamaForCausalLM], checkpoint: CheckpointConfig, dtype: torch.dtype,
+                    mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
+    """Build `model_cls` from the checkpoint's config.json and load its safetensors weights by name.
+
+    Raises:
+        ValueError: unsupported configuration, missing weights or unexpected weight names/shapes.
+    """
+    spec = model_cls.spec_from_config(dict(checkpoint.raw))
+    return build_model(model_cls, spec, mrope_section, _read_safetensors(checkpoint.model_dir), dtype,
+                       f"weights in {checkpoint.model_dir} do not match {spec.architecture}")
+
+
+def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_section: tuple[int, int, int] | None,
+                state: dict[str, torch.Tensor], dtype: torch.dtype, mismatch: str) -> LlamaForCausalLM:
+    """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec does.
+
+    Raises:
+        ValueError: `mismatch` followed by the first missing and unexpected weight names.
+    """
+    with torch.device("meta"):
+        model = model_cls(spec, mrope_section)
+    if spec.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(f"{mismatch}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return load_file(single)
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(model_dir / shard))
+    return state

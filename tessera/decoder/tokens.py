@@ -1,0 +1,52 @@
+"""Tokenize and detokenize with the served model's tokenizer, as vLLM's /tokenize and /detokenize.
+
+Text is tokenized as is (add_special_tokens default true); chat messages are rendered with the
+model's chat template (`apply_chat_template(tokenize=False)`, generation prompt by default, as
+Generate renders them) and tokenized without adding special tokens again, so the ids equal
+`tokenizer.apply_chat_template(messages, tokenize=True)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tessera.common.errors import InvalidArgument
+from tessera.decoder.multimodal import ROLES
+from tessera.decoder.types import TextPart, TokenizeInput
+
+
+def tokenize(tokenizer, request: TokenizeInput) -> list[int]:
+    """Token ids of `request`'s text or rendered messages.
+
+    Raises:
+        InvalidArgument: neither or both of text and messages, a message with an image part or an
+            unknown role.
+    """
+    if bool(request.text) == bool(request.messages):
+        raise InvalidArgument("exactly one of text (prompt) or messages must be set; an empty prompt is not accepted")
+    if request.text:
+        specials = True if request.add_special_tokens is None else request.add_special_tokens
+        return tokenizer(request.text, add_special_tokens=specials)["input_ids"]
+    rendered = []
+    for index, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise InvalidArgument(f"messages[{index}].role is {message.role!r}; expected one of {ROLES}")
+        if not all(isinstance(part, TextPart) for part in message.content):
+            raise InvalidArgument(f"messages[{index}] has an image part; tokenize counts text only")
+        rendered.append({"role": message.role, "content": "".join(part.text for part in message.content)})
+    text = tokenizer.apply_chat_template(rendered, tokenize=False,
+                                         add_generation_prompt=request.add_generation_prompt)
+    return tokenizer(text, add_special_tokens=bool(request.add_special_tokens))["input_ids"]
+
+
+def detokenize(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    """The text of `token_ids` (`tokenizer.decode`).
+
+    Raises:
+        InvalidArgument: an id outside the tokenizer's vocabulary [0, len(tokenizer)).
+    """
+    vocab_size = len(tokenizer)
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgument(f"token_ids[{index}] is {token_id}, outside the vocabulary [0, {vocab_size})")
+    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

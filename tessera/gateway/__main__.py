@@ -1,0 +1,87 @@
+"""`python -m tessera.gateway`: the public gRPC endpoint, and with `--http-port` its HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from tessera.common import auth
+from tessera.common.config_cli import add_flags, from_flags
+from tessera.common.limits import GenerateLimits, PoolingLimits
+from tessera.common.memory import unmap_large_buffers
+from tessera.common.message_limits import gateway_bytes, pooling_bytes
+from tessera.common.metrics import record_downstream, start_metrics_server
+from tessera.common.server import configure_logging, serve
+from tessera.gateway import metrics as gateway_metrics
+from tessera.gateway.api_keys import ApiKeyInterceptor, mint_loopback_key, read_api_keys
+from tessera.gateway.config import GatewayConfig
+from tessera.gateway.http import http_server
+from tessera.gateway.servicer import GatewayServicer
+from tessera.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tessera.gateway", description=__doc__)
+    add_flags(parser, GatewayConfig)
+    add_flags(parser, GenerateLimits)
+    add_flags(parser, PoolingLimits)
+    auth.add_arguments(parser, tls=True)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return from_flags(GatewayConfig, args, limits=from_flags(GenerateLimits, args),
+                          pooling_limits=from_flags(PoolingLimits, args))
+    except ValueError as error:
+        parser.error(str(error))
+
+
+async def _main(config: GatewayConfig, security: auth.Security) -> None:
+    record_downstream()  # before the servicer opens its channels
+    servicer = GatewayServicer(config)
+    max_receive_bytes = max(gateway_bytes(config.limits.max_images),
+                            pooling_bytes(config.pooling_limits.max_request_chars,
+                                          config.pooling_limits.max_request_token_ids))
+    try:
+        keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    loopback_key = mint_loopback_key() if keys else ""
+    interceptors = [ApiKeyInterceptor(keys | {loopback_key})] if keys else []
+    http = (http_server(config, max_receive_bytes, security.tls_cert_file, loopback_key=loopback_key,
+                        extra_routes={"/metrics": gateway_metrics.asgi_app(servicer)})
+            if config.http_port else None)
+
+    async def start() -> None:
+        await servicer.start()
+        if http is not None:
+            await http.start()
+
+    async def stop() -> None:
+        if http is not None:
+            await http.stop()
+        await servicer.close()
+
+    start_metrics_server(config.metrics_port, config.address, *gateway_metrics.collectors(servicer))
+
+    def register(server):
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
+
+    # The public port: no internal-token check; the servicer's channels send the token.
+    await serve("gateway", config.address, register, start=start, stop=stop, public=True, interceptors=interceptors,
+                credentials=security.server_credentials(), max_receive_bytes=max_receive_bytes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    config = parse_args(argv)
+    unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
+    asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The FastAPI application: OpenAI-compatible routes over the gateway's gRPC API.
+
+Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
+/tokenize, /detokenize; GET /v1/models, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
+the `Authorization` header is relayed to the adapter registry, which checks its admin token).
+With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
+`extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
+Bodies past `max_body_bytes` are refused with 413 before they are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tessera.gateway.http import convert, generate, models
+from tessera.gateway.http.backend import Backend
+from tessera.gateway.http.errors import HANDLERS, ApiError, error_body
+from tessera.v1 import adapters_pb2, decoder_pb2
+
+ERROR_RESPONSES = {status: {"model": models.ErrorResponse}
+                   for status in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
+
+
+DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer checks that its client is still there
+
+
+def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = ()) -> FastAPI:
+    app = FastAPI(title="tessera", summary="OpenAI-compatible HTTP API of the tessera gateway",
+                  responses=ERROR_RESPONSES)
+    for error, handler in HANDLERS.items():
+        app.add_exception_handler(error, handler)
+
+    async def api_key(authorization: str | None = Header(default=None)) -> None:
+        backend.check_api_key(authorization)
+
+    app.include_router(_generation_routes(backend), dependencies=[Depends(api_key)])
+    app.include_router(_pooling_routes(backend), dependencies=[Depends(api_key)])
+    app.include_router(_cluster_routes(backend, [Depends(api_key)]))
+    for path, asgi in dict(extra_routes).items():
+        app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document without its 422 answers: a body that does not validate is 400 here
+    (errors.validation_error_handler), already listed with the other error statuses."""
+    if app.openapi_schema is None:
+        document = FastAPI.openapi(app)  # builds and caches app.openapi_schema; edited in place once
+        for item in document.get("paths", {}).values():
+            for operation in item.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = document.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+    return app.openapi_schema
+
+
+def _generation_routes(backend: Backend) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", response_model=models.ChatCompletion)
+    async def chat_completions(body: models.ChatCompletionRequest, http: Request):
+        request = convert.chat_request(body)  # bad input refused before any call
+        request.lora = await backend.lora_for(body.model)
+        return await _generate(backend, [request], body, http, chat=True, logprobs=request.sampling.logprobs)
+
+    @router.post("/v1/completions", response_model=models.Completion)
+    async def completions(body: models.CompletionRequest, http: Request):
+        requests = convert.completion_requests(body)
+        lora = await backend.lora_for(body.model)
+        for request in requests:
+            request.lora = lora
+        return await _generate(backend, requests, body, http, chat=False, logprobs=body.logprobs is not None)
+
+    return router
+
+
+def _pooling_routes(backend: Backend) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/embeddings", response_model=models.EmbeddingList)
+    async def embeddings(body: models.EmbeddingRequest):
+        reply = await backend.stub.Embed(convert.embed_request(body))
+        data = [models.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
+        tokens = reply.usage.total_tokens or reply.usage.prompt_tokens
+        return models.EmbeddingList(data=data, model=reply.model,
+                                    usage=models.Usage(prompt_tokens=reply.usage.prompt_tokens, total_tokens=tokens))
+
+    async def rerank(body: models.RerankRequest) -> models.RerankResponse:
+        return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body)))
+
+    router.post("/v1/rerank", response_model=models.RerankResponse)(rerank)
+    router.post("/rerank", response_model=models.RerankResponse)(rerank)
+
+    @router.post("/tokenize", response_model=models.TokenizeResponse)
+    async def tokenize(body: models.TokenizeRequest):
+        reply = await backend.stub.Tokenize(convert.tokenize_request(body))
+        tokens = list(reply.results[0].tokens) if reply.results else []
+        return models.TokenizeResponse(model=reply.model, count=len(tokens), max_model_len=reply.max_model_len or None,
+                                       tokens=[t.id for t in tokens], token_strs=[t.text for t in tokens])
+
+    @router.post("/detokenize", response_model=models.DetokenizeResponse)
+    async def detokenize(body: models.DetokenizeRequest):
+        reply = await backend.stub.Detokenize(decoder_pb2.DetokenizeRequest(model=body.model or "",
+                                                                            token_ids=body.tokens))
+        return models.DetokenizeResponse(model=reply.model, prompt=reply.text)
+
+    return router
+
+
+def _cluster_routes(backend: Backend, inference) -> APIRouter:
+    """Models (an inference route: API key), adapters (admin: the registry's token), health (open)."""
+    router = APIRouter()
+
+    def admin_metadata(request: Request) -> list[tuple[str, str]]:
+        value = request.headers.get("authorization")
+        return [("authorization", value)] if value else []
+
+    @router.get("/v1/models", dependencies=inference, response_model=models.ModelList)
+    async def list_models():
+        return await _models(backend)
+
+    @router.post("/v1/load_lora_adapter", response_model=models.Model)
+    async def load_lora_adapter(body: models.LoadLoraAdapterRequest, request: Request):
+        info = await backend.info()
+        served = {info.decoder.model, info.pooling.model, *(m.model for m in info.pooling.models)} - {""}
+        if body.lora_name in served:
+            raise ApiError(400, f"lora_name {body.lora_name!r} is the name of a served model; an adapter needs a "
+                                "name of its own", param="lora_name")
+        info = await backend.stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=body.lora_name,
+                                                                              path=body.lora_path),
+                                              metadata=admin_metadata(request))
+        return models.Model(id=info.name, root=info.path, parent=await backend.base_model())
+
+    @router.post("/v1/unload_lora_adapter", response_model=models.Model)
+    async def unload_lora_adapter(body: models.UnloadLoraAdapterRequest, request: Request):
+        reply = await backend.stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=body.lora_name),
+                                                 metadata=admin_metadata(request))
+        return models.Model(id=reply.name)
+
+    @router.get("/health", response_model=models.Health, responses={503: {"model": models.Health}})
+    async def health():
+        problems = await backend.not_serving()
+        if problems:
+            return JSONResponse(models.Health(status="unavailable", not_serving=problems).model_dump(),
+                                status_code=503)
+        return models.Health(status="ok")
+
+    return router
+
+
+class BodyLimit:
+    """Refuses a body past `max_bytes` with 413: from its Content-Length before reading it, or,
+    for a chunked body, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            response = JSONResponse(error_body(f"the request body has {int(length)} bytes; the limit is "
+                                               f"{self.max_bytes}", "invalid_request_error", None, 413), 413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise ApiError(413, f"the request body passed {self.max_bytes} bytes, the limit")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _generate(backend: Backend, requests, body: models.SamplingFields, http: Request, chat: bool,
+                    logprobs: bool):
+    """Open every prompt's Generate (so a refusal answers with its status), then answer whole or as SSE.
+
+    A whole answer whose client goes away is cancelled (its KV blocks and leases come back), as a
+    stream is when its response ends early."""
+    streams = []
+    try:
+        for request in requests:
+            streams.append(await generate.Stream.open(backend.stub, request, ()))
+    except BaseException:
+        generate.cancel(streams)
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(generate.events(streams, body.n, body.model, chat, logprobs, include_usage),
+                                 media_type="text/event-stream")
+    collecting = asyncio.ensure_future(generate.collect(streams, body.n))
+    while not collecting.done():
+        await asyncio.wait([collecting], timeout=DISCONNECT_POLL_S)
+        if not collecting.done() and await http.is_disconnected():
+            collecting.cancel()  # collect's finally cancels every prompt's call
+            raise ApiError(499, "the client closed the connection", "cancelled")
+    tally = collecting.result()
+    return (generate.chat_completion if chat else generate.completion)(tally, body.model, logprobs)
+
+
+async def _models(backend: Backend) -> models.ModelList:
+    """The decoder's base model, every pooling model, and each loaded adapter (parent: the base)."""
+    info = await backend.info()
+    if info.unavailable and not info.decoder.model and not info.pooling.model:
+        raise ApiError(503, "; ".join(info.unavailable), "service_unavailable")
+    data = []
+    base = info.decoder.model or None
+    if base:
+        data.append(models.Model(id=base, root=base, max_model_len=info.decoder.max_model_len))
+    pooled = list(info.pooling.models) or ([info.pooling] if info.pooling.model else [])
+    for model in pooled:
+        data.append(models.Model(id=model.model, root=model.model, max_model_len=model.max_input_length or None))
+    adapters = await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())
+    for adapter in adapters.adapters:
+        data.append(models.Model(id=adapter.name, root=adapter.path, parent=base))
+    return models.ModelList(data=data)
+
+
+class _AsgiEndpoint:
+    """An ASGI app as a route endpoint (Starlette wraps plain functions as request handlers)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)

@@ -1,0 +1,137 @@
+"""What the HTTP routes call: the gateway's own gRPC API over a loopback channel, and health.
+
+The HTTP door is one more client of the public gRPC port, so routing, caps, image encoding and
+adapter auth happen in the servicer exactly as for gRPC clients, and every refusal arrives as the
+same status a gRPC client would get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tessera.common.server import CHANNEL_OPTIONS
+from tessera.gateway.api_keys import bearer_interceptors
+from tessera.gateway.http.errors import ApiError
+from tessera.v1 import gateway_pb2, gateway_pb2_grpc
+
+INFO_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 2.0
+REQUIRED = ("gateway", "adapters", "vision", "decoder", "pooling")
+
+
+def loopback_address(address: str) -> str:
+    """The gateway's bind address as a local client dials it (a wildcard host becomes loopback)."""
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host in ("[::]", "::"):
+        host = "[::1]"
+    return f"{host}:{port}"
+
+
+class Backend:
+    """The loopback stub, the base model's name, and the health of every required service.
+
+    `services` maps each required service other than the gateway to the address its health is
+    asked at ("vision" absent when none is configured); decoder and pooling replicas are the ones
+    the gateway's GetInfo lists.
+    """
+
+    def __init__(self, gateway_address: str, services: dict[str, str], api_keys: frozenset[str] = frozenset(),
+                 credentials: grpc.ChannelCredentials | None = None, loopback_key: str = ""):
+        """`loopback_key`: the key this process's gRPC port accepts from the HTTP API (when keys are on)."""
+        target = loopback_address(gateway_address)
+        interceptors = bearer_interceptors(loopback_key) if loopback_key else None
+        self.channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+                        if credentials else
+                        grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors))
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.services = services
+        self.api_keys = api_keys
+        self._health_channels: dict[str, grpc.aio.Channel] = {"gateway": self.channel}
+        self._base_model: str | None = None
+
+    async def close(self) -> None:
+        for channel in self._health_channels.values():
+            await channel.close()
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """Raises ApiError 401 unless keys are off or `Authorization: Bearer <key>` names one."""
+        if not self.api_keys:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "this endpoint needs an API key: send Authorization: Bearer <key>",
+                           "authentication_error")
+        if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in self.api_keys):
+            raise ApiError(401, "the API key is not valid", "authentication_error")
+
+    async def info(self) -> gateway_pb2.ClusterInfo:
+        return await self.stub.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=INFO_TIMEOUT_S)
+
+    async def base_model(self) -> str:
+        """The decoder's model name (asked once; every replica serves the same model).
+
+        Raises:
+            ApiError: 503 when no decoder has answered yet.
+        """
+        if self._base_model is None:
+            info = await self.info()
+            if not info.decoder.model:
+                raise ApiError(503, "the decoder has not answered yet: " + "; ".join(info.unavailable),
+                               "service_unavailable")
+            self._base_model = info.decoder.model
+        return self._base_model
+
+    async def lora_for(self, model: str) -> str:
+        """`model` as Generate's `lora`: "" for the base model, else the adapter name (the
+        decoder answers NOT_FOUND -> 404 for a name the registry does not hold)."""
+        if not model:
+            raise ApiError(400, "model must name the base model or a loaded adapter", param="model")
+        return "" if model == await self.base_model() else model
+
+    async def not_serving(self) -> list[str]:
+        """Each required service (or replica) whose health is not SERVING, with why; [] = all are.
+
+        A replicated service is down when none of its replicas serves; a replica down beside
+        serving ones is listed as `decoder replica host:port` but does not fail the check alone.
+        """
+        checks = {name: address for name, address in self.services.items() if name not in ("decoder", "pooling")}
+        problems: list[str] = []
+        try:
+            info = await self.stub.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=HEALTH_TIMEOUT_S * 2)
+            replicas = [(r.service, r.address) for r in info.replicas]
+        except grpc.aio.AioRpcError as error:
+            return [f"gateway: {error.code().name} {error.details()}"]
+        names = ["gateway", *checks, *(f"{s}@{a}" for s, a in replicas)]
+        verdicts = await asyncio.gather(self._check("gateway", None),
+                                        *(self._check(name, a) for name, a in checks.items()),
+                                        *(self._check(s, a) for s, a in replicas))
+        by_service: dict[str, list[str | None]] = {}
+        for name, verdict in zip(names, verdicts):
+            by_service.setdefault(name.split("@")[0], []).append(verdict)
+        for service in ("decoder", "pooling"):
+            by_service.setdefault(service, ["no replica known"])
+        for service, results in by_service.items():
+            if all(results):
+                problems.append(f"{service}: {results[0]}")
+        return problems
+
+    async def _check(self, name: str, address: str | None) -> str | None:
+        """None when `address`'s grpc.health.v1 says SERVING, else why."""
+        key = address or "gateway"
+        channel = self._health_channels.get(key)
+        if channel is None:
+            channel = self._health_channels[key] = grpc.aio.insecure_channel(address)
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                    timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            return f"{address or 'gateway'} {error.code().name}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"{address or 'gateway'} {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return None

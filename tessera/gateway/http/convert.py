@@ -1,0 +1,183 @@
+"""HTTP bodies (tessera/gateway/http/models.py) <-> the gateway's protobuf messages.
+
+Token strings in logprobs are `token_id:<id>` (vLLM's `return_tokens_as_token_ids` form): the
+gateway holds no tokenizer, and an id is exact where a decoded piece of a multi-byte character is not.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from tessera.gateway.http import models
+from tessera.gateway.http.errors import ApiError
+from tessera.v1 import decoder_pb2, pooling_pb2, vision_pb2
+
+_DATA_URI_PREFIX = "data:"
+
+
+def token_str(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _image(url: str, where: str) -> decoder_pb2.ContentPart:
+    if not url.startswith(_DATA_URI_PREFIX) or ";base64," not in url[:256]:
+        raise ApiError(400, f"{where}.image_url.url must be a base64 data URI (data:image/png;base64,...); "
+                            f"remote URLs are not fetched by the gateway (got {url[:40]!r})", param=f"{where}.image_url")
+    return decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data_uri=url))
+
+
+def chat_messages(messages: list[models.ChatMessage]) -> list[decoder_pb2.ChatMessage]:
+    """OpenAI messages -> ChatMessage protos; each `image_url` part becomes an `image` part.
+
+    Raises:
+        ApiError: 400 for an image that is not a base64 data URI (remote URLs are never fetched).
+    """
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if content is None:
+            parts = []
+        elif isinstance(content, str):
+            parts = [decoder_pb2.ContentPart(text=content)]
+        else:
+            parts = [decoder_pb2.ContentPart(text=p.text) if isinstance(p, models.TextPart)
+                     else _image(p.image_url.url, f"messages.{i}.content.{j}") for j, p in enumerate(content)]
+        out.append(decoder_pb2.ChatMessage(role=message.role, content=parts))
+    return out
+
+
+def sampling(body: models.SamplingFields, max_tokens: int | None, default_max_tokens: int,
+             logprobs: bool, top_logprobs: int) -> decoder_pb2.SamplingParams:
+    """OpenAI sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    params = decoder_pb2.SamplingParams(
+        max_tokens=max_tokens or default_max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        stop=stop, n=body.n, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logprobs=logprobs, top_logprobs=top_logprobs)
+    if body.seed is not None:
+        params.seed = body.seed
+    return params
+
+
+def chat_request(body: models.ChatCompletionRequest) -> decoder_pb2.GenerateRequest:
+    """The chat's Generate request, base model (the caller sets `lora`)."""
+    return decoder_pb2.GenerateRequest(
+        messages=chat_messages(body.messages),
+        sampling=sampling(body, body.max_completion_tokens or body.max_tokens, models.DEFAULT_CHAT_MAX_TOKENS,
+                          body.logprobs or bool(body.top_logprobs), body.top_logprobs or 0))
+
+
+MAX_PROMPTS = 64  # prompts in one completions call, each one Generate (a batch past this: several calls)
+
+
+def completion_requests(body: models.CompletionRequest) -> list[decoder_pb2.GenerateRequest]:
+    """One GenerateRequest (base model) per prompt (a list of texts or of id lists is a batch, as in OpenAI).
+
+    Raises:
+        ApiError: 400 for `echo` or `suffix` (not supported), an empty prompt list, or more than
+            MAX_PROMPTS prompts.
+    """
+    if body.echo:
+        raise ApiError(400, "echo is not supported: the gateway returns only the generated text", param="echo")
+    if body.suffix:
+        raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
+    prompt = body.prompt
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt is an empty list", param="prompt")
+    logprobs = body.logprobs is not None
+    params = sampling(body, body.max_tokens, models.DEFAULT_COMPLETION_MAX_TOKENS, logprobs, body.logprobs or 0)
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt[0], int):
+        return [decoder_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=params)]
+    else:
+        prompts = prompt
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts; the limit is {MAX_PROMPTS} per request",
+                       param="prompt")
+    out = []
+    for item in prompts:
+        if isinstance(item, str):
+            out.append(decoder_pb2.GenerateRequest(prompt=[decoder_pb2.ContentPart(text=item)], sampling=params))
+        else:
+            out.append(decoder_pb2.GenerateRequest(prompt_token_ids=item, sampling=params))
+    return out
+
+
+def chat_logprobs(entries) -> models.ChoiceLogprobs:
+    return models.ChoiceLogprobs(content=[
+        models.TokenLogprob(token=token_str(e.token_id), logprob=e.logprob,
+                            top_logprobs=[models.TopLogprob(token=token_str(t.token_id), logprob=t.logprob)
+                                          for t in e.top]) for e in entries])
+
+
+def completion_logprobs(entries) -> models.CompletionLogprobs:
+    return models.CompletionLogprobs(
+        tokens=[token_str(e.token_id) for e in entries], token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[{token_str(t.token_id): t.logprob for t in e.top} for e in entries])
+
+
+def embed_request(body: models.EmbeddingRequest) -> pooling_pb2.EmbedRequest:
+    """Texts or token ids; `dimensions` and the format pass through (pooling checks them)."""
+    fmt = pooling_pb2.ENCODING_FORMAT_BASE64 if body.encoding_format == "base64" else pooling_pb2.ENCODING_FORMAT_FLOAT
+    request = pooling_pb2.EmbedRequest(model=body.model, encoding_format=fmt)
+    if body.dimensions is not None:
+        request.dimensions = body.dimensions
+    data = body.input
+    if isinstance(data, str):
+        request.inputs.append(data)
+    elif data and isinstance(data[0], int):
+        request.input_ids.add(ids=data)
+    elif data and isinstance(data[0], list):
+        for ids in data:
+            request.input_ids.add(ids=ids)
+    else:
+        request.inputs.extend(data)
+    return request
+
+
+def embeddings(reply: pooling_pb2.EmbedResponse) -> list[list[float] | str]:
+    """One vector (float list) or base64 string per input, in input order."""
+    if reply.embeddings_base64:
+        return list(reply.embeddings_base64)
+    tensor = reply.embeddings
+    if not tensor.shape:
+        return []
+    rows, dim = tensor.shape
+    values = struct.unpack(f"<{rows * dim}f", tensor.data)
+    return [list(values[r * dim:(r + 1) * dim]) for r in range(rows)]
+
+
+
+
+def tokenize_request(body: models.TokenizeRequest) -> pooling_pb2.TokenizeRequest:
+    """Raises ApiError 400 unless exactly one of prompt and messages is set."""
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "send exactly one of prompt or messages", param="prompt")
+    request = pooling_pb2.TokenizeRequest(model=body.model or "", inputs=[] if body.prompt is None else [body.prompt],
+                                          messages=chat_messages(body.messages or []))
+    if body.add_special_tokens is not None:
+        request.add_special_tokens = body.add_special_tokens
+    if body.messages is not None:
+        request.add_generation_prompt = body.add_generation_prompt
+    return request
+
+
+def rerank_request(body: models.RerankRequest) -> pooling_pb2.RerankRequest:
+    documents = [d if isinstance(d, str) else d.text for d in body.documents]
+    request = pooling_pb2.RerankRequest(model=body.model or "", query=body.query, documents=documents,
+                                        return_documents=body.return_documents)
+    if body.top_n is not None:
+        request.top_n = body.top_n
+    return request
+
+
+def rerank_response(reply: pooling_pb2.RerankResponse) -> models.RerankResponse:
+    results = [models.RerankResult(index=r.index, relevance_score=r.score,
+                                   document=models.RerankDocument(text=r.document) if r.document else None)
+               for r in reply.results]
+    tokens = reply.usage.total_tokens or reply.usage.prompt_tokens
+    return models.RerankResponse(model=reply.model, results=results,
+                                 usage=models.Usage(prompt_tokens=reply.usage.prompt_tokens, total_tokens=tokens))

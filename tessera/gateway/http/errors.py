@@ -1,0 +1,110 @@
+"""gRPC status -> HTTP status and OpenAI's error object, in one table.
+
+Every refusal of the HTTP API answers `{"error": {"message", "type", "param", "code"}}` (OpenAI's
+shape, so the `openai` SDK raises its typed errors: BadRequestError, NotFoundError, ...). The
+gateway's gRPC status decides the HTTP status; a request body that does not parse or validate is
+400, never FastAPI's 422, and never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from tessera.common.errors import clip_message
+
+log = logging.getLogger(__name__)
+
+# (HTTP status, OpenAI error type) per gRPC status; anything not listed is a 500 server_error.
+STATUS_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# The one RESOURCE_EXHAUSTED that is not load: a message past the gRPC receive limit.
+_TOO_LARGE_MARKERS = ("larger than max", "message larger")
+
+
+class ApiError(HTTPException):
+    """A refusal with its HTTP status, OpenAI error type, and the offending parameter if known (an
+    HTTPException, so FastAPI re-raises it as it is from wherever it is raised, body reading included)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(status, message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.status), status_code=self.status)
+
+
+def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
+    return {"error": {"message": clip_message(message), "type": type_, "param": param, "code": code}}
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError) -> ApiError:
+    """The HTTP refusal for a gateway status (UNAVAILABLE -> 503 naming the service, ...)."""
+    details = error.details() or error.code().name
+    status, type_ = STATUS_TO_HTTP.get(error.code(), (500, "server_error"))
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in details for m in _TOO_LARGE_MARKERS):
+        status, type_ = 413, "invalid_request_error"
+    return ApiError(status, details, type_)
+
+
+async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
+    return error.response()
+
+
+async def rpc_error_handler(request: Request, error: grpc.aio.AioRpcError) -> JSONResponse:
+    return from_rpc_error(error).response()
+
+
+async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
+    """Pydantic's errors as one 400: the first problem's location is the `param`."""
+    problems = error.errors()
+    first = problems[0] if problems else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and first.get("type") != "json_invalid"]
+    param = ".".join(location) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                        for e in problems[:5])
+    return ApiError(400, message or "the request body is not valid", param=param).response()
+
+
+async def http_error_handler(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (404 route, 405 method, malformed JSON) in OpenAI's shape."""
+    type_ = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return ApiError(error.status_code, str(error.detail), type_).response()
+
+
+async def unicode_error_handler(request: Request, error: UnicodeError) -> JSONResponse:
+    """Text protobuf cannot carry: JSON allows lone UTF-16 surrogates ("\\ud800"), UTF-8 does not."""
+    return ApiError(400, f"the request holds text that is not valid Unicode ({error.reason}: a lone UTF-16 "
+                         "surrogate?); every string must encode as UTF-8").response()
+
+
+async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Anything else: a 500 in OpenAI's shape (the cause is in the gateway's log, not the answer)."""
+    log.exception("HTTP %s %s failed", request.method, request.url.path)
+    return ApiError(500, f"internal error ({type(error).__name__}); see the gateway's log", "server_error").response()
+
+
+HANDLERS = {
+    ApiError: api_error_handler,
+    UnicodeError: unicode_error_handler,
+    Exception: unexpected_error_handler,
+    grpc.aio.AioRpcError: rpc_error_handler,
+    RequestValidationError: validation_error_handler,
+    HTTPException: http_error_handler,
+}

@@ -1,0 +1,60 @@
+"""`python -m tessera.pooling`: embeddings, rerank and tokenization over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from tessera.common import auth
+from tessera.common.config_cli import add_flags, from_flags
+from tessera.common.message_limits import pooling_bytes
+from tessera.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
+from tessera.common.server import configure_logging, serve
+from tessera.pooling.config import ModelFlags, PoolingConfig
+from tessera.pooling.engine import PoolingEngine
+from tessera.pooling.servicer import PoolingServicer
+from tessera.v1 import pooling_pb2, pooling_pb2_grpc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tessera.pooling", description=__doc__)
+    add_flags(parser, PoolingConfig)
+    add_flags(parser, ModelFlags)
+    auth.add_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> PoolingConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return from_flags(PoolingConfig, args, models=from_flags(ModelFlags, args).models())
+    except ValueError as error:
+        parser.error(str(error))
+
+
+async def _main(config: PoolingConfig) -> None:
+    engine = PoolingEngine(config)
+    start_metrics_server(config.metrics_port, config.address, PoolingCollector(engine.queue_sizes),
+                         MergedCollector(engine.batcher_stats))
+
+    def register(server):
+        pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(engine), server)
+        return [pooling_pb2.DESCRIPTOR.services_by_name["Pooling"].full_name]
+
+    async def start() -> None:
+        await engine.compute.run(engine.load)  # weights touched first by the compute thread
+
+    await serve("pooling", config.address, register, start=start, health=engine.health,
+                max_receive_bytes=pooling_bytes(config.max_request_chars, config.max_request_token_ids))
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    config = parse_args(argv)
+    auth.configure_security(argv)
+    asyncio.run(_main(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""`python -m tessera.vision`: images -> projected rows for the decoder.
+
+Two encoders: `--encoder demo` (default; a fixed-resolution tower with seeded RANDOM
+weights -- plumbing, not answers) and `--encoder qwen2-vl --model-dir DIR` (a Qwen2-VL
+checkpoint's vision tower + PatchMerger, with its preprocessing recipe and M-RoPE sections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from tessera.common import auth
+from tessera.common.config_cli import add_flags, from_flags
+from tessera.common.message_limits import vision_bytes
+from tessera.common.metrics import start_metrics_server
+from tessera.common.server import configure_logging, serve
+from tessera.v1 import vision_pb2, vision_pb2_grpc
+from tessera.vision.config import VisionConfig, VisionFlags
+from tessera.vision.servicer import VisionServicer
+from tessera.vision.stats import VisionCollector
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tessera.vision", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(parser, VisionFlags)
+    auth.add_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> VisionConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return from_flags(VisionFlags, args).vision_config()
+    except ValueError as error:
+        parser.error(str(error))
+
+
+async def _main(config: VisionConfig) -> None:
+    servicer = VisionServicer(config)
+    start_metrics_server(config.metrics_port, config.address, VisionCollector(lambda: servicer._engine))
+
+    def register(server):
+        vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)
+        return [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name]
+
+    processor = config.processor
+    await serve("vision", config.address, register, start=servicer.start, health=servicer.health,
+                max_receive_bytes=vision_bytes(processor.max_images, processor.max_image_bytes))
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    config = parse_args(argv)
+    auth.configure_security(argv)
+    asyncio.run(_main(config))
+
+
+if __name__ == "__main__":
+    main()
