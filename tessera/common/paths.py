@@ -28,3 +28,10 @@ def default_embedding_dir() -> Path:
 
 def default_adapter_root() -> Path:
     return tessera_home() / "adapters"
+
+
+def cluster_home(name: str) -> Path:
+    """One cluster's own directory, `$TESSERA_HOME/clusters/NAME`: its logs and its adapter catalog, so
+    that two clusters on one host (`tessera up --cluster NAME`, default the gateway's port) never share
+    either. Models stay shared under `models_dir()`."""
+    return tessera_home() / "clusters" / name
