@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--poolers", type=int, default=1, help="pooling replicas; least outstanding requests")
     up.add_argument("--http-port", type=int, default=8000,
                     help="the gateway's OpenAI-compatible HTTP API on --host (default %(default)s; 0 = off)")
+    up.add_argument("--cluster", default=os.environ.get("TESSERA_CLUSTER", ""),
+                    help="the cluster's name; its logs and adapter catalog live in $TESSERA_HOME/clusters/NAME "
+                         "(env TESSERA_CLUSTER; default: the gateway's port)")
     up.set_defaults(func=_up)
 
     remote = argparse.ArgumentParser(add_help=False)
@@ -128,7 +132,8 @@ def _up(args) -> int:
                        adapter_root=args.adapter_root,
                        admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
                        image_token=args.image_token, extra_args=parse_extra(args.service_args),
-                       num_decoders=args.decoders, num_poolers=args.poolers, http_port=args.http_port)
+                       num_decoders=args.decoders, num_poolers=args.poolers, http_port=args.http_port,
+                       cluster=args.cluster)
     return run_until_signalled(spec)
 
 

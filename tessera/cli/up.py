@@ -40,10 +40,10 @@ from tessera.common import auth
 from tessera.common.healthcheck import check as check_health
 from tessera.common.launch import service_env, wait_serving
 from tessera.common.paths import (
+    cluster_home,
     default_adapter_root,
     default_decoder_dir,
     default_embedding_dir,
-    tessera_home,
 )
 from tessera.common.server import DEFAULT_PORTS
 
@@ -74,7 +74,8 @@ class ClusterSpec:
     vision: bool = True
     mrope_section: str = "8,12,12"
     image_token: str = "<empty_output>"
-    log_dir: Path = field(default_factory=lambda: tessera_home() / "logs")
+    cluster: str = ""  # the cluster's name: its home is cluster_home(cluster); "" = the gateway's port
+    log_dir: Path | None = None  # None = cluster_home(cluster) / "logs"
     internal_auth: bool = True  # a per-cluster internal token (False: internal ports trust any caller)
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     num_decoders: int = 1
@@ -82,6 +83,9 @@ class ClusterSpec:
     http_port: int = 0  # the gateway's HTTP API on `host` (0 = off; the `tessera up` command asks 8000)
 
     def __post_init__(self) -> None:
+        self.cluster = self.cluster or str(self.base_port)
+        if self.log_dir is None:
+            self.log_dir = cluster_home(self.cluster) / "logs"
         for name in ("num_decoders", "num_poolers"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ValueError(f"{name} must be in 1..64, got {getattr(self, name)}")
@@ -366,7 +370,7 @@ def write_endpoints(spec: ClusterSpec) -> None:
 def metrics_table(gateway_address: str, log_dir: Path | None = None) -> str:
     """The metrics URLs `tessera up` wrote for the cluster whose gateway is `gateway_address`
     (one line per process), or "" when the last local `up` served another gateway or none."""
-    path = (log_dir or tessera_home() / "logs") / ENDPOINTS_FILE
+    path = (log_dir or cluster_home(gateway_address.rpartition(":")[2]) / "logs") / ENDPOINTS_FILE
     try:
         endpoints = json.loads(path.read_text())
     except (OSError, ValueError):
