@@ -9,17 +9,18 @@ from tessera.adapters.auth import AdminAuthInterceptor
 from tessera.adapters.config import RegistryConfig
 from tessera.adapters.engine import AdapterRegistry
 from tessera.adapters.servicer import register
-from tessera.common import auth
+from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.message_limits import REGISTRY_BYTES
 from tessera.common.metrics import start_metrics_server
-from tessera.common.server import configure_logging, serve
+from tessera.common.server import serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tessera.adapters", description=__doc__)
     add_flags(parser, RegistryConfig)
     auth.add_arguments(parser)
+    logs.add_arguments(parser)
     return parser
 
 
@@ -35,8 +36,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
 
 def main(argv: list[str] | None = None) -> None:
     address, config = parse_config(argv)
+    logs.configure_logging("adapters", argv)
     auth.configure_security(argv)
-    configure_logging()
     registry = AdapterRegistry(config)
     start_metrics_server(config.metrics_port, address)
 

@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
+from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.client import DEFAULT_ADDRESS, TesseraError
+from tessera.common.logs import LOG_FORMATS, LOG_LEVELS
 from tessera.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
 from tessera.common.server import DEFAULT_PORTS
 
@@ -47,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cluster", default=os.environ.get("TESSERA_CLUSTER", ""),
                     help="the cluster's name; its logs and adapter catalog live in $TESSERA_HOME/clusters/NAME "
                          "(env TESSERA_CLUSTER; default: the gateway's port)")
+    up.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get("TESSERA_LOG_FORMAT", "text"),
+                    help="every service's log lines: text, or json (one object per line) (default: %(default)s; "
+                         "$TESSERA_LOG_FORMAT when set)")
+    up.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                    default=os.environ.get("TESSERA_LOG_LEVEL", "INFO").upper(),
+                    help="every service's least severe level logged (default: %(default)s; $TESSERA_LOG_LEVEL)")
+    up.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                    help="a service's log file is rotated at this size (default: %(default)s)")
+    up.add_argument("--log-backups", type=int, default=DEFAULT_BACKUPS,
+                    help="rotated log files kept per service, NAME.log.1 .. .N (default: %(default)s)")
     up.set_defaults(func=_up)
 
     remote = argparse.ArgumentParser(add_help=False)
@@ -133,7 +145,8 @@ def _up(args) -> int:
                        admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
                        image_token=args.image_token, extra_args=parse_extra(args.service_args),
                        num_decoders=args.decoders, num_poolers=args.poolers, http_port=args.http_port,
-                       cluster=args.cluster)
+                       cluster=args.cluster, log_format=args.log_format, log_level=args.log_level,
+                       log_max_bytes=args.log_max_bytes, log_backups=args.log_backups)
     return run_until_signalled(spec)
 
 

@@ -1,8 +1,11 @@
 """`tessera up`: start the five services on loopback, wait for health, stop them together.
 
-Each service is its own OS process (`python -m tessera.<name>`), logging to
-`$TESSERA_HOME/logs/<name>.log`. Startup order follows dependencies (registry, vision, pooling,
-decoder, gateway); `up` returns only when every health check says SERVING, and on Ctrl-C /
+Each service is its own OS process (`python -m tessera.<name>`); `up` copies its stdout and stderr
+to `<log dir>/<name>.log`, rotated by size (tessera/cli/logfiles.py), in the `--log-format` every
+service is given. Startup order follows dependencies (registry, vision, pooling, decoder,
+gateway); `up` returns only when every health check says SERVING. A process that exits or is not
+SERVING in time fails the start: `StartupError` names it, its one-line cause and its last log
+lines, and the others are stopped. On Ctrl-C /
 SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period. A service
 that exits on its own, or whose health has not said SERVING for UNHEALTHY_RESTART_S (its engine
 loop died or is wedged), is killed and restarted, as an orchestrator's liveness probe would (the
@@ -36,9 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera.adapters.config import ADMIN_TOKEN_ENV
+from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, ServiceLog, StartupError, failure_cause
 from tessera.common import auth
 from tessera.common.healthcheck import check as check_health
-from tessera.common.launch import service_env, wait_serving
+from tessera.common.launch import service_env
+from tessera.common.logs import LOG_FORMATS, LOG_LEVELS
 from tessera.common.paths import (
     cluster_home,
     default_adapter_root,
@@ -55,6 +60,7 @@ PORT_OFFSETS = {service: port - DEFAULT_PORTS["gateway"] for service, port in DE
 REPLICATED = ("decoder", "pooling")
 METRICS_PORT_OFFSET = 100  # a process's Prometheus port: its gRPC port + this
 ENDPOINTS_FILE = "endpoints.json"
+STARTUP_TAIL_LINES = 15  # of a failed service's log, printed by `up`
 
 
 def service_of(instance: str) -> str:
@@ -76,6 +82,10 @@ class ClusterSpec:
     image_token: str = "<empty_output>"
     cluster: str = ""  # the cluster's name: its home is cluster_home(cluster); "" = the gateway's port
     log_dir: Path | None = None  # None = cluster_home(cluster) / "logs"
+    log_format: str = "text"  # every service's --log-format: text or json lines
+    log_level: str = "INFO"
+    log_max_bytes: int = DEFAULT_MAX_BYTES  # a process's log file is rotated at this size
+    log_backups: int = DEFAULT_BACKUPS  # rotated files kept: <name>.log.1 .. .N
     internal_auth: bool = True  # a per-cluster internal token (False: internal ports trust any caller)
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     num_decoders: int = 1
@@ -86,6 +96,12 @@ class ClusterSpec:
         self.cluster = self.cluster or str(self.base_port)
         if self.log_dir is None:
             self.log_dir = cluster_home(self.cluster) / "logs"
+        if self.log_format not in LOG_FORMATS or self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS} and log_level one of {LOG_LEVELS}, "
+                             f"got {self.log_format!r} and {self.log_level!r}")
+        if self.log_max_bytes < 1 or self.log_backups < 0:
+            raise ValueError(f"log_max_bytes must be >= 1 and log_backups >= 0, got {self.log_max_bytes} "
+                             f"and {self.log_backups}")
         for name in ("num_decoders", "num_poolers"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ValueError(f"{name} must be in 1..64, got {getattr(self, name)}")
@@ -163,7 +179,8 @@ class ClusterSpec:
         }[service]
         metrics_port = int(a(instance).rpartition(":")[2]) + METRICS_PORT_OFFSET
         return [sys.executable, "-m", f"tessera.{service}", "--address", a(instance), *args,
-                "--metrics-port", str(metrics_port), *self.extra_args.get(service, [])]
+                "--metrics-port", str(metrics_port), "--log-format", self.log_format, "--log-level", self.log_level,
+                *self.extra_args.get(service, [])]
 
     def environment(self, instance: str) -> dict[str, str]:
         """Environment overrides of a process: replicas of one service share the CPUs (each gets
@@ -185,9 +202,16 @@ class Cluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         self.processes: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, ServiceLog] = {}  # each process's rotated log file
         self.token_file: Path | None = None  # the cluster's internal token, written by `start`
 
     def start(self, timeout_s: float = 300.0) -> None:
+        """Start every process and wait until all are SERVING.
+
+        Raises:
+            StartupError: a process exited or was not SERVING within `timeout_s` seconds (all are
+                stopped first).
+        """
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
         if self.spec.internal_auth:
@@ -196,18 +220,20 @@ class Cluster:
         try:
             for service in self.spec.services():
                 self._spawn(service)
-            deadline = time.monotonic() + timeout_s
-            for service in self.spec.services():
-                self._wait_serving(service, deadline)
+            self._wait_serving(self.spec.services(), time.monotonic() + timeout_s)
         except BaseException:
             self.stop()
             raise
 
     def _spawn(self, service: str) -> None:
-        with open(self.spec.log_dir / f"{service}.log", "ab") as log:
-            self.processes[service] = subprocess.Popen(
-                self.spec.command(service), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self._environment(service))
+        log = self.logs.get(service)
+        if log is None:
+            log = self.logs[service] = ServiceLog(self.spec.log_dir / f"{service}.log", self.spec.log_max_bytes,
+                                                  self.spec.log_backups)
+        process = subprocess.Popen(self.spec.command(service), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=self._environment(service))
+        log.follow(process.stdout)
+        self.processes[service] = process
 
     def _environment(self, service: str) -> dict[str, str]:
         """The process's whole environment; secrets a service has no use for are left out, also when
@@ -229,15 +255,39 @@ class Cluster:
         return env
 
     def restart(self, service: str, timeout_s: float = 300.0) -> None:
-        """Start a service that exited again, and wait until it is SERVING."""
-        self._spawn(service)
-        self._wait_serving(service, time.monotonic() + timeout_s)
+        """Start a service that exited again, and wait until it is SERVING.
 
-    def _wait_serving(self, service: str, deadline: float) -> None:
-        wait_serving(self.spec.address(service), self.processes[service], max(0.0, deadline - time.monotonic()),
-                     service, lambda: self.log_tail(service))
+        Raises:
+            StartupError: it exited again or was not SERVING within `timeout_s` seconds.
+        """
+        self._spawn(service)
+        self._wait_serving([service], time.monotonic() + timeout_s)
+
+    def _wait_serving(self, services: list[str], deadline: float) -> None:
+        """Poll every process of `services` until each says SERVING; the first to exit fails the
+        start at once (the others are not waited for first)."""
+        pending = list(services)
+        while pending:
+            for service in list(pending):
+                if self.processes[service].poll() is not None:
+                    raise self._startup_error(service, f"exited with code {self.processes[service].returncode}")
+                if check_health(self.spec.address(service), timeout_s=1.0) is None:
+                    pending.remove(service)
+            if pending and time.monotonic() > deadline:
+                raise self._startup_error(pending[0], "not SERVING before the startup timeout")
+            if pending:
+                time.sleep(0.2)
+
+    def _startup_error(self, service: str, reason: str) -> StartupError:
+        log = self.logs[service]
+        exited = self.processes[service].poll() is not None
+        if exited:
+            log.drain()  # its last words are still in the pipe
+        lines = log.recent()
+        return StartupError(service, reason, failure_cause(lines, exited), lines[-STARTUP_TAIL_LINES:], log.path)
 
     def log_tail(self, service: str, lines: int = 30) -> str:
+        """The last `lines` lines of the process's current log file."""
         path = self.spec.log_dir / f"{service}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
@@ -253,6 +303,9 @@ class Cluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        for log in self.logs.values():
+            log.close()
+        self.logs.clear()
 
     def __enter__(self) -> Cluster:
         self.start()
@@ -273,7 +326,12 @@ def run_until_signalled(spec: ClusterSpec) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)
-    cluster.start()
+    try:
+        cluster.start()
+    except StartupError as error:
+        print(error.report(), file=sys.stderr, flush=True)
+        print("stopped the other services", file=sys.stderr, flush=True)
+        return 1
     for service in spec.services():
         print(f"  {service:<9} {spec.address(service)}  SERVING  metrics {spec.metrics_url(service)}", flush=True)
     http = f", HTTP at http://{spec.host}:{spec.http_port}" if spec.http_port else ""
@@ -309,8 +367,8 @@ def restart_failing(cluster: Cluster, policy: RestartPolicy, restarts: list[floa
         try:
             _kill(cluster.processes[service])
             cluster.restart(service)
-        except (RuntimeError, TimeoutError) as error:
-            print(f"{service} failed to restart: {error}", file=sys.stderr, flush=True)
+        except StartupError as error:
+            print(error.report(), file=sys.stderr, flush=True)
             return False
         print(f"  {service:<9} {cluster.spec.address(service)}  SERVING again", flush=True)
     return True

@@ -21,7 +21,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tessera.common import auth, metrics
+from tessera.common import auth, logs, metrics
 from tessera.common.errors import InvalidArgument, status_of
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,6 @@ DEFAULT_PORTS = {"gateway": 50051, "vision": 50052, "decoder": 50053, "pooling":
 def default_address(service: str) -> str:
     """The loopback host:port `service` binds by default."""
     return f"127.0.0.1:{DEFAULT_PORTS[service]}"
-
-
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -224,20 +220,23 @@ def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, m
 
 def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, public: bool = False,
                   max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
-    """A server whose internal port checks the cluster's token first (auth.py; `public`: the
-    gateway's port, which does not), and refuses requests over `max_receive_bytes` with
-    RESOURCE_EXHAUSTED before reading them."""
+    """A server that logs every call with its request id (logs.py), whose internal port checks the
+    cluster's token (auth.py; `public`: the gateway's port, which does not), and that refuses
+    requests over `max_receive_bytes` with RESOURCE_EXHAUSTED before reading them."""
     options = [(key, value) for key, value in SERVER_OPTIONS if key != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    return grpc.aio.server(interceptors=[*auth.server_interceptors(public), ErrorInterceptor(), *interceptors],
+    return grpc.aio.server(interceptors=[logs.RequestLogInterceptor(), *auth.server_interceptors(public), ErrorInterceptor(),
+                                         *interceptors],
                            options=options)
 
 
 def insecure_channel(address: str, extra_options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
     """A client channel to another service: the servers' message limits, `extra_options` (e.g. a
-    service config), and the cluster's internal token on every call when this process has one."""
+    service config), the request id being handled (logs.py) and the cluster's internal token on
+    every call when this process has one."""
     return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *extra_options],
-                                     interceptors=[*auth.client_interceptors(), *metrics.client_interceptors(address)])
+                                     interceptors=[*logs.client_interceptors(), *auth.client_interceptors(),
+                                                   *metrics.client_interceptors(address)])
 
 
 def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.ServerCredentials | None = None) -> None:

@@ -6,12 +6,12 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from tessera.common import auth
+from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.limits import GenerateLimits
 from tessera.common.message_limits import decoder_bytes
 from tessera.common.metrics import DecoderCollector, start_metrics_server
-from tessera.common.server import configure_logging, serve
+from tessera.common.server import serve
 from tessera.decoder.adapter_client import RegistryAdapterSource
 from tessera.decoder.config import DecoderConfig
 from tessera.decoder.engine import LLMEngine
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, DecoderConfig)
     add_flags(parser, GenerateLimits)
     auth.add_arguments(parser)
+    logs.add_arguments(parser)
     return parser
 
 
@@ -36,8 +37,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
 
 def main(argv: list[str] | None = None) -> None:
     address, config = parse_args(argv)
+    logs.configure_logging("decoder", argv)
     auth.configure_security(argv)
-    configure_logging()
     engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
     servicer = DecoderServicer(engine)
     name = Path(config.model_dir).name

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from tessera.common import auth
+from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.limits import GenerateLimits, PoolingLimits
 from tessera.common.memory import unmap_large_buffers
 from tessera.common.message_limits import gateway_bytes, pooling_bytes
 from tessera.common.metrics import record_downstream, start_metrics_server
-from tessera.common.server import configure_logging, serve
+from tessera.common.server import serve
 from tessera.gateway import metrics as gateway_metrics
 from tessera.gateway.api_keys import ApiKeyInterceptor, mint_loopback_key, read_api_keys
 from tessera.gateway.config import GatewayConfig
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, GenerateLimits)
     add_flags(parser, PoolingLimits)
     auth.add_arguments(parser, tls=True)
+    logs.add_arguments(parser)
     return parser
 
 
@@ -77,8 +78,8 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
     config = parse_args(argv)
+    logs.configure_logging("gateway", argv)
     unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
     asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
 

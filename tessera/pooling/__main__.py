@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from tessera.common import auth
+from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.message_limits import pooling_bytes
 from tessera.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
-from tessera.common.server import configure_logging, serve
+from tessera.common.server import serve
 from tessera.pooling.config import ModelFlags, PoolingConfig
 from tessera.pooling.engine import PoolingEngine
 from tessera.pooling.servicer import PoolingServicer
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, PoolingConfig)
     add_flags(parser, ModelFlags)
     auth.add_arguments(parser)
+    logs.add_arguments(parser)
     return parser
 
 
@@ -50,8 +51,8 @@ async def _main(config: PoolingConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
     config = parse_args(argv)
+    logs.configure_logging("pooling", argv)
     auth.configure_security(argv)
     asyncio.run(_main(config))
 

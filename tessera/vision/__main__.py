@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from tessera.common import auth
+from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.message_limits import vision_bytes
 from tessera.common.metrics import start_metrics_server
-from tessera.common.server import configure_logging, serve
+from tessera.common.server import serve
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 from tessera.vision.config import VisionConfig, VisionFlags
 from tessera.vision.servicer import VisionServicer
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(parser, VisionFlags)
     auth.add_arguments(parser)
+    logs.add_arguments(parser)
     return parser
 
 
@@ -52,8 +53,8 @@ async def _main(config: VisionConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
     config = parse_args(argv)
+    logs.configure_logging("vision", argv)
     auth.configure_security(argv)
     asyncio.run(_main(config))
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tessera.gateway.http import convert, generate, models
 from tessera.gateway.http.backend import Backend
 from tessera.gateway.http.errors import HANDLERS, ApiError, error_body
+from tessera.gateway.http.request_log import RequestLog
 from tessera.v1 import adapters_pb2, decoder_pb2
 
 ERROR_RESPONSES = {status: {"model": models.ErrorResponse}
@@ -43,6 +44,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     for path, asgi in dict(extra_routes).items():
         app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestLog)  # outermost: logs the 413s too
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -13,6 +13,7 @@ import hmac
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tessera.common import logs
 from tessera.common.server import CHANNEL_OPTIONS
 from tessera.gateway.api_keys import bearer_interceptors
 from tessera.gateway.http.errors import ApiError
@@ -45,7 +46,8 @@ class Backend:
                  credentials: grpc.ChannelCredentials | None = None, loopback_key: str = ""):
         """`loopback_key`: the key this process's gRPC port accepts from the HTTP API (when keys are on)."""
         target = loopback_address(gateway_address)
-        interceptors = bearer_interceptors(loopback_key) if loopback_key else None
+        # The HTTP request's id goes on to the gRPC port (tessera/common/logs.py).
+        interceptors = [*logs.client_interceptors(), *(bearer_interceptors(loopback_key) if loopback_key else ())]
         self.channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
                         if credentials else
                         grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors))

@@ -25,7 +25,9 @@ class HttpServer:
     flight finish for up to `grace_s` seconds."""
 
     def __init__(self, app, host: str, port: int, grace_s: float = 5.0, on_stop=None):
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+        # log_config=None: uvicorn's records go through the service's own handler (text or JSON,
+        # tessera/common/logs.py); request lines come from request_log.py, not uvicorn's access log.
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
                                 lifespan="off", timeout_graceful_shutdown=grace_s)
         self.server = _Server(config)
         self._task: asyncio.Task | None = None
