@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextvars
 import inspect
+import io
 import json
 import logging
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -82,7 +85,8 @@ def configure_logging(service: str, argv: Sequence[str] | None = None) -> LogCon
     `service`. Called once, first thing in every service's `main`; the service's own parser has
     the same flags (`add_arguments`) and reports their errors.
 
-    In JSON mode, warnings and an uncaught exception are logged records too, so every line is JSON.
+    In JSON mode every line is JSON: warnings, an uncaught exception and whatever else is written to
+    sys.stdout or sys.stderr (a library's progress bar, a SystemExit message) are records too.
     """
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
@@ -98,6 +102,7 @@ def configure_logging(service: str, argv: Sequence[str] | None = None) -> LogCon
     logging.captureWarnings(True)
     if config.log_format == "json":
         sys.excepthook = _log_uncaught
+        sys.stdout, sys.stderr = _LinesAsRecords("stdout", sys.stdout), _LinesAsRecords("stderr", sys.stderr)
     return config
 
 
@@ -105,6 +110,43 @@ def _log_uncaught(kind, error, traceback) -> None:
     if issubclass(kind, KeyboardInterrupt):
         return sys.__excepthook__(kind, error, traceback)
     logging.getLogger("tessera").critical("%s: %s", kind.__name__, error, exc_info=(kind, error, traceback))
+
+
+class _LinesAsRecords(io.TextIOBase):
+    """A text stream whose every line becomes an INFO record of logger `name` (JSON mode's
+    sys.stdout / sys.stderr). A progress bar's carriage-return updates keep their last state. A
+    line written while one is being logged (logging reporting its own error) goes to `raw`."""
+
+    def __init__(self, name: str, raw):
+        super().__init__()
+        self.log, self.raw = logging.getLogger(name), raw
+        self._pending = ""
+        self._busy = threading.local()
+        atexit.register(self._finish)
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def write(self, text: str) -> int:
+        if getattr(self._busy, "on", False):
+            return self.raw.write(text)
+        *lines, self._pending = (self._pending + text).split("\n")
+        self._busy.on = True
+        try:
+            for line in lines:
+                shown = next((part for part in reversed(line.split("\r")) if part.strip()), "")
+                if shown.strip():
+                    self.log.info("%s", shown.rstrip())
+        finally:
+            self._busy.on = False
+        return len(text)
+
+    def _finish(self) -> None:
+        if self._pending:
+            self.write("\n")
 
 
 def _stamp_request_id(record: logging.LogRecord) -> bool:

@@ -70,6 +70,7 @@ def cluster(tmp_path_factory, adapter_root):
             "decoder": ["--max-model-len", str(DECODER_MAX_MODEL_LEN)],
         },
         http_port=free_port(),
+        log_format="json",  # tests/e2e/test_logs.py parses every line the session's requests logged
     )
     with Cluster(spec) as running:
         yield running
