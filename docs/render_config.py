@@ -13,6 +13,8 @@ import argparse
 import ast
 import dataclasses
 import importlib
+import itertools
+import types
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +59,12 @@ def _shown(value: Any) -> str:
 
 
 def _config_fields(module) -> dict[str, dataclasses.Field]:
-    """dest -> field, for every flagged field of the config dataclasses `module` builds flags from."""
+    """dest -> field, for every flagged field of the config dataclasses `module` builds flags from
+    (its own names, then those of the tessera.common modules it imports, e.g. logs.LogConfig)."""
     found: dict[str, dataclasses.Field] = {}
-    for value in vars(module).values():
+    common = [vars(value).values() for value in vars(module).values()
+              if isinstance(value, types.ModuleType) and value.__name__.startswith("tessera.common.")]
+    for value in itertools.chain(vars(module).values(), *common):
         if isinstance(value, type) and dataclasses.is_dataclass(value):
             for f in dataclasses.fields(value):
                 if "help" in f.metadata:
