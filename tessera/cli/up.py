@@ -220,7 +220,7 @@ class Cluster:
         try:
             for service in self.spec.services():
                 self._spawn(service)
-            self._wait_serving(self.spec.services(), time.monotonic() + timeout_s)
+            self._wait_serving(self.spec.services(), timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -261,11 +261,12 @@ class Cluster:
             StartupError: it exited again or was not SERVING within `timeout_s` seconds.
         """
         self._spawn(service)
-        self._wait_serving([service], time.monotonic() + timeout_s)
+        self._wait_serving([service], timeout_s)
 
-    def _wait_serving(self, services: list[str], deadline: float) -> None:
+    def _wait_serving(self, services: list[str], timeout_s: float) -> None:
         """Poll every process of `services` until each says SERVING; the first to exit fails the
         start at once (the others are not waited for first)."""
+        deadline = time.monotonic() + timeout_s
         pending = list(services)
         while pending:
             for service in list(pending):
@@ -274,7 +275,7 @@ class Cluster:
                 if check_health(self.spec.address(service), timeout_s=1.0) is None:
                     pending.remove(service)
             if pending and time.monotonic() > deadline:
-                raise self._startup_error(pending[0], "not SERVING before the startup timeout")
+                raise self._startup_error(pending[0], f"not SERVING after {timeout_s:.0f} s")
             if pending:
                 time.sleep(0.2)
 

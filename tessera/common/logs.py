@@ -134,6 +134,9 @@ class _LinesAsRecords(io.TextIOBase):
         if getattr(self._busy, "on", False):
             return self.raw.write(text)
         *lines, self._pending = (self._pending + text).split("\n")
+        _, returned, shown = self._pending.rpartition("\r")
+        if returned and shown:  # a progress bar redrawn in place: only its last state is kept
+            self._pending = shown
         self._busy.on = True
         try:
             for line in lines:

@@ -59,5 +59,5 @@ def test_the_report_names_the_cause_and_shows_the_tail():
     assert lines[0] == "decoder failed to start: ValueError: num_blocks must be >= 0 (exited with code 1)"
     assert lines[1] == f"last {STARTUP_TAIL_LINES} lines of /logs/decoder.log:"
     assert lines[2:] == [f"  {line}" for line in tail]
-    timed_out = StartupError("vision", "not SERVING before the startup timeout", None, [], Path("/v.log"))
-    assert timed_out.report() == "vision failed to start: not SERVING before the startup timeout"
+    timed_out = StartupError("vision", "not SERVING after 300 s", None, [], Path("/v.log"))
+    assert timed_out.report() == "vision failed to start: not SERVING after 300 s"
