@@ -13,8 +13,8 @@ A text line carries the same fields after the message as `key=value`. Exceptions
 line too (`exc` holds the traceback), also an uncaught one at start.
 
 Request ids: the server interceptor (`RequestLogInterceptor`, on every service's port) takes the
-caller's `x-request-id` metadata or makes one (uuid4 hex), keeps it for the call in a context
-variable, stamps it on every log record the call emits, and logs the call's line when it ends
+caller's `x-request-id` metadata or makes one (uuid4 hex), answers it in the call's trailing
+metadata, keeps it for the call in a context variable, stamps it on every log record the call emits, and logs the call's line when it ends
 (method, status, latency, prompt/completion tokens from the responses' `usage`). Every channel
 a service opens to another (`tessera.common.server.insecure_channel`) sends that id on as
 `x-request-id`, so one request's id is on its lines in the gateway and in the decoder. Polls
@@ -298,6 +298,7 @@ class _CallLog:
     def __init__(self, context: grpc.aio.ServicerContext, method: str):
         self.context, self.method = context, method
         self.request_id = use_request_id(_metadata_value(context.invocation_metadata(), REQUEST_ID_METADATA))
+        context.set_trailing_metadata(((REQUEST_ID_METADATA, self.request_id),))  # the caller learns the id
         self.started = time.perf_counter()
         self.prompt_tokens: int | None = None
         self.completion_tokens = 0

@@ -113,8 +113,9 @@ def test_each_call_logs_one_line_with_the_id_the_caller_handled(caplog):
         logs.use_request_id("caller-id-1")
         async with insecure_channel(address) as channel:
             stub = decoder_pb2_grpc.DecoderStub(channel)
-            replies = [r async for r in stub.Generate(decoder_pb2.GenerateRequest(request_id="r"), timeout=10)]
-            assert len(replies) == 2
+            call = stub.Generate(decoder_pb2.GenerateRequest(request_id="r"), timeout=10)
+            assert len([r async for r in call]) == 2
+            assert (logs.REQUEST_ID_METADATA, "caller-id-1") in tuple(await call.trailing_metadata())
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 async for _ in stub.Generate(decoder_pb2.GenerateRequest(), timeout=10):
                     pass
