@@ -48,6 +48,15 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+class RefuseSecretInArgv(argparse.Action):
+    """A removed flag that took a secret: refused without echoing it (argv is world-readable in `ps`);
+    also keeps argparse from reading `--admin-token` as an abbreviation of `--admin-token-file`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} would show the token to every local user (ps); "
+                     f"put it in a file for --admin-token-file PATH, or in $TESSERA_ADMIN_TOKEN")
+
+
 def package_version() -> str:
     try:
         return version("tessera")
@@ -89,6 +98,7 @@ def _add_server_commands(sub) -> None:
     up.add_argument("--admin-token-file", type=Path, default=os.environ.get(ADMIN_TOKEN_FILE_ENV) or None,
                     help="file holding the bearer token adapter load/unload must send (default: "
                          f"${ADMIN_TOKEN_FILE_ENV}, else the token in $TESSERA_ADMIN_TOKEN, else no auth)")
+    up.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
     up.add_argument("--no-vision", action="store_true", help="no vision service; image parts are refused")
     up.add_argument("--mrope-section", default="8,12,12", help="M-RoPE pairs per axis (t,h,w) for the decoder")
     up.add_argument("--image-token", default="<empty_output>",
@@ -127,6 +137,7 @@ def _add_client_commands(sub) -> None:
     admin.add_argument("--admin-token-file", type=Path, default=os.environ.get(ADMIN_TOKEN_FILE_ENV) or None,
                        help=f"file holding the registry's admin token (default: ${ADMIN_TOKEN_FILE_ENV}, "
                             "else the token in $TESSERA_ADMIN_TOKEN)")
+    admin.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
 
     def client(name: str, help: str, parents=(remote,)) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, parents=list(parents))
