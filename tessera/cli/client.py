@@ -24,6 +24,7 @@ from tessera.client import (
     Client,
     ClusterInfo,
     GenerateResult,
+    RetryPolicy,
     SamplingParams,
     TesseraError,
     TokenizeResult,
@@ -34,6 +35,9 @@ from tessera.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 NOT_CONNECTED = ("failed to connect to all addresses", "DNS resolution failed")
 # The server's advice names a request field; the CLI user sets a flag.
 FIELD_TO_FLAG = {"replace=true": "--replace", "drain=true": "--drain"}
+# One retry: a gateway restarting is still ridden out, and a command typed at a host with no
+# cluster answers in a fraction of a second rather than after the library's ~2 s of backoff.
+CLI_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.25)
 URI_SCHEMES = ("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")  # gRPC targets with their own syntax
 
 
@@ -78,7 +82,7 @@ def connect(address: str, admin_token: str | None = None) -> Client:
     Raises:
         ValueError: `address` has no port.
     """
-    return Client(check_address(address), admin_token=admin_token)
+    return Client(check_address(address), admin_token=admin_token, retry=CLI_RETRY)
 
 
 def explain(error: TesseraError, args: Namespace) -> str:
