@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -35,6 +36,7 @@ from tessera.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 NOT_CONNECTED = ("failed to connect to all addresses", "DNS resolution failed")
 # The server's advice names a request field; the CLI user sets a flag.
 FIELD_TO_FLAG = {"replace=true": "--replace", "drain=true": "--drain"}
+SAMPLING_FLAGS = {"top_logprobs": "--logprobs"}  # `generate`'s flags whose name is not the field's
 # One retry: a gateway restarting is still ridden out, and a command typed at a host with no
 # cluster answers in a fraction of a second rather than after the library's ~2 s of backoff.
 CLI_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.25)
@@ -103,6 +105,9 @@ def explain(error: TesseraError, args: Namespace) -> str:
         return f"the gateway at {address} {what} {API_TOKEN_ENV}"
     for field_text, flag in FIELD_TO_FLAG.items():
         details = details.replace(f"pass {field_text}", f"pass {flag}")
+    if getattr(args, "command", "") == "generate":
+        details = re.sub(r"\bsampling\.(\w+)", lambda m: SAMPLING_FLAGS.get(m[1], "--" + m[1].replace("_", "-")),
+                         details)
     return f"{code.name}: {details}"
 
 

@@ -243,6 +243,8 @@ def _generate(args) -> int:
     from tessera.cli import client
     from tessera.client import SamplingParams
 
+    if args.n < 1:
+        raise ValueError(f"--n is {args.n}; at least 1")
     logprobs = args.logprobs is not None
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=args.stop, n=args.n, logprobs=logprobs,

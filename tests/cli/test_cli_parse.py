@@ -14,7 +14,14 @@ import pytest
 
 from tessera.cli.client import check_address, explain
 from tessera.cli.main import build_parser, main
-from tessera.client import AlreadyExists, FailedPrecondition, PermissionDenied, Unauthenticated, Unavailable
+from tessera.client import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from tessera.common.launch import free_port
 
 
@@ -51,6 +58,11 @@ def test_localhost_without_a_port_is_refused_in_one_line():
                                      "ipv4:10.0.0.1:1,10.0.0.2:1"])
 def test_addresses_with_a_port_pass(address):
     assert check_address(address) == address
+
+
+def test_n_below_one_is_refused_before_any_call(capsys):
+    assert main(["generate", "hi", "--n", "0", "--address", f"127.0.0.1:{free_port()}"]) == 2
+    assert capsys.readouterr().err == "error: --n is 0; at least 1\n"
 
 
 def test_version_is_the_package_metadata(capsys):
@@ -149,4 +161,6 @@ def test_errors_name_the_flag_or_variable_to_set():
                                  "this name"), admin).endswith("pass --replace to load new weights under this name")
     assert "pass --drain to refuse" in explain(FailedPrecondition(
         "adapter 'a' is leased by 1 request(s); pass drain=true to refuse new requests and wait"), admin)
+    assert explain(InvalidArgument("sampling.top_logprobs is 50; the limit is 20; sampling.max_tokens is 9"),
+                   remote) == "INVALID_ARGUMENT: --logprobs is 50; the limit is 20; --max-tokens is 9"
     assert "internal ports" in explain(Unauthenticated("this is an internal port; metadata is missing"), remote)
