@@ -137,7 +137,8 @@ def generate(client: Client, prompt: str, *, chat: bool, sampling: SamplingParam
         raise
     result = stream.result
     if as_json:
-        out.write(json.dumps({"request_id": result.request_id,
+        out.write(json.dumps({"request_id": result.request_id, "token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason,  # choice 0's, as GenerateResult has them
                               "choices": [dataclasses.asdict(c) for c in result.choices],
                               "usage": dataclasses.asdict(result.usage)}) + "\n")
         return result
@@ -250,19 +251,34 @@ def adapters(client: Client, action: str, name: str = "", path: str = "", replac
 
 def info(client: Client, as_json: bool = False, out=sys.stdout) -> ClusterInfo:
     """The cluster's models, limits and registered adapters as a table, then its replicas and (for a
-    cluster this machine's `tessera up` runs) the metrics URLs; `as_json`: the whole ClusterInfo as
-    one JSON object (field names as in tessera.client) with the adapters' names under "adapters"."""
+    cluster this machine's `tessera up` runs) the metrics URLs; `as_json`: the ClusterInfo as one
+    JSON object in protobuf's JSON mapping (lowerCamelCase names; unset and zero fields left out),
+    as grpcurl prints GetInfo."""
     result = client.info()
-    names = [a.name for a in client.list_adapters()] if "adapters" not in result.unavailable else None
     if as_json:
-        out.write(json.dumps({**dataclasses.asdict(result), "adapters": names}) + "\n")
+        out.write(json.dumps(_json_names(dataclasses.asdict(result))) + "\n")
         return result
+    names = [a.name for a in client.list_adapters()] if "adapters" not in result.unavailable else None
     rows = cluster_rows(result, names)
     width = max(len(key) for key, _ in rows)
     out.write("".join(f"{key:<{width}}  {value}\n" for key, value in rows) + "\n")
     out.write(replica_table(result))
     out.write(metrics_table(client.settings.address))
     return result
+
+
+def _json_names(value):
+    """protobuf's JSON mapping of a result dict: lowerCamelCase keys, empty and zero values left out."""
+    if isinstance(value, dict):
+        return {_camel(k): _json_names(v) for k, v in value.items() if v not in (None, 0, "", False, [], {})}
+    if isinstance(value, list):
+        return [_json_names(v) for v in value]
+    return value
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(word.capitalize() for word in rest)
 
 
 def cluster_rows(info: ClusterInfo, adapters: list[str] | None) -> list[tuple[str, str]]:

@@ -196,7 +196,7 @@ def test_info_prints_a_table_and_json(cluster):
     assert rows["dtype"] and rows["context"] == f"{MAX_MODEL_LEN} tokens"
     assert "smollm2" in rows["model"].lower()
     machine = json.loads(cluster.cli("info", "--json").stdout)
-    assert machine["decoder"]["max_model_len"] == MAX_MODEL_LEN and machine["vision"] is None
+    assert machine["decoder"]["maxModelLen"] == MAX_MODEL_LEN and "vision" not in machine
     assert [r["service"] for r in machine["replicas"]] == ["decoder", "pooling"]
 
 
