@@ -139,10 +139,17 @@ def _add_client_commands(sub) -> None:
                             "else the token in $TESSERA_ADMIN_TOKEN)")
     admin.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
 
-    def client(name: str, help: str, parents=(remote,)) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, parents=list(parents))
+    _add_generate(sub.add_parser("generate", help="generate text (streams)", parents=[remote]))
+    _add_pooling_commands(sub, remote)
+    _add_adapters(sub.add_parser("adapters", help="manage LoRA adapters in the registry"), remote, admin)
 
-    gen = client("generate", "generate text (streams)")
+    inf = sub.add_parser("info", parents=[remote],
+                         help="show the cluster's models, limits and replicas (health, queue, KV usage, adapters)")
+    inf.add_argument("--json", action="store_true", help="print GetInfo's answer as one JSON object")
+    inf.set_defaults(func=_info)
+
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--system", default="", help="a system message before the prompt; implies --chat "
@@ -163,19 +170,30 @@ def _add_client_commands(sub) -> None:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=_generate)
 
-    emb = client("embed", "embed texts; prints a cosine similarity table")
+
+def _add_pooling_commands(sub, remote: argparse.ArgumentParser) -> None:
+    emb = sub.add_parser("embed", help="embed texts; prints a cosine similarity table", parents=[remote])
     emb.add_argument("texts", nargs="+")
     emb.add_argument("--json", action="store_true", help="print one JSON object")
     emb.set_defaults(func=_embed)
 
-    rr = client("rerank", "rank documents for a query")
+    rr = sub.add_parser("rerank", help="rank documents for a query", parents=[remote])
     rr.add_argument("query")
     rr.add_argument("documents", nargs="+")
     rr.add_argument("--top-n", type=int, default=None, help="results to return (default: all)")
     rr.add_argument("--json", action="store_true", help="print one JSON object")
     rr.set_defaults(func=_rerank)
 
-    ad = sub.add_parser("adapters", help="manage LoRA adapters in the registry")
+    tok = sub.add_parser("tokenize", help="show a model's tokens of each text", parents=[remote])
+    tok.add_argument("texts", nargs="+")
+    tok.add_argument("--model", default="", help="the decoder's model or a loaded adapter's name, or a pooling "
+                     "model's (default: the embedding model)")
+    tok.add_argument("--json", action="store_true", help="print one JSON object")
+    tok.set_defaults(func=_tokenize)
+
+
+def _add_adapters(ad: argparse.ArgumentParser, remote: argparse.ArgumentParser,
+                  admin: argparse.ArgumentParser) -> None:
     ad_sub = ad.add_subparsers(dest="action", required=True)
     load = ad_sub.add_parser("load", parents=[admin], help="register a PEFT LoRA directory under the adapter root")
     load.add_argument("name")
@@ -190,17 +208,6 @@ def _add_client_commands(sub) -> None:
     listing = ad_sub.add_parser("list", parents=[remote], help="list registered adapters")
     listing.add_argument("--json", action="store_true", help="print one JSON array")
     ad.set_defaults(func=_adapters)
-
-    tok = client("tokenize", "show a model's tokens of each text")
-    tok.add_argument("texts", nargs="+")
-    tok.add_argument("--model", default="", help="the decoder's model or a loaded adapter's name, or a pooling "
-                     "model's (default: the embedding model)")
-    tok.add_argument("--json", action="store_true", help="print one JSON object")
-    tok.set_defaults(func=_tokenize)
-
-    inf = client("info", "show the cluster's models, limits and replicas (health, queue, KV usage, adapters)")
-    inf.add_argument("--json", action="store_true", help="print one JSON object (the tessera.client ClusterInfo)")
-    inf.set_defaults(func=_info)
 
 
 def _models_prepare(args) -> int:
