@@ -31,6 +31,9 @@ ENV_MEANINGS = {
     "TESSERA_INTERNAL_TOKEN_FILE": "file holding the cluster's internal token (every service; `tessera up` "
                                    "writes one and sets it)",
     "TESSERA_ADMIN_TOKEN": "adapter registry: bearer token for LoadAdapter/UnloadAdapter; client: the token sent",
+    "TESSERA_ADMIN_TOKEN_FILE": "a file holding the admin token: the registry's `--admin-token-file`, "
+                                "and `tessera up` and `tessera adapters load/unload` read it",
+    "TESSERA_ADDRESS": "`tessera` client commands: the gateway's host:port (default `localhost:50051`)",
     "TESSERA_API_TOKEN": "client: bearer token sent on every call",
     "TESSERA_TLS_ROOT_CERT": "client: PEM root certificate; the connection uses TLS",
     "OMP_NUM_THREADS": "`tessera up`: when set, replicas keep it instead of one thread each",
@@ -87,7 +90,8 @@ def _flag_rows(parser: argparse.ArgumentParser, fields: dict[str, dataclasses.Fi
     """The flags table; each flag's env variable is also added to `flag_env` (variable -> flags)."""
     rows = ["| flag | type | default | env | choices | meaning |", "|---|---|---|---|---|---|"]
     for action in parser._actions:  # noqa: SLF001 - argparse has no public list of its arguments
-        if not action.option_strings or isinstance(action, argparse._HelpAction):  # noqa: SLF001
+        if (not action.option_strings or isinstance(action, argparse._HelpAction)  # noqa: SLF001
+                or action.help == argparse.SUPPRESS):  # a removed flag kept only to refuse it
             continue
         f = fields.get(action.dest)
         if f is not None:

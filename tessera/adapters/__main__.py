@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from tessera.adapters.auth import AdminAuthInterceptor
-from tessera.adapters.config import RegistryConfig
+from tessera.adapters.config import ADMIN_TOKEN_ENV, RegistryConfig
 from tessera.adapters.engine import AdapterRegistry
 from tessera.adapters.servicer import register
 from tessera.common import auth, logs
@@ -16,9 +16,18 @@ from tessera.common.metrics import start_metrics_server
 from tessera.common.server import serve
 
 
+class RefuseSecretInArgv(argparse.Action):
+    """`--admin-token VALUE`, refused without echoing the value: argv is world-readable in `ps`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} would show the token to every local user (ps); "
+                     f"use --admin-token-file PATH or ${ADMIN_TOKEN_ENV}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tessera.adapters", description=__doc__)
     add_flags(parser, RegistryConfig)
+    parser.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
     auth.add_arguments(parser)
     logs.add_arguments(parser)
     return parser

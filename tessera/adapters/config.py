@@ -11,6 +11,7 @@ from tessera.common.paths import default_adapter_root
 from tessera.common.server import default_address
 
 ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
+ADMIN_TOKEN_FILE_ENV = "TESSERA_ADMIN_TOKEN_FILE"
 RANK_LIMIT = 1024  # a sanity bound on max_rank itself
 
 
@@ -21,8 +22,11 @@ class RegistryConfig:
     Attributes:
         root: adapter root directory; clients may only name PEFT directories inside it.
         db_path: SQLite catalog file (default `<root>/registry.sqlite3`).
-        admin_token: bearer token for LoadAdapter/UnloadAdapter; "" disables auth.
-            `None` reads `$TESSERA_ADMIN_TOKEN` (default "").
+        admin_token: bearer token for LoadAdapter/UnloadAdapter; "" disables auth. `None` reads
+            `admin_token_file`, else `$TESSERA_ADMIN_TOKEN` (default ""). It has no flag: a secret in
+            argv is readable by every local user in `ps`.
+        admin_token_file: a file holding the admin token (surrounding whitespace stripped); default
+            `$TESSERA_ADMIN_TOKEN_FILE`. Giving it and `$TESSERA_ADMIN_TOKEN` both is refused.
         base_model_dir: optional HF model dir; when set, target modules and LoRA shapes are
             checked against its config.json (Llama-family projection names).
         max_rank: largest LoRA rank accepted, per target module.
@@ -44,8 +48,10 @@ class RegistryConfig:
                        metadata={"help": "adapter root; clients may only name PEFT directories inside it"})
     db_path: Path | None = field(default=None, metadata={"help": "SQLite catalog", "flag": "--db",
                                                           "default_help": "<root>/registry.sqlite3"})
-    admin_token: str | None = field(default=None, metadata={"help": "bearer token for Load/Unload; empty = no auth",
-                                                             "env": ADMIN_TOKEN_ENV, "default_help": '""'})
+    admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: Path | None = field(default=None, metadata={
+        "help": f"file holding the bearer token for Load/Unload (else ${ADMIN_TOKEN_ENV}; neither = no auth)",
+        "env": ADMIN_TOKEN_FILE_ENV, "default_help": "none"})
     base_model_dir: Path | None = field(default=None,
                                         metadata={"help": "validate targets against this model's config.json"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted, per target module"})
@@ -67,7 +73,7 @@ class RegistryConfig:
             raise ValueError(f"adapter root {self.root} exists and is not a directory")
         self.db_path = Path(self.db_path).expanduser() if self.db_path else self.root / "registry.sqlite3"
         if self.admin_token is None:
-            self.admin_token = os.environ.get(ADMIN_TOKEN_ENV, "")
+            self.admin_token = self._read_admin_token()
         if self.admin_token != self.admin_token.strip():
             raise ValueError("admin_token has leading or trailing whitespace; it could never match a header")
         if self.base_model_dir is not None:
@@ -83,3 +89,22 @@ class RegistryConfig:
             raise ValueError(f"lease_confirm_s={self.lease_confirm_s} must be >= 0")
         if not self.report_ttl_s > 0 or not self.drain_poll_s > 0:
             raise ValueError(f"report_ttl_s={self.report_ttl_s} and drain_poll_s={self.drain_poll_s} must be > 0")
+
+    def _read_admin_token(self) -> str:
+        """The token of `admin_token_file`, else of $TESSERA_ADMIN_TOKEN, else "" (no auth).
+
+        Raises:
+            ValueError: the file is unreadable or empty, or the environment holds a token too.
+        """
+        if self.admin_token_file is None:
+            return os.environ.get(ADMIN_TOKEN_ENV, "")
+        if os.environ.get(ADMIN_TOKEN_ENV):
+            raise ValueError(f"admin token given twice: --admin-token-file and ${ADMIN_TOKEN_ENV}; keep one")
+        path = Path(self.admin_token_file).expanduser()
+        try:
+            token = path.read_text().strip()
+        except OSError as error:
+            raise ValueError(f"admin token file {path}: {error.strerror or error}") from None
+        if not token:
+            raise ValueError(f"admin token file {path} is empty")
+        return token

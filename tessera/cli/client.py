@@ -1,50 +1,180 @@
 """Client commands against the gateway: generate, embed, rerank, tokenize, adapters, info.
 
 Each command is one call of `tessera.client.Client` and prints its typed result; errors raise
-tessera.client.TesseraError, which `tessera` prints as `error: CODE: details` (exit status 1).
+tessera.client.TesseraError, which `tessera` prints reworded for a command-line user
+(`explain`: which flag or variable to set) with exit status 1. This module imports only the
+public client (no torch, transformers or service code): client commands start fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import sys
+from argparse import Namespace
 from pathlib import Path
 
+import grpc
 import numpy as np
 
-from tessera.client import Client, ClusterInfo, GenerateResult, SamplingParams, TokenizeResult
+from tessera.cli.endpoints import metrics_table
+from tessera.client import (
+    DEFAULT_ADDRESS,
+    Client,
+    ClusterInfo,
+    GenerateResult,
+    RetryPolicy,
+    SamplingParams,
+    TesseraError,
+    TokenizeResult,
+)
+from tessera.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+
+# gRPC's own details when no connection could be made (never the gateway's: it names the service).
+NOT_CONNECTED = ("failed to connect to all addresses", "DNS resolution failed")
+# The server's advice names a request field; the CLI user sets a flag.
+FIELD_TO_FLAG = {"replace=true": "--replace", "drain=true": "--drain"}
+SAMPLING_FLAGS = {"top_logprobs": "--logprobs"}  # `generate`'s flags whose name is not the field's
+# One retry: a gateway restarting is still ridden out, and a command typed at a host with no
+# cluster answers in a fraction of a second rather than after the library's ~2 s of backoff.
+CLI_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.25)
+URI_SCHEMES = ("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")  # gRPC targets with their own syntax
+
+
+def check_address(address: str) -> str:
+    """`address` when it names a port; gRPC would read "localhost" as localhost:443.
+
+    host:port, [v6]:port and dns:[//authority/]host:port are checked; ipv4:/ipv6:/unix: targets pass.
+
+    Raises:
+        ValueError: no port, a port outside 1..65535, or a bare IPv6 host.
+    """
+    if address.startswith(URI_SCHEMES):
+        return address
+    hostport = address.rpartition("/")[2] if address.startswith("dns:") else address
+    host, sep, port = hostport.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536) or (":" in host and host[0] != "["):
+        example = DEFAULT_ADDRESS.rpartition(":")[2]
+        raise ValueError(f"--address {address!r} needs host:port (e.g. localhost:{example}); "
+                         "gRPC would take a missing port as 443")
+    return address
+
+
+def read_token_file(path: str | os.PathLike) -> str:
+    """The token a file holds, surrounding whitespace stripped (`echo` adds a newline).
+
+    Raises:
+        ValueError: the file cannot be read or holds nothing.
+    """
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as error:
+        raise ValueError(f"token file {path}: {error.strerror or error}") from None
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
 
 
 def connect(address: str, admin_token: str | None = None) -> Client:
-    """A client for `address`; tokens and TLS root certificate default to the environment
-    ($TESSERA_API_TOKEN, $TESSERA_ADMIN_TOKEN, $TESSERA_TLS_ROOT_CERT)."""
-    return Client(address, admin_token=admin_token)
+    """A client for `address` (checked: host:port); tokens and TLS root certificate default to the
+    environment ($TESSERA_API_TOKEN, $TESSERA_ADMIN_TOKEN, $TESSERA_TLS_ROOT_CERT).
+
+    Raises:
+        ValueError: `address` has no port.
+    """
+    return Client(check_address(address), admin_token=admin_token, retry=CLI_RETRY)
 
 
-def generate(client: Client, prompt: str, *, chat: bool, sampling: SamplingParams, lora: str = "",
-             images: list[Path] = (), as_json: bool = False, out=sys.stdout) -> GenerateResult:
+def explain(error: TesseraError, args: Namespace) -> str:
+    """One line for a CLI user: what to set or run, rather than gRPC's terms."""
+    details, address = error.details, getattr(args, "address", DEFAULT_ADDRESS)
+    admin = getattr(args, "action", "") in ("load", "unload")
+    code = error.code
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(NOT_CONNECTED):
+        return f"no tessera cluster is running at {address} (start one with `tessera up`)"
+    if code == grpc.StatusCode.UNAUTHENTICATED and "internal port" in details:
+        return f"{address} is one of a cluster's internal ports; --address names the gateway's"
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and admin:
+        refused = code == grpc.StatusCode.PERMISSION_DENIED
+        return (f"the adapter registry {'refused the admin token' if refused else 'needs an admin token'}: "
+                f"set {ADMIN_TOKEN_ENV} or pass --admin-token-file PATH (the token `tessera up` was given)")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        what = "refused the API key in" if "not valid" in details else "needs an API key: set"
+        return f"the gateway at {address} {what} {API_TOKEN_ENV}"
+    for field_text, flag in FIELD_TO_FLAG.items():
+        details = details.replace(f"pass {field_text}", f"pass {flag}")
+    if getattr(args, "command", "") == "generate":
+        details = re.sub(r"\bsampling\.(\w+)", lambda m: SAMPLING_FLAGS.get(m[1], "--" + m[1].replace("_", "-")),
+                         details)
+    return f"{code.name}: {details}"
+
+
+def generate(client: Client, prompt: str, *, chat: bool, sampling: SamplingParams, system: str = "",
+             lora: str = "", images: list[Path] = (), as_json: bool = False, out=sys.stdout) -> GenerateResult:
     """Stream the answer (text deltas as they arrive) or print it as one JSON object.
 
-    Images come before the text, as one user turn (chat) or one raw prompt.
+    Images come before the text, as one user turn (chat, after the `system` turn if any) or one raw
+    prompt. With n > 1 choices, each is printed once finished under a "[choice i]" label; with
+    logprobs, a table of each choice's tokens follows its text.
     """
     if chat:
         content = [Path(p) for p in images] + [prompt]
-        stream = client.chat_stream([{"role": "user", "content": content}], sampling, lora=lora)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        stream = client.chat_stream(messages, sampling, lora=lora)
     else:
         stream = client.generate_stream(prompt, sampling, images=[Path(p) for p in images], lora=lora)
-    for delta in stream:
-        if not as_json and delta.text:
-            out.write(delta.text)
-            out.flush()
+    streaming = not as_json and sampling.n == 1
+    try:
+        for delta in stream:
+            if streaming and delta.text:
+                out.write(delta.text)
+                out.flush()
+    except KeyboardInterrupt:
+        if streaming:
+            out.write("\n")  # the next line (the shell's prompt) starts on its own line
+        raise
     result = stream.result
     if as_json:
         out.write(json.dumps({"request_id": result.request_id, "token_ids": result.token_ids, "text": result.text,
-                              "finish_reason": result.finish_reason,
+                              "finish_reason": result.finish_reason,  # choice 0's, as GenerateResult has them
+                              "choices": [dataclasses.asdict(c) for c in result.choices],
                               "usage": dataclasses.asdict(result.usage)}) + "\n")
-    else:
+        return result
+    if streaming:
         out.write("\n")
+    for choice in result.choices:
+        if not streaming:
+            out.write(f"[choice {choice.index}] ({choice.finish_reason})\n{choice.text}\n")
+        if sampling.logprobs:
+            out.write(logprob_table(client, choice, model=lora or _decoder_model(client)))
     return result
+
+
+def _decoder_model(client: Client) -> str:
+    decoder = client.info().decoder
+    return decoder.model if decoder is not None else ""
+
+
+def logprob_table(client: Client, choice, model: str) -> str:
+    """One line per generated token: its text and id, log-probability (natural log) and alternatives.
+
+    Token texts come from the decoder's tokenizer (Detokenize, once per distinct id); without a
+    model name (the decoder did not answer GetInfo) ids stand alone.
+    """
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if model and token_id not in texts:
+            texts[token_id] = client.detokenize([token_id], model=model)
+        return f"{texts[token_id]!r}({token_id})" if model else str(token_id)
+
+    lines = [f"{'token':<24} {'logprob':>9}  alternatives"]
+    for entry in choice.logprobs:
+        alternatives = "  ".join(f"{text(t.token_id)} {t.logprob:.3f}" for t in entry.top)
+        lines.append(f"{text(entry.token_id):<24} {entry.logprob:>9.4f}  {alternatives}".rstrip())
+    return "\n".join(lines) + "\n"
 
 
 def embed(client: Client, texts: list[str], as_json: bool, out=sys.stdout) -> np.ndarray:
@@ -95,14 +225,14 @@ def tokenize(client: Client, texts: list[str], as_json: bool, out=sys.stdout, mo
 
 
 def adapters(client: Client, action: str, name: str = "", path: str = "", replace: bool = False,
-             as_json: bool = False, out=sys.stdout):
+             drain: bool = False, as_json: bool = False, out=sys.stdout):
     if action == "load":
-        info = client.load_adapter(name, path, replace=replace)
+        info = client.load_adapter(name, path, replace=replace, drain=drain)
         out.write(f"loaded {info.name} rank={info.rank} digest={info.digest[:16]} "
                   f"targets={len(info.target_modules)}\n")
         return info
     if action == "unload":
-        client.unload_adapter(name)
+        client.unload_adapter(name, drain=drain)
         out.write(f"unloaded {name}\n")
         return None
     listing = client.list_adapters()
@@ -119,12 +249,21 @@ def adapters(client: Client, action: str, name: str = "", path: str = "", replac
     return listing
 
 
-def info(client: Client, out=sys.stdout) -> ClusterInfo:
-    """The cluster's info as JSON (protobuf's JSON names; unset and zero fields left out), then
-    the replica table."""
+def info(client: Client, as_json: bool = False, out=sys.stdout) -> ClusterInfo:
+    """The cluster's models, limits and registered adapters as a table, then its replicas and (for a
+    cluster this machine's `tessera up` runs) the metrics URLs; `as_json`: the ClusterInfo as one
+    JSON object in protobuf's JSON mapping (lowerCamelCase names; unset and zero fields left out),
+    as grpcurl prints GetInfo."""
     result = client.info()
-    out.write(json.dumps(_json_names(dataclasses.asdict(result)), indent=2) + "\n")
+    if as_json:
+        out.write(json.dumps(_json_names(dataclasses.asdict(result))) + "\n")
+        return result
+    names = [a.name for a in client.list_adapters()] if "adapters" not in result.unavailable else None
+    rows = cluster_rows(result, names)
+    width = max(len(key) for key, _ in rows)
+    out.write("".join(f"{key:<{width}}  {value}\n" for key, value in rows) + "\n")
     out.write(replica_table(result))
+    out.write(metrics_table(client.settings.address))
     return result
 
 
@@ -140,6 +279,28 @@ def _json_names(value):
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(word.capitalize() for word in rest)
+
+
+def cluster_rows(info: ClusterInfo, adapters: list[str] | None) -> list[tuple[str, str]]:
+    """(label, value) rows of the cluster's models and limits; `adapters` None: the registry did not answer."""
+    d, p, v = info.decoder, info.pooling, info.vision
+    rows = []
+    if d is not None:
+        rows += [("model", f"{d.model} ({d.architecture})"), ("dtype", d.dtype),
+                 ("context", f"{d.max_model_len} tokens"), ("vocabulary", f"{d.vocab_size} tokens"),
+                 ("KV cache", f"{d.num_blocks} blocks x {d.block_size} tokens")]
+    for m in p.models if p is not None else ():
+        rows.append((f"{m.kind}", f"{m.model} ({m.dimension} dims, {m.max_input_length} tokens max, "
+                                  f"rerank {m.rerank_method or '-'})"))
+    rows.append(("vision", f"{v.encoder} ({v.max_images_per_request} images per request max)" if v
+                 else "not answering" if "vision" in info.unavailable else "off"))
+    rows.append(("replicas", ", ".join(f"{sum(r.service == s for r in info.replicas)} {s}"
+                                       for s in ("decoder", "pooling"))))
+    rows.append(("adapters", "unknown (the registry did not answer)" if adapters is None
+                 else ", ".join(adapters) or "none"))
+    if info.unavailable:
+        rows.append(("unavailable", ", ".join(info.unavailable)))
+    return rows
 
 
 def replica_table(info: ClusterInfo) -> str:

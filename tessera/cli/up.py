@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tessera.adapters.config import ADMIN_TOKEN_ENV
+from tessera.adapters.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
+from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, ServiceLog, StartupError, failure_cause
 from tessera.common import auth
 from tessera.common.healthcheck import check as check_health
@@ -59,7 +60,6 @@ UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> kil
 PORT_OFFSETS = {service: port - DEFAULT_PORTS["gateway"] for service, port in DEFAULT_PORTS.items()}
 REPLICATED = ("decoder", "pooling")
 METRICS_PORT_OFFSET = 100  # a process's Prometheus port: its gRPC port + this
-ENDPOINTS_FILE = "endpoints.json"
 STARTUP_TAIL_LINES = 15  # of a failed service's log, printed by `up`
 
 
@@ -239,6 +239,7 @@ class Cluster:
         """The process's whole environment; secrets a service has no use for are left out, also when
         the caller's shell exports them."""
         env = service_env(self._env(service))
+        env.pop(ADMIN_TOKEN_FILE_ENV, None)  # `up` read it; the registry gets the token in ADMIN_TOKEN_ENV
         if service_of(service) != "adapters":
             env.pop(ADMIN_TOKEN_ENV, None)
         if not self.token_file:
@@ -424,19 +425,6 @@ def write_endpoints(spec: ClusterSpec) -> None:
                  "services": {name: {"address": spec.address(name), "metrics": spec.metrics_url(name)}
                               for name in spec.services()}}
     (spec.log_dir / ENDPOINTS_FILE).write_text(json.dumps(endpoints, indent=2) + "\n")
-
-
-def metrics_table(gateway_address: str, log_dir: Path | None = None) -> str:
-    """The metrics URLs `tessera up` wrote for the cluster whose gateway is `gateway_address`
-    (one line per process), or "" when the last local `up` served another gateway or none."""
-    path = (log_dir or cluster_home(gateway_address.rpartition(":")[2]) / "logs") / ENDPOINTS_FILE
-    try:
-        endpoints = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return ""
-    if endpoints.get("gateway") != gateway_address:
-        return ""
-    return "".join(f"{'metrics':<8} {name:<10} {entry['metrics']}\n" for name, entry in endpoints["services"].items())
 
 
 def parse_extra(values: list[str]) -> dict[str, list[str]]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tessera.cli.up import METRICS_PORT_OFFSET, ClusterSpec, metrics_table, write_endpoints
+from tessera.cli.endpoints import metrics_table
+from tessera.cli.up import METRICS_PORT_OFFSET, ClusterSpec, write_endpoints
 
 
 def _flag(command: list[str], name: str) -> str:

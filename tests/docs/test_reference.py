@@ -50,7 +50,8 @@ def test_http_reference_lists_every_route_and_request_field():
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:
-    return [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
+    return [a.option_strings[0] for a in parser._actions
+            if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS]  # SUPPRESS: a refused flag
 
 
 def test_configuration_reference_lists_every_flag_of_every_service_and_up():
