@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from tessera.cli.gguf_export import add_export_gguf_parser
 from tessera.client import DEFAULT_ADDRESS, TesseraError
 from tessera.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
 from tessera.common.server import DEFAULT_PORTS
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
     prepare.add_argument("--force", action="store_true", help="rebuild even if present")
     prepare.set_defaults(func=_models_prepare)
+    add_export_gguf_parser(models_sub)
 
     up = sub.add_parser("up", help="start all five services on loopback until Ctrl-C")
     up.add_argument("--host", default="127.0.0.1")
