@@ -9,8 +9,8 @@ drain task, started on demand in the running event loop, repeatedly:
      real tokens) and cuts the sorted run into groups (`group_by_length`): a group ends where the
      next sequence would pass `max_batch_tokens` (padded length x rows, TEI's token-budget rule)
      or pad more than `MAX_PADDING_SHARE` of its real tokens; it takes the group holding the
-     oldest sequence, so no request waits behind later ones for more than the forwards queued
-     ahead of it;
+     oldest sequence, so every forward serves the oldest waiting sequence and none waits for more
+     forwards than there are sequences queued before it;
   3. runs the forward on the service's compute thread (one forward at a time across its models),
      and resolves the futures, so every request gets its rows in its own order.
 
