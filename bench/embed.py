@@ -7,6 +7,12 @@ Runs, in one process on one machine:
   3. the same server with `--no-dynamic-batching` (one forward per call under a lock).
 Prints throughput (sentences/s) and p50/p99 latency, and writes bench/results/embed.md. Never a
 test assertion: numbers depend on the machine and its load.
+
+Then the mixed-length workload (issue 17): requests of 56 short texts and 8 of ~230 tokens, each
+embedded in process (a) as one forward padded to its longest text, as a batcher without length
+grouping runs it (the anchor), and (b) through `PoolingEngine.embed`, whose batcher groups by
+length; interleaved over `--rounds`, median seconds per request, rows checked equal. Writes
+bench/results/embed-mixed.md (`--mixed-only` runs just this).
 """
 
 from __future__ import annotations
@@ -32,6 +38,76 @@ WORDS = ["river", "mountain", "weather", "spring", "model", "vector", "search", 
 def sentences(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24))) + "." for i in range(count)]
+
+
+def mixed_request(seed: int, num_short: int = 56, num_long: int = 8, long_words: int = 215) -> list[str]:
+    """`num_short` sentences of 4-24 words and `num_long` texts of `long_words` words, interleaved."""
+    rng = random.Random(seed)
+    long_texts = [" ".join(rng.choice(WORDS) for _ in range(long_words)) + "." for _ in range(num_long)]
+    texts = sentences(num_short, seed)
+    for i, text in enumerate(long_texts):
+        texts.insert(i * (len(texts) // num_long + 1), text)
+    return texts
+
+
+def run_mixed(model_dir: Path, num_requests: int, rounds: int) -> dict:
+    """Seconds per mixed request: one padded forward vs the length-grouping batcher (see the docstring)."""
+    import statistics
+
+    import torch
+
+    from tessera.pooling.config import ModelConfig, PoolingConfig
+    from tessera.pooling.engine import PoolingEngine, load_served_model
+
+    loaded = load_served_model(ModelConfig(model_dir=model_dir))
+    engine = PoolingEngine(PoolingConfig(models=[loaded.config]), models={loaded.name: loaded})
+    batcher = engine._models[loaded.name].batcher
+    requests = [mixed_request(seed) for seed in range(num_requests)]
+    lengths = [len(ids) for ids in loaded.tokenizer.encode_texts(requests[0])]
+
+    def padded(texts):
+        return loaded.runner.forward(loaded.tokenizer.encode_texts(texts))
+
+    def grouped(texts):
+        return asyncio.run(engine.embed(texts, normalize=False)).vectors
+
+    grouped(requests[0][:2])  # warm-up
+    times: dict[str, list[float]] = {"padded": [], "grouped": []}
+    max_diff = 0.0
+    for round_index in range(rounds):
+        order = ("padded", "grouped") if round_index % 2 == 0 else ("grouped", "padded")
+        rows = {}
+        for mode in order:
+            run = padded if mode == "padded" else grouped
+            batcher.batch_shapes.clear()
+            start = time.perf_counter()
+            rows[mode] = [run(texts) for texts in requests]
+            times[mode].append((time.perf_counter() - start) / num_requests)
+            if mode == "grouped":
+                shapes = list(batcher.batch_shapes)[: len(batcher.batch_shapes) // num_requests]  # one request's
+        max_diff = max(max_diff, max(float((a - torch.as_tensor(b)).abs().max())
+                                     for a, b in zip(rows["padded"], rows["grouped"], strict=True)))
+    before, after = statistics.median(times["padded"]), statistics.median(times["grouped"])
+    return {"before_s": before, "grouped_s": after, "speedup": before / after, "times": times,
+            "max_diff": max_diff, "lengths": lengths, "shapes": shapes}
+
+
+def mixed_report(result: dict, num_requests: int, rounds: int) -> str:
+    lengths = result["lengths"]
+    padded_before = len(lengths) * max(lengths)
+    padded_grouped = sum(rows * length for rows, length in result["shapes"])
+    return "\n".join([
+        f"One request = {len(lengths)} texts: {sum(1 for n in lengths if n < 64)} short "
+        f"({min(lengths)}-{max(n for n in lengths if n < 64)} tokens) and {sum(1 for n in lengths if n >= 64)} long "
+        f"(~{max(lengths)} tokens), {sum(lengths)} real tokens; {num_requests} requests per round, {rounds} rounds "
+        f"interleaved; target >= 3x.", "",
+        "| mode | forwards per request (rows x padded length) | padded tokens | s per request (median) | speedup |",
+        "|---|---|---|---|---|",
+        f"| one padded batch (no grouping) | 1 ({len(lengths)} x {max(lengths)}) | {padded_before} | "
+        f"{result['before_s']:.3f} | 1.00x |",
+        f"| grouped by length | {len(result['shapes'])} ({', '.join(f'{r} x {n}' for r, n in result['shapes'])}) | "
+        f"{padded_grouped} | {result['grouped_s']:.3f} | {result['speedup']:.2f}x |", "",
+        f"Largest difference between the two modes' rows: {result['max_diff']:.2e}."])
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -124,7 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--no-lock-baseline", action="store_true", help="skip the per-call lock run")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "embed.md")
+    parser.add_argument("--mixed-only", action="store_true", help="run only the mixed-length workload")
+    parser.add_argument("--mixed-requests", type=int, default=4, help="mixed requests per round")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the mixed workload")
     args = parser.parse_args(argv)
+    if not args.mixed_only:
+        run_concurrent(args)
+    result = run_mixed(args.model_dir, args.mixed_requests, args.rounds)
+    report = mixed_report(result, args.mixed_requests, args.rounds)
+    print(report)
+    mixed_path = args.output.with_name("embed-mixed.md")
+    mixed_path.write_text(f"# tessera bench embed: mixed lengths\n\nMachine: {machine()}\n\nModel: "
+                          f"{args.model_dir.name}. {report}\n")
+    print(f"wrote {mixed_path}")
+    return 0
+
+
+def run_concurrent(args) -> None:
     texts = sentences(args.num_sentences)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     rows = [run_in_process(args.model_dir, texts)]
@@ -136,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(f"# tessera bench embed\n\nMachine: {machine()}\n\nModel: {args.model_dir.name}, "
                            f"{len(texts)} sentences (4-24 words), target >= 0.7x in-process.\n\n{report}\n")
     print(f"wrote {args.output}")
-    return 0
 
 
 if __name__ == "__main__":

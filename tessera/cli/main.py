@@ -14,6 +14,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from tessera.cli.gguf_export import add_export_gguf_parser
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.client import DEFAULT_ADDRESS, TesseraError
 from tessera.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
@@ -88,6 +89,7 @@ def _add_server_commands(sub) -> None:
     prepare.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
     prepare.add_argument("--force", action="store_true", help="rebuild even if present")
     prepare.set_defaults(func=_models_prepare)
+    add_export_gguf_parser(models_sub)
 
     up = sub.add_parser("up", help="start all five services on loopback until Ctrl-C")
     up.add_argument("--host", default="127.0.0.1", help="address every service binds")

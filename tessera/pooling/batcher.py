@@ -1,21 +1,27 @@
-"""`DynamicBatcher`: sequences from concurrent requests gathered into one forward per model.
+"""`DynamicBatcher`: sequences from concurrent requests gathered into forwards grouped by length.
 
 Each request puts its sequences on a bounded FIFO queue and awaits one future per sequence. A
 drain task, started on demand in the running event loop, repeatedly:
 
-  1. holds the oldest sequence up to `max_wait_s` for company, unless the queue already fills
-     the token budget;
-  2. takes sequences in arrival order while padded length x rows stays within `max_batch_tokens`
-     (TEI's token-budget rule; the first sequence always fits, as config guarantees);
+  1. holds the oldest sequence up to `max_wait_s` for company, unless the queue already holds
+     more than one forward;
+  2. sorts the queued sequences by length (the oldest first, up to `WINDOW_BUDGETS` budgets of
+     real tokens) and cuts the sorted run into groups (`group_by_length`): a group ends where the
+     next sequence would pass `max_batch_tokens` (padded length x rows, TEI's token-budget rule)
+     or pad more than `MAX_PADDING_SHARE` of its real tokens; it takes the group holding the
+     oldest sequence, so every forward serves the oldest waiting sequence and none waits for more
+     forwards than there are sequences queued before it;
   3. runs the forward on the service's compute thread (one forward at a time across its models),
-     and resolves the futures.
+     and resolves the futures, so every request gets its rows in its own order.
 
-    queue  [a:12][b:40][c:8][d:100] budget 128 -> batch [a b c] (3 x 40 = 120), d waits
+    queue (oldest first)  [a:12][b:230][c:8][d:14][e:240]       budget 16384
+    sorted                [c:8][a:12][d:14] | [b:230][e:240]    -> forward [c a d] (3 x 14), then [b e]
 
-While a forward runs, new requests queue; they form the next batch. A request whose sequences
-would push the queue past `max_queue_size` is refused (RESOURCE_EXHAUSTED) before anything is
-queued. Cancelled requests' sequences are skipped. With `enabled=False` each request is one
-forward of its own, in turn: the per-call lock baseline.
+Padding every sequence to the longest of the queue would cost 5 x 240 = 1200 tokens; the groups
+cost 42 + 480. While a forward runs, new requests queue; they join the next plan. A request
+whose sequences would push the queue past `max_queue_size` is refused (RESOURCE_EXHAUSTED) before
+anything is queued. Cancelled requests' sequences are skipped. With `enabled=False` each request
+is one forward of its own, in turn: the per-call lock baseline.
 
 A step that fails (forming the batch, the forward, handing rows out) fails that batch's requests
 and the drain goes on. Should the drain task end anyway, every queued and later request fails at
@@ -41,6 +47,15 @@ from tessera.pooling.stats import BatcherStats
 from tessera.pooling.tokens import Sequence
 
 log = logging.getLogger(__name__)
+
+# A group may pad up to this share of its real tokens (or MIN_PADDING_TOKENS, whichever is more)
+# before the next, longer sequence starts a new forward: each forward has a fixed cost, so cutting
+# at every length step would trade padding for per-forward overhead.
+MAX_PADDING_SHARE = 0.5
+MIN_PADDING_TOKENS = 128
+# How much of the queue one plan sorts, in budgets of real tokens: enough to group a large
+# request's sequences, bounded so a long queue costs each step a bounded sort.
+WINDOW_BUDGETS = 4
 
 
 @dataclass
@@ -207,23 +222,57 @@ class DynamicBatcher:
                 self._arrived = None
 
     def _budget_full(self) -> bool:
-        return self._num_fitting() < len(self._queue)
+        return len(self._next_group()) < len(self._queue)
 
-    def _num_fitting(self) -> int:
-        """How many queued sequences, oldest first, fit one forward (at least one)."""
-        count, max_len = 0, 0
+    def _window(self) -> list[_Pending]:
+        """The oldest queued sequences up to WINDOW_BUDGETS x max_batch_tokens real tokens (at least one)."""
+        window, num_tokens = [], 0
         for item in self._queue:
-            longest = max(max_len, len(item.sequence))
-            if count and (count + 1) * longest > self.max_batch_tokens:
+            if window and num_tokens + len(item.sequence) > WINDOW_BUDGETS * self.max_batch_tokens:
                 break
-            count, max_len = count + 1, longest
-        return count
+            window.append(item)
+            num_tokens += len(item.sequence)
+        return window
+
+    def _next_group(self) -> list[_Pending]:
+        """The length group, of the queue's window, that holds the oldest sequence (shortest first)."""
+        window = self._window()
+        groups = group_by_length([len(item.sequence) for item in window], self.max_batch_tokens)
+        return [window[i] for i in next(group for group in groups if 0 in group)]
 
     def _take(self) -> list[_Pending]:
-        num = self._num_fitting()
-        taken = [self._queue.popleft() for _ in range(num)]
-        self._num_waiting -= num
-        return [item for item in taken if not item.future.done()]  # cancelled requests drop out
+        group = self._next_group()
+        taken = {id(item) for item in group}
+        self._queue = collections.deque(item for item in self._queue if id(item) not in taken)
+        self._num_waiting -= len(group)
+        return [item for item in group if not item.future.done()]  # cancelled requests drop out
+
+
+def group_by_length(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Cut sequences into forwards by length: indices into `lengths`, each group shortest first.
+
+    The indices are sorted by length (ties in input order) and cut where adding the next sequence
+    would make rows x its length pass `max_batch_tokens`, or the group's padding (rows x longest
+    minus real tokens) pass max(MIN_PADDING_TOKENS, MAX_PADDING_SHARE x real tokens). A sequence
+    longer than the budget is a group of its own (config keeps max_input_length within it).
+
+        lengths [12, 230, 8, 14, 240]  ->  [[2, 0, 3], [1, 4]]
+    """
+    groups: list[list[int]] = []
+    group: list[int] = []
+    num_real = 0
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        length = lengths[index]
+        padded, real = (len(group) + 1) * length, num_real + length
+        if group and (padded > max_batch_tokens
+                      or padded - real > max(MIN_PADDING_TOKENS, MAX_PADDING_SHARE * real)):
+            groups.append(group)
+            group, real = [], length
+        group.append(index)
+        num_real = real
+    if group:
+        groups.append(group)
+    return groups
 
 
 def _fail(items: list[_Pending], error: BaseException) -> None:

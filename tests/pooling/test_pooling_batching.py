@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tessera.common.errors import ResourceExhausted
+from tessera.pooling.batcher import group_by_length
 from tessera.pooling.config import PoolingConfig
 from tessera.pooling.engine import PoolingEngine
 
@@ -125,3 +126,36 @@ def test_embed_stream_answers_in_order(minilm_model_config, minilm_loaded, alone
     for text, result in zip(SINGLES, results, strict=True):
         torch.testing.assert_close(result.vectors[0], alone[text], atol=1e-5, rtol=0)
     assert max(rows for rows, _ in _batcher(service).batch_shapes) > 1  # the stream's texts shared forwards
+
+
+def test_group_by_length_cuts_sorted_runs_at_the_budget_and_at_padding():
+    assert group_by_length([12, 230, 8, 14, 240], 16384) == [[2, 0, 3], [1, 4]]
+    assert group_by_length([100, 100, 100, 100, 100], 250) == [[0, 1], [2, 3], [4]]  # 3 x 100 > 250
+    assert group_by_length([9, 9, 9], 16384) == [[0, 1, 2]]  # ties keep input order
+    # 56 short and 8 long: padding the short ones to the long would waste 56 x 215 tokens
+    assert group_by_length([15] * 56 + [230] * 8, 16384) == [list(range(56)), list(range(56, 64))]
+
+
+def test_mixed_lengths_run_grouped_and_answer_in_the_callers_order(minilm_model_config, minilm_loaded, alone):
+    # one request as issue 17's workload: 56 short texts and 8 long ones interleaved
+    texts = [LONG if i % 8 == 3 else SINGLES[i % len(SINGLES)] for i in range(64)]
+    service = _service(minilm_model_config, minilm_loaded, max_wait_ms=50)
+    result = asyncio.run(service.embed(texts))
+    lengths = [len(ids) for ids in minilm_loaded.tokenizer.encode_texts(texts)]
+    shapes = list(_batcher(service).batch_shapes)
+    padded = sum(rows * length for rows, length in shapes)
+    assert sum(rows for rows, _ in shapes) == 64
+    assert padded <= 1.5 * sum(lengths), (shapes, sum(lengths))  # one padded batch: 64 x max(lengths)
+    assert padded < 0.25 * len(texts) * max(lengths), shapes
+    for text, vector in zip(texts, result.vectors, strict=True):
+        torch.testing.assert_close(vector, alone[text], atol=1e-5, rtol=0)
+
+
+def test_the_oldest_request_is_served_first_when_the_queue_holds_more_than_one_forward(
+        minilm_model_config, minilm_loaded, alone):
+    # budget 256 fits one LONG alone; the short texts queued later must not all go before it
+    service = _service(minilm_model_config, minilm_loaded, max_wait_ms=200, max_batch_tokens=256)
+    long_tokens = len(minilm_loaded.tokenizer.encode_texts([LONG])[0])
+    results = asyncio.run(_concurrently(service, [[LONG]] + [[t] for t in SINGLES]))
+    assert list(_batcher(service).batch_shapes)[0] == (1, long_tokens)
+    torch.testing.assert_close(results[0].vectors[0], alone[LONG], atol=1e-5, rtol=0)
