@@ -20,11 +20,14 @@ class RegistryConfig:
 
     Attributes:
         root: adapter root directory; clients may only name PEFT directories inside it.
-        db_path: SQLite catalog file (default `<root>/registry.sqlite3`).
+        db_path: SQLite catalog file (default `<root>/registry.sqlite3`; `tessera up` gives each
+            cluster its own, `cluster_home(NAME)/registry/catalog.sqlite3`).
         admin_token: bearer token for LoadAdapter/UnloadAdapter; "" disables auth.
             `None` reads `$TESSERA_ADMIN_TOKEN` (default "").
         base_model_dir: optional HF model dir; when set, target modules and LoRA shapes are
-            checked against its config.json (Llama-family projection names).
+            checked against its config.json (Llama-family projection names), every load records
+            its base-model digest, and adapters recorded against another base (or none) are listed
+            but refused to decoders (FailedPrecondition) until loaded again.
         max_rank: largest LoRA rank accepted, per target module.
         report_ttl_s: a decoder whose last residency report is older than this is gone (its
             leases no longer count, nor block a drain).
@@ -47,7 +50,8 @@ class RegistryConfig:
     admin_token: str | None = field(default=None, metadata={"help": "bearer token for Load/Unload; empty = no auth",
                                                              "env": ADMIN_TOKEN_ENV, "default_help": '""'})
     base_model_dir: Path | None = field(default=None,
-                                        metadata={"help": "validate targets against this model's config.json"})
+                                        metadata={"help": "validate targets against this model's config.json and "
+                                                          "serve only adapters registered against this base"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted, per target module"})
     report_ttl_s: float = 10.0
     drain_poll_s: float = 0.05
