@@ -2,7 +2,9 @@
 
 Rows survive restarts, so a new registry process on the same file lists the same adapters.
 Unloaded names keep their row (state "unloaded") so a later load of the same name continues
-its generation count: a decoder never sees generation numbers repeat for a name.
+its generation count: a decoder never sees generation numbers repeat for a name. Each row records
+the base model its adapter was registered against; a catalog written before that column existed
+gains it empty ("" = unknown base: such adapters must be registered again where a base is known).
 """
 
 from __future__ import annotations
@@ -28,10 +30,15 @@ CREATE TABLE IF NOT EXISTS adapters (
     targets TEXT NOT NULL,
     generation INTEGER NOT NULL,
     state TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    base_model TEXT NOT NULL DEFAULT '',
+    base_model_name TEXT NOT NULL DEFAULT ''
 )
 """
-_COLUMNS = "name, path, digest, rank, alpha, use_rslora, targets, generation, state, created_at"
+# Columns added after the first schema, with their definitions, for catalogs that predate them.
+_ADDED_COLUMNS = {"base_model": "TEXT NOT NULL DEFAULT ''", "base_model_name": "TEXT NOT NULL DEFAULT ''"}
+_COLUMNS = ("name, path, digest, rank, alpha, use_rslora, targets, generation, state, created_at, "
+            "base_model, base_model_name")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,10 @@ class AdapterRecord:
         targets: sorted module names.
         generation: 1 on first load, +1 on every later load of the name.
         created_at: unix seconds of the load that produced this generation.
+        base_model: sha256 hex of the base model's architecture (checkpoint.base_model_digest) the
+            adapter was registered against; "" = unknown (no base configured at load, or a row
+            older than the column).
+        base_model_name: that base model's readable name ("" when unknown).
     """
 
     name: str
@@ -56,12 +67,14 @@ class AdapterRecord:
     generation: int
     state: str
     created_at: float
+    base_model: str = ""
+    base_model_name: str = ""
 
     @classmethod
     def _from_row(cls, row: tuple) -> AdapterRecord:
-        name, path, digest, rank, alpha, rslora, targets, generation, state, created_at = row
+        name, path, digest, rank, alpha, rslora, targets, generation, state, created_at, base, base_name = row
         return cls(name, path, digest, int(rank), float(alpha), bool(rslora), tuple(json.loads(targets)),
-                   int(generation), state, float(created_at))
+                   int(generation), state, float(created_at), base, base_name)
 
 
 class Catalog:
@@ -73,6 +86,22 @@ class Catalog:
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Bring a catalog written by an older schema up to this one (under a write lock, as two
+        registries may open the same old file at once)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                present = {row[1] for row in self._db.execute("PRAGMA table_info(adapters)")}
+                for column, definition in _ADDED_COLUMNS.items():
+                    if column not in present:
+                        self._db.execute(f"ALTER TABLE adapters ADD COLUMN {column} {definition}")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def get(self, name: str) -> AdapterRecord | None:
         """The row for `name` in any state, or None."""
@@ -87,7 +116,8 @@ class Catalog:
         return [AdapterRecord._from_row(row) for row in rows]
 
     def put_ready(self, name: str, path: str, digest: str, rank: int, alpha: float, use_rslora: bool,
-                  targets: list[str], expected_generation: int) -> AdapterRecord | None:
+                  targets: list[str], expected_generation: int, base_model: str = "",
+                  base_model_name: str = "") -> AdapterRecord | None:
         """Write generation `expected_generation + 1` for `name` as ready.
 
         Returns None (and writes nothing) if the stored generation is no longer
@@ -95,12 +125,12 @@ class Catalog:
         """
         generation = expected_generation + 1
         values = (name, path, digest, rank, alpha, int(use_rslora), json.dumps(sorted(targets)), generation,
-                  READY, time.time())
+                  READY, time.time(), base_model, base_model_name)
         with self._lock:
             current = self._db.execute("SELECT generation FROM adapters WHERE name = ?", (name,)).fetchone()
             if (current[0] if current else 0) != expected_generation:
                 return None
-            self._db.execute(f"INSERT OR REPLACE INTO adapters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", values)
+            self._db.execute(f"INSERT OR REPLACE INTO adapters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", values)
         return AdapterRecord._from_row(values)
 
     def mark_unloaded(self, name: str) -> bool:

@@ -21,14 +21,17 @@ class RegistryConfig:
 
     Attributes:
         root: adapter root directory; clients may only name PEFT directories inside it.
-        db_path: SQLite catalog file (default `<root>/registry.sqlite3`).
+        db_path: SQLite catalog file (default `<root>/registry.sqlite3`; `tessera up` gives each
+            cluster its own, `cluster_home(NAME)/registry/catalog.sqlite3`).
         admin_token: bearer token for LoadAdapter/UnloadAdapter; "" disables auth. `None` reads
             `admin_token_file`, else `$TESSERA_ADMIN_TOKEN` (default ""). It has no flag: a secret in
             argv is readable by every local user in `ps`.
         admin_token_file: a file holding the admin token (surrounding whitespace stripped); default
             `$TESSERA_ADMIN_TOKEN_FILE`. Giving it and `$TESSERA_ADMIN_TOKEN` both is refused.
         base_model_dir: optional HF model dir; when set, target modules and LoRA shapes are
-            checked against its config.json (Llama-family projection names).
+            checked against its config.json (Llama-family projection names), every load records
+            its base-model digest, and adapters recorded against another base (or none) are listed
+            but refused to decoders (FailedPrecondition) until loaded again.
         max_rank: largest LoRA rank accepted, per target module.
         report_ttl_s: a decoder whose last residency report is older than this is gone (its
             leases no longer count, nor block a drain).
@@ -53,7 +56,8 @@ class RegistryConfig:
         "help": f"file holding the bearer token for Load/Unload (else ${ADMIN_TOKEN_ENV}; neither = no auth)",
         "env": ADMIN_TOKEN_FILE_ENV, "default_help": "none"})
     base_model_dir: Path | None = field(default=None,
-                                        metadata={"help": "validate targets against this model's config.json"})
+                                        metadata={"help": "validate targets against this model's config.json and "
+                                                          "serve only adapters registered against this base"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted, per target module"})
     report_ttl_s: float = 10.0
     drain_poll_s: float = 0.05

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tessera.adapters.catalog import AdapterRecord
 from tessera.adapters.config import RegistryConfig
 from tessera.adapters.leases import AdapterRef
-from tessera.adapters.types import DRAINING, AdapterStatus, LoRAAdapter
+from tessera.adapters.types import AdapterStatus, LoRAAdapter
 from tessera.common.limits import check_chars, check_count
 from tessera.common.tensor import to_pb
 from tessera.v1 import adapters_pb2
@@ -15,16 +15,16 @@ def info_to_pb(record: AdapterRecord) -> adapters_pb2.AdapterInfo:
     return adapters_pb2.AdapterInfo(
         name=record.name, digest=record.digest, rank=record.rank, target_modules=list(record.targets),
         lora_alpha=record.alpha, use_rslora=record.use_rslora, path=record.path,
-        generation=record.generation, state=record.state)
+        generation=record.generation, state=record.state, base_model=record.base_model,
+        base_model_name=record.base_model_name)
 
 
 def status_to_pb(status: AdapterStatus) -> adapters_pb2.AdapterInfo:
-    """AdapterInfo with per-decoder residency, total leases and "draining" state when drained."""
+    """AdapterInfo with per-decoder residency, total leases and the listed state (AdapterStatus.state)."""
     info = info_to_pb(status.record)
     info.residency.extend(adapters_pb2.AdapterResidency(decoder_id=d, leases=n) for d, n in status.residency)
     info.leases = status.num_leases
-    if status.draining:
-        info.state = DRAINING
+    info.state = status.state
     return info
 
 

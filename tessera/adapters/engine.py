@@ -17,7 +17,8 @@ from tessera.adapters.config import RegistryConfig
 from tessera.adapters.leases import AdapterRef, LeaseTable
 from tessera.adapters.paths import relative_to_root, resolve_in_root
 from tessera.adapters.peft_format import read_peft_adapter
-from tessera.adapters.types import AdapterStatus, LoRAAdapter
+from tessera.adapters.types import BASE_MISMATCH, BASE_UNKNOWN, AdapterStatus, LoRAAdapter
+from tessera.common.checkpoint import CheckpointConfig, base_model_digest, base_model_name
 from tessera.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -34,7 +35,11 @@ class AdapterRegistry:
 
     Raises (from its methods): InvalidArgument (bad name/path/adapter), NotFound (unknown name or
     missing path), AlreadyExists (load of a loaded name without replace), FailedPrecondition
-    (files changed on disk since load).
+    (files changed on disk since load; registered against another base model than this one's).
+
+    With a base model configured, every load records its digest (checkpoint.base_model_digest) and
+    an adapter recorded against another base, or against none, is listed but not servable here:
+    decoders are refused its weights until it is loaded again on this base.
     """
 
     def __init__(self, config: RegistryConfig) -> None:
@@ -42,6 +47,9 @@ class AdapterRegistry:
         config.root.mkdir(parents=True, exist_ok=True)
         self.root = config.root.resolve()
         self.base = BaseModelShapes.from_model_dir(config.base_model_dir) if config.base_model_dir else None
+        checkpoint = CheckpointConfig.read(config.base_model_dir) if config.base_model_dir else None
+        self.base_model = base_model_digest(checkpoint) if checkpoint else ""  # "" = no base: nothing is checked
+        self.base_model_name = base_model_name(checkpoint) if checkpoint else ""
         self.catalog = Catalog(config.db_path)
         self.leases = LeaseTable(config.report_ttl_s)
         # A restart starts with an empty lease table while decoders still run requests on the
@@ -94,8 +102,27 @@ class AdapterRegistry:
 
     def list_status(self) -> list[AdapterStatus]:
         """Every ready adapter with its per-decoder residency and lease counts."""
-        return [AdapterStatus(r, tuple(self.leases.residency(_ref(r))), self.leases.is_draining(_ref(r)))
-                for r in self.list()]
+        return [AdapterStatus(r, tuple(self.leases.residency(_ref(r))), self.leases.is_draining(_ref(r)),
+                              self._base_state(r)) for r in self.list()]
+
+    def _base_state(self, record: AdapterRecord) -> str | None:
+        """BASE_MISMATCH, BASE_UNKNOWN, or None when `record` may serve on this registry's base."""
+        if not self.base_model or record.base_model == self.base_model:
+            return None
+        return BASE_MISMATCH if record.base_model else BASE_UNKNOWN
+
+    def _check_base(self, record: AdapterRecord) -> None:
+        """Raises FailedPrecondition naming both base models when `record` may not serve here."""
+        state = self._base_state(record)
+        if state is None:
+            return
+        here = f"this cluster serves {self.base_model_name} (base digest {self.base_model[:12]})"
+        if state == BASE_UNKNOWN:
+            raise FailedPrecondition(f"adapter {record.name!r} was registered before adapters recorded their base "
+                                     f"model, and {here}; load it again (replace=true) to serve it on this base")
+        raise FailedPrecondition(f"adapter {record.name!r} was registered for base model {record.base_model_name} "
+                                 f"(base digest {record.base_model[:12]}), but {here}; load it again "
+                                 "(replace=true) with an adapter trained for this base")
 
     @asynccontextmanager
     async def _quiesced(self, record: AdapterRecord, drain: bool):
@@ -140,7 +167,8 @@ class AdapterRegistry:
             record = self.catalog.put_ready(
                 name=name, path=relative_to_root(self.root, directory), digest=digest, rank=adapter.rank,
                 alpha=adapter.alpha, use_rslora=adapter.use_rslora, targets=adapter.target_modules,
-                expected_generation=previous.generation if previous else 0)
+                expected_generation=previous.generation if previous else 0,
+                base_model=self.base_model, base_model_name=self.base_model_name)
             if record is not None:
                 log.info("loaded adapter %r generation %d digest %s from %s",
                          name, record.generation, digest[:12], record.path)
@@ -167,8 +195,10 @@ class AdapterRegistry:
         return record
 
     def get_admissible(self, name: str) -> AdapterRecord:
-        """`get` for a new admission: FailedPrecondition while the name's weights are draining."""
+        """`get` for a new admission: FailedPrecondition while the name's weights are draining, or
+        when it was registered against another base model (or an unknown one)."""
         record = self.get(name)
+        self._check_base(record)
         if self.leases.is_draining(_ref(record)):
             raise FailedPrecondition(f"adapter {name!r} is being unloaded or replaced (draining); "
                                      "new requests for it are refused")
@@ -198,7 +228,8 @@ class AdapterRegistry:
     def _refuse_existing(self, name: str, replace: bool) -> AdapterRecord | None:
         previous = self.catalog.get(name)
         if previous is not None and previous.state == READY and not replace:
-            raise AlreadyExists(f"adapter {name!r} is already loaded (generation {previous.generation}); "
+            unservable = "" if self._base_state(previous) is None else ", for another base model than this cluster's"
+            raise AlreadyExists(f"adapter {name!r} is already loaded (generation {previous.generation}{unservable}); "
                                 "pass replace=true to load new weights under this name")
         return previous
 

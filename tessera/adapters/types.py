@@ -77,16 +77,29 @@ def adapter_digest(targets: dict[str, LoRATarget]) -> str:
 
 
 DRAINING = "draining"
+# Listed states of a ready record that may not serve on the registry's base model: registered
+# against another base, or before records named their base (it must be loaded again).
+BASE_MISMATCH = "base_mismatch"
+BASE_UNKNOWN = "base_unknown"
 
 
 @dataclass(frozen=True)
 class AdapterStatus:
     """A ready record with what decoders report: residency [(decoder id, leases taken as this
-    name)] and drain state."""
+    name)], drain state, and base_state (BASE_MISMATCH / BASE_UNKNOWN when it may not serve on the
+    registry's base model, else None)."""
 
     record: AdapterRecord
     residency: tuple[tuple[str, int], ...]
     draining: bool
+    base_state: str | None = None
+
+    @property
+    def state(self) -> str:
+        """The listed state: "ready", "draining", "base_mismatch" or "base_unknown"."""
+        if self.base_state is not None:
+            return self.base_state
+        return DRAINING if self.draining else self.record.state
 
     @property
     def num_leases(self) -> int:

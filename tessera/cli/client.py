@@ -237,15 +237,20 @@ def adapters(client: Client, action: str, name: str = "", path: str = "", replac
         return None
     listing = client.list_adapters()
     rows = [{"name": a.name, "digest": a.digest, "rank": a.rank, "state": a.state, "generation": a.generation,
-             "target_modules": a.target_modules, "path": a.path} for a in listing]
+             "target_modules": a.target_modules, "path": a.path, "base_model": a.base_model,
+             "base_model_name": a.base_model_name} for a in listing]
     if as_json:
         out.write(json.dumps(rows) + "\n")
     else:
         for row in rows:
-            out.write(f"{row['name']:<20} rank={row['rank']:<3} {row['state']:<8} {row['digest'][:16]}  "
-                      f"{row['path']}\n")
+            base = row["base_model_name"] or "unknown base"
+            out.write(f"{row['name']:<20} rank={row['rank']:<3} {row['state']:<13} {row['digest'][:16]}  "
+                      f"{row['path']}  base: {base}\n")
         if not rows:
             out.write("no adapters loaded\n")
+        elif any(row["state"] in ("base_mismatch", "base_unknown") for row in rows):
+            out.write("base_mismatch/base_unknown: not servable on this cluster's base model; "
+                      "load again with --replace on this base\n")
     return listing
 
 

@@ -120,6 +120,11 @@ class ClusterSpec:
                 raise ValueError(f"{name} {path} has no config.json; run `tessera models prepare` first")
 
     @property
+    def catalog_path(self) -> Path:
+        """The registry's SQLite catalog: one per cluster, so clusters on a host list only their own adapters."""
+        return cluster_home(self.cluster) / "registry" / "catalog.sqlite3"
+
+    @property
     def num_ports(self) -> int:
         return len(SERVICES) + self.num_decoders - 1 + self.num_poolers - 1
 
@@ -167,7 +172,8 @@ class ClusterSpec:
             vision = ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section]
             decoder_vision = ["--mrope-section", self.mrope_section, "--image-token", self.image_token]
         args = {
-            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir)],
+            "adapters": ["--root", str(self.adapter_root), "--base-model-dir", str(self.decoder_model_dir),
+                         "--db", str(self.catalog_path)],
             "vision": vision,
             "pooling": ["--model-dir", str(self.embedding_model_dir),
                         *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],

@@ -114,6 +114,7 @@ def chat_messages(messages: Iterable[Message | dict]) -> list[decoder_pb2.ChatMe
 def sampling_params(params: SamplingParams) -> decoder_pb2.SamplingParams:
     fields = dataclasses.asdict(params)
     seed = fields.pop("seed")
+    fields["max_tokens"] = fields["max_tokens"] or 0  # 0 on the wire: the rest of the context
     sampling = decoder_pb2.SamplingParams(**{k: list(v) if isinstance(v, tuple | list) else v
                                              for k, v in fields.items()})
     if seed is not None:

@@ -35,7 +35,7 @@ class SamplingParams:
     `top_logprobs` (0..20) alternatives; penalties follow OpenAI (presence, frequency) and
     transformers (repetition, 1 = off)."""
 
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: up to the end of the context (max_model_len - prompt tokens)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -177,9 +177,11 @@ class AdapterInfo:
     use_rslora: bool
     path: str                 # as resolved inside the adapter root
     generation: int           # bumps each time the name is (re)loaded
-    state: str                # "ready" or "draining"
+    state: str                # "ready", "draining"; not servable here: "base_mismatch", "base_unknown"
     residency: list[AdapterResidency] = field(default_factory=list)
     leases: int = 0
+    base_model: str = ""      # sha256 hex of the base model's architecture it was registered against ("" = unknown)
+    base_model_name: str = ""
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,3 +68,32 @@ class CheckpointConfig:
 
 def _int(value: Any) -> int | None:
     return int(value) if value is not None else None
+
+
+# What decides whether LoRA factors fit a base model's linears and address the same token ids.
+_BASE_MODEL_FIELDS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def base_model_digest(config: CheckpointConfig) -> str:
+    """sha256 hex of the canonical JSON of the base model's architecture fields: model_type,
+    architectures, hidden/intermediate sizes, layers, attention and key-value heads, head_dim and
+    vocab_size (the language model's, for a VLM).
+
+    Equal for checkpoints that differ only in weights (a base model and its fine-tune share it),
+    so an adapter is tied to an architecture and vocabulary, not to one set of weights.
+    """
+    text = config.raw.get("text_config") or config.raw
+    fields = {name: getattr(config, name) for name in _BASE_MODEL_FIELDS if name != "vocab_size"}
+    fields["architectures"] = list(config.architectures)
+    fields["vocab_size"] = _int(text.get("vocab_size"))
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def base_model_name(config: CheckpointConfig) -> str:
+    """A readable name of a base model for messages and listings, e.g.
+    "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, hidden 576)"."""
+    architecture = config.architectures[0] if config.architectures else config.model_type or "unknown architecture"
+    return (f"{config.model_dir.name} ({architecture}, {config.num_hidden_layers} layers, "
+            f"hidden {config.hidden_size})")

@@ -144,20 +144,22 @@ def _check_sampling(sampling, limits: GenerateLimits, max_model_len: int | None)
     if sampling.top_logprobs > limits.max_logprobs:
         raise InvalidArgument(f"sampling.top_logprobs is {sampling.top_logprobs}; the limit is "
                               f"{limits.max_logprobs} ({flag('max_logprobs')})")
-    if sampling.max_tokens < 1:  # before any image is encoded for a request that cannot run
-        raise InvalidArgument(f"sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
+    if sampling.max_tokens < 0:  # before any image is encoded for a request that cannot run
+        raise InvalidArgument(f"sampling.max_tokens must be >= 1 (or 0, unset: the rest of the context), "
+                              f"got {sampling.max_tokens}")
     if max_model_len is not None and sampling.max_tokens >= max_model_len:
         raise InvalidArgument(f"sampling.max_tokens is {sampling.max_tokens}; the model's context is {max_model_len} "
                               "tokens, and the prompt needs at least one")
 
 
 def _check_context(request, parts: list, max_model_len: int) -> None:
-    """What fits the context without tokenizing: token ids and encoded images' grids, plus max_tokens."""
-    max_tokens = max(request.sampling.max_tokens, 0)
+    """What fits the context without tokenizing: token ids and encoded images' grids, plus max_tokens
+    (unset: one generated token at least)."""
+    max_tokens = max(request.sampling.max_tokens, 1)
+    wanted = f"max_tokens {max_tokens}" if request.sampling.max_tokens else "room for one generated token"
     num_ids = len(request.prompt_token_ids)
     if num_ids + max_tokens > max_model_len:
-        raise InvalidArgument(f"prompt_token_ids has {num_ids} ids and max_tokens {max_tokens}; "
-                              f"the model's context is {max_model_len}")
+        raise InvalidArgument(f"prompt_token_ids has {num_ids} ids and {wanted}; the model's context is {max_model_len}")
     image_tokens = 0
     for part in parts:
         if part.WhichOneof("part") == "encoded_image":
@@ -167,7 +169,8 @@ def _check_context(request, parts: list, max_model_len: int) -> None:
                 tokens *= max(side, 0)
             image_tokens += tokens
     if image_tokens + max_tokens > max_model_len:
-        raise InvalidArgument(f"images expand to {image_tokens} tokens and max_tokens is {max_tokens}; "
+        wanted = f"max_tokens is {max_tokens}" if request.sampling.max_tokens else "need room for one generated token"
+        raise InvalidArgument(f"images expand to {image_tokens} tokens and {wanted}; "
                               f"the model's context is {max_model_len}")
 
 

@@ -40,9 +40,10 @@ def part_from_pb(part: decoder_pb2.ContentPart, where: str = "part") -> Part:
 
 
 def sampling_from_pb(sampling: decoder_pb2.SamplingParams) -> SamplingParams:
-    """Raises InvalidArgument on out-of-range values (max_tokens < 1, negative temperature...)."""
+    """max_tokens 0 (unset) -> None: the rest of the context. Raises InvalidArgument on out-of-range
+    values (max_tokens < 0, negative temperature...)."""
     return SamplingParams(
-        max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        max_tokens=sampling.max_tokens or None, temperature=sampling.temperature,
         top_p=sampling.top_p if sampling.top_p else 1.0, top_k=sampling.top_k,
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,

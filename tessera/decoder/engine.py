@@ -27,7 +27,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -187,7 +187,10 @@ class LLMEngine:
         """
         self._check_serving()
         prompt = await asyncio.to_thread(self.prompts.build, request_input)
-        self._check_length(len(prompt.token_ids), request_input.sampling.max_tokens)
+        max_tokens = self._max_tokens(len(prompt.token_ids), request_input.sampling.max_tokens)
+        if max_tokens != request_input.sampling.max_tokens:
+            sampling = replace(request_input.sampling, max_tokens=max_tokens)
+            request_input = replace(request_input, sampling=sampling)
         slot = await self.adapters.acquire(request_input.lora) if request_input.lora else None
         requests = self._make_requests(request_input, prompt, slot, request_input.lora)
         queue: asyncio.Queue = asyncio.Queue()
@@ -309,15 +312,24 @@ class LLMEngine:
         digest = None if lora_slot is None else self.bank.digest_of(lora_slot)
         return BlockHasher.for_prompt(self.config.block_size, prompt, digest, self.config.mrope_section)
 
-    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
+    def _max_tokens(self, num_prompt: int, max_tokens: int | None) -> int:
+        """`max_tokens`, or when None the rest of the context: max_model_len less the prompt (as
+        vLLM), bounded by what the KV cache holds. Raises InvalidArgument when the prompt and
+        max_tokens do not fit, or an unset max_tokens leaves no room for one generated token."""
         limit = self.config.max_model_len
+        capacity = self.config.num_blocks * self.config.block_size
+        if max_tokens is None:
+            if num_prompt >= min(limit, capacity):
+                raise InvalidArgument(f"prompt has {num_prompt} tokens; the model's context is {limit} (the KV cache "
+                                      f"holds {capacity}), which leaves no room to generate a token")
+            return min(limit, capacity) - num_prompt
         if num_prompt + max_tokens > limit:
             raise InvalidArgument(f"prompt has {num_prompt} tokens and max_tokens {max_tokens}; "
                                   f"the model's context is {limit}")
-        capacity = self.config.num_blocks * self.config.block_size
         if num_prompt + max_tokens > capacity:
             raise InvalidArgument(f"prompt has {num_prompt} tokens and max_tokens {max_tokens}; the KV cache "
                                   f"holds {capacity} tokens ({self.config.num_blocks} blocks of {self.config.block_size})")
+        return max_tokens
 
     # ---- engine thread -------------------------------------------------------------------
     def _run(self, num_threads: int) -> None:

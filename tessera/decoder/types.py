@@ -57,10 +57,12 @@ class SamplingParams:
     repetition_penalty as in transformers (tokens of prompt + output; 1 = off), presence and
     frequency penalties as in OpenAI's API (generated tokens only; 0 = off). `n` choices share
     the prompt; choice i draws from seed + i. `logprobs` / `top_logprobs` report the raw model
-    distribution. Raises InvalidArgument on out-of-range values.
+    distribution. `max_tokens` None generates up to the end of the context (max_model_len less
+    the prompt's tokens, as vLLM's OpenAI server; the engine resolves it once the prompt is
+    tokenized). Raises InvalidArgument on out-of-range values.
     """
 
-    max_tokens: int
+    max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -76,8 +78,8 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1 (or unset for the rest of the context), got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature < SAMPLING_EPS:

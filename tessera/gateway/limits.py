@@ -44,10 +44,11 @@ class GatewayLimits:
         self.max_model_len = max_model_len
 
     def generate(self, request) -> int:
-        """Checks a GenerateRequest; returns its image token budget (0 = unknown: no budget)."""
+        """Checks a GenerateRequest; returns its image token budget (0 = unknown: no budget): the
+        context less max_tokens, or less one generated token when max_tokens is unset."""
         max_model_len = self.max_model_len()
         check_generate(request, self.config.limits, max_model_len)
-        return 0 if max_model_len is None else max_model_len - request.sampling.max_tokens
+        return 0 if max_model_len is None else max_model_len - max(request.sampling.max_tokens, 1)
 
     def embed(self, request) -> None:
         check_embed(request, self.config.pooling_limits)

@@ -184,7 +184,7 @@ class PoolingEngine:
         """Score each document against `query` with the model's method; sorted by descending score, ties by index.
 
         Args:
-            top_n: results to return, 1..len(documents); None = all.
+            top_n: results to return, >= 1; None or more than len(documents) = all (clamped, as TEI and vLLM do).
             raw_scores: cross-encoder / llm-judge: the logit instead of its sigmoid.
             method: "" or the method the request requires; a mismatch is refused (e.g. "cross-encoder"
                 on an embedding-only model).
@@ -192,7 +192,7 @@ class PoolingEngine:
         Raises:
             NotFound: an unknown model name.
             InvalidArgument: empty query, no documents, an empty document, more than max_batch_size
-                documents, top_n out of range, an input (or pair, or judge prompt) past max_input_length,
+                documents, top_n < 1, an input (or pair, or judge prompt) past max_input_length,
                 a method the model does not have.
             ResourceExhausted: the model's queue is full.
         """
@@ -203,8 +203,8 @@ class PoolingEngine:
         if not query:
             raise InvalidArgument("query must be a non-empty string")
         self._check_inputs(documents, "documents", extra_chars=len(query))
-        if top_n is not None and not 1 <= top_n <= len(documents):
-            raise InvalidArgument(f"top_n must be between 1 and the number of documents ({len(documents)}), got {top_n}")
+        if top_n is not None and top_n < 1:
+            raise InvalidArgument(f"top_n must be >= 1 (or unset for all {len(documents)} documents), got {top_n}")
         scores, num_tokens = await self._scores(served, query, documents, raw_scores)
         order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))
         results = [RankedDocument(index=i, score=scores[i], document=documents[i] if return_documents else None)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import tensor_pb2 as tessera_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/adapters.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\"6\n\x10\x41\x64\x61pterResidency\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\"\xeb\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nlora_alpha\x18\x05 \x01(\x02\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x03\x12\r\n\x05state\x18\t \x01(\t\x12/\n\tresidency\x18\n \x03(\x0b\x32\x1c.tessera.v1.AdapterResidency\x12\x0e\n\x06leases\x18\x0b \x01(\x03\"P\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12\r\n\x05\x64rain\x18\x04 \x01(\x08\"3\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListAdaptersRequest\"A\n\x14ListAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.tessera.v1.AdapterInfo\":\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0finclude_weights\x18\x02 \x01(\x08\"g\n\rAdapterTensor\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\"\n\x06lora_a\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06lora_b\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\"c\n\x0e\x41\x64\x61pterWeights\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.tessera.v1.AdapterInfo\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.tessera.v1.AdapterTensor\"*\n\nNameLeases\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\"Y\n\x0eResidentDigest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\x12\'\n\x07\x62y_name\x18\x03 \x03(\x0b\x32\x16.tessera.v1.NameLeases\"*\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\"\x89\x01\n\x0fResidencyReport\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12,\n\x08resident\x18\x02 \x03(\x0b\x32\x1a.tessera.v1.ResidentDigest\x12.\n\x0e\x64raining_acked\x18\x04 \x03(\x0b\x32\x16.tessera.v1.AdapterRefJ\x04\x08\x03\x10\x04\">\n\x0cResidencyAck\x12(\n\x08\x64raining\x18\x02 \x03(\x0b\x32\x16.tessera.v1.AdapterRefJ\x04\x08\x01\x10\x02\x32\x8e\x03\n\x08\x41\x64\x61pters\x12\x46\n\x0bLoadAdapter\x12\x1e.tessera.v1.LoadAdapterRequest\x1a\x17.tessera.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .tessera.v1.UnloadAdapterRequest\x1a!.tessera.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12G\n\nGetAdapter\x12\x1d.tessera.v1.GetAdapterRequest\x1a\x1a.tessera.v1.AdapterWeights\x12H\n\x0fReportResidency\x12\x1b.tessera.v1.ResidencyReport\x1a\x18.tessera.v1.ResidencyAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/adapters.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\"6\n\x10\x41\x64\x61pterResidency\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\"\x98\x02\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nlora_alpha\x18\x05 \x01(\x02\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x03\x12\r\n\x05state\x18\t \x01(\t\x12/\n\tresidency\x18\n \x03(\x0b\x32\x1c.tessera.v1.AdapterResidency\x12\x0e\n\x06leases\x18\x0b \x01(\x03\x12\x12\n\nbase_model\x18\x0c \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\r \x01(\t\"P\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12\r\n\x05\x64rain\x18\x04 \x01(\x08\"3\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListAdaptersRequest\"A\n\x14ListAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.tessera.v1.AdapterInfo\":\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0finclude_weights\x18\x02 \x01(\x08\"g\n\rAdapterTensor\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\"\n\x06lora_a\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06lora_b\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\"c\n\x0e\x41\x64\x61pterWeights\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.tessera.v1.AdapterInfo\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.tessera.v1.AdapterTensor\"*\n\nNameLeases\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\"Y\n\x0eResidentDigest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\x05\x12\'\n\x07\x62y_name\x18\x03 \x03(\x0b\x32\x16.tessera.v1.NameLeases\"*\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\"\x89\x01\n\x0fResidencyReport\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12,\n\x08resident\x18\x02 \x03(\x0b\x32\x1a.tessera.v1.ResidentDigest\x12.\n\x0e\x64raining_acked\x18\x04 \x03(\x0b\x32\x16.tessera.v1.AdapterRefJ\x04\x08\x03\x10\x04\">\n\x0cResidencyAck\x12(\n\x08\x64raining\x18\x02 \x03(\x0b\x32\x16.tessera.v1.AdapterRefJ\x04\x08\x01\x10\x02\x32\x8e\x03\n\x08\x41\x64\x61pters\x12\x46\n\x0bLoadAdapter\x12\x1e.tessera.v1.LoadAdapterRequest\x1a\x17.tessera.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .tessera.v1.UnloadAdapterRequest\x1a!.tessera.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12G\n\nGetAdapter\x12\x1d.tessera.v1.GetAdapterRequest\x1a\x1a.tessera.v1.AdapterWeights\x12H\n\x0fReportResidency\x12\x1b.tessera.v1.ResidencyReport\x1a\x18.tessera.v1.ResidencyAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADAPTERRESIDENCY']._serialized_start=66
   _globals['_ADAPTERRESIDENCY']._serialized_end=120
   _globals['_ADAPTERINFO']._serialized_start=123
-  _globals['_ADAPTERINFO']._serialized_end=358
-  _globals['_LOADADAPTERREQUEST']._serialized_start=360
-  _globals['_LOADADAPTERREQUEST']._serialized_end=440
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=442
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=493
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=495
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=532
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=534
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=555
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=557
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=622
-  _globals['_GETADAPTERREQUEST']._serialized_start=624
-  _globals['_GETADAPTERREQUEST']._serialized_end=682
-  _globals['_ADAPTERTENSOR']._serialized_start=684
-  _globals['_ADAPTERTENSOR']._serialized_end=787
-  _globals['_ADAPTERWEIGHTS']._serialized_start=789
-  _globals['_ADAPTERWEIGHTS']._serialized_end=888
-  _globals['_NAMELEASES']._serialized_start=890
-  _globals['_NAMELEASES']._serialized_end=932
-  _globals['_RESIDENTDIGEST']._serialized_start=934
-  _globals['_RESIDENTDIGEST']._serialized_end=1023
-  _globals['_ADAPTERREF']._serialized_start=1025
-  _globals['_ADAPTERREF']._serialized_end=1067
-  _globals['_RESIDENCYREPORT']._serialized_start=1070
-  _globals['_RESIDENCYREPORT']._serialized_end=1207
-  _globals['_RESIDENCYACK']._serialized_start=1209
-  _globals['_RESIDENCYACK']._serialized_end=1271
-  _globals['_ADAPTERS']._serialized_start=1274
-  _globals['_ADAPTERS']._serialized_end=1672
+  _globals['_ADAPTERINFO']._serialized_end=403
+  _globals['_LOADADAPTERREQUEST']._serialized_start=405
+  _globals['_LOADADAPTERREQUEST']._serialized_end=485
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=487
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=538
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=540
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=577
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=579
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=600
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=602
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=667
+  _globals['_GETADAPTERREQUEST']._serialized_start=669
+  _globals['_GETADAPTERREQUEST']._serialized_end=727
+  _globals['_ADAPTERTENSOR']._serialized_start=729
+  _globals['_ADAPTERTENSOR']._serialized_end=832
+  _globals['_ADAPTERWEIGHTS']._serialized_start=834
+  _globals['_ADAPTERWEIGHTS']._serialized_end=933
+  _globals['_NAMELEASES']._serialized_start=935
+  _globals['_NAMELEASES']._serialized_end=977
+  _globals['_RESIDENTDIGEST']._serialized_start=979
+  _globals['_RESIDENTDIGEST']._serialized_end=1068
+  _globals['_ADAPTERREF']._serialized_start=1070
+  _globals['_ADAPTERREF']._serialized_end=1112
+  _globals['_RESIDENCYREPORT']._serialized_start=1115
+  _globals['_RESIDENCYREPORT']._serialized_end=1252
+  _globals['_RESIDENCYACK']._serialized_start=1254
+  _globals['_RESIDENCYACK']._serialized_end=1316
+  _globals['_ADAPTERS']._serialized_start=1319
+  _globals['_ADAPTERS']._serialized_end=1717
 # @@protoc_insertion_point(module_scope)

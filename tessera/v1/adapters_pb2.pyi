@@ -16,7 +16,7 @@ class AdapterResidency(_message.Message):
     def __init__(self, decoder_id: _Optional[str] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "digest", "rank", "target_modules", "lora_alpha", "use_rslora", "path", "generation", "state", "residency", "leases")
+    __slots__ = ("name", "digest", "rank", "target_modules", "lora_alpha", "use_rslora", "path", "generation", "state", "residency", "leases", "base_model", "base_model_name")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class AdapterInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     digest: str
     rank: int
@@ -39,7 +41,9 @@ class AdapterInfo(_message.Message):
     state: str
     residency: _containers.RepeatedCompositeFieldContainer[AdapterResidency]
     leases: int
-    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., path: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., residency: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ..., leases: _Optional[int] = ...) -> None: ...
+    base_model: str
+    base_model_name: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., path: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., residency: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ..., leases: _Optional[int] = ..., base_model: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "path", "replace", "drain")

@@ -37,7 +37,7 @@ def test_empty_prompt(engine):
 
 
 def test_max_tokens_zero():
-    with pytest.raises(InvalidArgument, match="max_tokens must be >= 1, got 0"):
+    with pytest.raises(InvalidArgument, match=r"max_tokens must be >= 1 \(or unset for the rest of the context\), got 0"):
         SamplingParams(max_tokens=0)
 
 

@@ -66,6 +66,7 @@ def cluster(tmp_path_factory, adapter_root):
         adapter_root=adapter_root,
         log_dir=tmp_path_factory.mktemp("logs"),
         extra_args={
+            "adapters": ["--db", str(tmp_path_factory.mktemp("registry") / "catalog.sqlite3")],  # not the user's home
             "vision": ["--max-image-bytes", str(VISION_MAX_BYTES)],
             "decoder": ["--max-model-len", str(DECODER_MAX_MODEL_LEN)],
         },

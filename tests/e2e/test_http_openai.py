@@ -194,6 +194,13 @@ def test_rerank_and_tokenize_equal_grpc(http_url, gateway):
             (r.index, r.document) for r in expected.results]
         assert np.allclose([r["relevance_score"] for r in reply["results"]], [r.score for r in expected.results],
                            rtol=0, atol=1e-7)
+    # top_n past the document count: every document, sorted, over both doors (clamped as TEI and vLLM do)
+    everything = gateway.Rerank(pooling_pb2.RerankRequest(query="cat", documents=documents, top_n=10), timeout=60)
+    assert sorted(r.index for r in everything.results) == [0, 1, 2]
+    assert [r.score for r in everything.results] == sorted((r.score for r in everything.results), reverse=True)
+    reply = requests.post(f"{http_url}/v1/rerank", json={"query": "cat", "documents": documents, "top_n": 10},
+                          timeout=60).json()
+    assert [r["index"] for r in reply["results"]] == [r.index for r in everything.results]
     tokens = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["hello tessera"]), timeout=60).results[0].tokens
     reply = requests.post(f"{http_url}/tokenize", json={"prompt": "hello tessera"}, timeout=60).json()
     assert reply["tokens"] == [t.id for t in tokens] and reply["count"] == len(tokens)

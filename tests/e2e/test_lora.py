@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 
+from tessera.common.checkpoint import CheckpointConfig, base_model_digest, base_model_name
 from tessera.v1 import adapters_pb2
 
 from .conftest import run_cli
@@ -39,13 +40,19 @@ def peft_greedy(peft_model, tokenizer, prompt: str, max_new_tokens: int) -> list
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_lora_through_cluster_equals_peft(gateway, gateway_address, peft_adapter, hf_decoder):
+def test_lora_through_cluster_equals_peft(gateway, gateway_address, peft_adapter, hf_decoder, cluster):
     _, tokenizer = hf_decoder
     result = run_cli(gateway_address, "adapters", "load", "qv", "qv-adapter")
     assert result.returncode == 0, result.stderr
     listing = gateway.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=30)
     [info] = [a for a in listing.adapters if a.name == "qv"]
     assert len(info.digest) == 64 and info.rank == 8
+    # recorded against the cluster's base model, and listed with it
+    base = CheckpointConfig.read(cluster.spec.decoder_model_dir)
+    assert info.base_model == base_model_digest(base) and info.base_model_name == base_model_name(base)
+    listed = run_cli(gateway_address, "adapters", "list")
+    assert [line for line in listed.stdout.splitlines() if line.startswith("qv ")][0].endswith(
+        f"base: {info.base_model_name}"), listed.stdout
 
     prompt = CHAT_PROMPTS[1]
     expected = peft_greedy(peft_adapter, tokenizer, prompt, 24)

@@ -35,7 +35,8 @@ def qwen2_vl(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2-vl-cluster")
     model = build_tiny_qwen2_vl(directory)
     spec = ClusterSpec(base_port=_free_base_port(), decoder_model_dir=directory,
-                       adapter_root=tmp_path_factory.mktemp("adapters"), log_dir=tmp_path_factory.mktemp("logs"))
+                       adapter_root=tmp_path_factory.mktemp("adapters"), log_dir=tmp_path_factory.mktemp("logs"),
+                       extra_args={"adapters": ["--db", str(tmp_path_factory.mktemp("registry") / "catalog.sqlite3")]})
     assert spec.native_vision
     with Cluster(spec) as cluster, \
             grpc.insecure_channel(cluster.spec.address("gateway"), options=CHANNEL_OPTIONS) as channel:

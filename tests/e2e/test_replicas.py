@@ -56,7 +56,8 @@ def replicated(tmp_path_factory, adapter_root, peft_adapter):  # noqa: F811 - th
     spec = ClusterSpec(base_port=_free_base_port(), adapter_root=adapter_root, vision=False,
                        log_dir=tmp_path_factory.mktemp("replica-logs"), num_decoders=2, num_poolers=2,
                        extra_args={"decoder": ["--max-model-len", "2048", "--max-num-seqs", "2",
-                                               "--num-blocks", "512"]})
+                                               "--num-blocks", "512"],
+                                   "adapters": ["--db", str(tmp_path_factory.mktemp("registry") / "catalog.sqlite3")]})
     assert spec.target("decoder").startswith("ipv4:")
     with Cluster(spec) as cluster:
         yield cluster

@@ -141,6 +141,11 @@ def test_rerank_top_n_and_documents(service):
     assert top.results[0].index == relevant
     assert [r.document for r in top.results] == [documents[r.index] for r in top.results]
     assert len(asyncio.run(service.rerank(query, documents, top_n=4)).results) == 4
+    # more than there are documents: all of them, sorted (clamped, as TEI and vLLM do)
+    clamped = asyncio.run(service.rerank(query, documents, top_n=len(documents) + 5))
+    assert [(r.index, r.score) for r in clamped.results] == [(r.index, r.score) for r in full.results]
+    assert len(clamped.results) == len(documents)
+    assert [r.score for r in clamped.results] == sorted((r.score for r in clamped.results), reverse=True)
 
 
 def test_rerank_ties_break_by_index(service):
@@ -177,8 +182,7 @@ def small(minilm_model_config, minilm_loaded):
     (lambda s: s.rerank("q", []), "documents is empty; send at least one text"),
     (lambda s: s.rerank("q", ["a", ""]), r"documents\[1\] is an empty string"),
     (lambda s: s.rerank("q", ["a", "b", "c", "d"]), "request has 4 documents; max_batch_size is 3"),
-    (lambda s: s.rerank("q", ["a", "b"], top_n=0), r"top_n must be between 1 and the number of documents \(2\), got 0"),
-    (lambda s: s.rerank("q", ["a", "b"], top_n=3), "got 3"),
+    (lambda s: s.rerank("q", ["a", "b"], top_n=0), r"top_n must be >= 1 \(or unset for all 2 documents\), got 0"),
     (lambda s: s.rerank("q", ["a", "b"], top_n=-1), "got -1"),
     (lambda s: s.rerank("word " * 300, ["a"]), r"query has 302 tokens.*\(reranking does not truncate"),
     (lambda s: s.rerank("q", ["a", "word " * 300]), r"document 1 has 302 tokens.*\(reranking does not truncate"),
@@ -193,7 +197,7 @@ def small(minilm_model_config, minilm_loaded):
     (lambda s: s.embed(token_ids=((101, 102), ())), r"input_ids\[1\] is an empty id list"),
     (lambda s: s.rerank("q", ["a"], method="cross-encoder"), "reranks by 'bi-encoder'; 'cross-encoder' needs a model"),
 ], ids=["no-inputs", "empty-input", "too-many", "too-long", "empty-query", "no-docs", "empty-doc", "too-many-docs",
-        "top-n-0", "top-n-past", "top-n-negative", "long-query", "long-doc", "embed-chars", "rerank-chars",
+        "top-n-0", "top-n-negative", "long-query", "long-doc", "embed-chars", "rerank-chars",
         "tokenize-chars"]
     + ["dimensions", "direction", "prompt", "bad-id", "empty-ids", "second-empty-ids", "rerank-method"])
 def test_invalid_requests(small, call, message):

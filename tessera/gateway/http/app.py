@@ -226,7 +226,8 @@ async def _models(backend: Backend) -> models.ModelList:
         data.append(models.Model(id=model.model, root=model.model, max_model_len=model.max_input_length or None))
     adapters = await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())
     for adapter in adapters.adapters:
-        data.append(models.Model(id=adapter.name, root=adapter.path, parent=base))
+        if adapter.state in ("ready", "draining"):  # not those registered for another base model (base_*)
+            data.append(models.Model(id=adapter.name, root=adapter.path, parent=base))
     return models.ModelList(data=data)
 
 

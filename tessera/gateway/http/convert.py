@@ -48,7 +48,8 @@ def chat_messages(messages: list[models.ChatMessage]) -> list[decoder_pb2.ChatMe
 
 def sampling(body: models.SamplingFields, max_tokens: int | None, default_max_tokens: int,
              logprobs: bool, top_logprobs: int) -> decoder_pb2.SamplingParams:
-    """OpenAI sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
+    """OpenAI sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, top_p 1; an absent
+    max_tokens takes `default_max_tokens`, 0 = the rest of the context)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = decoder_pb2.SamplingParams(
         max_tokens=max_tokens or default_max_tokens,

@@ -17,10 +17,10 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenIds = list[Int32]
 
-# OpenAI's documented default for /v1/completions; chat has no fixed default there (the rest of
-# the context), which a gateway cannot compute before tokenizing, so chat takes a larger one.
+# OpenAI's documented default for /v1/completions; chat's is the rest of the context, as in
+# OpenAI's API and vLLM: 0 on the wire, resolved by the decoder once the prompt is tokenized.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-DEFAULT_CHAT_MAX_TOKENS = 512
+DEFAULT_CHAT_MAX_TOKENS = 0
 
 
 class ImageURL(BaseModel):
