@@ -1,4 +1,9 @@
-"""python -m tessera.decoder --address HOST:PORT [flags]"""
+"""python -m tessera.decoder --address HOST:PORT [flags]
+
+A configuration that cannot run (a bad value, --device cuda without CUDA, a Triton backend
+without a GPU, a checkpoint that does not load, a warm-up step that fails, a port in use) exits
+with status 1 and one line on stderr naming the flag and why; health never says SERVING.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.limits import GenerateLimits
 from tessera.common.message_limits import decoder_bytes
 from tessera.common.metrics import DecoderCollector, start_metrics_server
-from tessera.common.server import configure_logging, serve
+from tessera.common.server import configure_logging, exit_refused, serve
 from tessera.decoder.adapter_client import RegistryAdapterSource
 from tessera.decoder.config import DecoderConfig
 from tessera.decoder.engine import LLMEngine
@@ -35,7 +40,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    address, config = parse_args(argv)
+    try:
+        address, config = parse_args(argv)
+    except ValueError as error:
+        exit_refused("decoder", error)
     auth.configure_security(argv)
     configure_logging()
     engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
@@ -50,8 +58,11 @@ def main(argv: list[str] | None = None) -> None:
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
     hidden_size = config.checkpoint.hidden_size
-    asyncio.run(serve("decoder", address, register, start=engine.start, stop=engine.stop,
-                      health=engine.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
+    try:
+        asyncio.run(serve("decoder", address, register, start=engine.start, stop=engine.stop,
+                          health=engine.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
+    except (ValueError, OSError) as error:
+        exit_refused("decoder", error)
 
 
 if __name__ == "__main__":
