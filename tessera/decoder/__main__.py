@@ -46,6 +46,15 @@ def main(argv: list[str] | None = None) -> None:
         exit_refused("decoder", error)
     auth.configure_security(argv)
     configure_logging()
+    try:
+        run(address, config)
+    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
+        exit_refused("decoder", error)
+
+
+def run(address: str, config: DecoderConfig) -> None:
+    """Serve until SIGTERM. Raises ValueError (the model or a warm-up step through the configured
+    backends failed) or OSError (a port cannot be bound) before health ever says SERVING."""
     engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
     servicer = DecoderServicer(engine)
     name = Path(config.model_dir).name
@@ -58,11 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         return [decoder_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
 
     hidden_size = config.checkpoint.hidden_size
-    try:
-        asyncio.run(serve("decoder", address, register, start=engine.start, stop=engine.stop,
-                          health=engine.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
-    except (ValueError, OSError) as error:
-        exit_refused("decoder", error)
+    asyncio.run(serve("decoder", address, register, start=engine.start, stop=engine.stop,
+                      health=engine.health, max_receive_bytes=decoder_bytes(config.max_model_len, hidden_size)))
 
 
 if __name__ == "__main__":

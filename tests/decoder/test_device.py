@@ -74,11 +74,13 @@ def _tensors(value):
             yield from _tensors(getattr(value, field.name))
 
 
-def test_engine_puts_weights_cache_slots_tables_and_generators_on_its_device(tiny_llama):
-    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), device="cpu", num_blocks=16, max_model_len=128))
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_engine_puts_weights_cache_slots_tables_and_generators_on_its_device(tiny_llama, device):
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), device=device, num_blocks=16, max_model_len=128))
     try:
         device = engine.device
-        assert device == CPU == engine.config.torch_device
+        assert device == resolve_device(engine.config.device) == engine.config.torch_device
+        assert device.type == engine.config.device
         placed = [*engine.model.parameters(), *engine.model.buffers(), engine.model.rotary.inv_freq,
                   *engine.cache.key, *engine.cache.value]
         name, (in_features, out_features) = next(iter(engine.bank.module_shapes.items()))
