@@ -37,7 +37,8 @@ ENV_MEANINGS = {
     "TESSERA_API_TOKEN": "client: bearer token sent on every call",
     "TESSERA_TLS_ROOT_CERT": "client: PEM root certificate; the connection uses TLS",
     "OMP_NUM_THREADS": "`tessera up`: when set, replicas keep it instead of one thread each",
-    "TRITON_INTERPRET": "decoder: `1` lets the Triton LoRA backend run in Triton's CPU interpreter",
+    "TRITON_INTERPRET": "decoder: `1` lets the Triton attention and LoRA backends run in Triton's CPU interpreter "
+                        "(without it and without a CUDA device they are refused at start)",
     "CC": "decoder: C compiler for the native kernels (default `cc`)",
     "GOMP_SPINCOUNT": "set to 20000 for every service `tessera up` starts unless already set "
                       "(bench/results/settings.md)",

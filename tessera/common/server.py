@@ -1,9 +1,12 @@
 """Server lifecycle shared by every service: options, interceptors, health, reflection, SIGTERM.
 
 Every service calls `serve(...)` with its servicers; health starts NOT_SERVING, flips to SERVING
-once the service's model is loaded, follows the service's own check afterwards (NOT_SERVING while
+once the service's `start` returned (its model loaded and one warm-up step run through every
+configured backend, so a configuration that cannot compute never reports SERVING), follows the service's own check afterwards (NOT_SERVING while
 its engine loop has died or is wedged, tessera/common/liveness.py), and goes NOT_SERVING on
 SIGTERM before the drain (`server.stop(grace)`), as in grpc's python examples and TGI's server.
+A start that fails closes the port and raises; `exit_refused` turns a configuration error into
+the one line on stderr that `python -m tessera.<service>` exits with.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -71,6 +75,15 @@ DEFAULT_PORTS = {"gateway": 50051, "vision": 50052, "decoder": 50053, "pooling":
 def default_address(service: str) -> str:
     """The loopback host:port `service` binds by default."""
     return f"127.0.0.1:{DEFAULT_PORTS[service]}"
+
+
+def exit_refused(name: str, error: BaseException) -> NoReturn:
+    """Exit with status 1 after one line on stderr, "NAME: cause", for a service that cannot start as
+    configured (a ValueError from its config or its start, an OSError binding its port)."""
+    cause = " ".join(str(error).split()) or type(error).__name__
+    sys.stderr.write(f"{cause}\n" if cause.startswith(f"{name}: ") else f"{name}: {cause}\n")
+    sys.stderr.flush()
+    raise SystemExit(1)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -278,9 +291,10 @@ async def serve(
         address: "host:port" to bind.
         register: adds servicers to the server; returns their full service names
             (for health and reflection).
-        start: awaited after the port is bound and before health says SERVING (model load, on the
-            service's compute thread); afterwards every other thread computes single-threaded
-            (tessera/common/compute.py).
+        start: awaited after the port is bound and before health says SERVING (model load and a
+            warm-up step, on the service's compute thread); afterwards every other thread computes
+            single-threaded (tessera/common/compute.py). What it raises is raised here, once the
+            port is closed again, and health never said SERVING.
         stop: awaited after the drain (release engines, close channels).
         max_receive_bytes: the largest request the service can accept (from its config).
         public: the gateway's port: no internal-token check (auth.py).
@@ -301,7 +315,11 @@ async def serve(
     for service in ["", *service_names]:
         await health_servicer.set(service, not_serving)
     if start is not None:
-        await start()
+        try:
+            await start()
+        except BaseException:
+            await server.stop(None)
+            raise
     if "torch" in sys.modules:  # a model loaded in `start` keeps its compute thread's intra-op threads
         from tessera.common.compute import confine_other_threads
 

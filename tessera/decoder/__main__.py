@@ -1,4 +1,9 @@
-"""python -m tessera.decoder --address HOST:PORT [flags]"""
+"""python -m tessera.decoder --address HOST:PORT [flags]
+
+A configuration that cannot run (a bad value, --device cuda without CUDA, a Triton backend
+without a GPU, a checkpoint that does not load, a warm-up step that fails, a port in use) exits
+with status 1 and one line on stderr naming the flag and why; health never says SERVING.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.limits import GenerateLimits
 from tessera.common.message_limits import decoder_bytes
 from tessera.common.metrics import DecoderCollector, start_metrics_server
-from tessera.common.server import serve
+from tessera.common.server import exit_refused, serve
 from tessera.decoder.adapter_client import RegistryAdapterSource
 from tessera.decoder.config import DecoderConfig
 from tessera.decoder.engine import LLMEngine
@@ -36,9 +41,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    address, config = parse_args(argv)
+    try:
+        address, config = parse_args(argv)
+    except ValueError as error:
+        exit_refused("decoder", error)
     logs.configure_logging("decoder", argv)
     auth.configure_security(argv)
+    try:
+        run(address, config)
+    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
+        exit_refused("decoder", error)
+
+
+def run(address: str, config: DecoderConfig) -> None:
+    """Serve until SIGTERM. Raises ValueError (the model or a warm-up step through the configured
+    backends failed) or OSError (a port cannot be bound) before health ever says SERVING."""
     engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
     servicer = DecoderServicer(engine)
     name = Path(config.model_dir).name

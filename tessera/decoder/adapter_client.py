@@ -56,7 +56,7 @@ class RegistryAdapterSource(AdapterSource):
 
     def __init__(self, address: str | None, timeout_s: float = 30.0, decoder_id: str | None = None,
                  report_interval_s: float = 1.0, host_cache_bytes: int = 1 << 30,
-                 slot_wait_poll_s: float = 1.0) -> None:
+                 slot_wait_poll_s: float = 1.0, pin_host_cache: bool = False) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.decoder_id = decoder_id or f"decoder-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -66,7 +66,7 @@ class RegistryAdapterSource(AdapterSource):
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
         self._reporter: asyncio.Task | None = None
-        self.host_cache = HostAdapterCache(host_cache_bytes)  # digest -> weights, for swap-ins
+        self.host_cache = HostAdapterCache(host_cache_bytes, pin_host_cache)  # digest -> weights, for swap-ins
         self.num_weight_fetches = 0                # weight downloads from the registry
         self._fetching: dict[tuple[str, str], asyncio.Task] = {}  # (name, digest) -> the fetch in flight
         self.num_slot_waits = 0                    # admissions that waited for a leased slot to free
@@ -75,8 +75,10 @@ class RegistryAdapterSource(AdapterSource):
 
     @classmethod
     def from_config(cls, config: DecoderConfig, **options) -> RegistryAdapterSource:
-        """The source a decoder started with `config` uses (its registry address and host cache)."""
-        return cls(config.adapters_address, host_cache_bytes=config.adapter_host_cache_mb << 20, **options)
+        """The source a decoder started with `config` uses (its registry address and host cache,
+        pinned when the decoder computes on CUDA)."""
+        return cls(config.adapters_address, host_cache_bytes=config.adapter_host_cache_mb << 20,
+                   pin_host_cache=config.torch_device.type == "cuda", **options)
 
     async def start(self, slots: AdapterSlots) -> None:
         """Serve leases of `slots`; residency reports start now, not at the first acquire."""
@@ -153,8 +155,7 @@ class RegistryAdapterSource(AdapterSource):
                    for t in reply.tensors}
         weights = LoRAWeights(reply.info.digest, modules)
         self._name_to_digest[name] = weights.digest
-        self.host_cache.put(weights)
-        return weights
+        return self.host_cache.put(weights)
 
     async def _wait_for_slot(self, name: str) -> None:
         if await wait_for_free_slot(self.slots, name, self.slot_wait_poll_s):

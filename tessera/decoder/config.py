@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+import torch
+
 from tessera.common.checkpoint import CheckpointConfig
+from tessera.common.device import DEVICE_HELP, resolve_device
 from tessera.common.limits import GenerateLimits
 from tessera.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from tessera.common.metrics import check_metrics_port
@@ -43,6 +47,10 @@ NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
 (tessera/common/limits.py); its prompt character cap defaults to 32 x max_model_len.
 `address`: host:port the decoder binds.
+`device`: auto, cpu, cuda or cuda:N, resolved once into `torch_device` (tessera/common/device.py;
+auto is the CPU when a cpu backend is chosen); weights, KV cache, adapter slots and sampling live
+there. The triton backends need a CUDA device (or TRITON_INTERPRET=1), the cpu backends the CPU:
+another pairing is refused here, naming the flag.
     """
 
     model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
@@ -77,11 +85,29 @@ NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
     limits: GenerateLimits = field(default_factory=GenerateLimits)
     address: str = _flag(default_address("decoder"), "bind host:port")
+    device: str = _flag("auto", DEVICE_HELP, env="TESSERA_DECODER_DEVICE")
+    torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device` resolved, once
     checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
 
     def __post_init__(self) -> None:
         self._check_values()
+        self._check_device()
         self._derive_from_checkpoint()
+
+    def _check_device(self) -> None:
+        """Resolve `device` ("auto" is the CPU when a cpu backend is chosen); refuse a backend that
+        cannot compute there (triton: CUDA or Triton's interpreter; cpu: the CPU), naming its flag."""
+        cpu_backend = "cpu" in (self.attention_backend, self.lora_backend)
+        self.torch_device = resolve_device("cpu" if self.device == "auto" and cpu_backend else self.device)
+        on_cuda = self.torch_device.type == "cuda"
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        for flag, backend in (("--attention-backend", self.attention_backend), ("--lora-backend", self.lora_backend)):
+            if backend == "triton" and not (on_cuda or interpreted):
+                where = f"--device is {self.device}" if torch.cuda.is_available() else "this machine has none"
+                raise ValueError(f"{flag} triton needs a CUDA device or TRITON_INTERPRET=1; {where}")
+            if backend == "cpu" and on_cuda:
+                raise ValueError(f"{flag} cpu computes on the CPU; --device is {self.device} ({self.torch_device}); "
+                                 f"use --device cpu or another {flag}")
 
     def _check_values(self) -> None:
         """Checks that need no checkpoint: ranges, registered backends, dtype."""

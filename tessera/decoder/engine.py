@@ -63,6 +63,7 @@ from tessera.decoder.types import (
     TokenizeInput,
     Usage,
 )
+from tessera.decoder.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class LLMEngine:
         self.config = config
         self.adapters = adapters if adapters is not None else InMemoryAdapterSource()
         self.dtype = getattr(torch, config.dtype)
+        self.device = config.torch_device  # weights, KV cache, adapter slots, sampling generators
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._requests: dict[str, Request] = {}
@@ -100,8 +102,9 @@ class LLMEngine:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Load the model on the engine thread (the process's one multi-threaded torch thread, see
-        tessera/common/compute.py), then start the adapter source on the running loop. Returns
-        once both are ready; load errors are raised here."""
+        tessera/common/compute.py) and run one warm-up step through every configured backend
+        (`_warm_up`), then start the adapter source on the running loop. Returns once both are
+        ready; load and warm-up errors are raised here (ValueError: a configuration that cannot run)."""
         # read on the loop's thread: the worker waiting for the load never touches torch threading
         num_threads = torch.get_num_threads()
         await asyncio.to_thread(self._launch, num_threads)
@@ -133,14 +136,16 @@ class LLMEngine:
         self.model_config = dict(config.checkpoint.raw)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.eos_token_ids = self._eos_token_ids()
-        self.model = load_model(config.checkpoint, self.dtype, config.mrope_section)
+        self.model = load_model(config.checkpoint, self.dtype, config.mrope_section).to(self.device)
+        self.model.rotary.to(self.device)  # a plain table, not a module buffer: model.to() leaves it
         spec = self.model.spec
         self.cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads,
-                             spec.head_dim, self.dtype)
+                             spec.head_dim, self.dtype, self.device)
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
-        self.bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype)
+        self.bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(self.model), self.dtype,
+                                 self.device)
         self.image_token_id = self._image_token_id()
         vision = VisionTokens.from_config(self.model_config) if is_qwen2_vl(self.model_config) else None
         self.prompts = PromptBuilder(self.tokenizer, spec.vocab_size, spec.hidden_size,
@@ -150,6 +155,26 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.block_manager,
                                   LoRAContext(self.bank, make_backend(config.lora_backend)),
                                   config.mrope_section is not None, config.attention_backend)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One real prefill and decode step through the configured backends (warmup.py), before
+        `start` returns and health says SERVING.
+
+        Raises:
+            ValueError: the step failed: this configuration cannot run here. One line naming the
+                device, both backends and the cause; the traceback is logged.
+        """
+        config = self.config
+        try:
+            warm_up(self.scheduler, self.runner, self.bank,
+                    min(config.num_blocks * config.block_size, config.max_model_len), self.device)
+        except Exception as error:  # noqa: BLE001 - whatever a backend raises means it cannot serve
+            log.error("the decoder's warm-up step failed", exc_info=error)
+            cause = next(iter(str(error).strip().splitlines()), "")
+            raise ValueError(f"the warm-up step failed on --device {config.device} ({self.device}) with "
+                             f"--attention-backend {config.attention_backend} and --lora-backend "
+                             f"{config.lora_backend}: {type(error).__name__}: {cause}") from error
 
     # ---- setup helpers -------------------------------------------------------------------
     def _image_token_id(self) -> int | None:
@@ -239,7 +264,7 @@ class LLMEngine:
             lease = slot if index == 0 or slot is None else self.bank.acquire(digest, lease_name)
             seed = None if params.seed is None else params.seed + index
             requests.append(Request(key, request_input.request_id or key, prompt, params, lease,
-                                    None if params.greedy else make_generator(seed), self._hasher(prompt, slot),
+                                    None if params.greedy else make_generator(seed, self.device), self._hasher(prompt, slot),
                                     index=index, parent=requests[0] if requests else None, lora_name=lease_name))
         return requests
 

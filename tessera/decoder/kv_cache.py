@@ -22,6 +22,7 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.device = torch.device(device)  # where the model runner builds each step's inputs
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

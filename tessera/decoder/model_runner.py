@@ -8,10 +8,14 @@ Flat batch layout (two requests, one decoding, one prefilling a chunk):
     slot:        A's block_table[37 // bs] * bs + 37 % bs, ...
 
 Only requests whose chunk reaches their last token are sampled (their last row's logits).
+
+Inputs and the attention backend's metadata are built on the host, then moved to the cache's
+device once per step (`on_device`), so no layer copies between host and device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,15 +83,16 @@ class ModelRunner:
         block_tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
         meta = self.attention.build_metadata(out.scheduled, block_tables, self.cache)
         slot_tensor = torch.cat(token_slots)
+        device = self.cache.device
         return ModelInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.cat(positions, dim=-1),
-            meta=meta,
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long) if decode_rows else None,
-            embed_rows=torch.tensor(embed_rows, dtype=torch.long) if embed_rows else None,
-            embed_values=torch.cat(embed_values) if embed_values else None,
-            token_slots=slot_tensor if bool((slot_tensor != BASE_SLOT).any()) else None,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            input_ids=on_device(torch.tensor(ids, dtype=torch.long), device),
+            positions=on_device(torch.cat(positions, dim=-1), device),
+            meta=on_device(meta, device),
+            decode_rows=on_device(torch.tensor(decode_rows, dtype=torch.long), device) if decode_rows else None,
+            embed_rows=on_device(torch.tensor(embed_rows, dtype=torch.long), device) if embed_rows else None,
+            embed_values=on_device(torch.cat(embed_values), device) if embed_values else None,
+            token_slots=on_device(slot_tensor, device) if bool((slot_tensor != BASE_SLOT).any()) else None,
+            sample_rows=on_device(torch.tensor(sample_rows, dtype=torch.long), device),
             sampled=sampled,
         )
 
@@ -136,6 +141,21 @@ class ModelRunner:
         results: dict[str, Sample | TesseraError] = {r.key: s for r, s in zip(kept, sample(logits, rows))}
         results.update((r.key, _non_finite(r)) for r, ok in zip(requests, finite) if not ok)
         return results
+
+
+def on_device(value, device: torch.device):
+    """`value` with every tensor it holds (dataclass fields, lists, tuples, nested) on `device`; a
+    dataclass is changed in place. Anything else is returned as it is. The CPU path is untouched."""
+    if device.type == "cpu":
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, list | tuple):
+        return type(value)(on_device(item, device) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            object.__setattr__(value, field.name, on_device(getattr(value, field.name), device))
+    return value
 
 
 def _non_finite(request: Request) -> TesseraError:

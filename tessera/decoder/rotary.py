@@ -26,6 +26,12 @@ class RotaryEmbedding:
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2] float32
 
+    def to(self, device: torch.device | str) -> RotaryEmbedding:
+        """Keep the frequency table on `device`, where the positions arrive (this is no nn.Module,
+        so the model's `.to()` does not move it). Returns self."""
+        self.inv_freq = self.inv_freq.to(device)
+        return self
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (cos, sin), each [num_tokens, head_dim] in `dtype` (angles in float32).
 

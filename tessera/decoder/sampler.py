@@ -25,9 +25,11 @@ class SamplingRow:
     output_ids: Sequence[int] = ()
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with `seed`, or from fresh entropy when None."""
-    generator = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` (where the logits are: multinomial draws with a generator of the
+    probabilities' device), seeded with `seed`, or from fresh entropy when None. A seed gives the
+    same tokens on every run on one device kind; CPU and CUDA generators differ from each other."""
+    generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
@@ -45,11 +47,12 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     p = row.params
     logits = logits.clone()
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.long).unique()
+        seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.long,
+                            device=logits.device).unique()
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and len(row.output_ids):
-        counts = torch.bincount(torch.tensor(list(row.output_ids), dtype=torch.long),
+        counts = torch.bincount(torch.tensor(list(row.output_ids), dtype=torch.long, device=logits.device),
                                 minlength=logits.numel()).to(logits.dtype)  # [vocab]
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits

@@ -1,4 +1,8 @@
-"""`python -m tessera.pooling`: embeddings, rerank and tokenization over gRPC."""
+"""`python -m tessera.pooling`: embeddings, rerank and tokenization over gRPC.
+
+A configuration that cannot run (a bad value, --device cuda without CUDA, a model that does not
+load, a warm-up forward that fails, a port in use) exits with status 1 and one line on stderr.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.message_limits import pooling_bytes
 from tessera.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
-from tessera.common.server import serve
+from tessera.common.server import exit_refused, serve
 from tessera.pooling.config import ModelFlags, PoolingConfig
 from tessera.pooling.engine import PoolingEngine
 from tessera.pooling.servicer import PoolingServicer
@@ -31,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> PoolingConfig:
     try:
         return from_flags(PoolingConfig, args, models=from_flags(ModelFlags, args).models())
     except ValueError as error:
-        parser.error(str(error))
+        exit_refused("pooling", error)
 
 
 async def _main(config: PoolingConfig) -> None:
@@ -54,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logs.configure_logging("pooling", argv)
     auth.configure_security(argv)
-    asyncio.run(_main(config))
+    try:
+        asyncio.run(_main(config))
+    except (ValueError, OSError) as error:
+        exit_refused("pooling", error)
 
 
 if __name__ == "__main__":

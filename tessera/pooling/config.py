@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera.common.checkpoint import CheckpointConfig
+from tessera.common.device import DEVICE_HELP, resolve_device
 from tessera.common.limits import PoolingLimits
 from tessera.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from tessera.common.metrics import check_metrics_port
@@ -161,7 +162,8 @@ class PoolingConfig:
         models: the served models; the first embedding model answers Embed requests that name no
             model, the first reranker (else the first model) Rerank requests that name none.
         max_batch_size: most inputs (or rerank documents) one request may carry (the client cap).
-        device: torch device for every model ("cpu", "cuda", "cuda:1").
+        device: where every model computes: auto (CUDA when torch sees a GPU, else cpu), cpu, cuda or
+            cuda:N (tessera/common/device.py); refused here when this machine has no such device.
         dynamic_batching: gather sequences from concurrent requests into one forward (True), or run
             each request as its own forward under a lock (False, the per-call lock baseline).
         max_batch_tokens: token budget of one forward, padded length x rows (TEI's max_batch_tokens).
@@ -180,14 +182,15 @@ class PoolingConfig:
         (tessera/common/limits.py); the gateway checks the same caps by the same flags.
 
     Raises:
-        ValueError: no models, duplicate model names, an address without a port, a limit below 1,
+        ValueError: no models, duplicate model names, an address without a port, a device this machine
+            lacks, a limit below 1,
             a token budget below a model's max_input_length, a queue smaller than one full request.
     """
 
     models: list[ModelConfig]
     address: str = field(default=default_address("pooling"), metadata={"help": "bind host:port"})
     max_batch_size: int = field(default=PoolingLimits.max_batch_size, metadata={"help": "most inputs per request"})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
+    device: str = field(default="auto", metadata={"help": DEVICE_HELP, "env": "TESSERA_POOLING_DEVICE"})
     dynamic_batching: bool = field(default=True, metadata={
         "help": "gather concurrent requests into shared forwards; --no-dynamic-batching = one forward per "
                 "request under a lock"})
@@ -210,6 +213,7 @@ class PoolingConfig:
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
         check_wedged_after_s(self.wedged_after_s)
+        resolve_device(self.device)  # ValueError naming --device; the engine resolves it again to load
         if ":" not in self.address:
             raise ValueError(f"address must be host:port, got {self.address!r}")
         if not self.models:

@@ -13,12 +13,14 @@ encoding), "llm-judge" (a causal LM's yes/no LM-head rows on a Qwen3-Reranker pr
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
 
 from tessera.common.compute import shared_compute_thread
+from tessera.common.device import resolve_device
 from tessera.common.errors import InvalidArgument, NotFound, Unavailable
 from tessera.pooling.batcher import DynamicBatcher
 from tessera.pooling.config import EMBEDDING, ModelConfig, PoolingConfig
@@ -26,6 +28,8 @@ from tessera.pooling.pooling import normalize as unit_normalize
 from tessera.pooling.runners import PoolingRunner, load_runner
 from tessera.pooling.tokens import NO_TRUNCATE_HINT, ModelTokenizer, Sequence
 from tessera.pooling.types import Embeddings, EmbedQuery, ModelInfo, PoolingInfo, RankedDocument, Ranking, Tokenization
+
+log = logging.getLogger(__name__)
 
 BI_ENCODER = "bi-encoder"
 _STREAM_WINDOW = 64  # EmbedStream requests in flight per call
@@ -66,9 +70,31 @@ class PoolingEngine:
             self._install(models)
 
     def load(self) -> None:
-        """Load every configured model (seconds per model; blocking)."""
+        """Load every configured model on the configured device and run one tiny batch through each
+        (`warm_up`), so a model that cannot compute there fails the start, never a request
+        (seconds per model; blocking).
+
+        Raises:
+            ValueError: the device is not on this machine, or a model's warm-up forward failed
+                (one line naming the model, the device and the cause; the traceback is logged).
+        """
         if not self._models:
-            self._install({m.model_name: load_served_model(m, self.config.device) for m in self.config.models})
+            device = resolve_device(self.config.device)
+            self._install({m.model_name: load_served_model(m, str(device)) for m in self.config.models})
+            self.warm_up(device)
+
+    def warm_up(self, device: torch.device) -> None:
+        """One forward of a one-text batch through every loaded model (`load` calls it)."""
+        for served in self._models.values():
+            try:
+                rows = served.runner.forward(served.tokenizer.encode_texts(["warm-up"], truncate=True))
+                if not bool(torch.isfinite(rows).all()):
+                    raise RuntimeError(f"its output is not finite: {rows.flatten()[:4].tolist()}")
+            except Exception as error:  # noqa: BLE001 - whatever the forward raises means it cannot serve
+                log.error("pooling: the warm-up forward of %s failed", served.name, exc_info=error)
+                cause = next(iter(str(error).strip().splitlines()), "")
+                raise ValueError(f"the warm-up forward of model {served.name!r} failed on --device "
+                                 f"{self.config.device} ({device}): {type(error).__name__}: {cause}") from error
 
     def _install(self, models: dict[str, ServedModel]) -> None:
         c = self.config

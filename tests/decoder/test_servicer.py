@@ -66,6 +66,6 @@ def test_main_parses_flags(tiny_llama):
     assert address == "127.0.0.1:6000"
     assert (config.block_size, config.mrope_section, config.max_model_len) == (8, (2, 3, 3), 128)
     assert parse_args(["--model-dir", str(tiny_llama), "--mrope-section", ""])[1].mrope_section is None
-    config = parse_args(["--model-dir", str(tiny_llama), "--attention-backend", "triton", "--no-prefix-caching"])[1]
-    assert (config.attention_backend, config.enable_prefix_caching) == ("triton", False)
+    config = parse_args(["--model-dir", str(tiny_llama), "--attention-backend", "cpu", "--no-prefix-caching"])[1]
+    assert (config.attention_backend, config.enable_prefix_caching) == ("cpu", False)
     assert parse_args(["--model-dir", str(tiny_llama)])[1].enable_prefix_caching is True

@@ -47,11 +47,12 @@ class AdapterSlots:
     """
 
     def __init__(self, num_slots: int, max_rank: int, module_shapes: dict[str, tuple[int, int]],
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.module_shapes = module_shapes  # name -> (in_features, out_features)
         self.dtype = dtype
+        self.device = torch.device(device)  # the model's: slot buffers live beside the weights they correct
         self.lock = threading.RLock()
         self._a: dict[str, torch.Tensor] = {}  # name -> [slots, max_rank, in]
         self._b: dict[str, torch.Tensor] = {}  # name -> [slots, out, max_rank], a view of [slots, max_rank, out]
@@ -160,12 +161,33 @@ class AdapterSlots:
             for name, (a, b) in weights.modules.items():
                 self._buffers(name)
                 rank = a.shape[0]
-                self._a[name][slot, :rank] = a.to(self.dtype)
-                self._b[name][slot, :, :rank] = b.to(self.dtype)
+                # from pinned host memory (HostAdapterCache on CUDA) the copy runs asynchronously,
+                # ordered before the next step's kernels on the device's stream
+                self._a[name][slot, :rank].copy_(a, non_blocking=True)
+                self._b[name][slot, :, :rank].copy_(b, non_blocking=True)
             self._digests[slot] = weights.digest
             self.num_swaps += 1
             self._idle[slot] = None
             return slot
+
+    def unload(self, digest: str) -> None:
+        """Empty the slot holding `digest` (zeroed, taken first by the next load); nothing when it
+        is not resident.
+
+        Raises:
+            ValueError: the slot is leased.
+        """
+        with self.lock:
+            slot = self.slot_of(digest)
+            if slot is None:
+                return
+            if self._leases[slot]:
+                raise ValueError(f"slot {slot} holding {digest!r} is leased {self._leases[slot]} time(s)")
+            for name in self._a:
+                self._a[name][slot].zero_()
+                self._b[name][slot].zero_()
+            self._digests[slot] = None
+            self._idle.pop(slot, None)
 
     def _free_slot(self) -> int | None:
         if None in self._digests:
@@ -205,5 +227,6 @@ class AdapterSlots:
             in_f, out_f = self.module_shapes[name]
             # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends).
             # B before A: `factors` reads without the lock and finds B wherever it finds A.
-            self._b[name] = torch.zeros(self.num_slots, self.max_rank, out_f, dtype=self.dtype).transpose(1, 2)
-            self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype)
+            self._b[name] = torch.zeros(self.num_slots, self.max_rank, out_f, dtype=self.dtype,
+                                        device=self.device).transpose(1, 2)
+            self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype, device=self.device)
