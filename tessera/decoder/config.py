@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.common.checkpoint import CheckpointConfig
+from tessera.common.checkpoint import CheckpointConfig, check_decoder_dir
 from tessera.common.limits import GenerateLimits
 from tessera.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from tessera.common.metrics import check_metrics_port
@@ -111,7 +111,7 @@ NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
 
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
-        self.checkpoint = CheckpointConfig.read(self.model_dir)  # the one read of config.json
+        self.checkpoint = check_decoder_dir(self.model_dir)  # the one read of config.json; refuses a non-decoder
         outer = dict(self.checkpoint.raw)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
