@@ -116,16 +116,14 @@ class ClusterSpec:
     def _check_model_dirs(self) -> None:
         """Raises InvalidArgument (one line): a decoder dir `check_decoder_dir` refuses, or an embedding
         dir without config.json; only the default dirs, which `tessera models prepare` writes, get that advice."""
-        defaults = {"decoder_model_dir": default_decoder_dir(), "embedding_model_dir": default_embedding_dir()}
-        for name, default in defaults.items():
-            path = Path(getattr(self, name)).expanduser()
-            if path == default and not (path / "config.json").exists():
-                raise InvalidArgument(f"{name} {path} has no config.json; run `tessera models prepare` first")
-        self.checkpoint = check_decoder_dir(self.decoder_model_dir)
-        path = Path(self.embedding_model_dir).expanduser()
-        if not (path / "config.json").is_file():
-            raise InvalidArgument(f"embedding model dir {str(path)!r} has no config.json "
-                                  "(a sentence-transformers checkpoint is needed)")
+        decoder, embedding = Path(self.decoder_model_dir).expanduser(), Path(self.embedding_model_dir).expanduser()
+        prepare = "; run `tessera models prepare` first"
+        if decoder == default_decoder_dir() and not (decoder / "config.json").exists():
+            raise InvalidArgument(f"decoder model dir {str(decoder)!r} has no config.json{prepare}")
+        self.checkpoint = check_decoder_dir(decoder)
+        if not (embedding / "config.json").is_file():
+            advice = prepare if embedding == default_embedding_dir() else " (a sentence-transformers checkpoint is needed)"
+            raise InvalidArgument(f"embedding model dir {str(embedding)!r} has no config.json{advice}")
 
     def _pick_encoder(self) -> str | None:
         """The vision encoder that fits the decoder, or None: the decoder starts text-only.
