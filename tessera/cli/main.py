@@ -158,7 +158,7 @@ def _models_import(args) -> int:
 def _models_list(args) -> int:
     from tessera.cli.models import format_models, list_models
 
-    print(format_models(list_models(args.dir)), end="")
+    print(format_models(list_models(args.dir), args.dir), end="")
     return 0
 
 

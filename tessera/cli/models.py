@@ -259,11 +259,12 @@ def _safetensors_elements(path: Path) -> dict[str, int]:
     return counts
 
 
-def format_models(models: list[PreparedModel]) -> str:
+def format_models(models: list[PreparedModel], root: Path | None = None) -> str:
     """A table for people: name, kind, architecture, parameters (135.5M), dtype, path; a build that did
-    not finish shows "(incomplete)" after its name."""
+    not finish shows "(incomplete)" after its name. `root`: the directory listed, named when empty."""
     if not models:
-        return f"no models in {models_dir()}; run `tessera models prepare` or `tessera models import FILE.gguf`\n"
+        return (f"no models in {root or models_dir()}; run `tessera models prepare` or "
+                "`tessera models import FILE.gguf`\n")
     header = ("NAME", "KIND", "ARCHITECTURE", "PARAMS", "DTYPE", "PATH")
     rows = [header] + [(m.name + ("" if m.ready else " (incomplete)"), m.kind, m.architecture,
                         _human_count(m.params), m.dtype or "-", str(m.path)) for m in models]
