@@ -17,11 +17,9 @@ Prometheus /metrics on its gRPC port + METRICS_PORT_OFFSET (`--metrics-port`); `
 writes `<log dir>/endpoints.json`, which `tessera info` lists.
 
 Which vision encoder, if any, the decoder gets is decided once from its checkpoint
-(`ClusterSpec.encoder`): a Qwen2-VL checkpoint brings its own tower and sections; the built-in
-SmolLM2 pairs with the demo encoder (sections 8,12,12); any other decoder, a user's Llama or Qwen,
-starts text-only (no vision service; the gateway refuses image parts) unless `mrope_section` pairs
-it with the demo encoder. A directory that is not a decoder checkpoint is refused before any
-process starts (`check_decoder_dir`).
+(`ClusterSpec.encoder`, tessera/cli/topology.py): a user's text-only Llama or Qwen starts
+text-only, with no vision service. A directory that is not a decoder checkpoint is refused before
+any process starts (`check_decoder_dir`).
 
 Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
 0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
@@ -43,12 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera.adapters.config import ADMIN_TOKEN_ENV
+from tessera.cli.topology import check_model_dirs, pick_encoder
 from tessera.common import auth
-from tessera.common.checkpoint import CheckpointConfig, check_decoder_dir
-from tessera.common.errors import InvalidArgument
+from tessera.common.checkpoint import CheckpointConfig
 from tessera.common.healthcheck import check as check_health
 from tessera.common.launch import service_env, wait_serving
-from tessera.common.mrope import DEFAULT_MROPE_SECTION, check_mrope_section, parse_mrope_section
 from tessera.common.paths import (
     cluster_home,
     default_adapter_root,
@@ -110,46 +107,9 @@ class ClusterSpec:
             except ValueError:
                 raise ValueError(f"replicas need host to be an IP address (the gateway's ipv4:/ipv6: target), "
                                  f"got {self.host!r}") from None
-        self._check_model_dirs()
-        self.encoder = self._pick_encoder()
-
-    def _check_model_dirs(self) -> None:
-        """Raises InvalidArgument (one line): a decoder dir `check_decoder_dir` refuses, or an embedding
-        dir without config.json; only the default dirs, which `tessera models prepare` writes, get that advice."""
-        decoder, embedding = Path(self.decoder_model_dir).expanduser(), Path(self.embedding_model_dir).expanduser()
-        prepare = "; run `tessera models prepare` first"
-        if decoder == default_decoder_dir() and not (decoder / "config.json").exists():
-            raise InvalidArgument(f"decoder model dir {str(decoder)!r} has no config.json{prepare}")
-        self.checkpoint = check_decoder_dir(decoder)
-        if not (embedding / "config.json").is_file():
-            advice = prepare if embedding == default_embedding_dir() else " (a sentence-transformers checkpoint is needed)"
-            raise InvalidArgument(f"embedding model dir {str(embedding)!r} has no config.json{advice}")
-
-    def _pick_encoder(self) -> str | None:
-        """The vision encoder that fits the decoder, or None: the decoder starts text-only.
-
-        A Qwen2-VL checkpoint: its own tower ("qwen2-vl"; sections from its config.json). Any other
-        decoder gets the demo encoder only with M-RoPE sections that cover its head_dim / 2 rotary
-        pairs: `mrope_section` when given, else DEFAULT_MROPE_SECTION for the built-in SmolLM2 (the
-        default decoder dir). `mrope_section` is then set to the sections used.
-
-        Raises:
-            InvalidArgument: `mrope_section` malformed, or not covering the decoder's rotary pairs.
-        """
-        if not self.vision:
-            return None
-        if self.checkpoint.model_type == "qwen2_vl":
-            return "qwen2-vl"
-        builtin = Path(self.decoder_model_dir).expanduser().resolve() == default_decoder_dir().resolve()
-        if not self.mrope_section and not builtin:
-            return None
-        try:
-            section = parse_mrope_section(self.mrope_section) or DEFAULT_MROPE_SECTION
-            check_mrope_section(section, self.checkpoint.head_dim, minimum=1)
-        except ValueError as error:
-            raise InvalidArgument(f"{error} (decoder model dir {str(self.decoder_model_dir)!r})") from None
-        self.mrope_section = ",".join(map(str, section))
-        return "demo"
+        self.checkpoint = check_model_dirs(self.decoder_model_dir, self.embedding_model_dir)
+        self.encoder, sections = pick_encoder(self.checkpoint, self.mrope_section) if self.vision else (None, "")
+        self.mrope_section = sections or self.mrope_section
 
     @property
     def num_ports(self) -> int:
