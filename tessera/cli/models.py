@@ -184,7 +184,11 @@ def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | Non
 
     def build(staging: Path, scratch: Path) -> None:
         gguf_to_checkpoint(source, staging, source=source.name, dtype=dtype)
-        check_decoder_dir(staging)
+        try:
+            check_decoder_dir(staging)
+        except InvalidArgument as error:  # named by the user's file, not the staging directory
+            raise InvalidArgument(str(error).replace(f"decoder model dir {str(staging)!r}",
+                                                     f"GGUF {str(source)!r}")) from None
 
     return _prepare_once(target, build, force=True)
 
