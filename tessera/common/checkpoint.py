@@ -1,4 +1,9 @@
-"""A Hugging Face checkpoint's config.json, read once into a typed object its loaders receive."""
+"""A Hugging Face checkpoint's config.json, read once into a typed object its loaders receive, and the
+one check that a directory is a decoder checkpoint tessera serves (`check_decoder_dir`).
+
+`check_decoder_dir` needs no torch: `tessera up` runs it before any service starts, and the
+decoder runs it again at its own start, so both refuse a directory with the same one line.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tessera.common.errors import InvalidArgument
+
+# model_type -> the architecture transformers names for it; tessera/decoder/models.py holds one model
+# family per entry (Qwen2-VL's language model through model_qwen2_vl.py).
+DECODER_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# what AutoTokenizer loads without converting: a fast tokenizer, a sentencepiece model, or BPE files
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
 @dataclass(frozen=True)
@@ -97,3 +116,42 @@ def base_model_name(config: CheckpointConfig) -> str:
     architecture = config.architectures[0] if config.architectures else config.model_type or "unknown architecture"
     return (f"{config.model_dir.name} ({architecture}, {config.num_hidden_layers} layers, "
             f"hidden {config.hidden_size})")
+
+
+def check_decoder_dir(model_dir: str | Path) -> CheckpointConfig:
+    """The checkpoint's config when `model_dir` holds a decoder tessera serves: a config.json whose
+    model_type is in DECODER_ARCHITECTURES with the sizes a model needs, safetensors weights
+    (WEIGHT_FILES) and tokenizer files (TOKENIZER_FILES). Reads config.json only, never the weights.
+
+    Raises:
+        InvalidArgument: one line naming the directory and what is wrong: the path is missing or
+            not a directory, config.json is missing or unreadable, the architecture found and the
+            supported ones, a missing size, or the missing weight or tokenizer files.
+    """
+    path = Path(model_dir).expanduser()
+    where = f"decoder model dir {str(path)!r}"
+    if not path.is_dir():
+        raise InvalidArgument(f"{where} {'is not a directory' if path.exists() else 'does not exist'}")
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(f"{where} has no config.json (not a Hugging Face checkpoint)")
+    try:
+        config = CheckpointConfig.read(path)
+    except ValueError as error:
+        raise InvalidArgument(f"{where}: {error}") from None
+    if config.model_type not in DECODER_ARCHITECTURES:
+        found = ", ".join(config.architectures) or "none named"
+        supported = ", ".join(f"{arch} ({kind})" for kind, arch in DECODER_ARCHITECTURES.items())
+        raise InvalidArgument(f"{where} holds architecture {found} (model_type {config.model_type or 'missing'!r}), "
+                              f"not a supported decoder; supported: {supported}")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if getattr(config, name) is None:
+            raise InvalidArgument(f"{where}: config.json has no {name}")
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.gguf"))
+        found = f" (found {', '.join(other[:3])}: convert to safetensors, or `tessera models import` a GGUF)" \
+            if other else ""
+        raise InvalidArgument(f"{where} has no weights: neither {' nor '.join(WEIGHT_FILES)}{found}")
+    if not any(all((path / name).is_file() for name in names) for names in TOKENIZER_FILES):
+        wanted = ", ".join(" + ".join(names) for names in TOKENIZER_FILES)
+        raise InvalidArgument(f"{where} has no tokenizer: one of {wanted} is needed")
+    return config

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# the demo vision encoder's sections: pairs per (t, h, w) axis for head_dim 64, as the built-in SmolLM2-135M has
+DEFAULT_MROPE_SECTION = (8, 12, 12)
+
 
 def parse_mrope_section(text: str) -> tuple[int, int, int] | None:
     """"8,12,12" -> (8, 12, 12); "" (or blanks) -> None, no sections given.

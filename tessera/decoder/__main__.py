@@ -35,16 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
-    args = build_parser().parse_args(argv)
-    config = from_flags(DecoderConfig, args, limits=from_flags(GenerateLimits, args))
+    """The bind address and config; a configuration that cannot start (a directory that is not a
+    decoder checkpoint, a bad value) exits 2 with one line on stderr, as argparse does for a bad flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = from_flags(DecoderConfig, args, limits=from_flags(GenerateLimits, args))
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     return config.address, config
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        address, config = parse_args(argv)
-    except ValueError as error:
-        exit_refused("decoder", error)
+    address, config = parse_args(argv)
     logs.configure_logging("decoder", argv)
     auth.configure_security(argv)
     try:

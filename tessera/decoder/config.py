@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.common.checkpoint import CheckpointConfig
+from tessera.common.checkpoint import CheckpointConfig, check_decoder_dir
 from tessera.common.device import DEVICE_HELP, resolve_device
 from tessera.common.limits import GenerateLimits
 from tessera.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
@@ -137,7 +137,7 @@ another pairing is refused here, naming the flag.
 
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
-        self.checkpoint = CheckpointConfig.read(self.model_dir)  # the one read of config.json
+        self.checkpoint = check_decoder_dir(self.model_dir)  # the one read of config.json; refuses a non-decoder
         outer = dict(self.checkpoint.raw)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused

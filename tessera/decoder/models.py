@@ -6,12 +6,14 @@ from pathlib import Path
 
 import torch
 
-from tessera.common.checkpoint import CheckpointConfig
+from tessera.common.checkpoint import DECODER_ARCHITECTURES, CheckpointConfig
 from tessera.decoder.model_llama import LlamaForCausalLM, load_checkpoint
 from tessera.decoder.model_qwen2 import Qwen2ForCausalLM
 from tessera.decoder.model_qwen2_vl import is_qwen2_vl, load_qwen2_vl
 from tessera.decoder.model_qwen3 import Qwen3ForCausalLM
 
+# one entry per model_type of DECODER_ARCHITECTURES but qwen2_vl (its own loader below), which
+# `check_decoder_dir` checks without importing torch
 MODEL_FAMILIES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
@@ -33,6 +35,6 @@ def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
     if is_qwen2_vl(checkpoint.raw):
         return load_qwen2_vl(checkpoint, dtype, mrope_section)
     if checkpoint.model_type not in MODEL_FAMILIES:
-        supported = (*MODEL_FAMILIES, "qwen2_vl")
+        supported = tuple(DECODER_ARCHITECTURES)
         raise ValueError(f"model_type {checkpoint.model_type!r} is not supported; expected one of {supported}")
     return load_checkpoint(MODEL_FAMILIES[checkpoint.model_type], checkpoint, dtype, mrope_section)

@@ -71,6 +71,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return replica.info.max_model_len
         return None
 
+    def _no_vision_reason(self) -> str:
+        """Why image parts are refused with no vision service configured: the decoder's model is
+        text-only (no M-RoPE sections, as its replicas report), or images were turned off."""
+        for replica in self.decoders.replicas.replicas.values():
+            info = replica.info
+            if isinstance(info, decoder_pb2.DecoderInfo) and info.model and not info.mrope_section:
+                return (f"the decoder model {info.model!r} ({info.architecture}) is text-only; "
+                        "no vision service is configured")
+        return "no vision service is configured (a text-only decoder model, or `tessera up --no-vision`)"
+
     async def start(self) -> None:
         """Start resolving replicas and polling the decoders' load (on the server's loop)."""
         self.decoders.start()
@@ -133,7 +143,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not images:
             return request
         if self.vision is None:
-            raise InvalidArgument("no vision service is configured; image parts are not accepted")
+            raise InvalidArgument(f"image parts are not accepted: {self._no_vision_reason()}")
         try:
             encoded = await self.vision.EncodeImages(
                 vision_pb2.EncodeImagesRequest(images=[p.image for p in images], max_image_tokens=max_image_tokens),

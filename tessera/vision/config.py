@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tessera.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from tessera.common.metrics import check_metrics_port
-from tessera.common.mrope import check_mrope_section, parse_mrope_section
+from tessera.common.mrope import DEFAULT_MROPE_SECTION, check_mrope_section, parse_mrope_section
 from tessera.common.paths import default_decoder_dir
 from tessera.common.server import default_address
 from tessera.vision.encoder import DemoEncoderConfig, decoder_geometry
@@ -15,8 +15,6 @@ from tessera.vision.processor import ProcessorConfig, parse_color
 from tessera.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig, read_checkpoint
 
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 1024 * 1024
-
-DEFAULT_MROPE_SECTION = (8, 12, 12)  # pairs per (t, h, w) axis for head_dim 64, e.g. SmolLM2-135M
 
 
 @dataclass(frozen=True)
