@@ -130,6 +130,9 @@ def test_catalog_without_base_column_is_migrated_and_its_rows_need_registering_a
 
 def test_up_gives_each_cluster_its_own_catalog(root, adapter_in_root, base_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "home"))
+    base_model_dir = Path(shutil.copytree(base_model_dir, tmp_path / "base"))
+    for name in ("model.safetensors", "tokenizer.json"):  # ClusterSpec checks a decoder dir has them; nothing reads them
+        (base_model_dir / name).touch()
     registries = {}
     for name in ("alpha", "beta"):
         spec = ClusterSpec(cluster=name, decoder_model_dir=base_model_dir, embedding_model_dir=base_model_dir,
