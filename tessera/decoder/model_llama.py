@@ -6,10 +6,10 @@ refused. Weights load by name from `model.safetensors` (or a sharded index) with
 `config.json`; module names match transformers, so "model.layers.0.self_attn.q_proj" is both a
 weight prefix and a LoRA target name. At load, each layer's q/k/v and gate/up projections are
 concatenated into one wider projection each (`qkv_proj`, `gate_up_proj`: two GEMMs where the
-checkpoint has five; a decode step's GEMMs are too narrow to keep the cores busy one by one);
-LoRA still targets the checkpoint's names, each on its columns of the fused output. A family differs by `spec_from_config` and its attention
-class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k RMSNorm); `load_model` (models.py) picks
-the family from config.json's model_type.
+checkpoint has five, with fewer dispatches and one pass over the input each); LoRA still targets
+the checkpoint's names, each on its columns of the fused output. A family differs by
+`spec_from_config` and its attention class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k
+RMSNorm); `load_model` (models.py) picks the family from config.json's model_type.
 """
 
 from __future__ import annotations
