@@ -13,9 +13,19 @@ In one run on one machine:
      transformers forward of the same shapes (16 rows x 1 token on a KV cache of the same length),
      and over the engine's own forward + lm_head; measured in a child process with a decoder
      service's environment, engine and bare forward alternated three times;
-  4. for comparison, one more run of step 1 on a decoder with the default torch attention backend.
-Targets (issue 3): >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one table and
-rewrites bench/results/decode.md. Never a test assertion.
+  4. for comparison, one more run of step 1 on a decoder with the default torch attention backend;
+  5. the share of the machine's limit: each run's achieved GFLOP/s (the workload's flops over its
+     wall time) and the engine step's (one decode step's flops over its time) beside the matmul
+     rate torch reaches here in the model's dtype (`_flops.matmul_peak`: [M, hidden] @ [hidden,
+     intermediate], M = 32..512, measured before the decoder starts; the floor is the best of
+     those shapes). Flops = 2 * linear params * forwarded tokens + 4 * layers * heads * head_dim *
+     (p + 1) per token at position p (attention) + 2 * hidden * vocab per sampled token (lm_head);
+     see bench/_flops.py.
+`--dtype bfloat16` runs the decoder, the engine step and the transformers anchors in bf16;
+`--decoder-only` skips the anchors and the comparison backend (steps 2 and 4), for before/after
+measurements. Targets (issue 3): >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one
+table and rewrites bench/results/decode.md (decode-DTYPE.md for another dtype; decoder-only runs
+print only). Never a test assertion.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from _decoder_proc import RESULTS, machine, start_decoder, stop  # noqa: E402
+from _flops import ModelShape, matmul_peak  # noqa: E402
 
 
 def workload(num: int, prompt_range: tuple[int, int], tokens_range: tuple[int, int], seed: int = 0):
@@ -102,7 +113,7 @@ def hf_batched(model, work, batch: int = 16) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int = 128,
+def engine_overhead(model_dir: Path, backend: str, dtype: str, batch: int = 16, context: int = 128,
                     steps: int = 32) -> tuple[list, list]:
     """Seconds per engine step at `batch` x `context` while all rows decode, and seconds of the engine's
     own model forward + lm_head inside those steps (one sample per step)."""
@@ -111,7 +122,7 @@ def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int
     from tessera.decoder.types import GenerateInput, SamplingParams
 
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
-                                        attention_backend=backend))
+                                        attention_backend=backend, dtype=dtype))
     stamps, forwards = [], []
     schedule, logits = engine.scheduler.schedule, engine.runner.logits
 
@@ -146,7 +157,7 @@ def engine_overhead(model_dir: Path, backend: str, batch: int = 16, context: int
     return [b - a for a, b in zip(stamps, stamps[1:])], forwards
 
 
-def overhead_child(model_dir: Path, backend: str, rounds: int = 3) -> dict:
+def overhead_child(model_dir: Path, backend: str, dtype: str, rounds: int = 3) -> dict:
     """Engine steps and bare transformers forwards, alternated `rounds` times (the machine's speed
     drifts; both sides see the same drift). Each side computes on a thread of its own that ends
     with it, so only one OpenMP team is alive at a time, as in a decoder process (tessera/common/
@@ -163,9 +174,9 @@ def overhead_child(model_dir: Path, backend: str, rounds: int = 3) -> dict:
         return box[0]
 
     steps, forwards, bares = [], [], []
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     for _ in range(rounds):
-        step, forward = engine_overhead(model_dir, backend)  # the engine computes on its own thread
+        step, forward = engine_overhead(model_dir, backend, dtype)  # the engine computes on its own thread
         steps += step
         forwards += forward
         bares += on_own_thread(bare_forward, model)
@@ -173,7 +184,7 @@ def overhead_child(model_dir: Path, backend: str, rounds: int = 3) -> dict:
     return {"step": median(steps), "forward": median(forwards), "bare": median(bares)}
 
 
-def overhead(model_dir: Path, backend: str) -> dict:
+def overhead(model_dir: Path, backend: str, dtype: str) -> dict:
     """`overhead_child` in a fresh process with a decoder service's environment (tessera/common/
     launch.py), as the engine runs in production; the bare forward shares that process."""
     import json
@@ -181,7 +192,7 @@ def overhead(model_dir: Path, backend: str) -> dict:
 
     from tessera.common.launch import service_env
 
-    done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir), backend], env=service_env(),
+    done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir), backend, dtype], env=service_env(),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"engine overhead measurement failed:\n{done.stderr[-4000:]}")
@@ -203,7 +214,7 @@ def bare_forward(model, batch: int = 16, context: int = 128, steps: int = 32) ->
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from tessera.common.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench decode", description=__doc__,
@@ -216,52 +227,90 @@ def main(argv: list[str] | None = None) -> int:
                         help="the decoder's attention backend for the measured runs and the engine overhead "
                              "(default cpu, the C decode kernel); with cpu or triton the default torch "
                              "backend is also measured once, for comparison")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the model dtype of the decoder, the engine step, the anchors and the matmul probe")
+    parser.add_argument("--decoder-only", action="store_true",
+                        help="skip the transformers anchors and the comparison backend: decoder runs, the engine "
+                             "step and the matmul floor only; prints, writes no results file")
     parser.add_argument("--decoder-flags", default="", help="extra flags for python -m tessera.decoder")
-    args = parser.parse_args(argv)
-    from transformers import AutoModelForCausalLM
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     work = workload(args.num_requests, tuple(args.prompt_range), tuple(args.tokens_range))
-    flags = ["--max-model-len", "2048", *args.decoder_flags.split()]
+    shape = ModelShape.read(args.model_dir)
+    peaks = matmul_peak(shape, getattr(torch, args.dtype))  # before any decoder competes for the cores
+    flags = ["--max-model-len", "2048", "--dtype", args.dtype, *args.decoder_flags.split()]
     process, address = start_decoder(args.model_dir, [*flags, "--attention-backend", args.attention_backend],
                                      RESULTS / "decode-server.log")
     # This machine's speed drifts by 10-25% over minutes: each anchor is bracketed by a decoder run
     # just before and one just after it (each run new token ids of the same lengths: no prefix-cache
     # hits), and is compared with the mean of those two.
+    anchors = {}
     try:
         runs = [asyncio.run(_grpc_run(address, work))]
-        cost = overhead(args.model_dir, args.attention_backend)
-        step, own_forward, bare = cost["step"], cost["forward"], cost["bare"]
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-        batched = hf_batched(model, work)
+        cost = overhead(args.model_dir, args.attention_backend, args.dtype)
+        if not args.decoder_only:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype)).eval()
+            anchors["batched"] = hf_batched(model, work)
         runs.append(asyncio.run(_grpc_run(address, fresh_tokens(work, seed=1))))
-        sequential = hf_sequential(model, work)
-        del model
+        if not args.decoder_only:
+            anchors["sequential"] = hf_sequential(model, work)
+            del model
         runs.append(asyncio.run(_grpc_run(address, fresh_tokens(work, seed=2))))
     finally:
         stop(process)
-    default_backend = None
-    if args.attention_backend != "torch":
+    if args.attention_backend != "torch" and not args.decoder_only:
         process, address = start_decoder(args.model_dir, flags, RESULTS / "decode-server-torch.log")
         try:
-            default_backend = asyncio.run(_grpc_run(address, fresh_tokens(work, seed=3)))
+            anchors["torch"] = asyncio.run(_grpc_run(address, fresh_tokens(work, seed=3)))
         finally:
             stop(process)
+    text = report(args, work, shape, peaks, runs, cost, anchors, flags)
+    print(text)
+    if not args.decoder_only:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        name = "decode.md" if args.dtype == "float32" else f"decode-{args.dtype}.md"
+        (RESULTS / name).write_text(text)
+    return 0
+
+
+def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[float], cost: dict,
+           anchors: dict[str, float], flags: list[str]) -> str:
+    """The results page: throughput rows, the share of the matmul floor, engine overhead."""
+    tokens = sum(n for _, n in work)
+    gflop = sum(shape.request_flops(len(p), n) for p, n in work) / 1e9
+    peak = max(peaks.values())
     ours = sum(runs) / len(runs)
+    gflops = ours * gflop / tokens  # tok/s * flop/token
     around_batched, around_sequential = (runs[0] + runs[1]) / 2, (runs[1] + runs[2]) / 2
     rows = [(f"tessera decoder over gRPC, attention backend {args.attention_backend} (continuous batching; "
              f"runs {', '.join(f'{r:.1f}' for r in runs)})", ours, ours)]
-    if default_backend is not None:
+    if "torch" in anchors:
         rows.append(("tessera decoder over gRPC, attention backend torch (the default; one run, last)",
-                     default_backend, runs[-1]))
-    rows += [("transformers generate, padded batches of 16", batched, around_batched),
-             ("transformers generate, sequential", sequential, around_sequential)]
-    lines = ["# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, fp32",
+                     anchors["torch"], runs[-1]))
+    if "batched" in anchors:
+        rows += [("transformers generate, padded batches of 16", anchors["batched"], around_batched),
+                 ("transformers generate, sequential", anchors["sequential"], around_sequential)]
+    step, own_forward, bare = cost["step"], cost["forward"], cost["bare"]
+    step_gflops = shape.decode_step_flops(16, 128 + 20) / step / 1e9  # 16 rows, context 128 -> 168 over the steps
+    lines = ["# bench decode\n", f"machine: {machine()}", f"model: {args.model_dir.name}, {args.dtype}",
              f"workload: {len(work)} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, "
-             f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored)",
+             f"max_tokens {args.tokens_range[0]}-{args.tokens_range[1]} (EOS ignored); {gflop:.0f} GFLOP for "
+             f"{tokens} generated tokens (bench/_flops.py)",
              f"decoder flags: {' '.join(flags)} --attention-backend {args.attention_backend} "
              "(other settings: defaults)\n",
              "| mode | tokens/s | ours: the runs around it | ours / this |", "|---|---|---|---|"]
     lines += [f"| {name} | {tps:.1f} | {near:.1f} | {near / tps:.2f} |" for name, tps, near in rows]
+    lines += ["", f"| the machine's limit, {args.dtype} | GFLOP/s | share of the matmul floor |", "|---|---|---|",
+              "| torch.matmul [M, hidden] @ [hidden, intermediate], M = "
+              f"{', '.join(f'{m}: {r:.0f}' for m, r in peaks.items())} (floor: the best) | {peak:.0f} | 1.00 |",
+              f"| tessera decoder, the workload (mean of the runs; floor {tokens * peak / gflop:.0f} tok/s) "
+              f"| {gflops:.0f} | {gflops / peak:.2f} |",
+              f"| tessera engine decode step, 16 rows x context 128-168 | {step_gflops:.0f} | {step_gflops / peak:.2f} |"]
     lines += ["", f"| engine overhead at batch 16 x context 128 (attention backend {args.attention_backend}) "
               "| ms | target |", "|---|---|---|",
               f"| engine decode step (schedule + inputs + forward + sample + bookkeeping) | {1000 * step:.1f} | |",
@@ -270,17 +319,13 @@ def main(argv: list[str] | None = None) -> int:
               f"| step / bare transformers forward | {step / bare:.2f} | <= 1.10 |",
               f"| step / own forward | {step / own_forward:.2f} | |",
               "", "targets: >= 1.5x batched, >= 6x sequential"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "decode.md").write_text(text)
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--overhead-child"]:
         import json
 
-        print(json.dumps(overhead_child(Path(sys.argv[2]), sys.argv[3])))
+        print(json.dumps(overhead_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4])))
         sys.exit(0)
     sys.exit(main(sys.argv[1:]))

@@ -4,9 +4,12 @@ RMSNorm, SiLU-gated MLP, GQA, default RoPE or M-RoPE, tied or untied lm_head, op
 (`attention_bias`, `mlp_bias`) as in transformers' LlamaForCausalLM. Sliding-window layers are
 refused. Weights load by name from `model.safetensors` (or a sharded index) with the HF
 `config.json`; module names match transformers, so "model.layers.0.self_attn.q_proj" is both a
-weight prefix and a LoRA target name. A family differs by `spec_from_config` and its attention
-class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k RMSNorm); `load_model` (models.py) picks
-the family from config.json's model_type.
+weight prefix and a LoRA target name. At load, each layer's q/k/v and gate/up projections are
+concatenated into one wider projection each (`qkv_proj`, `gate_up_proj`: two GEMMs where the
+checkpoint has five, with fewer dispatches and one pass over the input each); LoRA still targets
+the checkpoint's names, each on its columns of the fused output. A family differs by
+`spec_from_config` and its attention class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k
+RMSNorm); `load_model` (models.py) picks the family from config.json's model_type.
 """
 
 from __future__ import annotations
@@ -78,10 +81,33 @@ class LlamaSpec:
         )
 
 
-def _linear(name: str, in_f: int, out_f: int, bias: bool) -> LoRALinear:
-    layer = LoRALinear(in_f, out_f, bias=bias)
-    layer.lora_name = name
+def _linear(prefix: str, in_f: int, parts: tuple[tuple[str, int], ...], bias: bool) -> LoRALinear:
+    """One projection computing the checkpoint projections `parts` ((name, out_features), ...)
+    side by side: a single wider GEMM where the checkpoint has several (see `fuse_projections`)."""
+    slices, start = [], 0
+    for name, out_f in parts:
+        slices.append((f"{prefix}.{name}", start, start + out_f))
+        start += out_f
+    layer = LoRALinear(in_f, start, bias=bias)
+    layer.lora_slices = tuple(slices)
     return layer
+
+
+# fused module -> the checkpoint projections it concatenates along the output dimension, in order
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Concatenate each layer's q/k/v and gate/up weights (and biases) in `state` (HF names) into
+    the fused modules' entries, in place; the parts' entries are removed. A layer missing a part
+    is left as it is (the caller's name check reports it)."""
+    for layer in range(num_layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{layer}.{part}.{kind}" for part in parts]
+                if all(name in state for name in names):
+                    state[f"model.layers.{layer}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +117,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # one fused kernel; the same values as below in float32
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        dtype = x.dtype  # transformers' order: normalize in float32, round, then scale in `dtype`
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # statistics in float32
         return self.weight * x.to(dtype)
@@ -104,10 +132,9 @@ class LlamaAttention(nn.Module):
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, d
         self.scale = d ** -0.5
-        self.q_proj = _linear(f"{prefix}.q_proj", spec.hidden_size, h * d, spec.qkv_bias)
-        self.k_proj = _linear(f"{prefix}.k_proj", spec.hidden_size, kv * d, spec.qkv_bias)
-        self.v_proj = _linear(f"{prefix}.v_proj", spec.hidden_size, kv * d, spec.qkv_bias)
-        self.o_proj = _linear(f"{prefix}.o_proj", h * d, spec.hidden_size, spec.o_bias)
+        self.qkv_proj = _linear(prefix, spec.hidden_size, (("q_proj", h * d), ("k_proj", kv * d), ("v_proj", kv * d)),
+                                spec.qkv_bias)
+        self.o_proj = _linear(prefix, h * d, (("o_proj", spec.hidden_size),), spec.o_bias)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook between projection and RoPE: identity here (Qwen3 normalizes per head)."""
@@ -115,12 +142,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 attention: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)     # [n, heads, head_dim]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
+        n, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = q.view(n, self.num_heads, d)     # [n, heads, head_dim], column views of [n, (heads + 2 kv) d]
+        k = k.view(n, self.num_kv_heads, d)  # [n, kv_heads, head_dim]
+        v = v.view(n, self.num_kv_heads, d)
         q, k = self.normalize_qk(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         attention.write_kv(cache, self.layer, k, v, meta)
         k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
         out = attention.forward(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
@@ -132,13 +160,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         prefix = f"model.layers.{layer}.mlp"
         hs, inter, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
-        self.gate_proj = _linear(f"{prefix}.gate_proj", hs, inter, bias)
-        self.up_proj = _linear(f"{prefix}.up_proj", hs, inter, bias)
-        self.down_proj = _linear(f"{prefix}.down_proj", inter, hs, bias)
+        self.intermediate_size = inter
+        self.gate_up_proj = _linear(prefix, hs, (("gate_proj", inter), ("up_proj", inter)), bias)
+        self.down_proj = _linear(prefix, inter, (("down_proj", hs),), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in place: no new [tokens, intermediate] buffers (at 2048 prefill tokens each is 12 MB)
-        return self.down_proj(nn.functional.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, -1)  # column views of [n, 2 * inter]
+        # in place: no new [tokens, intermediate] buffer (at 2048 prefill tokens one is 12 MB)
+        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -236,6 +265,7 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
         model = model_cls(spec, mrope_section)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    fuse_projections(state, spec.num_layers)
     expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:

@@ -18,7 +18,7 @@ def test_model_type_picks_the_family_file(tmp_path, family, cls):
     model = load_model(make_tiny_llama(tmp_path / family, family=family), torch.float32)
     assert type(model) is cls
     attention = model.model.layers[0].self_attn
-    assert (attention.q_proj.bias is not None, attention.o_proj.bias is not None) == (family == "qwen2", False)
+    assert (attention.qkv_proj.bias is not None, attention.o_proj.bias is not None) == (family == "qwen2", False)
     assert isinstance(attention, Qwen3Attention) == (family == "qwen3")
     assert hasattr(attention, "q_norm") == (family == "qwen3")
 

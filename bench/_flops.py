@@ -1,0 +1,77 @@
+"""Shared by bench/decode.py: the decoder's floating-point work and the machine's matmul rate.
+
+Work of one token at position p (0-based) of a Llama-family model (GQA, SiLU-gated MLP), counted
+as 2 flops per multiply-add, as the matmul rate is:
+
+    linear   2 * P_lin,  P_lin = L * (H*q + 2*H*kv + q*H + 3*H*I)   (q/k/v/o, gate/up/down weights;
+                                  q = heads * head_dim, kv = kv_heads * head_dim)
+    attention 4 * L * q * (p + 1)  (q.k scores and probs.v over p + 1 keys, every head)
+    lm_head  2 * H * V, only for tokens that sample
+
+Norms, RoPE, SiLU and softmax are left out (O(H) per token, under 1% here). A request with a
+prompt of n tokens and m generated tokens forwards n + m - 1 tokens (the last sampled token is
+never fed back) and samples m.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    q_width: int      # heads * head_dim
+    kv_width: int     # kv_heads * head_dim
+    vocab: int
+
+    @classmethod
+    def read(cls, model_dir: Path) -> ModelShape:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads * head_dim,
+                   (cfg.get("num_key_value_heads") or heads) * head_dim, cfg["vocab_size"])
+
+    @property
+    def linear_params(self) -> int:
+        h = self.hidden
+        return self.layers * (2 * h * self.q_width + 2 * h * self.kv_width + 3 * h * self.intermediate)
+
+    def request_flops(self, prompt: int, generated: int) -> float:
+        """Flops of one request: `prompt` tokens in, `generated` tokens out (see module docstring)."""
+        forwarded = prompt + generated - 1
+        attention = 4 * self.layers * self.q_width * forwarded * (forwarded + 1) / 2  # sum of (p + 1)
+        return 2 * self.linear_params * forwarded + attention + 2 * self.hidden * self.vocab * generated
+
+    def decode_step_flops(self, batch: int, context: float) -> float:
+        """Flops of one decode step: `batch` rows of one token each, attending to `context` keys."""
+        return batch * (2 * self.linear_params + 4 * self.layers * self.q_width * context
+                        + 2 * self.hidden * self.vocab)
+
+
+def matmul_peak(shape: ModelShape, dtype: torch.dtype, rows=(32, 64, 128, 256, 512),
+                repeats: int = 5) -> dict[int, float]:
+    """GFLOP/s of torch.matmul [M, hidden] @ [hidden, intermediate] in `dtype` for each M in `rows`:
+    the best of `repeats` timed batches of products (after a warm-up), on this process's threads."""
+    rates = {}
+    for m in rows:
+        a = torch.randn(m, shape.hidden).to(dtype)
+        b = torch.randn(shape.hidden, shape.intermediate).to(dtype)
+        inner = max(1, int(2e9 / (2 * m * shape.hidden * shape.intermediate) / 10))  # ~0.2 GFLOP a batch
+        torch.matmul(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(inner):
+                torch.matmul(a, b)
+            best = min(best, (time.perf_counter() - start) / inner)
+        rates[m] = 2 * m * shape.hidden * shape.intermediate / best / 1e9
+    return rates
