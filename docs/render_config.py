@@ -34,6 +34,7 @@ ENV_MEANINGS = {
     "OMP_NUM_THREADS": "`tessera up`: when set, replicas keep it instead of one thread each",
     "TRITON_INTERPRET": "decoder: `1` lets the Triton LoRA backend run in Triton's CPU interpreter",
     "CC": "decoder: C compiler for the native kernels (default `cc`)",
+    "TESSERA_CPU_KERNELS": "decoder: `portable` builds the C kernels without AVX512-BF16 code on any CPU",
     "GOMP_SPINCOUNT": "set to 20000 for every service `tessera up` starts unless already set "
                       "(bench/results/settings.md)",
 }
