@@ -40,6 +40,7 @@ ENV_MEANINGS = {
     "TRITON_INTERPRET": "decoder: `1` lets the Triton attention and LoRA backends run in Triton's CPU interpreter "
                         "(without it and without a CUDA device they are refused at start)",
     "CC": "decoder: C compiler for the native kernels (default `cc`)",
+    "TESSERA_CPU_KERNELS": "decoder: `portable` builds the C kernels without AVX512-BF16 code on any CPU",
     "GOMP_SPINCOUNT": "set to 20000 for every service `tessera up` starts unless already set "
                       "(bench/results/settings.md)",
 }

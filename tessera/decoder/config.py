@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -15,12 +17,15 @@ from tessera.common.metrics import check_metrics_port
 from tessera.common.mrope import check_mrope_section, parse_mrope_section
 from tessera.common.paths import default_decoder_dir
 from tessera.common.server import default_address
-from tessera.decoder.attention import ATTENTION_BACKENDS
-from tessera.decoder.lora.registry import LORA_BACKENDS
+from tessera.decoder.attention import ATTENTION_BACKENDS, resolve_attention_backend
+from tessera.decoder.kernels import native
+from tessera.decoder.lora.registry import LORA_BACKENDS, check_dtype, resolve_lora_backend
 from tessera.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from tessera.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+AUTO = "auto"  # dtype: the checkpoint's (resolve_dtype); backends: the fastest that runs (their registries)
+log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
@@ -38,10 +43,13 @@ class DecoderConfig:
     capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
     image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
 `enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
-`attention_backend`: a name in tessera/decoder/attention's registry: "torch" (CPU default),
+`dtype`: "auto" (default) follows the checkpoint's config.json (`resolve_dtype`); resolved here.
+`attention_backend`, `lora_backend`: "auto" (default) resolves here to the fastest that runs:
+"triton" on a CUDA device, "cpu" on the CPU where the C kernels build (kernels/native.py, built
+then) and compute the dtype (float32, bfloat16), else "torch". Attention: "torch" (any device),
 "triton" (paged attention kernel; needs a GPU, or TRITON_INTERPRET=1 on CPU, and a power-of-two
-block_size) or "cpu" (decode rows in a C kernel built with the C compiler when the engine starts;
-float32 only; faster decode attention than the torch path on long contexts: bench/results/kernels.md).
+block_size) or "cpu" (decode rows in a C kernel; faster decode attention than the torch path on
+long contexts: bench/results/kernels.md).
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
@@ -67,19 +75,21 @@ another pairing is refused here, naming the flag.
                                          type=lambda text: text or None)
     adapter_slots: int = _flag(8, "adapters resident at once")
     max_lora_rank: int = _flag(64, "largest LoRA rank a slot holds")
-    lora_backend: str = _flag("torch", "multi-LoRA compute: torch grouped matmuls, Triton BGMV/SGMV kernels (GPU "
-                                       "or TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel built when the "
-                                       "engine starts (float32)",
-                              choices=tuple(LORA_BACKENDS))
+    lora_backend: str = _flag(AUTO, "multi-LoRA compute: auto (triton on a GPU, cpu where its C kernel builds, "
+                                     "else torch), torch grouped matmuls, Triton BGMV/SGMV kernels (GPU or "
+                                     "TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel (float32, bfloat16)",
+                              choices=(AUTO, *LORA_BACKENDS))
     adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
                                              "refetching)")
-    dtype: str = _flag("float32", f"model dtype, one of {', '.join(DTYPES)}")
+    dtype: str = _flag(AUTO, f"model dtype: auto (the checkpoint's; float16 becomes bfloat16 on a CPU with native "
+                             f"bf16, else float32; none declared: float32) or one of {', '.join(DTYPES)}")
     enable_prefix_caching: bool = _flag(True, "share KV blocks of full prompt blocks between requests",
                                         flag="--prefix-caching")
-    attention_backend: str = _flag("torch", "paged attention implementation; triton needs a GPU (or "
-                                            "TRITON_INTERPRET=1); cpu: decode rows in a C kernel built when the "
-                                            "engine starts (needs a C compiler with OpenMP, float32)",
-                                   choices=tuple(ATTENTION_BACKENDS))
+    attention_backend: str = _flag(AUTO, "paged attention implementation: auto (triton on a GPU, cpu where its C "
+                                         "kernel builds, else torch); triton needs a GPU (or TRITON_INTERPRET=1); "
+                                         "cpu: decode rows in a C kernel (needs a C compiler with OpenMP; float32, "
+                                         "bfloat16)",
+                                   choices=(AUTO, *ATTENTION_BACKENDS))
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
     wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
@@ -93,6 +103,7 @@ another pairing is refused here, naming the flag.
         self._check_values()
         self._check_device()
         self._derive_from_checkpoint()
+        self._resolve_precision(self.torch_device)
 
     def _check_device(self) -> None:
         """Resolve `device` ("auto" is the CPU when a cpu backend is chosen); refuse a backend that
@@ -124,16 +135,32 @@ another pairing is refused here, naming the flag.
                              f"{self.num_blocks} and {self.max_model_len}")
         if self.adapter_host_cache_mb < 0:
             raise ValueError(f"adapter_host_cache_mb must be >= 0, got {self.adapter_host_cache_mb}")
-        if self.lora_backend not in LORA_BACKENDS:
-            raise ValueError(f"lora_backend must be one of {tuple(LORA_BACKENDS)}, got {self.lora_backend!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {tuple(ATTENTION_BACKENDS)}, "
+        if self.lora_backend not in (AUTO, *LORA_BACKENDS):
+            raise ValueError(f"lora_backend must be one of {(AUTO, *LORA_BACKENDS)}, got {self.lora_backend!r}")
+        if self.attention_backend not in (AUTO, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {(AUTO, *ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        ATTENTION_BACKENDS[self.attention_backend].check_config(self.block_size, self.dtype)
-        if self.lora_backend == "cpu" and self.dtype != "float32":
-            raise ValueError(f"the cpu LoRA backend computes float32 only, got dtype {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
+        if self.dtype != AUTO:  # refused before config.json is read; "auto" is checked once resolved
+            self._check_backends_take_dtype()
+
+    def _check_backends_take_dtype(self) -> None:
+        if self.attention_backend != AUTO:
+            ATTENTION_BACKENDS[self.attention_backend].check_config(self.block_size, self.dtype)
+        if self.lora_backend != AUTO:
+            check_dtype(self.lora_backend, self.dtype)
+
+    def _resolve_precision(self, device: torch.device) -> None:
+        """dtype "auto" from the checkpoint, then "auto" backends for `device` and that dtype (building
+        the C kernels when the cpu backends are candidates)."""
+        if self.dtype == AUTO:
+            self.dtype = resolve_dtype(self.checkpoint.raw, device)
+            log.info("dtype auto: %s (checkpoint %s)", self.dtype, checkpoint_dtype(self.checkpoint.raw))
+            self._check_backends_take_dtype()
+        self.attention_backend = resolve_attention_backend(self.attention_backend, device, self.dtype,
+                                                           self.block_size)
+        self.lora_backend = resolve_lora_backend(self.lora_backend, device, self.dtype)
 
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
@@ -163,3 +190,28 @@ another pairing is refused here, naming the flag.
         if self.image_token is None and model.get("image_token_id") is None:
             raise ValueError("mrope_section needs image_token (a token in the vocabulary) "
                              "because config.json has no image_token_id")
+
+
+def checkpoint_dtype(raw: Mapping) -> str | None:
+    """The dtype config.json declares (`torch_dtype`, or `dtype` as transformers 5 writes it; top
+    level, else a vision-language model's text_config), as a torch dtype name; None if none."""
+    for scope in (raw, raw.get("text_config") or {}):
+        for key in ("torch_dtype", "dtype"):
+            value = scope.get(key)
+            if isinstance(value, str) and value:
+                return value.removeprefix("torch.")
+    return None
+
+
+def resolve_dtype(raw: Mapping, device: torch.device) -> str:
+    """The model dtype "auto" stands for with checkpoint config `raw` on `device`: the checkpoint's
+    declared dtype, as transformers and vLLM follow it, except float16 on a CPU, which serves as
+    bfloat16 where the CPU computes bf16 natively (vLLM casts it so too) and as float32 elsewhere
+    (emulated half precision is slower than float32). None declared, or one tessera does not load:
+    float32 (transformers' default). float32 checkpoints stay float32."""
+    declared = checkpoint_dtype(raw)
+    if declared not in DTYPES:
+        return "float32"
+    if declared == "float16" and device.type == "cpu":
+        return "bfloat16" if native.cpu_has_bf16() else "float32"
+    return declared

@@ -114,9 +114,9 @@ def test_bad_inputs_are_refused():
     cache, query, _, _, _, cpu_meta = _case(4, 2, 16, 4, [3, 9])
     k, v = cache.layer(0)
     out = torch.empty_like(query)
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
         cpu_attention.paged_decode_attention(query.double(), k, v, cpu_meta.decode, 4, 0.25, out)
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="contiguous query"):
         cpu_attention.paged_decode_attention(query.transpose(0, 1), k, v, cpu_meta.decode, 4, 0.25, out)
     with pytest.raises(ValueError, match="shapes do not fit"):  # the cache's head_dim differs
         cpu_attention.paged_decode_attention(query, k[..., :8].contiguous(), v[..., :8].contiguous(),
@@ -131,8 +131,12 @@ def test_bad_inputs_are_refused():
 
 
 def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypatch):
-    with pytest.raises(ValueError, match="float32 only"):
-        DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu", dtype="bfloat16")
+    for dtype in ("float16", "float64"):
+        for backend in ("attention_backend", "lora_backend"):
+            with pytest.raises(ValueError, match="computes float32 and bfloat16 only"):
+                DecoderConfig(model_dir=str(tiny_llama), dtype=dtype, **{backend: "cpu"})
+    assert DecoderConfig(model_dir=str(tiny_llama), attention_backend="cpu", lora_backend="cpu",
+                         dtype="bfloat16").dtype == "bfloat16"
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(ValueError, match="need a C compiler"):
@@ -143,4 +147,5 @@ def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypa
     monkeypatch.setenv("CC", "true")  # "succeeds" without building anything
     with pytest.raises(ValueError, match="built but could not be loaded"):
         make_attention_backend("cpu")
-    assert DecoderConfig(model_dir=str(tiny_llama)).attention_backend == "torch"  # the default needs none
+    config = DecoderConfig(model_dir=str(tiny_llama))  # auto falls back to torch, naming why
+    assert (config.attention_backend, config.lora_backend) == ("torch", "torch")

@@ -150,7 +150,8 @@ def test_cpu_backend_refuses_bad_inputs_before_touching_y():
     batch = LoRABatch.build(torch.tensor([0, 1, 0, 1, -1, 0]), torch.tensor([0, 1]))  # decode + prefill rows
     before = y.clone()
     backend = make_backend("cpu")
-    for args, message in (((y, x, a, b.half()), "float32 only"), ((y, x.double(), a, b), "float32 only"),
+    for args, message in (((y, x, a, b.half()), "float32 or bfloat16"), ((y, x.double(), a, b), "float32 or bfloat16"),
+                          ((y.half(), x.half(), a.half(), b.half()), "float32 or bfloat16"),
                           ((y, x, a, b[:, :4]), "shapes do not fit"), ((y, x[:, :7], a, b), "shapes do not fit")):
         with pytest.raises(ValueError, match=message):
             backend.add_lora(*args, batch)

@@ -40,7 +40,7 @@ def test_config_refuses_an_unknown_lora_backend_naming_the_registered_ones(tiny_
     message = str(refusal.value)
     assert "'cuda'" in message and all(repr(name) in message for name in LORA_BACKENDS)
     lora_backend = next(f for f in fields(DecoderConfig) if f.name == "lora_backend")
-    assert lora_backend.metadata["choices"] == tuple(LORA_BACKENDS) == ("torch", "triton", "cpu")
+    assert lora_backend.metadata["choices"] == ("auto", *LORA_BACKENDS) == ("auto", "torch", "triton", "cpu")
 
 
 def test_the_cpu_kernel_is_built_by_its_backend_not_by_config(tiny_llama, monkeypatch):

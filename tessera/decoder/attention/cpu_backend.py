@@ -7,7 +7,9 @@ block, and never pads: on the 2-core CI machine, 32 rows x 150-700 positions, on
 took 4.8 ms on the torch path and 1.6 ms here (float32, same results within 2e-7).
 
 The kernel is built with the C compiler (kernels/native.py) when the backend is constructed, and
-runs on the calling thread's OpenMP team with torch's thread count. float32 only.
+runs on the calling thread's OpenMP team with torch's thread count. float32 or bfloat16 (bf16
+query and cache, float32 scores, softmax and sums, as the torch path computes half precision;
+AVX512-BF16 dot products where the CPU has them).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from tessera.decoder.kernels import native
 if TYPE_CHECKING:
     from tessera.decoder.kv_cache import KVCache
     from tessera.decoder.scheduler import ScheduledRequest
+
+
+_KERNELS = {torch.float32: "tessera_paged_decode_attention_f32", torch.bfloat16: "tessera_paged_decode_attention_bf16"}
 
 
 @dataclass
@@ -66,8 +71,9 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
 
     @classmethod
     def check_config(cls, block_size: int, dtype: str) -> None:
-        if dtype != "float32":
-            raise ValueError(f"the cpu attention backend computes float32 only, got dtype {dtype!r}")
+        if dtype not in native.DTYPES:
+            raise ValueError(f"the cpu attention backend computes {' and '.join(native.DTYPES)} only, "
+                             f"got dtype {dtype!r}")
 
     def __init__(self) -> None:
         """Builds the kernel now, so a missing compiler fails at start, not mid-request.
@@ -113,18 +119,20 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            meta: CpuDecodeMetadata, block_size: int, scale: float, out: torch.Tensor) -> None:
     """Write the decode rows' attention into `out` (see kernels/paged_attention.c).
 
-    query/out: float32 [num_tokens, heads, head_dim], contiguous (only `meta.rows` of `out` are
-    written); k_cache/v_cache: float32 [kv_heads, num_slots, head_dim], contiguous, head-major.
+    query/out: [num_tokens, heads, head_dim], contiguous (only `meta.rows` of `out` are written);
+    k_cache/v_cache: [kv_heads, num_slots, head_dim], contiguous, head-major; all four float32, or
+    all four bfloat16.
 
     Raises:
-        ValueError: another dtype, a non-contiguous tensor, heads not a multiple of kv heads, a cache
+        ValueError: another dtype or mixed dtypes, a non-contiguous tensor, heads not a multiple of kv heads, a cache
             whose head_dim differs, or block tables too narrow for max_context. (Block ids are
             trusted: `decode_metadata` takes them from the block manager.)
         RuntimeError: the kernel could not allocate its score buffers.
     """
     tensors = (query, k_cache, v_cache, out)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        raise ValueError("the cpu attention kernel takes contiguous float32 query, caches and output")
+    if query.dtype not in _KERNELS or any(t.dtype != query.dtype or not t.is_contiguous() for t in tensors):
+        raise ValueError("the cpu attention kernel takes contiguous query, caches and output, all float32 or "
+                         "all bfloat16")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_slots, cache_head_dim = k_cache.shape
     rows, tables, lens = meta.rows, meta.block_tables, meta.context_lens
@@ -133,7 +141,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             or tables.shape[1] * block_size < meta.max_context):
         raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}, "
                          f"block tables {tuple(tables.shape)} x block_size {block_size}")
-    rc = native.load().tessera_paged_decode_attention_f32(
+    rc = getattr(native.load(), _KERNELS[query.dtype])(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), out.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim,
         num_slots, block_size, meta.max_context, scale, torch.get_num_threads())

@@ -1,10 +1,15 @@
 """The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c), built at start and called through ctypes.
 
 Build: `$CC` (default `cc`) -O3 -march=native -fopenmp, both sources into one shared library in
-a temporary directory, once per process (well under a second). OpenMP resolves to the libgomp
+a temporary directory, once per process (about a second). OpenMP resolves to the libgomp
 torch has already loaded (same soname), so a kernel's parallel region reuses the calling thread's
 team; callers pass `torch.get_num_threads()` of that thread. The math library's vector expf
 (glibc libmvec) serves the softmax.
+
+Each kernel computes float32 or bfloat16 (`DTYPES`; bf16 in memory, float32 sums). The bf16 dot
+products use AVX512-BF16 (VDPBF16PS) when the compiler targets a CPU that has it (-march=native
+on such a machine), and portable widening code otherwise (bf16.h); `variant()` says which was
+built. TESSERA_CPU_KERNELS=portable forces the portable code on any machine.
 """
 
 from __future__ import annotations
@@ -15,29 +20,37 @@ import shlex
 import subprocess
 import tempfile
 import threading
+from functools import cache
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name("paged_attention.c"), Path(__file__).with_name("lora_bgmv.c")]
+DTYPES = ("float32", "bfloat16")  # what every kernel computes
+VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 code
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT]
+_BGMV_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
 # name -> (restype, argtypes)
 _SIGNATURES = {
-    "tessera_paged_decode_attention_f32": (_INT, [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                                                  _I64, _I64, _F32, _INT]),
-    "tessera_lora_bgmv_f32": (None, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]),
+    "tessera_paged_decode_attention_f32": (_INT, _ATTENTION_ARGS),
+    "tessera_paged_decode_attention_bf16": (_INT, _ATTENTION_ARGS),
+    "tessera_lora_bgmv_f32": (None, _BGMV_ARGS),
+    "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
+    "tessera_kernels_variant": (ctypes.c_char_p, []),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
 
-def _compile(directory: str) -> Path:
+def _compile(directory: str, portable: bool) -> Path:
     compiler = shlex.split(os.environ.get("CC", "cc"))
     target = Path(directory) / "libtessera_cpu.so"
+    defines = ["-DTESSERA_PORTABLE"] if portable else []
     errors = []
-    # -march=native: the build runs on the machine that runs it; retried without it for compilers
-    # or architectures that refuse it
+    # -march=native: the build runs on the machine that runs it (and so enables AVX512-BF16 where
+    # the CPU has it); retried without it for compilers or architectures that refuse it
     for arch in (["-march=native"], []):
-        command = [*compiler, *_FLAGS, *arch, *map(str, SOURCES), "-o", str(target), "-lmvec", "-lm"]
+        command = [*compiler, *_FLAGS, *arch, *defines, *map(str, SOURCES), "-o", str(target), "-lmvec", "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -50,8 +63,30 @@ def _compile(directory: str) -> Path:
     raise RuntimeError("compiling the cpu kernels failed:\n" + "\n".join(errors))
 
 
+def build(portable: bool = False) -> ctypes.CDLL:
+    """Compile and load a fresh kernel library (`load` keeps the process's one); `portable`: without
+    the AVX512-BF16 code whatever the CPU.
+
+    Raises:
+        RuntimeError: as `load`.
+    """
+    with tempfile.TemporaryDirectory(prefix="tessera-kernels-") as directory:
+        path = _compile(directory, portable)
+        try:  # a "compiler" that succeeds without output, or a noexec temporary directory
+            library = ctypes.CDLL(str(path))  # mapped now: the file may go
+            functions = [getattr(library, name) for name in _SIGNATURES]
+        except (OSError, AttributeError) as exc:
+            raise RuntimeError(f"the cpu kernels were built but could not be loaded from {path} "
+                               f"($CC {os.environ.get('CC', 'cc')!r}; TMPDIR must allow executables): "
+                               f"{exc}") from exc
+    for fn, (restype, argtypes) in zip(functions, _SIGNATURES.values()):
+        fn.restype, fn.argtypes = restype, argtypes
+    return library
+
+
 def load() -> ctypes.CDLL:
-    """The compiled kernel library (built on the first call, then shared by the process).
+    """The compiled kernel library (built on the first call, then shared by the process); the
+    portable variant when TESSERA_CPU_KERNELS=portable.
 
     Raises:
         RuntimeError: no working C compiler with OpenMP and glibc's libmvec, or the built library
@@ -60,16 +95,42 @@ def load() -> ctypes.CDLL:
     global _library
     with _lock:
         if _library is None:
-            with tempfile.TemporaryDirectory(prefix="tessera-kernels-") as directory:
-                path = _compile(directory)
-                try:  # a "compiler" that succeeds without output, or a noexec temporary directory
-                    library = ctypes.CDLL(str(path))  # mapped now: the file may go
-                    functions = [getattr(library, name) for name in _SIGNATURES]
-                except (OSError, AttributeError) as exc:
-                    raise RuntimeError(f"the cpu kernels were built but could not be loaded from {path} "
-                                       f"($CC {os.environ.get('CC', 'cc')!r}; TMPDIR must allow executables): "
-                                       f"{exc}") from exc
-            for fn, (restype, argtypes) in zip(functions, _SIGNATURES.values()):
-                fn.restype, fn.argtypes = restype, argtypes
-            _library = library
+            _library = build(portable=os.environ.get(VARIANT_ENV, "") == "portable")
         return _library
+
+
+def variant(library: ctypes.CDLL | None = None) -> str:
+    """Which bf16 code `library` (default: the process's, built if needed) runs: "avx512_bf16" or
+    "portable". Raises RuntimeError as `load`."""
+    return (library or load()).tessera_kernels_variant().decode()
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16): where it does not, bf16
+    matmuls are emulated and slower than float32."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def unavailable(dtype: str) -> str | None:
+    """None if the kernels build here (building them now, once per process) and compute `dtype`
+    (a torch dtype name); else why not, for a backend chosen automatically to say why it fell back."""
+    if dtype not in DTYPES:
+        return f"the cpu kernels compute {' and '.join(DTYPES)}, not {dtype}"
+    try:
+        load()
+    except RuntimeError as error:
+        return str(error)
+    return None

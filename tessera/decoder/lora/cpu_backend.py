@@ -16,20 +16,24 @@ class CpuLoRABackend(LoRABackend):
     A decode step is memory-bound on the factors: the kernel reads each slot's A and B^T once per
     projection and adds into y in place, where the torch backend gathers rows onto a padded grid,
     runs two bmm and scatters the deltas back. Prefill segments are compute-bound GEMMs, which MKL
-    (the torch backend) does best. float32 only; B must be stored as AdapterSlots stores it (the
+    (the torch backend) does best. x, y, A and B all float32, or all bfloat16 (float32 sums, y
+    rounded once, as the torch backend); B must be stored as AdapterSlots stores it (the
     transposed view of a contiguous [slots, max_rank, out]; other layouts are copied per call).
     """
 
     name = "cpu"
 
     def __init__(self) -> None:
-        self._kernel = native.load().tessera_lora_bgmv_f32
+        library = native.load()
+        self._kernels = {torch.float32: library.tessera_lora_bgmv_f32, torch.bfloat16: library.tessera_lora_bgmv_bf16}
         self._torch = TorchLoRABackend()
         self._step: tuple[LoRABatch, tuple | None, LoRABatch | None] | None = None
 
     def add_lora(self, y, x, a, b, batch):
-        if any(t.dtype != torch.float32 for t in (x, y, a, b)):
-            raise ValueError("the cpu LoRA backend computes float32 only")
+        kernel = self._kernels.get(y.dtype)
+        if kernel is None or any(t.dtype != y.dtype for t in (x, a, b)):
+            raise ValueError(f"the cpu LoRA backend computes float32 or bfloat16 (x, y, a, b all one), got "
+                             f"{x.dtype}, {y.dtype}, {a.dtype}, {b.dtype}")
         if y.stride(-1) != 1:
             raise ValueError("LoRA output must have a contiguous last dimension")
         num_slots, rank, in_f = a.shape
@@ -46,9 +50,9 @@ class CpuLoRABackend(LoRABackend):
         a, bt = a.contiguous(), b.transpose(1, 2).contiguous()  # no copies for AdapterSlots' layout
         rows, starts, slots = decode
         shrunk = torch.empty(rows.numel(), rank, dtype=torch.float32)
-        self._kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
-                     rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f,
-                     bt.shape[2], rank, shrunk.data_ptr(), torch.get_num_threads())
+        kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
+               rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f, bt.shape[2], rank,
+               shrunk.data_ptr(), torch.get_num_threads())
 
     def end_step(self) -> None:
         self._step = None

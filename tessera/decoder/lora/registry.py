@@ -7,12 +7,16 @@ in `LORA_BACKENDS`.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
 import torch
 
 from tessera.decoder.lora.backend import LoRABackend
+
+log = logging.getLogger(__name__)
+AUTO = "auto"  # resolve_lora_backend's choice for the device and dtype
 
 
 def triton_available() -> str | None:
@@ -52,8 +56,41 @@ def _triton() -> LoRABackend:
 
 # name -> factory: "torch" grouped shrink/expand, "triton" BGMV/SGMV kernels, "cpu" C BGMV for decode rows
 LORA_BACKENDS: dict[str, Callable[[], LoRABackend]] = {"torch": _torch, "triton": _triton, "cpu": _cpu}
-# the only backends that compute float32 only (checked by the decoder config without building them)
-FLOAT32_ONLY = frozenset({"cpu"})
+
+
+def check_dtype(name: str, dtype: str) -> None:
+    """Refuse a model dtype (a torch dtype name) that backend `name` does not compute, building nothing.
+
+    Raises:
+        ValueError: "cpu" with a dtype other than float32 and bfloat16 (kernels/native.py DTYPES).
+    """
+    if name == "cpu":
+        from tessera.decoder.kernels import native
+
+        if dtype not in native.DTYPES:
+            raise ValueError(f"the cpu LoRA backend computes {' and '.join(native.DTYPES)} only, got dtype {dtype!r}")
+
+
+def resolve_lora_backend(name: str, device: torch.device, dtype: str) -> str:
+    """The backend to build for `name` on `device` with model dtype `dtype`: `name` itself, or for
+    "auto" the fastest that runs there: "triton" on a CUDA device (where Triton imports), "cpu" on
+    the CPU where its C kernels build and compute `dtype` (they are built now), else "torch".
+    An automatic choice is logged with the reason for any fallback."""
+    if name != AUTO:
+        return name
+    reason = None
+    if device.type == "cuda":
+        reason = triton_available()
+        choice = "triton" if reason is None else "torch"
+    elif device.type == "cpu":
+        from tessera.decoder.kernels import native
+
+        reason = native.unavailable(dtype)
+        choice = "cpu" if reason is None else "torch"
+    else:
+        choice, reason = "torch", f"no kernels for {device.type} devices"
+    log.info("lora_backend auto: %s on %s for %s%s", choice, device, dtype, f" ({reason})" if reason else "")
+    return choice
 
 
 def make_backend(name: str) -> LoRABackend:

@@ -1,0 +1,68 @@
+"""dtype "auto" follows the checkpoint (float16 on a CPU as bfloat16 only with native bf16), and
+attention_backend / lora_backend "auto" resolve to the fastest backend that runs: triton on CUDA,
+the C kernels on the CPU where they build and compute the dtype, torch otherwise."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tessera.decoder.attention import resolve_attention_backend
+from tessera.decoder.config import DecoderConfig, checkpoint_dtype, resolve_dtype
+from tessera.decoder.kernels import native
+from tessera.decoder.lora.registry import resolve_lora_backend, triton_available
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("raw, device, expected", [
+    ({"torch_dtype": "bfloat16"}, CPU, "bfloat16"),
+    ({"dtype": "float32"}, CPU, "float32"),               # transformers 5 writes "dtype"
+    ({"torch_dtype": "torch.float16"}, CUDA, "float16"),
+    ({"text_config": {"torch_dtype": "bfloat16"}}, CPU, "bfloat16"),  # a vision-language checkpoint
+    ({}, CPU, "float32"),                                 # none declared: transformers' default
+    ({"torch_dtype": "float8_e4m3fn"}, CPU, "float32"),   # one tessera does not load
+])
+def test_dtype_auto_follows_the_checkpoint(raw, device, expected):
+    assert resolve_dtype(raw, device) == expected
+
+
+def test_float16_on_a_cpu_serves_as_bfloat16_only_with_native_bf16(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert resolve_dtype({"torch_dtype": "float16"}, CPU) == "bfloat16"
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert resolve_dtype({"torch_dtype": "float16"}, CPU) == "float32"
+
+
+def test_config_resolves_auto_from_a_bf16_checkpoint(tiny_llama, tmp_path, caplog):
+    model_dir = tmp_path / "bf16"
+    shutil.copytree(tiny_llama, model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw.pop("dtype", None)
+    (model_dir / "config.json").write_text(json.dumps({**raw, "torch_dtype": "bfloat16"}))
+    assert checkpoint_dtype(json.loads((tiny_llama / "config.json").read_text())) == "float32"
+    with caplog.at_level(logging.INFO):
+        config = DecoderConfig(model_dir=str(model_dir))
+    assert config.dtype == "bfloat16"
+    built = native.unavailable("bfloat16") is None
+    assert (config.attention_backend, config.lora_backend) == (("cpu", "cpu") if built else ("torch", "torch"))
+    chosen = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
+    assert len(chosen) == 3 and any("bfloat16" in line for line in chosen)  # dtype, attention, lora: once each
+    explicit = DecoderConfig(model_dir=str(model_dir), dtype="float32", attention_backend="torch")
+    assert (explicit.dtype, explicit.attention_backend) == ("float32", "torch")
+
+
+def test_backend_auto_per_device_and_dtype():
+    built = native.unavailable("float32") is None
+    assert resolve_attention_backend("auto", CPU, "float32", 16) == ("cpu" if built else "torch")
+    assert resolve_attention_backend("auto", CPU, "float16", 16) == "torch"  # the kernels do not compute it
+    assert resolve_lora_backend("auto", CPU, "float64") == "torch"
+    assert resolve_attention_backend("auto", CUDA, "bfloat16", 16) == "triton"
+    assert resolve_attention_backend("auto", CUDA, "bfloat16", 12) == "torch"  # triton needs a power of two
+    assert resolve_lora_backend("auto", CUDA, "bfloat16") == ("triton" if triton_available() is None else "torch")
+    assert resolve_attention_backend("auto", torch.device("meta"), "float32", 16) == "torch"
+    for name in ("torch", "cpu", "triton"):  # a named backend is taken as named
+        assert resolve_attention_backend(name, CUDA, "float16", 12) == name
+        assert resolve_lora_backend(name, CPU, "float64") == name
