@@ -132,4 +132,4 @@ def test_decoder_refuses_a_configuration_this_machine_cannot_run_in_one_line():
         _, stderr = proc.communicate(timeout=120)
         lines = stderr.strip().splitlines()
         assert proc.returncode != 0 and len(lines) == 1, stderr
-        assert lines[0].startswith(f"decoder: {named} needs a CUDA device"), lines
+        assert lines[0].startswith(f"python -m tessera.decoder: error: {named} needs a CUDA device"), lines

@@ -40,7 +40,7 @@ def test_generate_info_errors_and_cancel(tiny_llama):
         info = await stub.GetInfo(decoder_pb2.DecoderInfoRequest())
         assert info.prefix_cache_hits == 1 and info.prefix_cache_hit_tokens == 32 and info.num_cached_blocks >= 2
 
-        bad = decoder_pb2.GenerateRequest(prompt_token_ids=[1, 2], sampling=decoder_pb2.SamplingParams(max_tokens=0))
+        bad = decoder_pb2.GenerateRequest(prompt_token_ids=[1, 2], sampling=decoder_pb2.SamplingParams(max_tokens=-1))
         with pytest.raises(grpc.aio.AioRpcError) as error:
             [r async for r in stub.Generate(bad)]
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in error.value.details()
