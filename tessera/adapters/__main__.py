@@ -44,8 +44,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logs.configure_logging("adapters", argv)  # first: the config logs its automatic choices
     address, config = parse_config(argv)
-    logs.configure_logging("adapters", argv)
     auth.configure_security(argv)
     registry = AdapterRegistry(config)
     start_metrics_server(config.metrics_port, address)

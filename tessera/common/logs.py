@@ -112,6 +112,17 @@ def _log_uncaught(kind, error, traceback) -> None:
     logging.getLogger("tessera").critical("%s: %s", kind.__name__, error, exc_info=(kind, error, traceback))
 
 
+def stop_line(name: str, line: str) -> None:
+    """The one line a process prints when it stops for a reason it can name: plain on stderr, or in
+    JSON mode (stderr already turned into INFO records) a CRITICAL record of logger `name`, so that
+    `tessera up` reports it as the cause rather than an earlier, vaguer error."""
+    if isinstance(sys.stderr, _LinesAsRecords):
+        logging.getLogger(name).critical(line)
+        return
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class _LinesAsRecords(io.TextIOBase):
     """A text stream whose every line becomes an INFO record of logger `name` (JSON mode's
     sys.stdout / sys.stderr). A progress bar's carriage-return updates keep their last state. A

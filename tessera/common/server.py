@@ -81,8 +81,7 @@ def exit_refused(name: str, error: BaseException) -> NoReturn:
     """Exit with status 1 after one line on stderr, "NAME: cause", for a service that cannot start as
     configured (a ValueError from its config or its start, an OSError binding its port)."""
     cause = " ".join(str(error).split()) or type(error).__name__
-    sys.stderr.write(f"{cause}\n" if cause.startswith(f"{name}: ") else f"{name}: {cause}\n")
-    sys.stderr.flush()
+    logs.stop_line(name, cause if cause.startswith(f"{name}: ") else f"{name}: {cause}")
     raise SystemExit(1)
 
 

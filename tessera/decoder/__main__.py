@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, DecoderConfig]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logs.configure_logging("decoder", argv)  # first: the config logs its automatic choices
     address, config = parse_args(argv)
-    logs.configure_logging("decoder", argv)
     auth.configure_security(argv)
     try:
         run(address, config)

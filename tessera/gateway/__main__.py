@@ -78,8 +78,8 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logs.configure_logging("gateway", argv)  # first: the config logs its automatic choices
     config = parse_args(argv)
-    logs.configure_logging("gateway", argv)
     unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
     asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
 

@@ -55,8 +55,8 @@ async def _main(config: PoolingConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logs.configure_logging("pooling", argv)  # first: the config logs its automatic choices
     config = parse_args(argv)
-    logs.configure_logging("pooling", argv)
     auth.configure_security(argv)
     try:
         asyncio.run(_main(config))

@@ -222,7 +222,11 @@ class DynamicBatcher:
                 self._arrived = None
 
     def _budget_full(self) -> bool:
-        return len(self._next_group()) < len(self._queue)
+        """The queue no longer fits one padded forward: waiting longer only delays the oldest. (Not
+        "the oldest's length group is smaller than the queue": one short and one long sequence
+        would end every hold at once, and mixed traffic would run one-row forwards.)"""
+        longest = max(len(item.sequence) for item in self._queue)
+        return len(self._queue) > 1 and len(self._queue) * longest > self.max_batch_tokens
 
     def _window(self) -> list[_Pending]:
         """The oldest queued sequences up to WINDOW_BUDGETS x max_batch_tokens real tokens (at least one)."""

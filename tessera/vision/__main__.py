@@ -53,8 +53,8 @@ async def _main(config: VisionConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logs.configure_logging("vision", argv)  # first: the config logs its automatic choices
     config = parse_args(argv)
-    logs.configure_logging("vision", argv)
     auth.configure_security(argv)
     asyncio.run(_main(config))
 
