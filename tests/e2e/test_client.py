@@ -154,7 +154,7 @@ def test_info_equals_grpc(client, gateway):
 
 def test_errors_and_deadlines(client):
     with pytest.raises(tc.InvalidArgument) as error:
-        client.generate("hi", max_tokens=0)
+        client.generate("hi", max_tokens=-1)
     assert "max_tokens" in error.value.details and error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(tc.NotFound):
         client.generate("hi", max_tokens=4, lora="no-such-adapter")

@@ -19,11 +19,11 @@ def raw_request(text: str, max_tokens: int) -> decoder_pb2.GenerateRequest:
 @pytest.mark.parametrize("request_, needle", [
     (raw_request("", 8), "empty"),
     (decoder_pb2.GenerateRequest(sampling=decoder_pb2.SamplingParams(max_tokens=8)), "prompt"),
-    (raw_request("Hello", 0), "max_tokens"),
+    (raw_request("Hello", -1), "max_tokens"),
     (raw_request("Hello", DECODER_MAX_MODEL_LEN + 10), str(DECODER_MAX_MODEL_LEN)),
     (decoder_pb2.GenerateRequest(messages=[decoder_pb2.ChatMessage(role="wizard", content=[
         decoder_pb2.ContentPart(text="hi")])], sampling=decoder_pb2.SamplingParams(max_tokens=4)), "role"),
-], ids=["empty-text", "no-prompt", "max-tokens-0", "past-context", "bad-role"])
+], ids=["empty-text", "no-prompt", "max-tokens-negative", "past-context", "bad-role"])
 def test_bad_generate_requests(gateway, assert_healthy, request_, needle):
     with pytest.raises(grpc.RpcError) as error:
         collect(gateway, request_)
