@@ -184,7 +184,7 @@ def test_async_client_equals_sync(gateway_address, client, adapter):
             names = [a.name for a in await aclient.list_adapters()]
             await aclient.unload_adapter(adapter)
             with pytest.raises(tc.InvalidArgument):
-                await aclient.generate("hi", max_tokens=0)
+                await aclient.generate("hi", max_tokens=-1)
             return {
                 "chat": stream.result,
                 "generate": await aclient.generate("The capital of France is", max_tokens=3),
