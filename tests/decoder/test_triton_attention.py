@@ -24,9 +24,14 @@ def test_triton_kernel_and_engine_match_torch_in_the_interpreter(tiny_llama):
     assert sum(line.startswith("OK kernel") for line in lines) == 3 and any(line.startswith("OK engine") for line in lines)
 
 
-def test_backend_flag_is_validated(tiny_llama):
+def test_backend_flag_is_validated(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         DecoderConfig(model_dir=str(tiny_llama), attention_backend="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton needs a CUDA device or TRITON_INTERPRET=1"):
+        DecoderConfig(model_dir=str(tiny_llama), attention_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="power-of-two block_size"):
         DecoderConfig(model_dir=str(tiny_llama), attention_backend="triton", block_size=12)
+    monkeypatch.delenv("TRITON_INTERPRET")
     assert DecoderConfig(model_dir=str(tiny_llama)).attention_backend != "triton"  # auto on the CPU

@@ -68,7 +68,7 @@ def test_configuration_reference_lists_every_flag_of_every_service_and_up():
     for option in _options(up):
         assert f"| `{option}`" in section, option
     assert "| `--http-port` | int | `0` | `TESSERA_HTTP_PORT` |" in text
-    assert "| `--lora-backend` | str | `torch` |  | `torch`, `triton`, `cpu` |" in text
+    assert "| `--lora-backend` | str | `auto` |  | `auto`, `torch`, `triton`, `cpu` |" in text
     for variable in ("TESSERA_HOME", "TESSERA_INTERNAL_TOKEN_FILE", "TESSERA_API_TOKEN", "GOMP_SPINCOUNT"):
         assert f"| `{variable}` | " in text, variable
 

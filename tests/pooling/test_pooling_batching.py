@@ -156,6 +156,14 @@ def test_the_oldest_request_is_served_first_when_the_queue_holds_more_than_one_f
     # budget 256 fits one LONG alone; the short texts queued later must not all go before it
     service = _service(minilm_model_config, minilm_loaded, max_wait_ms=200, max_batch_tokens=256)
     long_tokens = len(minilm_loaded.tokenizer.encode_texts([LONG])[0])
-    results = asyncio.run(_concurrently(service, [[LONG]] + [[t] for t in SINGLES]))
+
+    async def long_then_shorts():  # tokenizing runs in threads: queue LONG before the shorts arrive
+        first = asyncio.ensure_future(service.embed([LONG]))
+        while not _batcher(service)._queue:
+            await asyncio.sleep(0.001)
+        shorts = asyncio.ensure_future(_concurrently(service, [[t] for t in SINGLES]))
+        return [await first, *await shorts]
+
+    results = asyncio.run(long_then_shorts())
     assert list(_batcher(service).batch_shapes)[0] == (1, long_tokens)
     torch.testing.assert_close(results[0].vectors[0], alone[LONG], atol=1e-5, rtol=0)
