@@ -101,9 +101,26 @@ def configure_logging(service: str, argv: Sequence[str] | None = None) -> LogCon
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
     logging.captureWarnings(True)
     if config.log_format == "json":
+        _adopt_library_handlers()
         sys.excepthook = _log_uncaught
         sys.stdout, sys.stderr = _LinesAsRecords("stdout", sys.stdout), _LinesAsRecords("stderr", sys.stderr)
     return config
+
+
+def _adopt_library_handlers() -> None:
+    """A library imported before logging was configured may hold a handler of its own writing plain
+    text to the real stderr (transformers does: "[transformers] ..."): drop it and let the library's
+    records propagate to the root handler, so that they are JSON records too. (A library imported
+    later writes through sys.stderr, which JSON mode turns into records.)"""
+    for logger in list(logging.root.manager.loggerDict.values()):
+        if not isinstance(logger, logging.Logger):
+            continue
+        plain = [h for h in logger.handlers if type(h) is logging.StreamHandler
+                 and h.stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)]
+        for handler in plain:
+            logger.removeHandler(handler)
+        if plain:
+            logger.propagate = True
 
 
 def _log_uncaught(kind, error, traceback) -> None:

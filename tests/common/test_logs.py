@@ -85,6 +85,21 @@ def test_the_format_comes_from_the_flag_or_the_environment(monkeypatch, capsys):
         sys.excepthook = sys.__excepthook__
 
 
+def test_a_library_imported_before_logging_is_configured_logs_json_too():
+    """transformers adds its own plain handler ("[transformers] ...") on import; the services import
+    it before configuring logging, so JSON mode must take that handler's records over."""
+    script = (
+        "from transformers.utils import logging as hf\n"
+        "hf.get_logger('transformers.early').info('configured')\n"  # its handler is made here
+        "from tessera.common import logs\n"
+        "logs.configure_logging('pooling', ['--log-format', 'json'])\n"
+        "hf.get_logger('transformers.tokenization').warning('Token indices sequence length is longer')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
+    assert [(r["logger"], r["level"]) for r in records] == [("transformers.tokenization", "WARNING")], records
+
+
 class _Decoder(decoder_pb2_grpc.DecoderServicer):
     """Streams two choices' last messages with usage; refuses an empty request_id."""
 
