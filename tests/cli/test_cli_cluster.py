@@ -203,7 +203,10 @@ def test_info_prints_a_table_and_json(cluster):
 def test_ctrl_c_while_streaming_prints_one_line_and_exits_130(cluster):
     process = subprocess.Popen([sys.executable, "-m", "tessera.cli.main", "generate", "1, 2, 3, 4, 5, 6,",
                                 "--max-tokens", str(MAX_MODEL_LEN - 32)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cluster.env())
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cluster.env(),
+                               # a shell running the suite in the background ignores SIGINT and its
+                               # children inherit that; a terminal's Ctrl-C reaches a default handler
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = process.stdout.read(1)  # a token has arrived: the stream is open
         assert first, process.stderr.read().decode()
