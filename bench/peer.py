@@ -9,7 +9,7 @@ llama.cpp" builds one offline); without it this prints how to build one and exit
   4. P1 (bench/decode.py's workload: 32 concurrent requests, prompts 16-512 tokens, outputs
      16-256, EOS ignored, greedy) runs against each, interleaved, for `--rounds` rounds, each
      round on new token ids so neither prefix cache hits; tokens/s is generated tokens over wall.
-Prefix caching is off on both sides (tessera `--no-enable-prefix-caching`, llama.cpp
+Prefix caching is off on both sides (tessera `--no-prefix-caching`, llama.cpp
 `cache_prompt: false`). Writes bench/results/peer.md. Never a test assertion.
 """
 
@@ -119,7 +119,7 @@ def compare_precision(args, outtype: str, gguf_path: Path, work) -> dict:
     llama, url = start_llama(args.llama_server, gguf_path, args.slots, args.slot_ctx,
                              RESULTS / f"peer-llama-{outtype}.log")
     try:
-        flags = ["--dtype", DTYPE_BY_OUTTYPE[outtype], "--no-enable-prefix-caching", *args.decoder_flags.split()]
+        flags = ["--dtype", DTYPE_BY_OUTTYPE[outtype], "--no-prefix-caching", *args.decoder_flags.split()]
         decoder, address = start_decoder(args.model_dir, flags, RESULTS / f"peer-tessera-{outtype}.log")
         try:
             agree = [tessera_greedy(address, p, CHECK_TOKENS) == llama_complete(url, p, CHECK_TOKENS)

@@ -81,8 +81,8 @@ another pairing is refused here, naming the flag.
                               choices=(AUTO, *LORA_BACKENDS))
     adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
                                              "refetching)")
-    dtype: str = _flag(AUTO, f"model dtype: auto (the checkpoint's; float16 becomes bfloat16 on a CPU with native "
-                             f"bf16, else float32; none declared: float32) or one of {', '.join(DTYPES)}")
+    dtype: str = _flag(AUTO, f"model dtype: auto (the checkpoint's; on a CPU, bfloat16 and float16 serve as "
+                             f"bfloat16 where it computes bf16 natively, else float32; none declared: float32) or one of {', '.join(DTYPES)}")
     enable_prefix_caching: bool = _flag(True, "share KV blocks of full prompt blocks between requests",
                                         flag="--prefix-caching")
     attention_backend: str = _flag(AUTO, "paged attention implementation: auto (triton on a GPU, cpu where its C "
@@ -205,13 +205,15 @@ def checkpoint_dtype(raw: Mapping) -> str | None:
 
 def resolve_dtype(raw: Mapping, device: torch.device) -> str:
     """The model dtype "auto" stands for with checkpoint config `raw` on `device`: the checkpoint's
-    declared dtype, as transformers and vLLM follow it, except float16 on a CPU, which serves as
-    bfloat16 where the CPU computes bf16 natively (vLLM casts it so too) and as float32 elsewhere
-    (emulated half precision is slower than float32). None declared, or one tessera does not load:
+    declared dtype, as transformers and vLLM follow it, except for half precision on a CPU. There a
+    bfloat16 or float16 checkpoint serves as bfloat16 where the CPU computes bf16 natively (AVX512-BF16
+    or AMX; vLLM casts float16 so too) and as float32 elsewhere: emulated half-precision matmuls are
+    slower than float32 (bf16 P1 ran at 0.36x of float32 on an AVX2-only CPU: bench/results/peer.md),
+    and widening bf16 or fp16 to float32 is exact. None declared, or one tessera does not load:
     float32 (transformers' default). float32 checkpoints stay float32."""
     declared = checkpoint_dtype(raw)
     if declared not in DTYPES:
         return "float32"
-    if declared == "float16" and device.type == "cpu":
+    if declared in ("float16", "bfloat16") and device.type == "cpu":
         return "bfloat16" if native.cpu_has_bf16() else "float32"
     return declared

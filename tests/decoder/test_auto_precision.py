@@ -1,4 +1,4 @@
-"""dtype "auto" follows the checkpoint (float16 on a CPU as bfloat16 only with native bf16), and
+"""dtype "auto" follows the checkpoint (half precision on a CPU: bfloat16 with native bf16, else float32), and
 attention_backend / lora_backend "auto" resolve to the fastest backend that runs: triton on CUDA,
 the C kernels on the CPU where they build and compute the dtype, torch otherwise."""
 
@@ -18,10 +18,10 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("raw, device, expected", [
-    ({"torch_dtype": "bfloat16"}, CPU, "bfloat16"),
+    ({"torch_dtype": "bfloat16"}, CUDA, "bfloat16"),
     ({"dtype": "float32"}, CPU, "float32"),               # transformers 5 writes "dtype"
     ({"torch_dtype": "torch.float16"}, CUDA, "float16"),
-    ({"text_config": {"torch_dtype": "bfloat16"}}, CPU, "bfloat16"),  # a vision-language checkpoint
+    ({"text_config": {"torch_dtype": "bfloat16"}}, CUDA, "bfloat16"),  # a vision-language checkpoint
     ({}, CPU, "float32"),                                 # none declared: transformers' default
     ({"torch_dtype": "float8_e4m3fn"}, CPU, "float32"),   # one tessera does not load
 ])
@@ -29,14 +29,18 @@ def test_dtype_auto_follows_the_checkpoint(raw, device, expected):
     assert resolve_dtype(raw, device) == expected
 
 
-def test_float16_on_a_cpu_serves_as_bfloat16_only_with_native_bf16(monkeypatch):
+@pytest.mark.parametrize("declared", ["float16", "bfloat16"])
+def test_half_precision_on_a_cpu_serves_as_bfloat16_only_with_native_bf16(monkeypatch, declared):
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
-    assert resolve_dtype({"torch_dtype": "float16"}, CPU) == "bfloat16"
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert resolve_dtype({"torch_dtype": "float16"}, CPU) == "float32"
+    assert resolve_dtype({"torch_dtype": declared}, CPU) == "bfloat16"
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert resolve_dtype({"torch_dtype": declared}, CPU) == "bfloat16"
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))  # emulated bf16 is slower
+    assert resolve_dtype({"torch_dtype": declared}, CPU) == "float32"
 
 
-def test_config_resolves_auto_from_a_bf16_checkpoint(tiny_llama, tmp_path, caplog):
+def test_config_resolves_auto_from_a_bf16_checkpoint(tiny_llama, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # as if computed natively
     model_dir = tmp_path / "bf16"
     shutil.copytree(tiny_llama, model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
