@@ -32,20 +32,13 @@ def stop(process: subprocess.Popen) -> None:
 def machine() -> str:
     import torch
 
-    from tessera.decoder.kernels.native import cpu_flags
+    from tessera.decoder.kernels.native import cpu_flags, cpu_model
 
     cpu = platform.processor() or platform.machine()
-    model = next((line.partition(":")[2].strip() for line in _cpuinfo().splitlines()
-                  if line.startswith("model name")), "")
+    model = cpu_model()
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
     cpu = f"{cpu} ({model}; {' '.join(simd) or 'no AVX2'})" if model else cpu
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPUs, {gpu}, torch "
             f"{torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
 
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""

@@ -106,16 +106,29 @@ def variant(library: ctypes.CDLL | None = None) -> str:
 
 
 @cache
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return ""
+
+
+def _cpuinfo_field(*names: str) -> str:
+    """The first /proc/cpuinfo value of a field named one of `names` ("" where there is none)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith(names):
+            return line.partition(":")[2].strip()
+    return ""
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return frozenset(_cpuinfo_field("flags", "Features").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    return _cpuinfo_field("model name")
 
 
 def cpu_has_bf16() -> bool:
