@@ -1,8 +1,10 @@
 """python -m tessera.decoder --address HOST:PORT [flags]
 
-A configuration that cannot run (a bad value, --device cuda without CUDA, a Triton backend
-without a GPU, a checkpoint that does not load, a warm-up step that fails, a port in use) exits
-with status 1 and one line on stderr naming the flag and why; health never says SERVING.
+A configuration that cannot run exits with one line on stderr naming the flag and why, and
+health never says SERVING: status 2 for what the config check refuses (a bad value, a directory
+that is not a decoder checkpoint, --device cuda without CUDA, a Triton backend without a GPU), as
+argparse does for a bad flag; status 1 for what fails later (weights that do not load, a warm-up
+step that fails, a port in use).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -277,13 +278,23 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (HF names). Raises ValueError naming the file when there is no
+    weights file or one is not readable safetensors (truncated, corrupt); OSError for a missing shard."""
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return load_file(single)
+        return _load_weights(single)
     index = model_dir / "model.safetensors.index.json"
     if not index.is_file():
         raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(model_dir / shard))
+        state.update(_load_weights(model_dir / shard))
     return state
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}): the checkpoint's weights "
+                         "are damaged or incomplete") from None

@@ -5,6 +5,7 @@ a directory that is not a decoder is refused in one line before any service star
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -107,6 +108,20 @@ def test_the_decoder_refuses_the_same_way_at_its_own_start(tmp_path):
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"python -m tessera.decoder: error: decoder model dir {str(directory)!r} "
                                           "has no weights: neither model.safetensors nor model.safetensors.index.json"]
+
+
+def test_damaged_weights_are_refused_in_one_line_naming_the_file(tmp_path):
+    """A checkpoint that passes the directory check but whose weights are not safetensors (a
+    truncated download): the decoder exits 1 at load with one line, not a safetensors traceback."""
+    directory = tmp_path / "damaged"
+    shutil.copytree(default_decoder_dir(), directory, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = directory / "model.safetensors"
+    weights.write_bytes(b"garbage")
+    result = subprocess.run([sys.executable, "-m", "tessera.decoder", "--model-dir", str(directory),
+                             "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=180)
+    lines = result.stderr.strip().splitlines()  # the config's INFO lines (its automatic choices), then why
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[-1].startswith(f"decoder: {weights} is not a readable safetensors file ("), lines
 
 
 def test_demo_pairing_and_explicit_sections(tmp_path):
