@@ -41,4 +41,3 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPUs, {gpu}, torch "
             f"{torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
-

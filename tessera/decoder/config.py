@@ -82,7 +82,8 @@ another pairing is refused here, naming the flag.
     adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
                                              "refetching)")
     dtype: str = _flag(AUTO, f"model dtype: auto (the checkpoint's; on a CPU, bfloat16 and float16 serve as "
-                             f"bfloat16 where it computes bf16 natively, else float32; none declared: float32) or one of {', '.join(DTYPES)}")
+                             f"bfloat16 where it computes bf16 natively, else float32; none declared: float32) "
+                             f"or one of {', '.join(DTYPES)}")
     enable_prefix_caching: bool = _flag(True, "share KV blocks of full prompt blocks between requests",
                                         flag="--prefix-caching")
     attention_backend: str = _flag(AUTO, "paged attention implementation: auto (triton on a GPU, cpu where its C "
