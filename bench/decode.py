@@ -113,8 +113,8 @@ def hf_batched(model, work, batch: int = 16) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def engine_overhead(model_dir: Path, backend: str, dtype: str, batch: int = 16, context: int = 128,
-                    steps: int = 32) -> tuple[list, list]:
+def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "auto", batch: int = 16,
+                    context: int = 128, steps: int = 32) -> tuple[list, list]:
     """Seconds per engine step at `batch` x `context` while all rows decode, and seconds of the engine's
     own model forward + lm_head inside those steps (one sample per step)."""
     from tessera.decoder.config import DecoderConfig
@@ -122,7 +122,7 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, batch: int = 16, 
     from tessera.decoder.types import GenerateInput, SamplingParams
 
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
-                                        attention_backend=backend, dtype=dtype))
+                                        attention_backend=backend, linear_backend=linear, dtype=dtype))
     stamps, forwards = [], []
     schedule, logits = engine.scheduler.schedule, engine.runner.logits
 
@@ -157,7 +157,7 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, batch: int = 16, 
     return [b - a for a, b in zip(stamps, stamps[1:])], forwards
 
 
-def overhead_child(model_dir: Path, backend: str, dtype: str, rounds: int = 3) -> dict:
+def overhead_child(model_dir: Path, backend: str, dtype: str, linear: str, rounds: int = 3) -> dict:
     """Engine steps and bare transformers forwards, alternated `rounds` times (the machine's speed
     drifts; both sides see the same drift). Each side computes on a thread of its own that ends
     with it, so only one OpenMP team is alive at a time, as in a decoder process (tessera/common/
@@ -176,7 +176,7 @@ def overhead_child(model_dir: Path, backend: str, dtype: str, rounds: int = 3) -
     steps, forwards, bares = [], [], []
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     for _ in range(rounds):
-        step, forward = engine_overhead(model_dir, backend, dtype)  # the engine computes on its own thread
+        step, forward = engine_overhead(model_dir, backend, dtype, linear)  # the engine computes on its own thread
         steps += step
         forwards += forward
         bares += on_own_thread(bare_forward, model)
@@ -184,7 +184,7 @@ def overhead_child(model_dir: Path, backend: str, dtype: str, rounds: int = 3) -
     return {"step": median(steps), "forward": median(forwards), "bare": median(bares)}
 
 
-def overhead(model_dir: Path, backend: str, dtype: str) -> dict:
+def overhead(model_dir: Path, backend: str, dtype: str, linear: str) -> dict:
     """`overhead_child` in a fresh process with a decoder service's environment (tessera/common/
     launch.py), as the engine runs in production; the bare forward shares that process."""
     import json
@@ -192,7 +192,8 @@ def overhead(model_dir: Path, backend: str, dtype: str) -> dict:
 
     from tessera.common.launch import service_env
 
-    done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir), backend, dtype], env=service_env(),
+    done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir), backend, dtype,
+                           linear], env=service_env(),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"engine overhead measurement failed:\n{done.stderr[-4000:]}")
@@ -227,6 +228,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the decoder's attention backend for the measured runs and the engine overhead "
                              "(default cpu, the C decode kernel); with cpu or triton the default torch "
                              "backend is also measured once, for comparison")
+    parser.add_argument("--linear-backend", default="auto", choices=("auto", "cpu", "torch"),
+                        help="the decoder's linear backend for the measured runs and the engine overhead "
+                             "(default auto: the C decode GEMM on the CPU where it builds)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model dtype of the decoder, the engine step, the anchors and the matmul probe")
     parser.add_argument("--decoder-only", action="store_true",
@@ -241,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     work = workload(args.num_requests, tuple(args.prompt_range), tuple(args.tokens_range))
     shape = ModelShape.read(args.model_dir)
     peaks = matmul_peak(shape, getattr(torch, args.dtype))  # before any decoder competes for the cores
-    flags = ["--max-model-len", "2048", "--dtype", args.dtype, *args.decoder_flags.split()]
+    flags = ["--max-model-len", "2048", "--dtype", args.dtype, "--linear-backend", args.linear_backend,
+             *args.decoder_flags.split()]
     process, address = start_decoder(args.model_dir, [*flags, "--attention-backend", args.attention_backend],
                                      RESULTS / "decode-server.log")
     # This machine's speed drifts by 10-25% over minutes: each anchor is bracketed by a decoder run
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     anchors = {}
     try:
         runs = [asyncio.run(_grpc_run(address, work))]
-        cost = overhead(args.model_dir, args.attention_backend, args.dtype)
+        cost = overhead(args.model_dir, args.attention_backend, args.dtype, args.linear_backend)
         if not args.decoder_only:
             from transformers import AutoModelForCausalLM
 
@@ -326,6 +331,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--overhead-child"]:
         import json
 
-        print(json.dumps(overhead_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4])))
+        print(json.dumps(overhead_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])))
         sys.exit(0)
     sys.exit(main(sys.argv[1:]))

@@ -19,6 +19,7 @@ from tessera.common.paths import default_decoder_dir
 from tessera.common.server import default_address
 from tessera.decoder.attention import ATTENTION_BACKENDS, resolve_attention_backend
 from tessera.decoder.kernels import native
+from tessera.decoder.linear import KERNEL_ROWS, LINEAR_BACKENDS, resolve_linear_backend
 from tessera.decoder.lora.registry import LORA_BACKENDS, check_dtype, resolve_lora_backend
 from tessera.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from tessera.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
@@ -50,6 +51,8 @@ then) and compute the dtype (float32, bfloat16), else "torch". Attention: "torch
 "triton" (paged attention kernel; needs a GPU, or TRITON_INTERPRET=1 on CPU, and a power-of-two
 block_size) or "cpu" (decode rows in a C kernel; faster decode attention than the torch path on
 long contexts: bench/results/kernels.md).
+`linear_backend`: "auto" (default) resolves here to "cpu" (the C decode GEMM for decode-sized
+batches, tessera/decoder/linear.py) on a CPU without AVX-512 where the kernels build, else "torch".
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
@@ -91,6 +94,11 @@ another pairing is refused here, naming the flag.
                                          "cpu: decode rows in a C kernel (needs a C compiler with OpenMP; float32, "
                                          "bfloat16)",
                                    choices=(AUTO, *ATTENTION_BACKENDS))
+    linear_backend: str = _flag(AUTO, "dense projections and lm_head of decode steps: auto (cpu on a CPU without "
+                                      "AVX-512 where its C kernel builds, else torch), torch (MKL), or cpu: a C "
+                                      f"decode GEMM for steps of up to {KERNEL_ROWS} rows (float32; bfloat16 "
+                                      "weights read directly)",
+                                choices=(AUTO, *LINEAR_BACKENDS))
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
     wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
@@ -109,11 +117,12 @@ another pairing is refused here, naming the flag.
     def _check_device(self) -> None:
         """Resolve `device` ("auto" is the CPU when a cpu backend is chosen); refuse a backend that
         cannot compute there (triton: CUDA or Triton's interpreter; cpu: the CPU), naming its flag."""
-        cpu_backend = "cpu" in (self.attention_backend, self.lora_backend)
+        cpu_backend = "cpu" in (self.attention_backend, self.lora_backend, self.linear_backend)
         self.torch_device = resolve_device("cpu" if self.device == "auto" and cpu_backend else self.device)
         on_cuda = self.torch_device.type == "cuda"
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        for flag, backend in (("--attention-backend", self.attention_backend), ("--lora-backend", self.lora_backend)):
+        for flag, backend in (("--attention-backend", self.attention_backend), ("--lora-backend", self.lora_backend),
+                              ("--linear-backend", self.linear_backend)):
             if backend == "triton" and not (on_cuda or interpreted):
                 where = f"--device is {self.device}" if torch.cuda.is_available() else "this machine has none"
                 raise ValueError(f"{flag} triton needs a CUDA device or TRITON_INTERPRET=1; {where}")
@@ -141,6 +150,8 @@ another pairing is refused here, naming the flag.
         if self.attention_backend not in (AUTO, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {(AUTO, *ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.linear_backend not in (AUTO, *LINEAR_BACKENDS):
+            raise ValueError(f"linear_backend must be one of {(AUTO, *LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if self.dtype not in (AUTO, *DTYPES):
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
         if self.dtype != AUTO:  # refused before config.json is read; "auto" is checked once resolved
@@ -151,6 +162,9 @@ another pairing is refused here, naming the flag.
             ATTENTION_BACKENDS[self.attention_backend].check_config(self.block_size, self.dtype)
         if self.lora_backend != AUTO:
             check_dtype(self.lora_backend, self.dtype)
+        if self.linear_backend == "cpu" and self.dtype not in native.DTYPES:
+            raise ValueError(f"the cpu linear backend computes {' and '.join(native.DTYPES)} only, got dtype "
+                             f"{self.dtype!r}")
 
     def _resolve_precision(self, device: torch.device) -> None:
         """dtype "auto" from the checkpoint, then "auto" backends for `device` and that dtype (building
@@ -162,6 +176,7 @@ another pairing is refused here, naming the flag.
         self.attention_backend = resolve_attention_backend(self.attention_backend, device, self.dtype,
                                                            self.block_size)
         self.lora_backend = resolve_lora_backend(self.lora_backend, device, self.dtype)
+        self.linear_backend = resolve_linear_backend(self.linear_backend, device, self.dtype)
 
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""

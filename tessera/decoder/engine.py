@@ -154,7 +154,8 @@ class LLMEngine:
                                      compute_dtype=self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager,
                                   LoRAContext(self.bank, make_backend(config.lora_backend)),
-                                  config.mrope_section is not None, config.attention_backend)
+                                  config.mrope_section is not None, config.attention_backend,
+                                  config.linear_backend)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -173,8 +174,9 @@ class LLMEngine:
             log.error("the decoder's warm-up step failed", exc_info=error)
             cause = next(iter(str(error).strip().splitlines()), "")
             raise ValueError(f"the warm-up step failed on --device {config.device} ({self.device}) with "
-                             f"--attention-backend {config.attention_backend} and --lora-backend "
-                             f"{config.lora_backend}: {type(error).__name__}: {cause}") from error
+                             f"--attention-backend {config.attention_backend}, --lora-backend "
+                             f"{config.lora_backend} and --linear-backend {config.linear_backend}: "
+                             f"{type(error).__name__}: {cause}") from error
 
     # ---- setup helpers -------------------------------------------------------------------
     def _image_token_id(self) -> int | None:

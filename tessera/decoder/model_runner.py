@@ -24,6 +24,7 @@ from tessera.common.errors import FailedPrecondition, InvalidArgument, TesseraEr
 from tessera.decoder.attention import AttentionMetadata, make_attention_backend
 from tessera.decoder.block_manager import BlockManager
 from tessera.decoder.kv_cache import KVCache
+from tessera.decoder.linear import attach_gemm, make_linear_backend
 from tessera.decoder.lora import BASE_SLOT, LoRAContext, attach_context
 from tessera.decoder.model_llama import LlamaForCausalLM
 from tessera.decoder.request import Request
@@ -46,14 +47,17 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
-                 lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch") -> None:
-        """`attention_backend`: a name in tessera/decoder/attention's registry, constructed here.
+                 lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch",
+                 linear_backend: str = "torch") -> None:
+        """`attention_backend`: a name in tessera/decoder/attention's registry, constructed here;
+        `linear_backend`: "torch" or "cpu" (the C decode GEMM, tessera/decoder/linear.py).
 
         Raises:
             ValueError: an unknown backend, or one that cannot run on this machine.
         """
         self.attention = make_attention_backend(attention_backend)
         self.model = model
+        attach_gemm(model, make_linear_backend(linear_backend))
         self.cache = cache
         self.block_manager = block_manager
         self.lora = lora  # this runner's per-step LoRA state; the model's LoRALinear layers call it

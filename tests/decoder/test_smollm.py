@@ -113,6 +113,19 @@ def test_sixteen_concurrent_mixed_lengths(smollm, attention_backend):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("linear_backend", ["cpu", "torch"])
+def test_each_linear_backend_with_chunked_prefill(smollm, linear_backend):
+    """Both linear backends, whatever auto picks on this CPU: decode steps of 1..16 rows and prefill
+    chunks of up to 40 rows (through the C decode GEMM up to 32 rows, MKL above)."""
+    model_dir, _, prompts, _, refs = smollm
+    engine = _engine(model_dir, "cpu", linear_backend=linear_backend, max_num_batched_tokens=40)
+    try:
+        assert engine.config.linear_backend == linear_backend
+        _check(engine, refs, prompts)
+    finally:
+        engine.shutdown()
+
+
 def test_chunked_prefill_every_prompt_chunked(smollm, attention_backend):
     model_dir, _, prompts, _, refs = smollm
     engine = _engine(model_dir, attention_backend, max_num_batched_tokens=16)

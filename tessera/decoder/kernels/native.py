@@ -23,19 +23,22 @@ import threading
 from functools import cache
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name("paged_attention.c"), Path(__file__).with_name("lora_bgmv.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
 VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 code
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT]
 _BGMV_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
+_GEMM_ARGS = [_P, _I64, _I64, _P, _P, _P, _I64, _INT]
 # name -> (restype, argtypes)
 _SIGNATURES = {
     "tessera_paged_decode_attention_f32": (_INT, _ATTENTION_ARGS),
     "tessera_paged_decode_attention_bf16": (_INT, _ATTENTION_ARGS),
     "tessera_lora_bgmv_f32": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
+    "tessera_gemm_f32": (None, _GEMM_ARGS),
+    "tessera_gemm_bf16": (None, _GEMM_ARGS),
     "tessera_kernels_variant": (ctypes.c_char_p, []),
 }
 _lock = threading.Lock()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.decoder.linear import linear
+from tessera.decoder.linear import CpuGemm, linear
 from tessera.decoder.lora.context import LoRAContext
 
 
@@ -21,9 +21,10 @@ class LoRALinear(nn.Linear):
 
     lora_slices: tuple[tuple[str, int, int], ...] = ()
     lora_context: LoRAContext | None = None
+    gemm: CpuGemm | None = None  # the C decode GEMM where the cpu linear backend runs (linear.attach_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.gemm)
         if self.lora_context is not None and self.lora_context.active:
             if len(self.lora_slices) == 1:
                 self.lora_context.apply(self.lora_slices[0][0], x, y)
