@@ -21,7 +21,8 @@ In one run on one machine:
      those shapes). Flops = 2 * linear params * forwarded tokens + 4 * layers * heads * head_dim *
      (p + 1) per token at position p (attention) + 2 * hidden * vocab per sampled token (lm_head);
      see bench/_flops.py.
-`--dtype bfloat16` runs the decoder, the engine step and the transformers anchors in bf16;
+`--linear-backend` (default auto: the C decode GEMM on a CPU without AVX-512) applies to the runs
+and the engine step. `--dtype bfloat16` runs the decoder, the engine step and the transformers anchors in bf16;
 `--decoder-only` skips the anchors and the comparison backend (steps 2 and 4), for before/after
 measurements. Targets (issue 3): >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one
 table and rewrites bench/results/decode.md (decode-DTYPE.md for another dtype; decoder-only runs

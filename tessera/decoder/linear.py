@@ -43,8 +43,9 @@ class CpuGemm:
     """The C decode GEMM (kernels/gemm.c): y = x @ W.T (+ b) for decode-sized batches on the CPU.
 
     W (and b) float32 or bfloat16; x of W's dtype (a bf16 x is widened to float32, exactly); y of
-    W's dtype, summed in float32 and rounded once. Each output is summed in one fixed order
-    whatever the batch (kernels/gemm.c), so a row's numbers do not depend on its batch.
+    W's dtype, summed in float32 and rounded once. In the kernel each output is summed in one fixed
+    order whatever the batch (kernels/gemm.c): within steps the kernel takes, a row's numbers do
+    not depend on its batch (larger steps go to MKL, whose order differs).
 
     Batches of up to KERNEL_ROWS rows run in the kernel. bf16 on a CPU without native bf16
     (`native_bf16` False: no AVX512-BF16 or AMX, where torch's bf16 GEMMs are emulated) runs in the
@@ -67,7 +68,8 @@ class CpuGemm:
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `x` [rows, in] @ `weight` [out, in] is this backend's: on the CPU in a dtype it
         computes, and a decode-sized batch (any batch for bf16 without native bf16)."""
-        if not (x.dim() == 2 and x.shape[0] > 0 and x.device.type == "cpu" and weight.dtype in self._kernels
+        if not (x.dim() == 2 and weight.dim() == 2 and x.shape[0] > 0 and x.shape[1] == weight.shape[1]
+                and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype in self._kernels
                 and x.dtype == weight.dtype and weight.is_contiguous()):
             return False
         return x.shape[0] <= self._rows[weight.dtype] or (weight.dtype == torch.bfloat16 and not self.native_bf16)
@@ -77,10 +79,12 @@ class CpuGemm:
         caller checked `takes`."""
         if x.shape[0] > self._rows[weight.dtype]:  # bf16, no native bf16: MKL float32 on widened operands
             return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(weight.dtype)
-        x = x.float().contiguous()  # a view of x when already float32 and contiguous
-        y = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype)
         if bias is not None:
-            bias = bias.to(weight.dtype).contiguous()
+            if bias.shape != weight.shape[:1]:
+                raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+            bias = bias.to("cpu", weight.dtype).contiguous()
+        x = x.float().contiguous()  # a view of x when already float32 and contiguous
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype, device="cpu")
         self._kernels[weight.dtype](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
                                     None if bias is None else bias.data_ptr(), y.data_ptr(), weight.shape[0],
                                     torch.get_num_threads())
@@ -101,7 +105,7 @@ def make_linear_backend(name: str) -> CpuGemm | None:
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
     """`name` itself, or for "auto" the fastest that runs: "cpu" on a CPU without AVX-512 where the
-    C kernels build and compute `dtype` (built now), else "torch". The kernel is AVX2 code: it beat
+    C kernels build with the AVX2 + FMA decode GEMM and compute `dtype` (built now), else "torch". The kernel is AVX2 code: it beat
     MKL on an AVX2-only CPU (bench/results/gemm.md) and has not been measured against AVX-512 MKL or
     native bf16, so those CPUs keep torch. An automatic choice is logged with its reason."""
     if name != "auto":
@@ -111,7 +115,9 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
         from tessera.decoder.kernels import native
 
         reason = native.unavailable(dtype)
-        if reason is None and "avx512f" in native.cpu_flags():
+        if reason is None and native.gemm_variant() != "avx2":
+            reason = "the decode GEMM was built without AVX2 + FMA (scalar code is slower than MKL)"
+        elif reason is None and "avx512f" in native.cpu_flags():
             reason = "the CPU has AVX-512: MKL's AVX-512 GEMMs stay (the AVX2 kernel is unmeasured there)"
     else:
         reason = f"no decode GEMM kernel for {device.type} devices"

@@ -57,28 +57,36 @@ def test_bfloat16_weights_round_once_from_a_float32_sum():
             assert (y == rounded).double().mean() > 0.99
 
 
-def test_a_rows_numbers_do_not_depend_on_its_batch_or_the_thread_count():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_numbers_do_not_depend_on_its_batch_or_the_thread_count(dtype):
     torch.manual_seed(2)
-    gemm = CpuGemm()
-    weight, bias = torch.randn(3 * 97 + 2, 584) * 0.1, torch.randn(3 * 97 + 2)
-    batch = torch.randn(KERNEL_ROWS, 584)
-    full = gemm(batch, weight, bias)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single_thread = gemm(batch, weight, bias)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(full, single_thread)
+    library = native.load()
+    kernel = library.tessera_gemm_f32 if dtype == torch.float32 else library.tessera_gemm_bf16
+    weight, bias = (torch.randn(3 * 97 + 2, 589) * 0.1).to(dtype), torch.randn(3 * 97 + 2).to(dtype)  # k tail 5
+
+    def gemm(x, threads):
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=dtype)
+        kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), bias.data_ptr(), y.data_ptr(),
+               weight.shape[0], threads)
+        return y
+
+    batch = torch.randn(KERNEL_ROWS, 589)
+    full = gemm(batch, 2)
+    for threads in (1, 3):
+        assert torch.equal(gemm(batch, threads), full), threads
     for start, rows in ((0, 1), (5, 1), (3, 6), (17, 15)):
-        alone = gemm(batch[start:start + rows], weight, bias)
+        alone = gemm(batch[start:start + rows].contiguous(), 2)
         assert torch.equal(alone, full[start:start + rows]), (start, rows)
 
 
 def test_the_portable_build_gives_the_same_bits():
-    """The AVX2 code (where the compiler targets it) and the portable code sum in one order."""
+    """The AVX2 code and the portable code sum in one order."""
+    if not {"avx2", "fma"} <= native.cpu_flags():
+        pytest.skip("no AVX2 + FMA on this CPU: both builds are the portable code")
+    assert native.gemm_variant() == "avx2"
     torch.manual_seed(3)
     portable = native.build(portable=True)
+    assert native.gemm_variant(portable) == "portable"
     weight, bias = torch.randn(100, 203) * 0.1, torch.randn(100)
     x = torch.randn(11, 203)
     expected = CpuGemm()(x, weight, bias)
@@ -95,9 +103,13 @@ def test_the_portable_build_gives_the_same_bits():
 def test_other_inputs_go_to_f_linear_bit_for_bit():
     gemm = CpuGemm()
     weight, bias = torch.randn(64, 32), torch.randn(64)
-    for x in (torch.randn(KERNEL_ROWS + 1, 32), torch.randn(2, 3, 32), torch.randn(0, 32)):
+    for x in (torch.randn(KERNEL_ROWS + 1, 32), torch.randn(2, 3, 32), torch.randn(0, 32), torch.randn(2, 16)):
         assert not gemm.takes(x, weight)
-        assert torch.equal(linear(x, weight, bias, gemm), F.linear(x, weight, bias))
+        if x.shape[-1] == weight.shape[1]:
+            assert torch.equal(linear(x, weight, bias, gemm), F.linear(x, weight, bias))
+        else:  # a width mismatch is torch's error, never a read past the weights
+            with pytest.raises(RuntimeError):
+                linear(x, weight, bias, gemm)
     half = torch.randn(4, 32).half()
     assert not gemm.takes(half, weight.half())
     assert torch.equal(linear(half, weight.half(), None, gemm), F.linear(half, weight.half()))

@@ -121,6 +121,9 @@ def test_each_linear_backend_with_chunked_prefill(smollm, linear_backend):
     engine = _engine(model_dir, "cpu", linear_backend=linear_backend, max_num_batched_tokens=40)
     try:
         assert engine.config.linear_backend == linear_backend
+        kernel = linear_backend == "cpu"  # the C decode GEMM is attached to every projection and the lm_head
+        assert (engine.model.gemm is not None) == kernel
+        assert (engine.model.model.layers[0].mlp.down_proj.gemm is not None) == kernel
         _check(engine, refs, prompts)
     finally:
         engine.shutdown()

@@ -29,15 +29,14 @@
 #define GEMM_AVX2 0
 #endif
 
-#ifndef NB
-#define NB 3
+#ifndef NB  /* -DNB=, -DMB= for tuning; the AVX2 tile holds NB x MB accumulators, NB + 1 operands */
+#define NB 3  /* weight rows (outputs) per tile */
 #endif
-#define NB_  /* weight rows (outputs) per tile */
 #ifndef MB
-#define MB 4
+#define MB 4  /* rows of x per tile */
 #endif
-#define MB_  /* rows of x per tile */
 #define LANES 8
+_Static_assert(NB >= 1 && NB <= 3 && MB >= 1 && MB <= 4, "the tail switches below cover NB <= 3, MB <= 4");
 
 /* element k of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float32 */
 #define LOAD(p, k) (bf16 ? bf16_to_f32(((const bf16_t *)(p))[k]) : ((const float *)(p))[k])
@@ -183,4 +182,11 @@ void tessera_gemm_bf16(const float *x, int64_t m_rows, int64_t k_features, const
                        bf16_t *y, int64_t n_features, int num_threads)
 {
     gemm(x, m_rows, k_features, w, bias, y, n_features, num_threads, 1);
+}
+
+/* "avx2" where the AVX2 + FMA tile was compiled (the compiler targets such a CPU and TESSERA_PORTABLE
+   is not defined), else "portable" (scalar FMAs: slower than MKL; linear.py's auto keeps torch then) */
+const char *tessera_gemm_variant(void)
+{
+    return GEMM_AVX2 ? "avx2" : "portable";
 }

@@ -9,7 +9,9 @@ team; callers pass `torch.get_num_threads()` of that thread. The math library's 
 Each kernel computes float32 or bfloat16 (`DTYPES`; bf16 in memory, float32 sums). The bf16 dot
 products use AVX512-BF16 (VDPBF16PS) when the compiler targets a CPU that has it (-march=native
 on such a machine), and portable widening code otherwise (bf16.h); `variant()` says which was
-built. TESSERA_CPU_KERNELS=portable forces the portable code on any machine.
+built. The decode GEMM (gemm.c) runs AVX2 + FMA tiles where the compiler targets them, scalar code
+otherwise (`gemm_variant()`). TESSERA_CPU_KERNELS=portable forces the portable code of both on any
+machine.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _SIGNATURES = {
     "tessera_gemm_f32": (None, _GEMM_ARGS),
     "tessera_gemm_bf16": (None, _GEMM_ARGS),
     "tessera_kernels_variant": (ctypes.c_char_p, []),
+    "tessera_gemm_variant": (ctypes.c_char_p, []),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -100,6 +103,12 @@ def load() -> ctypes.CDLL:
         if _library is None:
             _library = build(portable=os.environ.get(VARIANT_ENV, "") == "portable")
         return _library
+
+
+def gemm_variant(library: ctypes.CDLL | None = None) -> str:
+    """Which decode GEMM `library` (default: the process's, built if needed) runs: "avx2" (AVX2 + FMA
+    tiles) or "portable" (scalar; also under TESSERA_CPU_KERNELS=portable). Raises RuntimeError as `load`."""
+    return (library or load()).tessera_gemm_variant().decode()
 
 
 def variant(library: ctypes.CDLL | None = None) -> str:
