@@ -53,7 +53,7 @@ def test_config_resolves_auto_from_a_bf16_checkpoint(tiny_llama, tmp_path, caplo
     built = native.unavailable("bfloat16") is None
     assert (config.attention_backend, config.lora_backend) == (("cpu", "cpu") if built else ("torch", "torch"))
     chosen = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
-    assert len(chosen) == 3 and any("bfloat16" in line for line in chosen)  # dtype, attention, lora: once each
+    assert len(chosen) == 4 and any("bfloat16" in line for line in chosen)  # dtype + 3 backends, once each
     explicit = DecoderConfig(model_dir=str(model_dir), dtype="float32", attention_backend="torch")
     assert (explicit.dtype, explicit.attention_backend) == ("float32", "torch")
 
