@@ -21,7 +21,7 @@ The "cpu" linear backend (`CpuGemm`, `--linear-backend`) replaces both for decod
 `KERNEL_ROWS` rows: the C decode GEMM (kernels/gemm.c) streams each weight row once per step and
 reads bf16 weights directly (torch's bf16 GEMMs are emulated on CPUs without native bf16).
 Measured on the 2-core AVX2 machine (AMD EPYC, torch 2.13, SmolLM2-135M shapes, ms per step's
-projections, medians of interleaved rounds): bench/results/decode.md.
+projections, medians of interleaved rounds): bench/results/gemm.md.
 """
 
 from __future__ import annotations
@@ -105,9 +105,10 @@ def make_linear_backend(name: str) -> CpuGemm | None:
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
     """`name` itself, or for "auto" the fastest that runs: "cpu" on a CPU without AVX-512 where the
-    C kernels build with the AVX2 + FMA decode GEMM and compute `dtype` (built now), else "torch". The kernel is AVX2 code: it beat
-    MKL on an AVX2-only CPU (bench/results/gemm.md) and has not been measured against AVX-512 MKL or
-    native bf16, so those CPUs keep torch. An automatic choice is logged with its reason."""
+    C kernels build with the AVX2 + FMA decode GEMM and compute `dtype` (built now), else "torch".
+    The kernel is AVX2 code: it beat MKL on an AVX2-only CPU (bench/results/gemm.md) and has not
+    been measured against AVX-512 MKL or native bf16, so those CPUs keep torch. An automatic choice
+    is logged with its reason."""
     if name != "auto":
         return name
     reason = None
