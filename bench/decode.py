@@ -21,7 +21,7 @@ In one run on one machine:
      those shapes). Flops = 2 * linear params * forwarded tokens + 4 * layers * heads * head_dim *
      (p + 1) per token at position p (attention) + 2 * hidden * vocab per sampled token (lm_head);
      see bench/_flops.py.
-`--linear-backend` (default auto: the C decode GEMM on a CPU without AVX-512) applies to the runs
+`--linear-backend` (default auto: the C GEMM on packed weights on a CPU without AVX-512) applies to the runs
 and the engine step. `--dtype bfloat16` runs the decoder, the engine step and the transformers anchors in bf16;
 `--decoder-only` skips the anchors and the comparison backend (steps 2 and 4), for before/after
 measurements. Targets (issue 3): >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one
@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "backend is also measured once, for comparison")
     parser.add_argument("--linear-backend", default="auto", choices=("auto", "cpu", "torch"),
                         help="the decoder's linear backend for the measured runs and the engine overhead "
-                             "(default auto: the C decode GEMM on the CPU where it builds)")
+                             "(default auto: the C GEMM on the CPU where it builds)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model dtype of the decoder, the engine step, the anchors and the matmul probe")
     parser.add_argument("--decoder-only", action="store_true",

@@ -19,7 +19,7 @@ from tessera.common.paths import default_decoder_dir
 from tessera.common.server import default_address
 from tessera.decoder.attention import ATTENTION_BACKENDS, resolve_attention_backend
 from tessera.decoder.kernels import native
-from tessera.decoder.linear import KERNEL_ROWS, LINEAR_BACKENDS, resolve_linear_backend
+from tessera.decoder.linear import LINEAR_BACKENDS, resolve_linear_backend
 from tessera.decoder.lora.registry import LORA_BACKENDS, check_dtype, resolve_lora_backend
 from tessera.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from tessera.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
@@ -51,8 +51,8 @@ then) and compute the dtype (float32, bfloat16), else "torch". Attention: "torch
 "triton" (paged attention kernel; needs a GPU, or TRITON_INTERPRET=1 on CPU, and a power-of-two
 block_size) or "cpu" (decode rows in a C kernel; faster decode attention than the torch path on
 long contexts: bench/results/kernels.md).
-`linear_backend`: "auto" (default) resolves here to "cpu" (the C decode GEMM for decode-sized
-batches, tessera/decoder/linear.py) on a CPU without AVX-512 where the kernels build, else "torch".
+`linear_backend`: "auto" (default) resolves here to "cpu" (the C GEMM on packed weights,
+tessera/decoder/linear.py) on a CPU without AVX-512 where the kernels build, else "torch".
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
@@ -94,10 +94,9 @@ another pairing is refused here, naming the flag.
                                          "cpu: decode rows in a C kernel (needs a C compiler with OpenMP; float32, "
                                          "bfloat16)",
                                    choices=(AUTO, *ATTENTION_BACKENDS))
-    linear_backend: str = _flag(AUTO, "dense projections and lm_head of decode steps: auto (cpu on a CPU without "
-                                      "AVX-512 where its C kernel builds, else torch), torch (MKL), or cpu: a C "
-                                      f"decode GEMM for steps of up to {KERNEL_ROWS} rows (float32; bfloat16 "
-                                      "weights read directly)",
+    linear_backend: str = _flag(AUTO, "dense projections and lm_head: auto (cpu on a CPU without AVX-512 where "
+                                      "its C kernel builds, else torch), torch (MKL), or cpu: a C GEMM on weights "
+                                      "packed at load, every step (float32; bfloat16 weights read directly)",
                                 choices=(AUTO, *LINEAR_BACKENDS))
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
     wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "

@@ -17,11 +17,13 @@ Between runs 2-4 and 16-32 rows always favoured W @ x.T; 6-12 rows went either w
 and devices call `F.linear`, bit for bit as before. Both orientations give bit-identical
 results for 1 and >= 12 rows; for 2..9 rows they differ in summation order (~1e-6 relative).
 
-The "cpu" linear backend (`CpuGemm`, `--linear-backend`) replaces both for decode steps of up to
-`KERNEL_ROWS` rows: the C decode GEMM (kernels/gemm.c) streams each weight row once per step and
-reads bf16 weights directly (torch's bf16 GEMMs are emulated on CPUs without native bf16).
-Measured on the 2-core AVX2 machine (AMD EPYC, torch 2.13, SmolLM2-135M shapes, ms per step's
-projections, medians of interleaved rounds): bench/results/gemm.md.
+The "cpu" linear backend (`--linear-backend`) replaces both, for every step, decode and prefill:
+each weight is packed once, at load, into the panels of the C GEMM (kernels/gemm.c, a BLIS-style
+6 x 16 AVX2 micro-kernel) and the row-major copy is released, so the model holds one copy of its
+weights either way. The kernel reads bf16 weights directly (torch's bf16 GEMMs are emulated on CPUs
+without native bf16) and sums every output in one order whatever the batch. Measured on the 2-core
+AVX2 machine (AMD EPYC, torch 2.13, SmolLM2-135M shapes, medians of interleaved rounds):
+bench/results/gemm.md.
 """
 
 from __future__ import annotations
@@ -33,62 +35,85 @@ import torch.nn.functional as F
 from torch import nn
 
 TRANSPOSED_ROWS = range(2, 33)  # row counts that take W @ x.T (the table above)
-KERNEL_ROWS = 32  # the most rows the C decode GEMM takes (the default max_num_seqs); larger: MKL
-WIDENED_BF16_KERNEL_ROWS = 128  # the same for bf16 on a CPU without native bf16 (bench/results/gemm.md)
+PANEL_WIDTH = 16  # output columns per packed panel (kernels/gemm.c NR)
 LINEAR_BACKENDS = ("torch", "cpu")
+_DTYPES = (torch.float32, torch.bfloat16)  # what the C GEMM computes
 log = logging.getLogger(__name__)
 
 
-class CpuGemm:
-    """The C decode GEMM (kernels/gemm.c): y = x @ W.T (+ b) for decode-sized batches on the CPU.
+class PackedWeight:
+    """A weight [out, in] packed for the C GEMM, callable as y = x @ W.T (+ b).
 
-    W (and b) float32 or bfloat16; x of W's dtype (a bf16 x is widened to float32, exactly); y of
-    W's dtype, summed in float32 and rounded once. In the kernel each output is summed in one fixed
-    order whatever the batch (kernels/gemm.c): within steps the kernel takes, a row's numbers do
-    not depend on its batch (larger steps go to MKL, whose order differs).
-
-    Batches of up to KERNEL_ROWS rows run in the kernel. bf16 on a CPU without native bf16
-    (`native_bf16` False: no AVX512-BF16 or AMX, where torch's bf16 GEMMs are emulated) runs in the
-    kernel up to WIDENED_BF16_KERNEL_ROWS rows and, above that, as an MKL float32 GEMM of the exactly
-    widened operands, rounded once: the same sum in another order.
-
-    Raises (constructor): RuntimeError as `native.load` (no C compiler with OpenMP).
+    `panels` [ceil(out / PANEL_WIDTH), in, PANEL_WIDTH] of the weight's dtype (float32 or bfloat16):
+    panels[p][k][j] = W[p * PANEL_WIDTH + j][k], zero past `out_features` (kernels/gemm.c).
     """
 
-    def __init__(self, native_bf16: bool | None = None) -> None:
-        """`native_bf16`: whether the CPU computes bf16 natively (None: read /proc/cpuinfo)."""
+    def __init__(self, kernel, weight: torch.Tensor) -> None:
+        out_features, in_features = weight.shape
+        panels = -(-out_features // PANEL_WIDTH)
+        padded = weight.detach()
+        if panels * PANEL_WIDTH != out_features:
+            padded = torch.cat([padded, padded.new_zeros(panels * PANEL_WIDTH - out_features, in_features)])
+        self.panels = padded.reshape(panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+        self.out_features, self.in_features, self.dtype = out_features, in_features, weight.dtype
+        self._kernel = kernel
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] float32 or bfloat16 on the CPU, bias [out] or None -> y [rows, out] of the
+        weight's dtype, contiguous: the float32 sums rounded once (a bf16 x is widened exactly).
+
+        Raises:
+            ValueError: x not [rows, in] on the CPU in float32 or bfloat16, or bias not [out] (the
+                weight's row-major copy was released: there is nothing to fall back to).
+        """
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.device.type != "cpu" or x.dtype not in _DTYPES:
+            raise ValueError(f"the packed GEMM takes x [rows, {self.in_features}] float32 or bfloat16 on the CPU, "
+                             f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+        if bias is not None:
+            if bias.shape != (self.out_features,):
+                raise ValueError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+            bias = bias.to("cpu", self.dtype).contiguous()
+        x = x.float().contiguous()  # a view of x when already float32 and contiguous
+        y = torch.empty(x.shape[0], self.out_features, dtype=self.dtype, device="cpu")
+        if x.shape[0]:
+            self._kernel(x.data_ptr(), x.shape[0], x.shape[1], self.panels.data_ptr(),
+                         None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
+                         torch.get_num_threads())
+        return y
+
+
+class CpuGemm:
+    """The C GEMM (kernels/gemm.c): packs weights (`pack`) for y = x @ W.T (+ b) on the CPU.
+
+    Raises (constructor): RuntimeError as `native.load` (no C compiler with OpenMP), or a library
+    whose panel width is not PANEL_WIDTH.
+    """
+
+    def __init__(self) -> None:
         from tessera.decoder.kernels import native
 
         library = native.load()
+        if library.tessera_gemm_panel_width() != PANEL_WIDTH:
+            raise RuntimeError(f"kernels/gemm.c packs {library.tessera_gemm_panel_width()} columns per panel, "
+                               f"linear.py {PANEL_WIDTH}")
         self._kernels = {torch.float32: library.tessera_gemm_f32, torch.bfloat16: library.tessera_gemm_bf16}
-        self.native_bf16 = native.cpu_has_bf16() if native_bf16 is None else native_bf16
-        self._rows = {torch.float32: KERNEL_ROWS,
-                      torch.bfloat16: KERNEL_ROWS if self.native_bf16 else WIDENED_BF16_KERNEL_ROWS}
 
-    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether `x` [rows, in] @ `weight` [out, in] is this backend's: on the CPU in a dtype it
-        computes, and a decode-sized batch (any batch for bf16 without native bf16)."""
-        if not (x.dim() == 2 and weight.dim() == 2 and x.shape[0] > 0 and x.shape[1] == weight.shape[1]
-                and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype in self._kernels
-                and x.dtype == weight.dtype and weight.is_contiguous()):
-            return False
-        return x.shape[0] <= self._rows[weight.dtype] or (weight.dtype == torch.bfloat16 and not self.native_bf16)
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """weight [out, in] float32 or bfloat16 on the CPU -> its PackedWeight (a copy; `weight` is
+        left as it is). Raises ValueError for another rank, dtype or device."""
+        if weight.dim() != 2 or weight.dtype not in self._kernels or weight.device.type != "cpu":
+            raise ValueError(f"the C GEMM packs [out, in] float32 or bfloat16 weights on the CPU, "
+                             f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+        return PackedWeight(self._kernels[weight.dtype], weight)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, in], weight [out, in], bias [out] or None -> y [rows, out] (contiguous); the
-        caller checked `takes`."""
-        if x.shape[0] > self._rows[weight.dtype]:  # bf16, no native bf16: MKL float32 on widened operands
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(weight.dtype)
-        if bias is not None:
-            if bias.shape != weight.shape[:1]:
-                raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-            bias = bias.to("cpu", weight.dtype).contiguous()
-        x = x.float().contiguous()  # a view of x when already float32 and contiguous
-        y = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype, device="cpu")
-        self._kernels[weight.dtype](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), y.data_ptr(), weight.shape[0],
-                                    torch.get_num_threads())
-        return y
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is `linear`: the packed C GEMM once `attach_gemm` set `gemm`."""
+
+    gemm: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.gemm)
 
 
 def make_linear_backend(name: str) -> CpuGemm | None:
@@ -105,7 +130,7 @@ def make_linear_backend(name: str) -> CpuGemm | None:
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
     """`name` itself, or for "auto" the fastest that runs: "cpu" on a CPU without AVX-512 where the
-    C kernels build with the AVX2 + FMA decode GEMM and compute `dtype` (built now), else "torch".
+    C kernels build with the AVX2 + FMA GEMM and compute `dtype` (built now), else "torch".
     The kernel is AVX2 code: it beat MKL on an AVX2-only CPU (bench/results/gemm.md) and has not
     been measured against AVX-512 MKL or native bf16, so those CPUs keep torch. An automatic choice
     is logged with its reason."""
@@ -117,33 +142,39 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
 
         reason = native.unavailable(dtype)
         if reason is None and native.gemm_variant() != "avx2":
-            reason = "the decode GEMM was built without AVX2 + FMA (scalar code is slower than MKL)"
+            reason = "the C GEMM was built without AVX2 + FMA (scalar code is slower than MKL)"
         elif reason is None and "avx512f" in native.cpu_flags():
             reason = "the CPU has AVX-512: MKL's AVX-512 GEMMs stay (the AVX2 kernel is unmeasured there)"
     else:
-        reason = f"no decode GEMM kernel for {device.type} devices"
+        reason = f"no C GEMM for {device.type} devices"
     choice = "cpu" if reason is None else "torch"
     log.info("linear_backend auto: %s on %s for %s%s", choice, device, dtype, f" ({reason})" if reason else "")
     return choice
 
 
 def attach_gemm(model: nn.Module, gemm: CpuGemm | None) -> None:
-    """Point every module of `model` with a `gemm` attribute (LoRALinear, the causal LM's lm_head
-    projection) at `gemm` (None: torch)."""
+    """Pack the weight of every `Linear` of `model` (projections, the lm_head) for `gemm` and release
+    its row-major copy, unless another module shares it (a tied lm_head keeps the embedding's).
+    None (the torch backend) changes nothing. Once packed, a model runs on this backend only."""
+    if gemm is None:
+        return
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     for module in model.modules():
-        if hasattr(module, "gemm"):
-            module.gemm = gemm
+        if isinstance(module, Linear) and module.gemm is None:
+            module.gemm = gemm.pack(module.weight)
+            if id(module.weight) not in shared:
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gemm: CpuGemm | None = None) -> torch.Tensor:
+           gemm: PackedWeight | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x [rows, in], weight [out, in], bias [out] -> [rows, out], row-major.
 
-    `gemm`: the C decode GEMM, for the inputs it takes (`CpuGemm.takes`). Inputs of another rank,
-    dtype or device go to `F.linear` unchanged.
+    `gemm`: the weight packed for the C GEMM (which then computes, whatever the rows; `weight` is
+    not read). Raises ValueError as `PackedWeight.__call__`.
     """
-    if gemm is not None and gemm.takes(x, weight):
-        return gemm(x, weight, bias)
+    if gemm is not None:
+        return gemm(x, bias)
     if x.dim() != 2 or x.shape[0] not in TRANSPOSED_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     if bias is None:

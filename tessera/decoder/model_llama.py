@@ -26,7 +26,7 @@ from torch import nn
 from tessera.common.checkpoint import CheckpointConfig
 from tessera.decoder.attention import AttentionBackend, AttentionMetadata
 from tessera.decoder.kv_cache import KVCache
-from tessera.decoder.linear import CpuGemm, linear
+from tessera.decoder.linear import Linear
 from tessera.decoder.lora import LoRALinear
 from tessera.decoder.rotary import RotaryEmbedding, apply_rotary
 
@@ -197,7 +197,6 @@ class LlamaForCausalLM(nn.Module):
     norm -> logits."""
 
     attention_cls: type[LlamaAttention] = LlamaAttention
-    gemm: CpuGemm | None = None  # the lm_head's C decode GEMM where the cpu linear backend runs
 
     @classmethod
     def spec_from_config(cls, cfg: dict) -> LlamaSpec:
@@ -208,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = LlamaModel(spec, self.attention_cls)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_section)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -241,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Residual rows [rows, hidden] (from `forward`) -> final norm -> float32 logits [rows, vocab]."""
-        return linear(self.model.norm(hidden), self.lm_head.weight, gemm=self.gemm).float()
+        return self.lm_head(self.model.norm(hidden)).float()
 
 
 def load_checkpoint(model_cls: type[LlamaForCausalLM], checkpoint: CheckpointConfig, dtype: torch.dtype,

@@ -1,18 +1,20 @@
-"""The C decode GEMM (tessera/decoder/kernels/gemm.c through linear.CpuGemm): y = x @ W.T (+ b) for
-decode-sized batches, float32 and bfloat16 weights, against float64 references; a row's numbers do
-not depend on its batch, the thread count or the build variant; bf16 without native bf16 widens
-large batches for MKL; the backend's auto choice and refusals. Greedy ids and logits through the
-engine with either backend: tests/decoder/test_smollm.py."""
+"""The C GEMM (tessera/decoder/kernels/gemm.c through linear.CpuGemm / PackedWeight): y = x @ W.T (+ b)
+on weights packed into panels, for every row count, float32 and bfloat16 weights, against float64
+references; a row's numbers do not depend on its batch, the thread count or the build variant;
+packing releases the model's row-major weights (a tied lm_head keeps the embedding); bad inputs
+are refused; the backend's auto choice and refusals. Greedy ids and logits through the engine with
+either backend: tests/decoder/test_smollm.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tessera.decoder.config import DecoderConfig
 from tessera.decoder.kernels import native
-from tessera.decoder.linear import KERNEL_ROWS, WIDENED_BF16_KERNEL_ROWS, CpuGemm, linear
+from tessera.decoder.linear import PANEL_WIDTH, CpuGemm, Linear, attach_gemm, linear
 
 pytestmark = pytest.mark.skipif(native.unavailable("float32") is not None, reason="no C compiler with OpenMP")
 
@@ -22,17 +24,25 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.parametrize("in_features", [576, 100, 7])  # a multiple of 8; a tail of 4; tail only
-@pytest.mark.parametrize("out_features", [300, 301, 1])  # tiles of 3 weight rows; tails of 1 and 2
+def test_packing_lays_out_panels_of_output_columns():
+    weight = torch.arange(35 * 3, dtype=torch.float32).reshape(35, 3)  # two full panels and a tail of 3
+    packed = CpuGemm().pack(weight)
+    assert packed.panels.shape == (3, 3, PANEL_WIDTH) and packed.panels.is_contiguous()
+    for n in range(35):
+        assert torch.equal(packed.panels[n // PANEL_WIDTH, :, n % PANEL_WIDTH], weight[n])
+    assert not packed.panels[2, :, 3:].any()  # zero past the last column
+
+
+@pytest.mark.parametrize("in_features", [576, 100, 7])
+@pytest.mark.parametrize("out_features", [320, 301, 1])  # whole panels; a tail of 13; a tail only
 def test_float32_equals_a_float64_reference(in_features, out_features):
     torch.manual_seed(in_features + out_features)
-    gemm = CpuGemm()
     weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
-    for rows in (1, 2, 3, 4, 5, 16, 31, KERNEL_ROWS):
+    packed = CpuGemm().pack(weight)
+    for rows in (1, 2, 5, 6, 7, 16, 31, 32, 47, 48, 49, 130):  # micro-tiles of 6, chunks of 48, prefill sizes
         x = torch.randn(rows, in_features)
-        assert gemm.takes(x, weight)
         for b in (None, bias):
-            y = linear(x, weight, b, gemm)
+            y = linear(x, weight, b, packed)
             assert y.shape == (rows, out_features) and y.dtype == torch.float32 and y.is_contiguous()
             reference = _reference(x, weight, b)
             error = (y.double() - reference).abs().max().item()
@@ -41,12 +51,13 @@ def test_float32_equals_a_float64_reference(in_features, out_features):
 
 def test_bfloat16_weights_round_once_from_a_float32_sum():
     torch.manual_seed(1)
-    gemm = CpuGemm()
     weight, bias = (torch.randn(257, 576) * 0.05).bfloat16(), torch.randn(257).bfloat16()
-    for rows in (1, 4, 9, KERNEL_ROWS):
+    packed = CpuGemm().pack(weight)
+    assert packed.panels.dtype == torch.bfloat16  # half the bytes streamed
+    for rows in (1, 4, 9, 32, 100):
         x = torch.randn(rows, 576).bfloat16()
         for b in (None, bias):
-            y = linear(x, weight, b, gemm)
+            y = packed(x, b)
             assert y.dtype == torch.bfloat16 and y.shape == (rows, 257)
             exact = _reference(x, weight, b)  # bf16 x bf16 products are exact; only the sum order differs
             rounded = exact.to(torch.bfloat16)
@@ -57,30 +68,46 @@ def test_bfloat16_weights_round_once_from_a_float32_sum():
             assert (y == rounded).double().mean() > 0.99
 
 
+def _blocked_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The kernel's stated order (gemm.c): per block of 32 k, fma over k in increasing k from 0;
+    block partials added in order; then + bias. A float32 fma is reproduced exactly as a float64
+    product (exact for two floats) plus a float64 add, rounded once to float32."""
+    total = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for k0 in range(0, x.shape[1], block):
+        part = torch.zeros_like(total)
+        for k in range(k0, min(k0 + block, x.shape[1])):
+            part = (part.double() + x[:, k:k + 1].double() * weight[:, k].double()).float()
+        total = total + part
+    return total + bias
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_numbers_do_not_depend_on_its_batch_or_the_thread_count(dtype):
     torch.manual_seed(2)
-    library = native.load()
-    kernel = library.tessera_gemm_f32 if dtype == torch.float32 else library.tessera_gemm_bf16
-    weight, bias = (torch.randn(3 * 97 + 2, 589) * 0.1).to(dtype), torch.randn(3 * 97 + 2).to(dtype)  # k tail 5
+    weight, bias = (torch.randn(3 * PANEL_WIDTH + 5, 589) * 0.1).to(dtype), torch.randn(3 * PANEL_WIDTH + 5).to(dtype)
+    packed = CpuGemm().pack(weight)
 
     def gemm(x, threads):
-        y = torch.empty(x.shape[0], weight.shape[0], dtype=dtype)
-        kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), bias.data_ptr(), y.data_ptr(),
-               weight.shape[0], threads)
-        return y
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return packed(x, bias)
+        finally:
+            torch.set_num_threads(before)
 
-    batch = torch.randn(KERNEL_ROWS, 589)
+    batch = torch.randn(100, 589)  # two row chunks and a part, prefill-sized
     full = gemm(batch, 2)
     for threads in (1, 3):
         assert torch.equal(gemm(batch, threads), full), threads
-    for start, rows in ((0, 1), (5, 1), (3, 6), (17, 15)):
+    for start, rows in ((0, 1), (5, 1), (3, 6), (17, 15), (40, 60)):
         alone = gemm(batch[start:start + rows].contiguous(), 2)
         assert torch.equal(alone, full[start:start + rows]), (start, rows)
+    if dtype == torch.float32:  # and the order is the one gemm.c states
+        assert torch.equal(full[:3], _blocked_fma(batch[:3], weight, bias))
 
 
 def test_the_portable_build_gives_the_same_bits():
-    """The AVX2 code and the portable code sum in one order."""
+    """The AVX2 code and the portable code do the same fused multiply-adds in the same order."""
     if not {"avx2", "fma"} <= native.cpu_flags():
         pytest.skip("no AVX2 + FMA on this CPU: both builds are the portable code")
     assert native.gemm_variant() == "avx2"
@@ -89,43 +116,62 @@ def test_the_portable_build_gives_the_same_bits():
     assert native.gemm_variant(portable) == "portable"
     weight, bias = torch.randn(100, 203) * 0.1, torch.randn(100)
     x = torch.randn(11, 203)
-    expected = CpuGemm()(x, weight, bias)
-    y = torch.empty(11, 100)
-    portable.tessera_gemm_f32(x.data_ptr(), 11, 203, weight.data_ptr(), bias.data_ptr(), y.data_ptr(), 100, 2)
-    assert torch.equal(y, expected)
-    wb, bb = weight.bfloat16(), bias.bfloat16()
-    expected = CpuGemm()(x, wb, bb)
-    yb = torch.empty(11, 100, dtype=torch.bfloat16)
-    portable.tessera_gemm_bf16(x.data_ptr(), 11, 203, wb.data_ptr(), bb.data_ptr(), yb.data_ptr(), 100, 2)
-    assert torch.equal(yb, expected)
+    for w, b, kernel in ((weight, bias, portable.tessera_gemm_f32),
+                         (weight.bfloat16(), bias.bfloat16(), portable.tessera_gemm_bf16)):
+        packed = CpuGemm().pack(w)
+        expected = packed(x, b)
+        y = torch.empty(11, 100, dtype=w.dtype)
+        kernel(x.data_ptr(), 11, 203, packed.panels.data_ptr(), b.data_ptr(), y.data_ptr(), 100, 2)
+        assert torch.equal(y, expected), w.dtype
 
 
-def test_other_inputs_go_to_f_linear_bit_for_bit():
+def test_bad_inputs_are_refused_before_the_kernel_reads_anything():
     gemm = CpuGemm()
+    packed = gemm.pack(torch.randn(64, 32))
+    assert packed(torch.randn(0, 32)).shape == (0, 64)
+    for x in (torch.randn(2, 3, 32), torch.randn(2, 16), torch.randn(4, 32).half(), torch.randn(4, 32).double()):
+        with pytest.raises(ValueError, match=r"the packed GEMM takes x \[rows, 32\]"):
+            packed(x)
+    with pytest.raises(ValueError, match=r"bias must have shape \(64,\), got \(63,\)"):
+        packed(torch.randn(4, 32), torch.randn(63))
+    for weight in (torch.randn(4, 4).half(), torch.randn(2, 3, 4), torch.randn(4, 4).double()):
+        with pytest.raises(ValueError, match="the C GEMM packs"):
+            gemm.pack(weight)
+
+
+def test_the_torch_backend_is_f_linear_bit_for_bit():
     weight, bias = torch.randn(64, 32), torch.randn(64)
-    for x in (torch.randn(KERNEL_ROWS + 1, 32), torch.randn(2, 3, 32), torch.randn(0, 32), torch.randn(2, 16)):
-        assert not gemm.takes(x, weight)
-        if x.shape[-1] == weight.shape[1]:
-            assert torch.equal(linear(x, weight, bias, gemm), F.linear(x, weight, bias))
-        else:  # a width mismatch is torch's error, never a read past the weights
-            with pytest.raises(RuntimeError):
-                linear(x, weight, bias, gemm)
-    half = torch.randn(4, 32).half()
-    assert not gemm.takes(half, weight.half())
-    assert torch.equal(linear(half, weight.half(), None, gemm), F.linear(half, weight.half()))
+    for x in (torch.randn(33, 32), torch.randn(2, 3, 32), torch.randn(1, 32), torch.randn(4, 32).half()):
+        w, b = weight.to(x.dtype), bias.to(x.dtype)
+        assert torch.equal(linear(x, w, b), F.linear(x, w, b))
 
 
-def test_bf16_without_native_bf16_takes_every_batch_and_widens_large_ones_for_mkl():
-    torch.manual_seed(4)
-    gemm = CpuGemm(native_bf16=False)
-    weight, bias = (torch.randn(96, 64) * 0.1).bfloat16(), torch.randn(96).bfloat16()
-    x = torch.randn(WIDENED_BF16_KERNEL_ROWS + 7, 64).bfloat16()
-    assert gemm.takes(x, weight) and not CpuGemm(native_bf16=True).takes(x, weight)
-    y = linear(x, weight, bias, gemm)
-    assert y.dtype == torch.bfloat16
-    assert torch.equal(y, F.linear(x.float(), weight.float(), bias.float()).bfloat16())
-    small = linear(x[:5], weight, bias, gemm)  # in the kernel: the same rounding of an fp32 sum
-    assert (small.float() - y[:5].float()).abs().max() <= y[:5].float().abs().max() * 2 ** -7
+def test_attaching_packs_every_linear_and_releases_its_row_major_weight():
+    torch.manual_seed(5)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(40, 24)
+            self.proj = Linear(24, 24, bias=True)
+            self.head = Linear(24, 40, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.proj(self.embed(ids)))
+
+    model = Tied()
+    ids = torch.tensor([1, 5, 39])
+    with torch.no_grad():
+        expected = model(ids)
+        attach_gemm(model, CpuGemm())
+        assert model.proj.gemm is not None and model.head.gemm is not None
+        assert model.proj.weight.numel() == 0  # one copy of each weight: the packed one
+        assert model.head.weight is model.embed.weight and model.embed.weight.shape == (40, 24)  # tied: kept
+        y = model(ids)
+    assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5)
+    attach_gemm(model, None)  # the torch backend: nothing changes
+    assert model.proj.gemm is not None
 
 
 def test_the_linear_backend_auto_choice_and_refusals(tiny_llama):

@@ -116,14 +116,15 @@ def test_sixteen_concurrent_mixed_lengths(smollm, attention_backend):
 @pytest.mark.parametrize("linear_backend", ["cpu", "torch"])
 def test_each_linear_backend_with_chunked_prefill(smollm, linear_backend):
     """Both linear backends, whatever auto picks on this CPU: decode steps of 1..16 rows and prefill
-    chunks of up to 40 rows (through the C decode GEMM up to 32 rows, MKL above)."""
+    chunks of up to 40 rows (the C GEMM on packed weights for all, or MKL for all)."""
     model_dir, _, prompts, _, refs = smollm
     engine = _engine(model_dir, "cpu", linear_backend=linear_backend, max_num_batched_tokens=40)
     try:
         assert engine.config.linear_backend == linear_backend
-        kernel = linear_backend == "cpu"  # the C decode GEMM is attached to every projection and the lm_head
-        assert (engine.model.gemm is not None) == kernel
+        kernel = linear_backend == "cpu"  # every projection and the lm_head packed for the C GEMM
+        assert (engine.model.lm_head.gemm is not None) == kernel
         assert (engine.model.model.layers[0].mlp.down_proj.gemm is not None) == kernel
+        assert (engine.model.model.layers[0].mlp.down_proj.weight.numel() == 0) == kernel  # released
         _check(engine, refs, prompts)
     finally:
         engine.shutdown()

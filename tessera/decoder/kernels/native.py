@@ -9,7 +9,7 @@ team; callers pass `torch.get_num_threads()` of that thread. The math library's 
 Each kernel computes float32 or bfloat16 (`DTYPES`; bf16 in memory, float32 sums). The bf16 dot
 products use AVX512-BF16 (VDPBF16PS) when the compiler targets a CPU that has it (-march=native
 on such a machine), and portable widening code otherwise (bf16.h); `variant()` says which was
-built. The decode GEMM (gemm.c) runs AVX2 + FMA tiles where the compiler targets them, scalar code
+built. The GEMM (gemm.c) runs an AVX2 + FMA micro-kernel where the compiler targets it, scalar code
 otherwise (`gemm_variant()`). TESSERA_CPU_KERNELS=portable forces the portable code of both on any
 machine.
 """
@@ -43,6 +43,7 @@ _SIGNATURES = {
     "tessera_gemm_bf16": (None, _GEMM_ARGS),
     "tessera_kernels_variant": (ctypes.c_char_p, []),
     "tessera_gemm_variant": (ctypes.c_char_p, []),
+    "tessera_gemm_panel_width": (_I64, []),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -106,8 +107,8 @@ def load() -> ctypes.CDLL:
 
 
 def gemm_variant(library: ctypes.CDLL | None = None) -> str:
-    """Which decode GEMM `library` (default: the process's, built if needed) runs: "avx2" (AVX2 + FMA
-    tiles) or "portable" (scalar; also under TESSERA_CPU_KERNELS=portable). Raises RuntimeError as `load`."""
+    """Which GEMM `library` (default: the process's, built if needed) runs: "avx2" (AVX2 + FMA
+    micro-kernel) or "portable" (scalar; also under TESSERA_CPU_KERNELS=portable). Raises RuntimeError as `load`."""
     return (library or load()).tessera_gemm_variant().decode()
 
 

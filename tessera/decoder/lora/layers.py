@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.decoder.linear import CpuGemm, linear
+from tessera.decoder.linear import Linear
 from tessera.decoder.lora.context import LoRAContext
 
 
-class LoRALinear(nn.Linear):
-    """nn.Linear whose output gets the step's per-token LoRA correction.
+class LoRALinear(Linear):
+    """A Linear (nn.Linear; packed for the C GEMM on the cpu linear backend) whose output gets the
+    step's per-token LoRA correction.
 
     `lora_slices` are (checkpoint module name, first output column, end column): one entry
     covering every column for a plain projection (e.g. "model.layers.0.self_attn.o_proj"), one per
@@ -21,10 +22,9 @@ class LoRALinear(nn.Linear):
 
     lora_slices: tuple[tuple[str, int, int], ...] = ()
     lora_context: LoRAContext | None = None
-    gemm: CpuGemm | None = None  # the C decode GEMM where the cpu linear backend runs (linear.attach_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.gemm)
+        y = super().forward(x)
         if self.lora_context is not None and self.lora_context.active:
             if len(self.lora_slices) == 1:
                 self.lora_context.apply(self.lora_slices[0][0], x, y)
