@@ -29,7 +29,7 @@ from _flops import ModelShape  # noqa: E402
 
 
 def step_weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
-    """One decode step's weights [out, in]: per layer qkv, o, gate/up, down; then the lm_head."""
+    """One step's weights [out, in]: per layer qkv, o, gate/up, down; then the lm_head."""
     hidden, inter = shape.hidden, shape.intermediate
     torch.manual_seed(0)
     weights = []

@@ -37,7 +37,6 @@ from torch import nn
 TRANSPOSED_ROWS = range(2, 33)  # row counts that take W @ x.T (the table above)
 PANEL_WIDTH = 16  # output columns per packed panel (kernels/gemm.c NR)
 LINEAR_BACKENDS = ("torch", "cpu")
-_DTYPES = (torch.float32, torch.bfloat16)  # what the C GEMM computes
 log = logging.getLogger(__name__)
 
 
@@ -50,24 +49,25 @@ class PackedWeight:
 
     def __init__(self, kernel, weight: torch.Tensor) -> None:
         out_features, in_features = weight.shape
-        panels = -(-out_features // PANEL_WIDTH)
-        padded = weight.detach()
-        if panels * PANEL_WIDTH != out_features:
-            padded = torch.cat([padded, padded.new_zeros(panels * PANEL_WIDTH - out_features, in_features)])
-        self.panels = padded.reshape(panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+        full, tail = divmod(out_features, PANEL_WIDTH)
+        self.panels = weight.new_zeros(full + (tail > 0), in_features, PANEL_WIDTH)  # one copy, zero past the end
+        source = weight.detach()
+        self.panels[:full].copy_(source[:full * PANEL_WIDTH].view(full, PANEL_WIDTH, in_features).transpose(1, 2))
+        if tail:
+            self.panels[full, :, :tail].copy_(source[full * PANEL_WIDTH:].t())
         self.out_features, self.in_features, self.dtype = out_features, in_features, weight.dtype
         self._kernel = kernel
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [rows, in] float32 or bfloat16 on the CPU, bias [out] or None -> y [rows, out] of the
+        """x [rows, in] of the weight's dtype on the CPU, bias [out] or None -> y [rows, out] of the
         weight's dtype, contiguous: the float32 sums rounded once (a bf16 x is widened exactly).
 
         Raises:
-            ValueError: x not [rows, in] on the CPU in float32 or bfloat16, or bias not [out] (the
+            ValueError: x not [rows, in] on the CPU in the weight's dtype, or bias not [out] (the
                 weight's row-major copy was released: there is nothing to fall back to).
         """
-        if x.dim() != 2 or x.shape[1] != self.in_features or x.device.type != "cpu" or x.dtype not in _DTYPES:
-            raise ValueError(f"the packed GEMM takes x [rows, {self.in_features}] float32 or bfloat16 on the CPU, "
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.device.type != "cpu" or x.dtype != self.dtype:
+            raise ValueError(f"the packed GEMM takes x [rows, {self.in_features}] {self.dtype} on the CPU, "
                              f"got {tuple(x.shape)} {x.dtype} on {x.device}")
         if bias is not None:
             if bias.shape != (self.out_features,):
@@ -154,15 +154,27 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
 
 def attach_gemm(model: nn.Module, gemm: CpuGemm | None) -> None:
     """Pack the weight of every `Linear` of `model` (projections, the lm_head) for `gemm` and release
-    its row-major copy, unless another module shares it (a tied lm_head keeps the embedding's).
-    None (the torch backend) changes nothing. Once packed, a model runs on this backend only."""
+    its row-major copy, unless a module other than a Linear shares it (a tied lm_head keeps the
+    embedding's); Linears sharing one weight share its packed copy. None (the torch backend) changes
+    nothing. Once packed, a model runs on this backend only.
+
+    Raises:
+        ValueError: `gemm` None for a model already packed (its row-major weights are gone).
+    """
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     if gemm is None:
+        if any(m.gemm is not None for m in linears):
+            raise ValueError("this model's weights were packed for the cpu linear backend; load it again for torch")
         return
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
-    for module in model.modules():
-        if isinstance(module, Linear) and module.gemm is None:
-            module.gemm = gemm.pack(module.weight)
-            if id(module.weight) not in shared:
+    packed: dict[int, PackedWeight] = {}
+    for module in linears:
+        if module.gemm is None:
+            key = id(module.weight)
+            if key not in packed:
+                packed[key] = gemm.pack(module.weight)
+            module.gemm = packed[key]
+            if key not in shared:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 

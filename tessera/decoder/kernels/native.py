@@ -1,6 +1,6 @@
-"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c), built at start and called through ctypes.
+"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c), built at start, called through ctypes.
 
-Build: `$CC` (default `cc`) -O3 -march=native -fopenmp, both sources into one shared library in
+Build: `$CC` (default `cc`) -O3 -march=native -fopenmp, the sources into one shared library in
 a temporary directory, once per process (about a second). OpenMP resolves to the libgomp
 torch has already loaded (same soname), so a kernel's parallel region reuses the calling thread's
 team; callers pass `torch.get_num_threads()` of that thread. The math library's vector expf
@@ -27,7 +27,7 @@ from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
-VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 code
+VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 GEMM code
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT]
@@ -72,7 +72,7 @@ def _compile(directory: str, portable: bool) -> Path:
 
 def build(portable: bool = False) -> ctypes.CDLL:
     """Compile and load a fresh kernel library (`load` keeps the process's one); `portable`: without
-    the AVX512-BF16 code whatever the CPU.
+    the AVX512-BF16 and AVX2 GEMM code whatever the CPU.
 
     Raises:
         RuntimeError: as `load`.
