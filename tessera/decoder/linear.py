@@ -36,6 +36,9 @@ from torch import nn
 
 TRANSPOSED_ROWS = range(2, 33)  # row counts that take W @ x.T (the table above)
 PANEL_WIDTH = 16  # output columns per packed panel (kernels/gemm.c NR)
+# where a bfloat16 panel row stores column j (kernels/gemm.c BF16_POS: the middle groups of four
+# swap, so AVX2's per-lane interleaves widen it in column order); a permutation that is its own inverse
+BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 LINEAR_BACKENDS = ("torch", "cpu")
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,8 @@ class PackedWeight:
     """A weight [out, in] packed for the C GEMM, callable as y = x @ W.T (+ b).
 
     `panels` [ceil(out / PANEL_WIDTH), in, PANEL_WIDTH] of the weight's dtype (float32 or bfloat16):
-    panels[p][k][j] = W[p * PANEL_WIDTH + j][k], zero past `out_features` (kernels/gemm.c).
+    panels[p][k][j] = W[p * PANEL_WIDTH + j][k], zero past `out_features` (kernels/gemm.c); for
+    bfloat16 the last dimension is then stored in BF16_PANEL_ORDER.
     """
 
     def __init__(self, kernel, weight: torch.Tensor) -> None:
@@ -55,6 +59,10 @@ class PackedWeight:
         self.panels[:full].copy_(source[:full * PANEL_WIDTH].view(full, PANEL_WIDTH, in_features).transpose(1, 2))
         if tail:
             self.panels[full, :, :tail].copy_(source[full * PANEL_WIDTH:].t())
+        if weight.dtype == torch.bfloat16:  # a panel row at a time: no second copy of the weight
+            order = torch.tensor(BF16_PANEL_ORDER)
+            for panel in self.panels:
+                panel.copy_(panel[:, order])
         self.out_features, self.in_features, self.dtype = out_features, in_features, weight.dtype
         self._kernel = kernel
 

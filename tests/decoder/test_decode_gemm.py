@@ -14,7 +14,7 @@ from torch import nn
 
 from tessera.decoder.config import DecoderConfig
 from tessera.decoder.kernels import native
-from tessera.decoder.linear import PANEL_WIDTH, CpuGemm, Linear, attach_gemm, linear
+from tessera.decoder.linear import BF16_PANEL_ORDER, PANEL_WIDTH, CpuGemm, Linear, attach_gemm, linear
 
 pytestmark = pytest.mark.skipif(native.unavailable("float32") is not None, reason="no C compiler with OpenMP")
 
@@ -31,6 +31,9 @@ def test_packing_lays_out_panels_of_output_columns():
     for n in range(35):
         assert torch.equal(packed.panels[n // PANEL_WIDTH, :, n % PANEL_WIDTH], weight[n])
     assert not packed.panels[2, :, 3:].any()  # zero past the last column
+    bf16 = CpuGemm().pack(weight.bfloat16()).panels  # rows stored in the order AVX2 widens them
+    assert bf16.shape == packed.panels.shape
+    assert torch.equal(bf16[..., list(BF16_PANEL_ORDER)], packed.panels.bfloat16())
 
 
 @pytest.mark.parametrize("in_features", [576, 100, 7])

@@ -8,6 +8,7 @@
  *
  *     panels[p][k][j] = W[p * NR + j][k]        p < ceil(N / NR), k < K, j < NR (zero past N)
  *
+ * (bfloat16 panels store each row's 16 columns in BF16_POS order, see load16),
  * so one panel is K x 16 contiguous values, 64 bytes (fp32) or 32 (bf16) per k. This is the
  * packed B panel of the BLIS/GotoBLAS micro-kernel design (Van Zee & van de Geijn, "BLIS", ACM TOMS
  * 2015): the kernel streams a panel front to back with no stride, and a panel of a K <= 1536
@@ -50,15 +51,27 @@ _Static_assert(CHUNK % MR == 0, "a chunk holds whole micro-tiles");
 #define LOAD(p, at) (bf16 ? bf16_to_f32(((const bf16_t *)(p))[at]) : ((const float *)(p))[at])
 
 #if GEMM_AVX2
-static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t at, const int bf16)
+/* columns [0, 8) and [8, 16) of a panel row at k (`at` = k * NR) as float32. A bf16 row is stored
+   in BF16_POS order, so one 32-byte load and two interleaves with zero (a bf16 is the top half of
+   its float32) give both halves in column order. */
+static inline __attribute__((always_inline)) void load16(const void *p, int64_t at, const int bf16,
+                                                          __m256 *lo, __m256 *hi)
 {
     if (bf16) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)((const bf16_t *)p + at));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16_t *)p + at));
+        *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), h));
+        *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
+        return;
     }
-    return _mm256_loadu_ps((const float *)p + at);
+    *lo = _mm256_loadu_ps((const float *)p + at);
+    *hi = _mm256_loadu_ps((const float *)p + at + 8);
 }
 #endif
+
+/* where column j of a panel row is stored: in order for float32; for bfloat16 the middle two groups
+   of four swap (0-3, 8-11, 4-7, 12-15: the order AVX2's per-128-bit-lane interleaves read) */
+#define BF16_POS(j) ((j) < 4 || (j) >= 12 ? (j) : (j) < 8 ? (j) + 4 : (j) - 4)
+#define POS(j) (bf16 ? BF16_POS(j) : (j))
 
 /* rows [m0, m0 + mb) of y, columns [n0, n0 + NR) cut at N, from one panel; mb <= MR, constant after
    inlining so the loops unroll */
@@ -80,7 +93,8 @@ static inline __attribute__((always_inline)) void micro_tile(
         for (int i = 0; i < MR; i++)
             acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         for (int64_t k = k0; k < k1; k++) {
-            const __m256 w0 = load8(panel, k * NR, bf16), w1 = load8(panel, k * NR + 8, bf16);
+            __m256 w0, w1;
+            load16(panel, k * NR, bf16, &w0, &w1);
             for (int i = 0; i < MR; i++) {
                 if (i >= mb)
                     continue;
@@ -98,7 +112,7 @@ static inline __attribute__((always_inline)) void micro_tile(
             float part[NR] = {0};
             for (int64_t k = k0; k < k1; k++)
                 for (int j = 0; j < NR; j++)
-                    part[j] = __builtin_fmaf(xr[i][k], LOAD(panel, k * NR + j), part[j]);
+                    part[j] = __builtin_fmaf(xr[i][k], LOAD(panel, k * NR + POS(j)), part[j]);
             for (int j = 0; j < NR; j++)
                 sums[i][j] += part[j];
         }
