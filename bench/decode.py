@@ -296,7 +296,7 @@ def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[fl
     rows = [(f"tessera decoder over gRPC, attention backend {args.attention_backend} (continuous batching; "
              f"runs {', '.join(f'{r:.1f}' for r in runs)})", ours, ours)]
     if "torch" in anchors:
-        rows.append(("tessera decoder over gRPC, attention backend torch (the default; one run, last)",
+        rows.append(("tessera decoder over gRPC, attention backend torch (one run, last)",
                      anchors["torch"], runs[-1]))
     if "batched" in anchors:
         rows += [("transformers generate, padded batches of 16", anchors["batched"], around_batched),
