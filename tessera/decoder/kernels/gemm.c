@@ -4,7 +4,7 @@
  * tessera/decoder/linear.py (`PackedWeight`) for every dense projection and the lm_head of every
  * step, decode and prefill, when the cpu linear backend runs.
  *
- * Layout. The weight is packed once, at load (linear.pack), into panels of NR = 16 output columns:
+ * Layout. The weight is packed once, at load (linear.CpuGemm.pack), into panels of NR = 16 output columns:
  *
  *     panels[p][k][j] = W[p * NR + j][k]        p < ceil(N / NR), k < K, j < NR (zero past N)
  *
@@ -15,11 +15,11 @@
  * projection stays in L1/L2 while it meets every row of x.
  *
  * Micro-kernel (AVX2 + FMA): MR = 6 rows of x against one panel in 6 x 2 ymm accumulators; per k,
- * two panel loads, six broadcasts of x[m][k], twelve fused multiply-adds (8 loads per 12 FMAs, so
+ * two panel loads (one for bf16), six broadcasts of x[m][k], twelve fused multiply-adds (8 loads per 12 FMAs, so
  * the FMA units, not the load ports, set the pace). Threads split the (panel, row chunk) pairs,
  * panel-major (OpenMP, static): each thread streams its own weight columns once per chunk.
  *
- * Weights and bias are float32 or bfloat16 (widened exactly in registers, a 16-bit shift: a bf16
+ * Weights and bias are float32 or bfloat16 (widened exactly in registers, into the top half: a bf16
  * model streams half the bytes); x is float32 (a bf16 model's activations are widened by the
  * caller, exactly); y is float32 or bfloat16, rounded once to nearest even from the float32 sum.
  *
