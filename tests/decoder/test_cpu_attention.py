@@ -53,6 +53,7 @@ def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
     (8, 2, 24, 4),    # GQA 4, head_dim not a power of two
     (6, 3, 80, 32),   # head_dim 80
     (2, 1, 16, 8),
+    (4, 2, 12, 8),    # head_dim not a multiple of 8: the kernel's scalar loops
 ])
 def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_dim, block_size):
     lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 37, 150]
