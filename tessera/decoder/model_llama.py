@@ -25,6 +25,7 @@ from torch import nn
 
 from tessera.common.checkpoint import CheckpointConfig
 from tessera.decoder.attention import AttentionBackend, AttentionMetadata
+from tessera.decoder.kernels.pointwise import CpuPointwise
 from tessera.decoder.kv_cache import KVCache
 from tessera.decoder.linear import Linear
 from tessera.decoder.lora import LoRALinear
@@ -112,12 +113,18 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm; in the C kernel once `attach_pointwise` set `pointwise`."""
+
+    pointwise: CpuPointwise | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pointwise is not None:
+            return self.pointwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused kernel; the same values as below in float32
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype  # transformers' order: normalize in float32, round, then scale in `dtype`
@@ -127,6 +134,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    pointwise: CpuPointwise | None = None  # the C rotary kernel, set by `attach_pointwise`
+
     def __init__(self, spec: LlamaSpec, layer: int) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}.self_attn"
@@ -149,7 +158,8 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, d)  # [n, kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, d)
         q, k = self.normalize_qk(q, k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rotate = apply_rotary if self.pointwise is None else self.pointwise.rotary
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         attention.write_kv(cache, self.layer, k, v, meta)
         k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
         out = attention.forward(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]

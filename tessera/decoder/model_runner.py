@@ -23,6 +23,7 @@ import torch
 from tessera.common.errors import FailedPrecondition, InvalidArgument, TesseraError
 from tessera.decoder.attention import AttentionMetadata, make_attention_backend
 from tessera.decoder.block_manager import BlockManager
+from tessera.decoder.kernels.pointwise import CpuPointwise, attach_pointwise
 from tessera.decoder.kv_cache import KVCache
 from tessera.decoder.linear import attach_gemm, make_linear_backend
 from tessera.decoder.lora import BASE_SLOT, LoRAContext, attach_context
@@ -58,6 +59,7 @@ class ModelRunner:
         self.attention = make_attention_backend(attention_backend)
         self.model = model
         attach_gemm(model, make_linear_backend(linear_backend))
+        attach_pointwise(model, CpuPointwise() if linear_backend == "cpu" else None)
         self.cache = cache
         self.block_manager = block_manager
         self.lora = lora  # this runner's per-step LoRA state; the model's LoRALinear layers call it

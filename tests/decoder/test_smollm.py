@@ -125,6 +125,9 @@ def test_each_linear_backend_with_chunked_prefill(smollm, linear_backend):
         assert (engine.model.lm_head.gemm is not None) == kernel
         assert (engine.model.model.layers[0].mlp.down_proj.gemm is not None) == kernel
         assert (engine.model.model.layers[0].mlp.down_proj.weight.numel() == 0) == kernel  # released
+        layer = engine.model.model.layers[0]  # RMSNorm and rotary in the C kernels too
+        assert all((m.pointwise is not None) == kernel for m in (layer.input_layernorm, layer.self_attn,
+                                                                 engine.model.model.norm))
         _check(engine, refs, prompts)
     finally:
         engine.shutdown()

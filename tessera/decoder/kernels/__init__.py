@@ -1,1 +1,2 @@
-"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c) and their build (native.py)."""
+"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c, norm_rope.c) and their build
+(native.py)."""

@@ -41,9 +41,9 @@ static inline bf16_t f32_to_bf16(float f)
 {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)  /* NaN: keep it quiet, never round it to inf */
-        return (bf16_t)((bits >> 16) | 0x0040u);
-    return (bf16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet = (bits >> 16) | 0x0040u;  /* NaN: keep it quiet, never round it to inf */
+    return (bf16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);  /* a select: loops vectorize */
 }
 
 /* sum_d a[d] * b[d] over n bf16 values, in float32 */

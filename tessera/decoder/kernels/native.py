@@ -1,4 +1,5 @@
-"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c), built at start, called through ctypes.
+"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c, norm_rope.c), built at start, called
+through ctypes.
 
 Build: `$CC` (default `cc`) -O3 -march=native -fopenmp, the sources into one shared library in
 a temporary directory, once per process (about a second). OpenMP resolves to the libgomp
@@ -25,7 +26,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c", "norm_rope.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
 VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 GEMM code
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
@@ -33,6 +34,8 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT]
 _BGMV_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
 _GEMM_ARGS = [_P, _I64, _I64, _P, _P, _P, _I64, _INT]
+_RMS_NORM_ARGS = [_P, _P, _P, _I64, _I64, _F32, _INT]
+_ROTARY_ARGS = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
 # name -> (restype, argtypes)
 _SIGNATURES = {
     "tessera_paged_decode_attention_f32": (_INT, _ATTENTION_ARGS),
@@ -41,6 +44,10 @@ _SIGNATURES = {
     "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
     "tessera_gemm_f32": (None, _GEMM_ARGS),
     "tessera_gemm_bf16": (None, _GEMM_ARGS),
+    "tessera_rms_norm_f32": (None, _RMS_NORM_ARGS),
+    "tessera_rms_norm_bf16": (None, _RMS_NORM_ARGS),
+    "tessera_rotary_f32": (None, _ROTARY_ARGS),
+    "tessera_rotary_bf16": (None, _ROTARY_ARGS),
     "tessera_kernels_variant": (ctypes.c_char_p, []),
     "tessera_gemm_variant": (ctypes.c_char_p, []),
     "tessera_gemm_panel_width": (_I64, []),

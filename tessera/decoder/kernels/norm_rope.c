@@ -1,0 +1,115 @@
+/* RMSNorm and rotary position embedding for CPUs (float32 or bfloat16), in transformers' order of
+ * operations, one pass over the rows each.
+ *
+ * Built and loaded with the other kernels by tessera/decoder/kernels/native.py; called by
+ * tessera/decoder/kernels/pointwise.py when the cpu linear backend runs. torch computes both as a
+ * chain of elementwise ops, each a pass over memory with its own dispatch (RMSNorm: square, mean,
+ * add, rsqrt, two products; bf16 adds two casts; rotary: two products, a negation, a concatenation,
+ * a sum), and its float32 rms_norm went slower than the GEMMs around it at prefill sizes here.
+ *
+ * RMSNorm (transformers' LlamaRMSNorm), per row of `hidden` values:
+ *     r = 1 / sqrt(sum(x^2) / hidden + eps)       float32 statistics whatever the dtype
+ *     float32:   y = (x * r) * w
+ *     bfloat16:  y = bf16(w * bf16(x * r))        normalized, rounded to bf16, then scaled in bf16
+ * Only the order of the sum of squares differs from torch's.
+ *
+ * Rotary (split-half pairing, transformers' `x * cos + rotate_half(x) * sin`), per head, h = head_dim / 2:
+ *     y[i]     = x[i] * cos[i]         - x[i + h] * sin[i]
+ *     y[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h]
+ * each product and the sum rounded as torch rounds them (to float32, or to bf16 for bf16 tensors;
+ * no fused multiply-add): the same bits as the torch expression.
+ */
+#pragma GCC optimize("fp-contract=off")  /* a * b + c stays two roundings, as torch computes it */
+
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+#define LOAD(p, at) (bf16 ? bf16_to_f32(((const bf16_t *)(p))[at]) : ((const float *)(p))[at])
+#define ROUND(v) (bf16 ? bf16_to_f32(f32_to_bf16(v)) : (v))  /* to the tensor's precision */
+#define PARALLEL_MIN 32768  /* elements below which one thread does it all (a team costs more) */
+
+/* Each exported function has its own parallel loop around an always-inlined row function called
+   with a literal dtype: GCC outlines a parallel region before it inlines, so a dtype passed into one
+   would be read at run time in the loop and the loop would not vectorize. */
+
+static inline __attribute__((always_inline)) void store(void *p, int64_t at, float v, const int bf16)
+{
+    if (bf16)
+        ((bf16_t *)p)[at] = f32_to_bf16(v);
+    else
+        ((float *)p)[at] = v;
+}
+
+/* row i of RMSNorm */
+static inline __attribute__((always_inline)) void norm_row(
+    const void *x, const void *weight, void *y, int64_t i, int64_t hidden, float eps, const int bf16)
+{
+    const int64_t row = i * hidden;
+    float sum = 0.f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t d = 0; d < hidden; d++) {
+        const float v = LOAD(x, row + d);
+        sum += v * v;
+    }
+    const float r = 1.f / sqrtf(sum / (float)hidden + eps);
+    #pragma omp simd
+    for (int64_t d = 0; d < hidden; d++)
+        store(y, row + d, LOAD(weight, d) * ROUND(LOAD(x, row + d) * r), bf16);
+}
+
+/* head `item` (token item / heads, head item % heads) of the rotary embedding, h = head_dim / 2 */
+static inline __attribute__((always_inline)) void rotate_head(
+    const void *x, int64_t row_stride, void *y, const void *cos, const void *sin, int64_t item, int64_t heads,
+    int64_t head_dim, const int bf16)
+{
+    const int64_t t = item / heads, h = item % heads, half = head_dim / 2;
+    const int64_t in = t * row_stride + h * head_dim, out = item * head_dim, table = t * head_dim;
+    #pragma omp simd
+    for (int64_t i = 0; i < half; i++)
+        store(y, out + i, ROUND(LOAD(x, in + i) * LOAD(cos, table + i)) - ROUND(LOAD(x, in + i + half) * LOAD(sin, table + i)),
+              bf16);
+    #pragma omp simd
+    for (int64_t i = half; i < head_dim; i++)
+        store(y, out + i, ROUND(LOAD(x, in + i) * LOAD(cos, table + i)) + ROUND(LOAD(x, in + i - half) * LOAD(sin, table + i)),
+              bf16);
+}
+
+/* x, y [rows, hidden] contiguous; weight [hidden]; all float32 */
+void tessera_rms_norm_f32(const float *x, const float *weight, float *y, int64_t rows, int64_t hidden, float eps,
+                          int num_threads)
+{
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN)
+    for (int64_t i = 0; i < rows; i++)
+        norm_row(x, weight, y, i, hidden, eps, 0);
+}
+
+/* the same over bfloat16 (raw bits, uint16) */
+void tessera_rms_norm_bf16(const bf16_t *x, const bf16_t *weight, bf16_t *y, int64_t rows, int64_t hidden, float eps,
+                           int num_threads)
+{
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN)
+    for (int64_t i = 0; i < rows; i++)
+        norm_row(x, weight, y, i, hidden, eps, 1);
+}
+
+/* x: token t, head h at x + t * row_stride + h * head_dim (head_dim values contiguous; a column view
+   of the fused q/k/v projection); y [tokens, heads, head_dim] contiguous; cos, sin [tokens, head_dim]
+   contiguous; head_dim even; all float32 */
+void tessera_rotary_f32(const float *x, int64_t row_stride, float *y, const float *cos, const float *sin,
+                        int64_t tokens, int64_t heads, int64_t head_dim, int num_threads)
+{
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t item = 0; item < tokens * heads; item++)
+        rotate_head(x, row_stride, y, cos, sin, item, heads, head_dim, 0);
+}
+
+/* the same over bfloat16 (raw bits, uint16) */
+void tessera_rotary_bf16(const bf16_t *x, int64_t row_stride, bf16_t *y, const bf16_t *cos, const bf16_t *sin,
+                         int64_t tokens, int64_t heads, int64_t head_dim, int num_threads)
+{
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t item = 0; item < tokens * heads; item++)
+        rotate_head(x, row_stride, y, cos, sin, item, heads, head_dim, 1);
+}
