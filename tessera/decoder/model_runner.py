@@ -51,7 +51,8 @@ class ModelRunner:
                  lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch",
                  linear_backend: str = "torch") -> None:
         """`attention_backend`: a name in tessera/decoder/attention's registry, constructed here;
-        `linear_backend`: "torch" or "cpu" (the C GEMM on weights packed here, tessera/decoder/linear.py).
+        `linear_backend`: "torch" or "cpu" (the C GEMM on weights packed here, tessera/decoder/linear.py,
+        and the C RMSNorm and rotary, kernels/pointwise.py).
 
         Raises:
             ValueError: an unknown backend, or one that cannot run on this machine.

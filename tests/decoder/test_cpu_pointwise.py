@@ -125,3 +125,7 @@ def test_bad_inputs_are_refused(pointwise):
         pointwise.rms_norm(x, weight.bfloat16(), 1e-6)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         pointwise.rms_norm(x.half(), weight.half(), 1e-6)
+    with pytest.raises(ValueError, match="0-dim"):
+        pointwise.rms_norm(torch.tensor(1.0), torch.ones(1), 1e-6)
+    with pytest.raises(ValueError, match="on meta"):
+        pointwise.rotary(q.to("meta"), cos, sin)

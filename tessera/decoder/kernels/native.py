@@ -11,8 +11,9 @@ Each kernel computes float32 or bfloat16 (`DTYPES`; bf16 in memory, float32 sums
 products use AVX512-BF16 (VDPBF16PS) when the compiler targets a CPU that has it (-march=native
 on such a machine), and portable widening code otherwise (bf16.h); `variant()` says which was
 built. The GEMM (gemm.c) runs an AVX2 + FMA micro-kernel where the compiler targets it, scalar code
-otherwise (`gemm_variant()`). TESSERA_CPU_KERNELS=portable forces the portable code of both on any
-machine.
+otherwise (`gemm_variant()`); the decode attention (paged_attention.c) has AVX2 + FMA loops under
+the same condition (for head_dim a multiple of 8). TESSERA_CPU_KERNELS=portable forces the portable
+code of all of them on any machine.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c", "norm_rope.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
-VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 GEMM code
+VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 code
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT]
@@ -79,7 +80,7 @@ def _compile(directory: str, portable: bool) -> Path:
 
 def build(portable: bool = False) -> ctypes.CDLL:
     """Compile and load a fresh kernel library (`load` keeps the process's one); `portable`: without
-    the AVX512-BF16 and AVX2 GEMM code whatever the CPU.
+    the AVX512-BF16 and AVX2 code (GEMM, attention) whatever the CPU.
 
     Raises:
         RuntimeError: as `load`.

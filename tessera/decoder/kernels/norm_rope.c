@@ -19,7 +19,10 @@
  * each product and the sum rounded as torch rounds them (to float32, or to bf16 for bf16 tensors;
  * no fused multiply-add): the same bits as the torch expression.
  */
-#pragma GCC optimize("fp-contract=off")  /* a * b + c stays two roundings, as torch computes it */
+/* a * b + c stays two roundings, as torch computes it: no fused multiply-add (GCC, then clang and
+   other C99 compilers; each ignores the other's pragma) */
+#pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
 
 #include <math.h>
 #include <stdint.h>

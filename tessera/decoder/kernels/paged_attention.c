@@ -27,8 +27,9 @@
  * set the pace), V sums with the accumulators held in registers across a block, a bf16 block
  * widened once into a float32 buffer for all `rep` query heads, and the next K block and this V
  * block prefetched (blocks are scattered, so the hardware prefetchers restart at each one).
- * 32 rows x 150-700 positions, one SmolLM2-135M layer, this 2-core VM: 3.8 -> 2.8 ms float32,
- * 2.8 -> 1.6 ms bfloat16. Only the order of the float32 additions differs from the scalar loops.
+ * 32 rows x 150-700 positions, one SmolLM2-135M layer, caches not in cache, this 2-core VM (A/B,
+ * medians): 3.5-3.8 -> 2.2-2.8 ms float32, 2.8-3.2 -> 1.6-1.8 ms bfloat16. Only the order of the
+ * float32 additions differs from the scalar loops.
  */
 #include <math.h>
 #include <stdint.h>

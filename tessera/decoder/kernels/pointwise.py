@@ -32,8 +32,10 @@ class CpuPointwise:
         contiguous tensor of x's shape and dtype (statistics in float32; see norm_rope.c).
 
         Raises:
-            ValueError: another dtype or device, mixed dtypes, or a weight that is not [hidden].
+            ValueError: another dtype or device, mixed dtypes, a 0-dim x, or a weight that is not [hidden].
         """
+        if x.dim() == 0:
+            raise ValueError("the C RMSNorm takes x [..., hidden], got a 0-dim tensor")
         hidden = x.shape[-1]
         if x.dtype not in _DTYPES or weight.dtype != x.dtype or x.device.type != "cpu" or weight.device.type != "cpu":
             raise ValueError(f"the C RMSNorm takes float32 or bfloat16 x and weight of one dtype on the CPU, got "
@@ -60,8 +62,8 @@ class CpuPointwise:
                              f"[tokens, head_dim], got {tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
         tensors = (x, cos, sin)
         if x.dtype not in _DTYPES or any(t.dtype != x.dtype or t.device.type != "cpu" for t in tensors):
-            raise ValueError(f"the C rotary takes float32 or bfloat16 x, cos and sin of one dtype on the CPU, got "
-                             f"{x.dtype}, {cos.dtype}, {sin.dtype}")
+            raise ValueError("the C rotary takes float32 or bfloat16 x, cos and sin of one dtype on the CPU, got "
+                             + ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
         tokens, heads, head_dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != head_dim or (tokens > 1 and x.stride(0) < heads * head_dim):
             x = x.contiguous()
