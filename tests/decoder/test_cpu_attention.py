@@ -6,6 +6,7 @@ thread count or on the other rows of the step. The whole engine with this backen
 transformers in test_smollm.py and test_conformance.py."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,3 +151,42 @@ def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypa
         make_attention_backend("cpu")
     config = DecoderConfig(model_dir=str(tiny_llama))  # auto falls back to torch, naming why
     assert (config.attention_backend, config.lora_backend) == ("torch", "torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 300])
+def test_kv_write_equals_the_cache_write(dtype, tokens):
+    """The C KV write (the cpu backend's write_kv) stores what KVCache.write stores: k and v taken as
+    column views of a fused projection, V's NaN and +-inf as 0, every other slot untouched."""
+    torch.manual_seed(tokens)
+    caches = [KVCache(2, 100, 4, 3, 8, dtype) for _ in range(2)]
+    for cache in caches:
+        for t in cache.key + cache.value:
+            t.copy_(torch.arange(t.numel()).view(t.shape).to(dtype))  # what must stay where not written
+    fused = torch.randn(tokens, (4 + 2 * 3) * 8).to(dtype)
+    k, v = fused[:, 32:56].view(tokens, 3, 8), fused[:, 56:80].view(tokens, 3, 8)
+    if tokens >= 7:
+        v[2, 1, 3], v[4, 0, 0], v[5, 2, 7], k[6, 0, 1] = float("nan"), float("inf"), -float("inf"), float("nan")
+    slots = torch.randperm(400)[:tokens]
+    caches[0].write(1, caches[0].write_index(slots), k, v)
+    cpu_attention.write_kv(k, v, slots, *caches[1].layer(1))
+    for a, b in zip(caches[0].key + caches[0].value, caches[1].key + caches[1].value):
+        assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # bits, NaN included
+
+
+def test_kv_write_refusals_and_out_of_range_slots():
+    cache = KVCache(1, 4, 4, 2, 8, torch.float32)
+    k_cache, v_cache = cache.layer(0)
+    key = torch.zeros(3, 2, 8)
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        cpu_attention.write_kv(key.bfloat16(), key, torch.arange(3), k_cache, v_cache)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        cpu_attention.write_kv(key[:, :1], key[:, :1], torch.arange(3), k_cache, v_cache)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        cpu_attention.write_kv(key, key, torch.arange(3, dtype=torch.int32), k_cache, v_cache)
+    # build_metadata checks the slots once per step, before any write: positions 4..6 of a request whose
+    # second block id (9) lies past this cache's 4 blocks
+    chunk = SimpleNamespace(num_new_tokens=3, start=4, end=7)
+    with pytest.raises(ValueError, match="outside the cache's 16 slots"):
+        make_attention_backend("cpu").build_metadata([chunk], [[0, 9]], cache)

@@ -37,6 +37,7 @@ _BGMV_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P
 _GEMM_ARGS = [_P, _I64, _I64, _P, _P, _P, _I64, _INT]
 _RMS_NORM_ARGS = [_P, _P, _P, _I64, _I64, _F32, _INT]
 _ROTARY_ARGS = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
+_WRITE_KV_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P]
 # name -> (restype, argtypes)
 _SIGNATURES = {
     "tessera_paged_decode_attention_f32": (_INT, _ATTENTION_ARGS),
@@ -49,6 +50,8 @@ _SIGNATURES = {
     "tessera_rms_norm_bf16": (None, _RMS_NORM_ARGS),
     "tessera_rotary_f32": (None, _ROTARY_ARGS),
     "tessera_rotary_bf16": (None, _ROTARY_ARGS),
+    "tessera_write_kv_f32": (None, _WRITE_KV_ARGS),
+    "tessera_write_kv_bf16": (None, _WRITE_KV_ARGS),
     "tessera_kernels_variant": (ctypes.c_char_p, []),
     "tessera_gemm_variant": (ctypes.c_char_p, []),
     "tessera_gemm_panel_width": (_I64, []),

@@ -349,3 +349,57 @@ int tessera_paged_decode_attention_bf16(
                                   num_rows, num_heads, num_kv_heads, head_dim, num_slots, block_size, max_context,
                                   scale, num_threads, 1);
 }
+
+/* This step's K/V rows into the caches (vLLM's reshape_and_cache for this layout): token t, kv head h
+   -> cache row h * num_slots + slots[t]. key/value rows at key + t * key_stride + h * head_dim (column
+   views of the fused q/k/v projection allowed). Non-finite V values are stored as 0, as KVCache.write
+   stores them (a stale NaN or inf in a reused block would turn probability 0 into NaN for another
+   request); K is copied as it is (masked positions are never read). slots[t] in [0, num_slots). */
+static inline __attribute__((always_inline)) void write_kv_row(
+    const void *key, int64_t key_stride, const void *value, int64_t value_stride, const int64_t *slots, int64_t t,
+    int64_t kv_heads, int64_t head_dim, int64_t num_slots, void *k_cache, void *v_cache, const int bf16)
+{
+    for (int64_t h = 0; h < kv_heads; h++) {
+        const int64_t row = (h * num_slots + slots[t]) * head_dim;
+        const int64_t k_at = t * key_stride + h * head_dim, v_at = t * value_stride + h * head_dim;
+        if (bf16) {
+            const bf16_t *k = (const bf16_t *)key + k_at, *v = (const bf16_t *)value + v_at;
+            bf16_t *kc = (bf16_t *)k_cache + row, *vc = (bf16_t *)v_cache + row;
+            #pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) {
+                kc[d] = k[d];
+                vc[d] = (v[d] & 0x7f80u) == 0x7f80u ? 0 : v[d];  /* exponent all ones: inf or NaN */
+            }
+        } else {
+            const float *k = (const float *)key + k_at, *v = (const float *)value + v_at;
+            float *kc = (float *)k_cache + row, *vc = (float *)v_cache + row;
+            #pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) {
+                kc[d] = k[d];
+                vc[d] = isfinite(v[d]) ? v[d] : 0.f;
+            }
+        }
+    }
+}
+
+/* key, value: [tokens, kv_heads, head_dim] rows (strides in elements); slots int64 [tokens]; caches
+   [kv_heads, num_slots, head_dim] contiguous; all float32. One thread: a step writes a few KB to
+   a few hundred KB. */
+void tessera_write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                          const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t num_slots,
+                          float *k_cache, float *v_cache)
+{
+    for (int64_t t = 0; t < tokens; t++)
+        write_kv_row(key, key_stride, value, value_stride, slots, t, kv_heads, head_dim, num_slots, k_cache, v_cache,
+                     0);
+}
+
+/* the same over bfloat16 (raw bits, uint16) */
+void tessera_write_kv_bf16(const bf16_t *key, int64_t key_stride, const bf16_t *value, int64_t value_stride,
+                           const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t num_slots,
+                           bf16_t *k_cache, bf16_t *v_cache)
+{
+    for (int64_t t = 0; t < tokens; t++)
+        write_kv_row(key, key_stride, value, value_stride, slots, t, kv_heads, head_dim, num_slots, k_cache, v_cache,
+                     1);
+}
