@@ -33,7 +33,8 @@ class AttentionMetadata:
 
     slot_mapping: int64 [num_tokens], the cache slot of each row of the flat batch.
     write_index: int64 [kv_heads * num_tokens], those slots as flat cache rows (`KVCache.write_index`);
-        None only in metadata built by hand for attention alone (nothing is written).
+        None in metadata built by hand for attention alone (nothing is written), and in the cpu
+        backend's, whose `write_kv` reads `slot_mapping` itself.
     """
 
     slot_mapping: torch.Tensor

@@ -95,7 +95,7 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
         slots = batch.slot_mapping
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= cache.num_slots):  # the C write trusts them
             raise ValueError(f"slot mapping outside the cache's {cache.num_slots} slots")
-        meta = CpuAttentionMetadata(slot_mapping=slots, write_index=cache.write_index(slots), prefills=batch.prefills)
+        meta = CpuAttentionMetadata(slot_mapping=slots, prefills=batch.prefills)  # write_kv reads the slots
         if batch.decode_rows:
             meta.block_size = cache.block_size
             meta.decode = decode_metadata(batch.decode_rows, batch.decode_tables, batch.decode_lens, cache.block_size)
