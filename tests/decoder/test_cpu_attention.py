@@ -70,6 +70,28 @@ def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_
                                    atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("head_dim", [64, 12])  # the AVX2 loops, the scalar loops
+def test_sharp_rows_whose_exponents_underflow(head_dim):
+    """Scores hundreds apart: most exponents are below -87, where exp is subnormal or zero and
+    the kernel takes -87 instead (those weights stay under 2^-125); the outputs must not move. Small
+    integer q and k and a power-of-two scale make every score exact in float32, so only the
+    exponentials' rounding separates the kernel from float64."""
+    lengths = [1, 16, 37, 150, 300]
+    cache, query, rows, slots, torch_meta, cpu_meta = _case(6, 2, head_dim, 16, lengths, seed=5)
+    k, v = cache.layer(0)
+    generator = torch.Generator().manual_seed(5)
+    k.copy_(torch.randint(-4, 5, k.shape, generator=generator))
+    bound = 60 * (64 // head_dim) ** 0.5  # scores' spread grows with head_dim: about the same for both
+    query.copy_(torch.randint(-int(bound), int(bound) + 1, query.shape, generator=generator))
+    scale = 0.125
+    got = cpu_paged_attention(query, k, v, cpu_meta, scale)
+    scores = query[rows[4]].view(2, 3, head_dim).double() * scale @ k[:, slots[4]].double().transpose(1, 2)
+    assert ((scores - scores.amax(-1, keepdim=True)) < -87).double().mean() > 0.3  # the case this is about
+    for row, row_slots in zip(rows, slots):
+        torch.testing.assert_close(got[row].double(), reference(query[row], k, v, row_slots, scale),
+                                   atol=1e-6, rtol=0)
+
+
 SEED_BLOCK_0_FREE = 3
 
 

@@ -12,8 +12,10 @@
  *     scores[r][p] = (scale * q[r]) . k[p]      p < context_lens[i], never past it
  *     out[r]       = sum_p softmax(scores[r])[p] * v[p]
  *
- * The softmax subtracts the row max, exponentiates, sums, and scales by 1 / sum before the V
- * pass, as torch.softmax does. Each item is computed by one thread from start to end, so a row's
+ * The softmax subtracts the row max (kept while the scores are computed), exponentiates, sums,
+ * and the V pass weighs each position by its exponential times 1 / sum: torch.softmax's weights,
+ * the scaling done as they are read rather than in a pass of its own (an exponent below -87 is
+ * taken as -87, see item_softmax). Each item is computed by one thread from start to end, so a row's
  * result does not depend on the thread count or on which other rows share the step.
  *
  * bfloat16 (query, caches and output in bf16): scores, softmax and the V sums are float32, as the
@@ -29,7 +31,10 @@
  * block prefetched (blocks are scattered, so the hardware prefetchers restart at each one).
  * 32 rows x 150-700 positions, one SmolLM2-135M layer, caches not in cache, this 2-core VM (A/B,
  * medians): 3.5-3.8 -> 2.2-2.8 ms float32, 2.8-3.2 -> 1.6-1.8 ms bfloat16. Only the order of the
- * float32 additions differs from the scalar loops.
+ * float32 additions differs from the scalar loops. Finding the max while scoring and scaling while
+ * summing V took two passes over the scores out of the softmax: every decode-attention call of the
+ * P1 workload in the engine, run by the old and new builds alternately, 7.1 -> 6.5 s float32,
+ * 4.6 -> 3.7 s bfloat16, the outputs identical.
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,8 +59,11 @@ const char *tessera_kernels_variant(void) { return TESSERA_VARIANT; }
    (unused on the VDPBF16PS path, which reads q_raw) */
 static inline __attribute__((always_inline)) void item_scores(
     const float *q, const void *q_raw, const void *k_plane, const int32_t *table, int64_t len, int64_t rep,
-    int64_t head_dim, int64_t block_size, int64_t max_context, float scale, float *scores, const int bf16)
+    int64_t head_dim, int64_t block_size, int64_t max_context, float scale, float *scores, float *maxes,
+    const int bf16)
 {
+    for (int64_t r = 0; r < rep; r++)
+        maxes[r] = -INFINITY;
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
         const int64_t first = (int64_t)table[start / block_size] * block_size * head_dim;
@@ -79,34 +87,38 @@ static inline __attribute__((always_inline)) void item_scores(
                         dot += qr[d] * k[d];
                 }
                 scores[r * max_context + start + t] = dot;
+                maxes[r] = dot > maxes[r] ? dot : maxes[r];
             }
         }
     }
 }
 
-/* scores rows -> softmax weights in place */
-static inline void item_softmax(float *scores, int64_t len, int64_t rep, int64_t max_context)
+/* scores rows -> exponentials in place, given each row's max; inv[r] = 1 / their sum. The V passes
+   weigh position t by s[t] * inv[r]: torch.softmax's division by the sum, applied as the weights are
+   read. An exponent below -87 is taken as -87: exp's result would be subnormal, or zero below
+   -103.9 (such a weight is under 2^-125 of the largest, which is 1), and glibc's vector expf leaves
+   its fast path for any lane that underflows, which real attention rows (a sink token far above the
+   rest) do often */
+static inline void item_softmax(float *scores, int64_t len, int64_t rep, int64_t max_context, const float *maxes,
+                                float *inv)
 {
     for (int64_t r = 0; r < rep; r++) {
         float *s = scores + r * max_context;
-        float max = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < len; t++)
-            max = s[t] > max ? s[t] : max;
+        const float max = maxes[r];
+        float sum = 0.f;
         #pragma omp simd reduction(+:sum)
         for (int64_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - max);
+            const float x = s[t] - max;
+            s[t] = expf(x > -87.f ? x : -87.f);
             sum += s[t];
         }
-        const float inv = 1.f / sum;
-        #pragma omp simd
-        for (int64_t t = 0; t < len; t++)
-            s[t] *= inv;
+        inv[r] = 1.f / sum;
     }
 }
 
-/* acc[r] = sum_t weights[r][t] * v[t], float32 accumulators [rep, head_dim] */
+/* acc[r] = sum_t (scores[r][t] * inv[r]) * v[t], float32 accumulators [rep, head_dim] */
 static inline __attribute__((always_inline)) void item_values(
-    const float *scores, const void *v_plane, const int32_t *table, int64_t len, int64_t rep, int64_t head_dim,
+    const float *scores, const float *inv, const void *v_plane, const int32_t *table, int64_t len, int64_t rep, int64_t head_dim,
     int64_t block_size, int64_t max_context, float *acc, const int bf16)
 {
     for (int64_t x = 0; x < rep * head_dim; x++)
@@ -116,7 +128,7 @@ static inline __attribute__((always_inline)) void item_values(
         const int64_t first = (int64_t)table[start / block_size] * block_size * head_dim;
         for (int64_t t = 0; t < count; t++) {
             for (int64_t r = 0; r < rep; r++) {
-                const float p = scores[r * max_context + start + t];
+                const float p = scores[r * max_context + start + t] * inv[r];
                 float *a = acc + r * head_dim;
                 if (bf16) {
                     const bf16_t *v = (const bf16_t *)v_plane + first + t * head_dim;
@@ -175,8 +187,11 @@ static inline __m256 sum_lanes8(const __m256 a[8])
    one transpose-sum, instead of one dependent chain and a horizontal sum per dot product */
 static inline __attribute__((always_inline)) void item_scores_avx2(
     const float *q, const void *k_plane, const void *v_plane, const int32_t *table, int64_t len, int64_t rep,
-    int64_t head_dim, int64_t block_size, int64_t max_context, float *scores, float *wide, const int bf16)
+    int64_t head_dim, int64_t block_size, int64_t max_context, float *scores, float *wide, float *lane_max,
+    float *maxes, const int bf16)
 {
+    for (int64_t r = 0; r < rep; r++)
+        _mm256_storeu_ps(lane_max + 8 * r, _mm256_set1_ps(-INFINITY));
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
         /* the next block's K for the next iteration, this block's V for the values pass */
@@ -203,23 +218,34 @@ static inline __attribute__((always_inline)) void item_scores_avx2(
                         acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + d), acc[j]);
                 }
                 float *s = scores + r * max_context + start + t0;
+                const __m256 dots = sum_lanes8(acc);  /* lanes past n: position t0's score again */
+                /* max_ps returns its second operand when either is NaN: a NaN score is passed over
+                   for the max, as the scalar compare passes it over */
+                _mm256_storeu_ps(lane_max + 8 * r, _mm256_max_ps(dots, _mm256_loadu_ps(lane_max + 8 * r)));
                 if (n == 8) {
-                    _mm256_storeu_ps(s, sum_lanes8(acc));
+                    _mm256_storeu_ps(s, dots);
                 } else {
                     float sums[8];
-                    _mm256_storeu_ps(sums, sum_lanes8(acc));
+                    _mm256_storeu_ps(sums, dots);
                     for (int64_t j = 0; j < n; j++)
                         s[j] = sums[j];
                 }
             }
         }
     }
+    for (int64_t r = 0; r < rep; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_loadu_ps(lane_max + 8 * r));
+        maxes[r] = lanes[0];
+        for (int j = 1; j < 8; j++)
+            maxes[r] = lanes[j] > maxes[r] ? lanes[j] : maxes[r];
+    }
 }
 
 /* item_values with the accumulators in registers across a block's positions: 32 (then 8) columns
    of one query head at a time, four (one) independent fused multiply-add chains */
 static inline __attribute__((always_inline)) void item_values_avx2(
-    const float *scores, const void *v_plane, const int32_t *table, int64_t len, int64_t rep, int64_t head_dim,
+    const float *scores, const float *inv, const void *v_plane, const int32_t *table, int64_t len, int64_t rep, int64_t head_dim,
     int64_t block_size, int64_t max_context, float *acc, float *wide, const int bf16)
 {
     for (int64_t x = 0; x < rep * head_dim; x++)
@@ -229,14 +255,14 @@ static inline __attribute__((always_inline)) void item_values_avx2(
         const float *v = block_rows(v_plane, (int64_t)table[start / block_size] * block_size * head_dim, count,
                                     head_dim, wide, bf16);
         for (int64_t r = 0; r < rep; r++) {
-            const float *p = scores + r * max_context + start;
+            const float *p = scores + r * max_context + start, ir = inv[r];
             float *a = acc + r * head_dim;
             int64_t d = 0;
             for (; d + 32 <= head_dim; d += 32) {
                 __m256 a0 = _mm256_loadu_ps(a + d), a1 = _mm256_loadu_ps(a + d + 8);
                 __m256 a2 = _mm256_loadu_ps(a + d + 16), a3 = _mm256_loadu_ps(a + d + 24);
                 for (int64_t t = 0; t < count; t++) {
-                    const __m256 w = _mm256_broadcast_ss(p + t);
+                    const __m256 w = _mm256_set1_ps(p[t] * ir);
                     const float *vt = v + t * head_dim + d;
                     a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt), a0);
                     a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8), a1);
@@ -249,7 +275,7 @@ static inline __attribute__((always_inline)) void item_values_avx2(
             for (; d < head_dim; d += 8) {
                 __m256 a0 = _mm256_loadu_ps(a + d);
                 for (int64_t t = 0; t < count; t++)
-                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * head_dim + d), a0);
+                    a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t] * ir), _mm256_loadu_ps(v + t * head_dim + d), a0);
                 _mm256_storeu_ps(a + d, a0);
             }
         }
@@ -271,7 +297,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     {
         /* this thread's scores [rep, max_context], output accumulators [rep, head_dim], scaled
            queries [rep, head_dim] and a widened bf16 block [block_size, head_dim] */
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(rep * (max_context + 2 * head_dim)
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(rep * (max_context + 2 * head_dim + 10)
                                                                  + block_size * head_dim));
         if (scores == NULL) {
             #pragma omp atomic write
@@ -280,7 +306,9 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
         float *acc = scores == NULL ? NULL : scores + rep * max_context;
         float *q = scores == NULL ? NULL : acc + rep * head_dim;
         float *wide = scores == NULL ? NULL : q + rep * head_dim;
-        (void)wide;  /* the AVX2 loops' only */
+        float *lane_max = scores == NULL ? NULL : wide + block_size * head_dim;
+        float *maxes = scores == NULL ? NULL : lane_max + 8 * rep, *inv = scores == NULL ? NULL : maxes + rep;
+        (void)wide, (void)lane_max;  /* the AVX2 loops' only */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
             if (scores == NULL)
@@ -296,17 +324,18 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
             const char *v_plane = (const char *)v_cache + (size_t)(h * num_slots * head_dim) * element;
 #if ATTENTION_AVX2
             if (head_dim % 8 == 0 && !(bf16 && TESSERA_DPBF16)) {
-                item_scores_avx2(q, k_plane, v_plane, table, len, rep, head_dim, block_size, max_context, scores, wide, bf16);
-                item_softmax(scores, len, rep, max_context);
-                item_values_avx2(scores, v_plane, table, len, rep, head_dim, block_size, max_context, acc, wide,
+                item_scores_avx2(q, k_plane, v_plane, table, len, rep, head_dim, block_size, max_context, scores, wide,
+                                 lane_max, maxes, bf16);
+                item_softmax(scores, len, rep, max_context, maxes, inv);
+                item_values_avx2(scores, inv, v_plane, table, len, rep, head_dim, block_size, max_context, acc, wide,
                                  bf16);
             } else
 #endif
             {
                 item_scores(q, q_raw, k_plane, table, len, rep, head_dim, block_size, max_context, scale, scores,
-                            bf16);
-                item_softmax(scores, len, rep, max_context);
-                item_values(scores, v_plane, table, len, rep, head_dim, block_size, max_context, acc, bf16);
+                            maxes, bf16);
+                item_softmax(scores, len, rep, max_context, maxes, inv);
+                item_values(scores, inv, v_plane, table, len, rep, head_dim, block_size, max_context, acc, bf16);
             }
             if (bf16) {
                 bf16_t *o = (bf16_t *)out + q_first;
