@@ -52,7 +52,7 @@ then) and compute the dtype (float32, bfloat16), else "torch". Attention: "torch
 block_size) or "cpu" (decode rows in a C kernel; faster decode attention than the torch path on
 long contexts: bench/results/kernels.md).
 `linear_backend`: "auto" (default) resolves here to "cpu" (the C GEMM on packed weights,
-tessera/decoder/linear.py, and the C RMSNorm and rotary, kernels/pointwise.py) on a CPU without
+tessera/decoder/linear.py, and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py) on a CPU without
 AVX-512 where the kernels build, else "torch".
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
@@ -95,10 +95,10 @@ another pairing is refused here, naming the flag.
                                          "cpu: decode rows in a C kernel (needs a C compiler with OpenMP; float32, "
                                          "bfloat16)",
                                    choices=(AUTO, *ATTENTION_BACKENDS))
-    linear_backend: str = _flag(AUTO, "dense projections, lm_head, RMSNorm and rotary: auto (cpu on a CPU without "
-                                      "AVX-512 where its C kernels build, else torch), torch (MKL), or cpu: a C GEMM "
-                                      "on weights packed at load, every step (float32; bfloat16 weights read "
-                                      "directly), and C RMSNorm and rotary kernels",
+    linear_backend: str = _flag(AUTO, "dense projections, lm_head, RMSNorm, rotary and the MLP's SiLU gate: auto "
+                                      "(cpu on a CPU without AVX-512 where its C kernels build, else torch), torch "
+                                      "(MKL), or cpu: a C GEMM on weights packed at load, every step (float32; "
+                                      "bfloat16 weights read directly), and C RMSNorm, rotary and SiLU-gate kernels",
                                 choices=(AUTO, *LINEAR_BACKENDS))
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
     wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "

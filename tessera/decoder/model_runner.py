@@ -52,7 +52,7 @@ class ModelRunner:
                  linear_backend: str = "torch") -> None:
         """`attention_backend`: a name in tessera/decoder/attention's registry, constructed here;
         `linear_backend`: "torch" or "cpu" (the C GEMM on weights packed here, tessera/decoder/linear.py,
-        and the C RMSNorm and rotary, kernels/pointwise.py).
+        and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py).
 
         Raises:
             ValueError: an unknown backend, or one that cannot run on this machine.

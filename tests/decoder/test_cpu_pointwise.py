@@ -1,6 +1,7 @@
-"""The C RMSNorm and rotary kernels (kernels/norm_rope.c, the cpu linear backend's) against the torch
-code they replace: rotary bit for bit (float32 and bfloat16, on the column views of a fused q/k/v
-projection), RMSNorm against float64 and, in bfloat16, transformers' rounding order. Also: a row does
+"""The C RMSNorm, rotary and SiLU-gate kernels (kernels/norm_rope.c, the cpu linear backend's) against
+the torch code they replace: rotary bit for bit (float32 and bfloat16, on the column views of a fused
+q/k/v projection), RMSNorm against float64 and, in bfloat16, transformers' rounding order, the SiLU
+gate against torch's `silu(gate) * up` and float64. Also: a row does
 not depend on the thread count, and bad inputs are refused before the kernel reads them. The whole
 engine on this backend is checked against transformers in test_smollm.py and test_conformance.py."""
 
@@ -91,6 +92,76 @@ def test_rms_norm_per_head_on_a_column_view(pointwise):
     torch.testing.assert_close(pointwise.rms_norm(q, norm.weight, norm.eps), norm(q), rtol=1e-6, atol=1e-6)
 
 
+def _gate_up(rows, inter, dtype, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+
+
+def _torch_silu_mul(gate_up):
+    """LlamaMLP's torch path (transformers' act_fn(gate_proj(x)) * up_proj(x))."""
+    gate, up = gate_up.split(gate_up.shape[1] // 2, -1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (19, 1536), (600, 1536), (3, 5), (0, 64)])
+def test_silu_mul_float32_within_ulps_of_torch_and_float64(pointwise, rows, inter):
+    """float32: torch's formula with glibc's vector expf for torch's own exp, so results may differ
+    from torch's in the last two bits; against float64 it is as close as torch is."""
+    gate_up = _gate_up(rows, inter, torch.float32)
+    got, expected = pointwise.silu_mul(gate_up), _torch_silu_mul(gate_up)
+    assert got.shape == (rows, inter) and got.is_contiguous() and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=0, rtol=5e-7)
+    gate, up = gate_up.double().split(inter, -1)
+    exact = gate * torch.sigmoid(gate) * up
+    if rows:
+        assert ((got.double() - exact).abs() / exact.abs()).max() < 4e-7  # torch's own: 1.8e-7 here
+
+
+@pytest.mark.parametrize("rows", [1, 19, 600])
+def test_silu_mul_bfloat16_rounds_as_torch(pointwise, rows):
+    """bf16: silu rounded to bf16, then the product rounded (torch's two ops); a float32 silu that
+    differs from torch's in its last bits moves a result by at most one bf16 step, and rarely."""
+    gate_up = _gate_up(rows, 1536, torch.bfloat16)
+    got, expected = pointwise.silu_mul(gate_up), _torch_silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert (got == expected).double().mean() > 0.999
+    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2 * BF16_ULP)
+
+
+def test_silu_mul_views_and_extremes(pointwise):
+    """A row-strided view (gate_up columns of a wider output) and gates far out: -100 (exp(100)
+    overflows: -0), 100, +-inf and NaN, as torch computes them."""
+    wide = _gate_up(7, 24, torch.float32)
+    view = wide[:, 8:40]  # rows 48 apart, 32 contiguous columns each
+    torch.testing.assert_close(pointwise.silu_mul(view), _torch_silu_mul(view), atol=0, rtol=5e-7)
+    gate = torch.tensor([[-100.0, 100.0, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 88.0, -88.0]])
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)], 1)
+    got, expected = pointwise.silu_mul(gate_up), _torch_silu_mul(gate_up)
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    torch.testing.assert_close(got[finite], expected[finite], atol=0, rtol=5e-7)
+    assert torch.equal(got[finite].signbit(), expected[finite].signbit())
+
+
+def test_mlp_runs_the_c_gate_once_attached(pointwise):
+    """LlamaMLP with `pointwise` set gives the torch path's output (up to float32 rounding)."""
+    from tessera.decoder.kernels.pointwise import attach_pointwise
+    from tessera.decoder.model_llama import LlamaMLP, LlamaSpec
+
+    spec = LlamaSpec.from_config({"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+                                  "rms_norm_eps": 1e-6, "max_position_embeddings": 64})
+    mlp = LlamaMLP(spec, 0)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(5, 32)
+    with torch.inference_mode():  # as the engine runs it
+        expected = mlp(x)
+        attach_pointwise(mlp, pointwise)
+        assert mlp.pointwise is pointwise
+        torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_rows_do_not_depend_on_the_thread_count(pointwise):
     q, _ = _qkv(600, 9, 3, 64, torch.bfloat16)
     cos, sin = RotaryEmbedding(64, 10000.0).cos_sin(torch.arange(600), torch.bfloat16)
@@ -105,6 +176,14 @@ def test_rows_do_not_depend_on_the_thread_count(pointwise):
         torch.set_num_threads(threads)
     assert torch.equal(one[0], both[0]) and torch.equal(one[1], both[1])
     assert torch.equal(pointwise.rms_norm(x[5:6], norm.weight, norm.eps), both[0][5:6])  # a row alone
+    gate_up = _gate_up(600, 1536, torch.float32)
+    both = pointwise.silu_mul(gate_up)
+    try:
+        torch.set_num_threads(1)
+        one = pointwise.silu_mul(gate_up)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, both) and torch.equal(pointwise.silu_mul(gate_up[7:8]), both[7:8])
 
 
 def test_bad_inputs_are_refused(pointwise):
@@ -129,3 +208,9 @@ def test_bad_inputs_are_refused(pointwise):
         pointwise.rms_norm(torch.tensor(1.0), torch.ones(1), 1e-6)
     with pytest.raises(ValueError, match="on meta"):
         pointwise.rotary(q.to("meta"), cos, sin)
+    with pytest.raises(ValueError, match=r"gate_up \[rows, 2 \* intermediate\], got \(3, 5\)"):
+        pointwise.silu_mul(torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"got \(6,\)"):
+        pointwise.silu_mul(torch.zeros(6))
+    with pytest.raises(ValueError, match="torch.float16 on cpu"):
+        pointwise.silu_mul(torch.zeros(2, 8, dtype=torch.float16))

@@ -38,6 +38,7 @@ _GEMM_ARGS = [_P, _I64, _I64, _P, _P, _P, _I64, _INT]
 _RMS_NORM_ARGS = [_P, _P, _P, _I64, _I64, _F32, _INT]
 _ROTARY_ARGS = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
 _WRITE_KV_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P]
+_SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _INT]
 # name -> (restype, argtypes)
 _SIGNATURES = {
     "tessera_paged_decode_attention_f32": (_INT, _ATTENTION_ARGS),
@@ -52,6 +53,8 @@ _SIGNATURES = {
     "tessera_rotary_bf16": (None, _ROTARY_ARGS),
     "tessera_write_kv_f32": (None, _WRITE_KV_ARGS),
     "tessera_write_kv_bf16": (None, _WRITE_KV_ARGS),
+    "tessera_silu_mul_f32": (None, _SILU_MUL_ARGS),
+    "tessera_silu_mul_bf16": (None, _SILU_MUL_ARGS),
     "tessera_kernels_variant": (ctypes.c_char_p, []),
     "tessera_gemm_variant": (ctypes.c_char_p, []),
     "tessera_gemm_panel_width": (_I64, []),

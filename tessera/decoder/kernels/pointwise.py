@@ -1,9 +1,11 @@
-"""RMSNorm and rotary embedding in the C kernels (kernels/norm_rope.c), for the cpu linear backend.
+"""RMSNorm, rotary embedding and the SiLU gate in the C kernels (kernels/norm_rope.c), for the cpu
+linear backend.
 
-`CpuPointwise` replaces two chains of torch elementwise ops per layer: `rms_norm` equals
+`CpuPointwise` replaces three chains of torch elementwise ops per layer: `rms_norm` equals
 transformers' LlamaRMSNorm up to the order of the sum of squares, `rotary` equals
-`x * cos + rotate_half(x) * sin` (tessera/decoder/rotary.py) bit for bit, in float32 and bfloat16.
-`attach_pointwise` hands one to every RMSNorm and attention module of a model.
+`x * cos + rotate_half(x) * sin` (tessera/decoder/rotary.py) bit for bit, in float32 and bfloat16,
+and `silu_mul` is LlamaMLP's `silu(gate) * up` (float32: within two last-bit steps of torch's). `attach_pointwise` hands one
+to every RMSNorm, attention and MLP module of a model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuPointwise:
-    """The C RMSNorm and rotary kernels.
+    """The C RMSNorm, rotary and SiLU-gate kernels.
 
     Raises (constructor): RuntimeError as `native.load` (no C compiler with OpenMP).
     """
@@ -26,6 +28,7 @@ class CpuPointwise:
         library = native.load()
         self._rms_norm = {torch.float32: library.tessera_rms_norm_f32, torch.bfloat16: library.tessera_rms_norm_bf16}
         self._rotary = {torch.float32: library.tessera_rotary_f32, torch.bfloat16: library.tessera_rotary_bf16}
+        self._silu_mul = {torch.float32: library.tessera_silu_mul_f32, torch.bfloat16: library.tessera_silu_mul_bf16}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., hidden], weight [hidden], both float32 or both bfloat16 on the CPU -> a new
@@ -75,9 +78,32 @@ class CpuPointwise:
         return y
 
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's gate: gate_up [rows, 2 * inter] (the fused gate/up projection's output: gate
+        columns, then up; float32 or bfloat16 on the CPU, any row stride) -> silu(gate) * up, a new
+        contiguous [rows, inter] of its dtype (torch's formula and rounding; see norm_rope.c).
+
+        Raises:
+            ValueError: another dtype or device, not 2-D, or an odd number of columns.
+        """
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"silu_mul takes gate_up [rows, 2 * intermediate], got {tuple(gate_up.shape)}")
+        if gate_up.dtype not in _DTYPES or gate_up.device.type != "cpu":
+            raise ValueError(f"the C SiLU gate takes float32 or bfloat16 on the CPU, got {gate_up.dtype} "
+                             f"on {gate_up.device}")
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        if gate_up.stride(1) != 1 or (rows > 1 and gate_up.stride(0) < 2 * inter):
+            gate_up = gate_up.contiguous()
+        y = torch.empty(rows, inter, dtype=gate_up.dtype)
+        if y.numel():
+            self._silu_mul[gate_up.dtype](gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), rows, inter,
+                                          torch.get_num_threads())
+        return y
+
+
 def attach_pointwise(model: nn.Module, pointwise: CpuPointwise | None) -> None:
-    """Give every module of `model` with a `pointwise` attribute (RMSNorm, the attention modules)
-    `pointwise`: their forward then runs the C kernels; None: torch's ops."""
+    """Give every module of `model` with a `pointwise` attribute (RMSNorm, the attention and MLP
+    modules) `pointwise`: their forward then runs the C kernels; None: torch's ops."""
     for module in model.modules():
         if hasattr(module, "pointwise"):
             module.pointwise = pointwise
