@@ -447,5 +447,9 @@ def parse_extra(values: list[str]) -> dict[str, list[str]]:
         service, sep, args = value.partition("=")
         if not sep or service not in SERVICES:  # applies to every replica of the service
             raise ValueError(f"--service-args wants SERVICE=ARGS with SERVICE in {SERVICES}, got {value!r}")
-        out.setdefault(service, []).extend(shlex.split(args))
+        try:
+            words = shlex.split(args)
+        except ValueError as exc:  # "No closing quotation", "No escaped character"
+            raise ValueError(f"--service-args {value!r}: {exc} (ARGS are split as a POSIX shell would)") from None
+        out.setdefault(service, []).extend(words)
     return out

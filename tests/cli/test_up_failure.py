@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tessera.cli.logfiles import StartupError
 from tessera.cli.up import STARTUP_TAIL_LINES
 from tessera.common.launch import REPO, free_port
@@ -61,3 +63,13 @@ def test_the_report_names_the_cause_and_shows_the_tail():
     assert lines[2:] == [f"  {line}" for line in tail]
     timed_out = StartupError("vision", "not SERVING after 300 s", None, [], Path("/v.log"))
     assert timed_out.report() == "vision failed to start: not SERVING after 300 s"
+
+
+def test_service_args_that_do_not_split_are_refused_naming_the_flag():
+    from tessera.cli.up import parse_extra
+
+    assert parse_extra(["decoder=--num-blocks 64 --name 'a b'"]) == {"decoder": ["--num-blocks", "64", "--name", "a b"]}
+    with pytest.raises(ValueError, match=r"""--service-args "decoder=--foo 'x": No closing quotation"""):
+        parse_extra(["decoder=--foo 'x"])
+    with pytest.raises(ValueError, match="SERVICE in"):
+        parse_extra(["nosuch=--x 1"])
