@@ -30,10 +30,11 @@ from tessera.client import (
     TesseraError,
     TokenizeResult,
 )
-from tessera.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+from tessera.client.channel import ADDRESS_ENV, ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
 # gRPC's own details when no connection could be made (never the gateway's: it names the service).
-NOT_CONNECTED = ("failed to connect to all addresses", "DNS resolution failed")
+NOT_CONNECTED = ("failed to connect to all addresses",)
+RESOLVE_FAILED = ("errors resolving", "DNS resolution failed")  # gRPC's words for a host that does not resolve
 # The server's advice names a request field; the CLI user sets a flag.
 FIELD_TO_FLAG = {"replace=true": "--replace", "drain=true": "--drain"}
 SAMPLING_FLAGS = {"top_logprobs": "--logprobs"}  # `generate`'s flags whose name is not the field's
@@ -41,6 +42,12 @@ SAMPLING_FLAGS = {"top_logprobs": "--logprobs"}  # `generate`'s flags whose name
 # cluster answers in a fraction of a second rather than after the library's ~2 s of backoff.
 CLI_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.25)
 URI_SCHEMES = ("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")  # gRPC targets with their own syntax
+
+
+def address_source(address: str) -> str:
+    """Where the CLI's `address` came from, for messages: $TESSERA_ADDRESS when it holds that value,
+    else --address (given, or its default)."""
+    return f"${ADDRESS_ENV}" if os.environ.get(ADDRESS_ENV) == address else "--address"
 
 
 def check_address(address: str) -> str:
@@ -57,7 +64,7 @@ def check_address(address: str) -> str:
     host, sep, port = hostport.rpartition(":")
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536) or (":" in host and host[0] != "["):
         example = DEFAULT_ADDRESS.rpartition(":")[2]
-        raise ValueError(f"--address {address!r} needs host:port (e.g. localhost:{example}); "
+        raise ValueError(f"{address_source(address)} {address!r} needs host:port (e.g. localhost:{example}); "
                          "gRPC would take a missing port as 443")
     return address
 
@@ -92,6 +99,8 @@ def explain(error: TesseraError, args: Namespace) -> str:
     details, address = error.details, getattr(args, "address", DEFAULT_ADDRESS)
     admin = getattr(args, "action", "") in ("load", "unload")
     code = error.code
+    if code == grpc.StatusCode.UNAVAILABLE and any(words in details for words in RESOLVE_FAILED):
+        return f"the host in {address} ({address_source(address)}) does not resolve: {details}"
     if code == grpc.StatusCode.UNAVAILABLE and details.startswith(NOT_CONNECTED):
         return f"no tessera cluster is running at {address} (start one with `tessera up`)"
     if code == grpc.StatusCode.UNAUTHENTICATED and "internal port" in details:

@@ -17,13 +17,13 @@ from pathlib import Path
 from tessera.cli.gguf_export import add_export_gguf_parser
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.client import DEFAULT_ADDRESS, TesseraError
+from tessera.client.channel import ADDRESS_ENV
 from tessera.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
 
 # tessera.common.logs's choices, spelled here so that client commands do not import it (tests/cli checks they agree)
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-ADDRESS_ENV = "TESSERA_ADDRESS"
 ADMIN_TOKEN_FILE_ENV = "TESSERA_ADMIN_TOKEN_FILE"
 DEFAULT_BASE_PORT = int(DEFAULT_ADDRESS.rpartition(":")[2])  # the gateway's; the services take the next four
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)

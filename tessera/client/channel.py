@@ -14,6 +14,7 @@ import grpc
 from tessera.client.types import SamplingParams
 
 DEFAULT_ADDRESS = "localhost:50051"
+ADDRESS_ENV = "TESSERA_ADDRESS"  # the CLI's default gateway address when set
 API_TOKEN_ENV = "TESSERA_API_TOKEN"
 ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
 TLS_ROOT_CERT_ENV = "TESSERA_TLS_ROOT_CERT"

@@ -171,3 +171,16 @@ def test_up_log_choices_are_the_services_own():
     from tessera.common import logs
 
     assert (main.LOG_FORMATS, main.LOG_LEVELS) == (logs.LOG_FORMATS, logs.LOG_LEVELS)
+
+
+def test_messages_name_where_the_address_came_from(monkeypatch):
+    remote = argparse.Namespace(address="nosuch.invalid:1", command="info")
+    resolve = "errors resolving nosuch.invalid:1: [field:hostname lookup error:Domain name not found]"
+    assert explain(Unavailable(resolve), remote) == f"the host in nosuch.invalid:1 (--address) does not resolve: {resolve}"
+    monkeypatch.setenv("TESSERA_ADDRESS", "nosuch.invalid:1")
+    assert explain(Unavailable(resolve), remote).startswith("the host in nosuch.invalid:1 ($TESSERA_ADDRESS) does")
+    monkeypatch.setenv("TESSERA_ADDRESS", "gateway")
+    with pytest.raises(ValueError, match=r"^\$TESSERA_ADDRESS 'gateway' needs host:port"):
+        check_address("gateway")
+    with pytest.raises(ValueError, match=r"^--address 'other' needs host:port"):
+        check_address("other")
