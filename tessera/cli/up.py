@@ -46,6 +46,7 @@ from pathlib import Path
 from tessera.adapters.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, ServiceLog, StartupError, failure_cause
+from tessera.cli.main import INTERRUPTED
 from tessera.cli.topology import check_model_dirs, pick_encoder
 from tessera.common import auth
 from tessera.common.checkpoint import CheckpointConfig
@@ -218,12 +219,13 @@ class Cluster:
         self.logs: dict[str, ServiceLog] = {}  # each process's rotated log file
         self.token_file: Path | None = None  # the cluster's internal token, written by `start`
 
-    def start(self, timeout_s: float = 300.0) -> None:
-        """Start every process and wait until all are SERVING.
+    def start(self, timeout_s: float = 300.0, interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Start every process and wait until all are SERVING, or until `interrupted()` says so.
 
         Raises:
             StartupError: a process exited or was not SERVING within `timeout_s` seconds (all are
                 stopped first).
+            StartInterrupted: `interrupted()` turned true first (all are stopped first).
         """
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
@@ -233,7 +235,7 @@ class Cluster:
         try:
             for service in self.spec.services():
                 self._spawn(service)
-            self._wait_serving(self.spec.services(), timeout_s)
+            self._wait_serving(self.spec.services(), timeout_s, interrupted)
         except BaseException:
             self.stop()
             raise
@@ -277,13 +279,17 @@ class Cluster:
         self._spawn(service)
         self._wait_serving([service], timeout_s)
 
-    def _wait_serving(self, services: list[str], timeout_s: float) -> None:
+    def _wait_serving(self, services: list[str], timeout_s: float,
+                      interrupted: Callable[[], bool] = lambda: False) -> None:
         """Poll every process of `services` until each says SERVING; the first to exit fails the
-        start at once (the others are not waited for first)."""
+        start at once (the others are not waited for first). Checked before each process: Ctrl-C
+        reaches the services too, and one dying of it is no failure of its own."""
         deadline = time.monotonic() + timeout_s
         pending = list(services)
         while pending:
             for service in list(pending):
+                if interrupted():
+                    raise StartInterrupted
                 if self.processes[service].poll() is not None:
                     raise self._startup_error(service, f"exited with code {self.processes[service].returncode}")
                 if check_health(self.spec.address(service), timeout_s=1.0) is None:
@@ -330,8 +336,13 @@ class Cluster:
         self.stop()
 
 
+class StartInterrupted(Exception):
+    """Ctrl-C or SIGTERM while the cluster was starting."""
+
+
 def run_until_signalled(spec: ClusterSpec) -> int:
-    """Start, print endpoints, restart a service that dies, and stop all on Ctrl-C / SIGTERM."""
+    """Start, print endpoints, restart a service that dies, and stop all on Ctrl-C / SIGTERM.
+    Returns 0, 1 (a service failed to start or kept failing) or 130 (interrupted while starting)."""
     cluster = Cluster(spec)
     stop = {"signalled": False}
 
@@ -342,7 +353,10 @@ def run_until_signalled(spec: ClusterSpec) -> int:
     signal.signal(signal.SIGINT, on_signal)
     print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)
     try:
-        cluster.start()
+        cluster.start(interrupted=lambda: stop["signalled"])
+    except StartInterrupted:
+        print("interrupted while starting: stopped the services", file=sys.stderr, flush=True)
+        return INTERRUPTED
     except StartupError as error:
         print(error.report(), file=sys.stderr, flush=True)
         print("stopped the other services", file=sys.stderr, flush=True)

@@ -73,3 +73,27 @@ def test_service_args_that_do_not_split_are_refused_naming_the_flag():
         parse_extra(["decoder=--foo 'x"])
     with pytest.raises(ValueError, match="SERVICE in"):
         parse_extra(["nosuch=--x 1"])
+
+
+def test_ctrl_c_while_starting_stops_everything_and_says_so(tmp_path):
+    """Ctrl-C reaches the whole foreground process group: the services die of it too, and that is
+    no start failure of theirs. `up` says it was interrupted, exits 130 and leaves nothing running."""
+    import signal
+    import time
+
+    base = free_port()
+    command = [sys.executable, "-m", "tessera.cli.main", "up", "--base-port", str(base), "--http-port", "0",
+               "--decoder-model-dir", str(default_decoder_dir()),
+               "--embedding-model-dir", str(default_embedding_dir()), "--adapter-root", str(tmp_path / "adapters")]
+    env = {**os.environ, "TESSERA_HOME": str(tmp_path / "home")}
+    up = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+    assert up.stdout.readline().startswith("starting ")  # the services are being spawned
+    time.sleep(1.5)
+    os.killpg(up.pid, signal.SIGINT)
+    out, err = up.communicate(timeout=120)
+    assert up.returncode == 130, err
+    assert err.splitlines() == ["interrupted while starting: stopped the services"]
+    assert "Traceback" not in out + err
+    for offset in range(5):
+        assert not _running_with(base + offset)
