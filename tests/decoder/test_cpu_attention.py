@@ -92,6 +92,42 @@ def test_sharp_rows_whose_exponents_underflow(head_dim):
                                    atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_rows_whose_scores_are_all_far_below_zero(head_dim):
+    """Every score near -250 (a shared direction in K opposed by q): the softmax must subtract the
+    row's own max, not 0, or every exponent would sit at the -87 floor and the weights turn uniform."""
+    lengths = [1, 16, 37, 150]
+    cache, query, rows, slots, torch_meta, cpu_meta = _case(6, 2, head_dim, 16, lengths, seed=6)
+    k, v = cache.layer(0)
+    generator = torch.Generator().manual_seed(6)
+    k.copy_(torch.randint(-2, 3, k.shape, generator=generator))
+    query.copy_(torch.randint(-6, 7, query.shape, generator=generator))
+    k[..., 0] = 10.0
+    query[..., 0] = -200.0  # scores -250 +- ~20, exact in float32 (integers times 1/8)
+    got = cpu_paged_attention(query, k, v, cpu_meta, 0.125)
+    for row, row_slots in zip(rows, slots):
+        torch.testing.assert_close(got[row].double(), reference(query[row], k, v, row_slots, 0.125),
+                                   atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_a_nan_query_or_an_inf_key_gives_nan_rows_as_torch(head_dim):
+    """Non-finite inputs are not hidden: a NaN query row, or a K position holding inf (written as it
+    came), makes that row's output NaN on both backends; the other rows are unaffected."""
+    lengths = [5, 37, 150]
+    cache, query, rows, slots, torch_meta, cpu_meta = _case(6, 2, head_dim, 16, lengths, seed=7)
+    k, v = cache.layer(0)
+    query[rows[0], 0, 0] = float("nan")
+    k[0, slots[1][9], 3] = float("inf")
+    scale = head_dim ** -0.5
+    expected = paged_attention(query, k, v, torch_meta, scale)
+    got = cpu_paged_attention(query, k, v, cpu_meta, scale)
+    for row in rows:
+        assert torch.equal(got[row].isnan(), expected[row].isnan()), row
+    assert got[rows[0], 0].isnan().all() and got[rows[1]].isnan().any()  # the head with the NaN; the inf's group
+    torch.testing.assert_close(got[rows[2]], expected[rows[2]], atol=2e-6, rtol=0)
+
+
 SEED_BLOCK_0_FREE = 3
 
 

@@ -95,10 +95,10 @@ static inline __attribute__((always_inline)) void item_scores(
 
 /* scores rows -> exponentials in place, given each row's max; inv[r] = 1 / their sum. The V passes
    weigh position t by s[t] * inv[r]: torch.softmax's division by the sum, applied as the weights are
-   read. An exponent below -87 is taken as -87: exp's result would be subnormal, or zero below
-   -103.9 (such a weight is under 2^-125 of the largest, which is 1), and glibc's vector expf leaves
-   its fast path for any lane that underflows, which real attention rows (a sink token far above the
-   rest) do often */
+   read. An exponent below -87 is taken as -87: exp's result is then at or near its subnormal range
+   (below -87.34), or zero below -103.9, and such a weight is under 2^-125 of the largest (which is
+   1); glibc's vector expf leaves its fast path for any lane that underflows, which real attention
+   rows (a sink token far above the rest) do often */
 static inline void item_softmax(float *scores, int64_t len, int64_t rep, int64_t max_context, const float *maxes,
                                 float *inv)
 {
@@ -109,7 +109,7 @@ static inline void item_softmax(float *scores, int64_t len, int64_t rep, int64_t
         #pragma omp simd reduction(+:sum)
         for (int64_t t = 0; t < len; t++) {
             const float x = s[t] - max;
-            s[t] = expf(x > -87.f ? x : -87.f);
+            s[t] = expf(x < -87.f ? -87.f : x);  /* NaN stays NaN (a NaN or inf score poisons the row, as in torch) */
             sum += s[t];
         }
         inv[r] = 1.f / sum;

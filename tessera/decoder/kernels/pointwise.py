@@ -4,7 +4,7 @@ linear backend.
 `CpuPointwise` replaces three chains of torch elementwise ops per layer: `rms_norm` equals
 transformers' LlamaRMSNorm up to the order of the sum of squares, `rotary` equals
 `x * cos + rotate_half(x) * sin` (tessera/decoder/rotary.py) bit for bit, in float32 and bfloat16,
-and `silu_mul` is LlamaMLP's `silu(gate) * up` (float32: within two last-bit steps of torch's). `attach_pointwise` hands one
+and `silu_mul` is LlamaMLP's `silu(gate) * up` (float32: a few units in the last place from torch's). `attach_pointwise` hands one
 to every RMSNorm, attention and MLP module of a model.
 """
 
