@@ -46,7 +46,6 @@ from pathlib import Path
 from tessera.adapters.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, ServiceLog, StartupError, failure_cause
-from tessera.cli.main import INTERRUPTED
 from tessera.cli.topology import check_model_dirs, pick_encoder
 from tessera.common import auth
 from tessera.common.checkpoint import CheckpointConfig
@@ -356,7 +355,7 @@ def run_until_signalled(spec: ClusterSpec) -> int:
         cluster.start(interrupted=lambda: stop["signalled"])
     except StartInterrupted:
         print("interrupted while starting: stopped the services", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        return 128 + signal.SIGINT  # the shell's status for a command ended by SIGINT (main's INTERRUPTED)
     except StartupError as error:
         print(error.report(), file=sys.stderr, flush=True)
         print("stopped the other services", file=sys.stderr, flush=True)
