@@ -4,8 +4,8 @@ linear backend.
 `CpuPointwise` replaces three chains of torch elementwise ops per layer: `rms_norm` equals
 transformers' LlamaRMSNorm up to the order of the sum of squares, `rotary` equals
 `x * cos + rotate_half(x) * sin` (tessera/decoder/rotary.py) bit for bit, in float32 and bfloat16,
-and `silu_mul` is LlamaMLP's `silu(gate) * up` (float32: a few units in the last place from torch's). `attach_pointwise` hands one
-to every RMSNorm, attention and MLP module of a model.
+and `silu_mul` is LlamaMLP's `silu(gate) * up` (float32: a few units in the last place from
+torch's). `attach_pointwise` hands one to every RMSNorm, attention and MLP module of a model.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ class CpuPointwise:
             self._rotary[x.dtype](x.data_ptr(), x.stride(0), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens,
                                   heads, head_dim, torch.get_num_threads())
         return y
-
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's gate: gate_up [rows, 2 * inter] (the fused gate/up projection's output: gate
