@@ -27,10 +27,17 @@
  * for 8 positions at a time in 8 independent accumulators and one transpose-sum (a single dot
  * product per position is a chain of dependent FMAs and a horizontal sum: latency, not bandwidth,
  * set the pace), V sums with the accumulators held in registers across a block, a bf16 block
- * widened once into a float32 buffer for all `rep` query heads, and the next K block and this V
- * block prefetched (blocks are scattered, so the hardware prefetchers restart at each one).
- * 32 rows x 150-700 positions, one SmolLM2-135M layer, caches not in cache, this 2-core VM (A/B,
- * medians): 3.5-3.8 -> 2.2-2.8 ms float32, 2.8-3.2 -> 1.6-1.8 ms bfloat16. Only the order of the
+ * widened once into a float32 buffer for all `rep` query heads, and blocks prefetched into L2
+ * ahead of each pass (blocks are scattered, so the hardware prefetchers restart at each one): K two
+ * blocks ahead in the scores pass, V one block ahead in the values pass. 32 rows x 150-700
+ * positions, one SmolLM2-135M layer, caches not in cache, this 2-core VM (A/B, medians): 3.5-3.8
+ * -> 2.2-2.8 ms float32, 2.8-3.2 -> 1.6-1.8 ms bfloat16 for the loops with one block of K and V
+ * prefetched into L1 during the scores pass; then 2.9-3.5 -> 2.5-2.8 ms float32, 2.4-2.9 -> 1.6-2.1
+ * ms bfloat16 for this prefetch, and the engine's P1 decode-attention calls replayed with both
+ * builds alternately 8.5 -> 8.0 s float32, 5.1 -> 5.0 s bfloat16 (there the second build finds part
+ * of the cache in L3). Likely causes, not measured apart: V lines fetched during the scores pass
+ * were evicted before the values pass read them, and prefetches into L1 wait on its few miss
+ * buffers. With no prefetch at all the old loops were faster than with theirs. Only the order of the
  * float32 additions differs from the scalar loops. Finding the max while scoring and scaling while
  * summing V took two passes over the scores out of the softmax: every decode-attention call of the
  * P1 workload in the engine, run by the old and new builds alternately, 7.1 -> 6.5 s float32,
@@ -164,15 +171,22 @@ static inline __attribute__((always_inline)) const float *block_rows(
     return wide;
 }
 
-/* ask for `count` cache rows of `head_dim` elements from `first` on, ahead of their use: blocks are
-   scattered, and the hardware prefetchers start over at each one */
-static inline __attribute__((always_inline)) void prefetch_rows(
-    const void *plane, int64_t first, int64_t count, int64_t head_dim, const int bf16)
+/* ask for the rows of block `b` of an item (positions [b * block_size, len) cut at the block's end)
+   into L2, ahead of their use: blocks are scattered, and the hardware prefetchers start over at each
+   one. A block past the item's end is not asked for. */
+static inline __attribute__((always_inline)) void prefetch_block(
+    const void *plane, const int32_t *table, int64_t b, int64_t len, int64_t head_dim, int64_t block_size,
+    const int bf16)
 {
-    const char *p = (const char *)plane + first * (bf16 ? sizeof(bf16_t) : sizeof(float));
-    const int64_t bytes = count * head_dim * (bf16 ? sizeof(bf16_t) : sizeof(float));
+    const int64_t start = b * block_size;
+    if (start >= len)
+        return;
+    const int64_t count = len - start < block_size ? len - start : block_size;
+    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    const char *p = (const char *)plane + (size_t)table[b] * block_size * head_dim * element;
+    const int64_t bytes = count * head_dim * (int64_t)element;
     for (int64_t at = 0; at < bytes; at += 64)
-        _mm_prefetch(p + at, _MM_HINT_T0);
+        _mm_prefetch(p + at, _MM_HINT_T1);
 }
 
 /* lane j = sum of the 8 lanes of a[j] */
@@ -186,7 +200,7 @@ static inline __m256 sum_lanes8(const __m256 a[8])
 /* item_scores for 8 positions at a time: eight independent accumulators (one per position) and
    one transpose-sum, instead of one dependent chain and a horizontal sum per dot product */
 static inline __attribute__((always_inline)) void item_scores_avx2(
-    const float *q, const void *k_plane, const void *v_plane, const int32_t *table, int64_t len, int64_t rep,
+    const float *q, const void *k_plane, const int32_t *table, int64_t len, int64_t rep,
     int64_t head_dim, int64_t block_size, int64_t max_context, float *scores, float *wide, float *lane_max,
     float *maxes, const int bf16)
 {
@@ -194,12 +208,10 @@ static inline __attribute__((always_inline)) void item_scores_avx2(
         _mm256_storeu_ps(lane_max + 8 * r, _mm256_set1_ps(-INFINITY));
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
-        /* the next block's K for the next iteration, this block's V for the values pass */
-        if (start + block_size < len) {
-            const int64_t next = len - start - block_size < block_size ? len - start - block_size : block_size;
-            prefetch_rows(k_plane, (int64_t)table[start / block_size + 1] * block_size * head_dim, next, head_dim, bf16);
-        }
-        prefetch_rows(v_plane, (int64_t)table[start / block_size] * block_size * head_dim, count, head_dim, bf16);
+        /* K two blocks ahead (and the second block with the first) */
+        if (start == 0)
+            prefetch_block(k_plane, table, 1, len, head_dim, block_size, bf16);
+        prefetch_block(k_plane, table, start / block_size + 2, len, head_dim, block_size, bf16);
         const float *k = block_rows(k_plane, (int64_t)table[start / block_size] * block_size * head_dim, count,
                                     head_dim, wide, bf16);
         for (int64_t t0 = 0; t0 < count; t0 += 8) {
@@ -252,6 +264,7 @@ static inline __attribute__((always_inline)) void item_values_avx2(
         acc[x] = 0.f;
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
+        prefetch_block(v_plane, table, start / block_size + 1, len, head_dim, block_size, bf16);
         const float *v = block_rows(v_plane, (int64_t)table[start / block_size] * block_size * head_dim, count,
                                     head_dim, wide, bf16);
         for (int64_t r = 0; r < rep; r++) {
@@ -324,7 +337,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
             const char *v_plane = (const char *)v_cache + (size_t)(h * num_slots * head_dim) * element;
 #if ATTENTION_AVX2
             if (head_dim % 8 == 0 && !(bf16 && TESSERA_DPBF16)) {
-                item_scores_avx2(q, k_plane, v_plane, table, len, rep, head_dim, block_size, max_context, scores, wide,
+                item_scores_avx2(q, k_plane, table, len, rep, head_dim, block_size, max_context, scores, wide,
                                  lane_max, maxes, bf16);
                 item_softmax(scores, len, rep, max_context, maxes, inv);
                 item_values_avx2(scores, inv, v_plane, table, len, rep, head_dim, block_size, max_context, acc, wide,
