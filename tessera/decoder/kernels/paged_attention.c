@@ -32,12 +32,11 @@
  * blocks ahead in the scores pass, V one block ahead in the values pass. 32 rows x 150-700
  * positions, one SmolLM2-135M layer, caches not in cache, this 2-core VM (A/B, medians): 3.5-3.8
  * -> 2.2-2.8 ms float32, 2.8-3.2 -> 1.6-1.8 ms bfloat16 for the loops with one block of K and V
- * prefetched into L1 during the scores pass; then 2.9-3.5 -> 2.5-2.8 ms float32, 2.4-2.9 -> 1.6-2.1
- * ms bfloat16 for this prefetch, and the engine's P1 decode-attention calls replayed with both
- * builds alternately 8.5 -> 8.0 s float32, 5.1 -> 5.0 s bfloat16 (there the second build finds part
- * of the cache in L3). Likely causes, not measured apart: V lines fetched during the scores pass
- * were evicted before the values pass read them, and prefetches into L1 wait on its few miss
- * buffers. With no prefetch at all the old loops were faster than with theirs. Only the order of the
+ * prefetched into L1 during the scores pass (measured with each build reading the cache the previous
+ * one had just read, which favours the later ones); then, each run on a cache no run before it
+ * touched and the order alternated, 3.4-3.6 -> 3.2-3.5 ms float32 and 2.2-2.6 -> 2.1-2.5 ms bfloat16
+ * for this prefetch, and the engine's P1 decode-attention calls replayed with both builds
+ * alternately 8.5 -> 8.0 s float32, 5.1 -> 5.0 s bfloat16. Only the order of the
  * float32 additions differs from the scalar loops. Finding the max while scoring and scaling while
  * summing V took two passes over the scores out of the softmax: every decode-attention call of the
  * P1 workload in the engine, run by the old and new builds alternately, 7.1 -> 6.5 s float32,
