@@ -112,8 +112,9 @@ static inline __attribute__((always_inline)) void micro_tile(
             __m256 w0, w1;
             load16(panel, k * NR, bf16, &w0, &w1);
             /* the panel row stays in two registers: otherwise GCC folds the loads into each row's
-               FMAs, 12 panel loads + 6 broadcasts per 12 FMAs, more than two load ports keep up with
-               (hot-cache A/B, K = 576 / 1536, 6-96 rows: 1-6% faster, never slower) */
+               FMAs, 12 panel loads + 6 broadcasts per 12 FMAs instead of 2 + 6 (hot-cache A/B,
+               K = 576 / 1536, 6-96 rows: 1-6% faster, never slower; the load ports were not what
+               held the kernel at ~65% of the FMA peak) */
             __asm__("" : "+x"(w0), "+x"(w1));
             for (int i = 0; i < MR; i++) {
                 if (i >= mb)
