@@ -42,7 +42,9 @@ def test_float32_equals_a_float64_reference(in_features, out_features):
     torch.manual_seed(in_features + out_features)
     weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
     packed = CpuGemm().pack(weight)
-    for rows in (1, 2, 5, 6, 7, 16, 31, 32, 47, 48, 49, 130):  # micro-tiles of 6, chunks of 48, prefill sizes
+    # micro-tiles of 6; decode sizes (threads split the panels) up to 96 rows, prefill sizes past it
+    # (threads split the rows, chunks of 96)
+    for rows in (1, 2, 5, 6, 7, 16, 31, 32, 47, 48, 49, 96, 97, 130, 200):
         x = torch.randn(rows, in_features)
         for b in (None, bias):
             y = linear(x, weight, b, packed)
@@ -99,11 +101,11 @@ def test_a_rows_numbers_do_not_depend_on_its_batch_or_the_thread_count(dtype):
         finally:
             torch.set_num_threads(before)
 
-    batch = torch.randn(100, 589).to(dtype)  # two row chunks and a part, prefill-sized
+    batch = torch.randn(250, 589).to(dtype)  # prefill-sized: split by rows, 1-3 chunks per thread
     full = gemm(batch, 2)
     for threads in (1, 3):
         assert torch.equal(gemm(batch, threads), full), threads
-    for start, rows in ((0, 1), (5, 1), (3, 6), (17, 15), (40, 60)):
+    for start, rows in ((0, 1), (5, 1), (3, 6), (17, 15), (40, 60), (7, 96), (20, 97), (0, 193)):
         alone = gemm(batch[start:start + rows].contiguous(), 2)
         assert torch.equal(alone, full[start:start + rows]), (start, rows)
     if dtype == torch.float32:  # and the order is the one gemm.c states
