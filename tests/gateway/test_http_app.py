@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import pytest
 
 from tessera.gateway.api_keys import read_api_keys
 from tessera.gateway.http.app import create_app
 from tessera.gateway.http.backend import Backend, loopback_address
+from tessera.v1 import decoder_pb2, gateway_pb2, gateway_pb2_grpc
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end UNAVAILABLE
 
@@ -186,3 +188,71 @@ def test_extra_routes_answer_at_their_exact_path():
 
 async def _build_with_metrics(metrics_app):
     return create_app(Backend(UNREACHABLE, {}), max_body_bytes=4096, extra_routes={"/metrics": metrics_app})
+
+
+class QueuedGateway(gateway_pb2_grpc.GatewayServicer):
+    """A gateway gRPC API whose Generate calls stay queued (no first message) until cancelled."""
+
+    def __init__(self) -> None:
+        self.started, self.cancelled = 0, 0
+
+    async def GetInfo(self, request, context):
+        return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base"))
+
+    async def Generate(self, request, context):
+        self.started += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        yield decoder_pb2.GenerateResponse()
+
+
+def test_prompts_are_queued_together_and_a_client_that_leaves_cancels_every_one():
+    """A completions call's prompts reach the gateway at once (not each after the previous one's first
+    token), and a client gone while they wait in the queue cancels all of them: 499, nothing left."""
+
+    async def scenario():
+        servicer, server = QueuedGateway(), grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        app = create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+        body = json.dumps({"model": "base", "prompt": ["a", "b", "c"], "max_tokens": 4}).encode()
+        gone, sent, unread = asyncio.Event(), [], [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():  # the body once, then nothing until the client leaves
+            if unread:
+                return unread.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json")], "query_string": b"",
+                 "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "server": ("test", 80),
+                 "client": ("test", 1), "root_path": ""}
+        answer = asyncio.ensure_future(app(scope, receive, send))
+        for _ in range(200):
+            if servicer.started == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert servicer.started == 3, servicer.started  # all three queued while none has a first message
+        gone.set()
+        await asyncio.wait_for(answer, 5)
+        assert sent[0]["status"] == 499
+        for _ in range(200):
+            if servicer.cancelled == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert servicer.cancelled == 3
+        await server.stop(None)
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()

@@ -191,13 +191,7 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
 
     A whole answer whose client goes away is cancelled (its KV blocks and leases come back), as a
     stream is when its response ends early."""
-    streams = []
-    try:
-        for request in requests:
-            streams.append(await generate.Stream.open(backend.stub, request, ()))
-    except BaseException:
-        generate.cancel(streams)
-        raise
+    streams = await _open(backend, requests, http)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(generate.events(streams, body.n, body.model, chat, logprobs, include_usage),
@@ -210,6 +204,36 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
             raise ApiError(499, "the client closed the connection", "cancelled")
     tally = collecting.result()
     return (generate.chat_completion if chat else generate.completion)(tally, body.model, logprobs)
+
+
+async def _open(backend: Backend, requests, http: Request) -> list[generate.Stream]:
+    """Every prompt's Generate started at once, each waited for until its first message.
+
+    All prompts are queued together (one after another, prompt k would not reach the decoder
+    before prompt k - 1 had its first token), and a client that leaves while they wait cancels
+    every one, as it does once they stream.
+
+    Raises:
+        AioRpcError: the first prompt (in order) that was refused; the others are cancelled.
+        ApiError: 499 when the client closed the connection first.
+    """
+    opening = [asyncio.ensure_future(generate.Stream.open(backend.stub, request, ())) for request in requests]
+    try:
+        while True:
+            _, pending = await asyncio.wait(opening, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
+            for task in opening:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()
+            if not pending:
+                return [task.result() for task in opening]
+            if await http.is_disconnected():
+                raise ApiError(499, "the client closed the connection", "cancelled")
+    except BaseException:
+        for task in opening:
+            task.cancel()  # a call still waiting for its first message cancels itself (Stream.open)
+        generate.cancel([task.result() for task in opening
+                         if task.done() and not task.cancelled() and task.exception() is None])
+        raise
 
 
 async def _models(backend: Backend) -> models.ModelList:
