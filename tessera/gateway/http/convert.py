@@ -49,7 +49,15 @@ def chat_messages(messages: list[models.ChatMessage]) -> list[decoder_pb2.ChatMe
 def sampling(body: models.SamplingFields, max_tokens: int | None, default_max_tokens: int,
              logprobs: bool, top_logprobs: int) -> decoder_pb2.SamplingParams:
     """OpenAI sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, top_p 1; an absent
-    max_tokens takes `default_max_tokens`, 0 = the rest of the context)."""
+    max_tokens takes `default_max_tokens`, 0 = the rest of the context).
+
+    Raises:
+        ApiError: 400 for a `logit_bias` (not supported) or `stream_options` without `stream`.
+    """
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = decoder_pb2.SamplingParams(
         max_tokens=max_tokens or default_max_tokens,
@@ -63,11 +71,27 @@ def sampling(body: models.SamplingFields, max_tokens: int | None, default_max_to
 
 
 def chat_request(body: models.ChatCompletionRequest) -> decoder_pb2.GenerateRequest:
-    """The chat's Generate request, base model (the caller sets `lora`)."""
+    """The chat's Generate request, base model (the caller sets `lora`).
+
+    Raises:
+        ApiError: 400 for a field tessera does not honour (structured output, tools and functions,
+            logit_bias), top_logprobs without logprobs (as OpenAI), or a bad image (`chat_messages`).
+    """
+    if body.response_format is not None and body.response_format != {"type": "text"}:
+        raise ApiError(400, f"response_format {body.response_format.get('type')!r} is not supported (structured "
+                            "output); only {\"type\": \"text\"}", param="response_format")
+    if body.tools or body.functions:
+        name = "tools" if body.tools else "functions"
+        raise ApiError(400, f"{name} are not supported: the gateway does not call tools", param=name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise ApiError(400, f"{name} is not supported: the gateway does not call tools", param=name)
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return decoder_pb2.GenerateRequest(
         messages=chat_messages(body.messages),
         sampling=sampling(body, body.max_completion_tokens or body.max_tokens, models.DEFAULT_CHAT_MAX_TOKENS,
-                          body.logprobs or bool(body.top_logprobs), body.top_logprobs or 0))
+                          body.logprobs, body.top_logprobs or 0))
 
 
 MAX_PROMPTS = 64  # prompts in one completions call, each one Generate (a batch past this: several calls)
@@ -77,13 +101,16 @@ def completion_requests(body: models.CompletionRequest) -> list[decoder_pb2.Gene
     """One GenerateRequest (base model) per prompt (a list of texts or of id lists is a batch, as in OpenAI).
 
     Raises:
-        ApiError: 400 for `echo` or `suffix` (not supported), an empty prompt list, or more than
-            MAX_PROMPTS prompts.
+        ApiError: 400 for `echo`, `suffix` or `best_of` past n (not supported), an empty prompt list,
+            more than MAX_PROMPTS prompts, or the refusals of `sampling`.
     """
     if body.echo:
         raise ApiError(400, "echo is not supported: the gateway returns only the generated text", param="echo")
     if body.suffix:
         raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
+    if body.best_of not in (None, 1, body.n):
+        raise ApiError(400, f"best_of {body.best_of} is not supported: each prompt returns its n = {body.n} "
+                            "samples, none ranked out", param="best_of")
     prompt = body.prompt
     if isinstance(prompt, list) and not prompt:
         raise ApiError(400, "prompt is an empty list", param="prompt")

@@ -61,15 +61,22 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(default=None, description="only with stream: true")
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, description="not supported: refused when not empty")
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per position; "
+                                                                          "needs logprobs: true")
+    response_format: dict | None = Field(default=None, description='not supported: refused unless {"type": "text"}')
+    tools: list | None = Field(default=None, description="not supported: refused when not empty")
+    tool_choice: str | dict | None = Field(default=None, description='not supported: refused unless "none"')
+    functions: list | None = Field(default=None, description="not supported (deprecated tools): refused when set")
+    function_call: str | dict | None = Field(default=None, description="not supported: refused unless \"none\"")
 
 
 class CompletionRequest(SamplingFields):
@@ -78,6 +85,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per position")
     echo: bool = Field(default=False, description="not supported: refused when true")
     suffix: str | None = Field(default=None, description="not supported: refused when set")
+    best_of: int | None = Field(default=None, description="not supported: refused unless absent, 1 or n")
 
 
 class EmbeddingRequest(BaseModel):
