@@ -207,12 +207,17 @@ class LLMEngine:
         """Submit a request and stream its outputs; the last one carries finish_reason and usage.
 
         `request_input.lora` names an adapter, leased from the adapter source for the request's
-        life. Raises (before the first output): InvalidArgument (bad prompt, too long), NotFound /
+        life. Raises (before the first output): InvalidArgument (bad prompt, too long, a stop token
+        id outside the vocabulary), NotFound /
         FailedPrecondition / Unavailable (adapter), ResourceExhausted (waiting queue full),
         Unavailable (still loading, or the engine thread has stopped; also raised mid-stream when
         it stops). With every adapter slot leased the admission waits for one to free.
         """
         self._check_serving()
+        vocab_size = self.prompts.vocab_size
+        bad = [t for t in request_input.sampling.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:  # a stop that can never be sampled is a caller's mistake, as a prompt id past the vocabulary is
+            raise InvalidArgument(f"sampling.stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})")
         prompt = await asyncio.to_thread(self.prompts.build, request_input)
         max_tokens = self._max_tokens(len(prompt.token_ids), request_input.sampling.max_tokens)
         if max_tokens != request_input.sampling.max_tokens:

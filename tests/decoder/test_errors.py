@@ -60,6 +60,10 @@ def test_unknown_role_and_token_ids(engine):
         _submit(engine, GenerateInput(SamplingParams(max_tokens=4), messages=bad))
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         _submit(engine, GenerateInput(SamplingParams(max_tokens=4), prompt_token_ids=(1, 10**6)))
+    for stop in (10**9, -1):
+        with pytest.raises(InvalidArgument, match=rf"sampling.stop_token_ids holds {stop}, outside the vocabulary"):
+            _submit(engine, GenerateInput(SamplingParams(max_tokens=4, stop_token_ids=(5, stop)), prompt_token_ids=(1, 2)))
+    assert engine.stats().num_free_blocks == 64
 
 
 def test_lora_without_registry_is_not_found(engine):
