@@ -21,11 +21,11 @@ UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end 
 class App:
     """The app and the one event loop its gRPC channel lives on."""
 
-    def __init__(self, api_keys: frozenset[str] = frozenset()):
+    def __init__(self, api_keys: frozenset[str] = frozenset(), **limits):
         self.loop = asyncio.new_event_loop()
 
         async def build():
-            return create_app(Backend(UNREACHABLE, {}, api_keys), max_body_bytes=4096)
+            return create_app(Backend(UNREACHABLE, {}, api_keys), **{"max_body_bytes": 4096, **limits})
 
         self.asgi = self.loop.run_until_complete(build())
 
@@ -127,6 +127,33 @@ def test_bodies_past_the_limit_are_413_announced_or_chunked(app):
     assert status == 413 and "4096" in error_of(answer)["message"]
     status, answer = call(app, "/v1/chat/completions", big, chunks=4)  # no Content-Length: counted as read
     assert status == 413
+
+
+def test_text_routes_have_their_own_smaller_byte_limit():
+    app = App(max_body_bytes=1 << 20, max_text_body_bytes=4096)
+    try:
+        text = json.dumps({"model": "m", "input": "x" * 5000}).encode()
+        status, answer = call(app, "/v1/embeddings", text, {"Content-Length": str(len(text))})
+        assert status == 413 and "the limit is 4096 for /v1/embeddings" in error_of(answer)["message"]
+        assert call(app, "/v1/completions", json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), chunks=3)[0] == 413
+        # chat may carry images: the same size passes its limit (and meets the unreachable gateway)
+        assert call(app, "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 5000}]))[0] == 503
+    finally:
+        app.close()
+
+
+def test_a_body_of_more_json_values_than_any_request_needs_is_413_before_parsing():
+    from tessera.gateway.http.app import MAX_JSON_VALUES
+
+    app = App(max_body_bytes=1 << 30)
+    try:
+        ids = b"[" + b"7," * MAX_JSON_VALUES + b"7]"  # one value past the limit, 8 MB
+        status, answer = call(app, "/v1/completions", b'{"model": "m", "prompt": ' + ids + b"}", chunks=8)
+        assert status == 413 and f"more than {MAX_JSON_VALUES} JSON values" in error_of(answer)["message"]
+        legit = json.dumps({"model": "m", "prompt": [[7] * 2048] * 64}).encode()  # 64 prompts of 2048 ids
+        assert call(app, "/v1/completions", legit, chunks=4)[0] == 503
+    finally:
+        app.close()
 
 
 def test_a_gateway_that_does_not_answer_is_503(app):

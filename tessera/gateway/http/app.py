@@ -5,7 +5,8 @@ Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (
 the `Authorization` header is relayed to the adapter registry, which checks its admin token).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
 `extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
-Bodies past `max_body_bytes` are refused with 413 before they are read.
+Bodies past `max_body_bytes` (chat, which may carry images) or `max_text_body_bytes` (every other
+route), or holding more than MAX_JSON_VALUES values, are refused with 413 before they are parsed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tessera.common.message_limits import FRAMING_BYTES, TEXT_BYTES
 from tessera.gateway.http import convert, generate, models
 from tessera.gateway.http.backend import Backend
 from tessera.gateway.http.errors import HANDLERS, ApiError, error_body
@@ -26,10 +28,14 @@ ERROR_RESPONSES = {status: {"model": models.ErrorResponse}
                    for status in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
 
 
+# text-only routes: one Generate's text (message_limits.TEXT_BYTES) and its framing, twice over for
+# JSON's escapes (a non-ASCII character is up to 6 bytes as \uXXXX, at most 4 in UTF-8)
+TEXT_BODY_BYTES = 2 * (TEXT_BYTES + FRAMING_BYTES)
 DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer checks that its client is still there
 
 
-def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = ()) -> FastAPI:
+def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = (),
+               max_text_body_bytes: int = TEXT_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="tessera", summary="OpenAI-compatible HTTP API of the tessera gateway",
                   responses=ERROR_RESPONSES)
     for error, handler in HANDLERS.items():
@@ -43,7 +49,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     app.include_router(_cluster_routes(backend, [Depends(api_key)]))
     for path, asgi in dict(extra_routes).items():
         app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, max_text_bytes=max_text_body_bytes)
     app.add_middleware(RequestLog)  # outermost: logs the 413s too
     app.openapi = lambda: _openapi(app)
     return app
@@ -157,29 +163,45 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
     return router
 
 
-class BodyLimit:
-    """Refuses a body past `max_bytes` with 413: from its Content-Length before reading it, or,
-    for a chunked body, as soon as the bytes read pass the limit."""
+IMAGE_ROUTES = frozenset({"/v1/chat/completions"})  # bodies that may carry base64 images
+# JSON values in one body, counted as its commas (every array element or object member after the
+# first follows one): 64 prompts of 65536 token ids. A body is parsed whole into Python objects,
+# ~40-130 bytes each, before any field is validated: without this bound a 50 MB list of small ints
+# took 6.6 GB of the gateway's memory. Commas inside strings count too, which only makes it stricter.
+MAX_JSON_VALUES = 64 * 65536
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimit:
+    """Refuses with 413 a body past its route's byte limit (`max_bytes` where images may come, else
+    `max_text_bytes`) or holding more than MAX_JSON_VALUES values: from its Content-Length before
+    reading it, else as soon as the bytes read pass a limit."""
+
+    def __init__(self, app, max_bytes: int, max_text_bytes: int):
+        self.app, self.max_bytes, self.max_text_bytes = app, max_bytes, min(max_bytes, max_text_bytes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.max_bytes if scope.get("path") in IMAGE_ROUTES else self.max_text_bytes
         length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
+        if length.isdigit() and int(length) > limit:
             response = JSONResponse(error_body(f"the request body has {int(length)} bytes; the limit is "
-                                               f"{self.max_bytes}", "invalid_request_error", None, 413), 413)
+                                               f"{limit} for {scope.get('path')}", "invalid_request_error",
+                                               None, 413), 413)
             return await response(scope, receive, send)
-        seen = 0
+        seen = values = 0
 
         async def counted():
-            nonlocal seen
+            nonlocal seen, values
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise ApiError(413, f"the request body passed {self.max_bytes} bytes, the limit")
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            values += chunk.count(b",")
+            if seen > limit:
+                raise ApiError(413, f"the request body passed {limit} bytes, the limit for {scope.get('path')}")
+            if values > MAX_JSON_VALUES:
+                raise ApiError(413, f"the request body holds more than {MAX_JSON_VALUES} JSON values (counted as "
+                                    f"commas); the limit is {MAX_JSON_VALUES}")
             return message
 
         await self.app(scope, counted, send)
