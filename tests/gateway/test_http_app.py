@@ -304,3 +304,56 @@ def test_prompts_are_queued_together_and_a_client_that_leaves_cancels_every_one(
         loop.run_until_complete(scenario())
     finally:
         loop.close()
+
+
+async def _post(asgi, path: str, body: bytes) -> tuple[int, dict]:
+    """POST `body` to the app on the running loop; (status, JSON answer)."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")],
+             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    await asgi(scope, receive, send)
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+class RefusingGateway(gateway_pb2_grpc.GatewayServicer):
+    """Generate refuses an adapter name as the real gateway and decoder do."""
+
+    async def GetInfo(self, request, context):
+        return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base"))
+
+    async def Generate(self, request, context):
+        if len(request.lora) > 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"lora has {len(request.lora)} characters; the limit is 256 (--max-name-chars)")
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown adapter {request.lora!r}")
+        yield decoder_pb2.GenerateResponse()
+
+
+def test_an_unknown_or_oversized_adapter_name_is_reported_as_the_model_field():
+    async def scenario():
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(RefusingGateway(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        app = create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+        answers = [await _post(app, "/v1/chat/completions", chat(model=model)) for model in ("gpt-4", "x" * 300)]
+        await server.stop(None)
+        return answers
+
+    loop = asyncio.new_event_loop()
+    try:
+        (status, unknown), (status_long, long) = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert status == 404 and error_of(unknown)["param"] == "model"
+    assert error_of(unknown)["message"].startswith("model 'gpt-4' is neither the decoder's model nor a loaded adapter")
+    assert status_long == 400 and error_of(long)["param"] == "model"
+    assert error_of(long)["message"] == "model has 300 characters; the limit is 256 (--max-name-chars)"

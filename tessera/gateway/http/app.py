@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
+import grpc
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tessera.common.message_limits import FRAMING_BYTES, TEXT_BYTES
 from tessera.gateway.http import convert, generate, models
 from tessera.gateway.http.backend import Backend
-from tessera.gateway.http.errors import HANDLERS, ApiError, error_body
+from tessera.gateway.http.errors import HANDLERS, ApiError, error_body, from_rpc_error
 from tessera.gateway.http.request_log import RequestLog
 from tessera.v1 import adapters_pb2, decoder_pb2
 
@@ -213,7 +214,10 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
 
     A whole answer whose client goes away is cancelled (its KV blocks and leases come back), as a
     stream is when its response ends early."""
-    streams = await _open(backend, requests, http)
+    try:
+        streams = await _open(backend, requests, http)
+    except grpc.aio.AioRpcError as error:
+        raise _as_model_error(error, body.model, requests[0].lora) from error
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(generate.events(streams, body.n, body.model, chat, logprobs, include_usage),
@@ -226,6 +230,18 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
             raise ApiError(499, "the client closed the connection", "cancelled")
     tally = collecting.result()
     return (generate.chat_completion if chat else generate.completion)(tally, body.model, logprobs)
+
+
+def _as_model_error(error: grpc.aio.AioRpcError, model: str, lora: str) -> ApiError:
+    """A refusal of Generate's `lora` in the HTTP API's terms: it came from the body's `model`."""
+    refusal = from_rpc_error(error)
+    details = error.details() or ""
+    if lora and error.code() == grpc.StatusCode.NOT_FOUND and details.startswith("unknown adapter"):
+        return ApiError(404, f"model {model!r} is neither the decoder's model nor a loaded adapter ({details})",
+                        "not_found_error", param="model")
+    if lora and error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("lora "):
+        return ApiError(refusal.status, "model " + details.removeprefix("lora "), refusal.type, param="model")
+    return refusal
 
 
 async def _open(backend: Backend, requests, http: Request) -> list[generate.Stream]:
