@@ -13,7 +13,7 @@ import pytest
 from tessera.gateway.api_keys import read_api_keys
 from tessera.gateway.http.app import create_app
 from tessera.gateway.http.backend import Backend, loopback_address
-from tessera.v1 import decoder_pb2, gateway_pb2, gateway_pb2_grpc
+from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end UNAVAILABLE
 
@@ -306,17 +306,17 @@ def test_prompts_are_queued_together_and_a_client_that_leaves_cancels_every_one(
         loop.close()
 
 
-async def _post(asgi, path: str, body: bytes) -> tuple[int, dict]:
-    """POST `body` to the app on the running loop; (status, JSON answer)."""
+async def _post(asgi, path: str, body: bytes | None) -> tuple[int, dict]:
+    """POST `body` (GET when None) to the app on the running loop; (status, JSON answer)."""
     sent = []
 
     async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.request", "body": body or b"", "more_body": False}
 
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")],
+    scope = {"type": "http", "method": "GET" if body is None else "POST", "path": path, "headers": [(b"content-type", b"application/json")],
              "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
              "server": ("test", 80), "client": ("test", 1), "root_path": ""}
     await asgi(scope, receive, send)
@@ -357,3 +357,57 @@ def test_an_unknown_or_oversized_adapter_name_is_reported_as_the_model_field():
     assert error_of(unknown)["message"].startswith("model 'gpt-4' is neither the decoder's model nor a loaded adapter")
     assert status_long == 400 and error_of(long)["param"] == "model"
     assert error_of(long)["message"] == "model has 300 characters; the limit is 256 (--max-name-chars)"
+
+
+class RecordingGateway(gateway_pb2_grpc.GatewayServicer):
+    """Answers the adapter calls, keeping each request as it arrived."""
+
+    def __init__(self) -> None:
+        self.received = []
+
+    async def GetInfo(self, request, context):
+        return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base"))
+
+    async def LoadAdapter(self, request, context):
+        self.received.append(request)
+        return adapters_pb2.AdapterInfo(name=request.name, path=request.path)
+
+    async def UnloadAdapter(self, request, context):
+        self.received.append(request)
+        return adapters_pb2.UnloadAdapterResponse(name=request.name)
+
+    async def ListAdapters(self, request, context):
+        return adapters_pb2.ListAdaptersResponse(adapters=[adapters_pb2.AdapterInfo(name="qv", path="qv-dir",
+                                                                                    state="ready")])
+
+
+def test_adapter_routes_pass_replace_and_drain_and_a_model_is_retrieved_by_name():
+    """The registry's refusals of a leased adapter say 'pass drain=true' / 'replace=true': the HTTP
+    bodies carry both."""
+    async def scenario():
+        servicer, server = RecordingGateway(), grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        app = create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+        statuses = [
+            (await _post(app, "/v1/load_lora_adapter", json.dumps(
+                {"lora_name": "a", "lora_path": "p", "replace": True, "drain": True}).encode()))[0],
+            (await _post(app, "/v1/unload_lora_adapter", json.dumps({"lora_name": "a", "drain": True}).encode()))[0],
+            (await _post(app, "/v1/unload_lora_adapter", json.dumps({"lora_name": "a"}).encode()))[0]]
+        retrieved = [await _post(app, f"/v1/models/{name}", None) for name in ("base", "qv", "nope")]
+        await server.stop(None)
+        return statuses, servicer.received, retrieved
+
+    loop = asyncio.new_event_loop()
+    try:
+        statuses, (load, unload, plain), retrieved = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert statuses == [200, 200, 200]
+    assert (load.name, load.path, load.replace, load.drain) == ("a", "p", True, True)
+    assert (unload.name, unload.drain, plain.drain) == ("a", True, False)
+    # GET /v1/models/{model} (the SDK's models.retrieve): the base model, an adapter, 404 for others
+    (base_status, base), (qv_status, qv), (nope_status, nope) = retrieved
+    assert (base_status, base["id"], qv_status, qv["id"], qv["parent"]) == (200, "base", 200, "qv", "base")
+    assert nope_status == 404 and error_of(nope)["param"] == "model"

@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI-compatible routes over the gateway's gRPC API.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
-/tokenize, /detokenize; GET /v1/models, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
+/tokenize, /detokenize; GET /v1/models, /v1/models/{model}, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
 the `Authorization` header is relayed to the adapter registry, which checks its admin token).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
 `extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
@@ -135,6 +135,15 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
     async def list_models():
         return await _models(backend)
 
+    @router.get("/v1/models/{model}", dependencies=inference, response_model=models.Model)
+    async def retrieve_model(model: str):
+        """One entry of /v1/models (OpenAI's models.retrieve); 404 for a name not served."""
+        for entry in (await _models(backend)).data:
+            if entry.id == model:
+                return entry
+        raise ApiError(404, f"model {model!r} is not served here (GET /v1/models lists what is)", "not_found_error",
+                       param="model")
+
     @router.post("/v1/load_lora_adapter", response_model=models.Model)
     async def load_lora_adapter(body: models.LoadLoraAdapterRequest, request: Request):
         info = await backend.info()
@@ -143,13 +152,15 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
             raise ApiError(400, f"lora_name {body.lora_name!r} is the name of a served model; an adapter needs a "
                                 "name of its own", param="lora_name")
         info = await backend.stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=body.lora_name,
-                                                                              path=body.lora_path),
+                                                                              path=body.lora_path,
+                                                                              replace=body.replace, drain=body.drain),
                                               metadata=admin_metadata(request))
         return models.Model(id=info.name, root=info.path, parent=await backend.base_model())
 
     @router.post("/v1/unload_lora_adapter", response_model=models.Model)
     async def unload_lora_adapter(body: models.UnloadLoraAdapterRequest, request: Request):
-        reply = await backend.stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=body.lora_name),
+        reply = await backend.stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=body.lora_name,
+                                                                                    drain=body.drain),
                                                  metadata=admin_metadata(request))
         return models.Model(id=reply.name)
 

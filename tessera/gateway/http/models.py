@@ -131,10 +131,15 @@ class DetokenizeRequest(BaseModel):
 class LoadLoraAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
+    replace: bool = Field(default=False, description="tessera: load new weights under a name already loaded")
+    drain: bool = Field(default=False, description="tessera: with replace, wait for running requests on the old "
+                                                   "weights to end (else 400 while any runs)")
 
 
 class UnloadLoraAdapterRequest(BaseModel):
     lora_name: str
+    drain: bool = Field(default=False, description="tessera: refuse new requests and wait for running ones to "
+                                                   "end (else 400 while any runs)")
 
 
 # -- responses ----------------------------------------------------------------------------------
