@@ -281,7 +281,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         relay = _RequestRelay(self.limits.embed_stream(request_iterator))
         replica = await self.poolers.pick(remaining=context.time_remaining())
         call = replica.stub.EmbedStream(relay.requests(), timeout=context.time_remaining())
-        relay.on_failure = call.cancel
         try:
             async for response in call:
                 yield response
@@ -359,13 +358,14 @@ class _RequestRelay:
 
     grpc's client call consumes the iterator it is given in a task of its own and drops whatever
     that iterator raises: a client message that does not parse (INVALID_ARGUMENT from the server
-    interceptor) would leave both calls waiting for more requests until the deadline. Here the
-    failure is kept, the downstream call cancelled (`on_failure`), and the handler raises it.
+    interceptor) or over a cap would leave both calls waiting for more requests until the deadline.
+    Here the failure is kept and the downstream stream ends there (half-closed, not cancelled): the
+    messages before the bad one are answered, as a direct call to the service answers them, then
+    the handler raises the failure.
     """
 
     def __init__(self, requests):
         self._requests = requests
-        self.on_failure = lambda: None
         self._failure: Exception | None = None
 
     async def requests(self):
@@ -374,7 +374,6 @@ class _RequestRelay:
                 yield request
         except Exception as error:  # noqa: BLE001 - re-raised by raise_failure on the handler's side
             self._failure = error
-            self.on_failure()
 
     def raise_failure(self) -> None:
         if self._failure is not None:

@@ -106,7 +106,15 @@ def test_tokenize_and_embed_stream_through_gateway(gateway, sentence_transformer
     expected = torch.from_numpy(sentence_transformer.encode(TEXTS[:4], convert_to_numpy=True))
     assert F.cosine_similarity(streamed, expected).min() >= 0.99999
 
-    bad = [pooling_pb2.EmbedRequest(inputs=["fine"]), pooling_pb2.EmbedRequest(inputs=[])]
-    with pytest.raises(grpc.RpcError) as error:
-        list(gateway.EmbedStream(iter(bad), timeout=60))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a refused message, by pooling (no inputs) or by the gateway's caps (past max_batch_size): the
+    # messages before it are answered, then the stream ends with INVALID_ARGUMENT
+    from tessera.common.limits import PoolingLimits
+
+    over_cap = pooling_pb2.EmbedRequest(inputs=["a"] * (PoolingLimits().max_batch_size + 1))
+    for refused in (pooling_pb2.EmbedRequest(inputs=[]), over_cap):
+        answered = []
+        with pytest.raises(grpc.RpcError) as error:
+            for response in gateway.EmbedStream(iter([pooling_pb2.EmbedRequest(inputs=["fine"]), refused]), timeout=60):
+                answered.append(response)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(answered) == 1 and from_pb(answered[0].embeddings).shape[0] == 1
