@@ -411,3 +411,31 @@ def test_adapter_routes_pass_replace_and_drain_and_a_model_is_retrieved_by_name(
     (base_status, base), (qv_status, qv), (nope_status, nope) = retrieved
     assert (base_status, base["id"], qv_status, qv["id"], qv["parent"]) == (200, "base", 200, "qv", "base")
     assert nope_status == 404 and error_of(nope)["param"] == "model"
+
+
+def test_a_body_that_stalls_is_408_and_the_connection_is_let_go():
+    """A client that announces a body and stops sending (slowloris) is answered, not held."""
+    app = App(body_read_timeout_s=0.2)
+    sent = []
+
+    async def receive():
+        if not sent and not receive.started:
+            receive.started = True
+            return {"type": "http.request", "body": b'{"model": "m", ', "more_body": True}
+        await asyncio.sleep(3600)
+
+    receive.started = False
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/embeddings",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    try:
+        app.loop.run_until_complete(asyncio.wait_for(app.asgi(scope, receive, send), 10))
+    finally:
+        app.close()
+    answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert sent[0]["status"] == 408 and "stalled: no bytes for 0.2 s after 15" in error_of(answer)["message"]

@@ -26,17 +26,18 @@ from tessera.gateway.http.request_log import RequestLog
 from tessera.v1 import adapters_pb2, decoder_pb2
 
 ERROR_RESPONSES = {status: {"model": models.ErrorResponse}
-                   for status in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
+                   for status in (400, 401, 403, 404, 408, 413, 429, 500, 503, 504)}
 
 
 # text-only routes: one Generate's text (message_limits.TEXT_BYTES) and its framing, twice over for
 # JSON's escapes (a non-ASCII character is up to 6 bytes as \uXXXX, at most 4 in UTF-8)
 TEXT_BODY_BYTES = 2 * (TEXT_BYTES + FRAMING_BYTES)
+BODY_READ_TIMEOUT_S = 30.0  # the longest wait for the next piece of a body (a stalled client holds a connection)
 DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer checks that its client is still there
 
 
 def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = (),
-               max_text_body_bytes: int = TEXT_BODY_BYTES) -> FastAPI:
+               max_text_body_bytes: int = TEXT_BODY_BYTES, body_read_timeout_s: float = BODY_READ_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="tessera", summary="OpenAI-compatible HTTP API of the tessera gateway",
                   responses=ERROR_RESPONSES)
     for error, handler in HANDLERS.items():
@@ -50,7 +51,8 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     app.include_router(_cluster_routes(backend, [Depends(api_key)]))
     for path, asgi in dict(extra_routes).items():
         app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, max_text_bytes=max_text_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, max_text_bytes=max_text_body_bytes,
+                       read_timeout_s=body_read_timeout_s)
     app.add_middleware(RequestLog)  # outermost: logs the 413s too
     app.openapi = lambda: _openapi(app)
     return app
@@ -186,10 +188,12 @@ MAX_JSON_VALUES = 64 * 65536
 class BodyLimit:
     """Refuses with 413 a body past its route's byte limit (`max_bytes` where images may come, else
     `max_text_bytes`) or holding more than MAX_JSON_VALUES values: from its Content-Length before
-    reading it, else as soon as the bytes read pass a limit."""
+    reading it, else as soon as the bytes read pass a limit; with 408 a body whose next piece has
+    not come for `read_timeout_s` (a client that announces a body and stalls)."""
 
-    def __init__(self, app, max_bytes: int, max_text_bytes: int):
+    def __init__(self, app, max_bytes: int, max_text_bytes: int, read_timeout_s: float = BODY_READ_TIMEOUT_S):
         self.app, self.max_bytes, self.max_text_bytes = app, max_bytes, min(max_bytes, max_text_bytes)
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -202,10 +206,19 @@ class BodyLimit:
                                                None, 413), 413)
             return await response(scope, receive, send)
         seen = values = 0
+        reading = True
 
         async def counted():
-            nonlocal seen, values
-            message = await receive()
+            nonlocal seen, values, reading
+            if not reading:  # the body is in: from here on only a disconnect comes, whenever it does
+                return await receive()
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                raise ApiError(408, f"the request body stalled: no bytes for {self.read_timeout_s:g} s "
+                                    f"after {seen}") from None
+            reading = message.get("type") == "http.request" and message.get("more_body", False)
             chunk = message.get("body", b"")
             seen += len(chunk)
             values += chunk.count(b",")
