@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-setup: $(STAMP) deploy-tools
+setup: $(STAMP)
 
-# Debian's docker-compose checks deploy/docker-compose.yml (tests/deploy); installed only when missing,
-# without its recommended Docker engine. kubectl comes with this machine's image (tests/deploy says so).
+# Debian's docker-compose checks deploy/docker-compose.yml (tests/deploy, so only `make test` needs it);
+# installed only when missing, without its recommended Docker engine. kubectl comes with this machine's image (tests/deploy says so).
 deploy-tools:
 	@command -v docker-compose >/dev/null || { \
 	  $(SUDO) apt-get update -qq && \
@@ -36,7 +36,7 @@ demo: models
 lint: setup
 	$(BIN)/ruff check tessera tests bench docs
 
-test: models lint
+test: models lint deploy-tools
 	$(BIN)/python -m pytest -q
 
 proto: setup
