@@ -86,6 +86,13 @@ def test_bad_parameters_are_400_naming_them(app, fields, param):
     assert status == 400 and error_of(answer)["param"] == param
 
 
+@pytest.mark.parametrize("param", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+def test_a_nan_sampling_value_is_400_saying_it_is_not_finite(app, param):
+    body = chat().replace(b'"model"', f'"{param}": NaN, "model"'.encode(), 1)  # Python's json reads NaN
+    status, answer = call(app, "/v1/chat/completions", body)
+    assert status == 400 and error_of(answer)["param"] == param and "finite" in error_of(answer)["message"], answer
+
+
 def test_token_ids_past_int32_and_echo_are_refused(app):
     status, answer = call(app, "/v1/completions", json.dumps({"model": "m", "prompt": [1, 2**31]}).encode())
     assert status == 400 and error_of(answer)["param"].startswith("prompt")

@@ -52,14 +52,14 @@ class SamplingFields(BaseModel):
     """The sampling fields chat and completions share (OpenAI's names and ranges)."""
 
     model: str = Field(description="the decoder's base model name, or a loaded adapter's name")
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: Count | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     n: Count = 1
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     stream: bool = False
     stream_options: StreamOptions | None = Field(default=None, description="only with stream: true")
     user: str | None = None
