@@ -115,6 +115,14 @@ def test_openai_fields_tessera_does_not_honour_are_refused_not_ignored(app, fiel
     assert call(app, "/v1/chat/completions", chat(**{param: harmless[param]}))[0] == 503
 
 
+def test_a_developer_message_is_sent_as_the_system_message():
+    from tessera.gateway.http import convert, models
+
+    body = models.ChatCompletionRequest(model="m", messages=[{"role": "developer", "content": "be brief"},
+                                                             {"role": "user", "content": "hi"}])
+    assert [m.role for m in convert.chat_request(body).messages] == ["system", "user"]
+
+
 def test_best_of_other_than_n_is_refused(app):
     status, answer = call(app, "/v1/completions", json.dumps({"model": "m", "prompt": "x", "best_of": 3}).encode())
     assert status == 400 and error_of(answer)["param"] == "best_of"

@@ -42,7 +42,8 @@ def chat_messages(messages: list[models.ChatMessage]) -> list[decoder_pb2.ChatMe
         else:
             parts = [decoder_pb2.ContentPart(text=p.text) if isinstance(p, models.TextPart)
                      else _image(p.image_url.url, f"messages.{i}.content.{j}") for j, p in enumerate(content)]
-        out.append(decoder_pb2.ChatMessage(role=message.role, content=parts))
+        role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
+        out.append(decoder_pb2.ChatMessage(role=role, content=parts))
     return out
 
 

@@ -39,7 +39,8 @@ class ImagePart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description='"developer" is OpenAI\'s newer name for "system", and is sent as one')
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
 
