@@ -381,7 +381,7 @@ class RecordingGateway(gateway_pb2_grpc.GatewayServicer):
         self.received = []
 
     async def GetInfo(self, request, context):
-        return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base"))
+        return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base", max_model_len=2048))
 
     async def LoadAdapter(self, request, context):
         self.received.append(request)
@@ -425,6 +425,7 @@ def test_adapter_routes_pass_replace_and_drain_and_a_model_is_retrieved_by_name(
     # GET /v1/models/{model} (the SDK's models.retrieve): the base model, an adapter, 404 for others
     (base_status, base), (qv_status, qv), (nope_status, nope) = retrieved
     assert (base_status, base["id"], qv_status, qv["id"], qv["parent"]) == (200, "base", 200, "qv", "base")
+    assert qv["max_model_len"] == base["max_model_len"] == 2048 and base["created"] > 1_700_000_000
     assert nope_status == 404 and error_of(nope)["param"] == "model"
 
 

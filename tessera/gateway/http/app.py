@@ -313,7 +313,8 @@ async def _models(backend: Backend) -> models.ModelList:
     adapters = await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())
     for adapter in adapters.adapters:
         if adapter.state in ("ready", "draining"):  # not those registered for another base model (base_*)
-            data.append(models.Model(id=adapter.name, root=adapter.path, parent=base))
+            data.append(models.Model(id=adapter.name, root=adapter.path, parent=base,
+                                     max_model_len=info.decoder.max_model_len or None))
     return models.ModelList(data=data)
 
 

@@ -8,6 +8,7 @@ silently ignored. Unknown extra fields are ignored, as OpenAI-compatible servers
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
@@ -250,7 +251,7 @@ class DetokenizeResponse(BaseModel):
 class Model(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = 0
+    created: int = Field(default_factory=lambda: int(time.time()), description="the answer's time, as vLLM")
     owned_by: str = "tessera"
     root: str | None = None
     parent: str | None = None
