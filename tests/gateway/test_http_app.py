@@ -253,6 +253,15 @@ async def _build_with_metrics(metrics_app):
     return create_app(Backend(UNREACHABLE, {}), max_body_bytes=4096, extra_routes={"/metrics": metrics_app})
 
 
+async def _serve(servicer: gateway_pb2_grpc.GatewayServicer):
+    """`servicer` as the gateway's gRPC API on a loopback port, and the HTTP app over it."""
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+
+
 class QueuedGateway(gateway_pb2_grpc.GatewayServicer):
     """A gateway gRPC API whose Generate calls stay queued (no first message) until cancelled."""
 
@@ -277,11 +286,8 @@ def test_prompts_are_queued_together_and_a_client_that_leaves_cancels_every_one(
     token), and a client gone while they wait in the queue cancels all of them: 499, nothing left."""
 
     async def scenario():
-        servicer, server = QueuedGateway(), grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        app = create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+        servicer = QueuedGateway()
+        server, app = await _serve(servicer)
         body = json.dumps({"model": "base", "prompt": ["a", "b", "c"], "max_tokens": 4}).encode()
         gone, sent, unread = asyncio.Event(), [], [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -354,11 +360,7 @@ class RefusingGateway(gateway_pb2_grpc.GatewayServicer):
 
 def test_an_unknown_or_oversized_adapter_name_is_reported_as_the_model_field():
     async def scenario():
-        server = grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(RefusingGateway(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        app = create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+        server, app = await _serve(RefusingGateway())
         answers = [await _post(app, "/v1/chat/completions", chat(model=model)) for model in ("gpt-4", "x" * 300)]
         await server.stop(None)
         return answers
@@ -400,11 +402,8 @@ def test_adapter_routes_pass_replace_and_drain_and_a_model_is_retrieved_by_name(
     """The registry's refusals of a leased adapter say 'pass drain=true' / 'replace=true': the HTTP
     bodies carry both."""
     async def scenario():
-        servicer, server = RecordingGateway(), grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        app = create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+        servicer = RecordingGateway()
+        server, app = await _serve(servicer)
         statuses = [
             (await _post(app, "/v1/load_lora_adapter", json.dumps(
                 {"lora_name": "a", "lora_path": "p", "replace": True, "drain": True}).encode()))[0],
