@@ -30,8 +30,8 @@
  * widened once into a float32 buffer for all `rep` query heads, and blocks prefetched into L2
  * ahead of each pass (blocks are scattered, so the hardware prefetchers restart at each one): K two
  * blocks ahead in the scores pass, a part per 8 positions, V one block ahead in the values pass, a
- * part per query head (asked for whole, 64 lines at once, the misses queued past what the core
- * tracks and it stalled: A/B, each run on an untouched cache, 3.1-3.5 -> 2.9-3.2 ms float32,
+ * part per query head (asked for whole, 64 lines at once, it ran slower, likely the misses queued
+ * past what the core tracks: A/B, each run on an untouched cache, 3.1-3.5 -> 2.9-3.2 ms float32,
  * 2.2-2.4 -> 2.0 ms bfloat16; the engine's P1 decode-attention calls replayed with both builds
  * alternately 11.2 -> 9.6 s float32, 10.0 -> 9.7 s bfloat16 on a busy machine). 32 rows x 150-700
  * positions, one SmolLM2-135M layer, caches not in cache, this 2-core VM (A/B, medians): 3.5-3.8
@@ -178,8 +178,8 @@ static inline __attribute__((always_inline)) const float *block_rows(
    at the block's end; its cache lines split evenly) into L2, ahead of their use: blocks are
    scattered, and the hardware prefetchers start over at each one. A block past the item's end is
    not asked for. A block is asked for a part at a time, between the loops that compute: a whole
-   block at once (64 lines of float32) queued more misses than the core tracks, and it waited for
-   them (the A/B in the header). */
+   block at once (64 lines of float32) was slower, likely queueing more misses than the core
+   tracks (the A/B in the header). */
 static inline __attribute__((always_inline)) void prefetch_block(
     const void *plane, const int32_t *table, int64_t b, int64_t len, int64_t head_dim, int64_t block_size,
     int64_t part, int64_t parts, const int bf16)
