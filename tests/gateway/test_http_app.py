@@ -483,4 +483,27 @@ def test_a_body_that_stalls_is_408_and_the_connection_is_let_go():
     finally:
         app.close()
     answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
-    assert sent[0]["status"] == 408 and "stalled: no bytes for 0.2 s after 15" in error_of(answer)["message"]
+    assert sent[0]["status"] == 408 and "stalled: no bytes for 0.2 s after 15 bytes" in error_of(answer)["message"]
+
+
+def test_a_body_dripped_a_byte_at_a_time_is_408_at_the_total_limit():
+    app = App(body_read_timeout_s=0.2, body_total_timeout_s=0.5)
+    sent = []
+
+    async def receive():  # a byte every 0.05 s: never stalls 0.2 s, never ends
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b" ", "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/embeddings",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    try:
+        app.loop.run_until_complete(asyncio.wait_for(app.asgi(scope, receive, send), 10))
+    finally:
+        app.close()
+    answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert sent[0]["status"] == 408 and "it took longer than 0.5 s" in error_of(answer)["message"]

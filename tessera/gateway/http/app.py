@@ -33,11 +33,13 @@ ERROR_RESPONSES = {status: {"model": models.ErrorResponse}
 # JSON's escapes (a non-ASCII character is up to 6 bytes as \uXXXX, at most 4 in UTF-8)
 TEXT_BODY_BYTES = 2 * (TEXT_BYTES + FRAMING_BYTES)
 BODY_READ_TIMEOUT_S = 30.0  # the longest wait for the next piece of a body (a stalled client holds a connection)
+BODY_TOTAL_TIMEOUT_S = 300.0  # and for the whole body (a client dripping a byte a piece holds one too)
 DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer checks that its client is still there
 
 
 def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = (),
-               max_text_body_bytes: int = TEXT_BODY_BYTES, body_read_timeout_s: float = BODY_READ_TIMEOUT_S) -> FastAPI:
+               max_text_body_bytes: int = TEXT_BODY_BYTES, body_read_timeout_s: float = BODY_READ_TIMEOUT_S,
+               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="tessera", summary="OpenAI-compatible HTTP API of the tessera gateway",
                   responses=ERROR_RESPONSES)
     for error, handler in HANDLERS.items():
@@ -52,7 +54,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     for path, asgi in dict(extra_routes).items():
         app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, max_text_bytes=max_text_body_bytes,
-                       read_timeout_s=body_read_timeout_s)
+                       read_timeout_s=body_read_timeout_s, total_timeout_s=body_total_timeout_s)
     app.add_middleware(RequestLog)  # outermost: logs the 413s too
     app.openapi = lambda: _openapi(app)
     return app
@@ -179,21 +181,24 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
 
 IMAGE_ROUTES = frozenset({"/v1/chat/completions"})  # bodies that may carry base64 images
 # JSON values in one body, counted as its commas (every array element or object member after the
-# first follows one): 64 prompts of 65536 token ids. A body is parsed whole into Python objects,
+# first follows one): 64 prompts of 16384 token ids. A body is parsed whole into Python objects,
 # ~40-130 bytes each, before any field is validated: without this bound a 50 MB list of small ints
-# took 6.6 GB of the gateway's memory. Commas inside strings count too, which only makes it stricter.
-MAX_JSON_VALUES = 64 * 65536
+# took 6.6 GB of the gateway's memory (4 M ids, 8 MiB, still took 1.2 GB and 4 s of its loop).
+# Commas inside strings count too, which only makes it stricter.
+MAX_JSON_VALUES = 64 * 16384
 
 
 class BodyLimit:
     """Refuses with 413 a body past its route's byte limit (`max_bytes` where images may come, else
     `max_text_bytes`) or holding more than MAX_JSON_VALUES values: from its Content-Length before
     reading it, else as soon as the bytes read pass a limit; with 408 a body whose next piece has
-    not come for `read_timeout_s` (a client that announces a body and stalls)."""
+    not come for `read_timeout_s`, or that is not in after `total_timeout_s` (a client that announces
+    a body and stalls, or drips it)."""
 
-    def __init__(self, app, max_bytes: int, max_text_bytes: int, read_timeout_s: float = BODY_READ_TIMEOUT_S):
+    def __init__(self, app, max_bytes: int, max_text_bytes: int, read_timeout_s: float = BODY_READ_TIMEOUT_S,
+                 total_timeout_s: float = BODY_TOTAL_TIMEOUT_S):
         self.app, self.max_bytes, self.max_text_bytes = app, max_bytes, min(max_bytes, max_text_bytes)
-        self.read_timeout_s = read_timeout_s
+        self.read_timeout_s, self.total_timeout_s = read_timeout_s, total_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -207,17 +212,20 @@ class BodyLimit:
             return await response(scope, receive, send)
         seen = values = 0
         reading = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.total_timeout_s
 
         async def counted():
             nonlocal seen, values, reading
             if not reading:  # the body is in: from here on only a disconnect comes, whenever it does
                 return await receive()
             try:
-                async with asyncio.timeout(self.read_timeout_s):
+                async with asyncio.timeout_at(min(loop.time() + self.read_timeout_s, deadline)):
                     message = await receive()
             except TimeoutError:
-                raise ApiError(408, f"the request body stalled: no bytes for {self.read_timeout_s:g} s "
-                                    f"after {seen}") from None
+                why = (f"it took longer than {self.total_timeout_s:g} s" if loop.time() >= deadline
+                       else f"no bytes for {self.read_timeout_s:g} s")
+                raise ApiError(408, f"the request body stalled: {why} after {seen} bytes") from None
             reading = message.get("type") == "http.request" and message.get("more_body", False)
             chunk = message.get("body", b"")
             seen += len(chunk)
