@@ -458,18 +458,9 @@ def test_adapter_routes_pass_replace_and_drain_and_a_model_is_retrieved_by_name(
     assert nope_status == 404 and error_of(nope)["param"] == "model"
 
 
-def test_a_body_that_stalls_is_408_and_the_connection_is_let_go():
-    """A client that announces a body and stops sending (slowloris) is answered, not held."""
-    app = App(body_read_timeout_s=0.2)
+def _answer_to_a_slow_body(app: App, receive) -> tuple[int, dict]:
+    """POST to /v1/embeddings announcing 1000 bytes, the body's pieces coming from `receive`."""
     sent = []
-
-    async def receive():
-        if not sent and not receive.started:
-            receive.started = True
-            return {"type": "http.request", "body": b'{"model": "m", ', "more_body": True}
-        await asyncio.sleep(3600)
-
-    receive.started = False
 
     async def send(message):
         sent.append(message)
@@ -482,28 +473,26 @@ def test_a_body_that_stalls_is_408_and_the_connection_is_let_go():
         app.loop.run_until_complete(asyncio.wait_for(app.asgi(scope, receive, send), 10))
     finally:
         app.close()
-    answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
-    assert sent[0]["status"] == 408 and "stalled: no bytes for 0.2 s after 15 bytes" in error_of(answer)["message"]
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_a_body_that_stalls_is_408_and_the_connection_is_let_go():
+    """A client that announces a body and stops sending (slowloris) is answered, not held."""
+    pieces = [{"type": "http.request", "body": b'{"model": "m", ', "more_body": True}]
+
+    async def receive():  # one piece, then nothing
+        if pieces:
+            return pieces.pop()
+        await asyncio.sleep(3600)
+
+    status, answer = _answer_to_a_slow_body(App(body_read_timeout_s=0.2), receive)
+    assert status == 408 and "stalled: no bytes for 0.2 s after 15 bytes" in error_of(answer)["message"]
 
 
 def test_a_body_dripped_a_byte_at_a_time_is_408_at_the_total_limit():
-    app = App(body_read_timeout_s=0.2, body_total_timeout_s=0.5)
-    sent = []
-
     async def receive():  # a byte every 0.05 s: never stalls 0.2 s, never ends
         await asyncio.sleep(0.05)
         return {"type": "http.request", "body": b" ", "more_body": True}
 
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/embeddings",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
-             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
-             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
-    try:
-        app.loop.run_until_complete(asyncio.wait_for(app.asgi(scope, receive, send), 10))
-    finally:
-        app.close()
-    answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
-    assert sent[0]["status"] == 408 and "it took longer than 0.5 s" in error_of(answer)["message"]
+    status, answer = _answer_to_a_slow_body(App(body_read_timeout_s=0.2, body_total_timeout_s=0.5), receive)
+    assert status == 408 and "it took longer than 0.5 s" in error_of(answer)["message"]
