@@ -37,9 +37,14 @@
  * layers of projections, weights not in cache, 18 rows: 48 -> 35 ms float32 (8 rows 36 -> 31,
  * 32 rows 78 -> 63, 128 rows 215 -> 192; 1 row and 512 rows as before: bound by memory / FMAs).
  *
- * Summation order: k is cut into blocks of KC = 32; a block's partial sum is one fused multiply-add
+ * Summation order: k is cut into blocks of KC = 128; a block's partial sum is one fused multiply-add
  * per k in increasing k from zero, and the partials are added to the output's sum in increasing k
- * (a blocked sum: rounding error grows with KC + K / KC, not K), then the bias is added. The order
+ * (a blocked sum: rounding error grows with KC + K / KC, not K), then the bias is added. Each block
+ * end spills the twelve accumulators into the sums: at KC = 32 that cost 12-15% of the kernel (one
+ * thread, best of 12 interleaved runs, 96 x 576 x 256 in cache: 73 -> 86 GFLOP/s at 128; 32 x 576 x
+ * 3072: 70 -> 77; 512 x 576 x 3072: 69 -> 79; 64: 80, 96: 82, unblocked: 86). The prefetch of the
+ * next panel stays spread over slices of PF_K = 32 k: asked for per 128-k block, a decode step of
+ * 8 rows over 30 layers' weights from memory ran 15 -> 18 ms. The order
  * is the same whatever M, the row's place, the panel or the thread count, and the portable
  * (scalar) build does the same operations in the same order, so both give the same bits: a row's
  * numbers do not depend on its batch or on the step's size.
@@ -58,7 +63,8 @@
 
 #define NR 16     /* output columns per panel (two ymm registers); linear.PANEL_WIDTH */
 #define MR 6      /* rows of x per micro-tile: MR x 2 accumulators + 2 panel vectors + 1 broadcast */
-#define KC 32     /* k per block: each block is summed from zero in registers, then added to the output's sum */
+#define KC 128    /* k per block: each block is summed from zero in registers, then added to the output's sum */
+#define PF_K 32   /* k per prefetch slice: a decode tile asks for its share of the next panel a slice at a time */
 #define PF_LOCALITY 2  /* __builtin_prefetch's: to L2 and beyond (a panel of K = 576 is 36 KB, more than L1) */
 #define CHUNK 96  /* rows of x held in L2 while every panel streams past them (MR multiples) */
 _Static_assert(CHUNK % MR == 0, "a chunk holds whole micro-tiles");
@@ -95,8 +101,8 @@ static inline __attribute__((always_inline)) void micro_tile(
     const float *x, int64_t m0, const int mb, int64_t k_features, const void *panel, const void *bias,
     void *y, int64_t n_features, int64_t n0, const char *pf, int64_t pf_bytes, const int bf16)
 {
-    const int64_t k_blocks = (k_features + KC - 1) / KC;
-    const int64_t pf_step = ((pf_bytes + k_blocks - 1) / k_blocks + 63) / 64 * 64;  /* bytes per k block */
+    const int64_t k_slices = (k_features + PF_K - 1) / PF_K;
+    const int64_t pf_step = ((pf_bytes + k_slices - 1) / k_slices + 63) / 64 * 64;  /* bytes per k slice */
     const float *xr[MR];
     for (int i = 0; i < MR; i++)
         xr[i] = x + (m0 + (i < mb ? i : 0)) * k_features;
@@ -106,44 +112,52 @@ static inline __attribute__((always_inline)) void micro_tile(
             sums[i][j] = 0.f;
     for (int64_t k0 = 0; k0 < k_features; k0 += KC) {
         const int64_t k1 = k0 + KC < k_features ? k0 + KC : k_features;
-        if (pf != NULL) {
-            const int64_t from = (k0 / KC) * pf_step, to = from + pf_step < pf_bytes ? from + pf_step : pf_bytes;
-            for (int64_t at = from; at < to; at += 64)
-                __builtin_prefetch(pf + at, 0, PF_LOCALITY);
-        }
 #if GEMM_AVX2
         __m256 acc[MR][2];
         for (int i = 0; i < MR; i++)
             acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-        for (int64_t k = k0; k < k1; k++) {
-            __m256 w0, w1;
-            load16(panel, k * NR, bf16, &w0, &w1);
-            /* the panel row stays in two registers: otherwise GCC folds the loads into each row's
-               FMAs, 12 panel loads + 6 broadcasts per 12 FMAs instead of 2 + 6 (hot-cache A/B,
-               K = 576 / 1536, 6-96 rows: 1-6% faster, never slower; the load ports were not what
-               held the kernel at ~65% of the FMA peak) */
-            __asm__("" : "+x"(w0), "+x"(w1));
-            for (int i = 0; i < MR; i++) {
-                if (i >= mb)
-                    continue;
-                const __m256 xv = _mm256_broadcast_ss(xr[i] + k);
-                acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+#else
+        float part[MR][NR] = {{0}};
+#endif
+        for (int64_t s0 = k0; s0 < k1; s0 += PF_K) {  /* the block's k in slices of PF_K: one prefetch each */
+            const int64_t s1 = s0 + PF_K < k1 ? s0 + PF_K : k1;
+            if (pf != NULL) {
+                const int64_t from = (s0 / PF_K) * pf_step, to = from + pf_step < pf_bytes ? from + pf_step : pf_bytes;
+                for (int64_t at = from; at < to; at += 64)
+                    __builtin_prefetch(pf + at, 0, PF_LOCALITY);
             }
+#if GEMM_AVX2
+            for (int64_t k = s0; k < s1; k++) {
+                __m256 w0, w1;
+                load16(panel, k * NR, bf16, &w0, &w1);
+                /* the panel row stays in two registers: otherwise GCC folds the loads into each row's
+                   FMAs, 12 panel loads + 6 broadcasts per 12 FMAs instead of 2 + 6 (hot-cache A/B,
+                   K = 576 / 1536, 6-96 rows: 1-6% faster, never slower) */
+                __asm__("" : "+x"(w0), "+x"(w1));
+                for (int i = 0; i < MR; i++) {
+                    if (i >= mb)
+                        continue;
+                    const __m256 xv = _mm256_broadcast_ss(xr[i] + k);
+                    acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+                }
+            }
+#else
+            for (int i = 0; i < mb; i++)
+                for (int64_t k = s0; k < s1; k++)
+                    for (int j = 0; j < NR; j++)
+                        part[i][j] = __builtin_fmaf(xr[i][k], LOAD(panel, k * NR + POS(j)), part[i][j]);
+#endif
         }
+#if GEMM_AVX2
         for (int i = 0; i < mb; i++) {
             _mm256_storeu_ps(sums[i], _mm256_add_ps(_mm256_loadu_ps(sums[i]), acc[i][0]));
             _mm256_storeu_ps(sums[i] + 8, _mm256_add_ps(_mm256_loadu_ps(sums[i] + 8), acc[i][1]));
         }
 #else
-        for (int i = 0; i < mb; i++) {
-            float part[NR] = {0};
-            for (int64_t k = k0; k < k1; k++)
-                for (int j = 0; j < NR; j++)
-                    part[j] = __builtin_fmaf(xr[i][k], LOAD(panel, k * NR + POS(j)), part[j]);
+        for (int i = 0; i < mb; i++)
             for (int j = 0; j < NR; j++)
-                sums[i][j] += part[j];
-        }
+                sums[i][j] += part[i][j];
 #endif
     }
     const int nn = n_features - n0 < NR ? (int)(n_features - n0) : NR;
