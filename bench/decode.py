@@ -18,7 +18,9 @@ In one run on one machine:
      wall time) and the engine step's (one decode step's flops over its time) beside the matmul
      rate torch reaches here in the model's dtype (`_flops.matmul_peak`: [M, hidden] @ [hidden,
      intermediate], M = 32..512, measured before the decoder starts; the floor is the best of
-     those shapes). Flops = 2 * linear params * forwarded tokens + 4 * layers * heads * head_dim *
+     those shapes; for bf16 also float32's, and the floor is the better of the two: bf16 arithmetic
+     can always run as widened float32 FMAs, and torch's bf16 matmul is far slower than that on a
+     CPU without bf16 dot products). Flops = 2 * linear params * forwarded tokens + 4 * layers * heads * head_dim *
      (p + 1) per token at position p (attention) + 2 * hidden * vocab per sampled token (lm_head);
      see bench/_flops.py.
 `--linear-backend` (default auto: the C GEMM on packed weights on a CPU without AVX-512) applies to the runs
@@ -246,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     work = workload(args.num_requests, tuple(args.prompt_range), tuple(args.tokens_range))
     shape = ModelShape.read(args.model_dir)
     peaks = matmul_peak(shape, getattr(torch, args.dtype))  # before any decoder competes for the cores
+    # bf16 arithmetic can always run as float32 FMAs after widening (exact), as the C kernels do on a
+    # CPU without bf16 dot products: there torch's own bf16 matmul is far below float32's
+    # (1.3 GFLOP/s on an AVX2 EPYC), so the machine's bf16 limit is the better of the two
+    peaks32 = matmul_peak(shape, torch.float32) if args.dtype != "float32" else None
     flags = ["--max-model-len", "2048", "--dtype", args.dtype, "--linear-backend", args.linear_backend,
              *args.decoder_flags.split()]
     process, address = start_decoder(args.model_dir, [*flags, "--attention-backend", args.attention_backend],
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             anchors["torch"] = asyncio.run(_grpc_run(address, fresh_tokens(work, seed=3)))
         finally:
             stop(process)
-    text = report(args, work, shape, peaks, runs, cost, anchors, flags)
+    text = report(args, work, shape, peaks, runs, cost, anchors, flags, peaks32)
     print(text)
     if not args.decoder_only:
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -285,11 +291,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[float], cost: dict,
-           anchors: dict[str, float], flags: list[str]) -> str:
-    """The results page: throughput rows, the share of the matmul floor, engine overhead."""
+           anchors: dict[str, float], flags: list[str], peaks32: dict[int, float] | None = None) -> str:
+    """The results page: throughput rows, the share of the matmul floor, engine overhead. `peaks32`:
+    torch's float32 rates, for a bf16 run (its floor is the better of the two dtypes' best)."""
     tokens = sum(n for _, n in work)
     gflop = sum(shape.request_flops(len(p), n) for p, n in work) / 1e9
-    peak = max(peaks.values())
+    peak = max(peaks.values()) if peaks32 is None else max(*peaks.values(), *peaks32.values())
     ours = sum(runs) / len(runs)
     gflops = ours * gflop / tokens  # tok/s * flop/token
     around_batched, around_sequential = (runs[0] + runs[1]) / 2, (runs[1] + runs[2]) / 2
@@ -313,7 +320,13 @@ def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[fl
     lines += [f"| {name} | {tps:.1f} | {near:.1f} | {near / tps:.2f} |" for name, tps, near in rows]
     lines += ["", f"| the machine's limit, {args.dtype} | GFLOP/s | share of the matmul floor |", "|---|---|---|",
               "| torch.matmul [M, hidden] @ [hidden, intermediate], M = "
-              f"{', '.join(f'{m}: {r:.0f}' for m, r in peaks.items())} (floor: the best) | {peak:.0f} | 1.00 |",
+              f"{', '.join(f'{m}: {r:.0f}' for m, r in peaks.items())} ({'floor: ' if peaks32 is None else ''}the best) "
+              f"| {max(peaks.values()):.0f} "
+              f"| {max(peaks.values()) / peak:.2f} |",
+              *([] if peaks32 is None else [
+                  "| the same in float32 (bf16 widened exactly to float32 FMAs, as the C kernels do without bf16 "
+                  f"dot products; the floor is the better dtype's best), M = {', '.join(f'{m}: {r:.0f}' for m, r in peaks32.items())} "
+                  f"| {max(peaks32.values()):.0f} | {max(peaks32.values()) / peak:.2f} |"]),
               f"| tessera decoder, the workload (mean of the runs; floor {tokens * peak / gflop:.0f} tok/s) "
               f"| {gflops:.0f} | {gflops / peak:.2f} |",
               f"| tessera engine decode step, 16 rows x context 128-168 | {step_gflops:.0f} | {step_gflops / peak:.2f} |"]
