@@ -23,6 +23,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessera.common.checkpoint import rope_settings
 from tessera.common.paths import DECODER_MODEL, models_dir, tessera_home
 
 if TYPE_CHECKING:  # gguf, torch and numpy load on export only: `tessera` starts without them
@@ -79,13 +80,15 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("architectures") != ["LlamaForCausalLM"]:
         raise ValueError(f"{model_dir}: export-gguf writes LlamaForCausalLM only, got {config.get('architectures')}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{model_dir}: RoPE scaling {rope.get('rope_type')!r} is not exported")
+    if not isinstance(config, dict):
+        raise ValueError(f"{model_dir}: config.json holds a JSON {type(config).__name__}, not an object")
+    rope_type, rope_theta = rope_settings(config)
+    if rope_type != "default":
+        raise ValueError(f"{model_dir}: RoPE scaling {rope_type!r} is not exported")
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     writer.add_name(model_dir.name)
-    _add_hparams(writer, config, rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    _add_hparams(writer, config, rope_theta)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_vocab(writer, model_dir, config["vocab_size"])

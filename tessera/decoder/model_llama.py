@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from tessera.common.checkpoint import CheckpointConfig
+from tessera.common.checkpoint import CheckpointConfig, rope_settings
 from tessera.decoder.attention import AttentionBackend, AttentionMetadata
 from tessera.decoder.kernels.pointwise import CpuPointwise
 from tessera.decoder.kv_cache import KVCache
@@ -60,9 +60,7 @@ class LlamaSpec:
         """
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported; expected 'silu'")
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        rope_type, rope_theta = rope_settings(cfg)  # transformers' reading of rope_scaling / rope_parameters
         if rope_type != "default":
             raise ValueError(f"rope scaling {rope_type!r} is not supported; only default RoPE is")
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
@@ -76,7 +74,7 @@ class LlamaSpec:
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
@@ -275,12 +273,18 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
     """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec does.
 
     Raises:
-        ValueError: `mismatch` followed by the first missing and unexpected weight names.
+        ValueError: `mismatch` followed by the first weight whose shape config.json's sizes do not
+            give, or by the first missing and unexpected weight names.
     """
     with torch.device("meta"):
         model = model_cls(spec, mrope_section)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    shapes = checkpoint_shapes(model)
+    for name, tensor in state.items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{mismatch}: {name} has shape {list(tensor.shape)}; config.json's sizes need "
+                             f"{list(shapes[name])}")
     fuse_projections(state, spec.num_layers)
     expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
@@ -292,6 +296,18 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
     return model.eval()
 
 
+def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight a checkpoint holds for `model` (HF names: the q/k/v and gate/up
+    parts, not the fused modules they are concatenated into), from its parameters (a meta model will do)."""
+    shapes = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    for module in model.modules():
+        for name, start, end in getattr(module, "lora_slices", None) or ():
+            shapes[f"{name}.weight"] = (end - start, module.in_features)
+            if module.bias is not None:
+                shapes[f"{name}.bias"] = (end - start,)
+    return shapes
+
+
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (HF names). Raises ValueError naming the file when there is no
     weights file or one is not readable safetensors (truncated, corrupt); OSError for a missing shard."""
@@ -301,9 +317,18 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     index = model_dir / "model.safetensors.index.json"
     if not index.is_file():
         raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map of tensor name -> "
+                         f"file): {error!r}") from None
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(_load_weights(model_dir / shard))
+    for shard in shards:
+        path = model_dir / str(shard)
+        if path.resolve().parent != model_dir.resolve():  # a shard is a file of the checkpoint directory itself
+            raise ValueError(f"{index} names shard {shard!r}, which is not a file in {model_dir}")
+        state.update(_load_weights(path))
     return state
 
 

@@ -14,6 +14,7 @@ tokens typed in user text (or sent as prompt_token_ids) are refused, so they nev
 from __future__ import annotations
 
 import torch
+from jinja2.exceptions import TemplateError
 
 from tessera.common.errors import InvalidArgument
 from tessera.decoder.prefix_cache import rows_digest
@@ -65,6 +66,19 @@ class PromptBuilder:
         pieces, images = self._split_parts(request.prompt)
         return self._expand(self._tokenize(pieces, specials=True), images)
 
+    def _check_tokenized(self, pieces: list[list[int]]) -> list[list[int]]:
+        """A tokenizer whose added tokens lie past the model's embedding rows (special tokens added
+        without resizing the embeddings) gives ids the model has no row for: refused here, for this
+        request, before they reach a batch."""
+        for piece in pieces:
+            bad = [i for i in piece if not 0 <= i < self.vocab_size]
+            if bad:
+                token = self.tokenizer.convert_ids_to_tokens(bad[0])
+                raise InvalidArgument(f"the prompt tokenizes to id {bad[0]} ({token!r}), outside the model's "
+                                      f"vocabulary [0, {self.vocab_size}): the checkpoint's tokenizer has tokens "
+                                      "its embeddings do not")
+        return pieces
+
     def _from_token_ids(self, ids: list[int]) -> PromptInputs:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -96,21 +110,25 @@ class PromptBuilder:
             pieces, message_images = self._split_parts(message.content)
             images.extend(message_images)
             rendered.append({"role": message.role, "content": SENTINEL.join(pieces)})
-        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        except TemplateError as error:  # raise_exception(...) in the template: its message, as vLLM answers 400
+            raise InvalidArgument(f"the model's chat template refused the messages: {error}") from None
         pieces = text.split(SENTINEL)
         if len(pieces) != len(images) + 1:
             raise InvalidArgument("the chat template dropped or duplicated image parts")
         return pieces, images
 
     def _tokenize(self, pieces: list[str], specials: bool) -> list[list[int]]:
-        """Token ids per text piece; with `specials`, the tokenizer's own BOS/EOS wrap the whole prompt."""
+        """Token ids per text piece; with `specials`, the tokenizer's own BOS/EOS wrap the whole prompt.
+        Raises InvalidArgument for an id past the model's vocabulary."""
         if len(pieces) == 1:
-            return [self.tokenizer(pieces[0], add_special_tokens=specials)["input_ids"]]
+            return self._check_tokenized([self.tokenizer(pieces[0], add_special_tokens=specials)["input_ids"]])
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in pieces]
         if specials:
             prefix, suffix = self._special_wrap()
             ids[0], ids[-1] = prefix + ids[0], ids[-1] + suffix
-        return ids
+        return self._check_tokenized(ids)
 
     def _special_wrap(self) -> tuple[list[int], list[int]]:
         plain = self.tokenizer("a", add_special_tokens=False)["input_ids"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jinja2.exceptions import TemplateError
+
 from tessera.common.errors import InvalidArgument
 from tessera.decoder.multimodal import ROLES
 from tessera.decoder.types import TextPart, TokenizeInput
@@ -34,8 +36,11 @@ def tokenize(tokenizer, request: TokenizeInput) -> list[int]:
         if not all(isinstance(part, TextPart) for part in message.content):
             raise InvalidArgument(f"messages[{index}] has an image part; tokenize counts text only")
         rendered.append({"role": message.role, "content": "".join(part.text for part in message.content)})
-    text = tokenizer.apply_chat_template(rendered, tokenize=False,
-                                         add_generation_prompt=request.add_generation_prompt)
+    try:
+        text = tokenizer.apply_chat_template(rendered, tokenize=False,
+                                             add_generation_prompt=request.add_generation_prompt)
+    except TemplateError as error:
+        raise InvalidArgument(f"the model's chat template refused the messages: {error}") from None
     return tokenizer(text, add_special_tokens=bool(request.add_special_tokens))["input_ids"]
 
 
