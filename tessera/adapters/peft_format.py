@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from tessera.adapters.base_model import BaseModelShapes
 from tessera.adapters.paths import file_in_root
-from tessera.adapters.targets import TargetModules
+from tessera.adapters.targets import TargetModules, match_module
 from tessera.adapters.types import LoRAAdapter, LoRATarget
 from tessera.common.errors import InvalidArgument
 
@@ -58,19 +58,21 @@ class LoRASettings:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
 
     def rank_for(self, module: str) -> int:
-        return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r))
+        return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, module, "rank_pattern"), self.r))
 
     def alpha_for(self, module: str) -> float:
-        return float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha))
+        return float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module, "alpha_pattern"),
+                                            self.lora_alpha))
 
     def scale(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 
-def _pattern_key(patterns: dict, module: str) -> str:
-    """The first pattern that matches the end of `module` at a dot boundary (PEFT's get_pattern_key)."""
+def _pattern_key(patterns: dict, module: str, field_name: str) -> str:
+    """The first pattern that matches the end of `module` at a dot boundary (PEFT's get_pattern_key).
+    Raises InvalidArgument for a pattern that takes too long (`targets.match_module`)."""
     for key in patterns:
-        if re.match(_pattern_regex(key), module):
+        if match_module(_pattern_regex(key), module, field_name, whole=False):
             return key
     return module
 

@@ -13,11 +13,34 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import regex
+
 from tessera.common.errors import InvalidArgument
 
 ALL_LINEAR = "all-linear"
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+# One module name against one adapter_config.json regex: microseconds for any real pattern. A pattern
+# that backtracks catastrophically ("(.*)*Q") would hold the registry's thread for ever (Python's
+# re cannot be interrupted); the `regex` package's matcher (re's syntax) stops at this timeout.
+MATCH_TIMEOUT_S = 0.05
+
+
+def match_module(pattern: str, module: str, field_name: str, whole: bool = True) -> bool:
+    """Whether `pattern` matches `module` (the whole name, or from its start: re.fullmatch / re.match).
+
+    Raises:
+        InvalidArgument: the match did not finish in MATCH_TIMEOUT_S, naming `field_name` and the pattern.
+    """
+    try:
+        found = (regex.fullmatch if whole else regex.match)(pattern, module, timeout=MATCH_TIMEOUT_S)
+    except TimeoutError:
+        raise InvalidArgument(f"adapter_config.json: {field_name} pattern {_clip(repr(pattern))} took more than "
+                              f"{MATCH_TIMEOUT_S * 1000:.0f} ms to match module name {module!r} (catastrophic "
+                              "backtracking); simplify the regular expression") from None
+    return found is not None
 
 
 @dataclass(frozen=True)
@@ -26,10 +49,12 @@ class ModuleSelector:
 
     regex: str | None = None
     names: tuple[str, ...] = ()
+    field_name: str = "target_modules"  # where the regex came from, for a refusal
 
     def matches(self, module: str) -> bool:
+        """Raises InvalidArgument when the regex takes too long (`match_module`)."""
         if self.regex is not None:
-            return re.fullmatch(self.regex, module) is not None
+            return match_module(self.regex, module, self.field_name)
         return any(module == name or module.endswith("." + name) for name in self.names)
 
     def entries(self) -> list[ModuleSelector]:
@@ -97,7 +122,7 @@ def _selector(config: dict, field_name: str) -> ModuleSelector | None:
         except re.error as error:
             raise InvalidArgument(f"adapter_config.json: {field_name}={_clip(repr(value))} is not a valid regular "
                                   f"expression ({error})") from None
-        return ModuleSelector(regex=value)
+        return ModuleSelector(regex=value, field_name=field_name)
     if not isinstance(value, list) or not all(isinstance(name, str) and name for name in value):
         raise InvalidArgument(f"adapter_config.json: {field_name}={_clip(repr(value))} must be a string or a list "
                               "of non-empty strings")

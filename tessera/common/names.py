@@ -6,7 +6,7 @@ import re
 
 from tessera.common.errors import InvalidArgument
 
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the whole name: fullmatch
 
 
 def check_adapter_name(name: str) -> str:
@@ -15,7 +15,7 @@ def check_adapter_name(name: str) -> str:
     Raises:
         InvalidArgument: any other name (the message quotes at most its first 64 characters).
     """
-    if not ADAPTER_NAME.match(name or ""):
+    if not ADAPTER_NAME.fullmatch(name or ""):
         shown = repr(name[:64]) + ("..." if len(name) > 64 else "")
         raise InvalidArgument(
             f"adapter name {shown} is invalid; use 1-128 characters of letters, digits, '.', '_' or '-', "

@@ -77,6 +77,11 @@ def test_rank_and_alpha_patterns_apply_per_module(root, make_adapter):
     ({"target_modules": [1, 2]}, "target_modules"),
     ({"target_modules": {"q_proj": 1}}, "target_modules"),
     ({"lora_alpha": "x" * 100_000}, "lora_alpha"),
+    # patterns that backtrack without end in Python's re (which held the registry's thread for ever):
+    # stopped after MATCH_TIMEOUT_S, or answered at once by the regex package's matcher
+    ({"target_modules": r"(\w|.)*\d"}, r"target_modules pattern .* took more than 50 ms to match module name"),
+    ({"target_modules": "(.*)*Q"}, "the weights adapt a module that adapter_config.json's target_modules does not name"),
+    ({"rank_pattern": {r"(\w|.)*\d": 4}}, r"rank_pattern pattern .* took more than 50 ms"),
 ])
 def test_config_refusals_name_the_field(root, adapter_in_root, edit_adapter_config, changes, field):
     edit_adapter_config(adapter_in_root, **changes)
