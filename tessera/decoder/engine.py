@@ -52,7 +52,7 @@ from tessera.decoder.request import Request, RequestStatus
 from tessera.decoder.sampler import make_generator
 from tessera.decoder.scheduler import Scheduler
 from tessera.decoder.stats import DecoderStats
-from tessera.decoder.tokens import detokenize, tokenize
+from tessera.decoder.tokens import check_chat_template, detokenize, tokenize
 from tessera.decoder.types import (
     DecoderInfo,
     EngineStats,
@@ -135,6 +135,7 @@ class LLMEngine:
         config = self.config
         self.model_config = dict(config.checkpoint.raw)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        check_chat_template(self.tokenizer)  # before the weights: a template that never finishes is refused
         self.eos_token_ids = self._eos_token_ids()
         self.model = load_model(config.checkpoint, self.dtype, config.mrope_section).to(self.device)
         self.model.rotary.to(self.device)  # a plain table, not a module buffer: model.to() leaves it

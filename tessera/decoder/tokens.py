@@ -8,6 +8,7 @@ Generate renders them) and tokenized without adding special tokens again, so the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from jinja2.exceptions import TemplateError
@@ -42,6 +43,40 @@ def tokenize(tokenizer, request: TokenizeInput) -> list[int]:
     except TemplateError as error:
         raise InvalidArgument(f"the model's chat template refused the messages: {error}") from None
     return tokenizer(text, add_special_tokens=bool(request.add_special_tokens))["input_ids"]
+
+
+# A chat template renders in milliseconds; one that does not finish a two-message conversation in
+# this time would hold a worker thread per request for ever (a Python thread cannot be stopped).
+TEMPLATE_CHECK_S = 10.0
+
+
+def check_chat_template(tokenizer, timeout_s: float = TEMPLATE_CHECK_S) -> None:
+    """Render the tokenizer's chat template once, at start, on a system + user conversation (and a
+    user message alone), each in a daemon thread given `timeout_s`. A template that raises for them
+    is left to refuse its requests (some refuse a system role); one that does not finish is refused.
+
+    Raises:
+        ValueError: the template did not render within `timeout_s` (the thread is left running: the
+            decoder then exits).
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return
+    for messages in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+                     [{"role": "user", "content": "Hello"}]):
+        worker = threading.Thread(target=_render_quietly, args=(tokenizer, messages), daemon=True,
+                                  name="chat-template-check")
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise ValueError(f"the checkpoint's chat template did not render a {len(messages)}-message "
+                             f"conversation within {timeout_s:g} s; every chat request would hang a worker")
+
+
+def _render_quietly(tokenizer, messages: list[dict]) -> None:
+    try:
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a refusal is the template's answer to those messages; only a hang is checked
+        pass
 
 
 def detokenize(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:

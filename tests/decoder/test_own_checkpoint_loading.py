@@ -18,7 +18,7 @@ from tessera.common.checkpoint import CheckpointConfig
 from tessera.common.errors import InvalidArgument
 from tessera.decoder.model_llama import LlamaForCausalLM, load_checkpoint
 from tessera.decoder.multimodal import PromptBuilder
-from tessera.decoder.tokens import tokenize
+from tessera.decoder.tokens import check_chat_template, tokenize
 from tessera.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart, TokenizeInput
 
 
@@ -93,3 +93,17 @@ def test_a_chat_template_that_raises_refuses_the_request_with_its_message(tiny):
     with pytest.raises(InvalidArgument, match=expected):
         tokenize(tokenizer, TokenizeInput(messages=messages))
     assert _builder(tokenizer).build(GenerateInput(SamplingParams(), messages=messages[1:])).token_ids
+
+
+def test_a_chat_template_that_never_finishes_is_refused_at_start(tiny):
+    """Nested range loops (the Jinja sandbox allows 100,000 per range): each chat request held a
+    worker thread for ever, and after a few even plain prompts timed out while health said SERVING."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    check_chat_template(tokenizer, timeout_s=5)  # SmolLM2's own template
+    # 20 M loop turns (~2 s here; the tester's 10^10 would spin in this process for hours), given 0.2 s
+    tokenizer.chat_template = "{% for i in range(20000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(ValueError, match=r"^the checkpoint's chat template did not render a 2-message conversation "
+                                         r"within 0.2 s; every chat request would hang a worker$"):
+        check_chat_template(tokenizer, timeout_s=0.2)
+    tokenizer.chat_template = "{{ raise_exception('no system role') }}"
+    check_chat_template(tokenizer, timeout_s=5)  # a refusal is left to the requests it refuses
