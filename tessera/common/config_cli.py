@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from types import NoneType, UnionType
@@ -86,7 +87,10 @@ def _argument(f: Field, annotation: Any, default: Any) -> dict[str, Any]:
     parse = meta.get("type") or (base if base in (int, float, str, Path) else None)
     if env and os.environ.get(env) is not None:
         text = os.environ[env]
-        default = (text.strip().lower() in ("1", "true", "yes", "on")) if base is bool else (parse or str)(text)
+        if base is bool:
+            default = text.strip().lower() in ("1", "true", "yes", "on")
+        else:  # a string default: argparse parses it as the flag's value, and refuses a bad one in one line
+            default, parse = text, _from_env(parse or str, env, text)
     shown = meta.get("default_help", "%(default)s")
     source = f"; ${env} when set" if env else ""
     kwargs: dict[str, Any] = {"default": default, "help": f"{meta['help']} (default: {shown}{source})"}
@@ -104,6 +108,19 @@ def _argument(f: Field, annotation: Any, default: Any) -> dict[str, Any]:
         raise TypeError(f"{f.name}: a {annotation} field needs a 'type' entry in its metadata to be a flag")
     kwargs["type"] = parse
     return kwargs
+
+
+def _from_env(parse: Callable[[str], Any], env: str, text: str) -> Callable[[str], Any]:
+    """`parse`, whose refusal of `text` (the default, from $env) names the variable."""
+    def parse_value(value: str) -> Any:
+        try:
+            return parse(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as error:
+            if value is text:
+                raise argparse.ArgumentTypeError(f"${env}={text!r} is not a valid value ({error})") from None
+            raise
+    parse_value.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid int value" names it
+    return parse_value
 
 
 def _base_type(annotation: Any) -> Any:

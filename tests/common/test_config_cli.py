@@ -51,6 +51,18 @@ def test_an_env_var_replaces_the_default_and_a_flag_wins(monkeypatch):
     assert _parse(["--port", "12"]).port == 12
 
 
+def test_a_bad_env_var_is_refused_in_one_line_naming_it(monkeypatch, capsys):
+    """It was int('abc') raised while the parser was built: a traceback."""
+    monkeypatch.setenv("TESSERA_TEST_PORT", "abc")
+    assert _parse(["--port", "9"]).port == 9  # a flag given replaces it: never parsed
+    with pytest.raises(SystemExit) as exit_:
+        _parse([])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: argument --port: $TESSERA_TEST_PORT='abc' is not a valid value (invalid literal for int() with "
+        "base 10: 'abc')")
+
+
 def test_help_shows_each_default_and_its_env_var(monkeypatch):
     monkeypatch.delenv("TESSERA_TEST_PORT", raising=False)
     parser = argparse.ArgumentParser()
