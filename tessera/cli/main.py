@@ -274,7 +274,7 @@ def _models_list(args) -> int:
 def _up(args) -> int:
     from tessera.adapters.config import ADMIN_TOKEN_ENV
     from tessera.cli.client import read_token_file
-    from tessera.cli.up import ClusterSpec, parse_extra, run_until_signalled
+    from tessera.cli.up import ClusterSpec, check_service_args, parse_extra, run_until_signalled
 
     token = read_token_file(args.admin_token_file) if args.admin_token_file else os.environ.get(ADMIN_TOKEN_ENV, "")
     spec = ClusterSpec(host=args.host, base_port=args.base_port, decoder_model_dir=args.decoder_model_dir,
@@ -285,6 +285,7 @@ def _up(args) -> int:
                        num_decoders=args.decoders, num_poolers=args.poolers, http_port=args.http_port,
                        cluster=args.cluster, log_format=args.log_format, log_level=args.log_level,
                        log_max_bytes=args.log_max_bytes, log_backups=args.log_backups)
+    check_service_args(spec)
     return run_until_signalled(spec)
 
 

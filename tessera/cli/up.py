@@ -5,19 +5,29 @@ to `<log dir>/<name>.log`, rotated by size (tessera/cli/logfiles.py), in the `--
 service is given. Startup order follows dependencies (registry, vision, pooling, decoder,
 gateway); `up` returns only when every health check says SERVING. A process that exits or is not
 SERVING in time fails the start: `StartupError` names it, its one-line cause and its last log
-lines, and the others are stopped. On Ctrl-C /
-SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period. A service
-that exits on its own, or whose health has not said SERVING for UNHEALTHY_RESTART_S (its engine
-loop died or is wedged), is killed and restarted, as an orchestrator's liveness probe would (the
-others keep serving meanwhile), up to MAX_RESTARTS a minute.
+lines, and the others are stopped. Only this first start is all-or-nothing (a cluster that never
+came up has served nothing, and the cause is most often its configuration); `--cluster` and the
+ports (`ClusterSpec`) and the flags of `--service-args` (`check_service_args`) are checked before
+any process starts. On Ctrl-C / SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a
+grace period.
+
+Once up, the cluster runs until Ctrl-C / SIGTERM: `up` never stops it on its own (`Supervisor`).
+A process that exits, or whose health has not said SERVING for UNHEALTHY_RESTART_S (its engine
+loop died or is wedged), is killed and started again, as an orchestrator's liveness probe would,
+while the others keep serving. A start that fails (it exits, or is not SERVING within
+START_TIMEOUT_S) is retried with a backoff of its own, as Kubernetes' CrashLoopBackOff:
+BACKOFF_FIRST_S, doubling up to BACKOFF_MAX_S, and BACKOFF_FIRST_S again once the process has
+served BACKOFF_RESET_S in a row. Each failure is one line on stderr: the process, the cause, the
+next try.
 
 Replicas (`num_decoders`, `num_poolers`) are processes of their own, named `decoder`, `decoder-2`,
 ...: the first replica of each keeps the service's usual port (base + PORT_OFFSETS), the others
 take the ports after the five, decoders' first, then poolers'. The gateway gets the same kind of
 target a Kubernetes or compose deployment gives it, an `ipv4:a:p,b:p` list of every replica
 (tessera/gateway/replicas.py), and balances over them itself. Every process also serves
-Prometheus /metrics on its gRPC port + METRICS_PORT_OFFSET (`--metrics-port`); `up` prints them and
-writes `<log dir>/endpoints.json`, which `tessera info` lists.
+Prometheus /metrics on its gRPC port + METRICS_PORT_OFFSET (`--metrics-port`); once all are SERVING,
+`up` prints them and writes `<log dir>/endpoints.json`, which `tessera info` lists, and removes it
+when it stops.
 
 Which vision encoder, if any, the decoder gets is decided once from its checkpoint
 (`ClusterSpec.encoder`, tessera/cli/topology.py): a user's text-only Llama or Qwen starts
@@ -34,6 +44,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -61,9 +72,12 @@ from tessera.common.paths import (
 from tessera.common.server import DEFAULT_PORTS
 
 SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
-MAX_RESTARTS = 5          # per RESTART_WINDOW_S, across services, before `up` gives up
-RESTART_WINDOW_S = 60.0
 UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> killed and restarted
+START_TIMEOUT_S = 300.0  # a process not SERVING this long after it was started failed to start
+BACKOFF_FIRST_S = 1.0  # a failed process is started again this long after its first failure,
+BACKOFF_MAX_S = 60.0  # twice as long after each next one, at most this long,
+BACKOFF_RESET_S = 120.0  # and after BACKOFF_FIRST_S again once it has been SERVING this long in a row
+CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a directory of its own under $TESSERA_HOME/clusters
 PORT_OFFSETS = {service: port - DEFAULT_PORTS["gateway"] for service, port in DEFAULT_PORTS.items()}
 REPLICATED = ("decoder", "pooling")
 METRICS_PORT_OFFSET = 100  # a process's Prometheus port: its gRPC port + this
@@ -103,6 +117,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         self.cluster = self.cluster or str(self.base_port)
+        if not CLUSTER_NAME.fullmatch(self.cluster):
+            raise ValueError(f"cluster must be a plain name ({CLUSTER_NAME.pattern}: it names a directory under "
+                             f"$TESSERA_HOME/clusters), got {self.cluster!r}")
         if self.log_dir is None:
             self.log_dir = cluster_home(self.cluster) / "logs"
         if self.log_format not in LOG_FORMATS or self.log_level not in LOG_LEVELS:
@@ -117,6 +134,7 @@ class ClusterSpec:
         if not 1 <= self.base_port <= 65535 - self.num_ports - METRICS_PORT_OFFSET:
             raise ValueError(f"base_port must leave room for {self.num_ports} ports and their metrics ports "
                              f"(+{METRICS_PORT_OFFSET}) below 65536, got {self.base_port}")
+        self._check_http_port()
         if self.num_decoders + self.num_poolers > 2:
             try:
                 ipaddress.ip_address(self.host)
@@ -126,6 +144,16 @@ class ClusterSpec:
         self.checkpoint = check_model_dirs(self.decoder_model_dir, self.embedding_model_dir)
         self.encoder, sections = pick_encoder(self.checkpoint, self.mrope_section) if self.vision else (None, "")
         self.mrope_section = sections or self.mrope_section
+
+    def _check_http_port(self) -> None:
+        """The gateway's HTTP port: 0 (off) or a TCP port none of the cluster's gRPC and metrics ports take."""
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be 0 (off) or a TCP port in 1..65535, got {self.http_port}")
+        grpc_ports = range(self.base_port, self.base_port + self.num_ports)
+        if self.http_port in grpc_ports or self.http_port - METRICS_PORT_OFFSET in grpc_ports:
+            raise ValueError(f"http_port {self.http_port} is taken by the cluster's gRPC ports "
+                             f"{grpc_ports.start}..{grpc_ports.stop - 1} or their metrics ports "
+                             f"(+{METRICS_PORT_OFFSET})")
 
     @property
     def catalog_path(self) -> Path:
@@ -217,9 +245,11 @@ class Cluster:
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, ServiceLog] = {}  # each process's rotated log file
         self.token_file: Path | None = None  # the cluster's internal token, written by `start`
+        self._endpoints: str | None = None  # endpoints.json as `start` wrote it; `stop` removes it
 
-    def start(self, timeout_s: float = 300.0, interrupted: Callable[[], bool] = lambda: False) -> None:
-        """Start every process and wait until all are SERVING, or until `interrupted()` says so.
+    def start(self, timeout_s: float = START_TIMEOUT_S, interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Start every process and wait until all are SERVING, or until `interrupted()` says so;
+        then write endpoints.json.
 
         Raises:
             StartupError: a process exited or was not SERVING within `timeout_s` seconds (all are
@@ -230,16 +260,21 @@ class Cluster:
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
         if self.spec.internal_auth:
             self.token_file = auth.write_token_file(self.spec.log_dir)
-        write_endpoints(self.spec)
         try:
             for service in self.spec.services():
-                self._spawn(service)
+                self.spawn(service)
             self._wait_serving(self.spec.services(), timeout_s, interrupted)
         except BaseException:
             self.stop()
             raise
+        self._endpoints = write_endpoints(self.spec)
 
-    def _spawn(self, service: str) -> None:
+    def spawn(self, service: str) -> None:
+        """Start the process of a service or replica, its output followed into its log; no wait.
+
+        Raises:
+            OSError: the process could not be created.
+        """
         log = self.logs.get(service)
         if log is None:
             log = self.logs[service] = ServiceLog(self.spec.log_dir / f"{service}.log", self.spec.log_max_bytes,
@@ -269,13 +304,13 @@ class Cluster:
             env[ADMIN_TOKEN_ENV] = self.spec.admin_token
         return env
 
-    def restart(self, service: str, timeout_s: float = 300.0) -> None:
+    def restart(self, service: str, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start a service that exited again, and wait until it is SERVING.
 
         Raises:
             StartupError: it exited again or was not SERVING within `timeout_s` seconds.
         """
-        self._spawn(service)
+        self.spawn(service)
         self._wait_serving([service], timeout_s)
 
     def _wait_serving(self, services: list[str], timeout_s: float,
@@ -290,15 +325,16 @@ class Cluster:
                 if interrupted():
                     raise StartInterrupted
                 if self.processes[service].poll() is not None:
-                    raise self._startup_error(service, f"exited with code {self.processes[service].returncode}")
+                    raise self.startup_error(service, f"exited with code {self.processes[service].returncode}")
                 if check_health(self.spec.address(service), timeout_s=1.0) is None:
                     pending.remove(service)
             if pending and time.monotonic() > deadline:
-                raise self._startup_error(pending[0], f"not SERVING after {timeout_s:.0f} s")
+                raise self.startup_error(pending[0], f"not SERVING after {timeout_s:.0f} s")
             if pending:
                 time.sleep(0.2)
 
-    def _startup_error(self, service: str, reason: str) -> StartupError:
+    def startup_error(self, service: str, reason: str) -> StartupError:
+        """What a process that failed to start (`reason`: "exited with code 1") said last."""
         log = self.logs[service]
         exited = self.processes[service].poll() is not None
         if exited:
@@ -326,6 +362,10 @@ class Cluster:
         for log in self.logs.values():
             log.close()
         self.logs.clear()
+        path = self.spec.log_dir / ENDPOINTS_FILE
+        if self._endpoints is not None and path.is_file() and path.read_text() == self._endpoints:
+            path.unlink()  # only as written here: another `up` of this cluster's name may have rewritten it
+        self._endpoints = None
 
     def __enter__(self) -> Cluster:
         self.start()
@@ -340,8 +380,9 @@ class StartInterrupted(Exception):
 
 
 def run_until_signalled(spec: ClusterSpec) -> int:
-    """Start, print endpoints, restart a service that dies, and stop all on Ctrl-C / SIGTERM.
-    Returns 0, 1 (a service failed to start or kept failing) or 130 (interrupted while starting)."""
+    """Start, print endpoints, keep every process running (`Supervisor`) and stop all on Ctrl-C /
+    SIGTERM. Returns 0 (stopped by a signal), 1 (a service failed to start) or 130 (interrupted
+    while starting)."""
     cluster = Cluster(spec)
     stop = {"signalled": False}
 
@@ -364,42 +405,105 @@ def run_until_signalled(spec: ClusterSpec) -> int:
         print(f"  {service:<9} {spec.address(service)}  SERVING  metrics {spec.metrics_url(service)}", flush=True)
     http = f", HTTP at http://{spec.host}:{spec.http_port}" if spec.http_port else ""
     print(f"tessera is up: gateway at {spec.address('gateway')}{http} (Ctrl-C to stop)", flush=True)
-    policy = RestartPolicy()
-    restarts: list[float] = []
-    code = 0
+    supervisor = Supervisor(cluster)
     while not stop["signalled"]:
-        if not restart_failing(cluster, policy, restarts):
-            code = 1
-            break
+        supervisor.step(interrupted=lambda: stop["signalled"])
         time.sleep(0.5)
     print("stopping tessera", flush=True)
     cluster.stop()
-    return code
+    return 0
 
 
-def restart_failing(cluster: Cluster, policy: RestartPolicy, restarts: list[float]) -> bool:
-    """Kill and restart each service `policy` finds exited or unhealthy; False when one keeps failing
-    (more than MAX_RESTARTS in RESTART_WINDOW_S, appended to `restarts`) or does not come back.
+class CrashLoopBackoff:
+    """How long a process that failed waits before it is started again, as Kubernetes'
+    CrashLoopBackOff: `first_s` after its first failure, twice as long after each next one, at most
+    `max_s`; a failure after the process had been SERVING `reset_s` in a row counts as a first one.
+    Kept per process: one replica's crash loop never delays another's restart."""
 
-    One service down must not take the others with it: the gateway answers UNAVAILABLE for that
-    service meanwhile.
+    def __init__(self, first_s: float = BACKOFF_FIRST_S, max_s: float = BACKOFF_MAX_S,
+                 reset_s: float = BACKOFF_RESET_S) -> None:
+        self.first_s, self.max_s, self.reset_s = first_s, max_s, reset_s
+        self._delay_s: dict[str, float] = {}
+
+    def delay_s(self, service: str, served_s: float) -> float:
+        """Seconds until `service` is started again after a failure; `served_s`: how long it had been
+        SERVING before it failed (0: it failed while starting)."""
+        last = self._delay_s.get(service)
+        delay = self.first_s if last is None or served_s >= self.reset_s else min(2 * last, self.max_s)
+        self._delay_s[service] = delay
+        return delay
+
+
+class Supervisor:
+    """Keeps the processes of a started cluster running, one `step()` at a time, never stopping it.
+
+    A process is SERVING (`policy` says when it must be killed: it exited or stays unhealthy),
+    waiting out its `backoff` after a failure, or started again (it fails when it exits or is not
+    SERVING within `start_timeout_s`). A failure prints one line on stderr (the process, the cause,
+    the next try) and leaves the other processes alone: the gateway routes to a service's other
+    replicas, or answers UNAVAILABLE naming it, meanwhile.
     """
-    for service, reason in services_to_restart(cluster.processes, cluster.spec.address, policy):
+
+    def __init__(self, cluster: Cluster, policy: RestartPolicy | None = None,
+                 backoff: CrashLoopBackoff | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self.cluster = cluster
+        self.policy = policy or RestartPolicy()
+        self.backoff = backoff or CrashLoopBackoff()
+        self.start_timeout_s = start_timeout_s
         now = time.monotonic()
-        restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
-        if len(restarts) > MAX_RESTARTS:
-            print(f"{service} {reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already, "
-                  f"giving up:\n{cluster.log_tail(service)}", file=sys.stderr, flush=True)
-            return False
-        print(f"{service} {reason}; restarting it", file=sys.stderr, flush=True)
+        self._serving_since = dict.fromkeys(cluster.processes, now)  # SERVING: since when
+        self._retry_at: dict[str, float] = {}  # failed: when it is started again
+        self._start_deadline: dict[str, float] = {}  # started again, not yet SERVING
+
+    def step(self, interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Fail the SERVING processes `policy` finds exited or unhealthy, start those whose backoff
+        is over, and check on those started. Nothing more once `interrupted()` (Ctrl-C reaches the
+        services too, and one dying of it is no failure of its own)."""
+        serving = {name: self.cluster.processes[name] for name in self._serving_since}
+        for name, reason in services_to_restart(serving, self.cluster.spec.address, self.policy):
+            if interrupted():
+                return
+            _kill(self.cluster.processes[name])
+            self._failed(name, f"{name} {reason}")
+        for name, at in list(self._retry_at.items()):
+            if time.monotonic() >= at and not interrupted():
+                self._start(name)
+        for name in list(self._start_deadline):
+            if not interrupted():
+                self._check_started(name)
+
+    def _start(self, name: str) -> None:
+        del self._retry_at[name]
         try:
-            _kill(cluster.processes[service])
-            cluster.restart(service)
-        except StartupError as error:
-            print(error.report(), file=sys.stderr, flush=True)
-            return False
-        print(f"  {service:<9} {cluster.spec.address(service)}  SERVING again", flush=True)
-    return True
+            self.cluster.spawn(name)
+        except OSError as error:
+            self._failed(name, f"{name} failed to start: {error}")
+            return
+        self._start_deadline[name] = time.monotonic() + self.start_timeout_s
+
+    def _check_started(self, name: str) -> None:
+        process = self.cluster.processes[name]
+        if process.poll() is not None:
+            error = self.cluster.startup_error(name, f"exited with code {process.returncode}")
+        elif check_health(self.cluster.spec.address(name), timeout_s=1.0) is None:
+            del self._start_deadline[name]
+            self._serving_since[name] = time.monotonic()
+            print(f"  {name:<9} {self.cluster.spec.address(name)}  SERVING again", flush=True)
+            return
+        elif time.monotonic() > self._start_deadline[name]:
+            _kill(process)
+            error = self.cluster.startup_error(name, f"not SERVING after {self.start_timeout_s:.0f} s")
+        else:
+            return
+        del self._start_deadline[name]
+        self._failed(name, error.report().partition("\n")[0])
+
+    def _failed(self, name: str, what: str) -> None:
+        now = time.monotonic()
+        delay = self.backoff.delay_s(name, served_s=now - self._serving_since.pop(name, now))
+        self._retry_at[name] = now + delay
+        at = time.strftime("%H:%M:%S", time.localtime(time.time() + delay))
+        print(f"{what}; next try in {delay:g} s, at {at}", file=sys.stderr, flush=True)
 
 
 class RestartPolicy:
@@ -445,12 +549,15 @@ def _kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def write_endpoints(spec: ClusterSpec) -> None:
-    """`<log dir>/endpoints.json`: the gateway's address and each process's gRPC address and metrics URL."""
+def write_endpoints(spec: ClusterSpec) -> str:
+    """Write `<log dir>/endpoints.json`: the gateway's address and each process's gRPC address and
+    metrics URL. Returns the text written."""
     endpoints = {"gateway": spec.address("gateway"),
                  "services": {name: {"address": spec.address(name), "metrics": spec.metrics_url(name)}
                               for name in spec.services()}}
-    (spec.log_dir / ENDPOINTS_FILE).write_text(json.dumps(endpoints, indent=2) + "\n")
+    text = json.dumps(endpoints, indent=2) + "\n"
+    (spec.log_dir / ENDPOINTS_FILE).write_text(text)
+    return text
 
 
 def parse_extra(values: list[str]) -> dict[str, list[str]]:
@@ -466,3 +573,45 @@ def parse_extra(values: list[str]) -> dict[str, list[str]]:
             raise ValueError(f"--service-args {value!r}: {exc} (ARGS are split as a POSIX shell would)") from None
         out.setdefault(service, []).extend(words)
     return out
+
+
+# Run by `check_service_args` in a child process: each service's own parser, on its whole command line.
+_PARSE_SERVICE_ARGS = """
+import contextlib, importlib, io, json, sys
+for service, argv in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            importlib.import_module(f"tessera.{service}.__main__").build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code:
+            print(service, (stderr.getvalue().strip().splitlines() or [str(exit_.code)])[-1])
+            break
+"""
+
+
+def check_service_args(spec: ClusterSpec, timeout_s: float = 120.0) -> None:
+    """Refuse a `--service-args` flag its service does not know, or a value its parser cannot read,
+    before any process starts: the command line of each service given some is parsed by the
+    service's own parser, in one child process (the parsers come with the services' code, torch
+    included; `up` does not keep that in memory). Values a service checks when it builds its config
+    (a limit out of range) still fail its start. Nothing to check, nothing is run.
+
+    Raises:
+        ValueError: one line, the service and its parser's error.
+    """
+    commands = [(name, spec.command(name)[3:]) for name in spec.services()
+                if name in spec.extra_args]  # a service's first replica; the others differ only in ports
+    if not commands:
+        return
+    try:
+        done = subprocess.run([sys.executable, "-c", _PARSE_SERVICE_ARGS, json.dumps(commands)], capture_output=True,
+                              text=True, timeout=timeout_s, env=service_env(), stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return  # each service parses its flags again when it starts
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ValueError(f"--service-args could not be checked: {last}")
+    if done.stdout.strip():
+        service, _, error = done.stdout.strip().partition(" ")
+        raise ValueError(f"--service-args {service}: {error}")
