@@ -52,6 +52,25 @@ MAX_CONNECTION_AGE_GRACE_MS = 3_600_000
 # long prefill; pings at intervals of MIN_PING_INTERVAL_MS or more are accepted without data
 # (grpc's default of 5 min answers a 10 s pinger with GOAWAY "too_many_pings").
 MIN_PING_INTERVAL_MS = 5_000
+# The gateway's channel to each replica adds KEEPALIVE_OPTIONS: a ping every KEEPALIVE_TIME_MS (as
+# often as the servers accept) finds out a peer whose connection stays open while its process answers
+# nothing (SIGSTOP, a wedged host) within KEEPALIVE_TIME_MS + PING_TIMEOUT_MS: the connection is
+# closed, its calls end UNAVAILABLE and the channel leaves READY until the peer answers again, as
+# when the peer is killed. The peer's transport acks a ping without its service's event loop, so a
+# busy peer answers in time.
+KEEPALIVE_TIME_MS = MIN_PING_INTERVAL_MS
+PING_TIMEOUT_MS = 3_000
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    # grpc core closes the connection when any ping (keepalive or flow control's BDP probe) is not
+    # acked within ping_timeout_ms (default 60 s); keepalive_timeout_ms alone does not shorten it.
+    ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+    # Also while no call is open, and while the only call sends no data (the health Watch of a
+    # replica's channel): by default grpc stops pinging after 2 pings without data.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

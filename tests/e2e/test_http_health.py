@@ -56,7 +56,8 @@ def _health_becomes(url: str, status: int, timeout_s: float = 20.0) -> requests.
 def test_health_turns_503_naming_a_stopped_service_and_200_when_back(keyed_gateway):
     registry, url, _ = keyed_gateway
     healthy = _health_becomes(url, 200)
-    assert healthy.status_code == 200 and healthy.json() == {"status": "ok", "not_serving": []}, healthy.text
+    assert healthy.status_code == 200 and healthy.json() == {"status": "ok", "not_serving": [], "degraded": []}, \
+        healthy.text
     registry.stop()
     down = _health_becomes(url, 503)
     assert down.status_code == 503, down.text

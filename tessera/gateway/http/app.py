@@ -170,11 +170,11 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
 
     @router.get("/health", response_model=models.Health, responses={503: {"model": models.Health}})
     async def health():
-        problems = await backend.not_serving()
+        problems, degraded = await backend.not_serving()
         if problems:
-            return JSONResponse(models.Health(status="unavailable", not_serving=problems).model_dump(),
-                                status_code=503)
-        return models.Health(status="ok")
+            return JSONResponse(models.Health(status="unavailable", not_serving=problems,
+                                              degraded=degraded).model_dump(), status_code=503)
+        return models.Health(status="ok", degraded=degraded)
 
     return router
 

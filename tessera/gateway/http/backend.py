@@ -96,11 +96,10 @@ class Backend:
             raise ApiError(400, "model must name the base model or a loaded adapter", param="model")
         return "" if model == await self.base_model() else model
 
-    async def not_serving(self) -> list[str]:
-        """Each required service (or replica) whose health is not SERVING, with why; [] = all are.
-
-        A replicated service is down when none of its replicas serves; a replica down beside
-        serving ones is listed as `decoder replica host:port` but does not fail the check alone.
+    async def not_serving(self) -> tuple[list[str], list[str]]:
+        """(down, degraded): each required service whose health is not SERVING, with why ([] = all
+        serve), and each replica not SERVING beside replicas of its service that do, as
+        `decoder replica host:port: why` (the service still serves: no failure alone).
         """
         checks = {name: address for name, address in self.services.items() if name not in ("decoder", "pooling")}
         problems: list[str] = []
@@ -108,7 +107,7 @@ class Backend:
             info = await self.stub.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=HEALTH_TIMEOUT_S * 2)
             replicas = [(r.service, r.address) for r in info.replicas]
         except grpc.aio.AioRpcError as error:
-            return [f"gateway: {error.code().name} {error.details()}"]
+            return [f"gateway: {error.code().name} {error.details()}"], []
         names = ["gateway", *checks, *(f"{s}@{a}" for s, a in replicas)]
         verdicts = await asyncio.gather(self._check("gateway", None),
                                         *(self._check(name, a) for name, a in checks.items()),
@@ -121,7 +120,10 @@ class Backend:
         for service, results in by_service.items():
             if all(results):
                 problems.append(f"{service}: {results[0]}")
-        return problems
+        degraded = [f"{service} replica {address}: {verdict}"
+                    for (service, address), verdict in zip(replicas, verdicts[1 + len(checks):])
+                    if verdict and not all(by_service[service])]
+        return problems, degraded
 
     async def _check(self, name: str, address: str | None) -> str | None:
         """None when `address`'s grpc.health.v1 says SERVING, else why."""

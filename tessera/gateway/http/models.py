@@ -269,8 +269,12 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
+    """status "ok" (200) while every service has a SERVING replica; `degraded` lists the replicas
+    that are not (killed, stopped, wedged), which the gateway routes around meanwhile."""
+
     status: Literal["ok", "unavailable"]
     not_serving: list[str] = []
+    degraded: list[str] = []
 
 
 class ErrorBody(BaseModel):
