@@ -9,7 +9,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_testing import free_base_port
 from safetensors.torch import save_file
 
-from tessera.cli.up import METRICS_PORT_OFFSET, SERVICES
+from tessera.cli.up import SERVICES
 from tessera.client import Client
 from tessera.common.paths import default_decoder_dir, default_embedding_dir
 
@@ -52,21 +52,6 @@ class Running:
                               timeout=120, env=self.env(**env))
 
 
-def _free_base_port() -> int:
-    """A base port whose five gRPC ports and their metrics ports are free now."""
-    for attempt in range(200):
-        base = 21000 + (os.getpid() * 131 + attempt * 977) % 25000
-        try:
-            for port in range(base, base + len(SERVICES)):
-                for p in (port, port + METRICS_PORT_OFFSET):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
-
-
 def _write_adapter(directory: Path) -> None:
     """A PEFT LoRA on layer 0's q_proj of the default decoder (576 features), rank 4."""
     directory.mkdir(parents=True)
@@ -89,7 +74,7 @@ def cluster(tmp_path_factory):
     for path in (token_file, key_file):
         path.chmod(0o600)
     _write_adapter(home / "adapters" / "q0")
-    base = _free_base_port()
+    base = free_base_port(len(SERVICES))
     env = {**os.environ, "TESSERA_HOME": str(home)}
     env.pop("TESSERA_ADMIN_TOKEN", None)
     process = subprocess.Popen(

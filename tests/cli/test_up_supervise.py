@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_testing import free_base_port
 
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import StartupError
-from tessera.cli.up import METRICS_PORT_OFFSET, SERVICES, Cluster, ClusterSpec, CrashLoopBackoff, Supervisor
+from tessera.cli.up import SERVICES, Cluster, ClusterSpec, CrashLoopBackoff, Supervisor
 from tessera.common.healthcheck import check as check_health
 from tessera.common.launch import REPO
 
@@ -55,21 +56,6 @@ spec = up.ClusterSpec(base_port=base, num_decoders=2, vision=False, log_dir=home
                       adapter_root=home / "adapters")
 sys.exit(up.run_until_signalled(spec))
 """
-
-
-def _free_base_port(num_ports: int) -> int:
-    """A base port in 21000-21999 whose `num_ports` gRPC ports and their metrics ports are free now."""
-    for attempt in range(100):
-        base = 21000 + (os.getpid() * 131 + attempt * 977) % (1000 - METRICS_PORT_OFFSET - num_ports)
-        try:
-            for port in range(base, base + num_ports):
-                for p in (port, port + METRICS_PORT_OFFSET):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range in 21000-21999")
 
 
 def _pids_serving(address: str) -> list[int]:
@@ -138,7 +124,7 @@ def test_a_replica_that_cannot_start_again_is_retried_while_the_others_keep_serv
     """decoder-2 is SIGKILLed and its port taken by another program: `up` retries it after 1 s,
     2 s, ... (one line each), the gateway and the other processes keep serving, and once the port
     is free decoder-2 serves again. `up` stops only on SIGTERM, with status 0 and nothing left."""
-    base = _free_base_port(len(SERVICES) + 1)
+    base = free_base_port(len(SERVICES) + 1, span=1000)
     out, err = tmp_path / "up.out", tmp_path / "up.err"
     with out.open("w") as stdout, err.open("w") as stderr:
         up = subprocess.Popen([sys.executable, "-c", UP_WITH_STAND_INS, STAND_IN, str(base), str(tmp_path)],
@@ -178,7 +164,7 @@ def _stand_in_spec(tmp_path: Path, monkeypatch, argv_of=lambda name: []) -> Clus
     """A text-only cluster of stand-ins; `argv_of(name)`: what else a process's stand-in is given."""
     monkeypatch.setattr(ClusterSpec, "command",
                         lambda spec, name: [sys.executable, "-c", STAND_IN, spec.address(name), *argv_of(name)])
-    return ClusterSpec(base_port=_free_base_port(len(SERVICES)), vision=False, log_dir=tmp_path / "logs",
+    return ClusterSpec(base_port=free_base_port(len(SERVICES), span=1000), vision=False, log_dir=tmp_path / "logs",
                        adapter_root=tmp_path / "adapters")
 
 
