@@ -124,10 +124,14 @@ def rope_settings(config: Mapping[str, Any]) -> tuple[str, float]:
             raise ValueError(f"config.json's {name} must be an object, got {config[name]!r}")
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
-        raise ValueError(f"config.json's rope_theta must be a positive finite number, got {theta!r}")
-    return str(rope_type), float(theta)
+    return str(rope_type), _positive_number(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta")
+
+
+def _positive_number(value: Any, name: str) -> float:
+    """`value` as a float. Raises ValueError naming config.json's `name` unless it is a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"config.json's {name} must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 # What decides whether LoRA factors fit a base model's linears and address the same token ids.
@@ -240,6 +244,4 @@ def _check_language_model(config: CheckpointConfig) -> None:
                                          or declared.removeprefix("torch.") not in TORCH_DTYPE_NAMES):
                 raise ValueError(f"config.json's {key} is {declared!r}, not a torch dtype name "
                                  f"(e.g. float32, bfloat16, float16)")
-    eps = text.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
-        raise ValueError(f"config.json's rms_norm_eps must be a positive finite number, got {eps!r}")
+    _positive_number(text.get("rms_norm_eps", 1e-6), "rms_norm_eps")
