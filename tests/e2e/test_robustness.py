@@ -108,6 +108,9 @@ def test_a_frozen_service_is_listed_unavailable_by_get_info(cluster, gateway, as
     sections arrive and the frozen one is listed unavailable after the gateway's per-section cap."""
     from tessera.gateway.servicer import INFO_TIMEOUT_S
 
+    # The gateway's channel to vision must be connected before the stop: a first connection to a stopped
+    # peer fails its handshake at once ("is unavailable"), and this test is about a peer that hangs.
+    assert gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).HasField("vision")
     process = cluster.processes["vision"]
     process.send_signal(signal.SIGSTOP)
     try:
