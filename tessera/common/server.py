@@ -52,9 +52,9 @@ MAX_CONNECTION_AGE_GRACE_MS = 3_600_000
 # long prefill; pings at intervals of MIN_PING_INTERVAL_MS or more are accepted without data
 # (grpc's default of 5 min answers a 10 s pinger with GOAWAY "too_many_pings").
 MIN_PING_INTERVAL_MS = 5_000
-# The gateway's channel to each replica adds KEEPALIVE_OPTIONS: a ping every KEEPALIVE_TIME_MS (as
-# often as the servers accept) finds out a peer whose connection stays open while its process answers
-# nothing (SIGSTOP, a wedged host) within KEEPALIVE_TIME_MS + PING_TIMEOUT_MS: the connection is
+# Every channel one service opens to another (`insecure_channel`) adds KEEPALIVE_OPTIONS: a ping every
+# KEEPALIVE_TIME_MS (as often as the servers accept) finds out a peer whose connection stays open while
+# its process answers nothing (SIGSTOP, a wedged host) within KEEPALIVE_TIME_MS + PING_TIMEOUT_MS: the connection is
 # closed, its calls end UNAVAILABLE and the channel leaves READY until the peer answers again, as
 # when the peer is killed. The peer's transport acks a ping without its service's event loop, so a
 # busy peer answers in time.
@@ -262,10 +262,11 @@ def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, pu
 
 
 def insecure_channel(address: str, extra_options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """A client channel to another service: the servers' message limits, `extra_options` (e.g. a
-    service config), the request id being handled (logs.py) and the cluster's internal token on
-    every call when this process has one."""
-    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *extra_options],
+    """A client channel to another service: the servers' message limits, keepalive pings (a peer that
+    stops answering with its connection open fails its calls UNAVAILABLE within ~8 s instead of
+    holding them to their deadlines), `extra_options` (e.g. a service config), the request id being
+    handled (logs.py) and the cluster's internal token on every call when this process has one."""
+    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, *extra_options],
                                      interceptors=[*logs.client_interceptors(), *auth.client_interceptors(),
                                                    *metrics.client_interceptors(address)])
 

@@ -13,7 +13,7 @@ replica address rather than one balancing channel: a DNS target is resolved here
 its channel closed). Each replica's channel uses grpc's client-side health checking (service
 config `healthCheckConfig`, which calls grpc.health.v1 Watch): it is READY only while the replica
 says SERVING, so a replica that is loading, draining or unhealthy gets no requests. The channel
-also pings the replica (`KEEPALIVE_OPTIONS`, tessera/common/server.py): a replica whose process
+also pings the replica (`KEEPALIVE_OPTIONS`, as every `insecure_channel` does): a replica whose process
 stops answering while its connection stays open (SIGSTOP, a wedged host) loses its connection within
 about 8 s, as a killed one does at once: its calls end UNAVAILABLE and it is not READY until it
 answers again. A replica whose channel leaves READY is forgotten by the router (a restarted
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tessera.common.server import KEEPALIVE_OPTIONS, insecure_channel
+from tessera.common.server import insecure_channel
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class ReplicaSet:
     def _add(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self.replicas:
-                channel = insecure_channel(address, [("grpc.service_config", SERVICE_CONFIG), *KEEPALIVE_OPTIONS])
+                channel = insecure_channel(address, [("grpc.service_config", SERVICE_CONFIG)])
                 self.replicas[address] = Replica(address, channel, self.stub_class(channel))
                 log.info("%s replica %s joined %s", self.service, address, self.target.text)
 

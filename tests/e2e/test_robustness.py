@@ -127,3 +127,38 @@ def test_a_frozen_service_is_listed_unavailable_by_get_info(cluster, gateway, as
         assert any(line.startswith("vision service at") for line in info.unavailable), info.unavailable
     assert any("did not answer" in line for line in infos[0][0].unavailable), infos[0][0].unavailable
     assert_healthy()
+
+
+def test_a_frozen_vision_service_fails_image_requests_instead_of_holding_them(cluster, gateway, assert_healthy):
+    """The gateway's channel to vision pings (KEEPALIVE_OPTIONS): with vision stopped (SIGSTOP, its
+    connection open), an image request with a long deadline ends UNAVAILABLE naming vision within
+    the keepalive's ~8 s instead of waiting out its deadline; text requests are served meanwhile, and
+    images again once vision answers."""
+    from tessera.common.server import KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
+
+    from .test_images import image_request, png_bytes
+
+    assert collect(gateway, image_request(png_bytes(40, 30)))["finish"]  # the channel is connected
+    process = cluster.processes["vision"]
+    process.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            collect(gateway, image_request(png_bytes(41, 30)))  # a deadline of 300 s
+        elapsed = time.monotonic() - start
+        assert collect(gateway, chat_request(CHAT_PROMPTS[0], 4))["finish"]
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
+    assert "vision" in error.value.details()
+    assert elapsed < (KEEPALIVE_TIME_MS + PING_TIMEOUT_MS) / 1000 + 5, elapsed
+    deadline = time.monotonic() + 30
+    while True:  # the channel reconnects within its backoff (<= 2 s)
+        try:
+            assert collect(gateway, image_request(png_bytes(40, 31)))["finish"]
+            break
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert_healthy()
