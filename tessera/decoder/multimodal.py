@@ -30,6 +30,9 @@ from tessera.decoder.types import (
 )
 
 ROLES = ("system", "user", "assistant")
+# A chat message's consecutive text parts are one text joined by newlines, as vLLM renders them
+# (vllm/entrypoints/chat_utils.py); images stay where they were among them.
+CHAT_TEXT_JOINER = "\n"
 SENTINEL = "\u2063tessera-image\u2063"
 
 
@@ -88,8 +91,9 @@ class PromptBuilder:
             raise InvalidArgument(f"prompt_token_ids contain the image placeholder token {reserved[0]}; send images as parts")
         return self._expand([ids], [])
 
-    def _split_parts(self, parts: tuple[Part, ...]) -> tuple[list[str], list[ImagePart]]:
-        """Text between images (len(images) + 1 pieces) and the images in order."""
+    def _split_parts(self, parts: tuple[Part, ...], joiner: str = "") -> tuple[list[str], list[ImagePart]]:
+        """Text between images (len(images) + 1 pieces, consecutive text parts joined by `joiner`)
+        and the images in order."""
         pieces, images, current = [], [], []
         for part in parts:
             if isinstance(part, TextPart):
@@ -97,9 +101,9 @@ class PromptBuilder:
                 current.append(part.text)
             else:
                 images.append(self._check_image(part))
-                pieces.append("".join(current))
+                pieces.append(joiner.join(current))
                 current = []
-        pieces.append("".join(current))
+        pieces.append(joiner.join(current))
         return pieces, images
 
     def _render_chat(self, messages: tuple[ChatMessage, ...]) -> tuple[list[str], list[ImagePart]]:
@@ -107,7 +111,7 @@ class PromptBuilder:
         for message in messages:
             if message.role not in ROLES:
                 raise InvalidArgument(f"unknown chat role {message.role!r}; expected one of {ROLES}")
-            pieces, message_images = self._split_parts(message.content)
+            pieces, message_images = self._split_parts(message.content, CHAT_TEXT_JOINER)
             images.extend(message_images)
             rendered.append({"role": message.role, "content": SENTINEL.join(pieces)})
         try:

@@ -82,3 +82,30 @@ def test_tokenize_and_detokenize_equal_transformers():
             messages=[decoder_pb2.ChatMessage(role="user", content=[image])])), "messages[0]", "image")
 
     asyncio.run(with_decoder_server(config, body))
+
+
+def test_consecutive_text_parts_of_a_message_are_joined_by_a_newline_as_vllm():
+    """vLLM renders a message's text parts as one text joined by "\\n" (chat_utils); joined with
+    nothing, "Translate to French:" + "Good morning" reached the model as one run-on line."""
+    from tessera.decoder.multimodal import PromptBuilder
+    from tessera.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
+
+    model_dir = default_decoder_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    parts = ("Translate to French:", "Good morning")
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "\n".join(parts)}],
+                                             add_generation_prompt=True)["input_ids"]
+    assert expected != tokenizer.apply_chat_template([{"role": "user", "content": "".join(parts)}],
+                                                     add_generation_prompt=True)["input_ids"]
+    builder = PromptBuilder(tokenizer, tokenizer.vocab_size, 64, None, None)
+    message = ChatMessage("user", tuple(TextPart(text) for text in parts))
+    assert list(builder.build(GenerateInput(SamplingParams(), messages=(message,))).token_ids) == expected
+    config = DecoderConfig(model_dir=str(model_dir), num_blocks=8, max_model_len=MAX_MODEL_LEN)
+
+    async def body(stub, servicer):
+        content = [decoder_pb2.ContentPart(text=text) for text in parts]
+        reply = await stub.Tokenize(decoder_pb2.DecoderTokenizeRequest(
+            messages=[decoder_pb2.ChatMessage(role="user", content=content)]))
+        assert list(reply.token_ids) == expected
+
+    asyncio.run(with_decoder_server(config, body))
