@@ -205,3 +205,24 @@ def test_rerank_and_tokenize_equal_grpc(http_url, gateway):
     reply = requests.post(f"{http_url}/tokenize", json={"prompt": "hello tessera"}, timeout=60).json()
     assert reply["tokens"] == [t.id for t in tokens] and reply["count"] == len(tokens)
     assert reply["token_strs"] == [t.text for t in tokens]
+
+
+def test_embeddings_past_the_input_length_refused_or_cut_with_truncate(sdk, gateway, info):
+    """The 400 for a too-long input says "set truncate to cut it": the HTTP body has TEI's `truncate`
+    and `truncation_direction`, and they give gRPC's answer (an unknown field would be ignored)."""
+    text = " ".join(f"word{i}" for i in range(400))
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.embeddings.create(model=info.pooling.model, input=text, encoding_format="float")
+    assert "set truncate to cut it" in refused.value.body["message"]
+    for direction, enum in (("right", pooling_pb2.TRUNCATION_DIRECTION_RIGHT),
+                            ("Left", pooling_pb2.TRUNCATION_DIRECTION_LEFT)):
+        reply = gateway.Embed(pooling_pb2.EmbedRequest(inputs=[text], truncate=True, truncation_direction=enum),
+                              timeout=60)
+        expected = np.frombuffer(reply.embeddings.data, dtype="<f4")
+        cut = sdk.embeddings.create(model=info.pooling.model, input=text, encoding_format="float",
+                                    extra_body={"truncate": True, "truncation_direction": direction})
+        assert np.array_equal(np.array(cut.data[0].embedding, dtype=np.float32), expected)
+        assert cut.usage.prompt_tokens == reply.usage.prompt_tokens
+    assert not np.array_equal(*[np.frombuffer(gateway.Embed(pooling_pb2.EmbedRequest(
+        inputs=[text], truncate=True, truncation_direction=enum), timeout=60).embeddings.data, dtype="<f4")
+        for enum in (pooling_pb2.TRUNCATION_DIRECTION_RIGHT, pooling_pb2.TRUNCATION_DIRECTION_LEFT)])
