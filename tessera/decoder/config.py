@@ -67,7 +67,7 @@ another pairing is refused here, naming the flag.
 
     model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
     block_size: int = _flag(16, "tokens per KV-cache block")
-    num_blocks: int = _flag(0, "KV-cache blocks; 0 = derive from max_num_seqs * max_model_len")
+    num_blocks: int = _flag(0, "KV-cache blocks; 0 = enough for max_num_seqs * max_model_len / 4 tokens, at most 2048")
     max_num_seqs: int = _flag(32, "most sequences in one step")
     max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
     max_model_len: int = _flag(0, "context length in tokens; 0 = min(max_position_embeddings, 8192)")

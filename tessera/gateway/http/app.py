@@ -150,8 +150,8 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter", response_model=models.Model)
     async def load_lora_adapter(body: models.LoadLoraAdapterRequest, request: Request):
-        info = await backend.info()
-        served = {info.decoder.model, info.pooling.model, *(m.model for m in info.pooling.models)} - {""}
+        cluster = await backend.info()
+        served = {cluster.decoder.model, cluster.pooling.model, *(m.model for m in cluster.pooling.models)} - {""}
         if body.lora_name in served:
             raise ApiError(400, f"lora_name {body.lora_name!r} is the name of a served model; an adapter needs a "
                                 "name of its own", param="lora_name")
@@ -159,7 +159,9 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
                                                                               path=body.lora_path,
                                                                               replace=body.replace, drain=body.drain),
                                               metadata=admin_metadata(request))
-        return models.Model(id=info.name, root=info.path, parent=await backend.base_model())
+        # the entry /v1/models lists for it from now on (its context is the base model's)
+        return models.Model(id=info.name, root=info.path, parent=await backend.base_model(),
+                            max_model_len=cluster.decoder.max_model_len or None)
 
     @router.post("/v1/unload_lora_adapter", response_model=models.Model)
     async def unload_lora_adapter(body: models.UnloadLoraAdapterRequest, request: Request):
