@@ -55,7 +55,9 @@ def text_config(cfg: dict) -> dict:
 
 
 def _rope(flat: dict) -> dict:
-    return flat.get("rope_parameters") or flat.get("rope_scaling") or {}
+    """The text model's RoPE settings as transformers 5 reads them: a legacy `rope_scaling` replaces
+    `rope_parameters` when both are present (`tessera.common.checkpoint.rope_settings`)."""
+    return flat.get("rope_scaling") or flat.get("rope_parameters") or {}
 
 
 def mrope_section(cfg: dict) -> tuple[int, int, int]:

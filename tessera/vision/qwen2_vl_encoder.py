@@ -80,7 +80,7 @@ def _vision_config(raw: dict) -> Qwen2VLVisionConfig:
 def _mrope_section(config: dict) -> tuple[int, int, int]:
     text = config.get("text_config") or {}
     for holder in (text, config):
-        for key in ("rope_parameters", "rope_scaling"):
+        for key in ("rope_scaling", "rope_parameters"):  # transformers 5's order: the legacy field wins
             section = (holder.get(key) or {}).get("mrope_section")
             if section is not None:
                 return check_mrope_section(section)

@@ -277,6 +277,27 @@ def test_loader_layouts_and_refusals(tiny, tmp_path):
         load_qwen2_vl(directory, torch.float32, (4, 2, 2))
 
 
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tiny, tmp_path):
+    """Both fields present (a config saved by an older transformers, edited by hand): transformers 5
+    takes the legacy rope_scaling; the decoder's sections and the vision encoder's must be the same."""
+    import json
+
+    from transformers import AutoConfig
+
+    from tessera.decoder.model_qwen2_vl import mrope_section
+    from tessera.vision.qwen2_vl_encoder import _mrope_section
+
+    directory, _, _, _ = tiny
+    config = json.loads((directory / "config.json").read_text())
+    legacy = list(reversed(MROPE_SECTION))
+    assert legacy != MROPE_SECTION
+    config["text_config"]["rope_scaling"] = {"type": "mrope", "mrope_section": legacy}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = tuple(AutoConfig.from_pretrained(tmp_path).text_config.rope_parameters["mrope_section"])
+    assert expected == tuple(legacy)
+    assert mrope_section(config) == _mrope_section(config) == expected
+
+
 def test_decoder_service_serves_a_qwen2_vl_dir(tiny, refs):
     """--model-dir of a Qwen2-VL checkpoint just works over gRPC: sections from the checkpoint, an
     encoded image part in a chat message, the same greedy ids as transformers."""
