@@ -75,3 +75,57 @@ def matmul_peak(shape: ModelShape, dtype: torch.dtype, rows=(32, 64, 128, 256, 5
             best = min(best, (time.perf_counter() - start) / inner)
         rates[m] = 2 * m * shape.hidden * shape.intermediate / best / 1e9
     return rates
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """GB/s at which this process's threads read memory: the best of `repeats` sums of a float32
+    tensor of `megabytes` (far past any cache), after one untimed sum."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def roofline_s(shape: ModelShape, work, peak_gflops: float, bandwidth_gbs: float, element_bytes: int,
+               step_tokens: int = 2048) -> tuple[float, float]:
+    """Seconds the workload `work` ([(prompt ids, max_tokens)]) needs at least on a machine computing
+    `peak_gflops` and reading memory at `bandwidth_gbs`, for weights and KV of `element_bytes` each:
+    (every step taking max(its flops / peak, its bytes / bandwidth), every step taking their sum).
+
+    Steps follow the engine's schedule: every decoding request one row, then prompts in order in
+    chunks filling `step_tokens` (max_num_batched_tokens). A step reads every linear weight once,
+    the lm_head when a row samples, and the KV of each row's context (a prompt chunk: its prefix).
+    """
+    kv_token = element_bytes * 2 * shape.kv_width * shape.layers  # K and V of one position, all layers
+    weights, lm_head = element_bytes * shape.linear_params, element_bytes * shape.hidden * shape.vocab
+    prompt = [len(p) for p, _ in work]
+    left = [n for _, n in work]
+    done = [0] * len(work)
+    overlapped = summed = 0.0
+    while any(left):
+        budget, flops, kv_bytes, sampled = step_tokens, 0.0, 0.0, False
+        for i in range(len(work)):
+            if done[i] == prompt[i] and left[i] and budget:  # a decode row at position prompt + generated
+                context = prompt[i] + work[i][1] - left[i]
+                flops += shape.decode_step_flops(1, context)
+                kv_bytes += kv_token * context
+                left[i], budget, sampled = left[i] - 1, budget - 1, True
+        for i in range(len(work)):
+            if done[i] < prompt[i] and budget:
+                first, n = done[i], min(budget, prompt[i] - done[i])
+                flops += 2 * shape.linear_params * n + 4 * shape.layers * shape.q_width * (
+                    n * first + n * (n + 1) / 2)  # sum over the chunk's positions p of (p + 1)
+                kv_bytes += kv_token * (first + n)
+                done[i], budget = first + n, budget - n
+                if done[i] == prompt[i]:  # the prompt's last position samples the first token
+                    flops += 2 * shape.hidden * shape.vocab
+                    left[i], sampled = left[i] - 1, True
+        seconds_compute = flops / (peak_gflops * 1e9)
+        seconds_memory = (weights + (lm_head if sampled else 0) + kv_bytes) / (bandwidth_gbs * 1e9)
+        overlapped += max(seconds_compute, seconds_memory)
+        summed += seconds_compute + seconds_memory
+    return overlapped, summed

@@ -22,7 +22,10 @@ In one run on one machine:
      can always run as widened float32 FMAs, and torch's bf16 matmul is far slower than that on a
      CPU without bf16 dot products). Flops = 2 * linear params * forwarded tokens + 4 * layers * heads * head_dim *
      (p + 1) per token at position p (attention) + 2 * hidden * vocab per sampled token (lm_head);
-     see bench/_flops.py.
+     see bench/_flops.py. Beside them, the workload's roofline (`_flops.roofline_s`): the engine's
+     schedule of steps, each taking at least its flops at the floor or its bytes (weights, KV) at
+     the read bandwidth measured here, whichever is longer (and, for contrast, their sum): the share
+     of the floor a perfect implementation could reach on this machine's memory.
 `--linear-backend` (default auto: the C GEMM on packed weights on a CPU without AVX-512) applies to the runs
 and the engine step. `--dtype bfloat16` runs the decoder, the engine step and the transformers anchors in bf16;
 `--decoder-only` skips the anchors and the comparison backend (steps 2 and 4), for before/after
@@ -45,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from _decoder_proc import RESULTS, machine, start_decoder, stop  # noqa: E402
-from _flops import ModelShape, matmul_peak  # noqa: E402
+from _flops import ModelShape, matmul_peak, read_bandwidth, roofline_s  # noqa: E402
 
 
 def workload(num: int, prompt_range: tuple[int, int], tokens_range: tuple[int, int], seed: int = 0):
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     # CPU without bf16 dot products: there torch's own bf16 matmul is far below float32's
     # (1.3 GFLOP/s on an AVX2 EPYC), so the machine's bf16 limit is the better of the two
     peaks32 = matmul_peak(shape, torch.float32) if args.dtype != "float32" else None
+    bandwidth = read_bandwidth()
     flags = ["--max-model-len", "2048", "--dtype", args.dtype, "--linear-backend", args.linear_backend,
              *args.decoder_flags.split()]
     process, address = start_decoder(args.model_dir, [*flags, "--attention-backend", args.attention_backend],
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             anchors["torch"] = asyncio.run(_grpc_run(address, fresh_tokens(work, seed=3)))
         finally:
             stop(process)
-    text = report(args, work, shape, peaks, runs, cost, anchors, flags, peaks32)
+    text = report(args, work, shape, peaks, runs, cost, anchors, flags, peaks32, bandwidth)
     print(text)
     if not args.decoder_only:
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -291,9 +295,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[float], cost: dict,
-           anchors: dict[str, float], flags: list[str], peaks32: dict[int, float] | None = None) -> str:
+           anchors: dict[str, float], flags: list[str], peaks32: dict[int, float] | None = None,
+           bandwidth: float | None = None) -> str:
     """The results page: throughput rows, the share of the matmul floor, engine overhead. `peaks32`:
-    torch's float32 rates, for a bf16 run (its floor is the better of the two dtypes' best)."""
+    torch's float32 rates, for a bf16 run (its floor is the better of the two dtypes' best);
+    `bandwidth`: GB/s read from memory, for the workload's roofline (`_flops.roofline_s`)."""
     tokens = sum(n for _, n in work)
     gflop = sum(shape.request_flops(len(p), n) for p, n in work) / 1e9
     peak = max(peaks.values()) if peaks32 is None else max(*peaks.values(), *peaks32.values())
@@ -330,6 +336,14 @@ def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[fl
               f"| tessera decoder, the workload (mean of the runs; floor {tokens * peak / gflop:.0f} tok/s) "
               f"| {gflops:.0f} | {gflops / peak:.2f} |",
               f"| tessera engine decode step, 16 rows x context 128-168 | {step_gflops:.0f} | {step_gflops / peak:.2f} |"]
+    if bandwidth is not None:
+        overlapped, summed = roofline_s(shape, work, peak, bandwidth, torch.tensor([], dtype=getattr(torch, args.dtype))
+                                        .element_size())
+        lines += [f"| the workload's roofline: each step at least its flops at the floor or its bytes (weights once, "
+                  f"each row's KV) at this machine's read bandwidth, {bandwidth:.1f} GB/s, whichever is longer "
+                  f"({tokens / overlapped:.0f} tok/s) | {gflop / overlapped:.0f} | {gflop / overlapped / peak:.2f} |",
+                  f"| the same with each step's compute and memory one after the other ({tokens / summed:.0f} tok/s) "
+                  f"| {gflop / summed:.0f} | {gflop / summed / peak:.2f} |"]
     lines += ["", f"| engine overhead at batch 16 x context 128 (attention backend {args.attention_backend}) "
               "| ms | target |", "|---|---|---|",
               f"| engine decode step (schedule + inputs + forward + sample + bookkeeping) | {1000 * step:.1f} | |",
