@@ -29,6 +29,7 @@ from tessera.common.errors import (
     Unavailable,
     error_from_rpc,
 )
+from tessera.common.logs import REQUEST_ID_METADATA
 from tessera.common.server import insecure_channel
 from tessera.gateway.config import GatewayConfig
 from tessera.gateway.convert import decoder_tokenize_request, routing_key, tokenize_response
@@ -86,12 +87,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.decoders.start()
         self.poolers.start()
 
-    def _downstream(self, service: str, address: str, error: grpc.aio.AioRpcError,
-                    replica: Replica | None = None) -> TesseraError:
-        """`_downstream` with whether the channel to `service` is connected (it answered itself)."""
-        channel = replica.channel if replica is not None else self._channels[service]
-        reachable = channel.get_state() == grpc.ChannelConnectivity.READY
-        return _downstream(service, address, error, reachable)
+    @staticmethod
+    def _downstream(service: str, address: str, error: grpc.aio.AioRpcError) -> TesseraError:
+        """`_downstream` with whether `service` answered the call itself: every tessera service's
+        answer carries the call's x-request-id in its trailing metadata (logs.py); an error grpc
+        made up on this side (connection refused, reset, a ping not acked) carries none, also while
+        the channel still says READY."""
+        answered = any(key == REQUEST_ID_METADATA for key, _ in (error.trailing_metadata() or ()))
+        return _downstream(service, address, error, answered)
 
     async def close(self) -> None:
         await self.decoders.close()
@@ -123,7 +126,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield response
                 return
             except grpc.aio.AioRpcError as error:
-                failure = self._downstream("decoder", replica.address, error, replica)
+                failure = self._downstream("decoder", replica.address, error)
                 if error.code() == grpc.StatusCode.UNAVAILABLE and not streamed and not tried:
                     tried.append(replica.address)  # nothing streamed yet: once more, elsewhere
                     continue
@@ -288,7 +291,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             relay.raise_failure()  # the client's stream broke (a message that did not parse): its status
             if isinstance(error, asyncio.CancelledError):
                 raise
-            raise self._downstream("pooling", replica.address, error, replica) from error
+            raise self._downstream("pooling", replica.address, error) from error
         finally:
             call.cancel()  # client gone or finished: the pooling service drops its queued inputs
             self.poolers.finished(replica)
@@ -350,7 +353,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return await method(request, timeout=context.time_remaining() if timeout is None else timeout,
                                 metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            raise self._downstream(service, address, error, replica) from error
+            raise self._downstream(service, address, error) from error
 
 
 class _RequestRelay:

@@ -496,3 +496,14 @@ def test_a_body_dripped_a_byte_at_a_time_is_408_at_the_total_limit():
 
     status, answer = _answer_to_a_slow_body(App(body_read_timeout_s=0.2, body_total_timeout_s=0.5), receive)
     assert status == 408 and "it took longer than 0.5 s" in error_of(answer)["message"]
+
+
+@pytest.mark.parametrize("field, value", [("truncate", "yes"), ("truncate", 1), ("truncate", "true"),
+                                          ("truncation_direction", "middle"), ("truncation_direction", 1)])
+def test_embedding_truncation_fields_take_teis_values_only(app, field, value):
+    """TEI's truncate is a JSON boolean (or null), truncation_direction Right / Left: a loose value is
+    400 naming the field, not read as true."""
+    status, answer = call(app, "/v1/embeddings", json.dumps({"model": "m", "input": "x", field: value}).encode())
+    assert status == 400 and error_of(answer)["param"] == field, answer
+    for fields in ({"truncate": None, "truncation_direction": None}, {"truncate": True, "truncation_direction": "Left"}):
+        assert call(app, "/v1/embeddings", json.dumps({"model": "m", "input": "x", **fields}).encode())[0] == 503

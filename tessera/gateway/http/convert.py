@@ -151,9 +151,9 @@ def completion_logprobs(entries) -> models.CompletionLogprobs:
 def embed_request(body: models.EmbeddingRequest) -> pooling_pb2.EmbedRequest:
     """Texts or token ids; `dimensions`, the format and truncation pass through (pooling checks them)."""
     fmt = pooling_pb2.ENCODING_FORMAT_BASE64 if body.encoding_format == "base64" else pooling_pb2.ENCODING_FORMAT_FLOAT
-    direction = (pooling_pb2.TRUNCATION_DIRECTION_LEFT if body.truncation_direction.lower() == "left"
+    direction = (pooling_pb2.TRUNCATION_DIRECTION_LEFT if (body.truncation_direction or "").lower() == "left"
                  else pooling_pb2.TRUNCATION_DIRECTION_RIGHT)
-    request = pooling_pb2.EmbedRequest(model=body.model, encoding_format=fmt, truncate=body.truncate,
+    request = pooling_pb2.EmbedRequest(model=body.model, encoding_format=fmt, truncate=bool(body.truncate),
                                        truncation_direction=direction)
     if body.dimensions is not None:
         request.dimensions = body.dimensions

@@ -100,10 +100,10 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Count | None = None
     user: str | None = None
-    truncate: bool = Field(default=False, description="TEI's: an input past the model's maximum input "
-                           "length is cut to it instead of refused with 400")
-    truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
-        default="right", description="TEI's: which end `truncate` keeps the tokens of (right: the first ones)")
+    truncate: bool | None = Field(default=None, strict=True, description="TEI's: an input past the model's "
+                                  "maximum input length is cut to it instead of refused with 400 (null: false)")
+    truncation_direction: Literal["right", "left", "Right", "Left"] | None = Field(
+        default=None, description="TEI's: which end `truncate` keeps the tokens of (right, the default: the first ones)")
 
 
 class RerankDocument(BaseModel):
