@@ -13,6 +13,10 @@ tokens typed in user text (or sent as prompt_token_ids) are refused, so they nev
 
 from __future__ import annotations
 
+import functools
+
+import jinja2
+import jinja2.nodes
 import torch
 from jinja2.exceptions import TemplateError
 
@@ -30,9 +34,36 @@ from tessera.decoder.types import (
 )
 
 ROLES = ("system", "user", "assistant")
-# A chat message's consecutive text parts are one text joined by newlines, as vLLM renders them
-# (vllm/entrypoints/chat_utils.py); images stay where they were among them.
-CHAT_TEXT_JOINER = "\n"
+
+
+def chat_text_joiner(tokenizer) -> str:
+    """What joins a chat message's consecutive text parts, as vLLM renders them
+    (vllm/entrypoints/chat_utils.py): a template that takes a message's content as one string gets
+    the texts joined by "\n"; one that loops over the content's parts itself (Qwen2-VL's `{% for
+    content in message['content'] %}`, vLLM's "openai" content format) puts them side by side, so
+    nothing joins them. Images stay where they were among the texts either way."""
+    return "" if _loops_over_content(getattr(tokenizer, "chat_template", None)) else "\n"
+
+
+@functools.lru_cache(maxsize=8)
+def _loops_over_content(template: str | None) -> bool:
+    """Whether the jinja template has a `for` over some `x['content']` / `x.content` (as vLLM's
+    content-format detection looks for)."""
+    if not isinstance(template, str):
+        return False
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        source = loop.iter
+        while isinstance(source, jinja2.nodes.Filter):  # `message['content'] | list` and the like
+            source = source.node
+        if (isinstance(source, jinja2.nodes.Getitem) and isinstance(source.arg, jinja2.nodes.Const)
+                and source.arg.value == "content") or (isinstance(source, jinja2.nodes.Getattr)
+                                                        and source.attr == "content"):
+            return True
+    return False
 SENTINEL = "\u2063tessera-image\u2063"
 
 
@@ -54,6 +85,7 @@ class PromptBuilder:
         reserved = [i for i in (image_token_id, vision_start_id, vision_end_id) if i is not None]
         self.reserved_ids = set(reserved)
         self.reserved_tokens = [tokenizer.convert_ids_to_tokens(i) for i in reserved]
+        self.text_joiner = chat_text_joiner(tokenizer)
 
     def build(self, request: GenerateInput) -> PromptInputs:
         """Raises InvalidArgument for an empty or ambiguous prompt, bad images or bad token ids."""
@@ -111,7 +143,7 @@ class PromptBuilder:
         for message in messages:
             if message.role not in ROLES:
                 raise InvalidArgument(f"unknown chat role {message.role!r}; expected one of {ROLES}")
-            pieces, message_images = self._split_parts(message.content, CHAT_TEXT_JOINER)
+            pieces, message_images = self._split_parts(message.content, self.text_joiner)
             images.extend(message_images)
             rendered.append({"role": message.role, "content": SENTINEL.join(pieces)})
         try:

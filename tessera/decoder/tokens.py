@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from jinja2.exceptions import TemplateError
 
 from tessera.common.errors import InvalidArgument
-from tessera.decoder.multimodal import CHAT_TEXT_JOINER, ROLES
+from tessera.decoder.multimodal import ROLES, chat_text_joiner
 from tessera.decoder.types import TextPart, TokenizeInput
 
 
@@ -30,13 +30,13 @@ def tokenize(tokenizer, request: TokenizeInput) -> list[int]:
     if request.text:
         specials = True if request.add_special_tokens is None else request.add_special_tokens
         return tokenizer(request.text, add_special_tokens=specials)["input_ids"]
-    rendered = []
+    rendered, joiner = [], chat_text_joiner(tokenizer)
     for index, message in enumerate(request.messages):
         if message.role not in ROLES:
             raise InvalidArgument(f"messages[{index}].role is {message.role!r}; expected one of {ROLES}")
         if not all(isinstance(part, TextPart) for part in message.content):
             raise InvalidArgument(f"messages[{index}] has an image part; tokenize counts text only")
-        rendered.append({"role": message.role, "content": CHAT_TEXT_JOINER.join(part.text for part in message.content)})
+        rendered.append({"role": message.role, "content": joiner.join(part.text for part in message.content)})
     try:
         text = tokenizer.apply_chat_template(rendered, tokenize=False,
                                              add_generation_prompt=request.add_generation_prompt)

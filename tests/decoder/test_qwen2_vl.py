@@ -126,9 +126,12 @@ TALL = _png(60, 150, 3)
 ONE = ["Describe ", IMAGE_A, " briefly."]
 TWO = [IMAGE_A, " versus ", TALL, " which?"]
 TEXT = ["Just text, no picture."]
+# consecutive text parts: Qwen2-VL's template loops over the parts and puts them side by side (no
+# "\n", unlike a template that takes the content as one string: test_tokenize.py)
+PARTS = ["First part.", "Second part.", IMAGE_A, "Third.", "Fourth."]
 
 
-@pytest.mark.parametrize("content", [ONE, TWO, TEXT], ids=["one-image", "two-images", "text-only"])
+@pytest.mark.parametrize("content", [ONE, TWO, TEXT, PARTS], ids=["one-image", "two-images", "text-only", "text-parts"])
 def test_ids_and_positions_equal_processor_and_get_rope_index(tiny, engine, content):
     _, model, vision, processor = tiny
     batch = _hf_batch(processor, content)

@@ -87,7 +87,7 @@ def test_tokenize_and_detokenize_equal_transformers():
 def test_consecutive_text_parts_of_a_message_are_joined_by_a_newline_as_vllm():
     """vLLM renders a message's text parts as one text joined by "\\n" (chat_utils); joined with
     nothing, "Translate to French:" + "Good morning" reached the model as one run-on line."""
-    from tessera.decoder.multimodal import PromptBuilder
+    from tessera.decoder.multimodal import PromptBuilder, chat_text_joiner
     from tessera.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
 
     model_dir = default_decoder_dir()
@@ -97,6 +97,7 @@ def test_consecutive_text_parts_of_a_message_are_joined_by_a_newline_as_vllm():
                                              add_generation_prompt=True)["input_ids"]
     assert expected != tokenizer.apply_chat_template([{"role": "user", "content": "".join(parts)}],
                                                      add_generation_prompt=True)["input_ids"]
+    assert chat_text_joiner(tokenizer) == "\n"  # SmolLM2's template takes the content as one string
     builder = PromptBuilder(tokenizer, tokenizer.vocab_size, 64, None, None)
     message = ChatMessage("user", tuple(TextPart(text) for text in parts))
     assert list(builder.build(GenerateInput(SamplingParams(), messages=(message,))).token_ids) == expected
