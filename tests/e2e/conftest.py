@@ -161,17 +161,22 @@ def internal_channel(cluster, service: str) -> grpc.Channel:
     return grpc.intercept_channel(channel, _SendToken(internal_token(cluster)))
 
 
-def embed_once_back(gateway, timeout_s: float = 15.0):
-    """An Embed through the gateway once a restarted pooler is back: UNAVAILABLE is retried for
-    `timeout_s` (the gateway's channel reconnects within its 2 s max backoff), anything else raised."""
+def once_back(call, timeout_s: float = 15.0):
+    """`call()`'s answer once a restarted or resumed service is back: UNAVAILABLE is retried for
+    `timeout_s` (the gateway's channels reconnect within their 2 s max backoff), anything else raised."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return gateway.Embed(pooling_pb2.EmbedRequest(inputs=["back"]), timeout=30)
+            return call()
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             time.sleep(0.25)
+
+
+def embed_once_back(gateway, timeout_s: float = 15.0):
+    """An Embed through the gateway once a restarted pooler is back (`once_back`)."""
+    return once_back(lambda: gateway.Embed(pooling_pb2.EmbedRequest(inputs=["back"]), timeout=30), timeout_s)
 
 
 def run_cli(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

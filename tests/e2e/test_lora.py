@@ -11,7 +11,7 @@ import torch
 from tessera.common.checkpoint import CheckpointConfig, base_model_digest, base_model_name
 from tessera.v1 import adapters_pb2
 
-from .conftest import run_cli
+from .conftest import once_back, run_cli
 from .test_generate import CHAT_PROMPTS, chat_request, collect, hf_greedy
 
 
@@ -95,7 +95,6 @@ def test_registry_down_is_unavailable_naming_the_registry(cluster, gateway, asse
     """With the registry down, a LoRA request the decoder cannot resolve is UNAVAILABLE: the
     message names the registry (the decoder answered it), not the decoder as down."""
     import signal
-    import time
 
     process = cluster.processes["adapters"]
     process.send_signal(signal.SIGKILL)
@@ -111,13 +110,5 @@ def test_registry_down_is_unavailable_naming_the_registry(cluster, gateway, asse
         assert collect(gateway, chat_request(CHAT_PROMPTS[0], 4))["finish"]  # the base model still serves
     finally:
         cluster.restart("adapters")
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            gateway.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=10)
-            break
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
+    once_back(lambda: gateway.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=10), timeout_s=30)
     assert_healthy()

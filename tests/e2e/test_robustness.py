@@ -13,7 +13,7 @@ import pytest
 from tessera.common.server import CHANNEL_OPTIONS
 from tessera.v1 import decoder_pb2, gateway_pb2, pooling_pb2
 
-from .conftest import embed_once_back
+from .conftest import embed_once_back, once_back
 from .test_generate import CHAT_PROMPTS, chat_request, collect
 
 
@@ -153,13 +153,5 @@ def test_a_frozen_vision_service_fails_image_requests_instead_of_holding_them(cl
     # grpc's own error (a ping not acked), not an answer of the vision service's
     assert error.value.details().startswith("vision service at") and "answered by" not in error.value.details()
     assert elapsed < (KEEPALIVE_TIME_MS + PING_TIMEOUT_MS) / 1000 + 5, elapsed
-    deadline = time.monotonic() + 30
-    while True:  # the channel reconnects within its backoff (<= 2 s)
-        try:
-            assert collect(gateway, image_request(png_bytes(40, 31)))["finish"]
-            break
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    assert once_back(lambda: collect(gateway, image_request(png_bytes(40, 31))), timeout_s=30)["finish"]
     assert_healthy()
