@@ -34,6 +34,7 @@ from tessera.decoder.types import (
 )
 
 ROLES = ("system", "user", "assistant")
+SENTINEL = "\u2063tessera-image\u2063"
 
 
 def chat_text_joiner(tokenizer) -> str:
@@ -64,7 +65,6 @@ def _loops_over_content(template: str | None) -> bool:
                                                         and source.attr == "content"):
             return True
     return False
-SENTINEL = "\u2063tessera-image\u2063"
 
 
 class PromptBuilder:
