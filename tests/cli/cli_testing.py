@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from pathlib import Path
 
 from tessera.cli.up import METRICS_PORT_OFFSET
 
@@ -21,3 +23,14 @@ def free_base_port(num_ports: int, low: int = 21000, span: int = 25000) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no free port range in {low}-{low + span - 1}")
+
+
+def process_argvs() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process this user can read in /proc (those gone meanwhile are skipped)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue

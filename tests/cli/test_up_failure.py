@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_testing import process_argvs
 
 from tessera.cli.logfiles import StartupError
 from tessera.cli.up import STARTUP_TAIL_LINES
@@ -28,15 +29,8 @@ def _up(tmp_path: Path, *service_args: str) -> tuple[subprocess.CompletedProcess
 
 def _running_with(port: int) -> list[str]:
     """Command lines of processes bound (by flag) to `port`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(arg.decode(errors="replace").endswith(f":{port}") for arg in argv):
-            found.append(" ".join(a.decode(errors="replace") for a in argv))
-    return found
+    return [" ".join(a.decode(errors="replace") for a in argv) for _, argv in process_argvs()
+            if any(arg.decode(errors="replace").endswith(f":{port}") for arg in argv)]
 
 
 def test_a_gateway_flag_it_refuses_fails_the_start_in_one_line(tmp_path):

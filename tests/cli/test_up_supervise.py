@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_testing import free_base_port
+from cli_testing import free_base_port, process_argvs
 
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import StartupError
@@ -60,15 +60,8 @@ sys.exit(up.run_until_signalled(spec))
 
 def _pids_serving(address: str) -> list[int]:
     """Processes whose command line ends with `address` (a stand-in's)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if entry.name.isdigit() and address.encode() in argv[-3:] and b"grpc_health" in b" ".join(argv):
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid, argv in process_argvs()
+            if address.encode() in argv[-3:] and b"grpc_health" in b" ".join(argv)]
 
 
 def _alive(pid: int) -> bool:
