@@ -25,16 +25,26 @@ def embed_query_from_pb(request: pooling_pb2.EmbedRequest, limits: PoolingLimits
     """Raises InvalidArgument: a cap of `limits` passed (checked first), or an unknown enum value."""
     if limits is not None:
         check_embed(request, limits)
-    for field, enum in (("encoding_format", pooling_pb2.EncodingFormat),
-                        ("truncation_direction", pooling_pb2.TruncationDirection)):
-        value = getattr(request, field)
-        if value not in enum.values():
-            raise InvalidArgument(f"{field} {value} is not one of {dict(enum.items())}")
+    if request.encoding_format not in pooling_pb2.EncodingFormat.values():
+        raise InvalidArgument(f"encoding_format {request.encoding_format} is not one of "
+                              f"{dict(pooling_pb2.EncodingFormat.items())}")
     return EmbedQuery(
         texts=tuple(request.inputs), token_ids=tuple(tuple(t.ids) for t in request.input_ids),
         normalize=request.normalize if request.HasField("normalize") else None, model=request.model,
-        truncate=request.truncate, truncation_direction=_DIRECTIONS.get(request.truncation_direction, "right"),
+        truncate=request.truncate, truncation_direction=truncation_direction(request),
         dimensions=request.dimensions if request.HasField("dimensions") else None, prompt_name=request.prompt_name)
+
+
+def truncation_direction(request: pooling_pb2.EmbedRequest | pooling_pb2.RerankRequest) -> str:
+    """The request's direction as the tokenizer names it ("right" or "left").
+
+    Raises:
+        InvalidArgument: a value outside the enum (protobuf keeps unknown enum numbers as they came).
+    """
+    value = request.truncation_direction
+    if value not in _DIRECTIONS:
+        raise InvalidArgument(f"truncation_direction {value} is not one of {dict(pooling_pb2.TruncationDirection.items())}")
+    return _DIRECTIONS[value]
 
 
 def embeddings_to_pb(result: Embeddings, encoding_format: int) -> pooling_pb2.EmbedResponse:

@@ -26,7 +26,7 @@ from tessera.pooling.batcher import DynamicBatcher
 from tessera.pooling.config import EMBEDDING, ModelConfig, PoolingConfig
 from tessera.pooling.pooling import normalize as unit_normalize
 from tessera.pooling.runners import PoolingRunner, load_runner
-from tessera.pooling.tokens import NO_TRUNCATE_HINT, ModelTokenizer, Sequence
+from tessera.pooling.tokens import JUDGE_TRUNCATE_HINT, RERANK_TRUNCATE_HINT, ModelTokenizer, Sequence
 from tessera.pooling.types import Embeddings, EmbedQuery, ModelInfo, PoolingInfo, RankedDocument, Ranking, Tokenization
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,8 @@ class PoolingEngine:
     # -- rerank ------------------------------------------------------------------------------------
 
     async def rerank(self, query: str, documents: list[str], top_n: int | None = None, return_documents: bool = False,
-                     model: str = "", raw_scores: bool = False, method: str = "") -> Ranking:
+                     model: str = "", raw_scores: bool = False, method: str = "", truncate: bool = False,
+                     truncation_direction: str = "right") -> Ranking:
         """Score each document against `query` with the model's method; sorted by descending score, ties by index.
 
         Args:
@@ -214,12 +215,17 @@ class PoolingEngine:
             raw_scores: cross-encoder / llm-judge: the logit instead of its sigmoid.
             method: "" or the method the request requires; a mismatch is refused (e.g. "cross-encoder"
                 on an embedding-only model).
+            truncate: cut what is past max_input_length instead of refusing it: a cross-encoder's
+                (query, document) pair from the longer of the two first (CrossEncoder's "longest_first"),
+                a bi-encoder's query and each document on their own; an llm-judge prompt is never cut
+                (its template's end must stay), a long one is refused all the same.
+            truncation_direction: "right" keeps the first tokens, "left" the last (TEI's).
 
         Raises:
             NotFound: an unknown model name.
             InvalidArgument: empty query, no documents, an empty document, more than max_batch_size
-                documents, top_n < 1, an input (or pair, or judge prompt) past max_input_length,
-                a method the model does not have.
+                documents, top_n < 1, an input (or pair) past max_input_length without `truncate`,
+                a judge prompt past it, a method the model does not have, an unknown direction.
             ResourceExhausted: the model's queue is full.
         """
         served = self._rerank_model(model)
@@ -231,28 +237,30 @@ class PoolingEngine:
         self._check_inputs(documents, "documents", extra_chars=len(query))
         if top_n is not None and top_n < 1:
             raise InvalidArgument(f"top_n must be >= 1 (or unset for all {len(documents)} documents), got {top_n}")
-        scores, num_tokens = await self._scores(served, query, documents, raw_scores)
+        scores, num_tokens = await self._scores(served, query, documents, raw_scores, truncate, truncation_direction)
         order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))
         results = [RankedDocument(index=i, score=scores[i], document=documents[i] if return_documents else None)
                    for i in order[:top_n]]
         return Ranking(model=served.name, results=results, method=served.runner.method, num_prompt_tokens=num_tokens)
 
-    async def _scores(self, served: ServedModel, query: str, documents: list[str], raw: bool) -> tuple[list[float], int]:
+    async def _scores(self, served: ServedModel, query: str, documents: list[str], raw: bool, truncate: bool,
+                      direction: str) -> tuple[list[float], int]:
         labels = [f"document {i}" for i in range(len(documents))]
+        cut = {"truncate": truncate, "direction": direction}
         if served.config.kind == EMBEDDING:
             prompts = served.config.prompts
             texts = [prompts.get("query", "") + query, *(prompts.get("document", "") + d for d in documents)]
             sequences = await asyncio.to_thread(served.tokenizer.encode_texts, texts, labels=["query", *labels],
-                                                hint=NO_TRUNCATE_HINT)
+                                                hint=RERANK_TRUNCATE_HINT, **cut)
             vectors = unit_normalize(await served.batcher.submit(sequences))  # [1 + N, D]
             return (vectors[1:] @ vectors[0]).tolist(), sum(map(len, sequences))
         if served.runner.method == "cross-encoder":
-            sequences = await asyncio.to_thread(served.tokenizer.encode_pairs, query, documents, labels)
+            sequences = await asyncio.to_thread(served.tokenizer.encode_pairs, query, documents, labels, **cut)
         else:
             c = served.config
             prompts = [c.judge_template.format(instruction=c.judge_instruction, query=query, document=d) for d in documents]
             sequences = await asyncio.to_thread(served.tokenizer.encode_texts, prompts, add_special_tokens=False,
-                                                labels=labels, hint=NO_TRUNCATE_HINT)
+                                                labels=labels, hint=JUDGE_TRUNCATE_HINT, direction=direction)
         logits = await served.batcher.submit(sequences)  # [N]
         scores = logits if raw else torch.sigmoid(logits)
         return scores.tolist(), sum(map(len, sequences))

@@ -10,6 +10,7 @@ from tessera.pooling.convert import (
     info_to_pb,
     ranking_to_pb,
     tokenization_to_pb,
+    truncation_direction,
 )
 from tessera.pooling.engine import PoolingEngine
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
@@ -49,7 +50,9 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         top_n = request.top_n if request.HasField("top_n") else None
         ranking = await self.engine.rerank(request.query, list(request.documents), top_n=top_n,
                                             return_documents=request.return_documents, model=request.model,
-                                            raw_scores=request.raw_scores, method=request.method)
+                                            raw_scores=request.raw_scores, method=request.method,
+                                            truncate=request.truncate,
+                                            truncation_direction=truncation_direction(request))
         return ranking_to_pb(ranking)
 
     async def Tokenize(self, request: pooling_pb2.TokenizeRequest, context) -> pooling_pb2.TokenizeResponse:

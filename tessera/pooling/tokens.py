@@ -19,7 +19,8 @@ from tessera.common.errors import InvalidArgument
 
 TRUNCATION_DIRECTIONS = ("right", "left")
 TRUNCATE_HINT = "set truncate to cut it"
-NO_TRUNCATE_HINT = "reranking does not truncate; shorten it"
+RERANK_TRUNCATE_HINT = "set truncate to cut it"  # cross-encoder pairs, bi-encoder texts
+JUDGE_TRUNCATE_HINT = "an llm-judge prompt is never cut, its template's end must stay; shorten the document"
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,20 @@ class ModelTokenizer:
         texts = [t.lower() for t in texts] if self.do_lower_case else list(texts)
         return self._encode(texts, None, truncate, direction, add_special_tokens, labels, hint)
 
-    def encode_pairs(self, query: str, documents: list[str], labels: list[str] | None = None) -> list[Sequence]:
-        """Tokenize (query, document) pairs with the tokenizer's pair convention; never truncated.
+    def encode_pairs(self, query: str, documents: list[str], labels: list[str] | None = None, *,
+                     truncate: bool = False, direction: str = "right") -> list[Sequence]:
+        """Tokenize (query, document) pairs with the tokenizer's pair convention; with `truncate`, a
+        pair past max_input_length is cut to it a token at a time from the longer of the two
+        ("longest_first": sentence-transformers' CrossEncoder and TEI), at the `direction` end.
 
         Raises:
-            InvalidArgument: a pair past max_input_length (its label, token count and the limit).
+            InvalidArgument: a pair past max_input_length without `truncate` (its label, token count
+                and the limit), or an unknown direction.
         """
         if self.do_lower_case:
             query, documents = query.lower(), [d.lower() for d in documents]
-        return self._encode([query] * len(documents), documents, False, "right", True, labels, NO_TRUNCATE_HINT)
+        return self._encode([query] * len(documents), documents, truncate, direction, True, labels,
+                            RERANK_TRUNCATE_HINT)
 
     def encode_ids(self, id_lists: list[list[int]], *, truncate: bool = False, direction: str = "right") -> list[Sequence]:
         """Check and (when asked) cut pre-tokenized inputs; special tokens are the client's to include.
@@ -152,7 +158,8 @@ class ModelTokenizer:
             raise self._too_long(labels[index] if labels else f"input {index}", len(rows[index]), hint)
         if long_rows:
             tokenizer = self.tokenizer if direction == "right" else self._left
-            cut = tokenizer([first[i] for i in long_rows], truncation=True, max_length=self.max_input_length,
+            cut_args = [[first[i] for i in long_rows]] + ([[second[i] for i in long_rows]] if second else [])
+            cut = tokenizer(*cut_args, truncation="longest_first", max_length=self.max_input_length,
                             add_special_tokens=add_special_tokens)
             for j, i in enumerate(long_rows):
                 rows[i] = cut["input_ids"][j]

@@ -26,7 +26,7 @@ from tessera.v1 import decoder_pb2 as tessera_dot_v1_dot_decoder__pb2
 from tessera.v1 import tensor_pb2 as tessera_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/pooling.proto\x12\ntessera.v1\x1a\x18tessera/v1/decoder.proto\x1a\x17tessera/v1/tensor.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbf\x02\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x33\n\x0f\x65ncoding_format\x18\x04 \x01(\x0e\x32\x1a.tessera.v1.EncodingFormat\x12\'\n\tinput_ids\x18\x05 \x03(\x0b\x32\x14.tessera.v1.TokenIds\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12=\n\x14truncation_direction\x18\x07 \x01(\x0e\x32\x1f.tessera.v1.TruncationDirection\x12\x17\n\ndimensions\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\t \x01(\tB\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\x83\x01\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\nembeddings\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x19\n\x11\x65mbeddings_base64\x18\x03 \x03(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\"\x9c\x01\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\x12\n\x05top_n\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x0e\n\x06method\x18\x07 \x01(\tB\x08\n\x06_top_n\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"|\n\x0eRerankResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12)\n\x07results\x18\x03 \x03(\x0b\x32\x18.tessera.v1.RerankResult\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\"\x14\n\x12PoolingInfoRequest\"\xb0\x02\n\x0bPoolingInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cpooling_mode\x18\x02 \x01(\t\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x11\n\tdimension\x18\x04 \x01(\x05\x12\x18\n\x10max_input_length\x18\x05 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\x12\x15\n\rrerank_method\x18\x07 \x01(\t\x12,\n\x06models\x18\x08 \x03(\x0b\x32\x1c.tessera.v1.PoolingModelInfo\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x16\n\x0emax_queue_size\x18\n \x01(\x05\x12\x13\n\x0bmax_wait_ms\x18\x0b \x01(\x02\x12\x18\n\x10\x64ynamic_batching\x18\x0c \x01(\x08\"\xbb\x02\n\x10PoolingModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cpooling_mode\x18\x03 \x01(\t\x12\x11\n\tnormalize\x18\x04 \x01(\x08\x12\x11\n\tdimension\x18\x05 \x01(\x05\x12\x18\n\x10max_input_length\x18\x06 \x01(\x05\x12\x15\n\rrerank_method\x18\x07 \x01(\t\x12\x1d\n\x15matryoshka_dimensions\x18\x08 \x03(\x05\x12\x12\n\nmatryoshka\x18\t \x01(\x08\x12:\n\x07prompts\x18\n \x03(\x0b\x32).tessera.v1.PoolingModelInfo.PromptsEntry\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe6\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x04 \x01(\t\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"O\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07special\x18\x03 \x01(\x08\x12\r\n\x05start\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x01(\x05\"3\n\x0eTokenizedInput\x12!\n\x06tokens\x18\x01 \x03(\x0b\x32\x11.tessera.v1.Token\"e\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.tessera.v1.TokenizedInput\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05*T\n\x13TruncationDirection\x12\x1e\n\x1aTRUNCATION_DIRECTION_RIGHT\x10\x00\x12\x1d\n\x19TRUNCATION_DIRECTION_LEFT\x10\x01*G\n\x0e\x45ncodingFormat\x12\x19\n\x15\x45NCODING_FORMAT_FLOAT\x10\x00\x12\x1a\n\x16\x45NCODING_FORMAT_BASE64\x10\x01\x32\xdb\x02\n\x07Pooling\x12<\n\x05\x45mbed\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse\x12?\n\x06Rerank\x12\x19.tessera.v1.RerankRequest\x1a\x1a.tessera.v1.RerankResponse\x12\x42\n\x07GetInfo\x12\x1e.tessera.v1.PoolingInfoRequest\x1a\x17.tessera.v1.PoolingInfo\x12\x45\n\x08Tokenize\x12\x1b.tessera.v1.TokenizeRequest\x1a\x1c.tessera.v1.TokenizeResponse\x12\x46\n\x0b\x45mbedStream\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/pooling.proto\x12\ntessera.v1\x1a\x18tessera/v1/decoder.proto\x1a\x17tessera/v1/tensor.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbf\x02\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x33\n\x0f\x65ncoding_format\x18\x04 \x01(\x0e\x32\x1a.tessera.v1.EncodingFormat\x12\'\n\tinput_ids\x18\x05 \x03(\x0b\x32\x14.tessera.v1.TokenIds\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12=\n\x14truncation_direction\x18\x07 \x01(\x0e\x32\x1f.tessera.v1.TruncationDirection\x12\x17\n\ndimensions\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\t \x01(\tB\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\x83\x01\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\nembeddings\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x19\n\x11\x65mbeddings_base64\x18\x03 \x03(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\"\xed\x01\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\x12\n\x05top_n\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x0e\n\x06method\x18\x07 \x01(\t\x12\x10\n\x08truncate\x18\x08 \x01(\x08\x12=\n\x14truncation_direction\x18\t \x01(\x0e\x32\x1f.tessera.v1.TruncationDirectionB\x08\n\x06_top_n\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"|\n\x0eRerankResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12)\n\x07results\x18\x03 \x03(\x0b\x32\x18.tessera.v1.RerankResult\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\"\x14\n\x12PoolingInfoRequest\"\xb0\x02\n\x0bPoolingInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cpooling_mode\x18\x02 \x01(\t\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x11\n\tdimension\x18\x04 \x01(\x05\x12\x18\n\x10max_input_length\x18\x05 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\x12\x15\n\rrerank_method\x18\x07 \x01(\t\x12,\n\x06models\x18\x08 \x03(\x0b\x32\x1c.tessera.v1.PoolingModelInfo\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x16\n\x0emax_queue_size\x18\n \x01(\x05\x12\x13\n\x0bmax_wait_ms\x18\x0b \x01(\x02\x12\x18\n\x10\x64ynamic_batching\x18\x0c \x01(\x08\"\xbb\x02\n\x10PoolingModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cpooling_mode\x18\x03 \x01(\t\x12\x11\n\tnormalize\x18\x04 \x01(\x08\x12\x11\n\tdimension\x18\x05 \x01(\x05\x12\x18\n\x10max_input_length\x18\x06 \x01(\x05\x12\x15\n\rrerank_method\x18\x07 \x01(\t\x12\x1d\n\x15matryoshka_dimensions\x18\x08 \x03(\x05\x12\x12\n\nmatryoshka\x18\t \x01(\x08\x12:\n\x07prompts\x18\n \x03(\x0b\x32).tessera.v1.PoolingModelInfo.PromptsEntry\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe6\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x04 \x01(\t\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"O\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07special\x18\x03 \x01(\x08\x12\r\n\x05start\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x01(\x05\"3\n\x0eTokenizedInput\x12!\n\x06tokens\x18\x01 \x03(\x0b\x32\x11.tessera.v1.Token\"e\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.tessera.v1.TokenizedInput\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05*T\n\x13TruncationDirection\x12\x1e\n\x1aTRUNCATION_DIRECTION_RIGHT\x10\x00\x12\x1d\n\x19TRUNCATION_DIRECTION_LEFT\x10\x01*G\n\x0e\x45ncodingFormat\x12\x19\n\x15\x45NCODING_FORMAT_FLOAT\x10\x00\x12\x1a\n\x16\x45NCODING_FORMAT_BASE64\x10\x01\x32\xdb\x02\n\x07Pooling\x12<\n\x05\x45mbed\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse\x12?\n\x06Rerank\x12\x19.tessera.v1.RerankRequest\x1a\x1a.tessera.v1.RerankResponse\x12\x42\n\x07GetInfo\x12\x1e.tessera.v1.PoolingInfoRequest\x1a\x17.tessera.v1.PoolingInfo\x12\x45\n\x08Tokenize\x12\x1b.tessera.v1.TokenizeRequest\x1a\x1c.tessera.v1.TokenizeResponse\x12\x46\n\x0b\x45mbedStream\x12\x18.tessera.v1.EmbedRequest\x1a\x19.tessera.v1.EmbedResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POOLINGMODELINFO_PROMPTSENTRY']._loaded_options = None
   _globals['_POOLINGMODELINFO_PROMPTSENTRY']._serialized_options = b'8\001'
-  _globals['_TRUNCATIONDIRECTION']._serialized_start=2038
-  _globals['_TRUNCATIONDIRECTION']._serialized_end=2122
-  _globals['_ENCODINGFORMAT']._serialized_start=2124
-  _globals['_ENCODINGFORMAT']._serialized_end=2195
+  _globals['_TRUNCATIONDIRECTION']._serialized_start=2119
+  _globals['_TRUNCATIONDIRECTION']._serialized_end=2203
+  _globals['_ENCODINGFORMAT']._serialized_start=2205
+  _globals['_ENCODINGFORMAT']._serialized_end=2276
   _globals['_TOKENIDS']._serialized_start=91
   _globals['_TOKENIDS']._serialized_end=114
   _globals['_EMBEDREQUEST']._serialized_start=117
@@ -46,27 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDRESPONSE']._serialized_start=439
   _globals['_EMBEDRESPONSE']._serialized_end=570
   _globals['_RERANKREQUEST']._serialized_start=573
-  _globals['_RERANKREQUEST']._serialized_end=729
-  _globals['_RERANKRESULT']._serialized_start=731
-  _globals['_RERANKRESULT']._serialized_end=793
-  _globals['_RERANKRESPONSE']._serialized_start=795
-  _globals['_RERANKRESPONSE']._serialized_end=919
-  _globals['_POOLINGINFOREQUEST']._serialized_start=921
-  _globals['_POOLINGINFOREQUEST']._serialized_end=941
-  _globals['_POOLINGINFO']._serialized_start=944
-  _globals['_POOLINGINFO']._serialized_end=1248
-  _globals['_POOLINGMODELINFO']._serialized_start=1251
-  _globals['_POOLINGMODELINFO']._serialized_end=1566
-  _globals['_POOLINGMODELINFO_PROMPTSENTRY']._serialized_start=1520
-  _globals['_POOLINGMODELINFO_PROMPTSENTRY']._serialized_end=1566
-  _globals['_TOKENIZEREQUEST']._serialized_start=1569
-  _globals['_TOKENIZEREQUEST']._serialized_end=1799
-  _globals['_TOKEN']._serialized_start=1801
-  _globals['_TOKEN']._serialized_end=1880
-  _globals['_TOKENIZEDINPUT']._serialized_start=1882
-  _globals['_TOKENIZEDINPUT']._serialized_end=1933
-  _globals['_TOKENIZERESPONSE']._serialized_start=1935
-  _globals['_TOKENIZERESPONSE']._serialized_end=2036
-  _globals['_POOLING']._serialized_start=2198
-  _globals['_POOLING']._serialized_end=2545
+  _globals['_RERANKREQUEST']._serialized_end=810
+  _globals['_RERANKRESULT']._serialized_start=812
+  _globals['_RERANKRESULT']._serialized_end=874
+  _globals['_RERANKRESPONSE']._serialized_start=876
+  _globals['_RERANKRESPONSE']._serialized_end=1000
+  _globals['_POOLINGINFOREQUEST']._serialized_start=1002
+  _globals['_POOLINGINFOREQUEST']._serialized_end=1022
+  _globals['_POOLINGINFO']._serialized_start=1025
+  _globals['_POOLINGINFO']._serialized_end=1329
+  _globals['_POOLINGMODELINFO']._serialized_start=1332
+  _globals['_POOLINGMODELINFO']._serialized_end=1647
+  _globals['_POOLINGMODELINFO_PROMPTSENTRY']._serialized_start=1601
+  _globals['_POOLINGMODELINFO_PROMPTSENTRY']._serialized_end=1647
+  _globals['_TOKENIZEREQUEST']._serialized_start=1650
+  _globals['_TOKENIZEREQUEST']._serialized_end=1880
+  _globals['_TOKEN']._serialized_start=1882
+  _globals['_TOKEN']._serialized_end=1961
+  _globals['_TOKENIZEDINPUT']._serialized_start=1963
+  _globals['_TOKENIZEDINPUT']._serialized_end=2014
+  _globals['_TOKENIZERESPONSE']._serialized_start=2016
+  _globals['_TOKENIZERESPONSE']._serialized_end=2117
+  _globals['_POOLING']._serialized_start=2279
+  _globals['_POOLING']._serialized_end=2626
 # @@protoc_insertion_point(module_scope)

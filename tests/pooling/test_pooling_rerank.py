@@ -66,6 +66,43 @@ def test_cross_encoder_ranks_like_sentence_transformers(cluster, tiny_cross_enco
     assert [(r.index, r.document) for r in top.results] == [(i, DOCUMENTS[i]) for i in expected_order[:2]]
 
 
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_cross_encoder_truncation_equals_sentence_transformers(cluster, tiny_cross_encoder_dir, direction):
+    """truncate cuts a long pair to max_input_length from the longer of query and document first, at
+    `direction`'s end: CrossEncoder's own truncation (longest_first) with the same max_length."""
+    limit = next(m.max_input_length for m in cluster.info().models if m.model == "tiny-cross-encoder")
+    query = "capital of France " * 30  # both long: the longer one is cut first, then both in turn
+    documents = ["Paris is the capital and largest city of France. " * 20, "Bananas are yellow.", "tower " * 300]
+    reference = CrossEncoder(str(tiny_cross_encoder_dir), device="cpu", max_length=limit)
+    reference.tokenizer.truncation_side = direction
+    pairs = [(query, d) for d in documents]
+    assert max(len(reference.tokenizer(q, d)["input_ids"]) for q, d in pairs) > limit  # truncation really happens
+    expected = reference.predict(pairs, activation_fn=torch.nn.Identity(), convert_to_numpy=True)
+    with pytest.raises(InvalidArgument, match=r"document 0 has \d+ tokens; the maximum input length is .*set truncate"):
+        asyncio.run(cluster.rerank(query, documents, model="tiny-cross-encoder"))
+    ranking = asyncio.run(cluster.rerank(query, documents, model="tiny-cross-encoder", raw_scores=True, truncate=True,
+                                         truncation_direction=direction))
+    assert sorted(r.index for r in ranking.results) == [0, 1, 2]
+    for r in ranking.results:
+        assert abs(r.score - float(expected[r.index])) < 1e-5, (r.index, r.score, expected)
+    assert ranking.num_prompt_tokens == sum(len(reference.tokenizer(q, d, truncation=True, max_length=limit)["input_ids"])
+                                            for q, d in pairs)
+
+
+def test_truncated_bi_encoder_rerank_equals_truncated_embeddings(cluster):
+    long_document = "Paris is the capital and largest city of France. " * 40
+    embedded = asyncio.run(cluster.embed([QUERY, long_document], truncate=True, truncation_direction="left"))
+    vectors = torch.nn.functional.normalize(embedded.vectors, dim=-1)
+    ranking = asyncio.run(cluster.rerank(QUERY, [long_document], model="all-minilm-l6-v2", truncate=True,
+                                         truncation_direction="left"))
+    assert abs(ranking.results[0].score - float(vectors[1] @ vectors[0])) < 1e-5
+
+
+def test_llm_judge_prompt_is_never_cut(cluster):
+    with pytest.raises(InvalidArgument, match=r"document 0 has .*\(an llm-judge prompt is never cut"):
+        asyncio.run(cluster.rerank(QUERY, ["word " * 400], model="tiny-decoder", truncate=True))
+
+
 def test_llm_judge_equals_manual_yes_minus_no(cluster, tiny_decoder_dir):
     model = LlamaForCausalLM.from_pretrained(str(tiny_decoder_dir)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_decoder_dir))
