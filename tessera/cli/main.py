@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from tessera import package_version
 from tessera.cli.gguf_export import add_export_gguf_parser
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.client import DEFAULT_ADDRESS, TesseraError
@@ -61,13 +61,6 @@ class RefuseSecretInArgv(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} would show the token to every local user (ps); "
                      f"put it in a file for --admin-token-file PATH, or in $TESSERA_ADMIN_TOKEN")
-
-
-def package_version() -> str:
-    try:
-        return version("tessera")
-    except PackageNotFoundError:  # a source tree run without installing
-        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -157,9 +157,9 @@ class AsyncClient:
 
     async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                      return_documents: bool = False, model: str = "", raw_scores: bool = False,
-                     timeout: float | None = None) -> RerankResult:
+                     truncate: bool = False, timeout: float | None = None) -> RerankResult:
         request = convert.rerank_request(query, documents, top_n=top_n, return_documents=return_documents,
-                                         model=model, raw_scores=raw_scores)
+                                         model=model, raw_scores=raw_scores, truncate=truncate)
         return convert.rerank_result(await self._unary("Rerank", request, timeout))
 
     async def tokenize(self, inputs: str | Sequence[str] | None = None, *, messages: Iterable[Message | dict] | None = None,

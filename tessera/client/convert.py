@@ -160,9 +160,9 @@ def embed_request(inputs: str | Sequence[str] | None, *, input_ids: Sequence[Seq
 
 
 def rerank_request(query: str, documents: Sequence[str], *, top_n: int | None, return_documents: bool,
-                   model: str, raw_scores: bool) -> pooling_pb2.RerankRequest:
+                   model: str, raw_scores: bool, truncate: bool = False) -> pooling_pb2.RerankRequest:
     request = pooling_pb2.RerankRequest(query=query, documents=list(documents), return_documents=return_documents,
-                                        model=model, raw_scores=raw_scores)
+                                        model=model, raw_scores=raw_scores, truncate=truncate)
     if top_n is not None:
         request.top_n = top_n
     return request

@@ -190,10 +190,12 @@ class Client:
 
     def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                return_documents: bool = False, model: str = "", raw_scores: bool = False,
-               timeout: float | None = None) -> RerankResult:
-        """Documents scored for `query`, highest first (the top `top_n`, default all)."""
+               truncate: bool = False, timeout: float | None = None) -> RerankResult:
+        """Documents scored for `query`, highest first (the top `top_n`, default all); `truncate`
+        False refuses a pair (or text) past the model's max length, True cuts it (a cross-encoder's
+        pair from the longer side first, as sentence-transformers' CrossEncoder)."""
         request = convert.rerank_request(query, documents, top_n=top_n, return_documents=return_documents,
-                                         model=model, raw_scores=raw_scores)
+                                         model=model, raw_scores=raw_scores, truncate=truncate)
         return convert.rerank_result(self._unary("Rerank", request, timeout))
 
     def tokenize(self, inputs: str | Sequence[str] | None = None, *, messages: Iterable[Message | dict] | None = None,

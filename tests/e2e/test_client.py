@@ -17,6 +17,7 @@ from PIL import Image
 
 import tessera.client as tc
 from tessera.cli.demo import write_random_lora
+from tessera.client import InvalidArgument
 from tessera.common.paths import default_decoder_dir
 from tessera.common.tensor import from_pb
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2, vision_pb2
@@ -120,6 +121,12 @@ def test_embed_rerank_tokenize_equal_grpc(client, gateway):
         [(r.index, r.score, r.document) for r in grpc_rerank.results]
     assert rerank.results[0].index == 1 and rerank.method == "bi-encoder"
     assert len(client.rerank(PROMPT, DOCUMENTS, top_n=1).results) == 1
+    long_documents = [DOCUMENTS[0] * 200, DOCUMENTS[1]]
+    with pytest.raises(InvalidArgument, match=r"document 0 has .*\(set truncate to cut it"):
+        client.rerank(PROMPT, long_documents)
+    grpc_cut = gateway.Rerank(pooling_pb2.RerankRequest(query=PROMPT, documents=long_documents, truncate=True), timeout=60)
+    assert [(r.index, r.score) for r in client.rerank(PROMPT, long_documents, truncate=True).results] == \
+        [(r.index, r.score) for r in grpc_cut.results]
 
     grpc_tokens = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["Hello tessera"]), timeout=60)
     tokens = client.tokenize("Hello tessera").tokens[0]

@@ -225,11 +225,38 @@ def test_openapi_document_lists_every_route(app):
     assert status == 200
     assert set(document["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
                                       "/rerank", "/tokenize", "/v1/models", "/v1/load_lora_adapter",
-                                      "/v1/unload_lora_adapter", "/health"}
+                                      "/v1/unload_lora_adapter", "/health", "/embed", "/", "/info"}
     operations = [op for item in document["paths"].values() for op in item.values()]
     assert all("422" not in op["responses"] for op in operations)  # invalid bodies answer 400
     assert all("400" in op["responses"] for op in operations if "requestBody" in op)
     assert "HTTPValidationError" not in document["components"]["schemas"]
+
+
+def tei_error_of(answer: dict) -> dict:
+    assert set(answer) == {"error", "error_type"} and isinstance(answer["error"], str), answer
+    return answer
+
+
+def test_tei_routes_refuse_in_teis_error_shape(app):
+    status, answer = call(app, "/embed", json.dumps({"inputs": "x", "truncate": "yes"}).encode())
+    assert status == 400 and tei_error_of(answer)["error_type"] == "validation" and "truncate" in answer["error"]
+    status, answer = call(app, "/", json.dumps({"inputs": [1, "mixed"]}).encode())
+    assert status == 400 and tei_error_of(answer)["error_type"] == "validation"
+    status, answer = call(app, "/embed", json.dumps({"inputs": "x" * 5000}).encode())
+    assert status == 413 and tei_error_of(answer)["error_type"] == "validation"
+    for path, body in (("/embed", {"inputs": "x"}), ("/", {"inputs": ["x"]}), ("/info", None),
+                       ("/rerank", {"query": "q", "texts": ["a"]})):
+        status, answer = call(app, path, None if body is None else json.dumps(body).encode())
+        assert status == 503 and tei_error_of(answer)["error_type"] == "unhealthy", path  # no gateway behind it
+    # /rerank with Jina's body keeps OpenAI's shape; TEI's field on /v1/rerank, or both fields, are refused
+    status, answer = call(app, "/rerank", json.dumps({"query": "q", "documents": ["a"]}).encode())
+    assert status == 503 and error_of(answer)["type"] == "service_unavailable"
+    status, answer = call(app, "/v1/rerank", json.dumps({"query": "q", "texts": ["a"]}).encode())
+    assert status == 400 and error_of(answer)["param"] == "texts" and "POST /rerank" in error_of(answer)["message"]
+    status, answer = call(app, "/rerank", json.dumps({"query": "q", "texts": ["a"], "documents": ["a"]}).encode())
+    assert status == 400 and "exactly one of documents" in tei_error_of(answer)["error"]  # texts sent: TEI's shape
+    status, answer = call(app, "/rerank", json.dumps({"query": "q"}).encode())
+    assert status == 400 and error_of(answer)["param"] == "documents"
 
 
 def test_loopback_address():

@@ -18,10 +18,11 @@ import grpc
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tessera import package_version
 from tessera.common.message_limits import FRAMING_BYTES, TEXT_BYTES
 from tessera.gateway.http import convert, generate, models
 from tessera.gateway.http.backend import Backend
-from tessera.gateway.http.errors import HANDLERS, ApiError, error_body, from_rpc_error
+from tessera.gateway.http.errors import HANDLERS, TEI_SHAPED, ApiError, from_rpc_error, tei_shaped
 from tessera.gateway.http.request_log import RequestLog
 from tessera.v1 import adapters_pb2, decoder_pb2
 
@@ -50,6 +51,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
 
     app.include_router(_generation_routes(backend), dependencies=[Depends(api_key)])
     app.include_router(_pooling_routes(backend), dependencies=[Depends(api_key)])
+    app.include_router(_tei_routes(backend), dependencies=[Depends(api_key)])
     app.include_router(_cluster_routes(backend, [Depends(api_key)]))
     for path, asgi in dict(extra_routes).items():
         app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
@@ -105,11 +107,19 @@ def _pooling_routes(backend: Backend) -> APIRouter:
         return models.EmbeddingList(data=data, model=reply.model,
                                     usage=models.Usage(prompt_tokens=reply.usage.prompt_tokens, total_tokens=tokens))
 
+    @router.post("/v1/rerank", response_model=models.RerankResponse)
     async def rerank(body: models.RerankRequest) -> models.RerankResponse:
-        return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body)))
+        return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=False)))
 
-    router.post("/v1/rerank", response_model=models.RerankResponse)(rerank)
-    router.post("/rerank", response_model=models.RerankResponse)(rerank)
+    @router.post("/rerank", response_model=models.RerankResponse | list[models.TeiRank], summary="Rerank")
+    async def rerank_jina_or_tei(body: models.RerankRequest, http: Request):
+        """Jina's and Cohere's rerank, as /v1/rerank; or TEI's, when the body sends `texts`: then the
+        answer (and any refusal) is TEI's shape."""
+        if body.texts is not None:
+            http.scope[TEI_SHAPED] = True
+            reply = await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=True))
+            return JSONResponse(convert.tei_ranks(reply))
+        return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=True)))
 
     @router.post("/tokenize", response_model=models.TokenizeResponse)
     async def tokenize(body: models.TokenizeRequest):
@@ -123,6 +133,32 @@ def _pooling_routes(backend: Backend) -> APIRouter:
         reply = await backend.stub.Detokenize(decoder_pb2.DetokenizeRequest(model=body.model or "",
                                                                             token_ids=body.tokens))
         return models.DetokenizeResponse(model=reply.model, prompt=reply.text)
+
+    return router
+
+
+def _tei_routes(backend: Backend) -> APIRouter:
+    """text-embeddings-inference's native routes, so TEI's clients work unchanged: POST /embed and
+    POST / (TEI's root route for an embedding model, where huggingface_hub's InferenceClient sends
+    feature_extraction), GET /info; TEI's /rerank body is taken on POST /rerank (_pooling_routes).
+    Refusals answer TEI's error shape (errors.TEI_PATHS)."""
+    router = APIRouter(responses={status: {"model": models.TeiErrorResponse} for status in ERROR_RESPONSES})
+
+    async def embed(body: models.TeiEmbedRequest):
+        """TEI's embed: one vector per input, in input order (normalized unless `normalize` is false)."""
+        return JSONResponse(convert.embeddings(await backend.stub.Embed(convert.embed_request(body))))
+
+    router.post("/embed", response_model=list[list[float]])(embed)
+    router.post("/", response_model=list[list[float]], summary="TEI's root route: /embed")(embed)
+
+    @router.get("/info", response_model=models.TeiInfo)
+    async def info():
+        """TEI's model info, for the pooling service's default model."""
+        cluster = await backend.info()
+        if not cluster.pooling.model:
+            raise ApiError(503, "the pooling service has not answered: " + "; ".join(cluster.unavailable),
+                           "service_unavailable")
+        return convert.tei_info(cluster.pooling, package_version())
 
     return router
 
@@ -208,10 +244,9 @@ class BodyLimit:
         limit = self.max_bytes if scope.get("path") in IMAGE_ROUTES else self.max_text_bytes
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
-            response = JSONResponse(error_body(f"the request body has {int(length)} bytes; the limit is "
-                                               f"{limit} for {scope.get('path')}", "invalid_request_error",
-                                               None, 413), 413)
-            return await response(scope, receive, send)
+            refusal = ApiError(413, f"the request body has {int(length)} bytes; the limit is {limit} for "
+                                    f"{scope.get('path')}")
+            return await refusal.response(tei_shaped(scope))(scope, receive, send)
         seen = values = 0
         reading = True
         loop = asyncio.get_running_loop()

@@ -148,16 +148,26 @@ def completion_logprobs(entries) -> models.CompletionLogprobs:
         top_logprobs=[{token_str(t.token_id): t.logprob for t in e.top} for e in entries])
 
 
-def embed_request(body: models.EmbeddingRequest) -> pooling_pb2.EmbedRequest:
-    """Texts or token ids; `dimensions`, the format and truncation pass through (pooling checks them)."""
-    fmt = pooling_pb2.ENCODING_FORMAT_BASE64 if body.encoding_format == "base64" else pooling_pb2.ENCODING_FORMAT_FLOAT
-    direction = (pooling_pb2.TRUNCATION_DIRECTION_LEFT if (body.truncation_direction or "").lower() == "left"
-                 else pooling_pb2.TRUNCATION_DIRECTION_RIGHT)
-    request = pooling_pb2.EmbedRequest(model=body.model, encoding_format=fmt, truncate=bool(body.truncate),
-                                       truncation_direction=direction)
+def _direction(name: str | None) -> int:
+    """TEI's truncation_direction (either spelling; None: right) as the protobuf enum."""
+    return (pooling_pb2.TRUNCATION_DIRECTION_LEFT if (name or "").lower() == "left"
+            else pooling_pb2.TRUNCATION_DIRECTION_RIGHT)
+
+
+def embed_request(body: models.EmbeddingRequest | models.TeiEmbedRequest) -> pooling_pb2.EmbedRequest:
+    """Texts or token ids; `dimensions`, the format and truncation pass through (pooling checks them).
+    TEI's body (`inputs`) also sets normalize (TEI's default: true) and prompt_name."""
+    tei = isinstance(body, models.TeiEmbedRequest)
+    fmt = (pooling_pb2.ENCODING_FORMAT_BASE64 if not tei and body.encoding_format == "base64"
+           else pooling_pb2.ENCODING_FORMAT_FLOAT)
+    request = pooling_pb2.EmbedRequest(model=body.model or "", encoding_format=fmt, truncate=bool(body.truncate),
+                                       truncation_direction=_direction(body.truncation_direction))
     if body.dimensions is not None:
         request.dimensions = body.dimensions
-    data = body.input
+    if tei:
+        request.normalize = body.normalize
+        request.prompt_name = body.prompt_name or ""
+    data = body.inputs if tei else body.input
     if isinstance(data, str):
         request.inputs.append(data)
     elif data and isinstance(data[0], int):
@@ -197,13 +207,43 @@ def tokenize_request(body: models.TokenizeRequest) -> pooling_pb2.TokenizeReques
     return request
 
 
-def rerank_request(body: models.RerankRequest) -> pooling_pb2.RerankRequest:
-    documents = [d if isinstance(d, str) else d.text for d in body.documents]
+def rerank_request(body: models.RerankRequest, tei_allowed: bool) -> pooling_pb2.RerankRequest:
+    """Jina's / Cohere's body (`documents`) or, where `tei_allowed`, TEI's (`texts`).
+
+    Raises:
+        ApiError: 400 unless exactly one of documents and texts is set (texts only where allowed).
+    """
+    if body.texts is not None and not tei_allowed:
+        raise ApiError(400, "texts is TEI's field, taken on POST /rerank; send documents here", param="texts")
+    if (body.documents is None) == (body.texts is None):
+        raise ApiError(400, "send exactly one of documents (Jina's, Cohere's) or texts (TEI's)",
+                       param="documents" if body.documents is None else "texts")
+    documents = body.texts if body.texts is not None else [d if isinstance(d, str) else d.text for d in body.documents]
     request = pooling_pb2.RerankRequest(model=body.model or "", query=body.query, documents=documents,
-                                        return_documents=body.return_documents)
+                                        return_documents=body.return_documents or body.return_text,
+                                        raw_scores=body.raw_scores, truncate=bool(body.truncate),
+                                        truncation_direction=_direction(body.truncation_direction))
     if body.top_n is not None:
         request.top_n = body.top_n
     return request
+
+
+def tei_ranks(reply: pooling_pb2.RerankResponse) -> list[dict]:
+    """TEI's answer: [{index, score, text?}], highest score first (`text` only when asked for)."""
+    return [{"index": r.index, "text": r.document, "score": r.score} if r.document else {"index": r.index, "score": r.score}
+            for r in reply.results]
+
+
+def tei_info(info: pooling_pb2.PoolingInfo, version: str) -> models.TeiInfo:
+    """TEI's /info for the pooling service's default model."""
+    entry = next((m for m in info.models if m.model == info.model), None)
+    kind = entry.kind if entry else "embedding"
+    model_type = ({"embedding": models.TeiEmbeddingModel(pooling=info.pooling_mode)} if kind == "embedding"
+                  else {"reranker": models.TeiClassifierModel(id2label={}, label2id={})})
+    return models.TeiInfo(model_id=info.model, served_model_name=info.model, model_type=model_type,
+                          max_concurrent_requests=info.max_queue_size, max_input_length=info.max_input_length,
+                          max_batch_tokens=info.max_batch_tokens, max_client_batch_size=info.max_batch_size,
+                          version=version)
 
 
 def rerank_response(reply: pooling_pb2.RerankResponse) -> models.RerankResponse:

@@ -1,9 +1,12 @@
 """gRPC status -> HTTP status and OpenAI's error object, in one table.
 
 Every refusal of the HTTP API answers `{"error": {"message", "type", "param", "code"}}` (OpenAI's
-shape, so the `openai` SDK raises its typed errors: BadRequestError, NotFoundError, ...). The
-gateway's gRPC status decides the HTTP status; a request body that does not parse or validate is
-400, never FastAPI's 422, and never a 500.
+shape, so the `openai` SDK raises its typed errors: BadRequestError, NotFoundError, ...), except on
+TEI's native routes (`TEI_PATHS`, and /rerank with TEI's body), which answer TEI's shape
+`{"error": message, "error_type": "validation" | "overloaded" | "unhealthy" | "backend"}` (what
+huggingface_hub's InferenceClient and TEI's other clients read). The gateway's gRPC status decides
+the HTTP status either way; a request body that does not parse or validate is 400, never FastAPI's
+422, and never a 500.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ STATUS_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+# text-embeddings-inference's native routes (its router's http/server.rs): refusals in TEI's shape.
+TEI_PATHS = frozenset({"/", "/embed", "/info"})
+TEI_SHAPED = "tessera.tei_shaped"  # a scope key: set by a route shared with OpenAI's shapes (/rerank) for a TEI body
+_TEI_ERROR_TYPES = {400: "validation", 408: "validation", 413: "validation", 429: "overloaded", 503: "unhealthy"}
 # The one RESOURCE_EXHAUSTED that is not load: a message past the gRPC receive limit.
 _TOO_LARGE_MARKERS = ("larger than max", "message larger")
 
@@ -46,8 +53,17 @@ class ApiError(HTTPException):
         super().__init__(status, message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
-    def response(self) -> JSONResponse:
+    def response(self, tei: bool = False) -> JSONResponse:
+        """OpenAI's error object; with `tei`, TEI's `{"error", "error_type"}` (same status)."""
+        if tei:
+            body = {"error": clip_message(self.message), "error_type": _TEI_ERROR_TYPES.get(self.status, "backend")}
+            return JSONResponse(body, status_code=self.status)
         return JSONResponse(error_body(self.message, self.type, self.param, self.status), status_code=self.status)
+
+
+def tei_shaped(scope) -> bool:
+    """Whether a refusal of this request answers TEI's error shape (see the module's docstring)."""
+    return scope.get("path") in TEI_PATHS or bool(scope.get(TEI_SHAPED))
 
 
 def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
@@ -64,11 +80,11 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ApiError:
 
 
 async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
-    return error.response()
+    return error.response(tei_shaped(request.scope))
 
 
 async def rpc_error_handler(request: Request, error: grpc.aio.AioRpcError) -> JSONResponse:
-    return from_rpc_error(error).response()
+    return from_rpc_error(error).response(tei_shaped(request.scope))
 
 
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -79,25 +95,26 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
     param = ".".join(location) or None
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in problems[:5])
-    return ApiError(400, message or "the request body is not valid", param=param).response()
+    return ApiError(400, message or "the request body is not valid", param=param).response(tei_shaped(request.scope))
 
 
 async def http_error_handler(request: Request, error: HTTPException) -> JSONResponse:
     """Starlette's own refusals (404 route, 405 method, malformed JSON) in OpenAI's shape."""
     type_ = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return ApiError(error.status_code, str(error.detail), type_).response()
+    return ApiError(error.status_code, str(error.detail), type_).response(tei_shaped(request.scope))
 
 
 async def unicode_error_handler(request: Request, error: UnicodeError) -> JSONResponse:
     """Text protobuf cannot carry: JSON allows lone UTF-16 surrogates ("\\ud800"), UTF-8 does not."""
     return ApiError(400, f"the request holds text that is not valid Unicode ({error.reason}: a lone UTF-16 "
-                         "surrogate?); every string must encode as UTF-8").response()
+                         "surrogate?); every string must encode as UTF-8").response(tei_shaped(request.scope))
 
 
 async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
     """Anything else: a 500 in OpenAI's shape (the cause is in the gateway's log, not the answer)."""
     log.exception("HTTP %s %s failed", request.method, request.url.path)
-    return ApiError(500, f"internal error ({type(error).__name__}); see the gateway's log", "server_error").response()
+    return ApiError(500, f"internal error ({type(error).__name__}); see the gateway's log",
+                    "server_error").response(tei_shaped(request.scope))
 
 
 HANDLERS = {

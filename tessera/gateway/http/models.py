@@ -21,6 +21,7 @@ Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenIds = Annotated[list[Int32], Field(fail_fast=True)]
 TokenIdLists = Annotated[list[TokenIds], Field(fail_fast=True)]
 Texts = Annotated[list[str], Field(fail_fast=True)]
+Direction = Literal["right", "left", "Right", "Left"]  # TEI's truncation_direction (it takes both spellings)
 
 # OpenAI's documented default for /v1/completions; chat's is the rest of the context, as in
 # OpenAI's API and vLLM: 0 on the wire, resolved by the decoder once the prompt is tokenized.
@@ -102,7 +103,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     truncate: bool | None = Field(default=None, strict=True, description="TEI's: an input past the model's "
                                   "maximum input length is cut to it instead of refused with 400 (null: false)")
-    truncation_direction: Literal["right", "left", "Right", "Left"] | None = Field(
+    truncation_direction: Direction | None = Field(
         default=None, description="TEI's: which end `truncate` keeps the tokens of (right, the default: the first ones)")
 
 
@@ -111,13 +112,22 @@ class RerankDocument(BaseModel):
 
 
 class RerankRequest(BaseModel):
-    """Jina's and Cohere's rerank body; documents are texts or `{"text": ...}` objects."""
+    """Jina's and Cohere's rerank body (documents: texts or `{"text": ...}` objects), or on POST /rerank
+    also TEI's (`texts`, answered as TEI's list of ranks): exactly one of `documents` and `texts`."""
 
     model: str | None = None
     query: str
-    documents: list[str | RerankDocument] = Field(fail_fast=True)
+    documents: Annotated[list[str | RerankDocument], Field(fail_fast=True)] | None = None
     top_n: Count | None = None
     return_documents: bool = False
+    texts: Texts | None = Field(default=None, description="TEI's name for the documents (POST /rerank only); the "
+                                "answer is then TEI's: a list of {index, score, text?}, highest score first")
+    return_text: bool = Field(default=False, description="TEI's name for return_documents")
+    raw_scores: bool = Field(default=False, description="TEI's: the cross-encoder's logit instead of its sigmoid")
+    truncate: bool | None = Field(default=None, strict=True, description="TEI's: a (query, document) pair past the "
+                                  "model's maximum input length is cut to it, the longer side first, instead of "
+                                  "refused with 400 (null: false)")
+    truncation_direction: Direction = "right"
 
 
 class TokenizeRequest(BaseModel):
@@ -286,6 +296,67 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None = None
     code: str | int | None = None
+
+
+# -- text-embeddings-inference's native routes (its router's http/types.rs) -----------------------
+
+
+class TeiEmbedRequest(BaseModel):
+    """TEI's /embed body (also POST /, where huggingface_hub's InferenceClient.feature_extraction sends it)."""
+
+    inputs: str | Texts | TokenIds | TokenIdLists = Field(description="a text, texts, a token id list or token "
+                                                                       "id lists (special tokens are the client's)")
+    normalize: bool = Field(default=True, description="TEI's default: unit vectors")
+    truncate: bool | None = Field(default=None, strict=True, description="an input past the model's maximum input "
+                                  "length is cut to it instead of refused (null: false)")
+    truncation_direction: Direction = "right"
+    prompt_name: str | None = Field(default=None, description="a key of the model's sentence-transformers prompts")
+    dimensions: Count | None = Field(default=None, description="Matryoshka models only: the first `dimensions`")
+    model: str | None = Field(default=None, description="tessera's, not TEI's: which pooling model (TEI serves one; "
+                              "default: the pooling service's default embedding model)")
+
+
+class TeiRank(BaseModel):
+    index: int
+    text: str | None = Field(default=None, description="with return_text only (absent otherwise)")
+    score: float
+
+
+class TeiEmbeddingModel(BaseModel):
+    pooling: str
+
+
+class TeiClassifierModel(BaseModel):
+    id2label: dict[str, str]
+    label2id: dict[str, int]
+
+
+class TeiInfo(BaseModel):
+    """TEI's /info, from the pooling service's GetInfo (its default embedding model)."""
+
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str = "float32"
+    served_model_name: str
+    model_type: dict[Literal["embedding", "reranker"], TeiEmbeddingModel | TeiClassifierModel] = Field(
+        description='one key, as TEI\'s externally tagged enum: {"embedding": {"pooling": "mean"}} or {"reranker": ...}')
+    max_concurrent_requests: int = Field(description="tessera: the pooling queue's size in sequences")
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_requests: int | None = None
+    max_client_batch_size: int
+    auto_truncate: bool = Field(default=False, description="a request without `truncate` is refused when too long")
+    tokenization_workers: int = 1
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
+
+
+class TeiErrorResponse(BaseModel):
+    """TEI's refusal: the message, and one of TEI's error types."""
+
+    error: str
+    error_type: Literal["validation", "overloaded", "unhealthy", "backend"]
 
 
 class ErrorResponse(BaseModel):
