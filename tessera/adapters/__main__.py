@@ -13,7 +13,7 @@ from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.message_limits import REGISTRY_BYTES
 from tessera.common.metrics import start_metrics_server
-from tessera.common.server import serve
+from tessera.common.server import exit_refused, serve
 
 
 class RefuseSecretInArgv(argparse.Action):
@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     async def stop() -> None:
         registry.close()
 
-    asyncio.run(serve("adapters", address, lambda server: register(server, registry), stop=stop,
-                      interceptors=[AdminAuthInterceptor(config.admin_token)], max_receive_bytes=REGISTRY_BYTES))
+    try:
+        asyncio.run(serve("adapters", address, lambda server: register(server, registry), stop=stop,
+                          interceptors=[AdminAuthInterceptor(config.admin_token)], max_receive_bytes=REGISTRY_BYTES))
+    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
+        exit_refused("adapters", error)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ its engine loop has died or is wedged, tessera/common/liveness.py), and goes NOT
 SIGTERM before the drain (`server.stop(grace)`), as in grpc's python examples and TGI's server.
 A start that fails closes the port and raises; `exit_refused` turns a configuration error into
 the one line on stderr that `python -m tessera.<service>` exits with.
+
+With `$TESSERA_EXIT_UNHEALTHY_AFTER_S` set, a service whose own check has said NOT_SERVING for
+that many seconds in a row stops listening and exits with EXIT_UNHEALTHY, so that a supervisor
+that restarts processes only when they exit (compose's `restart` policy, systemd) restarts it, as
+a Kubernetes liveness probe would: a dead loop never comes back, and a wedged thread cannot be
+joined, so the process ends without running the service's `stop`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -290,6 +297,28 @@ def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.Ser
                       f"available on this host") from cause
 
 
+EXIT_UNHEALTHY_ENV = "TESSERA_EXIT_UNHEALTHY_AFTER_S"
+EXIT_UNHEALTHY = 3  # the exit status of a service that gave up after NOT_SERVING for that long
+
+
+def exit_unhealthy_after_s() -> float | None:
+    """$TESSERA_EXIT_UNHEALTHY_AFTER_S in seconds (None: unset or empty, never exit).
+
+    Raises:
+        ValueError: a value that is not a positive number (the message names the variable).
+    """
+    raw = os.environ.get(EXIT_UNHEALTHY_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"${EXIT_UNHEALTHY_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
 async def serve(
     name: str,
     address: str,
@@ -302,6 +331,7 @@ async def serve(
     public: bool = False,
     credentials: grpc.ServerCredentials | None = None,
     health: Callable[[], str | None] | None = None,
+    exit_process: Callable[[int], object] = os._exit,
 ) -> None:
     """Run one service until SIGTERM/SIGINT.
 
@@ -320,8 +350,15 @@ async def serve(
         credentials: serve TLS with these instead of plaintext.
         health: the service's runtime check, polled every HEALTH_POLL_S seconds on the event loop
             once SERVING: None = healthy, else the reason, which turns every status NOT_SERVING
-            (logged once) until the check passes again.
+            (logged once) until the check passes again; with $TESSERA_EXIT_UNHEALTHY_AFTER_S, after
+            that many seconds of NOT_SERVING in a row the port closes and `exit_process(EXIT_UNHEALTHY)`
+            ends the process (the module's docstring).
+        exit_process: how the process ends then (tests pass a recorder).
+
+    Raises:
+        ValueError: $TESSERA_EXIT_UNHEALTHY_AFTER_S is not a positive number (before anything listens).
     """
+    give_up_after_s = exit_unhealthy_after_s()
     server = create_server(interceptors, public=public, max_receive_bytes=max_receive_bytes)
     service_names = list(register(server))
     health_servicer = grpc_health.aio.HealthServicer()
@@ -351,29 +388,52 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    gave_up = asyncio.Event()
+
+    def give_up(reason: str) -> None:
+        log.error("%s: NOT_SERVING for %g s (%s): exiting with status %d to be restarted ($%s)", name,
+                  give_up_after_s, reason, EXIT_UNHEALTHY, EXIT_UNHEALTHY_ENV)
+        gave_up.set()
+        stopping.set()
+
     follower = None if health is None else asyncio.create_task(
-        _follow_health(name, health, health_servicer, ["", *service_names]))
+        _follow_health(name, health, health_servicer, ["", *service_names], give_up_after_s, give_up))
     await stopping.wait()
     if follower is not None:
         follower.cancel()
     log.info("%s: draining", name)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
+    if gave_up.is_set():
+        logging.shutdown()  # flush the log handlers: exit_process skips interpreter shutdown
+        exit_process(EXIT_UNHEALTHY)
+        return
     if stop is not None:
         await stop()
     log.info("%s stopped", name)
 
 
 async def _follow_health(name: str, check: Callable[[], str | None], health_servicer: grpc_health.aio.HealthServicer,
-                         services: list[str]) -> None:
-    """Set every status from `check()` each HEALTH_POLL_S; log each change of verdict once."""
+                         services: list[str], give_up_after_s: float | None = None,
+                         give_up: Callable[[str], None] = lambda reason: None) -> None:
+    """Set every status from `check()` each HEALTH_POLL_S; log each change of verdict once; call
+    `give_up(reason)` once the verdict has been unhealthy for `give_up_after_s` in a row."""
     reported: str | None = None
+    unhealthy_since: float | None = None  # loop time of the first unhealthy verdict in a row
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(HEALTH_POLL_S)
         try:
             reason = check()
         except Exception as error:  # noqa: BLE001 - a check that fails is itself a verdict
             reason = f"the health check failed: {type(error).__name__}: {error}"
+        if reason is None:
+            unhealthy_since = None
+        elif unhealthy_since is None:
+            unhealthy_since = loop.time()
+        elif give_up_after_s is not None and loop.time() - unhealthy_since >= give_up_after_s:
+            give_up(reason)
+            return
         if reason == reported:
             continue
         if reason is None:

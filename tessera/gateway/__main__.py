@@ -11,7 +11,7 @@ from tessera.common.limits import GenerateLimits, PoolingLimits
 from tessera.common.memory import unmap_large_buffers
 from tessera.common.message_limits import gateway_bytes, pooling_bytes
 from tessera.common.metrics import record_downstream, start_metrics_server
-from tessera.common.server import serve
+from tessera.common.server import exit_refused, serve
 from tessera.gateway import metrics as gateway_metrics
 from tessera.gateway.api_keys import ApiKeyInterceptor, mint_loopback_key, read_api_keys
 from tessera.gateway.config import GatewayConfig
@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     logs.configure_logging("gateway", argv)  # first: the config logs its automatic choices
     config = parse_args(argv)
     unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
-    asyncio.run(_main(config, auth.configure_security(argv, tls=True)))
+    security = auth.configure_security(argv, tls=True)
+    try:
+        asyncio.run(_main(config, security))
+    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
+        exit_refused("gateway", error)
 
 
 if __name__ == "__main__":

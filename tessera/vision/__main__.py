@@ -14,7 +14,7 @@ from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.message_limits import vision_bytes
 from tessera.common.metrics import start_metrics_server
-from tessera.common.server import serve
+from tessera.common.server import exit_refused, serve
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 from tessera.vision.config import VisionConfig, VisionFlags
 from tessera.vision.servicer import VisionServicer
@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     logs.configure_logging("vision", argv)  # first: the config logs its automatic choices
     config = parse_args(argv)
     auth.configure_security(argv)
-    asyncio.run(_main(config))
+    try:
+        asyncio.run(_main(config))
+    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
+        exit_refused("vision", error)
 
 
 if __name__ == "__main__":

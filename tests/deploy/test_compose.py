@@ -80,6 +80,8 @@ def test_topology(compose):
         service = services[name]
         assert service["restart"] == "unless-stopped"
         assert service["environment"]["TESSERA_INTERNAL_TOKEN_FILE"] == TOKEN_FILE
+        # compose restarts on exit only: a service NOT_SERVING this long exits (tessera/common/server.py)
+        assert service["environment"]["TESSERA_EXIT_UNHEALTHY_AFTER_S"] == "30"
         assert [s["source"] if isinstance(s, dict) else s for s in service["secrets"]] == [Path(TOKEN_FILE).name]
         assert "egress" not in service["networks"], f"{name} must not reach outside networks"
         for dependency, condition in service["depends_on"].items():

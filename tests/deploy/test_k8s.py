@@ -164,7 +164,10 @@ def check_mounts(name: str, workload: dict, server: dict) -> None:
             assert mounts[target]["name"] in volumes or mounts[target]["name"] in claims
     assert mounts[IMAGE_MODELS]["readOnly"] is True
     assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "tessera-models", "readOnly": True}
-    token = volumes[mounts[str(Path(TOKEN_FILE).parent)]["name"]]["secret"]
+    # the one file (as compose mounts it), not a directory over /run/secrets hiding what else mounts there
+    assert mounts[TOKEN_FILE]["subPath"] == Path(TOKEN_FILE).name and str(Path(TOKEN_FILE).parent) not in mounts
+    assert pod_spec["automountServiceAccountToken"] is False  # tessera never calls the Kubernetes API
+    token = volumes[mounts[TOKEN_FILE]["name"]]["secret"]
     assert token["secretName"] == "tessera-internal-token"
     assert token["items"] == [{"key": "token", "path": Path(TOKEN_FILE).name}]
     assert pod_spec["securityContext"]["runAsNonRoot"] is True
