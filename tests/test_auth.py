@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_written_token_file_is_private(tmp_path):
     assert len(path.read_text()) >= 32 and path.read_text() != auth.write_token_file(tmp_path).read_text()
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
+def _self_signed(directory: Path, names: tuple[str, ...] = ("localhost", "127.0.0.1")) -> tuple[Path, Path]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -88,15 +89,84 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
             .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
+            .add_extension(x509.SubjectAlternativeName([_general_name(x509, n) for n in names]), critical=False)
             .sign(key, hashes.SHA256()))
     cert_file, key_file = directory / "cert.pem", directory / "key.pem"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     return cert_file, key_file
+
+
+def _general_name(x509, name: str):
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _wait_serving(address: str, credentials, process, log: Path, options=()) -> None:
+    with grpc.secure_channel(address, credentials, options=list(options)) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+
+
+def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_path):
+    """A certificate that names the public host only (not 127.0.0.1): HTTP is HTTPS with it, the
+    HTTP routes still reach the gateway's own gRPC API (a private Unix socket, not TLS to loopback),
+    and the image's healthcheck probes it with --tls-ca-file and --tls-server-name."""
+    import http.client
+    import json
+    import ssl
+
+    cert_file, key_file = _self_signed(tmp_path, names=("gateway.example",))
+    address, http_port = f"127.0.0.1:{free_port()}", free_port()
+    unused = f"127.0.0.1:{free_port()}"
+    log = tmp_path / "gateway.log"
+    private_dirs = set(Path(tempfile.gettempdir()).glob("tessera-gateway-*"))
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tessera.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
+             "--adapters", unused, "--vision", "", "--http-port", str(http_port),
+             "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert_file.read_bytes())
+        _wait_serving(address, credentials, process, log, [("grpc.ssl_target_name_override", "gateway.example")])
+        context = ssl.create_default_context(cafile=str(cert_file))
+        context.check_hostname = False  # 127.0.0.1 is not the certificate's name; its chain is still verified
+        connection = http.client.HTTPSConnection("127.0.0.1", http_port, context=context, timeout=30)
+        connection.request("GET", "/health")
+        reply = connection.getresponse()
+        health = json.loads(reply.read())
+        assert reply.status == 503 and health["not_serving"], health  # nothing behind the gateway
+        assert not [p for p in health["not_serving"] if p.startswith("gateway")], health  # the door reaches gRPC
+        with pytest.raises((ConnectionError, http.client.HTTPException)):  # no plaintext HTTP on that port
+            plain = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
+            plain.request("GET", "/health")
+            plain.getresponse().read()
+
+        def probe(*flags: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "tessera.common.healthcheck", address, "tessera.v1.Gateway",
+                                   *flags], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+        assert probe("--tls-ca-file", str(cert_file), "--tls-server-name", "gateway.example").returncode == 0
+        wrong_name = probe("--tls-ca-file", str(cert_file))
+        assert wrong_name.returncode == 1 and "UNAVAILABLE" in wrong_name.stderr
+        assert probe().returncode == 1  # plaintext against a TLS port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert set(Path(tempfile.gettempdir()).glob("tessera-gateway-*")) == private_dirs, "the socket's directory goes"
 
 
 def test_gateway_serves_tls(tmp_path):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
+import tempfile
+from pathlib import Path
 
 from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
@@ -52,7 +55,12 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         raise SystemExit(str(error)) from None
     loopback_key = mint_loopback_key() if keys else ""
     interceptors = [ApiKeyInterceptor(keys | {loopback_key})] if keys else []
-    http = (http_server(config, max_receive_bytes, security.tls_cert_file, loopback_key=loopback_key,
+    # With TLS, the HTTP door reaches the gRPC port through a Unix socket only this user can open:
+    # dialled over TCP at 127.0.0.1, TLS would need the certificate to name the loopback host.
+    private = Path(tempfile.mkdtemp(prefix="tessera-gateway-")) if config.http_port and security.tls_cert_file else None
+    local_address = f"unix:{private / 'grpc.sock'}" if private else None
+    http = (http_server(config, max_receive_bytes, loopback_target=local_address, loopback_key=loopback_key,
+                        tls=(security.tls_cert_file, security.tls_key_file) if security.tls_cert_file else None,
                         extra_routes={"/metrics": gateway_metrics.asgi_app(servicer)})
             if config.http_port else None)
 
@@ -65,6 +73,8 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         if http is not None:
             await http.stop()
         await servicer.close()
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
 
     start_metrics_server(config.metrics_port, config.address, *gateway_metrics.collectors(servicer))
 
@@ -74,7 +84,8 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
 
     # The public port: no internal-token check; the servicer's channels send the token.
     await serve("gateway", config.address, register, start=start, stop=stop, public=True, interceptors=interceptors,
-                credentials=security.server_credentials(), max_receive_bytes=max_receive_bytes)
+                credentials=security.server_credentials(), max_receive_bytes=max_receive_bytes,
+                local_address=local_address)
 
 
 def main(argv: list[str] | None = None) -> None:

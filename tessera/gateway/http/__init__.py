@@ -9,12 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import grpc
-
 from tessera.gateway.api_keys import read_api_keys
 from tessera.gateway.config import GatewayConfig
 from tessera.gateway.http.app import create_app
-from tessera.gateway.http.backend import Backend
+from tessera.gateway.http.backend import Backend, loopback_address
 from tessera.gateway.http.server import HttpServer
 
 # A JSON body carries images as base64 (4/3 of their bytes) plus quoting: twice the gRPC limit
@@ -22,14 +20,16 @@ from tessera.gateway.http.server import HttpServer
 BODY_BYTES_PER_GRPC_BYTE = 2
 
 
-def http_server(config: GatewayConfig, max_grpc_bytes: int, tls_cert_file: Path | None = None,
-                extra_routes: Mapping[str, object] = (), loopback_key: str = "") -> HttpServer:
+def http_server(config: GatewayConfig, max_grpc_bytes: int, loopback_target: str | None = None,
+                extra_routes: Mapping[str, object] = (), loopback_key: str = "",
+                tls: tuple[Path, Path] | None = None) -> HttpServer:
     """The HTTP server for `config.http_port` on the host of `config.address`.
 
-    `tls_cert_file`: the gateway's own certificate, trusted by the loopback channel when the gRPC
-    port serves TLS (its names must then cover the loopback host). `extra_routes`: more ASGI apps
-    by path (/metrics). `loopback_key`: sent to the gRPC port when it requires API keys
-    (tessera/gateway/api_keys.py).
+    `loopback_target`: where the routes reach the gateway's gRPC API in plaintext (default: its
+    port on loopback; with TLS, a local Unix socket, tessera/gateway/__main__.py). `extra_routes`:
+    more ASGI apps by path (/metrics). `loopback_key`: sent to the gRPC port when it requires API
+    keys (tessera/gateway/api_keys.py). `tls`: (certificate chain, private key) PEM files: HTTPS,
+    with the gRPC port's certificate.
 
     Raises:
         ValueError: `config.api_key_file` is set but unreadable or empty.
@@ -37,8 +37,7 @@ def http_server(config: GatewayConfig, max_grpc_bytes: int, tls_cert_file: Path 
     keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()
     services = {"adapters": config.adapters, **({"vision": config.vision} if config.vision else {}),
                 "decoder": config.decoder, "pooling": config.pooling}
-    credentials = grpc.ssl_channel_credentials(tls_cert_file.read_bytes()) if tls_cert_file else None
-    backend = Backend(config.address, services, keys, credentials, loopback_key)
+    backend = Backend(loopback_target or loopback_address(config.address), services, keys, loopback_key)
     app = create_app(backend, max_grpc_bytes * BODY_BYTES_PER_GRPC_BYTE, extra_routes)
     host = config.address.rpartition(":")[0]
-    return HttpServer(app, host, config.http_port, on_stop=backend.close)
+    return HttpServer(app, host, config.http_port, on_stop=backend.close, tls=tls)

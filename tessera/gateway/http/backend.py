@@ -42,15 +42,13 @@ class Backend:
     the gateway's GetInfo lists.
     """
 
-    def __init__(self, gateway_address: str, services: dict[str, str], api_keys: frozenset[str] = frozenset(),
-                 credentials: grpc.ChannelCredentials | None = None, loopback_key: str = ""):
-        """`loopback_key`: the key this process's gRPC port accepts from the HTTP API (when keys are on)."""
-        target = loopback_address(gateway_address)
+    def __init__(self, target: str, services: dict[str, str], api_keys: frozenset[str] = frozenset(),
+                 loopback_key: str = ""):
+        """`target`: the gateway's gRPC API, plaintext, on this host (`loopback_address(its address)`,
+        or a Unix socket); `loopback_key`: the key its gRPC port accepts from the HTTP API (when keys are on)."""
         # The HTTP request's id goes on to the gRPC port (tessera/common/logs.py).
         interceptors = [*logs.client_interceptors(), *(bearer_interceptors(loopback_key) if loopback_key else ())]
-        self.channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
-                        if credentials else
-                        grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors))
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.services = services
         self.api_keys = api_keys

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from pathlib import Path
 
 import uvicorn
 
@@ -24,11 +25,15 @@ class HttpServer:
     """`start()` binds host:port and serves `app` in a task; `stop()` closes it, letting requests in
     flight finish for up to `grace_s` seconds."""
 
-    def __init__(self, app, host: str, port: int, grace_s: float = 5.0, on_stop=None):
+    def __init__(self, app, host: str, port: int, grace_s: float = 5.0, on_stop=None,
+                 tls: tuple[Path, Path] | None = None):
+        """`tls`: (certificate chain, private key) PEM files: serve HTTPS."""
         # log_config=None: uvicorn's records go through the service's own handler (text or JSON,
         # tessera/common/logs.py); request lines come from request_log.py, not uvicorn's access log.
+        cert, key = tls or (None, None)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
-                                lifespan="off", timeout_graceful_shutdown=grace_s)
+                                lifespan="off", timeout_graceful_shutdown=grace_s,
+                                ssl_certfile=str(cert) if cert else None, ssl_keyfile=str(key) if key else None)
         self.server = _Server(config)
         self._task: asyncio.Task | None = None
         self.host, self.port = host, port
