@@ -186,8 +186,8 @@ def logprob_table(client: Client, choice, model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def embed(client: Client, texts: list[str], as_json: bool, out=sys.stdout) -> np.ndarray:
-    result = client.embed(texts)
+def embed(client: Client, texts: list[str], as_json: bool, out=sys.stdout, truncate: bool = False) -> np.ndarray:
+    result = client.embed(texts, truncate=truncate)
     vectors = result.embeddings  # [N, D] float32
     if as_json:
         out.write(json.dumps({"model": result.model, "embeddings": vectors.tolist(),
@@ -203,8 +203,9 @@ def embed(client: Client, texts: list[str], as_json: bool, out=sys.stdout) -> np
     return vectors
 
 
-def rerank(client: Client, query: str, documents: list[str], top_n: int | None, as_json: bool, out=sys.stdout):
-    result = client.rerank(query, documents, top_n=top_n, return_documents=True)
+def rerank(client: Client, query: str, documents: list[str], top_n: int | None, as_json: bool, out=sys.stdout,
+           truncate: bool = False):
+    result = client.rerank(query, documents, top_n=top_n, return_documents=True, truncate=truncate)
     rows = [dataclasses.asdict(r) for r in result.results]
     if as_json:
         out.write(json.dumps({"model": result.model, "method": result.method, "results": rows}) + "\n")

@@ -189,6 +189,8 @@ def _add_pooling_commands(sub, remote: argparse.ArgumentParser) -> None:
     emb = sub.add_parser("embed", help="embed texts; prints a cosine similarity table", parents=[remote])
     emb.add_argument("texts", nargs="+")
     emb.add_argument("--json", action="store_true", help="print one JSON object")
+    emb.add_argument("--truncate", action="store_true",
+                     help="cut a text past the model's maximum input length instead of refusing it")
     emb.set_defaults(func=_embed)
 
     rr = sub.add_parser("rerank", help="rank documents for a query", parents=[remote])
@@ -196,6 +198,8 @@ def _add_pooling_commands(sub, remote: argparse.ArgumentParser) -> None:
     rr.add_argument("documents", nargs="+")
     rr.add_argument("--top-n", type=int, default=None, help="results to return (default: all)")
     rr.add_argument("--json", action="store_true", help="print one JSON object")
+    rr.add_argument("--truncate", action="store_true", help="cut a (query, document) pair past the model's maximum "
+                                                             "input length, its longer side first, instead of refusing it")
     rr.set_defaults(func=_rerank)
 
     tok = sub.add_parser("tokenize", help="show a model's tokens of each text", parents=[remote])
@@ -315,7 +319,7 @@ def _embed(args) -> int:
     from tessera.cli import client
 
     with client.connect(args.address) as c:
-        client.embed(c, args.texts, args.json)
+        client.embed(c, args.texts, args.json, truncate=args.truncate)
     return 0
 
 
@@ -323,7 +327,7 @@ def _rerank(args) -> int:
     from tessera.cli import client
 
     with client.connect(args.address) as c:
-        client.rerank(c, args.query, args.documents, args.top_n, args.json)
+        client.rerank(c, args.query, args.documents, args.top_n, args.json, truncate=args.truncate)
     return 0
 
 

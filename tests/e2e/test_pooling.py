@@ -91,6 +91,14 @@ def test_cli_embed_and_rerank(gateway_address):
                      "Paris is the capital of France.", "--top-n", "1", "--json")
     assert result.returncode == 0, result.stderr
     assert '"index": 1' in result.stdout and '"method": "bi-encoder"' in result.stdout
+    long_text = "Paris is the capital of France. " * 80  # past all-MiniLM's 256 tokens
+    refused = run_cli(gateway_address, "embed", long_text)
+    assert refused.returncode != 0 and "set truncate to cut it" in refused.stderr
+    assert run_cli(gateway_address, "embed", long_text, "--truncate").returncode == 0
+    refused = run_cli(gateway_address, "rerank", "capital of France", long_text, "Bananas.")
+    assert refused.returncode != 0 and "document 0 has" in refused.stderr
+    cut = run_cli(gateway_address, "rerank", "capital of France", long_text, "Bananas.", "--truncate", "--json")
+    assert cut.returncode == 0 and '"index": 0' in cut.stdout, cut.stderr
 
 
 def test_tokenize_and_embed_stream_through_gateway(gateway, sentence_transformer):
