@@ -6,10 +6,11 @@ import copy
 
 import grpc
 import pytest
+import requests
 import torch
 
 from tessera.common.checkpoint import CheckpointConfig, base_model_digest, base_model_name
-from tessera.v1 import adapters_pb2
+from tessera.v1 import adapters_pb2, gateway_pb2
 
 from .conftest import once_back, run_cli
 from .test_generate import CHAT_PROMPTS, chat_request, collect, hf_greedy
@@ -91,9 +92,10 @@ def test_adapter_path_outside_root_is_refused(gateway, assert_healthy, tmp_path)
     assert_healthy()
 
 
-def test_registry_down_is_unavailable_naming_the_registry(cluster, gateway, assert_healthy):
+def test_registry_down_is_unavailable_naming_the_registry(cluster, gateway, http_url, assert_healthy):
     """With the registry down, a LoRA request the decoder cannot resolve is UNAVAILABLE: the
-    message names the registry (the decoder answered it), not the decoder as down."""
+    message names the registry (the decoder answered it), not the decoder as down; GET /v1/models
+    still lists the served models, saying the adapters are missing."""
     import signal
 
     process = cluster.processes["adapters"]
@@ -108,7 +110,14 @@ def test_registry_down_is_unavailable_naming_the_registry(cluster, gateway, asse
         details = error.value.details()
         assert details.startswith("adapter registry at") and "answered by the decoder service" in details, details
         assert collect(gateway, chat_request(CHAT_PROMPTS[0], 4))["finish"]  # the base model still serves
+        listed = requests.get(f"{http_url}/v1/models", timeout=60)
+        info = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30)
+        assert listed.status_code == 200, listed.text
+        assert {m["id"] for m in listed.json()["data"]} == {info.decoder.model, info.pooling.model}
+        [missing] = listed.json()["unavailable"]
+        assert missing.startswith("adapters service at") and "unavailable" in missing, missing
     finally:
         cluster.restart("adapters")
     once_back(lambda: gateway.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=10), timeout_s=30)
+    assert "unavailable" not in requests.get(f"{http_url}/v1/models", timeout=60).json()
     assert_healthy()

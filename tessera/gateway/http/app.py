@@ -173,7 +173,10 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
 
     @router.get("/v1/models", dependencies=inference, response_model=models.ModelList)
     async def list_models():
-        return await _models(backend)
+        listed = (await _models(backend)).model_dump()
+        if listed["unavailable"] is None:
+            del listed["unavailable"]  # present only when the registry did not answer
+        return JSONResponse(listed)
 
     @router.get("/v1/models/{model}", dependencies=inference, response_model=models.Model)
     async def retrieve_model(model: str):
@@ -355,8 +358,15 @@ async def _models(backend: Backend) -> models.ModelList:
     pooled = list(info.pooling.models) or ([info.pooling] if info.pooling.model else [])
     for model in pooled:
         data.append(models.Model(id=model.model, root=model.model, max_model_len=model.max_input_length or None))
-    adapters = await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())
-    for adapter in adapters.adapters:
+    try:
+        adapters = (await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())).adapters
+    except grpc.aio.AioRpcError as error:
+        if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise
+        # the registry is down: the models still served are listed (as vLLM's list never fails),
+        # and the answer says which part is missing
+        return models.ModelList(data=data, unavailable=[error.details() or f"adapters: {error.code().name}"])
+    for adapter in adapters:
         if adapter.state in ("ready", "draining"):  # not those registered for another base model (base_*)
             data.append(models.Model(id=adapter.name, root=adapter.path, parent=base,
                                      max_model_len=info.decoder.max_model_len or None))

@@ -280,6 +280,9 @@ class Model(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[Model]
+    unavailable: list[str] | None = Field(default=None, description="tessera's: set when the adapter registry "
+                                          "did not answer; `data` then lists the served base and pooling models, "
+                                          "no adapters (absent otherwise)")
 
 
 class Health(BaseModel):
