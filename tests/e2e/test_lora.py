@@ -116,6 +116,9 @@ def test_registry_down_is_unavailable_naming_the_registry(cluster, gateway, http
         assert {m["id"] for m in listed.json()["data"]} == {info.decoder.model, info.pooling.model}
         [missing] = listed.json()["unavailable"]
         assert missing.startswith("adapters service at") and "unavailable" in missing, missing
+        retrieved = requests.get(f"{http_url}/v1/models/some-adapter", timeout=60)
+        assert retrieved.status_code == 503 and "adapters cannot be listed" in retrieved.json()["error"]["message"]
+        assert requests.get(f"{http_url}/v1/models/{info.decoder.model}", timeout=60).status_code == 200
     finally:
         cluster.restart("adapters")
     once_back(lambda: gateway.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=10), timeout_s=30)

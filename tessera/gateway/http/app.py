@@ -181,9 +181,13 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
     @router.get("/v1/models/{model}", dependencies=inference, response_model=models.Model)
     async def retrieve_model(model: str):
         """One entry of /v1/models (OpenAI's models.retrieve); 404 for a name not served."""
-        for entry in (await _models(backend)).data:
+        listed = await _models(backend)
+        for entry in listed.data:
             if entry.id == model:
                 return entry
+        if listed.unavailable:  # it may be an adapter the registry would have listed
+            raise ApiError(503, f"model {model!r} is not a served base or pooling model, and adapters cannot be "
+                                f"listed: {'; '.join(listed.unavailable)}", "service_unavailable")
         raise ApiError(404, f"model {model!r} is not served here (GET /v1/models lists what is)", "not_found_error",
                        param="model")
 
