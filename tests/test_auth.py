@@ -169,6 +169,34 @@ def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_
     assert set(Path(tempfile.gettempdir()).glob("tessera-gateway-*")) == private_dirs, "the socket's directory goes"
 
 
+def test_a_tls_gateway_that_cannot_start_leaves_no_socket_directory(tmp_path):
+    """A start that fails (here its HTTP port is taken) removes the private directory it made."""
+    import socket
+
+    cert_file, key_file = _self_signed(tmp_path, names=("gateway.example",))
+    unused = f"127.0.0.1:{free_port()}"
+    private_dirs = set(Path(tempfile.gettempdir()).glob("tessera-gateway-*"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "tessera.gateway", "--address", f"127.0.0.1:{free_port()}", "--decoder", unused,
+             "--pooling", unused, "--adapters", unused, "--vision", "", "--http-port", str(taken.getsockname()[1]),
+             "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "http: cannot listen on" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert set(Path(tempfile.gettempdir()).glob("tessera-gateway-*")) == private_dirs
+
+
+def test_a_certificate_and_a_key_that_do_not_match_are_refused_in_one_line(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cert_file, _ = _self_signed(tmp_path / "a")
+    _, other_key = _self_signed(tmp_path / "b")
+    with pytest.raises(SystemExit, match="are not a PEM certificate chain and its private key"):
+        auth.configure_security(["--tls-cert-file", str(cert_file), "--tls-key-file", str(other_key)], tls=True)
+
+
 def test_gateway_serves_tls(tmp_path):
     cert_file, key_file = _self_signed(tmp_path)
     address = f"127.0.0.1:{free_port()}"

@@ -148,18 +148,21 @@ class AsyncClient:
 
     async def embed(self, inputs: str | Sequence[str] | None = None, *,
                     input_ids: Sequence[Sequence[int]] | None = None, model: str = "", normalize: bool | None = None,
-                    dimensions: int | None = None, truncate: bool = False, prompt_name: str = "",
-                    encoding_format: str = "float", timeout: float | None = None) -> EmbedResult:
+                    dimensions: int | None = None, truncate: bool = False, truncation_direction: str = "right",
+                    prompt_name: str = "", encoding_format: str = "float",
+                    timeout: float | None = None) -> EmbedResult:
         request = convert.embed_request(inputs, input_ids=input_ids, model=model, normalize=normalize,
                                         dimensions=dimensions, truncate=truncate, prompt_name=prompt_name,
-                                        encoding_format=encoding_format)
+                                        encoding_format=encoding_format, direction=truncation_direction)
         return convert.embed_result(await self._unary("Embed", request, timeout))
 
     async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                      return_documents: bool = False, model: str = "", raw_scores: bool = False,
-                     truncate: bool = False, timeout: float | None = None) -> RerankResult:
+                     truncate: bool = False, truncation_direction: str = "right",
+                     timeout: float | None = None) -> RerankResult:
         request = convert.rerank_request(query, documents, top_n=top_n, return_documents=return_documents,
-                                         model=model, raw_scores=raw_scores, truncate=truncate)
+                                         model=model, raw_scores=raw_scores, truncate=truncate,
+                                         direction=truncation_direction)
         return convert.rerank_result(await self._unary("Rerank", request, timeout))
 
     async def tokenize(self, inputs: str | Sequence[str] | None = None, *, messages: Iterable[Message | dict] | None = None,

@@ -139,13 +139,23 @@ def generate_request(*, prompt: str | Sequence[int] | None = None, messages: Ite
     return request
 
 
+_DIRECTIONS = {"right": pooling_pb2.TRUNCATION_DIRECTION_RIGHT, "left": pooling_pb2.TRUNCATION_DIRECTION_LEFT}
+
+
+def truncation_direction(name: str) -> int:
+    """"right" (keep the first tokens) or "left" (the last) as the protobuf enum; ValueError otherwise."""
+    if name not in _DIRECTIONS:
+        raise ValueError(f"truncation_direction is 'right' or 'left'; got {name!r}")
+    return _DIRECTIONS[name]
+
+
 def embed_request(inputs: str | Sequence[str] | None, *, input_ids: Sequence[Sequence[int]] | None, model: str,
                   normalize: bool | None, dimensions: int | None, truncate: bool, prompt_name: str,
-                  encoding_format: str) -> pooling_pb2.EmbedRequest:
+                  encoding_format: str, direction: str = "right") -> pooling_pb2.EmbedRequest:
     if encoding_format not in ("float", "base64"):
         raise ValueError(f"encoding_format is 'float' or 'base64'; got {encoding_format!r}")
     request = pooling_pb2.EmbedRequest(
-        model=model, truncate=truncate, prompt_name=prompt_name,
+        model=model, truncate=truncate, prompt_name=prompt_name, truncation_direction=truncation_direction(direction),
         encoding_format=pooling_pb2.ENCODING_FORMAT_BASE64 if encoding_format == "base64"
         else pooling_pb2.ENCODING_FORMAT_FLOAT)
     if input_ids is not None:
@@ -160,9 +170,11 @@ def embed_request(inputs: str | Sequence[str] | None, *, input_ids: Sequence[Seq
 
 
 def rerank_request(query: str, documents: Sequence[str], *, top_n: int | None, return_documents: bool,
-                   model: str, raw_scores: bool, truncate: bool = False) -> pooling_pb2.RerankRequest:
+                   model: str, raw_scores: bool, truncate: bool = False,
+                   direction: str = "right") -> pooling_pb2.RerankRequest:
     request = pooling_pb2.RerankRequest(query=query, documents=list(documents), return_documents=return_documents,
-                                        model=model, raw_scores=raw_scores, truncate=truncate)
+                                        model=model, raw_scores=raw_scores, truncate=truncate,
+                                        truncation_direction=truncation_direction(direction))
     if top_n is not None:
         request.top_n = top_n
     return request

@@ -175,27 +175,31 @@ class Client:
 
     def embed(self, inputs: str | Sequence[str] | None = None, *, input_ids: Sequence[Sequence[int]] | None = None,
               model: str = "", normalize: bool | None = None, dimensions: int | None = None,
-              truncate: bool = False, prompt_name: str = "", encoding_format: str = "float",
-              timeout: float | None = None) -> EmbedResult:
+              truncate: bool = False, truncation_direction: str = "right", prompt_name: str = "",
+              encoding_format: str = "float", timeout: float | None = None) -> EmbedResult:
         """Embeddings [N, D] float32 of texts (or pre-tokenized `input_ids`), in input order.
 
         `normalize` None follows the model's config; `dimensions` only for Matryoshka models;
-        `truncate` False refuses an input past the model's max length; `encoding_format` "base64"
+        `truncate` False refuses an input past the model's max length, True cuts it at the
+        `truncation_direction` end ("right": keeps the first tokens, "left": the last); `encoding_format` "base64"
         changes only the wire format (same vectors).
         """
         request = convert.embed_request(inputs, input_ids=input_ids, model=model, normalize=normalize,
                                         dimensions=dimensions, truncate=truncate, prompt_name=prompt_name,
-                                        encoding_format=encoding_format)
+                                        encoding_format=encoding_format, direction=truncation_direction)
         return convert.embed_result(self._unary("Embed", request, timeout))
 
     def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                return_documents: bool = False, model: str = "", raw_scores: bool = False,
-               truncate: bool = False, timeout: float | None = None) -> RerankResult:
+               truncate: bool = False, truncation_direction: str = "right",
+               timeout: float | None = None) -> RerankResult:
         """Documents scored for `query`, highest first (the top `top_n`, default all); `truncate`
         False refuses a pair (or text) past the model's max length, True cuts it (a cross-encoder's
-        pair from the longer side first, as sentence-transformers' CrossEncoder)."""
+        pair from the longer side first, as sentence-transformers' CrossEncoder; `truncation_direction`
+        "right" keeps the first tokens, "left" the last)."""
         request = convert.rerank_request(query, documents, top_n=top_n, return_documents=return_documents,
-                                         model=model, raw_scores=raw_scores, truncate=truncate)
+                                         model=model, raw_scores=raw_scores, truncate=truncate,
+                                         direction=truncation_direction)
         return convert.rerank_result(self._unary("Rerank", request, timeout))
 
     def tokenize(self, inputs: str | Sequence[str] | None = None, *, messages: Iterable[Message | dict] | None = None,

@@ -22,6 +22,7 @@ import argparse
 import hmac
 import os
 import secrets
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +68,7 @@ def configure_security(argv: Sequence[str] | None, tls: bool = False) -> Securit
 
     Raises:
         SystemExit: a named token file that is missing, unreadable or empty, or a TLS flag without
-            its pair; the message is one line.
+            its pair, a certificate and key that do not match; the message is one line.
     """
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser, tls)
@@ -80,6 +81,12 @@ def configure_security(argv: Sequence[str] | None, tls: bool = False) -> Securit
     for flag, value in (("--tls-cert-file", cert), ("--tls-key-file", key)):
         if value and not Path(value).is_file():
             raise SystemExit(f"{flag} {value}: no such file")
+    if cert:
+        try:  # grpc would only say the port cannot be bound
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        except ssl.SSLError as error:
+            raise SystemExit(f"--tls-cert-file {cert} and --tls-key-file {key} are not a PEM certificate chain and "
+                             f"its private key ({error.reason or error})") from None
     use_internal_token(token)
     return Security(token, Path(cert) if cert else None, Path(key) if key else None)
 

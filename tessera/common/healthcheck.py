@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         tls_ca = Path(args.tls_ca_file).read_bytes() if args.tls_ca_file else None
     except OSError as error:
         parser.error(f"--tls-ca-file {args.tls_ca_file}: {error.strerror}")
+    if tls_ca is not None and b"-----BEGIN CERTIFICATE-----" not in tls_ca:
+        parser.error(f"--tls-ca-file {args.tls_ca_file} holds no PEM certificate")
     problem = check(args.address, args.service, args.timeout, tls_ca, args.tls_server_name)
     if problem is not None:
         print("unhealthy: " + " ".join(problem.split()), file=sys.stderr)  # one line, whatever grpc said

@@ -18,7 +18,7 @@ from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.limits import GenerateLimits
 from tessera.common.message_limits import decoder_bytes
 from tessera.common.metrics import DecoderCollector, start_metrics_server
-from tessera.common.server import exit_refused, serve
+from tessera.common.server import exit_refused, exit_unhealthy_after_s, serve
 from tessera.decoder.adapter_client import RegistryAdapterSource
 from tessera.decoder.config import DecoderConfig
 from tessera.decoder.engine import LLMEngine
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     address, config = parse_args(argv)
     auth.configure_security(argv)
     try:
+        exit_unhealthy_after_s()  # checked before the model loads (serve reads it again)
         run(address, config)
     except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
         exit_refused("decoder", error)

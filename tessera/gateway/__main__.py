@@ -53,11 +53,29 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    loopback_key = mint_loopback_key() if keys else ""
-    interceptors = [ApiKeyInterceptor(keys | {loopback_key})] if keys else []
     # With TLS, the HTTP door reaches the gRPC port through a Unix socket only this user can open:
     # dialled over TCP at 127.0.0.1, TLS would need the certificate to name the loopback host.
-    private = Path(tempfile.mkdtemp(prefix="tessera-gateway-")) if config.http_port and security.tls_cert_file else None
+    private = _private_dir() if config.http_port and security.tls_cert_file else None
+    try:
+        await _serve(config, security, servicer, max_receive_bytes, keys, private)
+    finally:
+        if private is not None:  # also when the start fails (a port in use, ...)
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def _private_dir() -> Path:
+    """A directory only this user can enter, for the HTTP door's Unix socket; under /tmp when
+    $TMPDIR's path would make the socket's longer than a socket address holds (108 bytes)."""
+    base = tempfile.gettempdir()
+    if len(base) > 60:
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="tessera-gateway-", dir=base))
+
+
+async def _serve(config: GatewayConfig, security: auth.Security, servicer: GatewayServicer, max_receive_bytes: int,
+                 keys: frozenset[str], private: Path | None) -> None:
+    loopback_key = mint_loopback_key() if keys else ""
+    interceptors = [ApiKeyInterceptor(keys | {loopback_key})] if keys else []
     local_address = f"unix:{private / 'grpc.sock'}" if private else None
     http = (http_server(config, max_receive_bytes, loopback_target=local_address, loopback_key=loopback_key,
                         tls=(security.tls_cert_file, security.tls_key_file) if security.tls_cert_file else None,
@@ -73,8 +91,6 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         if http is not None:
             await http.stop()
         await servicer.close()
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
 
     start_metrics_server(config.metrics_port, config.address, *gateway_metrics.collectors(servicer))
 

@@ -13,7 +13,7 @@ from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
 from tessera.common.message_limits import pooling_bytes
 from tessera.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
-from tessera.common.server import exit_refused, serve
+from tessera.common.server import exit_refused, exit_unhealthy_after_s, serve
 from tessera.pooling.config import ModelFlags, PoolingConfig
 from tessera.pooling.engine import PoolingEngine
 from tessera.pooling.servicer import PoolingServicer
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     auth.configure_security(argv)
     try:
+        exit_unhealthy_after_s()  # checked before the models load (serve reads it again)
         asyncio.run(_main(config))
     except (ValueError, OSError) as error:
         exit_refused("pooling", error)

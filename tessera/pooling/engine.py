@@ -255,12 +255,14 @@ class PoolingEngine:
             vectors = unit_normalize(await served.batcher.submit(sequences))  # [1 + N, D]
             return (vectors[1:] @ vectors[0]).tolist(), sum(map(len, sequences))
         if served.runner.method == "cross-encoder":
-            sequences = await asyncio.to_thread(served.tokenizer.encode_pairs, query, documents, labels, **cut)
+            pairs = [f"the pair (query, document {i})" for i in range(len(documents))]
+            sequences = await asyncio.to_thread(served.tokenizer.encode_pairs, query, documents, pairs, **cut)
         else:
             c = served.config
             prompts = [c.judge_template.format(instruction=c.judge_instruction, query=query, document=d) for d in documents]
+            judged = [f"the judge prompt of the query and document {i}" for i in range(len(documents))]
             sequences = await asyncio.to_thread(served.tokenizer.encode_texts, prompts, add_special_tokens=False,
-                                                labels=labels, hint=JUDGE_TRUNCATE_HINT, direction=direction)
+                                                labels=judged, hint=JUDGE_TRUNCATE_HINT, direction=direction)
         logits = await served.batcher.submit(sequences)  # [N]
         scores = logits if raw else torch.sigmoid(logits)
         return scores.tolist(), sum(map(len, sequences))

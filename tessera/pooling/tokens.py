@@ -20,7 +20,7 @@ from tessera.common.errors import InvalidArgument
 TRUNCATION_DIRECTIONS = ("right", "left")
 TRUNCATE_HINT = "set truncate to cut it"
 RERANK_TRUNCATE_HINT = "set truncate to cut it"  # cross-encoder pairs, bi-encoder texts
-JUDGE_TRUNCATE_HINT = "an llm-judge prompt is never cut, its template's end must stay; shorten the document"
+JUDGE_TRUNCATE_HINT = "an llm-judge prompt is never cut, its template's end must stay; shorten the query or the document"
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,18 @@ def test_replica_table_rows():
     assert header.split() == ["replica", "address", "health", "sent", "now", "run", "wait", "kv", "adapters"]
     assert decoder.split() == ["decoder", "h:1", "SERVING", "7", "1", "1", "2", "50%", "hot,warm"]
     assert pooling.split() == ["pooling", "h:2", "not", "ready", "(CONNECTING)", "0", "0", "-", "-", "-", "-"]
+
+
+def test_truncation_direction_reaches_the_requests():
+    from tessera.client import convert
+    from tessera.v1 import pooling_pb2
+
+    left = convert.embed_request("x", input_ids=None, model="", normalize=None, dimensions=None, truncate=True,
+                                 prompt_name="", encoding_format="float", direction="left")
+    assert left.truncation_direction == pooling_pb2.TRUNCATION_DIRECTION_LEFT and left.truncate
+    ranked = convert.rerank_request("q", ["d"], top_n=None, return_documents=False, model="", raw_scores=False,
+                                    truncate=True, direction="left")
+    assert ranked.truncation_direction == pooling_pb2.TRUNCATION_DIRECTION_LEFT and ranked.truncate
+    with pytest.raises(ValueError, match="truncation_direction is 'right' or 'left'; got 'middle'"):
+        convert.rerank_request("q", ["d"], top_n=None, return_documents=False, model="", raw_scores=False,
+                               truncate=True, direction="middle")

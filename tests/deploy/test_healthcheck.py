@@ -62,3 +62,11 @@ def test_probe_never_imports_torch(pooling_service):
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "grpc_health.v1.health_pb2" in imported
     assert not {name for name in imported if name.split(".")[0] in ("torch", "numpy", "transformers")}
+
+
+def test_a_ca_file_without_a_certificate_is_one_line(tmp_path):
+    not_pem = tmp_path / "key.pem"
+    not_pem.write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+    result = probe(f"127.0.0.1:{free_port()}", "--tls-ca-file", str(not_pem))
+    assert result.returncode == 2 and "holds no PEM certificate" in result.stderr
+    assert probe(f"127.0.0.1:{free_port()}", "--tls-server-name", "x").returncode == 2  # needs --tls-ca-file

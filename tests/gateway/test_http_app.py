@@ -257,6 +257,15 @@ def test_tei_routes_refuse_in_teis_error_shape(app):
     assert status == 400 and "exactly one of documents" in tei_error_of(answer)["error"]  # texts sent: TEI's shape
     status, answer = call(app, "/rerank", json.dumps({"query": "q"}).encode())
     assert status == 400 and error_of(answer)["param"] == "documents"
+    # a TEI body that does not validate is refused in TEI's shape too; TEI's fields take no lax types
+    for body in ({"query": "q", "texts": [1, 2]}, {"query": "q", "texts": ["a"], "raw_scores": "1"},
+                 {"query": "q", "texts": ["a"], "return_text": "yes"}, {"texts": ["a"]}):
+        status, answer = call(app, "/rerank", json.dumps(body).encode())
+        assert status == 400 and tei_error_of(answer)["error_type"] == "validation", body
+    for body in ({"inputs": "x", "normalize": "no"}, {"inputs": "x", "normalize": 0}, {"inputs": [True]},
+                 {"inputs": [[1, True]]}, {"inputs": "x", "dimensions": True}, {"inputs": "x", "dimensions": 2.0}):
+        status, answer = call(app, "/embed", json.dumps(body).encode())
+        assert status == 400 and tei_error_of(answer)["error_type"] == "validation", body
 
 
 def test_loopback_address():

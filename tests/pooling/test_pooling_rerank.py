@@ -78,7 +78,7 @@ def test_cross_encoder_truncation_equals_sentence_transformers(cluster, tiny_cro
     pairs = [(query, d) for d in documents]
     assert max(len(reference.tokenizer(q, d)["input_ids"]) for q, d in pairs) > limit  # truncation really happens
     expected = reference.predict(pairs, activation_fn=torch.nn.Identity(), convert_to_numpy=True)
-    with pytest.raises(InvalidArgument, match=r"document 0 has \d+ tokens; the maximum input length is .*set truncate"):
+    with pytest.raises(InvalidArgument, match=r"the pair \(query, document 0\) has \d+ tokens; the maximum input length is .*set truncate"):
         asyncio.run(cluster.rerank(query, documents, model="tiny-cross-encoder"))
     ranking = asyncio.run(cluster.rerank(query, documents, model="tiny-cross-encoder", raw_scores=True, truncate=True,
                                          truncation_direction=direction))
@@ -99,7 +99,7 @@ def test_truncated_bi_encoder_rerank_equals_truncated_embeddings(cluster):
 
 
 def test_llm_judge_prompt_is_never_cut(cluster):
-    with pytest.raises(InvalidArgument, match=r"document 0 has .*\(an llm-judge prompt is never cut"):
+    with pytest.raises(InvalidArgument, match=r"the judge prompt of the query and document 0 has .*\(an llm-judge prompt is never cut"):
         asyncio.run(cluster.rerank(QUERY, ["word " * 400], model="tiny-decoder", truncate=True))
 
 
@@ -147,7 +147,8 @@ def test_last_token_pooling_equals_manual_reference(cluster, tiny_decoder_dir):
     (lambda s: s.rerank("q", ["a"], model="nope"), NotFound, "not served"),
     (lambda s: s.rerank("q", ["a"], model="tiny-decoder-embed", method="cross-encoder"), InvalidArgument,
      "is a embedding model and reranks by 'bi-encoder'"),
-    (lambda s: s.rerank("q " * 300, ["a"], model="tiny-cross-encoder"), InvalidArgument, "document 0 has 30[0-9] tokens"),
+    (lambda s: s.rerank("q " * 300, ["a"], model="tiny-cross-encoder"), InvalidArgument,
+     r"the pair \(query, document 0\) has 30[0-9] tokens"),
 ], ids=["embed-on-reranker", "unknown-embed", "unknown-rerank", "method-mismatch", "long-pair"])
 def test_errors(cluster, call, error, message):
     with pytest.raises(error, match=message):

@@ -40,7 +40,7 @@ STATUS_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
 # text-embeddings-inference's native routes (its router's http/server.rs): refusals in TEI's shape.
 TEI_PATHS = frozenset({"/", "/embed", "/info"})
 TEI_SHAPED = "tessera.tei_shaped"  # a scope key: set by a route shared with OpenAI's shapes (/rerank) for a TEI body
-_TEI_ERROR_TYPES = {400: "validation", 408: "validation", 413: "validation", 429: "overloaded", 503: "unhealthy"}
+_TEI_ERROR_TYPES = {429: "overloaded", 503: "unhealthy"}  # else: 4xx "validation", 5xx "backend"
 # The one RESOURCE_EXHAUSTED that is not load: a message past the gRPC receive limit.
 _TOO_LARGE_MARKERS = ("larger than max", "message larger")
 
@@ -56,14 +56,18 @@ class ApiError(HTTPException):
     def response(self, tei: bool = False) -> JSONResponse:
         """OpenAI's error object; with `tei`, TEI's `{"error", "error_type"}` (same status)."""
         if tei:
-            body = {"error": clip_message(self.message), "error_type": _TEI_ERROR_TYPES.get(self.status, "backend")}
+            kind = _TEI_ERROR_TYPES.get(self.status, "validation" if self.status < 500 else "backend")
+            body = {"error": clip_message(self.message), "error_type": kind}
             return JSONResponse(body, status_code=self.status)
         return JSONResponse(error_body(self.message, self.type, self.param, self.status), status_code=self.status)
 
 
-def tei_shaped(scope) -> bool:
-    """Whether a refusal of this request answers TEI's error shape (see the module's docstring)."""
-    return scope.get("path") in TEI_PATHS or bool(scope.get(TEI_SHAPED))
+def tei_shaped(scope, body: object = None) -> bool:
+    """Whether a refusal of this request answers TEI's error shape (see the module's docstring):
+    a TEI route, or /rerank marked by its route or with a parsed `body` that sends TEI's `texts`."""
+    if scope.get("path") in TEI_PATHS or scope.get(TEI_SHAPED):
+        return True
+    return scope.get("path") == "/rerank" and isinstance(body, dict) and "texts" in body
 
 
 def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
@@ -95,7 +99,8 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
     param = ".".join(location) or None
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in problems[:5])
-    return ApiError(400, message or "the request body is not valid", param=param).response(tei_shaped(request.scope))
+    return ApiError(400, message or "the request body is not valid", param=param).response(
+        tei_shaped(request.scope, error.body))
 
 
 async def http_error_handler(request: Request, error: HTTPException) -> JSONResponse:

@@ -21,6 +21,10 @@ Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenIds = Annotated[list[Int32], Field(fail_fast=True)]
 TokenIdLists = Annotated[list[TokenIds], Field(fail_fast=True)]
 Texts = Annotated[list[str], Field(fail_fast=True)]
+# TEI's bodies as its router (serde) takes them: no `true` for 1 or "yes" for true
+StrictInt32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, strict=True)]
+StrictTokenIds = Annotated[list[StrictInt32], Field(fail_fast=True)]
+StrictTokenIdLists = Annotated[list[StrictTokenIds], Field(fail_fast=True)]
 Direction = Literal["right", "left", "Right", "Left"]  # TEI's truncation_direction (it takes both spellings)
 
 # OpenAI's documented default for /v1/completions; chat's is the rest of the context, as in
@@ -122,8 +126,9 @@ class RerankRequest(BaseModel):
     return_documents: bool = False
     texts: Texts | None = Field(default=None, description="TEI's name for the documents (POST /rerank only); the "
                                 "answer is then TEI's: a list of {index, score, text?}, highest score first")
-    return_text: bool = Field(default=False, description="TEI's name for return_documents")
-    raw_scores: bool = Field(default=False, description="TEI's: the cross-encoder's logit instead of its sigmoid")
+    return_text: bool = Field(default=False, strict=True, description="TEI's name for return_documents")
+    raw_scores: bool = Field(default=False, strict=True,
+                             description="TEI's: the cross-encoder's logit instead of its sigmoid")
     truncate: bool | None = Field(default=None, strict=True, description="TEI's: a (query, document) pair past the "
                                   "model's maximum input length is cut to it, the longer side first, instead of "
                                   "refused with 400 (null: false)")
@@ -307,14 +312,15 @@ class ErrorBody(BaseModel):
 class TeiEmbedRequest(BaseModel):
     """TEI's /embed body (also POST /, where huggingface_hub's InferenceClient.feature_extraction sends it)."""
 
-    inputs: str | Texts | TokenIds | TokenIdLists = Field(description="a text, texts, a token id list or token "
-                                                                       "id lists (special tokens are the client's)")
-    normalize: bool = Field(default=True, description="TEI's default: unit vectors")
+    inputs: str | Texts | StrictTokenIds | StrictTokenIdLists = Field(
+        description="a text, texts, a token id list or token id lists (special tokens are the client's)")
+    normalize: bool = Field(default=True, strict=True, description="TEI's default: unit vectors")
     truncate: bool | None = Field(default=None, strict=True, description="an input past the model's maximum input "
                                   "length is cut to it instead of refused (null: false)")
     truncation_direction: Direction = "right"
     prompt_name: str | None = Field(default=None, description="a key of the model's sentence-transformers prompts")
-    dimensions: Count | None = Field(default=None, description="Matryoshka models only: the first `dimensions`")
+    dimensions: Annotated[int, Field(ge=1, le=2**31 - 1, strict=True)] | None = Field(
+        default=None, description="Matryoshka models only: the first `dimensions`")
     model: str | None = Field(default=None, description="tessera's, not TEI's: which pooling model (TEI serves one; "
                               "default: the pooling service's default embedding model)")
 
