@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI-compatible routes over the gateway's gRPC API.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
-/tokenize, /detokenize; GET /v1/models, /v1/models/{model}, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
+/tokenize, /detokenize; text-embeddings-inference's POST /embed (and /), /rerank with `texts`, GET
+/info; GET /v1/models, /v1/models/{model}, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
 the `Authorization` header is relayed to the adapter registry, which checks its admin token).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
 `extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
@@ -115,11 +116,11 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     async def rerank_jina_or_tei(body: models.RerankRequest, http: Request):
         """Jina's and Cohere's rerank, as /v1/rerank; or TEI's, when the body sends `texts`: then the
         answer (and any refusal) is TEI's shape."""
-        if body.texts is not None:
+        tei = body.texts is not None
+        if tei:
             http.scope[TEI_SHAPED] = True
-            reply = await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=True))
-            return JSONResponse(convert.tei_ranks(reply))
-        return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=True)))
+        reply = await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=True))
+        return JSONResponse(convert.tei_ranks(reply)) if tei else convert.rerank_response(reply)
 
     @router.post("/tokenize", response_model=models.TokenizeResponse)
     async def tokenize(body: models.TokenizeRequest):
