@@ -1,6 +1,6 @@
 """text-embeddings-inference's native doors on the gateway (/embed, POST /, /rerank with `texts`,
-/info), through TEI's own client (huggingface_hub's InferenceClient, unchanged) and plain HTTP, equal
-to sentence-transformers and to the gRPC answers."""
+/info), through TEI's own client (huggingface_hub's InferenceClient, unchanged) and plain HTTP, and
+vLLM's /score, equal to sentence-transformers and to the gRPC answers."""
 
 from __future__ import annotations
 
@@ -105,3 +105,33 @@ def test_info_describes_the_default_embedding_model(http_url, pooling_info):
     assert (info["max_input_length"], info["max_batch_tokens"], info["max_client_batch_size"]) == (
         pooling_info.max_input_length, pooling_info.max_batch_tokens, pooling_info.max_batch_size)
     assert info["model_dtype"] == "float32" and info["auto_truncate"] is False
+
+
+def test_vllm_score_equals_sentence_transformers_cosines(http_url, gateway, reference, pooling_info):
+    """vLLM's /score on an embedding model: the cosine of each pair, one text against many or
+    pairwise, in the pairs' order (equal to the gRPC Rerank's scores)."""
+    query = "a cat"
+    vectors = reference.encode([query, *TEXTS], normalize_embeddings=True, convert_to_numpy=True)
+    expected = vectors[1:] @ vectors[0]
+    for path in ("/score", "/v1/score"):
+        reply = requests.post(f"{http_url}{path}", json={"text_1": query, "text_2": TEXTS}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["object"] == "list" and answer["model"] == pooling_info.model and answer["usage"]["prompt_tokens"]
+        assert [d["index"] for d in answer["data"]] == [0, 1, 2] and {d["object"] for d in answer["data"]} == {"score"}
+        assert np.allclose([d["score"] for d in answer["data"]], expected, rtol=0, atol=1e-5)
+    pairwise = requests.post(f"{http_url}/score", json={"text_1": [query] * 3, "text_2": TEXTS}, timeout=120).json()
+    assert np.allclose([d["score"] for d in pairwise["data"]], expected, rtol=0, atol=1e-5)
+    grpc_scores = gateway.Rerank(pooling_pb2.RerankRequest(query=query, documents=TEXTS), timeout=60)
+    assert sorted(d["score"] for d in pairwise["data"]) == sorted(r.score for r in grpc_scores.results)
+    mismatched = requests.post(f"{http_url}/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}, timeout=60)
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_2"
+    too_many = requests.post(f"{http_url}/score", json={"text_1": ["q"] * (pooling_info.max_batch_size + 1),
+                                                        "text_2": ["d"] * (pooling_info.max_batch_size + 1)},
+                             timeout=60)
+    assert too_many.status_code == 400 and "max_batch_size" in too_many.json()["error"]["message"]
+    long = requests.post(f"{http_url}/score", json={"text_1": query, "text_2": [LONG_TEXT]}, timeout=60)
+    assert long.status_code == 400 and "set truncate to cut it" in long.json()["error"]["message"]
+    cut = requests.post(f"{http_url}/score", json={"text_1": query, "text_2": [LONG_TEXT], "truncate": True},
+                        timeout=60)
+    assert cut.status_code == 200, cut.text

@@ -225,7 +225,8 @@ def test_openapi_document_lists_every_route(app):
     assert status == 200
     assert set(document["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
                                       "/rerank", "/tokenize", "/v1/models", "/v1/load_lora_adapter",
-                                      "/v1/unload_lora_adapter", "/health", "/embed", "/", "/info"}
+                                      "/v1/unload_lora_adapter", "/health", "/embed", "/", "/info",
+                                      "/score", "/v1/score"}
     operations = [op for item in document["paths"].values() for op in item.values()]
     assert all("422" not in op["responses"] for op in operations)  # invalid bodies answer 400
     assert all("400" in op["responses"] for op in operations if "requestBody" in op)

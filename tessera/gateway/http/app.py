@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI-compatible routes over the gateway's gRPC API.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
-/tokenize, /detokenize; text-embeddings-inference's POST /embed (and /), /rerank with `texts`, GET
+/v1/score (and /score), /tokenize, /detokenize; text-embeddings-inference's POST /embed (and /), /rerank with `texts`, GET
 /info; GET /v1/models, /v1/models/{model}, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
 the `Authorization` header is relayed to the adapter registry, which checks its admin token).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
@@ -121,6 +121,20 @@ def _pooling_routes(backend: Backend) -> APIRouter:
             http.scope[TEI_SHAPED] = True
         reply = await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=True))
         return JSONResponse(convert.tei_ranks(reply)) if tei else convert.rerank_response(reply)
+
+    async def score(body: models.ScoreRequest) -> models.ScoreResponse:
+        """vLLM's score: a cross-encoder's relevance (sigmoid of its logit), or an embedding model's
+        cosine similarity, of each (text_1, text_2) pair."""
+        requests = convert.score_requests(body)
+        if len(requests) > 1:  # pairwise: one call per pair, as many as one call may hold documents
+            limit = (await backend.info()).pooling.max_batch_size
+            if limit and len(requests) > limit:
+                raise ApiError(400, f"text_1 and text_2 hold {len(requests)} pairs; the pooling service's "
+                                    f"max_batch_size is {limit}", param="text_1")
+        return convert.scores(await asyncio.gather(*(backend.stub.Rerank(r) for r in requests)))
+
+    router.post("/v1/score", response_model=models.ScoreResponse)(score)
+    router.post("/score", response_model=models.ScoreResponse)(score)
 
     @router.post("/tokenize", response_model=models.TokenizeResponse)
     async def tokenize(body: models.TokenizeRequest):

@@ -7,6 +7,7 @@ gateway holds no tokenizer, and an id is exact where a decoded piece of a multi-
 from __future__ import annotations
 
 import struct
+import uuid
 
 from tessera.gateway.http import models
 from tessera.gateway.http.errors import ApiError
@@ -226,6 +227,37 @@ def rerank_request(body: models.RerankRequest, tei_allowed: bool) -> pooling_pb2
     if body.top_n is not None:
         request.top_n = body.top_n
     return request
+
+
+def score_requests(body: models.ScoreRequest) -> list[pooling_pb2.RerankRequest]:
+    """vLLM's /score pairs as Rerank calls: one text against many is one call, pairwise lists one
+    call per pair (each a query with one document). Scores come back in the pairs' order
+    (`scores`).
+
+    Raises:
+        ApiError: 400 for two lists of different lengths, or an empty one.
+    """
+    first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+    second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+    for name, texts in (("text_1", first), ("text_2", second)):
+        if not texts:
+            raise ApiError(400, f"{name} is empty; send a text or a list of texts", param=name)
+    common = {"model": body.model or "", "truncate": bool(body.truncate)}
+    if len(first) == 1:
+        return [pooling_pb2.RerankRequest(query=first[0], documents=second, **common)]
+    if len(first) != len(second):
+        raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}; pairwise scoring needs lists "
+                            "of equal length (or text_1 a single text)", param="text_2")
+    return [pooling_pb2.RerankRequest(query=q, documents=[d], **common) for q, d in zip(first, second, strict=True)]
+
+
+def scores(replies: list[pooling_pb2.RerankResponse]) -> models.ScoreResponse:
+    """The replies of `score_requests`' calls as vLLM's /score answer, in the pairs' order."""
+    by_pair = [r.score for reply in replies for r in sorted(reply.results, key=lambda r: r.index)]
+    tokens = sum(reply.usage.total_tokens or reply.usage.prompt_tokens for reply in replies)
+    return models.ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=replies[0].model,
+                                data=[models.ScoreData(index=i, score=s) for i, s in enumerate(by_pair)],
+                                usage=models.Usage(prompt_tokens=tokens, total_tokens=tokens))
 
 
 def tei_ranks(reply: pooling_pb2.RerankResponse) -> list[dict]:

@@ -135,6 +135,18 @@ class RerankRequest(BaseModel):
     truncation_direction: Direction = "right"
 
 
+class ScoreRequest(BaseModel):
+    """vLLM's /score body: `text_1` one text scored against each of `text_2`, or two lists of equal
+    length scored pairwise (a list of one text counts as one text)."""
+
+    model: str | None = None
+    text_1: str | Texts
+    text_2: str | Texts
+    truncate: bool | None = Field(default=None, strict=True, description="tessera's (TEI's): a pair past the "
+                                  "model's maximum input length is cut to it, the longer side first, instead of "
+                                  "refused (null: false)")
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: exactly one of `prompt` and `messages` (chat: decoder models only)."""
 
@@ -256,6 +268,21 @@ class RerankResult(BaseModel):
 class RerankResponse(BaseModel):
     model: str
     results: list[RerankResult]
+    usage: Usage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData] = Field(description="one score per pair, in the pairs' order")
     usage: Usage
 
 
