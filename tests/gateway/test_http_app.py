@@ -226,7 +226,7 @@ def test_openapi_document_lists_every_route(app):
     assert set(document["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
                                       "/rerank", "/tokenize", "/v1/models", "/v1/load_lora_adapter",
                                       "/v1/unload_lora_adapter", "/health", "/embed", "/", "/info",
-                                      "/score", "/v1/score"}
+                                      "/score", "/v1/score", "/ping", "/version"}
     operations = [op for item in document["paths"].values() for op in item.values()]
     assert all("422" not in op["responses"] for op in operations)  # invalid bodies answer 400
     assert all("400" in op["responses"] for op in operations if "requestBody" in op)
@@ -267,6 +267,15 @@ def test_tei_routes_refuse_in_teis_error_shape(app):
                  {"inputs": [[1, True]]}, {"inputs": "x", "dimensions": True}, {"inputs": "x", "dimensions": 2.0}):
         status, answer = call(app, "/embed", json.dumps(body).encode())
         assert status == 400 and tei_error_of(answer)["error_type"] == "validation", body
+
+
+def test_health_answers_on_vllms_and_teis_paths_and_version(app):
+    from tessera import package_version
+
+    for path in ("/health", "/ping", "/"):  # the gateway behind is unreachable: the same 503 on each
+        status, answer = call(app, path, None)
+        assert status == 503 and answer["status"] == "unavailable" and answer["not_serving"], path
+    assert call(app, "/version", None) == (200, {"version": package_version()})
 
 
 def test_loopback_address():

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
 /v1/score (and /score), /tokenize, /detokenize; text-embeddings-inference's POST /embed (and /), /rerank with `texts`, GET
-/info; GET /v1/models, /v1/models/{model}, /health; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
+/info; GET /v1/models, /v1/models/{model}, /health (also /ping and GET /), /version; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
 the `Authorization` header is relayed to the adapter registry, which checks its admin token).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
 `extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
@@ -228,13 +228,24 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
                                                  metadata=admin_metadata(request))
         return models.Model(id=reply.name)
 
-    @router.get("/health", response_model=models.Health, responses={503: {"model": models.Health}})
     async def health():
+        """200 while every required service serves, else 503 naming those that do not."""
         problems, degraded = await backend.not_serving()
         if problems:
             return JSONResponse(models.Health(status="unavailable", not_serving=problems,
                                               degraded=degraded).model_dump(), status_code=503)
         return models.Health(status="ok", degraded=degraded)
+
+    health_answers = {503: {"model": models.Health}}
+    router.get("/health", response_model=models.Health, responses=health_answers)(health)
+    # the same check where vLLM (SageMaker's /ping) and TEI (GET /, /ping) serve theirs
+    router.get("/ping", response_model=models.Health, responses=health_answers, summary="Health (/ping)")(health)
+    router.get("/", response_model=models.Health, responses=health_answers, summary="Health (TEI's GET /)")(health)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's /version: the installed tessera's version."""
+        return {"version": package_version()}
 
     return router
 

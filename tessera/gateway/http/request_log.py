@@ -13,7 +13,7 @@ import time
 from tessera.common import logs
 
 HEADER = b"x-request-id"
-QUIET_PATHS = ("/health", "/metrics")  # probes and scrapes: DEBUG
+QUIET_PATHS = ("/health", "/ping", "/metrics")  # probes and scrapes: DEBUG
 
 log = logging.getLogger("tessera.requests.http")
 
@@ -45,7 +45,8 @@ class RequestLog:
             await self.app(scope, receive, send_with_id)
         finally:
             path = scope["path"]
-            level = logging.DEBUG if path.startswith(QUIET_PATHS) else logging.INFO
+            probe = path.startswith(QUIET_PATHS) or (path == "/" and scope["method"] == "GET")  # TEI's health
+            level = logging.DEBUG if probe else logging.INFO
             latency_ms = round((time.perf_counter() - started) * 1000, 1)
             log.log(level, "%s %s %d %.1f ms", scope["method"], path, status, latency_ms,
                     extra={"request_id": request_id, "method": scope["method"], "route": path, "status": status,
