@@ -143,10 +143,11 @@ _DIRECTIONS = {"right": pooling_pb2.TRUNCATION_DIRECTION_RIGHT, "left": pooling_
 
 
 def truncation_direction(name: str) -> int:
-    """"right" (keep the first tokens) or "left" (the last) as the protobuf enum; ValueError otherwise."""
-    if name not in _DIRECTIONS:
+    """"right" (keep the first tokens) or "left" (the last), either case as TEI takes them, as the
+    protobuf enum; ValueError otherwise."""
+    if not isinstance(name, str) or name.lower() not in _DIRECTIONS:
         raise ValueError(f"truncation_direction is 'right' or 'left'; got {name!r}")
-    return _DIRECTIONS[name]
+    return _DIRECTIONS[name.lower()]
 
 
 def embed_request(inputs: str | Sequence[str] | None, *, input_ids: Sequence[Sequence[int]] | None, model: str,

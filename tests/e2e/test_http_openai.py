@@ -230,3 +230,28 @@ def test_embeddings_past_the_input_length_refused_or_cut_with_truncate(sdk, gate
     assert not np.array_equal(*[np.frombuffer(gateway.Embed(pooling_pb2.EmbedRequest(
         inputs=[text], truncate=True, truncation_direction=enum), timeout=60).embeddings.data, dtype="<f4")
         for enum in (pooling_pb2.TRUNCATION_DIRECTION_RIGHT, pooling_pb2.TRUNCATION_DIRECTION_LEFT)])
+
+
+def test_vllms_leniencies_model_optional_documents_by_default_truncate_prompt_tokens(http_url, gateway, info):
+    """What vLLM accepts that OpenAI's API does not: no `model` (the served one), rerank results
+    with their documents and an id by default, truncate_prompt_tokens -1 (cut to the maximum input
+    length, keeping the last tokens)."""
+    chat = requests.post(f"{http_url}/v1/chat/completions", timeout=120,
+                         json={"messages": [{"role": "user", "content": CHAT_PROMPTS[0]}], "max_tokens": 4,
+                               "temperature": 0}).json()
+    assert chat["model"] == info.decoder.model and chat["choices"][0]["message"]["content"]
+    expected = collect(gateway, chat_request(CHAT_PROMPTS[0], 4))
+    assert chat["choices"][0]["message"]["content"] == "".join(expected["text"])
+    embedded = requests.post(f"{http_url}/v1/embeddings", json={"input": "a cat"}, timeout=60).json()
+    assert embedded["model"] == info.pooling.model and len(embedded["data"][0]["embedding"]) == 384
+    reranked = requests.post(f"{http_url}/v1/rerank", json={"query": "cat", "documents": ["a cat", "stocks"]},
+                             timeout=60).json()
+    assert reranked["id"].startswith("rerank-") and {r["document"]["text"] for r in reranked["results"]} == {
+        "a cat", "stocks"}
+    long_text = "Paris is the capital of France. " * 80
+    cut = gateway.Embed(pooling_pb2.EmbedRequest(inputs=[long_text], truncate=True,
+                                                 truncation_direction=pooling_pb2.TRUNCATION_DIRECTION_LEFT), timeout=60)
+    reply = requests.post(f"{http_url}/v1/embeddings", json={"input": long_text, "truncate_prompt_tokens": -1},
+                          timeout=60).json()
+    assert np.array_equal(np.array(reply["data"][0]["embedding"], dtype=np.float32),
+                          np.frombuffer(cut.embeddings.data, "<f4"))

@@ -269,6 +269,27 @@ def test_tei_routes_refuse_in_teis_error_shape(app):
         assert status == 400 and tei_error_of(answer)["error_type"] == "validation", body
 
 
+def test_vllms_truncate_prompt_tokens_is_refused_unless_honoured(app):
+    status, answer = call(app, "/v1/chat/completions", chat(truncate_prompt_tokens=5))
+    assert status == 400 and error_of(answer)["param"] == "truncate_prompt_tokens"
+    assert "not supported" in error_of(answer)["message"]
+    for path, body in (("/v1/embeddings", {"input": "x"}), ("/v1/score", {"text_1": "q", "text_2": ["d"]}),
+                       ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+        status, answer = call(app, path, json.dumps({**body, "truncate_prompt_tokens": 5}).encode())
+        assert status == 400 and error_of(answer)["param"] == "truncate_prompt_tokens", path
+        assert "-1 (cut an input to the model's maximum input length" in error_of(answer)["message"]
+        status, _ = call(app, path, json.dumps({**body, "truncate_prompt_tokens": -1}).encode())
+        assert status == 503, path  # honoured: on to the (unreachable) gateway
+
+
+def test_a_body_that_is_not_json_says_so(app):
+    status, answer = call(app, "/v1/embeddings", b'{"input": "x",')
+    assert status == 400 and error_of(answer)["message"].startswith("the request body is not valid JSON: ")
+    assert "at byte 14" in error_of(answer)["message"]
+    status, answer = call(app, "/embed", b"{bad")
+    assert status == 400 and tei_error_of(answer)["error"].startswith("the request body is not valid JSON")
+
+
 def test_health_answers_on_vllms_and_teis_paths_and_version(app):
     from tessera import package_version
 

@@ -83,12 +83,14 @@ def _generation_routes(backend: Backend) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=models.ChatCompletion)
     async def chat_completions(body: models.ChatCompletionRequest, http: Request):
         request = convert.chat_request(body)  # bad input refused before any call
+        body.model = body.model or await backend.base_model()  # absent: the base model, as vLLM
         request.lora = await backend.lora_for(body.model)
         return await _generate(backend, [request], body, http, chat=True, logprobs=request.sampling.logprobs)
 
     @router.post("/v1/completions", response_model=models.Completion)
     async def completions(body: models.CompletionRequest, http: Request):
         requests = convert.completion_requests(body)
+        body.model = body.model or await backend.base_model()
         lora = await backend.lora_for(body.model)
         for request in requests:
             request.lora = lora
@@ -240,6 +242,7 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
     router.get("/health", response_model=models.Health, responses=health_answers)(health)
     # the same check where vLLM (SageMaker's /ping) and TEI (GET /, /ping) serve theirs
     router.get("/ping", response_model=models.Health, responses=health_answers, summary="Health (/ping)")(health)
+    router.post("/ping", response_model=models.Health, responses=health_answers, summary="Health (POST /ping)")(health)
     router.get("/", response_model=models.Health, responses=health_answers, summary="Health (TEI's GET /)")(health)
 
     @router.get("/version")

@@ -54,10 +54,14 @@ def sampling(body: models.SamplingFields, max_tokens: int | None, default_max_to
     max_tokens takes `default_max_tokens`, 0 = the rest of the context).
 
     Raises:
-        ApiError: 400 for a `logit_bias` (not supported) or `stream_options` without `stream`.
+        ApiError: 400 for a `logit_bias` or `truncate_prompt_tokens` (not supported) or `stream_options`
+            without `stream`.
     """
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if body.truncate_prompt_tokens is not None:
+        raise ApiError(400, "truncate_prompt_tokens is not supported: a prompt past the model's context is refused; "
+                            "shorten it", param="truncate_prompt_tokens")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -155,14 +159,31 @@ def _direction(name: str | None) -> int:
             else pooling_pb2.TRUNCATION_DIRECTION_RIGHT)
 
 
+def _truncation(body) -> dict:
+    """The pooling request's truncate and truncation_direction, from TEI's fields or vLLM's
+    `truncate_prompt_tokens` (-1: cut to the model's maximum input length, keeping the last tokens).
+
+    Raises:
+        ApiError: 400 for another truncate_prompt_tokens (a cut to k tokens is not supported).
+    """
+    tokens = getattr(body, "truncate_prompt_tokens", None)
+    if tokens is not None:
+        if tokens != -1:
+            raise ApiError(400, f"truncate_prompt_tokens {tokens} is not supported: -1 (cut an input to the model's "
+                                "maximum input length, keeping its last tokens) is, or truncate: true",
+                           param="truncate_prompt_tokens")
+        return {"truncate": True, "truncation_direction": pooling_pb2.TRUNCATION_DIRECTION_LEFT}
+    return {"truncate": bool(body.truncate), "truncation_direction": _direction(getattr(body, "truncation_direction",
+                                                                                       None))}
+
+
 def embed_request(body: models.EmbeddingRequest | models.TeiEmbedRequest) -> pooling_pb2.EmbedRequest:
     """Texts or token ids; `dimensions`, the format and truncation pass through (pooling checks them).
     TEI's body (`inputs`) also sets normalize (TEI's default: true) and prompt_name."""
     tei = isinstance(body, models.TeiEmbedRequest)
     fmt = (pooling_pb2.ENCODING_FORMAT_BASE64 if not tei and body.encoding_format == "base64"
            else pooling_pb2.ENCODING_FORMAT_FLOAT)
-    request = pooling_pb2.EmbedRequest(model=body.model or "", encoding_format=fmt, truncate=bool(body.truncate),
-                                       truncation_direction=_direction(body.truncation_direction))
+    request = pooling_pb2.EmbedRequest(model=body.model or "", encoding_format=fmt, **_truncation(body))
     if body.dimensions is not None:
         request.dimensions = body.dimensions
     if tei:
@@ -219,11 +240,11 @@ def rerank_request(body: models.RerankRequest, tei_allowed: bool) -> pooling_pb2
     if (body.documents is None) == (body.texts is None):
         raise ApiError(400, "send exactly one of documents (Jina's, Cohere's) or texts (TEI's)",
                        param="documents" if body.documents is None else "texts")
-    documents = body.texts if body.texts is not None else [d if isinstance(d, str) else d.text for d in body.documents]
+    tei = body.texts is not None
+    documents = body.texts if tei else [d if isinstance(d, str) else d.text for d in body.documents]
     request = pooling_pb2.RerankRequest(model=body.model or "", query=body.query, documents=documents,
-                                        return_documents=body.return_documents or body.return_text,
-                                        raw_scores=body.raw_scores, truncate=bool(body.truncate),
-                                        truncation_direction=_direction(body.truncation_direction))
+                                        return_documents=body.return_text if tei else body.return_documents,
+                                        raw_scores=body.raw_scores, **_truncation(body))
     if body.top_n is not None:
         request.top_n = body.top_n
     return request
@@ -242,7 +263,7 @@ def score_requests(body: models.ScoreRequest) -> list[pooling_pb2.RerankRequest]
     for name, texts in (("text_1", first), ("text_2", second)):
         if not texts:
             raise ApiError(400, f"{name} is empty; send a text or a list of texts", param=name)
-    common = {"model": body.model or "", "truncate": bool(body.truncate)}
+    common = {"model": body.model or "", **_truncation(body)}
     if len(first) == 1:
         return [pooling_pb2.RerankRequest(query=first[0], documents=second, **common)]
     if len(first) != len(second):

@@ -95,7 +95,11 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
     """Pydantic's errors as one 400: the first problem's location is the `param`."""
     problems = error.errors()
     first = problems[0] if problems else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body" and first.get("type") != "json_invalid"]
+    if first.get("type") == "json_invalid":  # FastAPI's loc is the byte offset, its ctx json's reason
+        reason = (first.get("ctx") or {}).get("error", "not JSON")
+        return ApiError(400, f"the request body is not valid JSON: {reason} at byte {first['loc'][-1]}").response(
+            tei_shaped(request.scope))
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in problems[:5])

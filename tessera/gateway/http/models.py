@@ -9,6 +9,7 @@ silently ignored. Unknown extra fields are ignored, as OpenAI-compatible servers
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
@@ -62,7 +63,10 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """The sampling fields chat and completions share (OpenAI's names and ranges)."""
 
-    model: str = Field(description="the decoder's base model name, or a loaded adapter's name")
+    model: str | None = Field(default=None, description="the decoder's base model name, or a loaded adapter's name "
+                              "(absent: the base model, as vLLM)")
+    truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's; not supported: refused when set "
+                                               "(a prompt past the context is refused)")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: Count | None = None
@@ -100,7 +104,11 @@ class CompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(BaseModel):
-    model: str = Field(description="the pooling service's embedding model name")
+    model: str | None = Field(default=None, description="the pooling service's embedding model name (absent: its "
+                              "default embedding model)")
+    truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: -1 cuts an input past the "
+                                               "model's maximum input length to its last tokens; other values are "
+                                               "refused (see truncate)")
     input: str | Texts | TokenIds | TokenIdLists
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Count | None = None
@@ -123,7 +131,10 @@ class RerankRequest(BaseModel):
     query: str
     documents: Annotated[list[str | RerankDocument], Field(fail_fast=True)] | None = None
     top_n: Count | None = None
-    return_documents: bool = False
+    return_documents: bool = Field(default=True, description="Jina's default (and vLLM's answer): each result "
+                                   "carries its document; false leaves it null")
+    truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: -1 as truncate with "
+                                               "truncation_direction left; other values are refused")
     texts: Texts | None = Field(default=None, description="TEI's name for the documents (POST /rerank only); the "
                                 "answer is then TEI's: a list of {index, score, text?}, highest score first")
     return_text: bool = Field(default=False, strict=True, description="TEI's name for return_documents")
@@ -142,6 +153,8 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     text_1: str | Texts
     text_2: str | Texts
+    truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: -1 as truncate with "
+                                               "truncation_direction left; other values are refused")
     truncate: bool | None = Field(default=None, strict=True, description="tessera's (TEI's): a pair past the "
                                   "model's maximum input length is cut to it, the longer side first, instead of "
                                   "refused (null: false)")
@@ -266,6 +279,7 @@ class RerankResult(BaseModel):
 
 
 class RerankResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"rerank-{uuid.uuid4().hex}")
     model: str
     results: list[RerankResult]
     usage: Usage
