@@ -22,12 +22,21 @@ def reference(embedding_dir) -> SentenceTransformer:
     return SentenceTransformer(str(embedding_dir), device="cpu")
 
 
+@pytest.fixture
+def hub_client_online(monkeypatch):
+    """huggingface_hub refuses every request, a local server's too, while HF_HUB_OFFLINE is set (the
+    adapter tests set it for the session; read once, at import): let InferenceClient reach the gateway."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
 @pytest.fixture(scope="session")
 def pooling_info(gateway) -> pooling_pb2.PoolingInfo:
     return gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).pooling
 
 
-def test_inference_client_feature_extraction_equals_sentence_transformers(http_url, reference):
+def test_inference_client_feature_extraction_equals_sentence_transformers(http_url, reference, hub_client_online):
     client = InferenceClient(model=http_url, timeout=120)  # posts TEI's body to the root route, as to TEI
     expected = reference.encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True)
     vectors = client.feature_extraction(TEXTS)
@@ -58,7 +67,7 @@ def test_embed_fields_normalize_token_ids_and_truncate(http_url, gateway):
         assert np.array_equal(cut, np.frombuffer(expected.embeddings.data, "<f4").reshape(1, -1))
 
 
-def test_refusals_answer_teis_error_shape(http_url):
+def test_refusals_answer_teis_error_shape(http_url, hub_client_online):
     too_long = requests.post(f"{http_url}/embed", json={"inputs": LONG_TEXT}, timeout=60)
     assert too_long.status_code == 400
     assert too_long.json()["error_type"] == "validation" and "set truncate to cut it" in too_long.json()["error"]
