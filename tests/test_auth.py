@@ -208,18 +208,7 @@ def test_gateway_serves_tls(tmp_path):
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert_file.read_bytes())
-        with grpc.secure_channel(address, credentials) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 60
-            while True:
-                assert process.poll() is None, (tmp_path / "gateway.log").read_text()
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
-                    time.sleep(0.2)
+        _wait_serving(address, credentials, process, tmp_path / "gateway.log")
         with grpc.insecure_channel(address) as plaintext:
             with pytest.raises(grpc.RpcError) as error:
                 health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=2)

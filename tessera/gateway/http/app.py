@@ -106,9 +106,7 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     async def embeddings(body: models.EmbeddingRequest):
         reply = await backend.stub.Embed(convert.embed_request(body))
         data = [models.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
-        tokens = reply.usage.total_tokens or reply.usage.prompt_tokens
-        return models.EmbeddingList(data=data, model=reply.model,
-                                    usage=models.Usage(prompt_tokens=reply.usage.prompt_tokens, total_tokens=tokens))
+        return models.EmbeddingList(data=data, model=reply.model, usage=convert.usage(reply))
 
     @router.post("/v1/rerank", response_model=models.RerankResponse)
     async def rerank(body: models.RerankRequest) -> models.RerankResponse:

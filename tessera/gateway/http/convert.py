@@ -177,6 +177,12 @@ def _truncation(body) -> dict:
                                                                                        None))}
 
 
+def usage(*replies) -> models.Usage:
+    """The pooling answers' usage, summed (a total_tokens left 0 counts as the prompt's tokens)."""
+    return models.Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in replies),
+                        total_tokens=sum(r.usage.total_tokens or r.usage.prompt_tokens for r in replies))
+
+
 def embed_request(body: models.EmbeddingRequest | models.TeiEmbedRequest) -> pooling_pb2.EmbedRequest:
     """Texts or token ids; `dimensions`, the format and truncation pass through (pooling checks them).
     TEI's body (`inputs`) also sets normalize (TEI's default: true) and prompt_name."""
@@ -275,10 +281,9 @@ def score_requests(body: models.ScoreRequest) -> list[pooling_pb2.RerankRequest]
 def scores(replies: list[pooling_pb2.RerankResponse]) -> models.ScoreResponse:
     """The replies of `score_requests`' calls as vLLM's /score answer, in the pairs' order."""
     by_pair = [r.score for reply in replies for r in sorted(reply.results, key=lambda r: r.index)]
-    tokens = sum(reply.usage.total_tokens or reply.usage.prompt_tokens for reply in replies)
     return models.ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=replies[0].model,
                                 data=[models.ScoreData(index=i, score=s) for i, s in enumerate(by_pair)],
-                                usage=models.Usage(prompt_tokens=tokens, total_tokens=tokens))
+                                usage=usage(*replies))
 
 
 def tei_ranks(reply: pooling_pb2.RerankResponse) -> list[dict]:
@@ -303,6 +308,4 @@ def rerank_response(reply: pooling_pb2.RerankResponse) -> models.RerankResponse:
     results = [models.RerankResult(index=r.index, relevance_score=r.score,
                                    document=models.RerankDocument(text=r.document) if r.document else None)
                for r in reply.results]
-    tokens = reply.usage.total_tokens or reply.usage.prompt_tokens
-    return models.RerankResponse(model=reply.model, results=results,
-                                 usage=models.Usage(prompt_tokens=reply.usage.prompt_tokens, total_tokens=tokens))
+    return models.RerankResponse(model=reply.model, results=results, usage=usage(reply))
