@@ -140,7 +140,7 @@ class PoolingInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., rerank_method: _Optional[str] = ..., models: _Optional[_Iterable[_Union[PoolingModelInfo, _Mapping]]] = ..., max_batch_tokens: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., max_wait_ms: _Optional[float] = ..., dynamic_batching: _Optional[bool] = ...) -> None: ...
 
 class PoolingModelInfo(_message.Message):
-    __slots__ = ("model", "kind", "pooling_mode", "normalize", "dimension", "max_input_length", "rerank_method", "matryoshka_dimensions", "matryoshka", "prompts")
+    __slots__ = ("model", "kind", "pooling_mode", "normalize", "dimension", "max_input_length", "rerank_method", "matryoshka_dimensions", "matryoshka", "prompts", "aliases")
     class PromptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class PoolingModelInfo(_message.Message):
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     pooling_mode: str
@@ -168,23 +169,28 @@ class PoolingModelInfo(_message.Message):
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     matryoshka: bool
     prompts: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., rerank_method: _Optional[str] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., rerank_method: _Optional[str] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "inputs", "add_special_tokens", "prompt_name", "messages", "add_generation_prompt")
+    __slots__ = ("model", "inputs", "add_special_tokens", "prompt_name", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     add_special_tokens: bool
     prompt_name: str
     messages: _containers.RepeatedCompositeFieldContainer[_decoder_pb2.ChatMessage]
     add_generation_prompt: bool
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_decoder_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    continue_final_message: bool
+    chat_template_kwargs: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_decoder_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "special", "start", "stop")
