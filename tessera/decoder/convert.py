@@ -14,10 +14,12 @@ from tessera.decoder.types import (
     Part,
     RawImagePart,
     RequestOutput,
+    Sample,
     SamplingParams,
     TextPart,
     Tokenization,
     TokenizeInput,
+    TokenText,
 )
 from tessera.v1 import decoder_pb2, tensor_pb2
 
@@ -49,7 +51,8 @@ def sampling_from_pb(sampling: decoder_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
         repetition_penalty=sampling.repetition_penalty or 1.0, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, n=sampling.n or 1, logprobs=sampling.logprobs,
-        top_logprobs=sampling.top_logprobs)
+        top_logprobs=sampling.top_logprobs,
+        prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None)
 
 
 def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimits | None = None,
@@ -65,6 +68,7 @@ def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimit
         messages=_messages_from_pb(request.messages),
         prompt_token_ids=tuple(request.prompt_token_ids),
         lora=request.lora,
+        return_prompt=request.return_prompt,
     )
 
 
@@ -98,18 +102,34 @@ def detokenize_from_pb(request: decoder_pb2.DetokenizeRequest, limits: GenerateL
 
 
 def output_to_pb(output: RequestOutput) -> decoder_pb2.GenerateResponse:
+    """One GenerateResponse; every logprob entry (chosen and alternatives, of the sampled tokens
+    and of the prompt) carries its token's text and bytes from `output.token_texts`."""
     response = decoder_pb2.GenerateResponse(request_id=output.request_id, token_ids=output.token_ids,
                                             text=output.text, finish_reason=output.finish_reason or "",
                                             index=output.index)
-    for sample in output.logprobs:
-        response.logprobs.add(token_id=sample.token_id, logprob=sample.logprob,
-                              top=[decoder_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top])
+    texts = output.token_texts
+    response.logprobs.extend(_logprob_to_pb(sample, texts) for sample in output.logprobs)
+    response.prompt_logprobs.extend(_logprob_to_pb(sample, texts) for sample in output.prompt_logprobs or ())
+    if output.prompt_token_ids is not None:
+        response.prompt_token_ids.extend(output.prompt_token_ids)
+        response.prompt_text = output.prompt_text or ""
     if output.usage is not None:
         u = output.usage
         response.usage.CopyFrom(tensor_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                                  total_tokens=u.total_tokens, image_tokens=u.image_tokens,
                                                  cached_prompt_tokens=u.cached_prompt_tokens))
     return response
+
+
+def _logprob_to_pb(sample: Sample, texts: dict[int, TokenText]) -> decoder_pb2.TokenLogprob:
+    none = TokenText("", b"")
+    chosen = texts.get(sample.token_id, none)
+    top = []
+    for token_id, logprob in sample.top:
+        text = texts.get(token_id, none)
+        top.append(decoder_pb2.TopLogprob(token_id=token_id, logprob=logprob, token=text.text, token_bytes=text.bytes))
+    return decoder_pb2.TokenLogprob(token_id=sample.token_id, logprob=sample.logprob, top=top, token=chosen.text,
+                                    token_bytes=chosen.bytes)
 
 
 def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:

@@ -48,10 +48,11 @@ from tessera.decoder.model_runner import ModelRunner
 from tessera.decoder.models import load_model
 from tessera.decoder.multimodal import PromptBuilder
 from tessera.decoder.prefix_cache import BlockHasher
-from tessera.decoder.request import Request, RequestStatus
+from tessera.decoder.request import PromptLogprobs, Request, RequestStatus
 from tessera.decoder.sampler import make_generator
 from tessera.decoder.scheduler import Scheduler
 from tessera.decoder.stats import DecoderStats
+from tessera.decoder.token_text import TokenTexts
 from tessera.decoder.tokens import check_chat_template, detokenize, tokenize
 from tessera.decoder.types import (
     DecoderInfo,
@@ -70,11 +71,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    """Where a request's outputs go: an asyncio queue on the caller's loop."""
+    """Where a request's outputs go: an asyncio queue on the caller's loop. `request` and
+    `prompt_text` (None = the prompt is not returned) fill the choice's first output."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     detokenizer: IncrementalDetokenizer
+    request: Request
+    prompt_text: str | None = None
+    started: bool = False  # the first output has been emitted
 
 
 class LLMEngine:
@@ -135,6 +140,7 @@ class LLMEngine:
         config = self.config
         self.model_config = dict(config.checkpoint.raw)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        self.token_texts = TokenTexts(self.tokenizer)
         check_chat_template(self.tokenizer)  # before the weights: a template that never finishes is refused
         self.eos_token_ids = self._eos_token_ids()
         self.model = load_model(config.checkpoint, self.dtype, config.mrope_section).to(self.device)
@@ -224,10 +230,13 @@ class LLMEngine:
         if max_tokens != request_input.sampling.max_tokens:
             sampling = replace(request_input.sampling, max_tokens=max_tokens)
             request_input = replace(request_input, sampling=sampling)
+        prompt_text = None
+        if request_input.return_prompt:  # as vLLM's echo of token prompts: special tokens kept
+            prompt_text = await asyncio.to_thread(self.tokenizer.decode, prompt.token_ids, skip_special_tokens=False)
         slot = await self.adapters.acquire(request_input.lora) if request_input.lora else None
         requests = self._make_requests(request_input, prompt, slot, request_input.lora)
         queue: asyncio.Queue = asyncio.Queue()
-        self._admit(requests, prompt.token_ids, queue)
+        self._admit(requests, prompt.token_ids, queue, prompt_text)
         num_finished = 0
         try:
             while num_finished < len(requests):
@@ -241,9 +250,11 @@ class LLMEngine:
                 for request in requests:
                     self.abort(request.key)
 
-    def _admit(self, requests: list[Request], prompt_ids: list[int], queue: asyncio.Queue) -> None:
-        """Hand `requests` to the scheduler; their outputs go to `queue` on the running loop. On a
-        refusal (queue full, dead engine) their leases are given back and the error raised."""
+    def _admit(self, requests: list[Request], prompt_ids: list[int], queue: asyncio.Queue,
+               prompt_text: str | None = None) -> None:
+        """Hand `requests` to the scheduler; their outputs go to `queue` on the running loop (each
+        choice's first with `prompt_text` and the prompt's ids, unless None). On a refusal (queue
+        full, dead engine) their leases are given back and the error raised."""
         loop = asyncio.get_running_loop()
         try:
             with self._cond:
@@ -253,7 +264,7 @@ class LLMEngine:
                 for request in requests:
                     self._requests[request.key] = request
                     self._streams[request.key] = _Stream(loop, queue, IncrementalDetokenizer(
-                        self.tokenizer, prompt_ids, request.sampling.stop))
+                        self.tokenizer, prompt_ids, request.sampling.stop), request, prompt_text)
                 self._cond.notify()
         except BaseException:
             for request in requests:
@@ -264,16 +275,19 @@ class LLMEngine:
     def _make_requests(self, request_input: GenerateInput, prompt, slot: int | None, lease_name: str) -> list[Request]:
         """The n choices: choice i samples with seed + i and holds its own adapter lease on `slot`
         (taken as `lease_name`); choices after the first wait for it to compute the prompt, then
-        share its blocks."""
+        share its blocks and its prompt logprobs (one record for all)."""
         params, requests = request_input.sampling, []
         digest = None if slot is None else self.bank.digest_of(slot)
+        record = (None if params.prompt_logprobs is None
+                  else PromptLogprobs(params.prompt_logprobs, len(prompt.token_ids)))
         for index in range(params.n):
             key = uuid.uuid4().hex
             lease = slot if index == 0 or slot is None else self.bank.acquire(digest, lease_name)
             seed = None if params.seed is None else params.seed + index
             requests.append(Request(key, request_input.request_id or key, prompt, params, lease,
                                     None if params.greedy else make_generator(seed, self.device), self._hasher(prompt, slot),
-                                    index=index, parent=requests[0] if requests else None, lora_name=lease_name))
+                                    index=index, parent=requests[0] if requests else None, lora_name=lease_name,
+                                    prompt_logprobs=record))
         return requests
 
     def abort(self, key: str) -> None:
@@ -411,11 +425,14 @@ class LLMEngine:
         if not out.scheduled:
             return
         try:
-            sampled = self.runner.execute(out)
+            result = self.runner.execute(out)
             with self._cond:
                 self.scheduler.update(out)
                 for item in out.scheduled:
-                    token = sampled.get(item.request.key)
+                    chunk = result.prompt_logprobs.get(item.request.key)
+                    if chunk is not None:
+                        item.request.prompt_logprobs.record(chunk.start, chunk.entries)
+                    token = result.samples.get(item.request.key)
                     if isinstance(token, Exception):  # its logits were not finite
                         self._finish(item.request, "abort", error=token)
                     elif token is not None:
@@ -498,7 +515,19 @@ class LLMEngine:
         return self._streams.pop(request.key)
 
     def _emit(self, stream: _Stream, output: RequestOutput | BaseException) -> None:
-        """Queue `output` for `stream`; `_flush` (engine thread) hands a step's outputs over at once."""
+        """Queue `output` for `stream`; `_flush` (engine thread) hands a step's outputs over at once.
+        A choice's first output gets the prompt's fields; an output with logprobs their token texts."""
+        if isinstance(output, RequestOutput):
+            if not stream.started:
+                stream.started = True
+                record = stream.request.prompt_logprobs
+                if record is not None:
+                    output.prompt_logprobs = list(record.entries)
+                if stream.prompt_text is not None:
+                    output.prompt_token_ids = list(stream.request.prompt.token_ids)
+                    output.prompt_text = stream.prompt_text
+            if output.logprobs or output.prompt_logprobs:
+                output.token_texts = self.token_texts.of(_logprob_ids(output))
         self._outbox.setdefault(stream.loop, []).append((stream.queue, output))
 
     def _flush(self) -> None:
@@ -526,6 +555,14 @@ def start_engine(config: DecoderConfig, adapters: AdapterSource | None = None) -
 
     asyncio.run(start())
     return engine
+
+
+def _logprob_ids(output: RequestOutput):
+    """Every token id of `output`'s logprobs and prompt logprobs, chosen and alternatives."""
+    for sample in (*output.logprobs, *(output.prompt_logprobs or ())):
+        yield sample.token_id
+        for token_id, _ in sample.top:
+            yield token_id
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

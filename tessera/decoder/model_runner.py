@@ -7,7 +7,9 @@ Flat batch layout (two requests, one decoding, one prefilling a chunk):
     position:    37  | 16  17  18  19       (physical; M-RoPE rows use the request's table/delta)
     slot:        A's block_table[37 // bs] * bs + 37 % bs, ...
 
-Only requests whose chunk reaches their last token are sampled (their last row's logits).
+Only requests whose chunk reaches their last token are sampled (their last row's logits). A
+request that asks for prompt logprobs also has its chunk's prompt rows projected to the vocabulary
+(the row at position j scores prompt token j + 1), a slice of rows at a time; no other row is.
 
 Inputs and the attention backend's metadata are built on the host, then moved to the cache's
 device once per step (`on_device`), so no layer copies between host and device.
@@ -16,7 +18,7 @@ device once per step (`on_device`), so no layer copies between host and device.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +34,38 @@ from tessera.decoder.request import Request
 from tessera.decoder.sampler import Sample, SamplingRow, sample
 from tessera.decoder.scheduler import ScheduledRequest, SchedulerOutput
 
+# Prompt rows are projected to the vocabulary this many at a time, so a prefill chunk with prompt
+# logprobs holds at most [PROMPT_LOGITS_ROWS, vocab] float32 logits at once, whatever its length.
+PROMPT_LOGITS_ROWS = 128
+
+
+@dataclass
+class PromptRows:
+    """One request's rows of a step whose prompt logprobs are recorded: `num_rows` consecutive
+    positions from `start`, each with `num_alternatives` alternatives."""
+
+    key: str
+    start: int
+    num_rows: int
+    num_alternatives: int
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Entries for prompt positions start, start + 1, ... (`PromptLogprobs.record` takes them)."""
+
+    start: int
+    entries: list[Sample]
+
+
+@dataclass
+class RunnerOutput:
+    """What a step computed, by request key: a sample (or the error that replaced it) for each
+    request whose chunk sampled, prompt logprobs for each that asked and computed prompt rows."""
+
+    samples: dict[str, Sample | TesseraError] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
 
 @dataclass
 class ModelInputs:
@@ -44,6 +78,9 @@ class ModelInputs:
     token_slots: torch.Tensor | None  # int64 [num_tokens] adapter slot per row (-1 = base)
     sample_rows: torch.Tensor       # int64 [num_sampled] last row of each sampled request
     sampled: list[ScheduledRequest]
+    prompt_rows: torch.Tensor | None = None  # int64 [num_prompt_rows] rows whose prompt logprobs are recorded
+    prompt_targets: torch.Tensor | None = None  # int64 [num_prompt_rows] the prompt token each row predicts
+    prompt_spans: list[PromptRows] = field(default_factory=list)  # prompt_rows by request, in row order
 
 
 class ModelRunner:
@@ -71,6 +108,7 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         ids, positions, decode_rows, embed_rows, embed_values, token_slots = [], [], [], [], [], []
         sample_rows, sampled = [], []
+        prompt_rows, prompt_targets, prompt_spans = [], [], []
         row = 0
         for item in out.scheduled:
             request, start, end = item.request, item.start, item.end
@@ -86,6 +124,11 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(row + item.num_new_tokens - 1)
                 sampled.append(item)
+            span = _prompt_rows(item)
+            if span is not None:
+                prompt_rows.extend(range(row + span.start - start, row + span.start - start + span.num_rows))
+                prompt_targets.extend(request.prompt.token_ids[span.start + 1:span.start + span.num_rows + 1])
+                prompt_spans.append(span)
             row += item.num_new_tokens
         block_tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
         meta = self.attention.build_metadata(out.scheduled, block_tables, self.cache)
@@ -101,33 +144,75 @@ class ModelRunner:
             token_slots=on_device(slot_tensor, device) if bool((slot_tensor != BASE_SLOT).any()) else None,
             sample_rows=on_device(torch.tensor(sample_rows, dtype=torch.long), device),
             sampled=sampled,
+            prompt_rows=on_device(torch.tensor(prompt_rows, dtype=torch.long), device) if prompt_rows else None,
+            prompt_targets=on_device(torch.tensor(prompt_targets, dtype=torch.long), device) if prompt_rows else None,
+            prompt_spans=prompt_spans,
         )
 
     @torch.inference_mode()
-    def logits(self, inputs: ModelInputs) -> torch.Tensor:
-        """Float32 logits [num_sampled, vocab] for the sampled requests' last rows.
+    def hidden(self, inputs: ModelInputs) -> torch.Tensor:
+        """The forward under this step's adapters: the last layer's residual stream [num_tokens, hidden]."""
+        if self.lora is None:
+            return self._forward(inputs)
+        with self.lora.step(inputs.token_slots, inputs.decode_rows):
+            return self._forward(inputs)
+
+    @torch.inference_mode()
+    def logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [num_sampled, vocab] for the sampled requests' last rows of `hidden`
+        [num_tokens, hidden].
 
         A row whose hidden state left float32's range reads as NaN: RMSNorm's statistic
         mean(x^2) overflows to inf for finite |x| past ~1e19 and then scales the row to zeros,
         which would give flat, finite logits (garbage tokens served as if fine).
         """
-        if self.lora is None:
-            hidden = self._forward(inputs)
-        else:
-            with self.lora.step(inputs.token_slots, inputs.decode_rows):
-                hidden = self._forward(inputs)
         residual = hidden[inputs.sample_rows]  # [num_sampled, hidden], before the final norm
         logits = self.model.compute_logits(residual)  # [num_sampled, vocab]
         overflow = ~torch.isfinite(residual.float().pow(2).mean(-1))  # [num_sampled], as RMSNorm computes it
         return logits.masked_fill_(overflow[:, None], float("nan"))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
+        """Prompt logprobs of `inputs.prompt_rows` of `hidden` [num_tokens, hidden], by request key:
+        log_softmax of the float32 logits (the raw model distribution, as the sampled logprobs),
+        the logprob of the prompt token each row predicts and the request's most likely
+        alternatives (most likely first). Logits exist for PROMPT_LOGITS_ROWS rows at a time.
+        """
+        if inputs.prompt_rows is None:
+            return {}
+        residual = hidden[inputs.prompt_rows]  # [num_prompt_rows, hidden]
+        num_top = max(span.num_alternatives for span in inputs.prompt_spans)
+        chosen, top_values, top_ids = [], [], []
+        for lo in range(0, residual.shape[0], PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(residual[lo:lo + PROMPT_LOGITS_ROWS])  # [rows, vocab]
+            logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+            targets = inputs.prompt_targets[lo:lo + PROMPT_LOGITS_ROWS, None]  # [rows, 1]
+            chosen.append(logprobs.gather(1, targets)[:, 0])  # [rows]
+            if num_top:
+                values, ids = torch.topk(logprobs, num_top, dim=-1)  # [rows, num_top] each
+                top_values.append(values)
+                top_ids.append(ids)
+        chosen_list = torch.cat(chosen).tolist()
+        target_list = inputs.prompt_targets.tolist()
+        values_list = torch.cat(top_values).tolist() if num_top else [[] for _ in chosen_list]
+        ids_list = torch.cat(top_ids).tolist() if num_top else [[] for _ in chosen_list]
+        chunks, row = {}, 0
+        for span in inputs.prompt_spans:
+            k = span.num_alternatives
+            entries = [Sample(target_list[r], chosen_list[r], list(zip(ids_list[r][:k], values_list[r][:k])))
+                       for r in range(row, row + span.num_rows)]
+            chunks[span.key] = PromptLogprobsChunk(span.start, entries)
+            row += span.num_rows
+        return chunks
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.cache, self.attention, inputs.meta,
                           inputs.embed_rows, inputs.embed_values)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, Sample | TesseraError]:
-        """Run the step; returns {request key: sample} for requests that sampled.
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step; returns the samples of requests that sampled and the prompt logprobs of
+        those that asked (`prompt_logprobs`).
 
         A request whose hidden state or logits are not all finite (NaN/inf, or past float32's
         range: an adapter with absurd weights, image rows of absurd magnitude) gets an error instead
@@ -135,19 +220,20 @@ class ModelRunner:
         of its neighbours (multinomial would fail the whole step).
         """
         inputs = self.prepare(out)
+        hidden = self.hidden(inputs)
+        result = RunnerOutput(prompt_logprobs=self.prompt_logprobs(inputs, hidden))
         if not inputs.sampled:
-            self.logits(inputs)
-            return {}
-        logits = self.logits(inputs)
+            return result
+        logits = self.logits(inputs, hidden)
         requests = [item.request for item in inputs.sampled]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         kept = [r for r, ok in zip(requests, finite) if ok]
         if len(kept) < len(requests):
             logits = logits[[i for i, ok in enumerate(finite) if ok]]
         rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in kept]
-        results: dict[str, Sample | TesseraError] = {r.key: s for r, s in zip(kept, sample(logits, rows))}
-        results.update((r.key, _non_finite(r)) for r, ok in zip(requests, finite) if not ok)
-        return results
+        result.samples.update((r.key, s) for r, s in zip(kept, sample(logits, rows)))
+        result.samples.update((r.key, _non_finite(r)) for r, ok in zip(requests, finite) if not ok)
+        return result
 
 
 def on_device(value, device: torch.device):
@@ -163,6 +249,18 @@ def on_device(value, device: torch.device):
         for field in dataclasses.fields(value):
             object.__setattr__(value, field.name, on_device(getattr(value, field.name), device))
     return value
+
+
+def _prompt_rows(item: ScheduledRequest) -> PromptRows | None:
+    """The positions of `item`'s chunk whose prompt logprobs its request asked for and has not
+    recorded (None: none)."""
+    record = item.request.prompt_logprobs
+    if record is None:
+        return None
+    positions = record.positions_to_compute(item.start, item.end)
+    if not positions:
+        return None
+    return PromptRows(item.request.key, positions.start, len(positions), record.num_alternatives)
 
 
 def _non_finite(request: Request) -> TesseraError:

@@ -7,7 +7,7 @@ import enum
 import torch
 
 from tessera.decoder.prefix_cache import BlockHasher
-from tessera.decoder.types import PromptInputs, SamplingParams
+from tessera.decoder.types import PromptInputs, Sample, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -16,16 +16,52 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PromptLogprobs:
+    """The prompt's log-probabilities as prefill computes them, one record shared by a request's n
+    choices (whichever computes a position first records it; a recompute after preemption records
+    nothing twice).
+
+    Entry j is prompt token j + 1's: the logits row at position j predicts it, so the first token
+    has none and a prompt of P tokens has P - 1 entries (vLLM's prompt_logprobs, without its
+    leading None). Each entry holds `num_alternatives` most likely tokens besides the chosen one.
+    """
+
+    def __init__(self, num_alternatives: int, num_prompt_tokens: int) -> None:
+        self.num_alternatives = num_alternatives
+        self.num_positions = max(0, num_prompt_tokens - 1)
+        self.entries: list[Sample] = []
+
+    @property
+    def complete(self) -> bool:
+        return len(self.entries) == self.num_positions
+
+    def positions_to_compute(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose rows give entries not recorded yet."""
+        return range(max(start, len(self.entries)), min(end, self.num_positions))
+
+    def record(self, start: int, entries: list[Sample]) -> None:
+        """Record `entries` for positions start, start + 1, ...; those already recorded are skipped.
+
+        Raises:
+            ValueError: `start` leaves a gap after the recorded entries.
+        """
+        if start > len(self.entries):
+            raise ValueError(f"prompt logprobs from position {start} would leave a gap after the "
+                             f"{len(self.entries)} recorded")
+        self.entries.extend(entries[len(self.entries) - start:])
+
+
 class Request:
     """Engine-side state. `key` is unique per submission (the block manager's id);
     `num_computed_tokens` counts positions whose K/V are in the cache (reset by preemption);
     `hasher` (None = no prefix caching) hashes its full blocks for the prefix cache;
-    `lora_slot` is the adapter bank slot it leases, taken as adapter `lora_name`."""
+    `lora_slot` is the adapter bank slot it leases, taken as adapter `lora_name`;
+    `prompt_logprobs` (None = not asked) is the record its choices share."""
 
     def __init__(self, key: str, request_id: str, prompt: PromptInputs, sampling: SamplingParams,
                  lora_slot: int | None = None, generator: torch.Generator | None = None,
                  hasher: BlockHasher | None = None, index: int = 0, parent: Request | None = None,
-                 lora_name: str = "") -> None:
+                 lora_name: str = "", prompt_logprobs: PromptLogprobs | None = None) -> None:
         self.key = key
         self.request_id = request_id
         self.prompt = prompt
@@ -42,6 +78,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
         self.index = index          # choice index; choices > 0 wait for `parent` to compute the prompt
         self.parent = parent
+        self.prompt_logprobs = prompt_logprobs
 
     def waits_for_parent(self) -> bool:
         """True while the first choice has not computed the shared prompt (so its blocks can be reused)."""
@@ -55,6 +92,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most leading positions admission may take from the prefix cache: all but the last
+        token (whose logits are sampled), and none whose prompt logprobs are still to record."""
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs is not None:
+            limit = min(limit, len(self.prompt_logprobs.entries))
+        return limit
 
     def block_hashes(self) -> list[bytes]:
         """Chain hashes of every full block of the known tokens (empty without a hasher)."""

@@ -8,7 +8,9 @@ preempted: its blocks are freed and it goes back to the front of the waiting que
 prompt + generated tokens later (its adapter lease is kept).
 
 Prefix cache: on admission a request takes the longest run of its full-block hashes that the
-block manager has cached (never its last token, whose logits must be computed) and starts
+block manager has cached (never its last token, whose logits must be computed, nor a position
+whose prompt logprobs are still to record: a request asking for them computes its whole prompt
+unless another choice recorded them, as vLLM v1 skips the cache for such requests) and starts
 computing after it; after each step newly full computed blocks are registered. Choices 1..n-1 of
 a request wait (head of the queue) until choice 0 has computed the prompt, then reuse its blocks.
 """
@@ -118,10 +120,11 @@ class Scheduler:
             budget -= num_new
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks covering a prefix of the request, leaving at least its last token to compute."""
+        """Cached blocks covering a prefix of the request, leaving at least its last token and every
+        position whose prompt logprobs are still to record to compute (`Request.max_cached_tokens`)."""
         if request.hasher is None:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_manager.block_size
+        max_blocks = request.max_cached_tokens // self.block_manager.block_size
         return self.block_manager.cached_prefix(request.block_hashes()[:max_blocks])
 
     def _preempt(self, request: Request) -> None:

@@ -76,6 +76,7 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # alternatives per prompt token (0..20); None = none
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -123,7 +124,8 @@ class SamplingParams:
 
 @dataclass
 class GenerateInput:
-    """Exactly one of `prompt`, `messages`, `prompt_token_ids` is set (checked by the prompt builder)."""
+    """Exactly one of `prompt`, `messages`, `prompt_token_ids` is set (checked by the prompt builder).
+    `return_prompt`: the first output of each choice carries the prompt's token ids and text."""
 
     sampling: SamplingParams
     request_id: str = ""
@@ -131,6 +133,7 @@ class GenerateInput:
     messages: tuple[ChatMessage, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     lora: str = ""
+    return_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,16 @@ class Sample:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
 
 
+@dataclass(frozen=True)
+class TokenText:
+    """A token's text as logprobs report it (`tokenizer.decode([id])`, special tokens kept, as vLLM;
+    U+FFFD for part of a character) and its exact bytes (byte-level BPE: the bytes it stands for;
+    tessera/decoder/token_text.py)."""
+
+    text: str
+    bytes: bytes
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -214,7 +227,14 @@ class Usage:
 
 @dataclass
 class RequestOutput:
-    """What one engine step produced for one request (deltas since the previous output)."""
+    """What one engine step produced for one request (deltas since the previous output).
+
+    The first output of each choice also carries, when asked, `prompt_logprobs` (one entry per
+    prompt token from the second: the first has no context; the same for every choice) and, with
+    `return_prompt`, `prompt_token_ids` and `prompt_text` (`tokenizer.decode` of the ids, special
+    tokens kept). `token_texts` holds the text and bytes of every id in `logprobs` and
+    `prompt_logprobs` (chosen and alternatives); it is empty when neither was asked for.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -223,6 +243,10 @@ class RequestOutput:
     usage: Usage | None = None
     logprobs: list[Sample] = field(default_factory=list)  # one per token id when requested
     index: int = 0                    # choice index among the request's n
+    prompt_logprobs: list[Sample] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    token_texts: dict[int, TokenText] = field(default_factory=dict)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def warm_up(scheduler: Scheduler, runner: ModelRunner, slots: AdapterSlots, max_
             out = scheduler.schedule()
             if not out.scheduled:
                 raise RuntimeError(f"the warm-up request ({num_prompt} prompt tokens) could not be scheduled")
-            sample = runner.execute(out).get(request.key)
+            sample = runner.execute(out).samples.get(request.key)
             scheduler.update(out)
             if isinstance(sample, Exception):
                 raise sample

@@ -99,8 +99,8 @@ def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
     rows: dict[str, list[torch.Tensor]] = {}
     compute = engine.runner.logits
 
-    def recording(inputs):
-        logits = compute(inputs)
+    def recording(inputs, *args):
+        logits = compute(inputs, *args)
         for item, row in zip(inputs.sampled, logits):
             rows.setdefault(item.request.request_id, []).append(row.clone())
         return logits
