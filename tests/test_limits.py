@@ -45,7 +45,7 @@ def encoded(grid) -> decoder_pb2.ContentPart:
 
 def gen(prompt=None, messages=(), max_tokens=4, **fields) -> decoder_pb2.GenerateRequest:
     prompt = (text("hi"),) if prompt is None else prompt
-    sampling = {k: fields.pop(k) for k in ("stop", "stop_token_ids", "n", "top_logprobs") if k in fields}
+    sampling = {k: fields.pop(k) for k in ("stop", "stop_token_ids", "n", "top_logprobs", "prompt_logprobs") if k in fields}
     return decoder_pb2.GenerateRequest(prompt=list(prompt), messages=list(messages),
                                        sampling=decoder_pb2.SamplingParams(max_tokens=max_tokens, **sampling), **fields)
 
@@ -81,6 +81,8 @@ GENERATE = [
      "sampling.stop_token_ids has 4 ids; the limit is 3 (--max-stop-token-ids)"),
     ("n", gen(n=4), gen(n=5), "sampling.n is 5; the limit is 4 (--max-n)"),
     ("top-logprobs", gen(top_logprobs=5), gen(top_logprobs=6), "sampling.top_logprobs is 6; the limit is 5 (--max-logprobs)"),
+    ("prompt-logprobs", gen(prompt_logprobs=5), gen(prompt_logprobs=6),
+     "sampling.prompt_logprobs is 6; the limit is 5 (--max-logprobs)"),
     ("max-tokens-negative", gen(max_tokens=0), gen(max_tokens=-1),
      "sampling.max_tokens must be >= 1 (or 0, unset: the rest of the context), got -1"),
     ("max-tokens", gen(max_tokens=CONTEXT - 1), gen(max_tokens=CONTEXT),

@@ -65,7 +65,8 @@ class GenerateLimits:
         max_images: image parts (raw or encoded) per request.
         max_stop: stop strings; max_stop_chars: characters of each one.
         max_stop_token_ids: entries of stop_token_ids.
-        max_n: choices per request (1..MAX_N); max_logprobs: top_logprobs (0..MAX_TOP_LOGPROBS).
+        max_n: choices per request (1..MAX_N); max_logprobs: top_logprobs and prompt_logprobs
+            (0..MAX_TOP_LOGPROBS; vLLM's --max-logprobs caps both).
     prompt_token_ids and the images' expanded tokens are capped by the decoder's context itself.
 
     Raises:
@@ -83,7 +84,7 @@ class GenerateLimits:
     max_stop_chars: int = _cap(1024, "characters of each stop string")
     max_stop_token_ids: int = _cap(256, "entries of stop_token_ids")
     max_n: int = _cap(MAX_N, f"choices per request (at most {MAX_N})")
-    max_logprobs: int = _cap(MAX_TOP_LOGPROBS, f"top_logprobs per token (at most {MAX_TOP_LOGPROBS})")
+    max_logprobs: int = _cap(MAX_TOP_LOGPROBS, f"top_logprobs and prompt_logprobs per token (at most {MAX_TOP_LOGPROBS})")
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_name_chars", "max_messages", "max_content_parts", "max_images", "max_stop",
@@ -143,6 +144,9 @@ def _check_sampling(sampling, limits: GenerateLimits, max_model_len: int | None)
         raise InvalidArgument(f"sampling.n is {sampling.n}; the limit is {limits.max_n} ({flag('max_n')})")
     if sampling.top_logprobs > limits.max_logprobs:
         raise InvalidArgument(f"sampling.top_logprobs is {sampling.top_logprobs}; the limit is "
+                              f"{limits.max_logprobs} ({flag('max_logprobs')})")
+    if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs > limits.max_logprobs:
+        raise InvalidArgument(f"sampling.prompt_logprobs is {sampling.prompt_logprobs}; the limit is "
                               f"{limits.max_logprobs} ({flag('max_logprobs')})")
     if sampling.max_tokens < 0:  # before any image is encoded for a request that cannot run
         raise InvalidArgument(f"sampling.max_tokens must be >= 1 (or 0, unset: the rest of the context), "
