@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from pathlib import Path
 
 from tessera.common import auth, logs
 from tessera.common.config_cli import add_flags, from_flags
@@ -64,7 +63,7 @@ def run(address: str, config: DecoderConfig) -> None:
     backends failed) or OSError (a port cannot be bound) before health ever says SERVING."""
     engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
     servicer = DecoderServicer(engine)
-    name = Path(config.model_dir).name
+    name = config.served_model_names[0]  # the metrics' model label
     start_metrics_server(config.metrics_port, address, DecoderCollector(
         name, lambda: engine.stats() if engine.started else None),
         EngineCollector(name, lambda: engine if engine.started else None))

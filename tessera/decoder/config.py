@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -23,11 +25,13 @@ from tessera.decoder.linear import LINEAR_BACKENDS, resolve_linear_backend
 from tessera.decoder.lora.registry import LORA_BACKENDS, check_dtype, resolve_lora_backend
 from tessera.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from tessera.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
+from tessera.decoder.types import GenerationDefaults
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 AUTO = "auto"  # dtype: the checkpoint's (resolve_dtype); backends: the fastest that runs (their registries)
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM = "auto", "vllm"  # --generation-config's named values
 
 
 def _flag(default, help_text: str, **metadata):
@@ -63,6 +67,12 @@ NOT_SERVING (tessera/common/liveness.py); it must exceed the longest step.
 auto is the CPU when a cpu backend is chosen); weights, KV cache, adapter slots and sampling live
 there. The triton backends need a CUDA device (or TRITON_INTERPRET=1), the cpu backends the CPU:
 another pairing is refused here, naming the flag.
+`served_model_name`: the names the model answers to (vLLM's --served-model-name NAME [ALIAS ...]);
+empty = the checkpoint directory's name (`served_model_names`).
+`generation_config` (vLLM's flag): where the sampling defaults for fields a request leaves unset
+come from, read once here into `generation_defaults`: "auto" the checkpoint's
+generation_config.json (none when it has none), a directory holding a generation_config.json, or
+"vllm" none (every unset field neutral). The model's EOS ids come from the checkpoint either way.
     """
 
     model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
@@ -106,14 +116,61 @@ another pairing is refused here, naming the flag.
     limits: GenerateLimits = field(default_factory=GenerateLimits)
     address: str = _flag(default_address("decoder"), "bind host:port")
     device: str = _flag("auto", DEVICE_HELP, env="TESSERA_DECODER_DEVICE")
+    served_model_name: tuple[str, ...] = _flag((), "the model's name in requests and answers, then aliases "
+                                               "also accepted", nargs="+", metavar=("NAME", "ALIAS"),
+                                               default_help="the model directory's name")
+    generation_config: str = _flag(GENERATION_CONFIG_AUTO, "sampling defaults for fields a request leaves "
+                                   "unset (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
+                                   "auto (the checkpoint's generation_config.json), vllm (none: neutral values) or "
+                                   "a directory holding a generation_config.json")
     torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device` resolved, once
     checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
+    generation_defaults: GenerationDefaults = field(init=False, repr=False, compare=False)  # read once
 
     def __post_init__(self) -> None:
         self._check_values()
+        self._check_served_names()
         self._check_device()
         self._derive_from_checkpoint()
+        self.generation_defaults = self._read_generation_defaults()
         self._resolve_precision(self.torch_device)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The model's name (first) and its aliases: --served-model-name, else the directory's name."""
+        return self.served_model_name or (Path(self.model_dir).name,)
+
+    def _check_served_names(self) -> None:
+        self.served_model_name = tuple(self.served_model_name)
+        for name in self.served_model_name:
+            if not name.strip():
+                raise ValueError(f"served_model_name holds an empty name: {list(self.served_model_name)}")
+        if len(set(self.served_model_name)) < len(self.served_model_name):
+            raise ValueError(f"served_model_name names one model twice: {list(self.served_model_name)}")
+
+    def _read_generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults `generation_config` names (see the class docstring).
+
+        Raises:
+            ValueError: a directory without a readable generation_config.json, a file that is not a
+                JSON object, or a value out of range (naming the file and the key).
+        """
+        if self.generation_config == GENERATION_CONFIG_VLLM:
+            return GenerationDefaults()
+        auto = self.generation_config == GENERATION_CONFIG_AUTO
+        path = Path(self.model_dir if auto else self.generation_config).expanduser() / "generation_config.json"
+        if auto and not path.is_file():
+            return GenerationDefaults()
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"generation_config {self.generation_config!r}: no readable {path}: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object")
+        defaults = GenerationDefaults.from_generation_config(raw, str(path))
+        if defaults.as_dict():
+            log.info("sampling defaults from %s for fields a request leaves unset: %s", path, defaults.as_dict())
+        return defaults
 
     def _check_device(self) -> None:
         """Resolve `device` ("auto" is the CPU when a cpu backend is chosen); refuse a backend that

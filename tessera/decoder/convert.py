@@ -3,13 +3,17 @@ registry client (adapter_client.py) the only decoder modules that touch generate
 
 from __future__ import annotations
 
+import json
+
 from tessera.common.errors import InvalidArgument
 from tessera.common.limits import GenerateLimits, check_decoder_tokenize, check_detokenize, check_generate
 from tessera.common.tensor import FLOAT_DTYPES, from_pb
 from tessera.decoder.types import (
     ChatMessage,
+    ChatTemplateOptions,
     DecoderInfo,
     GenerateInput,
+    GenerationDefaults,
     ImagePart,
     Part,
     RawImagePart,
@@ -41,34 +45,78 @@ def part_from_pb(part: decoder_pb2.ContentPart, where: str = "part") -> Part:
     return RawImagePart()
 
 
-def sampling_from_pb(sampling: decoder_pb2.SamplingParams) -> SamplingParams:
-    """max_tokens 0 (unset) -> None: the rest of the context. Raises InvalidArgument on out-of-range
-    values (max_tokens < 0, negative temperature...)."""
+def sampling_from_pb(sampling: decoder_pb2.SamplingParams,
+                     defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """The request's sampling; each optional field it leaves unset takes the served model's default
+    (`defaults`, from --generation-config), else its neutral value: temperature
+    `default_temperature` when set, else 0 (greedy); top_p 1, top_k 0, min_p 0, repetition_penalty
+    1. A field the request sets always wins. max_tokens 0 (unset) -> None: the engine resolves it
+    (the default's max_tokens, else the rest of the context). Raises InvalidArgument on
+    out-of-range values (max_tokens < 0, negative temperature...)."""
+    defaults = defaults or GenerationDefaults()
+
+    def pick(name: str, neutral):
+        if sampling.HasField(name):
+            return getattr(sampling, name)
+        value = getattr(defaults, name)
+        return neutral if value is None else value
+
+    neutral_temperature = sampling.default_temperature if sampling.HasField("default_temperature") else 0.0
     return SamplingParams(
-        max_tokens=sampling.max_tokens or None, temperature=sampling.temperature,
-        top_p=sampling.top_p if sampling.top_p else 1.0, top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens or None, temperature=pick("temperature", neutral_temperature),
+        top_p=pick("top_p", 1.0), top_k=pick("top_k", 0), min_p=pick("min_p", 0.0),
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-        repetition_penalty=sampling.repetition_penalty or 1.0, presence_penalty=sampling.presence_penalty,
+        repetition_penalty=pick("repetition_penalty", 1.0), presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, n=sampling.n or 1, logprobs=sampling.logprobs,
-        top_logprobs=sampling.top_logprobs,
+        top_logprobs=sampling.top_logprobs, min_tokens=sampling.min_tokens,
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(sampling.spaces_between_special_tokens
+                                       if sampling.HasField("spaces_between_special_tokens") else True),
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None)
 
 
+def chat_options_from_pb(request: decoder_pb2.GenerateRequest | decoder_pb2.DecoderTokenizeRequest
+                         ) -> ChatTemplateOptions:
+    """The chat template options of a Generate or Tokenize request: add_generation_prompt unset =
+    not continue_final_message (true by default, false when continuing); chat_template_kwargs a
+    JSON object ("" = none).
+
+    Raises:
+        InvalidArgument: chat_template_kwargs that is not JSON or not an object, or a refused
+            combination or key (ChatTemplateOptions).
+    """
+    continue_final = request.continue_final_message
+    add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else not continue_final
+    kwargs = {}
+    if request.chat_template_kwargs:
+        try:
+            kwargs = json.loads(request.chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            raise InvalidArgument(f"chat_template_kwargs is not JSON: {error}") from None
+        if not isinstance(kwargs, dict):
+            raise InvalidArgument(f"chat_template_kwargs must be a JSON object, got a JSON {type(kwargs).__name__}")
+    return ChatTemplateOptions(add_prompt, continue_final, kwargs)
+
+
 def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimits | None = None,
-                     max_model_len: int | None = None) -> GenerateInput:
-    """Raises InvalidArgument: a cap of `limits` passed (checked first, on the protobuf, before any
-    tensor is copied; `max_model_len` adds the context checks that need no tokenizer), or a bad part."""
+                     max_model_len: int | None = None, defaults: GenerationDefaults | None = None) -> GenerateInput:
+    """`defaults`: the served model's sampling defaults (sampling_from_pb). Raises InvalidArgument:
+    a cap of `limits` passed (checked first, on the protobuf, before any tensor is copied;
+    `max_model_len` adds the context checks that need no tokenizer), a bad part, sampling value or
+    chat template option."""
     if limits is not None:
         check_generate(request, limits, max_model_len)
     return GenerateInput(
-        sampling=sampling_from_pb(request.sampling),
+        sampling=sampling_from_pb(request.sampling, defaults),
         request_id=request.request_id,
         prompt=tuple(part_from_pb(p, f"prompt[{i}]") for i, p in enumerate(request.prompt)),
         messages=_messages_from_pb(request.messages),
         prompt_token_ids=tuple(request.prompt_token_ids),
         lora=request.lora,
         return_prompt=request.return_prompt,
+        chat=chat_options_from_pb(request),
     )
 
 
@@ -79,13 +127,12 @@ def _messages_from_pb(messages) -> tuple[ChatMessage, ...]:
 
 def tokenize_from_pb(request: decoder_pb2.DecoderTokenizeRequest, limits: GenerateLimits,
                      max_model_len: int) -> TokenizeInput:
-    """Raises InvalidArgument: a cap of `limits` passed (checked first), or a bad part."""
+    """Raises InvalidArgument: a cap of `limits` passed (checked first), a bad part or chat template option."""
     check_decoder_tokenize("text and messages", [request.text], request.messages, limits, max_model_len)
     return TokenizeInput(
         text=request.text, messages=_messages_from_pb(request.messages),
         add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
-        add_generation_prompt=(request.add_generation_prompt if request.HasField("add_generation_prompt")
-                               else True))
+        chat=chat_options_from_pb(request))
 
 
 def tokenization_to_pb(result: Tokenization) -> decoder_pb2.DecoderTokenizeResponse:
@@ -140,4 +187,6 @@ def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:
         num_blocks=stats.num_blocks, num_free_blocks=stats.num_free_blocks, mrope_section=list(info.mrope_section),
         image_token_id=info.image_token_id or 0, num_running=stats.num_running, num_waiting=stats.num_waiting,
         dtype=info.dtype, num_cached_blocks=stats.num_cached_blocks, prefix_cache_hits=stats.prefix_cache_hits,
-        prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens, resident_adapters=info.resident_adapters)
+        prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens, resident_adapters=info.resident_adapters,
+        served_model_names=list(info.served_model_names), generation_config=info.generation_config,
+        generation_defaults=info.generation_defaults)

@@ -60,6 +60,7 @@ from tessera.decoder.types import (
     GenerateInput,
     RequestOutput,
     Sample,
+    SamplingParams,
     Tokenization,
     TokenizeInput,
     Usage,
@@ -98,7 +99,7 @@ class LLMEngine:
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine thread only
         self._stopped = False
         self.liveness = Liveness("the decoder engine", config.wedged_after_s)
-        self.metrics = DecoderStats(Path(config.model_dir).name)
+        self.metrics = DecoderStats(config.served_model_names[0])
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -215,7 +216,7 @@ class LLMEngine:
 
         `request_input.lora` names an adapter, leased from the adapter source for the request's
         life. Raises (before the first output): InvalidArgument (bad prompt, too long, a stop token
-        id outside the vocabulary), NotFound /
+        id outside the vocabulary, min_tokens past what an unset max_tokens allows), NotFound /
         FailedPrecondition / Unavailable (adapter), ResourceExhausted (waiting queue full),
         Unavailable (still loading, or the engine thread has stopped; also raised mid-stream when
         it stops). With every adapter slot leased the admission waits for one to free.
@@ -226,10 +227,8 @@ class LLMEngine:
         if bad:  # a stop that can never be sampled is a caller's mistake, as a prompt id past the vocabulary is
             raise InvalidArgument(f"sampling.stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})")
         prompt = await asyncio.to_thread(self.prompts.build, request_input)
-        max_tokens = self._max_tokens(len(prompt.token_ids), request_input.sampling.max_tokens)
-        if max_tokens != request_input.sampling.max_tokens:
-            sampling = replace(request_input.sampling, max_tokens=max_tokens)
-            request_input = replace(request_input, sampling=sampling)
+        request_input = replace(request_input, sampling=self._resolve_sampling(len(prompt.token_ids),
+                                                                               request_input.sampling))
         prompt_text = None
         if request_input.return_prompt:  # as vLLM's echo of token prompts: special tokens kept
             prompt_text = await asyncio.to_thread(self.tokenizer.decode, prompt.token_ids, skip_special_tokens=False)
@@ -264,7 +263,7 @@ class LLMEngine:
                 for request in requests:
                     self._requests[request.key] = request
                     self._streams[request.key] = _Stream(loop, queue, IncrementalDetokenizer(
-                        self.tokenizer, prompt_ids, request.sampling.stop), request, prompt_text)
+                        self.tokenizer, prompt_ids, request.sampling), request, prompt_text)
                 self._cond.notify()
         except BaseException:
             for request in requests:
@@ -316,11 +315,14 @@ class LLMEngine:
         """The served model and the engine's load now. Raises Unavailable while still loading."""
         self._check_serving(dead_ok=True)
         spec = self.model.spec
-        return DecoderInfo(model=Path(self.config.model_dir).name, architecture=spec.architecture,
+        names = self.config.served_model_names
+        return DecoderInfo(model=names[0], architecture=spec.architecture,
                            dtype=self.config.dtype, max_model_len=self.config.max_model_len,
                            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, block_size=self.config.block_size,
                            mrope_section=tuple(self.config.mrope_section or ()), image_token_id=self.image_token_id,
-                           stats=self.stats(), resident_adapters=self.adapters.resident_names())
+                           stats=self.stats(), resident_adapters=self.adapters.resident_names(),
+                           served_model_names=names, generation_config=self.config.generation_config,
+                           generation_defaults=self.config.generation_defaults.as_dict())
 
     async def tokenize(self, request: TokenizeInput) -> Tokenization:
         """`request` tokenized by the model's tokenizer (tessera/decoder/tokens.py). Raises
@@ -328,7 +330,7 @@ class LLMEngine:
         self._check_serving(dead_ok=True)
         ids = await asyncio.to_thread(tokenize, self.tokenizer, request)
         special_ids = set(self.tokenizer.all_special_ids)
-        return Tokenization(model=Path(self.config.model_dir).name, token_ids=ids,
+        return Tokenization(model=self.config.served_model_names[0], token_ids=ids,
                             tokens=self.tokenizer.convert_ids_to_tokens(ids), special=[i in special_ids for i in ids],
                             max_model_len=self.config.max_model_len)
 
@@ -359,17 +361,34 @@ class LLMEngine:
         digest = None if lora_slot is None else self.bank.digest_of(lora_slot)
         return BlockHasher.for_prompt(self.config.block_size, prompt, digest, self.config.mrope_section)
 
+    def _resolve_sampling(self, num_prompt: int, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with max_tokens resolved (`_max_tokens`) and the model's EOS ids (those in the
+        vocabulary, for the min_tokens mask and the stop check). Raises InvalidArgument as
+        `_max_tokens`, or when min_tokens exceeds an unset max_tokens' resolved value."""
+        max_tokens = self._max_tokens(num_prompt, sampling.max_tokens)
+        if sampling.min_tokens > max_tokens:
+            raise InvalidArgument(f"min_tokens is {sampling.min_tokens}, but max_tokens is unset and this request "
+                                  f"may generate at most {max_tokens} tokens (the model's default or the rest of "
+                                  "its context)")
+        vocab_size = self.prompts.vocab_size
+        eos_ids = tuple(sorted(t for t in self.eos_token_ids if 0 <= t < vocab_size))
+        return replace(sampling, max_tokens=max_tokens, eos_token_ids=eos_ids)
+
     def _max_tokens(self, num_prompt: int, max_tokens: int | None) -> int:
-        """`max_tokens`, or when None the rest of the context: max_model_len less the prompt (as
-        vLLM), bounded by what the KV cache holds. Raises InvalidArgument when the prompt and
-        max_tokens do not fit, or an unset max_tokens leaves no room for one generated token."""
+        """`max_tokens`, or when None the served model's default (generation_config.json's
+        max_new_tokens, --generation-config) capped by the rest of the context, else the rest of
+        the context: max_model_len less the prompt (as vLLM), bounded by what the KV cache holds.
+        Raises InvalidArgument when the prompt and max_tokens do not fit, or an unset max_tokens
+        leaves no room for one generated token."""
         limit = self.config.max_model_len
         capacity = self.config.num_blocks * self.config.block_size
         if max_tokens is None:
             if num_prompt >= min(limit, capacity):
                 raise InvalidArgument(f"prompt has {num_prompt} tokens; the model's context is {limit} (the KV cache "
                                       f"holds {capacity}), which leaves no room to generate a token")
-            return min(limit, capacity) - num_prompt
+            room = min(limit, capacity) - num_prompt
+            default = self.config.generation_defaults.max_tokens
+            return room if default is None else min(default, room)
         if num_prompt + max_tokens > limit:
             raise InvalidArgument(f"prompt has {num_prompt} tokens and max_tokens {max_tokens}; "
                                   f"the model's context is {limit}")
@@ -482,10 +501,18 @@ class LLMEngine:
         self.metrics.on_token(request)
         stream = self._streams[request.key]
         params = request.sampling
+        num_output = len(request.output_token_ids)
+        # the first min_tokens tokens end nothing (vLLM's check_stop); the sampler masked stop ids there
+        stop_token = num_output > params.min_tokens and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids))
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids) or stream.detokenizer.add(token):
+        if stop_token:
+            if params.include_stop_str_in_output:  # vLLM keeps the stop token's text then
+                stream.detokenizer.add(token)
             reason = "stop"
-        elif len(request.output_token_ids) >= params.max_tokens:
+        elif stream.detokenizer.add(token):
+            reason = "stop"
+        elif num_output >= params.max_tokens:
             reason = "length"
         logprobs = [sample] if params.logprobs else []
         if reason is not None:

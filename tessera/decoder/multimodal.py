@@ -24,6 +24,7 @@ from tessera.common.errors import InvalidArgument
 from tessera.decoder.prefix_cache import rows_digest
 from tessera.decoder.types import (
     ChatMessage,
+    ChatTemplateOptions,
     GenerateInput,
     ImagePart,
     ImageSpan,
@@ -67,6 +68,39 @@ def _loops_over_content(template: str | None) -> bool:
     return False
 
 
+def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions) -> str:
+    """`messages` ({"role", "content"} dicts) rendered with the tokenizer's chat template as
+    `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=...,
+    continue_final_message=..., **template_kwargs)`; tokenized without adding special tokens again,
+    the ids equal apply_chat_template's with tokenize=True.
+
+    Raises:
+        InvalidArgument: continue_final_message with a last message that is not the assistant's, or
+            the template refused the messages (its raise_exception, as vLLM answers 400; a final
+            message the template does not render as is; a variable it cannot use).
+    """
+    if options.continue_final_message and messages[-1]["role"] != "assistant":
+        raise InvalidArgument(f"continue_final_message continues the last message, which must be the "
+                              f"assistant's; it is {messages[-1]['role']!r}")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message,
+                                             **options.template_kwargs)
+    except (TemplateError, ValueError, TypeError) as error:  # the template's (or transformers') answer to this input
+        raise InvalidArgument(f"the model's chat template refused the messages: {error}") from None
+
+
+def check_chat_options(has_messages: bool, options: ChatTemplateOptions) -> None:
+    """Chat template options other than the default apply to messages only.
+
+    Raises:
+        InvalidArgument: a prompt that is not messages with options that are not the default.
+    """
+    if not has_messages and not options.is_default:
+        raise InvalidArgument("add_generation_prompt, continue_final_message and chat_template_kwargs apply to "
+                              "messages only (the chat template); this prompt is not messages")
+
+
 class PromptBuilder:
     """Turns a GenerateInput into PromptInputs (token ids, image spans, M-RoPE positions)."""
 
@@ -93,10 +127,11 @@ class PromptBuilder:
         if sum(given) != 1:
             raise InvalidArgument("exactly one of prompt, messages or prompt_token_ids must be set "
                                   f"(got {sum(given)}); an empty prompt is not accepted")
+        check_chat_options(bool(request.messages), request.chat)
         if request.prompt_token_ids:
             return self._from_token_ids(list(request.prompt_token_ids))
         if request.messages:
-            pieces, images = self._render_chat(request.messages)
+            pieces, images = self._render_chat(request.messages, request.chat)
             return self._expand(self._tokenize(pieces, specials=False), images)
         pieces, images = self._split_parts(request.prompt)
         return self._expand(self._tokenize(pieces, specials=True), images)
@@ -138,7 +173,8 @@ class PromptBuilder:
         pieces.append(joiner.join(current))
         return pieces, images
 
-    def _render_chat(self, messages: tuple[ChatMessage, ...]) -> tuple[list[str], list[ImagePart]]:
+    def _render_chat(self, messages: tuple[ChatMessage, ...],
+                     options: ChatTemplateOptions) -> tuple[list[str], list[ImagePart]]:
         rendered, images = [], []
         for message in messages:
             if message.role not in ROLES:
@@ -146,11 +182,7 @@ class PromptBuilder:
             pieces, message_images = self._split_parts(message.content, self.text_joiner)
             images.extend(message_images)
             rendered.append({"role": message.role, "content": SENTINEL.join(pieces)})
-        try:
-            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-        except TemplateError as error:  # raise_exception(...) in the template: its message, as vLLM answers 400
-            raise InvalidArgument(f"the model's chat template refused the messages: {error}") from None
-        pieces = text.split(SENTINEL)
+        pieces = render_chat(self.tokenizer, rendered, options).split(SENTINEL)
         if len(pieces) != len(images) + 1:
             raise InvalidArgument("the chat template dropped or duplicated image parts")
         return pieces, images

@@ -1,8 +1,11 @@
-"""Token selection: penalties, then greedy or temperature / top-k / top-p with a per-request generator.
+"""Token selection: penalties and the min_tokens mask, then greedy or temperature / min-p / top-k /
+top-p with a per-request generator.
 
 Each sampled request draws from its own `torch.Generator`, so a seeded request gets the same
 tokens whatever else shares its batch. Log-probabilities describe the raw model distribution
-(log_softmax of the logits before penalties, temperature and filters), as vLLM reports by default.
+(log_softmax of the logits before penalties, masks, temperature and filters), as vLLM reports by
+default. A row that asks for none of penalties, min_tokens or filters costs no per-row tensor work
+beyond its draw (greedy rows: none at all, the batch's argmax).
 """
 
 from __future__ import annotations
@@ -65,12 +68,25 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
     for index, row in enumerate(rows):
         p = row.params
         scores = apply_penalties(logits[index], row) if p.penalized else logits[index]
+        masked = _min_tokens_mask(row)
+        if masked:
+            scores = scores.index_fill(0, torch.tensor(masked, dtype=torch.long, device=scores.device),
+                                       float("-inf"))
         if p.greedy:
-            token = int(scores.argmax()) if p.penalized else greedy_ids[index]
+            token = int(scores.argmax()) if p.penalized or masked else greedy_ids[index]
         else:
             token = _sample_row(scores, p, row.generator)
         samples.append(_with_logprobs(logits[index], token, p) if p.logprobs else Sample(token))
     return samples
+
+
+def _min_tokens_mask(row: SamplingRow) -> tuple[int, ...]:
+    """The ids to mask while the choice has fewer than min_tokens tokens (vLLM's
+    MinTokensLogitsProcessor: stop_token_ids and the EOS ids); () once it has them, or unasked."""
+    p = row.params
+    if len(row.output_ids) >= p.min_tokens:
+        return ()
+    return p.min_tokens_masked_ids
 
 
 def _with_logprobs(logits: torch.Tensor, token: int, p: SamplingParams) -> Sample:
@@ -83,7 +99,13 @@ def _with_logprobs(logits: torch.Tensor, token: int, p: SamplingParams) -> Sampl
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One draw from `logits` [vocab] after temperature, min-p (vLLM's order: before top-k and top-p;
+    transformers' MinPLogitsWarper's rule), top-k and top-p."""
     logits = logits / p.temperature  # [vocab]
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        # drop tokens below min_p times the most likely one's probability (the most likely always stays)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

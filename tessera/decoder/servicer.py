@@ -22,8 +22,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
     async def Generate(self, request, context):
         config = self.engine.config
+        request_input = generate_from_pb(request, config.limits, config.max_model_len, config.generation_defaults)
         # Leaving this generator (cancel, deadline, disconnect) closes the engine stream, which aborts it.
-        async for output in self.engine.generate(generate_from_pb(request, config.limits, config.max_model_len)):
+        async for output in self.engine.generate(request_input):
             yield output_to_pb(output)
 
     async def GetInfo(self, request, context):

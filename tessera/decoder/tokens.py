@@ -1,9 +1,9 @@
 """Tokenize and detokenize with the served model's tokenizer, as vLLM's /tokenize and /detokenize.
 
 Text is tokenized as is (add_special_tokens default true); chat messages are rendered with the
-model's chat template (`apply_chat_template(tokenize=False)`, generation prompt by default, as
-Generate renders them) and tokenized without adding special tokens again, so the ids equal
-`tokenizer.apply_chat_template(messages, tokenize=True)`.
+model's chat template as Generate renders them (`multimodal.render_chat`: generation prompt by
+default, continue_final_message, template variables) and tokenized without adding special tokens
+again, so the ids equal `tokenizer.apply_chat_template(messages, tokenize=True, ...)` with the same options.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from jinja2.exceptions import TemplateError
-
 from tessera.common.errors import InvalidArgument
-from tessera.decoder.multimodal import ROLES, chat_text_joiner
+from tessera.decoder.multimodal import ROLES, chat_text_joiner, check_chat_options, render_chat
 from tessera.decoder.types import TextPart, TokenizeInput
 
 
@@ -23,10 +21,11 @@ def tokenize(tokenizer, request: TokenizeInput) -> list[int]:
 
     Raises:
         InvalidArgument: neither or both of text and messages, a message with an image part or an
-            unknown role.
+            unknown role, chat options on text, or the template refused them (`render_chat`).
     """
     if bool(request.text) == bool(request.messages):
         raise InvalidArgument("exactly one of text (prompt) or messages must be set; an empty prompt is not accepted")
+    check_chat_options(bool(request.messages), request.chat)
     if request.text:
         specials = True if request.add_special_tokens is None else request.add_special_tokens
         return tokenizer(request.text, add_special_tokens=specials)["input_ids"]
@@ -37,11 +36,7 @@ def tokenize(tokenizer, request: TokenizeInput) -> list[int]:
         if not all(isinstance(part, TextPart) for part in message.content):
             raise InvalidArgument(f"messages[{index}] has an image part; tokenize counts text only")
         rendered.append({"role": message.role, "content": joiner.join(part.text for part in message.content)})
-    try:
-        text = tokenizer.apply_chat_template(rendered, tokenize=False,
-                                             add_generation_prompt=request.add_generation_prompt)
-    except TemplateError as error:
-        raise InvalidArgument(f"the model's chat template refused the messages: {error}") from None
+    text = render_chat(tokenizer, rendered, request.chat)
     return tokenizer(text, add_special_tokens=bool(request.add_special_tokens))["input_ids"]
 
 

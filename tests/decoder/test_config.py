@@ -19,3 +19,25 @@ def test_defaults_derive_from_the_model(tiny_llama):
 def test_invalid_values_name_the_limit(tiny_llama, overrides, message):
     with pytest.raises(ValueError, match=message):
         DecoderConfig(model_dir=str(tiny_llama), **overrides)
+
+
+@pytest.mark.parametrize("names, message", [(("a", "a"), "names one model twice"), (("a", " "), "an empty name")])
+def test_served_model_names_are_checked(tiny_llama, names, message):
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig(model_dir=str(tiny_llama), served_model_name=names)
+    assert DecoderConfig(model_dir=str(tiny_llama)).served_model_names == (tiny_llama.name,)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"top_p": 1.5}', r"generation_config.json: top_p must be in \[0, 1\], got 1.5"),
+    ('{"temperature": "hot"}', "generation_config.json: temperature must be a number, got 'hot'"),
+    ('{"max_new_tokens": 0}', "generation_config.json: max_tokens must be >= 1"),
+    ('{"top_k": 2.5}', "top_k must be an integer"),
+    ("[1]", "holds a JSON list, not an object"),
+    (None, "no readable"),
+])
+def test_generation_config_is_read_once_and_checked(tiny_llama, tmp_path, content, message):
+    if content is not None:
+        (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig(model_dir=str(tiny_llama), generation_config=str(tmp_path))

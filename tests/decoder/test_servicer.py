@@ -69,3 +69,6 @@ def test_main_parses_flags(tiny_llama):
     config = parse_args(["--model-dir", str(tiny_llama), "--attention-backend", "cpu", "--no-prefix-caching"])[1]
     assert (config.attention_backend, config.enable_prefix_caching) == ("cpu", False)
     assert parse_args(["--model-dir", str(tiny_llama)])[1].enable_prefix_caching is True
+    config = parse_args(["--model-dir", str(tiny_llama), "--served-model-name", "a", "b", "--generation-config", "vllm"])[1]
+    assert (config.served_model_names, config.generation_config) == (("a", "b"), "vllm")
+    assert parse_args(["--model-dir", str(tiny_llama)])[1].served_model_names == (tiny_llama.name,)

@@ -59,6 +59,14 @@ def test_tokenize_and_detokenize_equal_transformers():
                                                                       add_generation_prompt=False))
         assert list(bare.token_ids) == tokenizer.apply_chat_template(MESSAGES)["input_ids"]
         assert bare.count < chat.count
+        answer = [*MESSAGES[:2], {"role": "assistant", "content": "The capital is"}]
+        open_turn = await stub.Tokenize(decoder_pb2.DecoderTokenizeRequest(messages=_chat(answer),
+                                                                           continue_final_message=True))
+        assert list(open_turn.token_ids) == tokenizer.apply_chat_template(answer, continue_final_message=True)[
+            "input_ids"]
+        await _refused(stub.Tokenize(decoder_pb2.DecoderTokenizeRequest(messages=_chat(MESSAGES),
+                                                                        chat_template_kwargs='{"tokenize": true}')),
+                       "chat_template_kwargs", "'tokenize'")
 
         text = await stub.Detokenize(decoder_pb2.DetokenizeRequest(token_ids=chat.token_ids))
         assert text.text == tokenizer.decode(list(chat.token_ids)) and text.model == model_dir.name
