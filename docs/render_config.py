@@ -84,6 +84,8 @@ def _kind(action: argparse.Action) -> str:
         return "switch"
     kind = getattr(action.type, "__name__", "str") if action.type else "str"
     kind = kind if kind in ("int", "float", "str", "Path") else "str"  # a custom parser still reads text
+    if action.nargs == "+":
+        return f"{kind}, one or more"
     return f"{kind}, repeatable" if isinstance(action, argparse._AppendAction) else kind  # noqa: SLF001
 
 

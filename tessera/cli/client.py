@@ -126,7 +126,8 @@ def generate(client: Client, prompt: str, *, chat: bool, sampling: SamplingParam
 
     Images come before the text, as one user turn (chat, after the `system` turn if any) or one raw
     prompt. With n > 1 choices, each is printed once finished under a "[choice i]" label; with
-    logprobs, a table of each choice's tokens follows its text.
+    logprobs, a table of each choice's tokens follows its text. The JSON's usage is the request's:
+    completion_tokens summed over the choices, the prompt counted once.
     """
     if chat:
         content = [Path(p) for p in images] + [prompt]
@@ -149,7 +150,8 @@ def generate(client: Client, prompt: str, *, chat: bool, sampling: SamplingParam
         out.write(json.dumps({"request_id": result.request_id, "token_ids": result.token_ids, "text": result.text,
                               "finish_reason": result.finish_reason,  # choice 0's, as GenerateResult has them
                               "choices": [dataclasses.asdict(c) for c in result.choices],
-                              "usage": dataclasses.asdict(result.usage)}) + "\n")
+                              "usage": dataclasses.asdict(result.usage)},  # every choice's completion tokens
+                             default=_byte_list) + "\n")
         return result
     if streaming:
         out.write("\n")
@@ -161,6 +163,13 @@ def generate(client: Client, prompt: str, *, chat: bool, sampling: SamplingParam
     return result
 
 
+def _byte_list(value):
+    """JSON for a logprob's token_bytes: a list of byte values, as OpenAI's `bytes`."""
+    if isinstance(value, bytes):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def _decoder_model(client: Client) -> str:
     decoder = client.info().decoder
     return decoder.model if decoder is not None else ""
@@ -169,20 +178,23 @@ def _decoder_model(client: Client) -> str:
 def logprob_table(client: Client, choice, model: str) -> str:
     """One line per generated token: its text and id, log-probability (natural log) and alternatives.
 
-    Token texts come from the decoder's tokenizer (Detokenize, once per distinct id); without a
-    model name (the decoder did not answer GetInfo) ids stand alone.
+    Token texts are the ones the decoder sent with each logprob; where it sent none, they come from
+    its tokenizer (Detokenize, once per distinct id); without either (the decoder did not answer
+    GetInfo) ids stand alone.
     """
     texts: dict[int, str] = {}
 
-    def text(token_id: int) -> str:
-        if model and token_id not in texts:
-            texts[token_id] = client.detokenize([token_id], model=model)
-        return f"{texts[token_id]!r}({token_id})" if model else str(token_id)
+    def text(entry) -> str:
+        if entry.token:
+            texts[entry.token_id] = entry.token
+        elif model and entry.token_id not in texts:
+            texts[entry.token_id] = client.detokenize([entry.token_id], model=model)
+        return f"{texts[entry.token_id]!r}({entry.token_id})" if entry.token_id in texts else str(entry.token_id)
 
     lines = [f"{'token':<24} {'logprob':>9}  alternatives"]
     for entry in choice.logprobs:
-        alternatives = "  ".join(f"{text(t.token_id)} {t.logprob:.3f}" for t in entry.top)
-        lines.append(f"{text(entry.token_id):<24} {entry.logprob:>9.4f}  {alternatives}".rstrip())
+        alternatives = "  ".join(f"{text(t)} {t.logprob:.3f}" for t in entry.top)
+        lines.append(f"{text(entry):<24} {entry.logprob:>9.4f}  {alternatives}".rstrip())
     return "\n".join(lines) + "\n"
 
 
@@ -217,14 +229,12 @@ def rerank(client: Client, query: str, documents: list[str], top_n: int | None, 
 
 
 def tokenize(client: Client, texts: list[str], as_json: bool, out=sys.stdout, model: str = ""):
-    """`model` "" = the embedding model; a decoder model (or adapter) takes one text per request, so
-    each text is sent alone."""
-    if model:
-        parts = [client.tokenize(text, model=model) for text in texts]
-        result = TokenizeResult(model=parts[0].model, tokens=[p.tokens[0] for p in parts],
-                                max_model_len=parts[0].max_model_len)
-    else:
-        result = client.tokenize(texts)
+    """`model` "" = the decoder's model (the default embedding model's when the cluster has no
+    decoder), as `Client.tokenize`; a decoder model (or adapter) takes one text per request, so each
+    text is sent alone."""
+    parts = [client.tokenize(text, model=model) for text in texts]
+    result = TokenizeResult(model=parts[0].model, tokens=[p.tokens[0] for p in parts],
+                            max_model_len=parts[0].max_model_len)
     if as_json:
         out.write(json.dumps({"model": result.model,
                               "tokens": [[dataclasses.asdict(t) for t in tokens] for tokens in result.tokens]}) + "\n")
@@ -271,7 +281,7 @@ def info(client: Client, as_json: bool = False, out=sys.stdout) -> ClusterInfo:
     as grpcurl prints GetInfo."""
     result = client.info()
     if as_json:
-        out.write(json.dumps(_json_names(dataclasses.asdict(result))) + "\n")
+        out.write(json.dumps(_json_names(result)) + "\n")
         return result
     names = [a.name for a in client.list_adapters()] if "adapters" not in result.unavailable else None
     rows = cluster_rows(result, names)
@@ -283,9 +293,13 @@ def info(client: Client, as_json: bool = False, out=sys.stdout) -> ClusterInfo:
 
 
 def _json_names(value):
-    """protobuf's JSON mapping of a result dict: lowerCamelCase keys, empty and zero values left out."""
+    """protobuf's JSON mapping of a result dataclass: lowerCamelCase field names, empty and zero
+    fields left out; a map field's keys as they are and every entry kept, as protobuf writes maps."""
+    if dataclasses.is_dataclass(value):
+        fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+        return {_camel(k): _json_names(v) for k, v in fields if v not in (None, 0, "", False, [], {})}
     if isinstance(value, dict):
-        return {_camel(k): _json_names(v) for k, v in value.items() if v not in (None, 0, "", False, [], {})}
+        return {k: _json_names(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_json_names(v) for v in value]
     return value
@@ -301,12 +315,18 @@ def cluster_rows(info: ClusterInfo, adapters: list[str] | None) -> list[tuple[st
     d, p, v = info.decoder, info.pooling, info.vision
     rows = []
     if d is not None:
-        rows += [("model", f"{d.model} ({d.architecture})"), ("dtype", d.dtype),
+        rows.append(("model", f"{d.model} ({d.architecture})"))
+        if len(d.served_model_names) > 1:
+            rows.append(("aliases", ", ".join(d.served_model_names[1:])))
+        if d.generation_config:
+            rows.append(("sampling", generation_defaults_text(d.generation_config, d.generation_defaults)))
+        rows += [("dtype", d.dtype),
                  ("context", f"{d.max_model_len} tokens"), ("vocabulary", f"{d.vocab_size} tokens"),
                  ("KV cache", f"{d.num_blocks} blocks x {d.block_size} tokens")]
     for m in p.models if p is not None else ():
+        aliases = f", also {', '.join(m.aliases)}" if m.aliases else ""
         rows.append((f"{m.kind}", f"{m.model} ({m.dimension} dims, {m.max_input_length} tokens max, "
-                                  f"rerank {m.rerank_method or '-'})"))
+                                  f"rerank {m.rerank_method or '-'}{aliases})"))
     rows.append(("vision", f"{v.encoder} ({v.max_images_per_request} images per request max)" if v
                  else "not answering" if "vision" in info.unavailable else "off"))
     rows.append(("replicas", ", ".join(f"{sum(r.service == s for r in info.replicas)} {s}"
@@ -316,6 +336,16 @@ def cluster_rows(info: ClusterInfo, adapters: list[str] | None) -> list[tuple[st
     if info.unavailable:
         rows.append(("unavailable", ", ".join(info.unavailable)))
     return rows
+
+
+def generation_defaults_text(source: str, defaults: dict[str, float]) -> str:
+    """The decoder's sampling defaults for fields a request leaves unset, and where they come from:
+    "auto: temperature=0.6 top_p=0.9 (generation_config.json)", "vllm: neutral defaults" (none
+    from the model: each field's own default, tessera/v1/decoder.proto)."""
+    if not defaults:
+        return f"{source}: neutral defaults"
+    values = " ".join(f"{k}={v:g}" for k, v in sorted(defaults.items()))
+    return f"{source}: {values} (generation_config.json)"
 
 
 def replica_table(info: ClusterInfo) -> str:

@@ -92,6 +92,17 @@ def _add_server_commands(sub) -> None:
     up.add_argument("--decoder-model-dir", type=Path, default=default_decoder_dir(), help="decoder checkpoint")
     up.add_argument("--embedding-model-dir", type=Path, default=default_embedding_dir(),
                     help="embedding model checkpoint")
+    up.add_argument("--served-model-name", nargs="+", default=[], metavar=("NAME", "ALIAS"),
+                    help="the decoder model's names, as vLLM's flag: requests and answers (/v1/models) use NAME, "
+                         "requests may also give each ALIAS, and the directory name is then not accepted "
+                         "(default: the decoder model directory's name)")
+    up.add_argument("--generation-config", default=None, metavar="auto|vllm|PATH",
+                    help="the decoder's sampling defaults for fields a request leaves unset, as vLLM's flag: auto "
+                         "(the checkpoint's generation_config.json), vllm (none: neutral values) or a directory "
+                         "holding a generation_config.json (default: auto)")
+    up.add_argument("--embedding-served-model-name", nargs="+", default=[], metavar=("NAME", "ALIAS"),
+                    help="the embedding model's names, as --served-model-name for the decoder (default: the "
+                         "embedding model directory's name)")
     up.add_argument("--reranker-dir", type=Path, default=None,
                     help="cross-encoder checkpoint for Rerank (default: bi-encoder cosine of the embeddings)")
     up.add_argument("--adapter-root", type=Path, default=default_adapter_root(),
@@ -204,8 +215,9 @@ def _add_pooling_commands(sub, remote: argparse.ArgumentParser) -> None:
 
     tok = sub.add_parser("tokenize", help="show a model's tokens of each text", parents=[remote])
     tok.add_argument("texts", nargs="+")
-    tok.add_argument("--model", default="", help="the decoder's model or a loaded adapter's name, or a pooling "
-                     "model's (default: the embedding model)")
+    tok.add_argument("--model", default="", help="the decoder's model (any of its served names) or a loaded "
+                     "adapter's name, or a pooling model's (default: the decoder's model, as vLLM's /tokenize; the "
+                     "embedding model's when the cluster has no decoder)")
     tok.add_argument("--json", action="store_true", help="print one JSON object")
     tok.set_defaults(func=_tokenize)
 
@@ -278,7 +290,10 @@ def _up(args) -> int:
                        embedding_model_dir=args.embedding_model_dir, reranker_dir=args.reranker_dir,
                        adapter_root=args.adapter_root,
                        admin_token=token, vision=not args.no_vision, mrope_section=args.mrope_section,
-                       image_token=args.image_token, extra_args=parse_extra(args.service_args),
+                       image_token=args.image_token, served_model_name=tuple(args.served_model_name),
+                       generation_config=args.generation_config or "",
+                       embedding_served_model_name=tuple(args.embedding_served_model_name),
+                       extra_args=parse_extra(args.service_args),
                        num_decoders=args.decoders, num_poolers=args.poolers, http_port=args.http_port,
                        cluster=args.cluster, log_format=args.log_format, log_level=args.log_level,
                        log_max_bytes=args.log_max_bytes, log_backups=args.log_backups)

@@ -7,9 +7,9 @@ gateway); `up` returns only when every health check says SERVING. A process that
 SERVING in time fails the start: `StartupError` names it, its one-line cause and its last log
 lines, and the others are stopped. Only this first start is all-or-nothing (a cluster that never
 came up has served nothing, and the cause is most often its configuration); `--cluster` and the
-ports (`ClusterSpec`) and the flags of `--service-args` (`check_service_args`) are checked before
-any process starts. On Ctrl-C / SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a
-grace period.
+ports (`ClusterSpec`) and the flags of `--service-args` and of the models' served names and
+sampling defaults (`check_service_args`) are checked before any process starts. On Ctrl-C /
+SIGTERM it sends SIGTERM to all (each drains), then SIGKILL after a grace period.
 
 Once up, the cluster runs until Ctrl-C / SIGTERM: `up` never stops it on its own (`Supervisor`).
 A process that exits, or whose health has not said SERVING for UNHEALTHY_RESTART_S (its engine
@@ -101,6 +101,9 @@ class ClusterSpec:
     vision: bool = True  # False: text-only whatever the decoder (no vision service), as `--no-vision`
     mrope_section: str = ""  # pairs the demo encoder with the decoder; "" = derived (see `encoder`)
     image_token: str = "<empty_output>"  # the demo encoder's image placeholder in the decoder's vocabulary
+    served_model_name: tuple[str, ...] = ()  # the decoder's --served-model-name NAME [ALIAS ...]; () = its dir's name
+    generation_config: str = ""  # the decoder's --generation-config (auto, vllm or a directory); "" = its default
+    embedding_served_model_name: tuple[str, ...] = ()  # the pooling service's --served-model-name (embedding model)
     cluster: str = ""  # the cluster's name: its home is cluster_home(cluster); "" = the gateway's port
     log_dir: Path | None = None  # None = cluster_home(cluster) / "logs"
     log_format: str = "text"  # every service's --log-format: text or json lines
@@ -211,9 +214,11 @@ class ClusterSpec:
                          "--db", str(self.catalog_path)],
             "vision": vision,
             "pooling": ["--model-dir", str(self.embedding_model_dir),
-                        *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else [])],
+                        *(["--reranker-dir", str(self.reranker_dir)] if self.reranker_dir else []),
+                        *_names_flag(self.embedding_served_model_name)],
             "decoder": ["--model-dir", str(self.decoder_model_dir), "--adapters-address", a("adapters"),
-                        *decoder_vision],
+                        *decoder_vision, *_names_flag(self.served_model_name),
+                        *(["--generation-config", self.generation_config] if self.generation_config else [])],
             "gateway": ["--decoder", self.target("decoder"), "--pooling", self.target("pooling"),
                         "--adapters", a("adapters"),
                         "--vision", a("vision") if self.encoder else "", "--http-port", str(self.http_port)],
@@ -222,6 +227,16 @@ class ClusterSpec:
         return [sys.executable, "-m", f"tessera.{service}", "--address", a(instance), *args,
                 "--metrics-port", str(metrics_port), "--log-format", self.log_format, "--log-level", self.log_level,
                 *self.extra_args.get(service, [])]
+
+    def services_given_flags(self) -> set[str]:
+        """The services whose command line carries flags the user gave: `--service-args`, and the
+        decoder's and pooling's model names and sampling defaults (`check_service_args` parses them)."""
+        given = set(self.extra_args)
+        if self.served_model_name or self.generation_config:
+            given.add("decoder")
+        if self.embedding_served_model_name:
+            given.add("pooling")
+        return given
 
     def environment(self, instance: str) -> dict[str, str]:
         """Environment overrides of a process: replicas of one service share the CPUs (each gets
@@ -549,6 +564,11 @@ def _kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def _names_flag(names: tuple[str, ...]) -> list[str]:
+    """`--served-model-name NAME ALIAS...` when names are given (vLLM's flag), else nothing."""
+    return ["--served-model-name", *names] if names else []
+
+
 def write_endpoints(spec: ClusterSpec) -> str:
     """Write `<log dir>/endpoints.json`: the gateway's address and each process's gRPC address and
     metrics URL. Returns the text written."""
@@ -591,8 +611,9 @@ for service, argv in json.loads(sys.argv[1]):
 
 
 def check_service_args(spec: ClusterSpec, timeout_s: float = 120.0) -> None:
-    """Refuse a `--service-args` flag its service does not know, or a value its parser cannot read,
-    before any process starts: the command line of each service given some is parsed by the
+    """Refuse a `--service-args` flag its service does not know, or a value its parser cannot read
+    (`up`'s own decoder and pooling flags too: `ClusterSpec.services_given_flags`), before any
+    process starts: the command line of each service given some is parsed by the
     service's own parser, in one child process (the parsers come with the services' code, torch
     included; `up` does not keep that in memory). Values a service checks when it builds its config
     (a limit out of range) still fail its start. Nothing to check, nothing is run.
@@ -600,8 +621,9 @@ def check_service_args(spec: ClusterSpec, timeout_s: float = 120.0) -> None:
     Raises:
         ValueError: one line, the service and its parser's error.
     """
+    given = spec.services_given_flags()
     commands = [(name, spec.command(name)[3:]) for name in spec.services()
-                if name in spec.extra_args]  # a service's first replica; the others differ only in ports
+                if name in given]  # a service's first replica; the others differ only in ports
     if not commands:
         return
     try:

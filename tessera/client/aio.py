@@ -168,9 +168,12 @@ class AsyncClient:
     async def tokenize(self, inputs: str | Sequence[str] | None = None, *, messages: Iterable[Message | dict] | None = None,
                        model: str = "", add_special_tokens: bool | None = None, prompt_name: str = "",
                        timeout: float | None = None) -> TokenizeResult:
-        """Tokens of each input by `model`'s tokenizer: "" or a pooling model's name (with character
-        offsets), or the decoder's model or a loaded adapter's name (one input, or chat `messages`
-        rendered with its chat template). NotFound for an unknown model."""
+        """Tokens of each input by `model`'s tokenizer. "" (the served model, as vLLM's /tokenize),
+        one of the decoder's served names or a loaded adapter's name: the decoder's, for one input
+        or chat `messages` rendered with its chat template; "" is the default embedding model's when
+        the cluster has no decoder. A pooling model's name or alias: that model's, with character
+        offsets. `result.model` names the model that tokenized (its first served name).
+        NotFound for an unknown model; InvalidArgument for several inputs to the decoder."""
         request = convert.tokenize_request(inputs, messages=messages, model=model,
                                            add_special_tokens=add_special_tokens, prompt_name=prompt_name)
         return convert.tokenize_result(await self._unary("Tokenize", request, timeout))

@@ -81,7 +81,11 @@ def base64_to_vector(text: str) -> np.ndarray:
 # --- requests ---------------------------------------------------------------------------------
 
 def image_part(image: ImageLike) -> decoder_pb2.ContentPart:
-    """A content part for raw bytes, a file path or a PIL image (encoded as PNG)."""
+    """A content part for raw bytes, a file path or a PIL image (encoded as PNG).
+
+    Raises:
+        TypeError: anything else.
+    """
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
     elif isinstance(image, (str, os.PathLike)):
@@ -95,11 +99,53 @@ def image_part(image: ImageLike) -> decoder_pb2.ContentPart:
     return decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data=data))
 
 
+_PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}}
+
+
+def openai_part(part: dict) -> decoder_pb2.ContentPart:
+    """An OpenAI chat content part: `{"type": "text", "text": ...}` or `{"type": "image_url",
+    "image_url": {"url": "data:image/png;base64,..."}}` (OpenAI's shape; the vision service decodes
+    the data URI, as it does for the HTTP API's). `detail` may be "auto" (the processor's own
+    resize, which is what tessera does); remote URLs are never fetched.
+
+    Raises:
+        ValueError: an unknown part type (named), a key the part type does not have, text that is
+            not a str, an image URL that is not a base64 data URI, a `detail` other than "auto".
+    """
+    kind = part.get("type")
+    if kind not in _PART_KEYS:
+        raise ValueError(f"content part type {kind!r} is not supported; the types are {sorted(_PART_KEYS)}")
+    unknown = sorted(set(part) - _PART_KEYS[kind])
+    if unknown:
+        raise ValueError(f"a {kind!r} content part has no field {unknown[0]!r}; its fields are "
+                         f"{sorted(_PART_KEYS[kind])}")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"a 'text' content part needs text as a str; got {type(part.get('text')).__name__}")
+        return decoder_pb2.ContentPart(text=part["text"])
+    image_url = part.get("image_url")
+    if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
+        raise ValueError('an \'image_url\' content part needs "image_url": {"url": "data:image/...;base64,..."}')
+    unknown = sorted(set(image_url) - {"url", "detail"})
+    if unknown:
+        raise ValueError(f"image_url has no field {unknown[0]!r}; its fields are ['detail', 'url']")
+    if image_url.get("detail", "auto") != "auto":
+        raise ValueError(f"image_url.detail {image_url['detail']!r} is not honoured; images are sized by the "
+                         "model's processor (detail 'auto')")
+    url = image_url["url"]
+    if not url.startswith("data:") or ";base64," not in url[:256]:
+        raise ValueError(f"image_url.url must be a base64 data URI (data:image/png;base64,...); remote URLs are "
+                         f"not fetched (got {url[:40]!r})")
+    return decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data_uri=url))
+
+
 def content_parts(content: Content) -> list[decoder_pb2.ContentPart]:
-    """Message content as parts: a str is text; in a list, str items are text and others images."""
+    """Message content as parts: a str is text; in a list, a str item is text, a dict an OpenAI
+    content part (`openai_part`), anything else an image (`image_part`)."""
     if isinstance(content, str):
         return [decoder_pb2.ContentPart(text=content)]
-    return [decoder_pb2.ContentPart(text=p) if isinstance(p, str) else image_part(p) for p in content]
+    return [decoder_pb2.ContentPart(text=p) if isinstance(p, str) else openai_part(p) if isinstance(p, dict)
+            else image_part(p) for p in content]
 
 
 def chat_messages(messages: Iterable[Message | dict]) -> list[decoder_pb2.ChatMessage]:
@@ -199,7 +245,7 @@ class ResultBuilder:
         self._ids: dict[int, list[int]] = {}
         self._logprobs: dict[int, list[TokenLogprob]] = {}
         self._finish: dict[int, str] = {}
-        self._usage = Usage()
+        self._usages: dict[int, Usage] = {}  # choice index -> its final message's usage
 
     def add(self, response: decoder_pb2.GenerateResponse) -> GenerateDelta:
         delta = generate_delta(response)
@@ -209,15 +255,28 @@ class ResultBuilder:
         if delta.finish_reason:
             self._finish[delta.index] = delta.finish_reason
         if response.HasField("usage"):
-            self._usage = from_pb(Usage, response.usage)
+            self._usages[delta.index] = from_pb(Usage, response.usage)
         return delta
+
+    def usage(self) -> Usage:
+        """The request's usage, as OpenAI's and vLLM's for n choices: completion tokens summed over
+        the choices, the prompt counted once. The decoder reports each choice's own usage on its
+        final message (tessera/v1/decoder.proto); the prompt's counts are the lowest choice's, choice
+        0: it computes the prompt (its prefix-cache hits), the others reuse its blocks."""
+        if not self._usages:
+            return Usage()
+        first = self._usages[min(self._usages)]
+        completion = sum(u.completion_tokens for u in self._usages.values())
+        return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+                     total_tokens=first.prompt_tokens + completion, image_tokens=first.image_tokens,
+                     cached_prompt_tokens=first.cached_prompt_tokens)
 
     def result(self) -> GenerateResult:
         choices = [Choice(index=i, text="".join(self._texts[i]), token_ids=self._ids[i],
                           finish_reason=self._finish.get(i, ""), logprobs=self._logprobs[i])
                    for i in sorted(self._texts)]
         return GenerateResult(request_id=self.request_id, choices=choices or [Choice(0, "", [], "")],
-                              usage=self._usage, replica=self.replica)
+                              usage=self.usage(), replica=self.replica)
 
 
 def embed_result(response: pooling_pb2.EmbedResponse) -> EmbedResult:

@@ -158,8 +158,10 @@ class Client:
         """Stream an answer to chat `messages`, rendered with the model's chat template.
 
         Each message is a Message or a dict with "role" and "content"; content is a str or a list
-        of parts (str = text; bytes, a pathlib.Path or a PIL image = an image). Otherwise as
-        generate_stream.
+        of parts: str = text; bytes, a pathlib.Path or a PIL image = an image; or OpenAI's content
+        parts, {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}}. ValueError (before any call) for another part type, naming
+        it, or an image URL that is not a base64 data URI. Otherwise as generate_stream.
         """
         request = convert.generate_request(messages=messages, lora=lora, request_id=request_id,
                                            sampling=merge_sampling(sampling, sampling_fields))
@@ -205,9 +207,12 @@ class Client:
     def tokenize(self, inputs: str | Sequence[str] | None = None, *, messages: Iterable[Message | dict] | None = None,
                  model: str = "", add_special_tokens: bool | None = None, prompt_name: str = "",
                  timeout: float | None = None) -> TokenizeResult:
-        """Tokens of each input by `model`'s tokenizer: "" or a pooling model's name (with character
-        offsets), or the decoder's model or a loaded adapter's name (one input, or chat `messages`
-        rendered with its chat template). NotFound for an unknown model."""
+        """Tokens of each input by `model`'s tokenizer. "" (the served model, as vLLM's /tokenize),
+        one of the decoder's served names or a loaded adapter's name: the decoder's, for one input
+        or chat `messages` rendered with its chat template; "" is the default embedding model's when
+        the cluster has no decoder. A pooling model's name or alias: that model's, with character
+        offsets. `result.model` names the model that tokenized (its first served name).
+        NotFound for an unknown model; InvalidArgument for several inputs to the decoder."""
         request = convert.tokenize_request(inputs, messages=messages, model=model,
                                            add_special_tokens=add_special_tokens, prompt_name=prompt_name)
         return convert.tokenize_result(self._unary("Tokenize", request, timeout))

@@ -15,13 +15,16 @@ import numpy as np
 # An image part: raw encoded bytes (PNG, JPEG, ...), a file path (pathlib.Path or os.PathLike;
 # a plain str inside message content is text), or a PIL.Image.Image (sent as PNG).
 ImageLike = bytes | os.PathLike | Any
-# Message content: text, or a list of parts (str = text, anything else an ImageLike).
+# Message content: text, or a list of parts: str = text; a dict = an OpenAI content part,
+# {"type": "text", "text": ...} or {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}};
+# anything else an ImageLike.
 Content = str | Sequence[Any]
 
 
 @dataclass(frozen=True)
 class Message:
-    """One chat turn. `role` is "system", "user" or "assistant"; images come in `content` as parts."""
+    """One chat turn. `role` is "system", "user" or "assistant"; images come in `content` as parts
+    (see `Content`: the client's own, or OpenAI's dicts)."""
 
     role: str
     content: Content
@@ -64,15 +67,20 @@ class Usage:
 class TopLogprob:
     token_id: int
     logprob: float
+    token: str = ""           # the token's text (tokenizer.decode([id]), as vLLM; U+FFFD for part of a character)
+    token_bytes: bytes = b""  # the token's exact UTF-8 bytes
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability (natural log, raw model distribution) of a chosen token and its top alternatives."""
+    """Log-probability (natural log, raw model distribution) of a chosen token and its top
+    alternatives; `token` and `token_bytes` as TopLogprob's ("" where the decoder sent none)."""
 
     token_id: int
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
+    token: str = ""
+    token_bytes: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,9 @@ class Choice:
 class GenerateResult:
     """A finished Generate: every choice (n of them, index order) and the usage.
 
-    `text`, `token_ids` and `finish_reason` are choice 0's. `replica` is the decoder replica
+    `usage` is the request's, as OpenAI and vLLM count n choices: completion_tokens (and
+    total_tokens) summed over every choice, the prompt counted once. `text`, `token_ids` and
+    `finish_reason` are choice 0's. `replica` is the decoder replica
     that served it (host:port), as the gateway reports it.
     """
 
@@ -203,6 +213,10 @@ class DecoderInfo:
     prefix_cache_hits: int
     prefix_cache_hit_tokens: int
     resident_adapters: list[str]
+    served_model_names: list[str] = field(default_factory=list)  # `model` first, then its aliases
+    generation_config: str = ""  # --generation-config: "auto", "vllm" or a directory
+    # sampling defaults in force for fields a request leaves unset (temperature, top_p, ...); {} under "vllm"
+    generation_defaults: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -217,6 +231,7 @@ class PoolingModelInfo:
     matryoshka_dimensions: list[int]
     matryoshka: bool
     prompts: dict[str, str]
+    aliases: list[str] = field(default_factory=list)  # --served-model-name's further names, accepted as `model`
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ Metadata keys:
     type: a function parsing the flag's text, for fields whose type is not int, float, str or Path
         (e.g. an M-RoPE section "8,12,12"); it raises ValueError or argparse.ArgumentTypeError.
     append: True for a repeatable flag collecting a list.
+    nargs: "+" for a flag taking one or more values at once into a list (vLLM's
+        `--served-model-name NAME [ALIAS ...]`); the values' type comes from the list's annotation,
+        as for append. Such a field takes no "env".
+    metavar: the value's name in the help; a pair names the first and the further values of
+        nargs "+" (("NAME", "ALIAS") shows `NAME [ALIAS ...]`).
     default_help: what the help shows as the default, where the field default says less
         (e.g. "each model's max_seq_length" for None).
 
@@ -96,11 +101,16 @@ def _argument(f: Field, annotation: Any, default: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"default": default, "help": f"{meta['help']} (default: {shown}{source})"}
     if "choices" in meta:
         kwargs["choices"] = meta["choices"]
+    if "metavar" in meta:
+        kwargs["metavar"] = meta["metavar"]
     if base is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
         return kwargs
-    if meta.get("append"):
-        kwargs["action"] = "append"
+    if meta.get("append") or meta.get("nargs"):
+        if meta.get("nargs"):
+            kwargs["nargs"] = meta["nargs"]
+        else:
+            kwargs["action"] = "append"
         kwargs["default"] = list(default or [])
         base = _base_type(typing.get_args(annotation)[0]) if typing.get_args(annotation) else str
         parse = meta.get("type") or base

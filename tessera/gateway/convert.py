@@ -45,19 +45,30 @@ def routing_key(request: decoder_pb2.GenerateRequest) -> RoutingKey:
     return RoutingKey(bytes(content), request.lora, tuple(images))
 
 
-def decoder_tokenize_request(request: pooling_pb2.TokenizeRequest) -> decoder_pb2.DecoderTokenizeRequest:
-    """A Tokenize naming a decoder model as the decoder's request: its one input or its messages.
+def served_names(info: decoder_pb2.DecoderInfo) -> list[str]:
+    """Every name the decoder's model answers to, the one its answers carry first:
+    DecoderInfo.served_model_names (--served-model-name), else its `model` alone."""
+    return list(info.served_model_names) or [info.model]
+
+
+def decoder_tokenize_request(request: pooling_pb2.TokenizeRequest,
+                             model: str) -> decoder_pb2.DecoderTokenizeRequest:
+    """A Tokenize for the decoder's tokenizer as the decoder's request: its one input or its
+    messages, and their chat fields. `model` (the decoder's name or the adapter's the request
+    resolved to) is what refusals name.
 
     Raises:
         InvalidArgument: more than one input, or a prompt_name (pooling models' prompts).
     """
     if len(request.inputs) > 1:
-        raise InvalidArgument(f"inputs has {len(request.inputs)} texts; the decoder's model {request.model!r} "
+        raise InvalidArgument(f"inputs has {len(request.inputs)} texts; the decoder's model {model!r} "
                               "tokenizes one text (or messages) per request")
     if request.prompt_name:
-        raise InvalidArgument(f"prompt_name is for pooling models; {request.model!r} is a decoder model")
+        raise InvalidArgument(f"prompt_name is for pooling models; {model!r} is a decoder model")
     out = decoder_pb2.DecoderTokenizeRequest(text=request.inputs[0] if request.inputs else "",
-                                             messages=request.messages)
+                                             messages=request.messages,
+                                             continue_final_message=request.continue_final_message,
+                                             chat_template_kwargs=request.chat_template_kwargs)
     if request.HasField("add_special_tokens"):
         out.add_special_tokens = request.add_special_tokens
     if request.HasField("add_generation_prompt"):

@@ -3,8 +3,10 @@
 Never computes model math. Generate goes to the decoder replica the router scores best
 (tessera/gateway/router.py: prefix affinity, adapter affinity, load); pooling calls go to the
 pooler with the fewest requests in flight (tessera/gateway/pools.py). Tokenize goes by its
-`model`: empty or a pooling model's name to a pooler; the decoder's model or a ready adapter's name
-to the decoder replica with the fewest requests in flight (Detokenize: decoder models only).
+`model`: empty (the served model, as vLLM's /tokenize), any of the decoder's served names
+(DecoderInfo.served_model_names) or a ready adapter's name to the decoder replica with the fewest
+requests in flight; a pooling model's name or alias to a pooler, which resolves it (Detokenize:
+decoder models only).
 
 A Generate whose replica fails (UNAVAILABLE) before it streamed a token is retried once on another
 replica; one already streaming ends with UNAVAILABLE naming the replica as soon as its connection
@@ -32,7 +34,7 @@ from tessera.common.errors import (
 from tessera.common.logs import REQUEST_ID_METADATA
 from tessera.common.server import insecure_channel
 from tessera.gateway.config import GatewayConfig
-from tessera.gateway.convert import decoder_tokenize_request, routing_key, tokenize_response
+from tessera.gateway.convert import decoder_tokenize_request, routing_key, served_names, tokenize_response
 from tessera.gateway.limits import GatewayLimits
 from tessera.gateway.pools import DecoderPool, PoolerPool
 from tessera.gateway.replicas import Replica
@@ -172,80 +174,98 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # -- tokenize -----------------------------------------------------------------------------
 
     async def Tokenize(self, request, context):
-        """`model` empty or a pooling model's name: that pooling model's tokenizer; the decoder's
-        model or a loaded adapter's name: the decoder's (one input, or chat messages)."""
+        """By `model`: "" (the served model, as vLLM's /tokenize), any of the decoder's served names
+        or a ready adapter's name: the decoder's tokenizer (one input, or chat messages), answering
+        the decoder's first served name (an adapter's own); a pooling model's name or alias: that
+        model's. "" goes to the default pooling model only when no decoder has reported and none
+        becomes ready within the pool's wait (a cluster without a decoder)."""
         self.limits.tokenize(request)
-        if await self._names_decoder(request.model, context):
+        named = await (self._names_decoder(request.model, context) if request.model
+                       else self._ask_decoder_model(context))
+        if named is not None:
             self.limits.decoder_tokenize(request)
-            reply = await self._decoded("Tokenize", decoder_tokenize_request(request), context)
-            return tokenize_response(request.model, reply)
+            reply = await self._decoded("Tokenize", decoder_tokenize_request(request, named), context)
+            return tokenize_response(named, reply)
         if request.messages:
-            raise InvalidArgument(f"messages are tokenized by decoder models only; {self._which_decoder()}")
+            raise InvalidArgument("messages are tokenized by decoder models only; "
+                                  f"{await self._which_decoder(context)}")
         try:
             return await self._pooled("Tokenize", request, context)
         except NotFound as error:
-            raise NotFound(f"{error}; {self._which_decoder()}") from None
+            raise NotFound(f"{error}; {await self._which_decoder(context)}") from None
 
     async def Detokenize(self, request, context):
-        """Decoder models only; a pooling model (or none) named is INVALID_ARGUMENT, an unknown one NOT_FOUND."""
+        """Decoder models only (any served name; the answer carries the first, an adapter's its own);
+        a pooling model (or none) named is INVALID_ARGUMENT, an unknown one NOT_FOUND."""
         self.limits.detokenize(request)
-        if not await self._names_decoder(request.model, context):
+        named = await self._names_decoder(request.model, context) if request.model else None
+        if named is None:
+            takes = await self._which_decoder(context)
             if request.model and request.model not in await self._pooling_models(context):
-                raise NotFound(f"model {request.model!r} is not served; detokenize takes {self._which_decoder()}")
-            named = f"{request.model!r} is a pooling model" if request.model else "no model is named"
-            raise InvalidArgument(f"model: {named}; detokenize takes {self._which_decoder()}")
+                raise NotFound(f"model {request.model!r} is not served; detokenize takes {takes}")
+            which = f"{request.model!r} is a pooling model" if request.model else "no model is named"
+            raise InvalidArgument(f"model: {which}; detokenize takes {takes}")
         reply = await self._decoded("Detokenize", request, context)
-        return decoder_pb2.DetokenizeResponse(model=request.model, text=reply.text)
+        return decoder_pb2.DetokenizeResponse(model=named, text=reply.text)
 
-    def _decoder_model(self) -> str | None:
-        """The decoder replicas' model name (they serve one model), or None before any has reported."""
+    def _decoder_names(self) -> list[str] | None:
+        """The decoder replicas' served names, the first the one answers carry (they serve one model;
+        DecoderInfo.model alone when the list is empty), or None before any has reported."""
         for replica in self.decoders.replicas.replicas.values():
             if isinstance(replica.info, decoder_pb2.DecoderInfo) and replica.info.model:
-                return replica.info.model
+                return served_names(replica.info)
         return None
 
-    async def _ask_decoder_model(self, context) -> str | None:
-        """`_decoder_model()`, asked of a ready replica before the first report; None when none
+    async def _ask_decoder_names(self, context) -> list[str] | None:
+        """`_decoder_names()`, asked of a ready replica before the first report; None when none
         becomes ready within the pool's wait (pools.READY_WAIT_S) or answers."""
-        model = self._decoder_model()
-        if model is not None:
-            return model
+        names = self._decoder_names()
+        if names is not None:
+            return names
         try:
             replica = (await self.decoders.ready((), context.time_remaining()))[0]
             info = await self._unary("decoder", replica.address, replica.stub.GetInfo, decoder_pb2.DecoderInfoRequest(),
                                      context, replica=replica)
         except Unavailable:
             return None
-        return info.model
+        return served_names(info) if info.model else None
 
-    def _which_decoder(self) -> str:
-        model = self._decoder_model()
-        return (f"the decoder's model {model!r} or a loaded adapter's name" if model
+    async def _ask_decoder_model(self, context) -> str | None:
+        """The decoder's first served name (what answers carry), as `_ask_decoder_names`."""
+        names = await self._ask_decoder_names(context)
+        return names[0] if names else None
+
+    async def _which_decoder(self, context) -> str:
+        """What a decoder-only call may name, for refusals."""
+        names = await self._ask_decoder_names(context)
+        return (f"the decoder's model {' or '.join(map(repr, names))} or a loaded adapter's name" if names
                 else "the decoder's model or a loaded adapter's name")
 
-    async def _names_decoder(self, model: str, context) -> bool:
-        """Whether `model` is the decoder's model or a ready adapter of the registry (an adapter
-        shares its base model's tokenizer); False for "" and when the registry cannot answer."""
+    async def _names_decoder(self, model: str, context) -> str | None:
+        """The name to answer with when `model` names the decoder: its first served name for any of
+        them, `model` itself for a ready adapter of the registry (an adapter shares its base model's
+        tokenizer); None otherwise, for "" and when the registry cannot answer."""
         if not model:
-            return False
-        if model == await self._ask_decoder_model(context):
-            return True
+            return None
+        names = await self._ask_decoder_names(context)
+        if names is not None and model in names:
+            return names[0]
         try:
             listed = await self._unary("adapters", self.config.adapters, self.adapters.ListAdapters,
                                        adapters_pb2.ListAdaptersRequest(), context)
         except Unavailable:
-            return False
-        return any(a.name == model and a.state == "ready" for a in listed.adapters)
+            return None
+        return model if any(a.name == model and a.state == "ready" for a in listed.adapters) else None
 
     async def _pooling_models(self, context) -> list[str]:
-        """Every pooling model's name ([] when no pooler answers)."""
+        """Every name a pooling request may give: each model's name and aliases ([] when no pooler answers)."""
         try:
             replica = (await self.poolers.ready((), context.time_remaining()))[0]
             info = await self._unary("pooling", replica.address, replica.stub.GetInfo, pooling_pb2.PoolingInfoRequest(),
                                      context, replica=replica)
         except Unavailable:
             return []
-        return [m.model for m in info.models] or [info.model]
+        return [name for m in info.models for name in (m.model, *m.aliases)] or [info.model]
 
     async def _decoded(self, method: str, request, context):
         """One unary decoder call on the ready replica with the fewest requests in flight."""

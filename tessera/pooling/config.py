@@ -43,7 +43,9 @@ class ModelConfig:
             one logit) or "llm-judge" (AutoModelForCausalLM scored by its "yes"/"no" LM-head rows).
             Default: "cross-encoder" when config.json names a *ForSequenceClassification architecture,
             else "embedding"; "llm-judge" is never guessed.
-        model_name: the name requests address; default the directory name.
+        model_name: the name requests address and answers carry; default the directory name.
+        aliases: further names requests may address it by (answers carry `model_name`), as vLLM's
+            --served-model-name NAME [ALIAS ...]; none by default.
         max_input_length: most tokens per input (a rerank pair or judge prompt counts whole), special
             tokens included. Default: sentence-transformers' `max_seq_length`, else the tokenizer's
             `model_max_length` capped by `max_position_embeddings`.
@@ -62,12 +64,13 @@ class ModelConfig:
     Raises:
         ValueError: a missing model directory, an unknown kind or pooling mode, a limit below 1 or past
             the model's position embeddings, a Matryoshka width outside 1..hidden size, a template
-            without its fields.
+            without its fields, an empty alias or one repeating a name.
     """
 
     model_dir: Path
     kind: str | None = None
     model_name: str | None = None
+    aliases: tuple[str, ...] = ()
     max_input_length: int | None = None
     pooling_mode: str | None = None
     normalize: bool | None = None
@@ -107,9 +110,18 @@ class ModelConfig:
             self.model_name = self.model_dir.name
         if not self.model_name:
             raise ValueError("model_name must be non-empty")
+        self.aliases = tuple(self.aliases)
+        names = [self.model_name, *self.aliases]
+        if not all(names) or len(set(names)) != len(names):
+            raise ValueError(f"served model names must be non-empty and distinct, got {names}")
         self.max_input_length = self._resolve_max_input_length(st.max_seq_length, hf)
         self._resolve_matryoshka(hf)
         self._resolve_judge(hf)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name requests may address this model by: `model_name`, then the aliases."""
+        return (self.model_name, *self.aliases)
 
     def _resolve_max_input_length(self, st_max_seq_length: int | None, hf: CheckpointConfig) -> int:
         max_positions = hf.max_position_embeddings
@@ -218,9 +230,9 @@ class PoolingConfig:
             raise ValueError(f"address must be host:port, got {self.address!r}")
         if not self.models:
             raise ValueError("models must name at least one model")
-        names = [m.model_name for m in self.models]
+        names = [name for m in self.models for name in m.names]
         if len(set(names)) != len(names):
-            raise ValueError(f"model names must be unique, got {names}")
+            raise ValueError(f"model names (and aliases) must be unique, got {names}")
         if self.max_batch_size < 1 or self.max_request_chars < 1:
             raise ValueError(f"max_batch_size ({self.max_batch_size}) and max_request_chars "
                              f"({self.max_request_chars}) must be >= 1")
@@ -234,6 +246,10 @@ class PoolingConfig:
         if self.max_queue_size < self.max_batch_size + 1:
             raise ValueError(f"max_queue_size {self.max_queue_size} must hold one full request "
                              f"(max_batch_size + 1 = {self.max_batch_size + 1})")
+
+    def model_names(self) -> dict[str, str]:
+        """Every name a request may give (each model's name and aliases) -> that model's name."""
+        return {name: m.model_name for m in self.models for name in m.names}
 
     @property
     def limits(self) -> PoolingLimits:
@@ -281,22 +297,31 @@ class ModelFlags:
         "default_help": "config.json"})
     judge_instruction: str | None = field(default=None, metadata={
         "help": "LLM-judge instruction", "default_help": "the model's / Qwen3-Reranker's"})
+    served_model_name: list[str] = field(default_factory=list, metadata={
+        "help": "names of the first model (the default embedding model; the first reranker when none is "
+                "served): requests and answers use NAME, requests may also give each ALIAS, and the directory "
+                "name is then not accepted (vLLM's --served-model-name)",
+        "nargs": "+", "metavar": ("NAME", "ALIAS"), "default_help": "the directory name"})
 
     def models(self) -> list[ModelConfig]:
-        """Validated `ModelConfig`s: embedding models first, then rerankers, then judges.
+        """Validated `ModelConfig`s: embedding models first, then rerankers, then judges; the first
+        one named `served_model_name` when given.
 
         Raises:
             ValueError: from `ModelConfig`.
         """
         embedding_dirs = self.model_dir or ([] if self.reranker_dir or self.judge_dir else [default_embedding_dir()])
-        models = [ModelConfig(model_dir=d, kind=EMBEDDING, max_input_length=self.max_input_length,
-                              pooling_mode=self.pooling_mode, normalize=self.normalize,
-                              matryoshka_dimensions=self.matryoshka_dimensions) for d in embedding_dirs]
-        models += [ModelConfig(model_dir=d, kind=CROSS_ENCODER, max_input_length=self.max_input_length)
-                   for d in self.reranker_dir]
-        models += [ModelConfig(model_dir=d, kind=LLM_JUDGE, max_input_length=self.max_input_length,
-                               judge_instruction=self.judge_instruction) for d in self.judge_dir]
-        return models
+        embedding = {"kind": EMBEDDING, "max_input_length": self.max_input_length, "pooling_mode": self.pooling_mode,
+                     "normalize": self.normalize, "matryoshka_dimensions": self.matryoshka_dimensions}
+        reranker = {"kind": CROSS_ENCODER, "max_input_length": self.max_input_length}
+        judge = {"kind": LLM_JUDGE, "max_input_length": self.max_input_length,
+                 "judge_instruction": self.judge_instruction}
+        served = [(d, embedding) for d in embedding_dirs] + [(d, reranker) for d in self.reranker_dir] + \
+            [(d, judge) for d in self.judge_dir]
+        names = ({"model_name": self.served_model_name[0], "aliases": tuple(self.served_model_name[1:])}
+                 if self.served_model_name else {})
+        return [ModelConfig(model_dir=d, **settings, **(names if i == 0 else {}))
+                for i, (d, settings) in enumerate(served)]
 
 
 def _tokenizer_max_length(model_dir: Path) -> int | None:

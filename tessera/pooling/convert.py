@@ -47,6 +47,22 @@ def truncation_direction(request: pooling_pb2.EmbedRequest | pooling_pb2.RerankR
     return _DIRECTIONS[value]
 
 
+_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def check_tokenize_fields(request: pooling_pb2.TokenizeRequest) -> None:
+    """A pooling model tokenizes texts: the chat-template fields (decoder models') are refused, not dropped.
+
+    Raises:
+        InvalidArgument: naming the first chat field set.
+    """
+    for name in _CHAT_FIELDS:
+        value = getattr(request, name)
+        if (request.HasField(name) if name == "add_generation_prompt" else bool(value)):
+            raise InvalidArgument(f"{name} is for decoder models (their chat template); pooling models tokenize "
+                                  "`inputs`")
+
+
 def embeddings_to_pb(result: Embeddings, encoding_format: int) -> pooling_pb2.EmbedResponse:
     usage = _usage(result.num_prompt_tokens)
     vectors = result.vectors.to(torch.float32).contiguous()  # [N, D]
@@ -75,7 +91,8 @@ def info_to_pb(info: PoolingInfo) -> pooling_pb2.PoolingInfo:
     models = [pooling_pb2.PoolingModelInfo(
         model=m.model, kind=m.kind, pooling_mode=m.pooling_mode, normalize=m.normalize, dimension=m.dimension,
         max_input_length=m.max_input_length, rerank_method=m.rerank_method, matryoshka=m.matryoshka,
-        matryoshka_dimensions=list(m.matryoshka_dimensions), prompts=m.prompts) for m in info.models]
+        matryoshka_dimensions=list(m.matryoshka_dimensions), prompts=m.prompts, aliases=list(m.aliases))
+        for m in info.models]
     return pooling_pb2.PoolingInfo(
         model=info.model, pooling_mode=info.pooling_mode, normalize=info.normalize, dimension=info.dimension,
         max_input_length=info.max_input_length, max_batch_size=info.max_batch_size,

@@ -66,6 +66,7 @@ class PoolingEngine:
         self.config = config
         self.compute = shared_compute_thread()
         self._models: dict[str, ServedModel] = {}
+        self._name_to_model = config.model_names()  # every accepted name (aliases too) -> the model's name
         if models is not None:
             self._install(models)
 
@@ -120,7 +121,7 @@ class PoolingEngine:
         """Embed a request's inputs (gathered with other requests' inputs into shared forwards).
 
         Raises:
-            NotFound: an unknown model name.
+            NotFound: a model that is neither a served model's name nor an alias.
             InvalidArgument: the model is a reranker; no inputs or both texts and ids; an empty input;
                 more than max_batch_size inputs; an input past max_input_length without truncate;
                 `dimensions` on a model not trained for Matryoshka, or outside its widths; an unknown prompt.
@@ -222,7 +223,7 @@ class PoolingEngine:
             truncation_direction: "right" keeps the first tokens, "left" the last (TEI's).
 
         Raises:
-            NotFound: an unknown model name.
+            NotFound: a model that is neither a served model's name nor an alias.
             InvalidArgument: empty query, no documents, an empty document, more than max_batch_size
                 documents, top_n < 1, an input (or pair) past max_input_length without `truncate`,
                 a judge prompt past it, a method the model does not have, an unknown direction.
@@ -274,7 +275,8 @@ class PoolingEngine:
         """The model's tokens for each text (prompt prefix included when named).
 
         Raises:
-            NotFound: an unknown model. InvalidArgument: no texts, an empty text, more than max_batch_size, an unknown prompt.
+            NotFound: neither a model's name nor an alias.
+            InvalidArgument: no texts, an empty text, more than max_batch_size, an unknown prompt.
         """
         served = self._model(model, self._default_embedding_name())
         self._check_inputs(texts, "inputs")
@@ -308,7 +310,7 @@ class PoolingEngine:
         return ModelInfo(model=c.model_name, kind=c.kind, pooling_mode=pooling_mode, normalize=c.normalize,
                          dimension=served.runner.dimension, max_input_length=c.max_input_length,
                          rerank_method=served.runner.method, matryoshka=c.is_matryoshka,
-                         matryoshka_dimensions=c.matryoshka_dimensions, prompts=dict(c.prompts))
+                         matryoshka_dimensions=c.matryoshka_dimensions, prompts=dict(c.prompts), aliases=c.aliases)
 
     # -- model lookup and input checks ---------------------------------------------------------------
 
@@ -327,11 +329,13 @@ class PoolingEngine:
         return self._model(name, default)
 
     def _model(self, name: str, default: str) -> ServedModel:
+        """The model `name` (its name or an alias; "" = `default`) addresses."""
         if not self._models:
             raise Unavailable("the pooling models are still loading")
-        served = self._models.get(name or default)
+        served = self._models.get(self._name_to_model.get(name or default, ""))
         if served is None:
-            raise NotFound(f"model {name!r} is not served here; this pooling service serves {sorted(self._models)}")
+            raise NotFound(f"model {name!r} is not served here; this pooling service serves "
+                           f"{sorted(self._name_to_model)}")
         return served
 
     def _names(self, kind: str) -> list[str]:

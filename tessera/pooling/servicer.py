@@ -5,6 +5,7 @@ from __future__ import annotations
 from tessera.common.limits import check_rerank, check_tokenize
 from tessera.common.streams import RequestPump
 from tessera.pooling.convert import (
+    check_tokenize_fields,
     embed_query_from_pb,
     embeddings_to_pb,
     info_to_pb,
@@ -57,6 +58,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
 
     async def Tokenize(self, request: pooling_pb2.TokenizeRequest, context) -> pooling_pb2.TokenizeResponse:
         check_tokenize(request, self.limits)
+        check_tokenize_fields(request)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         result = await self.engine.tokenize(list(request.inputs), model=request.model,
                                              add_special_tokens=add_special, prompt_name=request.prompt_name)

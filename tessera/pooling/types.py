@@ -82,6 +82,7 @@ class ModelInfo:
     matryoshka: bool
     matryoshka_dimensions: tuple[int, ...]
     prompts: dict[str, str] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()  # further names requests may give (answers carry `model`)
 
 
 @dataclass(frozen=True)

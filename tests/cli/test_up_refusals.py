@@ -83,3 +83,20 @@ def test_a_service_flag_its_service_cannot_parse_is_refused(up, tmp_path, capsys
     assert _written(tmp_path) == []
     code, started = up("--service-args", "gateway=--max-path-chars 64", "--service-args", "vision=--no-such-flag")
     assert code == 0 and started[0].extra_args["gateway"] == ["--max-path-chars", "64"]  # vision: not started
+
+
+def test_served_names_and_generation_config_reach_the_decoder_and_pooling(up, capsys):
+    code, started = up("--served-model-name", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2",
+                       "--generation-config", "vllm",
+                       "--embedding-served-model-name", "sentence-transformers/all-MiniLM-L6-v2")
+    assert code == 0, capsys.readouterr().err
+    [spec] = started
+    decoder, pooling = spec.command("decoder"), spec.command("pooling")
+    names = decoder.index("--served-model-name")
+    assert decoder[names:names + 3] == ["--served-model-name", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"]
+    assert decoder[decoder.index("--generation-config") + 1] == "vllm"
+    assert pooling[pooling.index("--served-model-name") + 1:][:1] == ["sentence-transformers/all-MiniLM-L6-v2"]
+    assert spec.services_given_flags() == {"decoder", "pooling"}  # parsed by their own parsers before the start
+    code, started = up()
+    assert code == 0 and "--served-model-name" not in started[-1].command("decoder")
+    assert "--generation-config" not in started[-1].command("decoder") and not started[-1].services_given_flags()

@@ -1,11 +1,18 @@
-"""The typed results and requests carry the fields issue 18 added: an adapter's base model, and
-max_tokens None (the rest of the context: 0 on the wire)."""
+"""The typed results and requests: an adapter's base model; max_tokens None (the rest of the
+context: 0 on the wire); sampling fields always sent; a request's usage over its n choices;
+OpenAI-style chat content parts."""
 
 from __future__ import annotations
 
+import base64
+import re
+
+import pytest
+
 from tessera.client import convert
-from tessera.client.types import AdapterInfo, SamplingParams
-from tessera.v1 import adapters_pb2
+from tessera.client.convert import ResultBuilder
+from tessera.client.types import AdapterInfo, Message, SamplingParams, Usage
+from tessera.v1 import adapters_pb2, decoder_pb2, tensor_pb2
 
 
 def test_adapter_info_carries_its_base_model():
@@ -20,3 +27,83 @@ def test_max_tokens_none_asks_for_the_rest_of_the_context():
     assert convert.sampling_params(SamplingParams(max_tokens=None)).max_tokens == 0
     assert convert.sampling_params(SamplingParams()).max_tokens == 64
     assert convert.sampling_params(SamplingParams(max_tokens=5)).max_tokens == 5
+
+
+def _response(index: int, text: str, token_ids: list[int], finish: str = "", usage: tensor_pb2.Usage | None = None):
+    response = decoder_pb2.GenerateResponse(request_id="r", index=index, text=text, token_ids=token_ids,
+                                            finish_reason=finish)
+    if usage is not None:
+        response.usage.CopyFrom(usage)
+    return response
+
+
+def test_usage_sums_every_choices_completion_tokens_and_counts_the_prompt_once():
+    # n = 3, choices finishing out of order; each final message carries that choice's own usage
+    builder = ResultBuilder("r")
+    for response in [
+        _response(0, "a", [1]), _response(2, "x", [7]), _response(1, "p", [4]),
+        _response(2, "y", [8], "length", tensor_pb2.Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
+                                                          image_tokens=1)),
+        _response(0, "b", [2, 3], "stop", tensor_pb2.Usage(prompt_tokens=5, completion_tokens=3, total_tokens=8,
+                                                           image_tokens=1, cached_prompt_tokens=4)),
+        _response(1, "", [], "stop", tensor_pb2.Usage(prompt_tokens=5, completion_tokens=1, total_tokens=6,
+                                                      image_tokens=1, cached_prompt_tokens=5)),
+    ]:
+        builder.add(response)
+    result = builder.result()
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in result.choices] == [
+        (0, "ab", [1, 2, 3], "stop"), (1, "p", [4], "stop"), (2, "xy", [7, 8], "length")]
+    assert result.usage == Usage(prompt_tokens=5, completion_tokens=6, total_tokens=11, image_tokens=1,
+                                 cached_prompt_tokens=4)  # choice 0 computed the prompt
+    assert result.usage.completion_tokens == sum(len(c.token_ids) for c in result.choices)
+
+
+def test_one_choice_keeps_its_usage_and_no_usage_is_zero():
+    builder = ResultBuilder("r")
+    builder.add(_response(0, "hi", [5, 6], "length", tensor_pb2.Usage(prompt_tokens=3, completion_tokens=2,
+                                                                         total_tokens=5)))
+    assert builder.result().usage == Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    assert ResultBuilder("r").result().usage == Usage()
+
+
+def test_sampling_fields_are_always_sent_so_the_models_defaults_never_replace_the_clients():
+    """temperature, top_p, top_k and repetition_penalty are proto3 `optional` (unset = the model's
+    generation config); the client sends its own values, 0.0 included."""
+    sampling = convert.sampling_params(SamplingParams())
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        assert sampling.HasField(name), name
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty) == (0.0, 1.0, 0, 1.0)
+
+
+PNG_URI = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
+
+
+def test_chat_takes_openai_content_parts_as_well_as_its_own():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                             {"type": "image_url", "image_url": {"url": PNG_URI}},
+                                             {"type": "image_url", "image_url": {"url": PNG_URI, "detail": "auto"}},
+                                             "and", b"raw-bytes"]}]
+    request = convert.generate_request(messages=messages, sampling=SamplingParams())
+    parts = request.messages[0].content
+    assert [p.WhichOneof("part") for p in parts] == ["text", "image", "image", "text", "image"]
+    assert parts[0].text == "hi" and parts[3].text == "and"
+    assert parts[1].image.data_uri == PNG_URI and parts[2].image.data_uri == PNG_URI  # vision decodes it
+    assert parts[4].image.data == b"raw-bytes"
+    ours = convert.generate_request(messages=[Message("user", ["hi", b"raw-bytes"])], sampling=SamplingParams())
+    assert [p.WhichOneof("part") for p in ours.messages[0].content] == ["text", "image"]
+
+
+@pytest.mark.parametrize(("part", "words"), [
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "content part type 'input_audio'"),
+    ({"type": "file", "file": {}}, "content part type 'file'"),
+    ({"text": "no type"}, "content part type None"),
+    ({"type": "text", "text": "hi", "cache_control": {}}, "no field 'cache_control'"),
+    ({"type": "text", "text": 3}, "text as a str"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "remote URLs are not fetched"),
+    ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}, '"image_url": {"url"'),
+    ({"type": "image_url", "image_url": {"url": PNG_URI, "detail": "high"}}, "detail 'high' is not honoured"),
+    ({"type": "image_url", "image_url": {"url": PNG_URI, "size": 3}}, "no field 'size'"),
+])
+def test_an_openai_content_part_tessera_cannot_honour_is_refused_naming_it(part, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        convert.generate_request(messages=[{"role": "user", "content": [part]}], sampling=SamplingParams())

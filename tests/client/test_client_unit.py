@@ -4,7 +4,6 @@ info` JSON keys."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from google.protobuf import json_format
 
 import tessera.client as tc
-from tessera.cli.client import _json_names, replica_table
+from tessera.cli.client import _json_names, cluster_rows, replica_table
 from tessera.client import convert
 from tessera.client.errors import STATUS_TO_ERROR, from_rpc_error
 from tessera.common.launch import REPO
@@ -117,13 +116,33 @@ def test_tls_and_tokens(tls_gateway, monkeypatch):
 def test_info_json_has_protobufs_json_keys():
     message = gateway_pb2.ClusterInfo(
         unavailable=["vision: down"],
-        decoder=decoder_pb2.DecoderInfo(model="m", max_model_len=2048, mrope_section=[8, 12, 12]),
-        pooling=pooling_pb2.PoolingInfo(model="p",
-                                        models=[pooling_pb2.PoolingModelInfo(model="p", prompts={"q": "Q"})]),
+        decoder=decoder_pb2.DecoderInfo(model="m", max_model_len=2048, mrope_section=[8, 12, 12],
+                                        served_model_names=["m", "m-alias"], generation_config="auto",
+                                        generation_defaults={"temperature": 0.6, "top_k": 0.0, "top_p": 0.9}),
+        pooling=pooling_pb2.PoolingInfo(model="p", models=[
+            pooling_pb2.PoolingModelInfo(model="p", prompts={"query_prompt": "Q"}, aliases=["p-alias"])]),
         vision=vision_pb2.VisionInfo(encoder="demo", encoder_cache=vision_pb2.EncoderCacheStats()),
         replicas=[gateway_pb2.ReplicaInfo(service="decoder", address="h:1", ready=True)])
-    ours = _json_names(dataclasses.asdict(convert.cluster_info(message)))
+    ours = _json_names(convert.cluster_info(message))
     assert ours == json.loads(json_format.MessageToJson(message))
+    assert ours["decoder"]["generationDefaults"] == {"temperature": 0.6, "top_k": 0.0, "top_p": 0.9}  # map keys kept
+
+
+def test_info_table_shows_served_names_and_generation_defaults():
+    message = gateway_pb2.ClusterInfo(
+        decoder=decoder_pb2.DecoderInfo(model="org/m", architecture="LlamaForCausalLM",
+                                        served_model_names=["org/m", "m", "mm"], generation_config="auto",
+                                        generation_defaults={"temperature": 0.6, "top_p": 0.9}),
+        pooling=pooling_pb2.PoolingInfo(model="p", models=[pooling_pb2.PoolingModelInfo(
+            model="org/p", kind="embedding", dimension=384, max_input_length=256, aliases=["p"])]))
+    rows = dict(cluster_rows(convert.cluster_info(message), []))
+    assert rows["model"] == "org/m (LlamaForCausalLM)" and rows["aliases"] == "m, mm"
+    assert rows["sampling"] == "auto: temperature=0.6 top_p=0.9 (generation_config.json)"
+    assert rows["embedding"].startswith("org/p (384 dims") and rows["embedding"].endswith(", also p)")
+    neutral = gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="m", served_model_names=["m"],
+                                                                      generation_config="vllm"))
+    rows = dict(cluster_rows(convert.cluster_info(neutral), []))
+    assert rows["sampling"] == "vllm: neutral defaults" and "aliases" not in rows
 
 
 def test_replica_table_rows():

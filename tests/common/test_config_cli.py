@@ -45,6 +45,23 @@ def test_flags_take_types_choices_and_names_from_the_fields(monkeypatch):
         _parse(["--derived", "1"])
 
 
+@dataclass
+class _Names:
+    served_model_name: list[str] = field(default_factory=list, metadata={
+        "help": "names", "nargs": "+", "metavar": ("NAME", "ALIAS")})
+
+
+def test_a_nargs_flag_takes_one_or_more_values_into_a_list():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, _Names)
+    assert from_flags(_Names, parser.parse_args([])).served_model_name == []
+    assert from_flags(_Names, parser.parse_args(["--served-model-name", "org/m", "m", "mm"])).served_model_name == \
+        ["org/m", "m", "mm"]
+    assert "--served-model-name NAME [ALIAS ...]" in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--served-model-name"])
+
+
 def test_an_env_var_replaces_the_default_and_a_flag_wins(monkeypatch):
     monkeypatch.setenv("TESSERA_TEST_PORT", "11")
     assert _parse([]).port == 11

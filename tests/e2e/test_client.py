@@ -5,6 +5,7 @@ exceptions; UNAVAILABLE is retried only before the first message."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import threading
@@ -91,6 +92,9 @@ def test_sampling_n_logprobs_and_seed(client, gateway):
         assert choice.token_ids == expected[choice.index] and choice.finish_reason == "length"
         assert [p.token_id for p in choice.logprobs] == choice.token_ids
         assert all(len(p.top) == 2 and p.logprob <= 0 for p in choice.logprobs)
+    # the request's usage: both choices' tokens, the prompt once (as OpenAI's n)
+    assert result.usage.completion_tokens == sum(len(c.token_ids) for c in result.choices) == 8
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 8
 
 
 def test_chat_with_an_image_from_bytes_path_or_pil(client, gateway, tmp_path):
@@ -104,6 +108,12 @@ def test_chat_with_an_image_from_bytes_path_or_pil(client, gateway, tmp_path):
         result = client.chat([{"role": "user", "content": [image, "Describe the image."]}], max_tokens=3)
         assert result.token_ids == expected["ids"], type(image)
         assert result.usage.image_tokens == expected["usage"].image_tokens > 0
+    # OpenAI's content parts: the same answer
+    uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    openai = client.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                       {"type": "text", "text": "Describe the image."}]}],
+                         max_tokens=3)
+    assert openai.token_ids == expected["ids"] and openai.usage.image_tokens == expected["usage"].image_tokens
 
 
 def test_embed_rerank_tokenize_equal_grpc(client, gateway):
@@ -128,8 +138,11 @@ def test_embed_rerank_tokenize_equal_grpc(client, gateway):
     assert [(r.index, r.score) for r in client.rerank(PROMPT, long_documents, truncate=True).results] == \
         [(r.index, r.score) for r in grpc_cut.results]
 
-    grpc_tokens = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["Hello tessera"]), timeout=60)
-    tokens = client.tokenize("Hello tessera").tokens[0]
+    embedding_model = client.info().pooling.model  # named: "" is the decoder's tokenizer
+    grpc_tokens = gateway.Tokenize(pooling_pb2.TokenizeRequest(model=embedding_model, inputs=["Hello tessera"]),
+                                   timeout=60)
+    tokens = client.tokenize("Hello tessera", model=embedding_model).tokens[0]
+    assert tokens[1].stop > 0  # the pooling tokenizer's character offsets
     assert [(t.id, t.text, t.special, t.start, t.stop) for t in tokens] == \
         [(t.id, t.text, t.special, t.start, t.stop) for t in grpc_tokens.results[0].tokens]
 
@@ -178,9 +191,10 @@ def test_async_client_equals_sync(gateway_address, client, adapter):
         "generate": client.generate("The capital of France is", max_tokens=3),
         "embed": client.embed(TEXTS).embeddings,
         "rerank": client.rerank(PROMPT, DOCUMENTS).results,
-        "tokenize": client.tokenize(TEXTS).tokens,
+        "tokenize": client.tokenize(TEXTS, model=client.info().pooling.model).tokens,
         "info": client.info().decoder.model,
     }
+    embedding_model = client.info().pooling.model
 
     async def scenario():
         async with tc.AsyncClient(gateway_address, timeout=120) as aclient:
@@ -197,7 +211,7 @@ def test_async_client_equals_sync(gateway_address, client, adapter):
                 "generate": await aclient.generate("The capital of France is", max_tokens=3),
                 "embed": (await aclient.embed(TEXTS)).embeddings,
                 "rerank": (await aclient.rerank(PROMPT, DOCUMENTS)).results,
-                "tokenize": (await aclient.tokenize(TEXTS)).tokens,
+                "tokenize": (await aclient.tokenize(TEXTS, model=embedding_model)).tokens,
                 "info": (await aclient.info()).decoder.model,
             }, loaded, names
 
@@ -290,11 +304,29 @@ def client_embed(gateway) -> np.ndarray:
     return from_pb(gateway.Embed(pooling_pb2.EmbedRequest(inputs=TEXTS), timeout=60).embeddings).numpy()
 
 
-def test_cli_tokenize_info_and_errors(gateway_address, gateway):
-    result = run_cli(gateway_address, "tokenize", "Hello tessera", "--json")
+def test_cli_generate_n_json_usage_sums_every_choice(gateway_address, hf_decoder):
+    _, tokenizer = hf_decoder
+    prompt = "Once upon a time"
+    result = run_cli(gateway_address, "generate", prompt, "--n", "3", "--temperature", "1.0", "--seed", "5",
+                     "--max-tokens", "6", "--json")
     assert result.returncode == 0, result.stderr
-    expected = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["Hello tessera"]), timeout=60)
-    assert [t["id"] for t in json.loads(result.stdout)["tokens"][0]] == [t.id for t in expected.results[0].tokens]
+    answer = json.loads(result.stdout)
+    lengths = [len(c["token_ids"]) for c in answer["choices"]]
+    assert len(lengths) == 3 and all(lengths)
+    usage = answer["usage"]
+    assert usage["completion_tokens"] == sum(lengths)  # every choice's, not the last to finish
+    assert usage["prompt_tokens"] == len(tokenizer(prompt)["input_ids"])  # the prompt once
+    assert usage["total_tokens"] == usage["prompt_tokens"] + sum(lengths)
+
+
+def test_cli_tokenize_info_and_errors(gateway_address, gateway, hf_decoder):
+    _, tokenizer = hf_decoder
+    result = run_cli(gateway_address, "tokenize", "Hello tessera", "Naïve café", "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)  # no --model: the decoder's tokenizer, each text on its own
+    assert answer["model"] == gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=60).decoder.model
+    assert [[t["id"] for t in row] for row in answer["tokens"]] == \
+        [tokenizer(text)["input_ids"] for text in ("Hello tessera", "Naïve café")]
     result = run_cli(gateway_address, "info", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["decoder"]["maxModelLen"] == 2048

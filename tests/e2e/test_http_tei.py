@@ -45,7 +45,7 @@ def test_inference_client_feature_extraction_equals_sentence_transformers(http_u
     assert one.shape == (1, expected.shape[1]) and np.allclose(one[0], expected[0], rtol=0, atol=1e-5)
 
 
-def test_embed_fields_normalize_token_ids_and_truncate(http_url, gateway):
+def test_embed_fields_normalize_token_ids_and_truncate(http_url, gateway, pooling_info):
     def embed(**body):
         reply = requests.post(f"{http_url}/embed", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
@@ -56,7 +56,8 @@ def test_embed_fields_normalize_token_ids_and_truncate(http_url, gateway):
     assert np.allclose(np.linalg.norm(normalized, axis=1), 1, atol=1e-5)
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1, atol=1e-2), "normalize false answers the pooled vectors"
     assert np.allclose(raw / np.linalg.norm(raw, axis=1, keepdims=True), normalized, rtol=0, atol=1e-5)
-    ids = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=TEXTS[:1]), timeout=60).results[0].tokens
+    ids = gateway.Tokenize(pooling_pb2.TokenizeRequest(model=pooling_info.model, inputs=TEXTS[:1]),
+                           timeout=60).results[0].tokens
     assert np.allclose(embed(inputs=[t.id for t in ids]), normalized[:1], rtol=0, atol=1e-6)
     for direction in ("right", "Left"):
         expected = gateway.Embed(pooling_pb2.EmbedRequest(

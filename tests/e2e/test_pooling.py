@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.common.tensor import from_pb
-from tessera.v1 import pooling_pb2
+from tessera.v1 import gateway_pb2, pooling_pb2
 
 from .conftest import run_cli
 
@@ -105,7 +105,8 @@ def test_tokenize_and_embed_stream_through_gateway(gateway, sentence_transformer
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(sentence_transformer.tokenizer.name_or_path)
-    response = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["Hello tessera"]), timeout=60)
+    model = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=60).pooling.model  # "" is the decoder's
+    response = gateway.Tokenize(pooling_pb2.TokenizeRequest(model=model, inputs=["Hello tessera"]), timeout=60)
     assert [t.id for t in response.results[0].tokens] == tokenizer("Hello tessera")["input_ids"]
 
     requests = [pooling_pb2.EmbedRequest(inputs=[text]) for text in TEXTS[:4]]

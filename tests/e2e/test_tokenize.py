@@ -1,8 +1,9 @@
-"""Tokenize and Detokenize through the cluster, by gRPC and HTTP: a decoder model (its name or a
-loaded adapter's) is tokenized by the decoder's tokenizer — ids equal transformers' AutoTokenizer,
-chat equal to `apply_chat_template` — and detokenize(tokenize(text)) == text; refusals (too many
-ids, an id out of vocabulary, an unknown model, a pooling model asked to detokenize) get the same
-status over both doors."""
+"""Tokenize and Detokenize through the cluster, by gRPC and HTTP: a decoder model (its name, a
+loaded adapter's, or no model: the served model, as vLLM's /tokenize) is tokenized by the decoder's
+tokenizer — ids equal transformers' AutoTokenizer, chat equal to `apply_chat_template` — and
+detokenize(tokenize(text)) == text; a pooling model named gets its own tokenizer; refusals (too
+many ids, an id out of vocabulary, an unknown model, a pooling model asked to detokenize or given
+messages) get the same status over both doors."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def decoder_model(gateway) -> str:
     return gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=60).decoder.model
 
 
+@pytest.fixture(scope="module")
+def embedding_model(gateway) -> str:
+    return gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=60).pooling.model
+
+
 def _messages_pb() -> list[decoder_pb2.ChatMessage]:
     return [decoder_pb2.ChatMessage(role=m["role"], content=[decoder_pb2.ContentPart(text=m["content"])])
             for m in MESSAGES]
@@ -48,7 +54,8 @@ def _refused(call, code: grpc.StatusCode, *words: str) -> str:
     return error.value.details()
 
 
-def test_decoder_tokenize_and_detokenize_equal_tokenizer(gateway, http_url, hf_decoder, decoder_model):
+def test_decoder_tokenize_and_detokenize_equal_tokenizer(gateway, http_url, hf_decoder, decoder_model,
+                                                         embedding_model):
     _, tokenizer = hf_decoder
     for text in TEXTS:
         reply = gateway.Tokenize(pooling_pb2.TokenizeRequest(model=decoder_model, inputs=[text]), timeout=60)
@@ -72,9 +79,18 @@ def test_decoder_tokenize_and_detokenize_equal_tokenizer(gateway, http_url, hf_d
     status, body = _post(http_url, "/detokenize", {"model": decoder_model, "tokens": expected})
     assert body["prompt"] == tokenizer.decode(expected)
 
-    # no model: the embedding model's tokenizer, as before (a different vocabulary)
-    pooled = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=[TEXTS[0]]), timeout=60)
+    # no model: the served model's (the decoder's) tokenizer, as vLLM's /tokenize, text and messages
+    default = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=[TEXTS[0]]), timeout=60)
+    assert [t.id for t in default.results[0].tokens] == tokenizer(TEXTS[0])["input_ids"]
+    assert default.model == decoder_model and default.max_model_len == DECODER_MAX_MODEL_LEN
+    default_chat = gateway.Tokenize(pooling_pb2.TokenizeRequest(messages=_messages_pb()), timeout=60)
+    assert [t.id for t in default_chat.results[0].tokens] == expected
+    status, body = _post(http_url, "/tokenize", {"prompt": TEXTS[0]})
+    assert status == 200 and body["tokens"] == tokenizer(TEXTS[0])["input_ids"]
+    # the embedding model named: its own tokenizer (a different vocabulary, character offsets)
+    pooled = gateway.Tokenize(pooling_pb2.TokenizeRequest(model=embedding_model, inputs=[TEXTS[0]]), timeout=60)
     assert [t.id for t in pooled.results[0].tokens] != tokenizer(TEXTS[0])["input_ids"] and pooled.max_model_len == 0
+    assert pooled.model == embedding_model and pooled.results[0].tokens[1].stop > 0
 
 
 def test_adapter_name_uses_the_decoder_tokenizer(gateway, gateway_address, http_url, hf_decoder, peft_adapter):  # noqa: F811
@@ -91,11 +107,10 @@ def test_adapter_name_uses_the_decoder_tokenizer(gateway, gateway_address, http_
 
 
 def test_refusals_have_the_same_status_over_grpc_and_http(gateway, http_url, hf_decoder, decoder_model,
-                                                          assert_healthy):
+                                                          embedding_model, assert_healthy):
     _, tokenizer = hf_decoder
     vocab = len(tokenizer)
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    embedding_model = gateway.Tokenize(pooling_pb2.TokenizeRequest(inputs=["a"]), timeout=60).model
     cases = [  # (gRPC call, HTTP path and body, status, HTTP status, words in the message)
         (lambda: gateway.Detokenize(decoder_pb2.DetokenizeRequest(model=decoder_model, token_ids=[1] * 2049), timeout=60),
          ("/detokenize", {"model": decoder_model, "tokens": [1] * 2049}), invalid, 400, ("2049", "2048")),
@@ -112,8 +127,9 @@ def test_refusals_have_the_same_status_over_grpc_and_http(gateway, http_url, hf_
         (lambda: gateway.Tokenize(pooling_pb2.TokenizeRequest(model="no-such-model", inputs=["a"]), timeout=60),
          ("/tokenize", {"model": "no-such-model", "prompt": "a"}), grpc.StatusCode.NOT_FOUND, 404,
          ("no-such-model", decoder_model)),
-        (lambda: gateway.Tokenize(pooling_pb2.TokenizeRequest(messages=_messages_pb()), timeout=60),
-         ("/tokenize", {"messages": MESSAGES}), invalid, 400, ("messages", decoder_model)),
+        (lambda: gateway.Tokenize(pooling_pb2.TokenizeRequest(model=embedding_model, messages=_messages_pb()),
+                                  timeout=60),
+         ("/tokenize", {"model": embedding_model, "messages": MESSAGES}), invalid, 400, ("messages", decoder_model)),
     ]
     for call, (path, body), code, http_status, words in cases:
         details = _refused(call, code, *words)

@@ -185,3 +185,22 @@ def test_invalid_service_values_are_refused(minilm_dir, kwargs, message):
 def test_duplicate_model_names_are_refused(minilm_dir):
     with pytest.raises(ValueError, match="unique"):
         PoolingConfig(models=[ModelConfig(model_dir=minilm_dir), ModelConfig(model_dir=minilm_dir)])
+
+
+def test_served_model_name_names_the_first_model_and_its_aliases(minilm_dir, tmp_path):
+    ce = _copy(minilm_dir, tmp_path / "ce", architectures=["BertForSequenceClassification"])
+    config = parse_args(["--model-dir", str(minilm_dir), "--reranker-dir", str(ce),
+                         "--served-model-name", "sentence-transformers/all-MiniLM-L6-v2", "minilm"])
+    first, reranker = config.models
+    assert (first.model_name, first.aliases) == ("sentence-transformers/all-MiniLM-L6-v2", ("minilm",))
+    assert (reranker.model_name, reranker.aliases) == ("ce", ())
+    assert config.model_names() == {"sentence-transformers/all-MiniLM-L6-v2": first.model_name,
+                                    "minilm": first.model_name, "ce": "ce"}
+    only_reranker = parse_args(["--reranker-dir", str(ce), "--served-model-name", "org/ce"])
+    assert [m.model_name for m in only_reranker.models] == ["org/ce"]  # no embedding model: the first reranker
+    with pytest.raises(SystemExit):
+        parse_args(["--served-model-name", "a", "a"])  # a name twice
+    with pytest.raises(ValueError, match="must be unique"):  # an alias that is another model's name
+        PoolingConfig(models=[ModelConfig(model_dir=minilm_dir, aliases=("ce",)), ModelConfig(model_dir=ce)])
+    with pytest.raises(ValueError, match="non-empty and distinct"):
+        ModelConfig(model_dir=minilm_dir, aliases=("",))

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 
 from tessera.common.errors import InvalidArgument, NotFound, Unavailable
-from tessera.pooling.config import PoolingConfig
-from tessera.pooling.convert import embeddings_to_pb
+from tessera.pooling.config import ModelConfig, PoolingConfig
+from tessera.pooling.convert import check_tokenize_fields, embeddings_to_pb, info_to_pb
 from tessera.pooling.engine import PoolingEngine
-from tessera.v1 import pooling_pb2
+from tessera.v1 import decoder_pb2, pooling_pb2
 
 SHORT = "A cat sat on the mat."
 LONG = " ".join(f"Sentence number {i} talks about rivers, mountains and the weather in spring." for i in range(14))
@@ -225,3 +225,29 @@ def test_info(small):
     assert (info.max_batch_tokens, info.max_queue_size, info.dynamic_batching) == (16384, 4096, True)
     [model] = info.models
     assert (model.kind, model.matryoshka, model.dimension) == ("embedding", False, 384)
+
+
+def test_served_names_and_aliases_address_the_model_and_answers_carry_the_first(minilm_dir, minilm_loaded):
+    """--served-model-name NAME ALIAS: requests may give either; the directory name is then unknown
+    (NotFound, as vLLM); answers and info carry NAME, info lists the alias."""
+    config = PoolingConfig(models=[ModelConfig(model_dir=minilm_dir, model_name="org/minilm", aliases=("minilm",))])
+    engine = PoolingEngine(config, models={"org/minilm": minilm_loaded})
+    for name in ("", "org/minilm", "minilm"):
+        assert asyncio.run(engine.embed(["hi"], model=name)).model == "org/minilm"
+        assert asyncio.run(engine.rerank("q", ["a"], model=name)).model == "org/minilm"
+        assert asyncio.run(engine.tokenize(["hi"], model=name)).model == "org/minilm"
+    with pytest.raises(NotFound, match=r"'all-minilm-l6-v2' is not served here; .* \['minilm', 'org/minilm'\]"):
+        asyncio.run(engine.embed(["hi"], model="all-minilm-l6-v2"))
+    info = info_to_pb(engine.info())
+    assert info.model == "org/minilm"
+    assert [(m.model, list(m.aliases)) for m in info.models] == [("org/minilm", ["minilm"])]
+
+
+@pytest.mark.parametrize("fields", [
+    {"messages": [decoder_pb2.ChatMessage(role="user")]}, {"add_generation_prompt": False},
+    {"continue_final_message": True}, {"chat_template_kwargs": "{}"}])
+def test_tokenize_refuses_the_chat_template_fields_rather_than_dropping_them(fields):
+    [name] = fields
+    with pytest.raises(InvalidArgument, match=f"^{name} is for decoder models"):
+        check_tokenize_fields(pooling_pb2.TokenizeRequest(inputs=["hi"], **fields))
+    check_tokenize_fields(pooling_pb2.TokenizeRequest(inputs=["hi"], add_special_tokens=False, prompt_name="q"))
