@@ -28,8 +28,9 @@ def test_grpc_reference_lists_every_gateway_rpc_and_request_field():
         for field in method.input_type.fields:
             assert f"| `{field.name}` | " in text, f"{method.input_type.name}.{field.name}"
     assert "`sampling` | [SamplingParams](#samplingparams) | 5 |" in text
-    assert ("| `max_tokens` | int32 | 1 | >= 1; prompt + max_tokens must fit the context. 0 (unset) = the rest of "
-            "the context: max_model_len - prompt tokens, as vLLM. |") in text
+    assert ("| `max_tokens` | int32 | 1 | >= 1; prompt + max_tokens must fit the context. 0 (unset) = the served "
+            "model's default (generation_config.json's max_new_tokens under --generation-config auto), else the rest "
+            "of the context: max_model_len - prompt tokens, as vLLM. |") in text
 
 
 def test_http_reference_lists_every_route_and_request_field():
