@@ -183,6 +183,10 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min_p times the "
+                     "likeliest (0 = off)")
+    gen.add_argument("--min-tokens", type=int, default=0, help="tokens generated before EOS or a stop may end a "
+                     "choice (0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="makes sampling repeatable (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
     gen.add_argument("--n", type=int, default=1, help="choices to generate; more than one are printed labelled")
@@ -322,7 +326,7 @@ def _generate(args) -> int:
         raise ValueError(f"--n is {args.n}; at least 1")
     logprobs = args.logprobs is not None
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop, n=args.n, logprobs=logprobs,
+                              top_k=args.top_k, min_p=args.min_p, min_tokens=args.min_tokens, seed=args.seed, stop=args.stop, n=args.n, logprobs=logprobs,
                               top_logprobs=args.logprobs if logprobs else 0)
     with client.connect(args.address) as c:
         client.generate(c, args.prompt, chat=args.chat or bool(args.system), system=args.system,

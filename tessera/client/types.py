@@ -36,7 +36,12 @@ class SamplingParams:
     are off; `seed` makes sampling repeatable; `stop` strings are not returned; `n` choices share
     the prompt's KV blocks; `logprobs` returns each chosen token's log-probability and
     `top_logprobs` (0..20) alternatives; penalties follow OpenAI (presence, frequency) and
-    transformers (repetition, 1 = off)."""
+    transformers (repetition, 1 = off). vLLM's extras: `min_p` (0 = off) drops tokens less likely
+    than min_p times the likeliest; the first `min_tokens` tokens never end a choice (EOS, stop ids
+    and strings); `include_stop_str_in_output` keeps a matched stop string; `skip_special_tokens`
+    False keeps special tokens in the text. Every field is sent as set here, so the model's
+    generation-config defaults (which apply to fields a request leaves unset) do not apply to this
+    client's requests."""
 
     max_tokens: int | None = 64  # None: up to the end of the context (max_model_len - prompt tokens)
     temperature: float = 0.0
@@ -52,6 +57,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True)

@@ -70,9 +70,16 @@ def test_sampling_fields_are_always_sent_so_the_models_defaults_never_replace_th
     """temperature, top_p, top_k and repetition_penalty are proto3 `optional` (unset = the model's
     generation config); the client sends its own values, 0.0 included."""
     sampling = convert.sampling_params(SamplingParams())
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "skip_special_tokens"):
         assert sampling.HasField(name), name
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty) == (0.0, 1.0, 0, 1.0)
+
+
+def test_vllm_sampling_extras_reach_the_wire():
+    sampling = convert.sampling_params(SamplingParams(min_p=0.2, min_tokens=3, include_stop_str_in_output=True,
+                                                      skip_special_tokens=False))
+    assert (round(sampling.min_p, 6), sampling.min_tokens) == (0.2, 3)
+    assert sampling.include_stop_str_in_output and not sampling.skip_special_tokens
 
 
 PNG_URI = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
