@@ -5,7 +5,8 @@
 
 - docs/reference/grpc.md from protos/tessera/v1/*.proto: every service, RPC, message, field and
   enum with the comments written beside them in the protos (protoc's source info).
-- docs/reference/http.md from the OpenAPI document of the gateway's FastAPI app (render_http.py).
+- docs/reference/http.md from the OpenAPI document of the gateway's FastAPI app (render_http.py),
+  and docs/http.md's lists of honoured, accepted and refused request fields (between its markers).
 - docs/reference/configuration.md from every service's flags and config dataclass metadata,
   `tessera up`'s parser and the environment variables the code reads (render_config.py).
 - docs/benchmarks.md from bench/results/*.md (render_bench.py).
@@ -141,6 +142,7 @@ def pages() -> dict[Path, object]:
 
     return {GRPC_REFERENCE: render_grpc_reference,
             ROOT / "docs" / "reference" / "http.md": render_http.render_http_reference,
+            render_http.GUIDE: render_http.render_http_guide,
             ROOT / "docs" / "reference" / "configuration.md": render_config.render_configuration_reference,
             ROOT / "docs" / "benchmarks.md": render_bench.render_benchmarks}
 

@@ -50,6 +50,9 @@ class GatewayConfig:
         "help": "file of API keys, one a line: HTTP inference routes then need Authorization: Bearer <key> "
                 "(empty = no keys)",
         "env": "TESSERA_API_KEY_FILE"})
+    return_tokens_as_token_ids: bool = field(default=False, metadata={
+        "help": "HTTP logprobs name each token `token_id:<id>` instead of its text (vLLM's flag; a request's "
+                "return_tokens_as_token_ids overrides it)"})
     metrics_port: int = field(default=0, metadata={
         "help": "also serve Prometheus /metrics on this port, same host as --address (0: off; the HTTP port "
                 "serves them at /metrics)", "env": "TESSERA_METRICS_PORT"})

@@ -38,6 +38,7 @@ def http_server(config: GatewayConfig, max_grpc_bytes: int, loopback_target: str
     services = {"adapters": config.adapters, **({"vision": config.vision} if config.vision else {}),
                 "decoder": config.decoder, "pooling": config.pooling}
     backend = Backend(loopback_target or loopback_address(config.address), services, keys, loopback_key)
-    app = create_app(backend, max_grpc_bytes * BODY_BYTES_PER_GRPC_BYTE, extra_routes)
+    app = create_app(backend, max_grpc_bytes * BODY_BYTES_PER_GRPC_BYTE, extra_routes,
+                     return_tokens_as_token_ids=config.return_tokens_as_token_ids)
     host = config.address.rpartition(":")[0]
     return HttpServer(app, host, config.http_port, on_stop=backend.close, tls=tls)

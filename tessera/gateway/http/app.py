@@ -21,13 +21,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tessera import package_version
 from tessera.common.message_limits import FRAMING_BYTES, TEXT_BYTES
-from tessera.gateway.http import convert, generate, models
-from tessera.gateway.http.backend import Backend
+from tessera.gateway.http import convert, generate, models, responses
+from tessera.gateway.http.backend import Backend, DecoderNames
 from tessera.gateway.http.errors import HANDLERS, TEI_SHAPED, ApiError, from_rpc_error, tei_shaped
 from tessera.gateway.http.request_log import RequestLog
 from tessera.v1 import adapters_pb2, decoder_pb2
 
-ERROR_RESPONSES = {status: {"model": models.ErrorResponse}
+ERROR_RESPONSES = {status: {"model": responses.ErrorResponse}
                    for status in (400, 401, 403, 404, 408, 413, 429, 500, 503, 504)}
 
 
@@ -41,7 +41,9 @@ DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer checks that i
 
 def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = (),
                max_text_body_bytes: int = TEXT_BODY_BYTES, body_read_timeout_s: float = BODY_READ_TIMEOUT_S,
-               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S) -> FastAPI:
+               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S, return_tokens_as_token_ids: bool = False) -> FastAPI:
+    """The app over `backend`; `return_tokens_as_token_ids`: logprob tokens as `token_id:<id>` unless a
+    request says otherwise (vLLM's --return-tokens-as-token-ids)."""
     app = FastAPI(title="tessera", summary="OpenAI-compatible HTTP API of the tessera gateway",
                   responses=ERROR_RESPONSES)
     for error, handler in HANDLERS.items():
@@ -50,7 +52,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     async def api_key(authorization: str | None = Header(default=None)) -> None:
         backend.check_api_key(authorization)
 
-    app.include_router(_generation_routes(backend), dependencies=[Depends(api_key)])
+    app.include_router(_generation_routes(backend, return_tokens_as_token_ids), dependencies=[Depends(api_key)])
     app.include_router(_pooling_routes(backend), dependencies=[Depends(api_key)])
     app.include_router(_tei_routes(backend), dependencies=[Depends(api_key)])
     app.include_router(_cluster_routes(backend, [Depends(api_key)]))
@@ -77,55 +79,65 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def _generation_routes(backend: Backend) -> APIRouter:
+def _generation_routes(backend: Backend, as_ids: bool) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions", response_model=models.ChatCompletion)
+    @router.post("/v1/chat/completions", response_model=responses.ChatCompletion)
     async def chat_completions(body: models.ChatCompletionRequest, http: Request):
         request = convert.chat_request(body)  # bad input refused before any call
-        body.model = body.model or await backend.base_model()  # absent: the base model, as vLLM
-        request.lora = await backend.lora_for(body.model)
-        return await _generate(backend, [request], body, http, chat=True, logprobs=request.sampling.logprobs)
+        model = body.model or await backend.base_model()  # absent: the base model, as vLLM
+        request.lora = await backend.lora_for(model)
+        shape = convert.chat_shape(body, await _answer_model(backend, model, request.lora), as_ids)
+        return await _generate(backend, [request], body, http, shape)
 
-    @router.post("/v1/completions", response_model=models.Completion)
+    @router.post("/v1/completions", response_model=responses.Completion)
     async def completions(body: models.CompletionRequest, http: Request):
         requests = convert.completion_requests(body)
-        body.model = body.model or await backend.base_model()
-        lora = await backend.lora_for(body.model)
+        model = body.model or await backend.base_model()
+        lora = await backend.lora_for(model)
         for request in requests:
             request.lora = lora
-        return await _generate(backend, requests, body, http, chat=False, logprobs=body.logprobs is not None)
+        shape = convert.completion_shape(body, await _answer_model(backend, model, lora), as_ids)
+        return await _generate(backend, requests, body, http, shape)
 
     return router
+
+
+async def _answer_model(backend: Backend, model: str, lora: str) -> str:
+    """The `model` an answer names: the adapter, or the base model's first served name (for any alias)."""
+    return lora or await backend.base_model()
 
 
 def _pooling_routes(backend: Backend) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/embeddings", response_model=models.EmbeddingList)
+    @router.post("/v1/embeddings", response_model=responses.EmbeddingList)
     async def embeddings(body: models.EmbeddingRequest):
-        reply = await backend.stub.Embed(convert.embed_request(body))
-        data = [models.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
-        return models.EmbeddingList(data=data, model=reply.model, usage=convert.usage(reply))
+        request = convert.embed_request(body, await backend.pooling_model(body.model))
+        reply = await backend.stub.Embed(request)
+        data = [responses.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
+        return responses.EmbeddingList(data=data, model=reply.model, usage=convert.usage(reply))
 
-    @router.post("/v1/rerank", response_model=models.RerankResponse)
-    async def rerank(body: models.RerankRequest) -> models.RerankResponse:
-        return convert.rerank_response(await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=False)))
+    @router.post("/v1/rerank", response_model=responses.RerankResponse)
+    async def rerank(body: models.RerankRequest) -> responses.RerankResponse:
+        request = convert.rerank_request(body, await backend.pooling_model(body.model), tei_allowed=False)
+        return convert.rerank_response(await backend.stub.Rerank(request))
 
-    @router.post("/rerank", response_model=models.RerankResponse | list[models.TeiRank], summary="Rerank")
+    @router.post("/rerank", response_model=responses.RerankResponse | list[responses.TeiRank], summary="Rerank")
     async def rerank_jina_or_tei(body: models.RerankRequest, http: Request):
         """Jina's and Cohere's rerank, as /v1/rerank; or TEI's, when the body sends `texts`: then the
         answer (and any refusal) is TEI's shape."""
         tei = body.texts is not None
         if tei:
             http.scope[TEI_SHAPED] = True
-        reply = await backend.stub.Rerank(convert.rerank_request(body, tei_allowed=True))
+        request = convert.rerank_request(body, await backend.pooling_model(body.model), tei_allowed=True)
+        reply = await backend.stub.Rerank(request)
         return JSONResponse(convert.tei_ranks(reply)) if tei else convert.rerank_response(reply)
 
-    async def score(body: models.ScoreRequest) -> models.ScoreResponse:
+    async def score(body: models.ScoreRequest) -> responses.ScoreResponse:
         """vLLM's score: a cross-encoder's relevance (sigmoid of its logit), or an embedding model's
         cosine similarity, of each (text_1, text_2) pair."""
-        requests = convert.score_requests(body)
+        requests = convert.score_requests(body, await backend.pooling_model(body.model))
         if len(requests) > 1:  # pairwise: one call per pair, as many as one call may hold documents
             limit = (await backend.info()).pooling.max_batch_size
             if limit and len(requests) > limit:
@@ -133,21 +145,23 @@ def _pooling_routes(backend: Backend) -> APIRouter:
                                     f"max_batch_size is {limit}", param="text_1")
         return convert.scores(await asyncio.gather(*(backend.stub.Rerank(r) for r in requests)))
 
-    router.post("/v1/score", response_model=models.ScoreResponse)(score)
-    router.post("/score", response_model=models.ScoreResponse)(score)
+    router.post("/v1/score", response_model=responses.ScoreResponse)(score)
+    router.post("/score", response_model=responses.ScoreResponse)(score)
 
-    @router.post("/tokenize", response_model=models.TokenizeResponse)
+    @router.post("/tokenize", response_model=responses.TokenizeResponse)
     async def tokenize(body: models.TokenizeRequest):
-        reply = await backend.stub.Tokenize(convert.tokenize_request(body))
+        request = convert.tokenize_request(body, await backend.tokenizer_model(body.model))
+        reply = await backend.stub.Tokenize(request)
         tokens = list(reply.results[0].tokens) if reply.results else []
-        return models.TokenizeResponse(model=reply.model, count=len(tokens), max_model_len=reply.max_model_len or None,
-                                       tokens=[t.id for t in tokens], token_strs=[t.text for t in tokens])
+        return responses.TokenizeResponse(model=reply.model, count=len(tokens),
+                                          max_model_len=reply.max_model_len or None,
+                                          tokens=[t.id for t in tokens], token_strs=[t.text for t in tokens])
 
-    @router.post("/detokenize", response_model=models.DetokenizeResponse)
+    @router.post("/detokenize", response_model=responses.DetokenizeResponse)
     async def detokenize(body: models.DetokenizeRequest):
-        reply = await backend.stub.Detokenize(decoder_pb2.DetokenizeRequest(model=body.model or "",
-                                                                            token_ids=body.tokens))
-        return models.DetokenizeResponse(model=reply.model, prompt=reply.text)
+        request = decoder_pb2.DetokenizeRequest(model=await backend.tokenizer_model(body.model), token_ids=body.tokens)
+        reply = await backend.stub.Detokenize(request)
+        return responses.DetokenizeResponse(model=reply.model, prompt=reply.text)
 
     return router
 
@@ -157,16 +171,17 @@ def _tei_routes(backend: Backend) -> APIRouter:
     POST / (TEI's root route for an embedding model, where huggingface_hub's InferenceClient sends
     feature_extraction), GET /info; TEI's /rerank body is taken on POST /rerank (_pooling_routes).
     Refusals answer TEI's error shape (errors.TEI_PATHS)."""
-    router = APIRouter(responses={status: {"model": models.TeiErrorResponse} for status in ERROR_RESPONSES})
+    router = APIRouter(responses={status: {"model": responses.TeiErrorResponse} for status in ERROR_RESPONSES})
 
     async def embed(body: models.TeiEmbedRequest):
         """TEI's embed: one vector per input, in input order (normalized unless `normalize` is false)."""
-        return JSONResponse(convert.embeddings(await backend.stub.Embed(convert.embed_request(body))))
+        request = convert.embed_request(body, await backend.pooling_model(body.model))
+        return JSONResponse(convert.embeddings(await backend.stub.Embed(request)))
 
     router.post("/embed", response_model=list[list[float]])(embed)
     router.post("/", response_model=list[list[float]], summary="TEI's root route: /embed")(embed)
 
-    @router.get("/info", response_model=models.TeiInfo)
+    @router.get("/info", response_model=responses.TeiInfo)
     async def info():
         """TEI's model info, for the pooling service's default model."""
         cluster = await backend.info()
@@ -186,30 +201,28 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
         value = request.headers.get("authorization")
         return [("authorization", value)] if value else []
 
-    @router.get("/v1/models", dependencies=inference, response_model=models.ModelList)
+    @router.get("/v1/models", dependencies=inference, response_model=responses.ModelList)
     async def list_models():
-        listed = (await _models(backend)).model_dump()
-        if listed["unavailable"] is None:
-            del listed["unavailable"]  # present only when the registry did not answer
-        return JSONResponse(listed)
+        return JSONResponse(_listed(await _models(backend)))
 
-    @router.get("/v1/models/{model}", dependencies=inference, response_model=models.Model)
+    @router.get("/v1/models/{model}", dependencies=inference, response_model=responses.Model)
     async def retrieve_model(model: str):
         """One entry of /v1/models (OpenAI's models.retrieve); 404 for a name not served."""
         listed = await _models(backend)
         for entry in listed.data:
             if entry.id == model:
-                return entry
+                return JSONResponse(_entry(entry))
         if listed.unavailable:  # it may be an adapter the registry would have listed
             raise ApiError(503, f"model {model!r} is not a served base or pooling model, and adapters cannot be "
                                 f"listed: {'; '.join(listed.unavailable)}", "service_unavailable")
         raise ApiError(404, f"model {model!r} is not served here (GET /v1/models lists what is)", "not_found_error",
                        param="model")
 
-    @router.post("/v1/load_lora_adapter", response_model=models.Model)
+    @router.post("/v1/load_lora_adapter", response_model=responses.Model)
     async def load_lora_adapter(body: models.LoadLoraAdapterRequest, request: Request):
         cluster = await backend.info()
-        served = {cluster.decoder.model, cluster.pooling.model, *(m.model for m in cluster.pooling.models)} - {""}
+        served = {cluster.decoder.model, *cluster.decoder.served_model_names, cluster.pooling.model,
+                  *(name for m in cluster.pooling.models for name in (m.model, *m.aliases))} - {""}
         if body.lora_name in served:
             raise ApiError(400, f"lora_name {body.lora_name!r} is the name of a served model; an adapter needs a "
                                 "name of its own", param="lora_name")
@@ -218,30 +231,31 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
                                                                               replace=body.replace, drain=body.drain),
                                               metadata=admin_metadata(request))
         # the entry /v1/models lists for it from now on (its context is the base model's)
-        return models.Model(id=info.name, root=info.path, parent=await backend.base_model(),
-                            max_model_len=cluster.decoder.max_model_len or None)
+        return JSONResponse(_entry(responses.Model(id=info.name, root=info.path, parent=await backend.base_model(),
+                                                   max_model_len=cluster.decoder.max_model_len or None)))
 
-    @router.post("/v1/unload_lora_adapter", response_model=models.Model)
+    @router.post("/v1/unload_lora_adapter", response_model=responses.Model)
     async def unload_lora_adapter(body: models.UnloadLoraAdapterRequest, request: Request):
         reply = await backend.stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=body.lora_name,
                                                                                     drain=body.drain),
                                                  metadata=admin_metadata(request))
-        return models.Model(id=reply.name)
+        return JSONResponse(_entry(responses.Model(id=reply.name)))
 
     async def health():
         """200 while every required service serves, else 503 naming those that do not."""
         problems, degraded = await backend.not_serving()
         if problems:
-            return JSONResponse(models.Health(status="unavailable", not_serving=problems,
-                                              degraded=degraded).model_dump(), status_code=503)
-        return models.Health(status="ok", degraded=degraded)
+            return JSONResponse(responses.Health(status="unavailable", not_serving=problems,
+                                                 degraded=degraded).model_dump(), status_code=503)
+        return responses.Health(status="ok", degraded=degraded)
 
-    health_answers = {503: {"model": models.Health}}
-    router.get("/health", response_model=models.Health, responses=health_answers)(health)
+    health_answers = {503: {"model": responses.Health}}
+    router.get("/health", response_model=responses.Health, responses=health_answers)(health)
     # the same check where vLLM (SageMaker's /ping) and TEI (GET /, /ping) serve theirs
-    router.get("/ping", response_model=models.Health, responses=health_answers, summary="Health (/ping)")(health)
-    router.post("/ping", response_model=models.Health, responses=health_answers, summary="Health (POST /ping)")(health)
-    router.get("/", response_model=models.Health, responses=health_answers, summary="Health (TEI's GET /)")(health)
+    router.get("/ping", response_model=responses.Health, responses=health_answers, summary="Health (/ping)")(health)
+    router.post("/ping", response_model=responses.Health, responses=health_answers,
+                summary="Health (POST /ping)")(health)
+    router.get("/", response_model=responses.Health, responses=health_answers, summary="Health (TEI's GET /)")(health)
 
     @router.get("/version")
     async def version() -> dict[str, str]:
@@ -311,8 +325,7 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-async def _generate(backend: Backend, requests, body: models.SamplingFields, http: Request, chat: bool,
-                    logprobs: bool):
+async def _generate(backend: Backend, requests, body: models.SamplingFields, http: Request, shape: generate.Shape):
     """Open every prompt's Generate (so a refusal answers with its status), then answer whole or as SSE.
 
     A whole answer whose client goes away is cancelled (its KV blocks and leases come back), as a
@@ -322,17 +335,15 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
     except grpc.aio.AioRpcError as error:
         raise _as_model_error(error, body.model, requests[0].lora) from error
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(generate.events(streams, body.n, body.model, chat, logprobs, include_usage),
-                                 media_type="text/event-stream")
-    collecting = asyncio.ensure_future(generate.collect(streams, body.n))
+        return StreamingResponse(generate.events(streams, body.n, shape), media_type="text/event-stream")
+    collecting = asyncio.ensure_future(generate.collect(streams, body.n, shape))
     while not collecting.done():
         await asyncio.wait([collecting], timeout=DISCONNECT_POLL_S)
         if not collecting.done() and await http.is_disconnected():
             collecting.cancel()  # collect's finally cancels every prompt's call
             raise ApiError(499, "the client closed the connection", "cancelled")
     tally = collecting.result()
-    return (generate.chat_completion if chat else generate.completion)(tally, body.model, logprobs)
+    return (generate.chat_completion if shape.chat else generate.completion)(tally)
 
 
 def _as_model_error(error: grpc.aio.AioRpcError, model: str, lora: str) -> ApiError:
@@ -377,18 +388,21 @@ async def _open(backend: Backend, requests, http: Request) -> list[generate.Stre
         raise
 
 
-async def _models(backend: Backend) -> models.ModelList:
-    """The decoder's base model, every pooling model, and each loaded adapter (parent: the base)."""
+async def _models(backend: Backend) -> responses.ModelList:
+    """The decoder's base model (its first served name), every pooling model, and each loaded
+    adapter (parent: the base); aliases are accepted in requests, not listed."""
     info = await backend.info()
     if info.unavailable and not info.decoder.model and not info.pooling.model:
         raise ApiError(503, "; ".join(info.unavailable), "service_unavailable")
     data = []
-    base = info.decoder.model or None
+    base = DecoderNames.of(info.decoder).base if info.decoder.model else None
     if base:
-        data.append(models.Model(id=base, root=base, max_model_len=info.decoder.max_model_len))
+        data.append(responses.Model(id=base, root=base, max_model_len=info.decoder.max_model_len,
+                                    generation_config=info.decoder.generation_config or None,
+                                    generation_defaults=dict(info.decoder.generation_defaults) or None))
     pooled = list(info.pooling.models) or ([info.pooling] if info.pooling.model else [])
     for model in pooled:
-        data.append(models.Model(id=model.model, root=model.model, max_model_len=model.max_input_length or None))
+        data.append(responses.Model(id=model.model, root=model.model, max_model_len=model.max_input_length or None))
     try:
         adapters = (await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())).adapters
     except grpc.aio.AioRpcError as error:
@@ -396,12 +410,32 @@ async def _models(backend: Backend) -> models.ModelList:
             raise
         # the registry is down: the models still served are listed (as vLLM's list never fails),
         # and the answer says which part is missing
-        return models.ModelList(data=data, unavailable=[error.details() or f"adapters: {error.code().name}"])
+        return responses.ModelList(data=data, unavailable=[error.details() or f"adapters: {error.code().name}"])
     for adapter in adapters:
         if adapter.state in ("ready", "draining"):  # not those registered for another base model (base_*)
-            data.append(models.Model(id=adapter.name, root=adapter.path, parent=base,
-                                     max_model_len=info.decoder.max_model_len or None))
-    return models.ModelList(data=data)
+            data.append(responses.Model(id=adapter.name, root=adapter.path, parent=base,
+                                        max_model_len=info.decoder.max_model_len or None))
+    return responses.ModelList(data=data)
+
+
+# tessera's fields of a /v1/models entry, present only when they say something
+_ENTRY_EXTRAS = ("generation_config", "generation_defaults")
+
+
+def _entry(model: responses.Model) -> dict:
+    entry = model.model_dump()
+    for name in _ENTRY_EXTRAS:
+        if entry[name] is None:
+            del entry[name]
+    return entry
+
+
+def _listed(listed: responses.ModelList) -> dict:
+    """/v1/models' answer: `unavailable` only when the registry did not answer."""
+    answer = {"object": listed.object, "data": [_entry(m) for m in listed.data]}
+    if listed.unavailable is not None:
+        answer["unavailable"] = listed.unavailable
+    return answer
 
 
 class _AsgiEndpoint:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +23,7 @@ from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 
 INFO_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
+ALIAS_REFRESH_S = 5.0  # the shortest wait before the pooling models' names are asked again for an unknown one
 REQUIRED = ("gateway", "adapters", "vision", "decoder", "pooling")
 
 
@@ -34,8 +37,24 @@ def loopback_address(address: str) -> str:
     return f"{host}:{port}"
 
 
+@dataclass(frozen=True)
+class DecoderNames:
+    """The decoder's model names: `base` is what answers and /v1/models name it (its first
+    --served-model-name), `grpc` what the gateway's gRPC API calls it (DecoderInfo.model), and
+    `accepted` every name a request's `model` may give it (the aliases too)."""
+
+    base: str
+    grpc: str
+    accepted: frozenset[str]
+
+    @classmethod
+    def of(cls, info) -> DecoderNames:
+        names = list(info.served_model_names) or [info.model]
+        return cls(base=names[0], grpc=info.model, accepted=frozenset(names) | {info.model})
+
+
 class Backend:
-    """The loopback stub, the base model's name, and the health of every required service.
+    """The loopback stub, the served models' names, and the health of every required service.
 
     `services` maps each required service other than the gateway to the address its health is
     asked at ("vision" absent when none is configured); decoder and pooling replicas are the ones
@@ -53,7 +72,9 @@ class Backend:
         self.services = services
         self.api_keys = api_keys
         self._health_channels: dict[str, grpc.aio.Channel] = {"gateway": self.channel}
-        self._base_model: str | None = None
+        self._decoder_names: DecoderNames | None = None
+        self._pooling_names: dict[str, str] = {}  # every pooling model's name and alias -> its name
+        self._pooling_asked = float("-inf")
 
     async def close(self) -> None:
         for channel in self._health_channels.values():
@@ -73,26 +94,61 @@ class Backend:
     async def info(self) -> gateway_pb2.ClusterInfo:
         return await self.stub.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=INFO_TIMEOUT_S)
 
-    async def base_model(self) -> str:
-        """The decoder's model name (asked once; every replica serves the same model).
+    async def decoder_names(self) -> DecoderNames:
+        """The decoder's model names (asked once; every replica serves the same model).
 
         Raises:
             ApiError: 503 when no decoder has answered yet.
         """
-        if self._base_model is None:
+        if self._decoder_names is None:
             info = await self.info()
             if not info.decoder.model:
                 raise ApiError(503, "the decoder has not answered yet: " + "; ".join(info.unavailable),
                                "service_unavailable")
-            self._base_model = info.decoder.model
-        return self._base_model
+            self._decoder_names = DecoderNames.of(info.decoder)
+        return self._decoder_names
+
+    async def base_model(self) -> str:
+        """The base model's name in answers (raises ApiError 503 as `decoder_names`)."""
+        return (await self.decoder_names()).base
 
     async def lora_for(self, model: str) -> str:
-        """`model` as Generate's `lora`: "" for the base model, else the adapter name (the
-        decoder answers NOT_FOUND -> 404 for a name the registry does not hold)."""
+        """`model` as Generate's `lora`: "" for the base model (any of its names), else the adapter
+        name (the decoder answers NOT_FOUND -> 404 for a name the registry does not hold)."""
         if not model:
             raise ApiError(400, "model must name the base model or a loaded adapter", param="model")
-        return "" if model == await self.base_model() else model
+        return "" if model in (await self.decoder_names()).accepted else model
+
+    async def pooling_model(self, model: str | None) -> str:
+        """`model` as the pooling service names it: an alias (--served-model-name) becomes its
+        model's name; "" (its default) and names it does not list pass unchanged (the pooling
+        service answers NOT_FOUND for an unknown one). The names are asked again, at most every
+        ALIAS_REFRESH_S, when a name is not among them."""
+        if not model:
+            return ""
+        if model not in self._pooling_names and time.monotonic() - self._pooling_asked >= ALIAS_REFRESH_S:
+            self._pooling_asked = time.monotonic()
+            try:
+                info = await self.info()
+            except grpc.aio.AioRpcError:
+                return model  # the call that follows reports the outage
+            listed = list(info.pooling.models) or ([info.pooling] if info.pooling.model else [])
+            self._pooling_names = {name: m.model for m in listed
+                                   for name in (m.model, *getattr(m, "aliases", ()))}
+        return self._pooling_names.get(model, model)
+
+    async def tokenizer_model(self, model: str | None) -> str:
+        """`model` as the gateway's Tokenize / Detokenize take it: a name of the decoder's model
+        becomes its gRPC name, a pooling alias its model's name; "" stays ""."""
+        if not model:
+            return ""
+        try:
+            names = await self.decoder_names()
+        except ApiError:
+            names = None  # no decoder: the name can only be a pooling model's
+        if names is not None and model in names.accepted:
+            return names.grpc
+        return await self.pooling_model(model)
 
     async def not_serving(self) -> tuple[list[str], list[str]]:
         """(down, degraded): each required service whose health is not SERVING, with why ([] = all

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tessera.common.errors import clip_message
+from tessera.gateway.http.fields import REFUSED_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +92,60 @@ async def rpc_error_handler(request: Request, error: grpc.aio.AioRpcError) -> JS
     return from_rpc_error(error).response(tei_shaped(request.scope))
 
 
+_MISSING = object()
+
+
+def clean_location(location, body, names_field: bool = False) -> list[str]:
+    """A pydantic error location as the body's path: "body" and union branch tags ("<parts>",
+    "str", "list[int]") dropped, keeping each part that names a key or index of `body` along
+    the way, and with `names_field` the last part (a missing or unknown field's name)."""
+    path, value = [], body
+    parts = [p for p in location if p != "body" and not (isinstance(p, str) and p.startswith("<"))]
+    for i, part in enumerate(parts):
+        if (isinstance(value, dict) and isinstance(part, str) and part in value
+                or isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)):
+            value = value[part]
+        elif i < len(parts) - 1 or not names_field:
+            continue  # a branch tag: not a key of the body here
+        else:
+            value = _MISSING
+        path.append(str(part))
+    return path
+
+
+def _problem(error: dict, body) -> tuple[str, str]:
+    """(param, message) for one pydantic error."""
+    path = clean_location(error.get("loc", ()), body, error.get("type") in ("missing", "extra_forbidden"))
+    if error.get("type") == REFUSED_ERROR:
+        ctx = error.get("ctx") or {}
+        param = ".".join([*path, ctx.get("field", "")]).strip(".")
+        return param, f"{param} is not supported: {ctx.get('reason', '')}"
+    param = ".".join(path)
+    if error.get("type") == "extra_forbidden":
+        return param, (f"{param} is not a field of this request (refused, never ignored: see the route's fields in "
+                       "docs/http.md)")
+    return param, f"{param or 'body'}: {error.get('msg')}"
+
+
+# A refusal or an unknown field says what is wrong whatever else is: it comes first.
+_FIRST = {REFUSED_ERROR: 0, "extra_forbidden": 1}
+
+
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
-    """Pydantic's errors as one 400: the first problem's location is the `param`."""
-    problems = error.errors()
+    """Pydantic's errors as one 400 whose `param` is the dotted path of the first problem: a
+    refused field (models.py's tables) or an unknown one before any other."""
+    problems = sorted(error.errors(), key=lambda e: _FIRST.get(e.get("type"), 2))
     first = problems[0] if problems else {}
     if first.get("type") == "json_invalid":  # FastAPI's loc is the byte offset, its ctx json's reason
         reason = (first.get("ctx") or {}).get("error", "not JSON")
         return ApiError(400, f"the request body is not valid JSON: {reason} at byte {first['loc'][-1]}").response(
             tei_shaped(request.scope))
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in problems[:5])
+    described = [_problem(e, error.body) for e in problems[:5]]
+    param = described[0][0] or None if described else None
+    if first.get("type") in _FIRST:
+        message = described[0][1]
+    else:
+        message = "; ".join(m for _, m in described)
     return ApiError(400, message or "the request body is not valid", param=param).response(
         tei_shaped(request.scope, error.body))
 

@@ -1,0 +1,114 @@
+"""Every field the HTTP API honours changes the answer as it should, against the real cluster and
+transformers' reference on the same checkpoint: vLLM's sampling extras, echo with prompt logprobs
+(lm-evaluation-harness's loglikelihood request), chat template fields through /tokenize."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+import torch
+
+from .test_http_openai import info, sdk  # noqa: F401 - the session's SDK client and cluster info
+
+ANIMALS = "The list of animals: cat, dog, cat, dog, cat, dog,"
+
+
+def _ids(choice) -> list[int]:
+    """The token ids of a completion choice asked with logprobs and return_tokens_as_token_ids."""
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def test_top_k_1_is_greedy_at_any_temperature(sdk, info):  # noqa: F811
+    common = dict(model=info.decoder.model, prompt=ANIMALS, max_tokens=8)
+    greedy = sdk.completions.create(**common, temperature=0).choices[0].text
+    top_1 = sdk.completions.create(**common, temperature=1.5, seed=3, extra_body={"top_k": 1}).choices[0].text
+    sampled = sdk.completions.create(**common, temperature=1.5, seed=3).choices[0].text
+    assert top_1 == greedy
+    assert sampled != greedy, "at temperature 1.5 the sampled text must differ for top_k to mean anything"
+
+
+def _reference_logprobs(hf_decoder, text: str) -> tuple[list[int], torch.Tensor]:
+    """transformers' fp32 log_softmax of each next token of `text`: (ids, [len(ids), vocab])."""
+    model, tokenizer = hf_decoder
+    ids = tokenizer(text)["input_ids"]
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return ids, torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_returns_the_prompt_tokens_logprobs_of_transformers(sdk, info, hf_decoder, max_tokens):  # noqa: F811
+    """lm-evaluation-harness's local-completions loglikelihood request: echo, logprobs 1, max_tokens 0 or 1."""
+    reply = sdk.completions.create(model=info.decoder.model, prompt=ANIMALS, echo=True, logprobs=1,
+                                   max_tokens=max_tokens, temperature=0)
+    ids, reference = _reference_logprobs(hf_decoder, ANIMALS)
+    [choice] = reply.choices
+    logprobs = choice.logprobs
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == max_tokens
+    assert len(logprobs.tokens) == len(ids) + max_tokens
+    assert "".join(logprobs.tokens[:len(ids)]) == ANIMALS and choice.text.startswith(ANIMALS)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    for i in range(1, len(ids)):  # the chosen token, and the most likely one
+        best = reference[i - 1].max().item()
+        assert max(logprobs.top_logprobs[i].values()) == pytest.approx(best, abs=1e-4)
+    assert logprobs.text_offset[:len(ids)] == [len("".join(logprobs.tokens[:i])) for i in range(len(ids))]
+    if max_tokens == 0:
+        assert choice.text == ANIMALS and choice.finish_reason == "length"
+
+
+def test_repetition_penalty_equals_transformers(sdk, info, hf_decoder):  # noqa: F811
+    model, tokenizer = hf_decoder
+    common = dict(model=info.decoder.model, prompt=ANIMALS, max_tokens=8, temperature=0, logprobs=0,
+                  extra_body={"return_tokens_as_token_ids": True})
+    plain = _ids(sdk.completions.create(**common).choices[0])
+    penalized = _ids(sdk.completions.create(**{**common, "extra_body": {
+        "return_tokens_as_token_ids": True, "repetition_penalty": 2.0}}).choices[0])
+    prompt = torch.tensor([tokenizer(ANIMALS)["input_ids"]])
+    with torch.inference_mode():
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, repetition_penalty=2.0)
+    assert penalized == out[0, prompt.shape[1]:].tolist()[:len(penalized)] and len(penalized) == 8
+    assert penalized != plain
+
+
+def test_ignore_eos_runs_to_max_tokens(sdk, info):  # noqa: F811
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    stopped = sdk.chat.completions.create(model=info.decoder.model, messages=messages, max_tokens=40, temperature=0)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 40
+    running = sdk.chat.completions.create(model=info.decoder.model, messages=messages, max_tokens=40, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert running.choices[0].finish_reason == "length" and running.usage.completion_tokens == 40
+
+
+def test_tokenize_takes_the_chat_template_fields_as_transformers(http_url, info, hf_decoder):  # noqa: F811
+    _, tokenizer = hf_decoder
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    reply = requests.post(f"{http_url}/tokenize", timeout=60, json={
+        "model": info.decoder.model, "messages": messages, "continue_final_message": True,
+        "add_generation_prompt": False, "chat_template_kwargs": {"unused_variable": 1}}).json()
+    expected = tokenizer.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False,
+                                             tokenize=True, return_dict=True, unused_variable=1)["input_ids"]
+    assert reply["tokens"] == list(expected)
+    closed = requests.post(f"{http_url}/tokenize", json={"model": info.decoder.model, "messages": messages},
+                           timeout=60).json()
+    assert len(closed["tokens"]) > len(reply["tokens"])  # the message closed and the assistant's header added
+    # the kwargs reach the template's renderer: one of apply_chat_template's own arguments is refused there
+    refused = requests.post(f"{http_url}/tokenize", json={"model": info.decoder.model, "messages": messages,
+                                                          "chat_template_kwargs": {"tokenize": False}}, timeout=60)
+    assert refused.status_code == 400 and "tokenize" in refused.json()["error"]["message"]
+
+
+def test_unknown_and_refused_fields_are_400_naming_them(sdk, info):  # noqa: F811
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"guided_json": {}}, "guided_json"),
+                         ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+                         ({"reasoning_effort": "low"}, "reasoning_effort"), ({"topk": 1}, "topk")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(model=info.decoder.model, messages=messages, max_tokens=2, extra_body=extra)
+        assert refused.value.body["param"] == param
+    reply = sdk.chat.completions.create(model=info.decoder.model, messages=messages, max_tokens=2, user="u",
+                                        store=False, service_tier="auto", metadata={"k": "v"})
+    assert reply.choices[0].message.content is not None

@@ -1,0 +1,328 @@
+"""Every field a client sends is honoured, accepted or refused by name, never dropped
+(tessera/gateway/http/fields.py): a property test over every request body (a field outside the
+table, at any level, is 400 naming its dotted path; the fields inside it pass; each refused field
+is 400 naming it unless its value asks for nothing), and each honoured field reaches the protobuf
+the gateway's gRPC API receives (tests/gateway/http_gateway.py's FakeGateway records it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tessera.gateway.http import models
+from tessera.gateway.http.fields import Strict, is_accepted
+
+from .http_gateway import ALIASES, BASE, EMBEDDER, EMBEDDER_ALIAS, GENERATION_DEFAULTS, Harness
+from .test_http_app import App, call, error_of, tei_error_of
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+MESSAGE = {"role": "user", "content": [{"type": "text", "text": "hi", "prompt_cache_breakpoint": {"mode": "explicit"}},
+                                       {"type": "image_url", "image_url": {"url": IMAGE}}]}
+
+# Per route: a valid body, and the model of each object inside it (by its path in the body).
+ROUTES = {
+    "/v1/chat/completions": ({"model": "m", "messages": [MESSAGE], "stream": True,
+                              "stream_options": {"include_usage": True}},
+                             {(): models.ChatCompletionRequest, ("messages", 0): models.ChatMessage,
+                              ("messages", 0, "content", 0): models.TextPart,
+                              ("messages", 0, "content", 1): models.ImagePart,
+                              ("messages", 0, "content", 1, "image_url"): models.ImageURL,
+                              ("stream_options",): models.StreamOptions}),
+    "/v1/completions": ({"model": "m", "prompt": "x", "stream": True, "stream_options": {}},
+                        {(): models.CompletionRequest, ("stream_options",): models.StreamOptions}),
+    "/v1/embeddings": ({"model": "m", "input": "x"}, {(): models.EmbeddingRequest}),
+    "/v1/rerank": ({"query": "q", "documents": [{"text": "d"}]},
+                   {(): models.RerankRequest, ("documents", 0): models.RerankRequestDocument}),
+    "/v1/score": ({"text_1": "a", "text_2": "b"}, {(): models.ScoreRequest}),
+    "/tokenize": ({"messages": [MESSAGE]}, {(): models.TokenizeRequest, ("messages", 0): models.ChatMessage,
+                                            ("messages", 0, "content", 0): models.TextPart,
+                                            ("messages", 0, "content", 1): models.ImagePart,
+                                            ("messages", 0, "content", 1, "image_url"): models.ImageURL}),
+    "/detokenize": ({"tokens": [1]}, {(): models.DetokenizeRequest}),
+    "/embed": ({"inputs": "x"}, {(): models.TeiEmbedRequest}),
+    "/v1/load_lora_adapter": ({"lora_name": "a", "lora_path": "p"}, {(): models.LoadLoraAdapterRequest}),
+    "/v1/unload_lora_adapter": ({"lora_name": "a"}, {(): models.UnloadLoraAdapterRequest}),
+}
+TEI_ROUTES = {"/embed"}
+
+
+def _strict_models() -> set[type[Strict]]:
+    return {model for _, objects in ROUTES.values() for model in objects.values()}
+
+
+# Every name any body declares or refuses: a name outside it is unknown at every level.
+KNOWN = {name for model in _strict_models() for name in (*model.model_fields, *model.refused)}
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4),
+                           lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                       max_size=2), max_leaves=4)
+
+
+def _at(body: dict, path: tuple) -> dict:
+    for part in path:
+        body = body[part]
+    return body
+
+
+def _copy(body: dict) -> dict:
+    return json.loads(json.dumps(body))
+
+
+@pytest.fixture(scope="module")
+def app():
+    app = App(max_body_bytes=1 << 20)  # nothing listens behind it: an accepted body answers 503
+    yield app
+    app.close()
+
+
+def test_the_routes_cover_every_request_body():
+    assert set(models.REQUEST_BODIES.values()) <= _strict_models()
+    for model in _strict_models():
+        assert model.model_config.get("extra") == "forbid", model
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data(), name=st.from_regex(r"\A[a-z][a-z_]{0,14}\Z").filter(lambda n: n not in KNOWN),
+       value=JSON_VALUES)
+def test_an_unknown_field_at_any_level_is_400_naming_its_path(app, data, name, value):
+    route = data.draw(st.sampled_from(sorted(ROUTES)))
+    template, objects = ROUTES[route]
+    path = data.draw(st.sampled_from(sorted(objects, key=len)))
+    body = _copy(template)
+    _at(body, path)[name] = value
+    status, answer = call(app, route, json.dumps(body).encode())
+    dotted = ".".join(str(p) for p in (*path, name))
+    assert status == 400, (route, body, answer)
+    if route in TEI_ROUTES:
+        assert dotted in tei_error_of(answer)["error"]
+    else:
+        assert error_of(answer)["param"] == dotted, (route, body, answer)
+        assert "not a field of this request" in error_of(answer)["message"]
+
+
+def _paths(value, prefix=()) -> list[tuple]:
+    """Every key and index path of a JSON value."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return [path for key, inner in items for path in ((*prefix, key), *_paths(inner, (*prefix, key)))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data(), value=JSON_VALUES)
+def test_any_value_anywhere_is_answered_never_a_500(app, data, value):
+    route = data.draw(st.sampled_from(sorted(ROUTES)))
+    body = _copy(ROUTES[route][0])
+    *parent, last = data.draw(st.sampled_from(_paths(body)))
+    _at(body, tuple(parent))[last] = value
+    status, answer = call(app, route, json.dumps(body).encode())
+    assert status in (400, 503), (route, body, answer)  # refused, or on to the (unreachable) gateway
+
+
+def _refused() -> list[tuple[str, tuple, str]]:
+    return sorted({(route, path, name) for route, (_, objects) in ROUTES.items()
+                   for path, model in objects.items() for name in model.refused}, key=str)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def test_a_refused_field_is_400_naming_it_unless_its_value_asks_for_nothing(app, data):
+    route, path, name = data.draw(st.sampled_from(_refused()))
+    template, objects = ROUTES[route]
+    rule = objects[path].refused[name]
+    body = _copy(template)
+    target = _at(body, path)
+    value = data.draw(JSON_VALUES.filter(lambda v: not rule.permits(v, target)))
+    target[name] = value
+    status, answer = call(app, route, json.dumps(body).encode())
+    dotted = ".".join(str(p) for p in (*path, name))
+    assert status == 400, (route, body, answer)
+    message = tei_error_of(answer)["error"] if route in TEI_ROUTES else error_of(answer)["message"]
+    assert message.startswith(f"{dotted} is not supported: {rule.reason}"), answer
+    if route not in TEI_ROUTES:
+        assert error_of(answer)["param"] == dotted
+    target[name] = data.draw(st.sampled_from([None, *rule.allowed]))
+    assert call(app, route, json.dumps(body).encode())[0] != 400, (route, body)
+
+
+@pytest.mark.parametrize("content", [["x", 5], [{"text": "x"}], [{"type": 5}], [None], 5, {"type": "text"}])
+def test_malformed_content_is_400_naming_it(app, content):
+    body = {"messages": [{"role": "user", "content": content}]}
+    status, answer = call(app, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and error_of(answer)["param"].startswith("messages.0.content"), answer
+
+
+# A value for each declared field of chat and completions: together (a subset of them) the body is
+# valid; `_compatible` settles the pairs that depend on each other.
+CHAT_EXAMPLES = {
+    "model": "m", "messages": [MESSAGE, {"role": "assistant", "content": "It is"}], "max_tokens": 5,
+    "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2, "temperature": 0.5, "top_p": 0.9,
+    "stop": ["x"], "seed": 1, "n": 2, "presence_penalty": 0.1, "frequency_penalty": 0.1, "stream": False,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": False},
+    "user": "u", "metadata": {"k": "v"}, "parallel_tool_calls": False, "safety_identifier": "s",
+    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"},
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 1, "stop_token_ids": [2],
+    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "prompt_logprobs": 1, "return_tokens_as_token_ids": True, "request_id": "r1", "echo": True,
+    "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False},
+    "documents": [{"title": "t", "text": "x"}]}
+COMPLETION_EXAMPLES = {
+    **{k: v for k, v in CHAT_EXAMPLES.items() if k in models.SamplingFields.model_fields},
+    "prompt": ["a", "b"], "max_tokens": 0, "logprobs": 2, "echo": True}
+
+
+def _compatible(body: dict) -> dict:
+    if "stream_options" in body:
+        body["stream"] = True
+        body.pop("prompt_logprobs", None)
+    if "top_logprobs" in body:
+        body["logprobs"] = True
+    if body.get("max_tokens") == 0:
+        body["echo"] = True
+    return body
+
+
+@pytest.mark.parametrize("model, examples", [(models.ChatCompletionRequest, CHAT_EXAMPLES),
+                                             (models.CompletionRequest, COMPLETION_EXAMPLES)])
+def test_every_declared_field_has_an_example(model, examples):
+    assert set(examples) == set(model.model_fields)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def test_the_fields_of_the_table_are_accepted(app, data):
+    route, examples, required = data.draw(st.sampled_from([
+        ("/v1/chat/completions", CHAT_EXAMPLES, ("messages",)), ("/v1/completions", COMPLETION_EXAMPLES, ("prompt",))]))
+    chosen = data.draw(st.sets(st.sampled_from(sorted(examples))))
+    body = _compatible({name: examples[name] for name in {*chosen, *required}})
+    status, answer = call(app, route, json.dumps(body).encode())
+    assert status == 503, (body, answer)  # past validation, on to the (unreachable) gateway
+
+
+@pytest.fixture
+def harness():
+    harness = Harness()
+    yield harness
+    harness.close()
+
+
+def test_every_honoured_sampling_field_reaches_the_protobuf(harness):
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+            "min_p": 0.1, "repetition_penalty": 1.3, "seed": 7, "stop": "x", "stop_token_ids": [2, 3], "n": 2,
+            "presence_penalty": 0.25, "frequency_penalty": 0.5, "ignore_eos": True, "min_tokens": 2,
+            "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+            "logprobs": True, "top_logprobs": 3, "prompt_logprobs": 2, "max_completion_tokens": 3}
+    assert harness.post("/v1/chat/completions", body)[0] == 200
+    sampling = harness.gateway.last("Generate").sampling
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        assert sampling.HasField(name) and getattr(sampling, name) == pytest.approx(body[name]), name
+    for name in ("presence_penalty", "frequency_penalty"):
+        assert getattr(sampling, name) == pytest.approx(body[name]), name
+    assert (sampling.top_k, sampling.seed, list(sampling.stop), list(sampling.stop_token_ids), sampling.n) == (
+        5, 7, ["x"], [2, 3], 2)
+    assert (sampling.ignore_eos, sampling.min_tokens, sampling.include_stop_str_in_output) == (True, 2, True)
+    assert sampling.HasField("skip_special_tokens") and not sampling.skip_special_tokens
+    assert sampling.HasField("spaces_between_special_tokens") and not sampling.spaces_between_special_tokens
+    assert (sampling.logprobs, sampling.top_logprobs, sampling.prompt_logprobs, sampling.max_tokens) == (True, 3, 2, 3)
+    assert sampling.default_temperature == 1.0
+
+
+def test_absent_sampling_fields_stay_unset_so_the_models_defaults_apply(harness):
+    assert harness.post("/v1/completions", {"prompt": "x"})[0] == 200
+    sampling = harness.gateway.last("Generate").sampling
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "skip_special_tokens",
+                 "spaces_between_special_tokens", "prompt_logprobs"):
+        assert not sampling.HasField(name), name
+    assert sampling.HasField("default_temperature") and sampling.default_temperature == 1.0
+    assert sampling.max_tokens == models.DEFAULT_COMPLETION_MAX_TOKENS
+
+
+def test_chat_template_fields_reach_generate_and_tokenize(harness):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    kwargs = {"enable_thinking": False}
+    documents = [{"title": "t", "text": "x"}]
+    body = {"messages": messages, "continue_final_message": True, "chat_template_kwargs": kwargs, "documents": documents}
+    assert harness.post("/v1/chat/completions", body)[0] == 200
+    request = harness.gateway.last("Generate")
+    assert request.continue_final_message and request.HasField("add_generation_prompt")
+    assert not request.add_generation_prompt  # continue_final_message: the header is not added
+    assert json.loads(request.chat_template_kwargs) == {**kwargs, "documents": documents}
+    body = {"model": ALIASES[1], "messages": messages, "continue_final_message": True, "chat_template_kwargs": kwargs}
+    assert harness.post("/tokenize", body)[0] == 200
+    tokenize = harness.gateway.last("Tokenize")
+    assert (tokenize.model, tokenize.continue_final_message, tokenize.add_generation_prompt) == (BASE, True, False)
+    assert json.loads(tokenize.chat_template_kwargs) == kwargs
+    assert harness.post("/tokenize", {"messages": messages})[0] == 200
+    plain = harness.gateway.last("Tokenize")
+    assert not plain.HasField("add_generation_prompt") and not plain.chat_template_kwargs  # the decoder's defaults
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/v1/chat/completions", {"documents": [{"text": "a"}], "chat_template_kwargs": {"documents": []}}, "documents"),
+    ("/v1/chat/completions", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/tokenize", {"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/rerank", {"raw_scores": True, "activation": True}, "activation")])
+def test_fields_that_contradict_each_other_are_refused_naming_one(harness, route, body, param):
+    base = ({"prompt": "x"} if route == "/v1/completions" else {"query": "q", "documents": ["d"]}
+            if route == "/v1/rerank" else {"messages": [{"role": "user", "content": "hi"}]})
+    status, answer = harness.post(route, {**base, **body})
+    assert status == 400 and error_of(answer)["param"] == param, answer
+    assert "Generate" not in harness.gateway.received
+
+
+def test_aliases_name_the_base_and_pooling_models_and_answers_use_the_first_name(harness):
+    status, answer = harness.post("/v1/chat/completions", {"model": ALIASES[1],
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and answer["model"] == BASE and harness.gateway.last("Generate").lora == ""
+    status, answer = harness.post("/v1/completions", {"model": "an-adapter", "prompt": "x"})
+    assert status == 200 and harness.gateway.last("Generate").lora == "an-adapter"  # an adapter's name goes on
+    for route, body, rpc in (("/v1/embeddings", {"input": "x"}, "Embed"), ("/embed", {"inputs": "x"}, "Embed"),
+                             ("/v1/rerank", {"query": "q", "documents": ["d"]}, "Rerank"),
+                             ("/v1/score", {"text_1": "q", "text_2": "d"}, "Rerank"),
+                             ("/tokenize", {"prompt": "x"}, "Tokenize")):
+        assert harness.post(route, {**body, "model": EMBEDDER_ALIAS})[0] == 200, route
+        assert harness.gateway.last(rpc).model == EMBEDDER, route
+    assert harness.post("/v1/embeddings", {"input": "x", "model": "unknown"})[0] == 200  # the pooler decides: here 200
+    assert harness.gateway.last("Embed").model == "unknown"
+
+
+def test_models_lists_the_first_served_name_with_its_generation_defaults(harness):
+    status, listed = harness.post("/v1/models", None)
+    assert status == 200
+    ids = [m["id"] for m in listed["data"]]
+    assert ids == [BASE, EMBEDDER, "qv"] and ALIASES[1] not in ids and EMBEDDER_ALIAS not in ids
+    base = listed["data"][0]
+    assert base["generation_config"] == "auto" and base["generation_defaults"] == pytest.approx(GENERATION_DEFAULTS)
+    assert "generation_defaults" not in listed["data"][1]
+
+
+def test_vllms_pooling_extras_reach_the_protobuf(harness):
+    assert harness.post("/v1/embeddings", {"input": "x", "normalize": False})[0] == 200
+    embed = harness.gateway.last("Embed")
+    assert embed.HasField("normalize") and not embed.normalize
+    for field in ("activation", "use_activation"):
+        assert harness.post("/v1/rerank", {"query": "q", "documents": ["d"], field: False})[0] == 200
+        assert harness.gateway.last("Rerank").raw_scores, field
+        assert harness.post("/v1/score", {"text_1": "q", "text_2": "d", field: False})[0] == 200
+        assert harness.gateway.last("Rerank").raw_scores, field
+    assert harness.post("/v1/rerank", {"query": "q", "documents": ["d"], "activation": True})[0] == 200
+    assert not harness.gateway.last("Rerank").raw_scores
+
+
+def test_openapi_lists_the_honoured_and_accepted_fields_and_names_the_refused(app):
+    status, document = call(app, "/openapi.json", None)
+    assert status == 200
+    schemas = document["components"]["schemas"]
+    for model in _strict_models():
+        schema = schemas[model.__name__]
+        assert schema["additionalProperties"] is False
+        assert set(schema["properties"]) == set(model.model_fields), model
+        assert set(schema.get("x-refused", {})) == set(model.refused), model
+        for name, info in model.model_fields.items():
+            assert (schema["properties"][name].get("x-tessera") == "accepted") == is_accepted(info), name
+    assert "audio" in schemas["ChatCompletionRequest"]["x-refused"]
+    assert "top_k" in schemas["CompletionRequest"]["properties"]
