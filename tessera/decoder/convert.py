@@ -121,7 +121,8 @@ def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimit
 
 
 def _messages_from_pb(messages) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage(m.role, tuple(part_from_pb(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)))
+    return tuple(ChatMessage(m.role, tuple(part_from_pb(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)),
+                             m.name)
                  for i, m in enumerate(messages))
 
 

@@ -68,6 +68,15 @@ def _loops_over_content(template: str | None) -> bool:
     return False
 
 
+def template_message(message: ChatMessage, content: str) -> dict:
+    """The dict a chat template sees for `message` with its text `content`: role and content, and
+    `name` when the message has one (as vLLM's conversation entries)."""
+    entry = {"role": message.role, "content": content}
+    if message.name:
+        entry["name"] = message.name
+    return entry
+
+
 def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions) -> str:
     """`messages` ({"role", "content"} dicts) rendered with the tokenizer's chat template as
     `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=...,
@@ -181,7 +190,7 @@ class PromptBuilder:
                 raise InvalidArgument(f"unknown chat role {message.role!r}; expected one of {ROLES}")
             pieces, message_images = self._split_parts(message.content, self.text_joiner)
             images.extend(message_images)
-            rendered.append({"role": message.role, "content": SENTINEL.join(pieces)})
+            rendered.append(template_message(message, SENTINEL.join(pieces)))
         pieces = render_chat(self.tokenizer, rendered, options).split(SENTINEL)
         if len(pieces) != len(images) + 1:
             raise InvalidArgument("the chat template dropped or duplicated image parts")

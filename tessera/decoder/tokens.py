@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from tessera.common.errors import InvalidArgument
-from tessera.decoder.multimodal import ROLES, chat_text_joiner, check_chat_options, render_chat
+from tessera.decoder.multimodal import ROLES, chat_text_joiner, check_chat_options, render_chat, template_message
 from tessera.decoder.types import TextPart, TokenizeInput
 
 
@@ -35,7 +35,7 @@ def tokenize(tokenizer, request: TokenizeInput) -> list[int]:
             raise InvalidArgument(f"messages[{index}].role is {message.role!r}; expected one of {ROLES}")
         if not all(isinstance(part, TextPart) for part in message.content):
             raise InvalidArgument(f"messages[{index}] has an image part; tokenize counts text only")
-        rendered.append({"role": message.role, "content": joiner.join(part.text for part in message.content)})
+        rendered.append(template_message(message, joiner.join(part.text for part in message.content)))
     text = render_chat(tokenizer, rendered, request.chat)
     return tokenizer(text, add_special_tokens=bool(request.add_special_tokens))["input_ids"]
 

@@ -47,8 +47,11 @@ Part = TextPart | ImagePart | RawImagePart
 
 @dataclass(frozen=True)
 class ChatMessage:
+    """One chat turn; `name` (the participant's, "" = none) reaches the template as message["name"], as vLLM."""
+
     role: str
     content: tuple[Part, ...]
+    name: str = ""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tessera.common.errors import InvalidArgument
 from tessera.decoder.config import DecoderConfig
-from tessera.decoder.convert import chat_options_from_pb, sampling_from_pb
+from tessera.decoder.convert import chat_options_from_pb, generate_from_pb, sampling_from_pb
 from tessera.decoder.detokenizer import IncrementalDetokenizer
 from tessera.decoder.engine import start_engine
 from tessera.decoder.multimodal import PromptBuilder
@@ -293,7 +293,7 @@ TEMPLATE = ("{% for d in documents or [] %}<doc>{{ d.text }}</doc>\n{% endfor %}
 
 
 def _messages(messages) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage(m["role"], (TextPart(m["content"]),)) for m in messages)
+    return tuple(ChatMessage(m["role"], (TextPart(m["content"]),), m.get("name", "")) for m in messages)
 
 
 def _both_ways(tokenizer, messages, options: ChatTemplateOptions) -> list[int]:
@@ -324,6 +324,19 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     plain = custom.apply_chat_template(MESSAGES[:2], tokenize=True, add_generation_prompt=True)["input_ids"]
     assert _both_ways(custom, MESSAGES[:2], ChatTemplateOptions()) == plain != expected
     assert "<think>" in custom.decode(expected) and "<doc>Paris is in France.</doc>" in custom.decode(expected)
+
+
+def test_a_message_name_reaches_the_template_as_transformers_gives_it(tokenizer):
+    custom = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    custom.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}"
+                            "\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    named = [{"role": "user", "content": "Hello", "name": "ada"}, {"role": "user", "content": "Hi"}]
+    expected = custom.apply_chat_template(named, tokenize=True, add_generation_prompt=False)["input_ids"]
+    options = ChatTemplateOptions(add_generation_prompt=False)
+    assert _both_ways(custom, named, options) == expected
+    assert "user ada" in custom.decode(expected)
+    wire = decoder_pb2.ChatMessage(role="user", content=[decoder_pb2.ContentPart(text="Hello")], name="ada")
+    assert generate_from_pb(decoder_pb2.GenerateRequest(messages=[wire])).messages[0].name == "ada"
 
 
 def _chat_request(**fields) -> decoder_pb2.GenerateRequest:

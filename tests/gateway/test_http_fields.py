@@ -238,7 +238,7 @@ def test_absent_sampling_fields_stay_unset_so_the_models_defaults_apply(harness)
 
 
 def test_chat_template_fields_reach_generate_and_tokenize(harness):
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    messages = [{"role": "user", "content": "hi", "name": "ada"}, {"role": "assistant", "content": "Hello"}]
     kwargs = {"enable_thinking": False}
     documents = [{"title": "t", "text": "x"}]
     body = {"messages": messages, "continue_final_message": True, "chat_template_kwargs": kwargs, "documents": documents}
@@ -247,6 +247,7 @@ def test_chat_template_fields_reach_generate_and_tokenize(harness):
     assert request.continue_final_message and request.HasField("add_generation_prompt")
     assert not request.add_generation_prompt  # continue_final_message: the header is not added
     assert json.loads(request.chat_template_kwargs) == {**kwargs, "documents": documents}
+    assert [m.name for m in request.messages] == ["ada", ""]  # a participant's name reaches the template
     body = {"model": ALIASES[1], "messages": messages, "continue_final_message": True, "chat_template_kwargs": kwargs}
     assert harness.post("/tokenize", body)[0] == 200
     tokenize = harness.gateway.last("Tokenize")

@@ -43,7 +43,7 @@ def chat_messages(messages: list[models.ChatMessage]) -> list[decoder_pb2.ChatMe
             parts = [decoder_pb2.ContentPart(text=p.text) if isinstance(p, models.TextPart)
                      else _image(p.image_url.url, f"messages.{i}.content.{j}") for j, p in enumerate(content)]
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
-        out.append(decoder_pb2.ChatMessage(role=role, content=parts))
+        out.append(decoder_pb2.ChatMessage(role=role, content=parts, name=message.name or ""))
     return out
 
 

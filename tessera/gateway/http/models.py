@@ -82,15 +82,16 @@ Part = Annotated[Annotated[TextPart, Tag("<text>")] | Annotated[ImagePart, Tag("
 Content = Annotated[Annotated[str, Tag("<str>")] | Annotated[Annotated[list[Part], Field(fail_fast=True)],
                                                               Tag("<parts>")],
                     Discriminator(lambda v: "<str>" if isinstance(v, str) else "<parts>")]
-_TEMPLATE_FIELDS = "the chat template is given each message's role and content only"
+_TEMPLATE_FIELDS = "the chat template is given each message's role, content and name only"
 
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"] = Field(
         description='"developer" is OpenAI\'s newer name for "system", and is sent as one')
     content: Content | None = None
+    name: str | None = Field(default=None, description="the participant's name, given to the chat template as "
+                             "the message's `name` (vLLM's)")
     refused: ClassVar[dict[str, Refusal]] = {
-        "name": Refusal(_TEMPLATE_FIELDS + " (a participant's name is not passed to it)"),
         "tool_calls": Refusal("the gateway does not call tools", ([],)),
         "tool_call_id": Refusal("the gateway does not call tools"),
         "function_call": Refusal("the gateway does not call tools"),
