@@ -19,7 +19,7 @@ from .test_generate import CHAT_PROMPTS, chat_request, collect
 
 @pytest.mark.parametrize("sampling", [
     {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": -1.0}, {"top_p": math.nan},
-    {"top_p": 1.5}, {"top_k": -1}, {"seed": -1},
+    {"top_p": 1.5}, {"top_k": -2}, {"seed": -1},
 ], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 def test_bad_sampling_is_invalid_argument(gateway, assert_healthy, sampling):
     with pytest.raises(grpc.RpcError) as error:
