@@ -2,16 +2,17 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml services/pyproject.toml services/setup.py | cksum | cut -d' ' -f1)
 SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: setup deploy-tools models up demo lint test proto bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml services/pyproject.toml services/setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch is pinned in pyproject (CPU build from this machine's disk); the rest from PyPI.
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# Both distributions: tessera (client, CLI, stubs: pyproject.toml) and tessera-server (services/,
+	# with torch pinned: the CPU build from this machine's disk; the rest from PyPI).
+	$(BIN)/python -m pip install --quiet -e . -e './services[test]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -34,7 +35,7 @@ demo: models
 	$(BIN)/tessera demo
 
 lint: setup
-	$(BIN)/ruff check tessera tests bench docs
+	$(BIN)/ruff check tessera services tests bench docs
 
 test: models lint deploy-tools
 	$(BIN)/python -m pytest -q
@@ -43,4 +44,4 @@ proto: setup
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. protos/tessera/v1/*.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info services/build services/*.egg-info

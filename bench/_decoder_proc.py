@@ -7,15 +7,15 @@ import platform
 import subprocess
 from pathlib import Path
 
-from tessera.common.launch import ServiceProcess, free_port  # noqa: F401 - free_port for bench/lora.py
+from services.common.launch import ServiceProcess, free_port  # noqa: F401 - free_port for bench/lora.py
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
 def start_decoder(model_dir: Path, flags: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m tessera.decoder` on a free port; returns once health says SERVING."""
-    service = ServiceProcess("tessera.decoder", ["--model-dir", str(model_dir), *flags],
+    """`python -m services.decoder` on a free port; returns once health says SERVING."""
+    service = ServiceProcess("services.decoder", ["--model-dir", str(model_dir), *flags],
                              env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)}, startup_s=300, log_path=log_path)
     service.start()
     return service.process, service.address
@@ -32,7 +32,7 @@ def stop(process: subprocess.Popen) -> None:
 def machine() -> str:
     import torch
 
-    from tessera.decoder.kernels.native import cpu_flags, cpu_model
+    from services.decoder.kernels.native import cpu_flags, cpu_model
 
     cpu = platform.processor() or platform.machine()
     model = cpu_model()

@@ -25,7 +25,7 @@ import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from tessera.gateway.router import Router, RouterConfig, RoutingKey, block_hashes
+from services.gateway.router import Router, RouterConfig, RoutingKey, block_hashes
 
 BYTES_PER_TOKEN = 4
 

@@ -2,7 +2,7 @@
 tessera, interleaved, to show a change is within noise of what it replaced.
 
 Each round starts, for each checkout in turn (the order alternates per round), an adapter registry
-and a decoder from that checkout's own package (`tessera`, or `services` before the rename) (cwd = the checkout), and measures:
+and a decoder from that checkout's own package (`services`, or `tessera` in a checkout from before the move) (cwd = the checkout), and measures:
   - decode: N concurrent requests of random token ids (no adapter), generated tokens/s;
   - lora: the same N requests spread round-robin over K random rank-R PEFT adapters.
 Both checkouts see the same prompts, adapters and flags. Reported: per-round figures, medians and the
@@ -51,8 +51,8 @@ def _wait_serving(process: subprocess.Popen, address: str, log: Path, timeout_s:
 def _start(checkout: Path, module: str, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     """`python -m MODULE` with cwd and PYTHONPATH = `checkout`, so that checkout's code runs."""
     address = f"127.0.0.1:{free_port()}"
-    if (checkout / "services").is_dir():  # a checkout from before the package moved under tessera/
-        module = module.replace("tessera.", "services.", 1)
+    if not (checkout / "services" / "decoder").is_dir():  # a checkout with the services under tessera/
+        module = module.replace("services.", "tessera.", 1)
     env = {**os.environ, "PYTHONPATH": str(checkout), "TESSERA_ADMIN_TOKEN": "",
            "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     with log.open("w") as out:
@@ -74,7 +74,7 @@ def one_round(checkout: Path, model_dir: Path, root: Path, names: list[str], pro
     """(decode tok/s, multi-LoRA tok/s) of one checkout."""
     tag = checkout.name
     catalog = root / f"catalog-{tag}-{time.monotonic_ns()}.sqlite3"  # a fresh catalog each start
-    registry, registry_address = _start(checkout, "tessera.adapters",
+    registry, registry_address = _start(checkout, "services.adapters",
                                         ["--root", str(root), "--db", str(catalog), "--base-model-dir", str(model_dir),
                                          "--max-rank", str(args.rank)], RESULTS / f"ab-{tag}-registry.log")
     try:
@@ -82,7 +82,7 @@ def one_round(checkout: Path, model_dir: Path, root: Path, names: list[str], pro
         flags = ["--model-dir", str(model_dir), "--adapters-address", registry_address,
                  "--adapter-slots", str(len(names)), "--max-lora-rank", str(args.rank), "--max-model-len", "1024",
                  "--no-prefix-caching", *args.decoder_flags.split()]
-        decoder, address = _start(checkout, "tessera.decoder", flags, RESULTS / f"ab-{tag}-decoder.log")
+        decoder, address = _start(checkout, "services.decoder", flags, RESULTS / f"ab-{tag}-decoder.log")
         try:
             decode = asyncio.run(_grpc_run(address, [(p, "") for p in prompts], args.max_tokens))
             lora = asyncio.run(_grpc_run(address, [(p, names[i % len(names)]) for i, p in enumerate(prompts)],
@@ -95,7 +95,7 @@ def one_round(checkout: Path, model_dir: Path, root: Path, names: list[str], pro
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessera.common.paths import default_decoder_dir
+    from tessera.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench ab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -3,7 +3,7 @@ engine overhead per decode step.
 
 In one run on one machine:
   1. N requests (prompt lengths and max_tokens drawn uniformly from the given ranges, EOS ignored)
-     sent concurrently over gRPC to `python -m tessera.decoder --attention-backend cpu` (the C
+     sent concurrently over gRPC to `python -m services.decoder --attention-backend cpu` (the C
      decode kernel; `--attention-backend` chooses); generated tokens/s;
   2. the anchor: transformers `generate` in process on the same prompts, sequentially and in
      left-padded batches of 16 (greedy, same max_tokens per request). The machine's speed drifts,
@@ -123,9 +123,9 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "au
                     context: int = 128, steps: int = 32) -> tuple[list, list]:
     """Seconds per engine step at `batch` x `context` while all rows decode, and seconds of the engine's
     own model forward + lm_head inside those steps (one sample per step)."""
-    from tessera.decoder.config import DecoderConfig
-    from tessera.decoder.engine import start_engine
-    from tessera.decoder.types import GenerateInput, SamplingParams
+    from services.decoder.config import DecoderConfig
+    from services.decoder.engine import start_engine
+    from services.decoder.types import GenerateInput, SamplingParams
 
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
                                         attention_backend=backend, linear_backend=linear, dtype=dtype))
@@ -166,7 +166,7 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "au
 def overhead_child(model_dir: Path, backend: str, dtype: str, linear: str, rounds: int = 3) -> dict:
     """Engine steps and bare transformers forwards, alternated `rounds` times (the machine's speed
     drifts; both sides see the same drift). Each side computes on a thread of its own that ends
-    with it, so only one OpenMP team is alive at a time, as in a decoder process (tessera/common/
+    with it, so only one OpenMP team is alive at a time, as in a decoder process (services/common/
     compute.py). Runs in its own process (see `overhead`)."""
     import threading
 
@@ -191,12 +191,12 @@ def overhead_child(model_dir: Path, backend: str, dtype: str, linear: str, round
 
 
 def overhead(model_dir: Path, backend: str, dtype: str, linear: str) -> dict:
-    """`overhead_child` in a fresh process with a decoder service's environment (tessera/common/
+    """`overhead_child` in a fresh process with a decoder service's environment (services/common/
     launch.py), as the engine runs in production; the bare forward shares that process."""
     import json
     import subprocess
 
-    from tessera.common.launch import service_env
+    from services.common.launch import service_env
 
     done = subprocess.run([sys.executable, __file__, "--overhead-child", str(model_dir), backend, dtype,
                            linear], env=service_env(),
@@ -222,7 +222,7 @@ def bare_forward(model, batch: int = 16, context: int = 128, steps: int = 32) ->
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from tessera.common.paths import default_decoder_dir
+    from tessera.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,7 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decoder-only", action="store_true",
                         help="skip the transformers anchors and the comparison backend: decoder runs, the engine "
                              "step and the matmul floor only; prints, writes no results file")
-    parser.add_argument("--decoder-flags", default="", help="extra flags for python -m tessera.decoder")
+    parser.add_argument("--decoder-flags", default="", help="extra flags for python -m services.decoder")
     return parser.parse_args(argv)
 
 

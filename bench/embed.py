@@ -2,7 +2,7 @@
 
 Runs, in one process on one machine:
   1. sentence-transformers `encode(batch_size=32)` over the sentences in process (the ceiling);
-  2. `python -m tessera.pooling` with dynamic batching, N concurrent clients each sending one
+  2. `python -m services.pooling` with dynamic batching, N concurrent clients each sending one
      sentence per Embed call;
   3. the same server with `--no-dynamic-batching` (one forward per call under a lock).
 Prints throughput (sentences/s) and p50/p99 latency, and writes bench/results/embed.md. Never a
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from tessera.common.launch import ServiceProcess
+from services.common.launch import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["river", "mountain", "weather", "spring", "model", "vector", "search", "engine", "query", "document", "city", "music", "garden", "history", "science", "language", "ocean", "forest", "market", "energy", "travel", "coffee", "morning", "library"]
@@ -56,8 +56,8 @@ def run_mixed(model_dir: Path, num_requests: int, rounds: int) -> dict:
 
     import torch
 
-    from tessera.pooling.config import ModelConfig, PoolingConfig
-    from tessera.pooling.engine import PoolingEngine, load_served_model
+    from services.pooling.config import ModelConfig, PoolingConfig
+    from services.pooling.engine import PoolingEngine, load_served_model
 
     loaded = load_served_model(ModelConfig(model_dir=model_dir))
     engine = PoolingEngine(PoolingConfig(models=[loaded.config]), models={loaded.name: loaded})
@@ -132,7 +132,7 @@ def run_in_process(model_dir: Path, texts: list[str], batch_size: int = 32) -> d
 
 
 def _start_server(model_dir: Path, extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    service = ServiceProcess("tessera.pooling", ["--model-dir", str(model_dir), *extra],
+    service = ServiceProcess("services.pooling", ["--model-dir", str(model_dir), *extra],
                              env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)}, startup_s=120, log_path=log_path)
     service.start()
     return service.process, service.address
@@ -192,7 +192,7 @@ def table(rows: list[dict], reference: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessera.common.paths import default_embedding_dir
+    from tessera.paths import default_embedding_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench embed", description=__doc__)
     parser.add_argument("--model-dir", type=Path, default=default_embedding_dir())

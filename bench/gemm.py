@@ -73,8 +73,8 @@ def measure(weights: list[torch.Tensor], packed: dict, rows: int, dtype: torch.d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessera.common.paths import default_decoder_dir
-    from tessera.decoder.linear import CpuGemm
+    from services.decoder.linear import CpuGemm
+    from tessera.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench gemm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -3,7 +3,7 @@
 #   1. the device and warm-up tests and a conformance subset (greedy ids = transformers), with the
 #      decoder on CUDA: in-process configs default to --device auto, which is CUDA here;
 #   2. `tessera bench decode|lora|kernels` with the Triton attention and LoRA kernels; every
-#      `python -m tessera.decoder` they start reads TESSERA_DECODER_DEVICE=cuda. Their tables are
+#      `python -m services.decoder` they start reads TESSERA_DECODER_DEVICE=cuda. Their tables are
 #      rewritten under bench/results/ with the machine (GPU named) in their header.
 # Refuses to run without a CUDA device (the CPU suite covers the plumbing there).
 #

@@ -74,9 +74,9 @@ def lora_rows(shapes: dict, rows_per_adapter, device: torch.device, dtype: torch
 def _lora_case(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, device: torch.device,
                repeats: int) -> tuple[dict[str, float], float]:
     """ms per call of each kernel on rows sorted by adapter, m per adapter; the largest error vs float64."""
-    from tessera.decoder.lora.batch import LoRABatch
-    from tessera.decoder.lora.torch_backend import TorchLoRABackend
-    from tessera.decoder.lora.triton_backend import bgmv, sgmv
+    from services.decoder.lora.batch import LoRABatch
+    from services.decoder.lora.torch_backend import TorchLoRABackend
+    from services.decoder.lora.triton_backend import bgmv, sgmv
 
     adapters, n = a.shape[0], x.shape[0]
     slots = torch.arange(adapters).repeat_interleave(m).to(device)
@@ -116,7 +116,7 @@ def _attention_case(batch: int, context: int, heads: int, kv_heads: int, head_di
                     gen: torch.Generator, device: torch.device, dtype: torch.dtype,
                     repeats: int) -> tuple[float, float, float]:
     """(Triton ms, torch ms, max difference) for `batch` sequences of `context` positions."""
-    from tessera.decoder.attention.triton_kernel import triton_paged_attention
+    from services.decoder.attention.triton_kernel import triton_paged_attention
 
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq

@@ -2,9 +2,9 @@
 
 In one run on one machine, the same N requests (random prompts, EOS ignored, greedy):
   1. base-only: N requests without adapter, sent concurrently over gRPC to `python -m
-     tessera.decoder`; generated tokens/s;
+     services.decoder`; generated tokens/s;
   2. multi-LoRA: the same N requests spread round-robin over K random rank-R PEFT adapters
-     (all seven projections) registered in `python -m tessera.adapters`, sent concurrently to
+     (all seven projections) registered in `python -m services.adapters`, sent concurrently to
      the same decoder (K slots; each adapter served once before timing, so it is resident);
   3. the anchor: PeftModel in process holding the K adapters, one left-padded `generate` batch
      per adapter (set_adapter between batches).
@@ -63,7 +63,7 @@ def start_registry(model_dir: Path, root: Path, rank: int) -> tuple[subprocess.P
 
     address = f"127.0.0.1:{free_port()}"
     log = (RESULTS / "lora-registry.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "tessera.adapters", "--address", address, "--root", str(root),
+    process = subprocess.Popen([sys.executable, "-m", "services.adapters", "--address", address, "--root", str(root),
                                 "--base-model-dir", str(model_dir), "--max-rank", str(rank)], cwd=REPO,
                                env={**os.environ, "TESSERA_ADMIN_TOKEN": ""}, stdout=log, stderr=subprocess.STDOUT)
     with grpc.insecure_channel(address) as channel:
@@ -147,7 +147,7 @@ def peft_runner(model_dir: Path, root: Path, names: list[str], work, max_tokens:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessera.common.paths import default_decoder_dir
+    from tessera.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench lora", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -4,7 +4,7 @@ Needs env LLAMA_SERVER, the path of a `llama-server` binary (the README's "Compa
 llama.cpp" builds one offline); without it this prints how to build one and exits 0. In one run:
   1. `tessera models export-gguf` writes the checkpoint as GGUF at each precision (F32, BF16);
   2. per precision, `llama-server` (32 slots, continuous batching, one context of 32 x 1024
-     tokens) and `python -m tessera.decoder --dtype` (float32 / bfloat16) start side by side;
+     tokens) and `python -m services.decoder --dtype` (float32 / bfloat16) start side by side;
   3. both answer a few short greedy prompts; their token ids must be identical (reported);
   4. P1 (bench/decode.py's workload: 32 concurrent requests, prompts 16-512 tokens, outputs
      16-256, EOS ignored, greedy) runs against each, interleaved, for `--rounds` rounds, each
@@ -155,7 +155,7 @@ def report(results: list[dict], args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from tessera.cli.gguf_export import default_output, export_gguf
-    from tessera.common.paths import default_decoder_dir
+    from tessera.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench peer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-range", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--slots", type=int, default=32, help="llama-server parallel slots")
     parser.add_argument("--slot-ctx", type=int, default=1024, help="llama-server context per slot (tokens)")
-    parser.add_argument("--decoder-flags", default="", help="extra flags for python -m tessera.decoder")
+    parser.add_argument("--decoder-flags", default="", help="extra flags for python -m services.decoder")
     parser.add_argument("--output", type=Path, default=RESULTS / "peer.md")
     args = parser.parse_args(argv)
     args.llama_server = os.environ.get("LLAMA_SERVER", "")

@@ -1,6 +1,6 @@
 """`tessera bench prefix`: time to first token with a shared prefix, prefix-cache hit vs miss.
 
-In one run on one machine, against `python -m tessera.decoder` over gRPC:
+In one run on one machine, against `python -m services.decoder` over gRPC:
   1. warm: a request with prefix P (default 1024 tokens) + suffix, so P's full blocks are cached;
   2. hit: requests P + a new suffix (TTFT measured to the first streamed token);
   3. miss: requests with a fresh prefix of the same length + suffix (nothing cached);
@@ -62,7 +62,7 @@ async def _measure(address: str, prefix_len: int, repeats: int, seed: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessera.common.paths import default_decoder_dir
+    from tessera.paths import default_decoder_dir
 
     parser = argparse.ArgumentParser(prog="tessera bench prefix", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

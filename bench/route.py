@@ -2,7 +2,7 @@
 
 --simulate: replays a synthetic trace (multi-turn conversations sharing system prompts, Zipf-popular
   adapters, bursty arrivals; bench/_route_sim.py) through the gateway's own router code
-  (tessera/gateway/router.py) over 2..64 simulated replicas, beside round robin and consistent
+  (services/gateway/router.py) over 2..64 simulated replicas, beside round robin and consistent
   hashing of the first block, and reports prefix-hit rate, adapter swaps, queue imbalance and
   latency.
 real (default): two decoder replicas, one compute thread each, pinned to different cores, behind a
@@ -65,7 +65,7 @@ def _pin(pid: int, core: int) -> None:
 
 
 def _start(module: str, args: list[str], log_dir: Path, name: str, threads: int = 1):
-    from tessera.common.launch import ServiceProcess
+    from services.common.launch import ServiceProcess
 
     return ServiceProcess(module, args, env={"OMP_NUM_THREADS": str(threads)}, startup_s=600,
                           log_path=log_dir / f"{name}.log").start()
@@ -75,7 +75,7 @@ async def _load(address: str, num_streams: int, max_tokens: int, rounds: int) ->
     """Generated tokens per second with `num_streams` distinct prompts in flight, best of `rounds`."""
     import grpc
 
-    from tessera.gateway.servicer import REPLICA_METADATA
+    from services.gateway.servicer import REPLICA_METADATA
     from tessera.v1 import decoder_pb2, gateway_pb2_grpc
 
     async def one(stub, i: int, r: int) -> tuple[int, str]:
@@ -101,7 +101,7 @@ async def _load(address: str, num_streams: int, max_tokens: int, rounds: int) ->
 
 
 def _through_gateway(targets: str, args, log_dir: Path, label: str) -> tuple[float, set[str]]:
-    gateway = _start("tessera.gateway", ["--decoder", targets, "--pooling", targets.split(",")[-1],
+    gateway = _start("services.gateway", ["--decoder", targets, "--pooling", targets.split(",")[-1],
                                           "--adapters", targets.split(",")[-1], "--vision", ""],
                      log_dir, f"gateway-{label.replace(' ', '-')}")
     try:
@@ -115,7 +115,7 @@ def _through_gateway(targets: str, args, log_dir: Path, label: str) -> tuple[flo
 def run_real(args) -> str:
     import tempfile
 
-    from tessera.common.paths import default_decoder_dir
+    from tessera.paths import default_decoder_dir
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -125,7 +125,7 @@ def run_real(args) -> str:
     load_start = os.getloadavg()[0]
 
     def decoder(name: str, max_num_seqs: int, core: int):
-        service = _start("tessera.decoder", ["--model-dir", str(default_decoder_dir()), "--max-num-seqs",
+        service = _start("services.decoder", ["--model-dir", str(default_decoder_dir()), "--max-num-seqs",
                                               str(max_num_seqs), "--max-model-len", "1024"], log_dir, name)
         _pin(service.process.pid, core)
         return service

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tessera.vision.config import VisionConfig
-from tessera.vision.encoder import DemoEncoderConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource, ProcessorConfig
-from tessera.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource, ProcessorConfig
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,9 +105,9 @@ def decoder_prefix(model_dir: Path, vision: VisionEngine, data: list[bytes]) -> 
     """(miss ms, hit ms, cached prompt tokens of the last hit) per single-image request, TTFT."""
     import asyncio
 
-    from tessera.decoder.config import DecoderConfig
-    from tessera.decoder.engine import start_engine
-    from tessera.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
+    from services.decoder.config import DecoderConfig
+    from services.decoder.engine import start_engine
+    from services.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
 
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=2048, num_blocks=1024))
 

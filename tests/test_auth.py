@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tessera.common import auth
-from tessera.common.launch import REPO, free_port
-from tessera.common.server import create_server, insecure_channel
+from services.common import auth
+from services.common.launch import REPO, free_port
+from services.common.server import create_server, insecure_channel
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_named_token_file_must_hold_a_token(tmp_path, content, process_token):
 
 def test_service_refuses_to_start_with_a_missing_token_file(tmp_path):
     missing = tmp_path / "nope"
-    result = subprocess.run([sys.executable, "-m", "tessera.gateway", "--address", f"127.0.0.1:{free_port()}",
+    result = subprocess.run([sys.executable, "-m", "services.gateway", "--address", f"127.0.0.1:{free_port()}",
                              "--internal-token-file", str(missing)],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
@@ -135,7 +135,7 @@ def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_
     private_dirs = set(Path(tempfile.gettempdir()).glob("tessera-gateway-*"))
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tessera.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
+            [sys.executable, "-m", "services.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
              "--adapters", unused, "--vision", "", "--http-port", str(http_port),
              "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -156,7 +156,7 @@ def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_
             plain.getresponse().read()
 
         def probe(*flags: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "tessera.common.healthcheck", address, "tessera.v1.Gateway",
+            return subprocess.run([sys.executable, "-m", "services.common.healthcheck", address, "tessera.v1.Gateway",
                                    *flags], cwd=REPO, capture_output=True, text=True, timeout=60)
 
         assert probe("--tls-ca-file", str(cert_file), "--tls-server-name", "gateway.example").returncode == 0
@@ -180,7 +180,7 @@ def test_a_tls_gateway_that_cannot_start_leaves_no_socket_directory(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         done = subprocess.run(
-            [sys.executable, "-m", "tessera.gateway", "--address", f"127.0.0.1:{free_port()}", "--decoder", unused,
+            [sys.executable, "-m", "services.gateway", "--address", f"127.0.0.1:{free_port()}", "--decoder", unused,
              "--pooling", unused, "--adapters", unused, "--vision", "", "--http-port", str(taken.getsockname()[1]),
              "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
             cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -203,7 +203,7 @@ def test_gateway_serves_tls(tmp_path):
     unused = f"127.0.0.1:{free_port()}"  # no backends: the port's own answers are what is tested
     with (tmp_path / "gateway.log").open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tessera.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
+            [sys.executable, "-m", "services.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
              "--adapters", unused, "--vision", "", "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:

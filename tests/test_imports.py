@@ -1,6 +1,8 @@
-"""The import graph of the tessera package (the generated tessera.v1 stubs aside), read from the source (ast): no cycle, no service importing another
-service (common and the generated tessera.v1 stubs are shared; cli is the command line over them
-all), and the decoder's engine free of gRPC and generated stubs."""
+"""The import graph of the repository's two packages (the generated tessera.v1 stubs aside), read from the
+source (ast): `tessera` (client, CLI, stubs: the light distribution) and `services` (the server side).
+No cycle; no service importing another (services.common and the stubs are shared); services import
+nothing from tessera.cli; the client imports nothing from services; the decoder's engine free of gRPC
+and generated stubs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("adapters", "decoder", "gateway", "pooling", "vision")
+PACKAGES = ("tessera", "services")
 
 
 def _module_name(path: Path) -> str:
@@ -37,7 +40,8 @@ def _imports(path: Path, module: str, modules: frozenset[str] = frozenset()) -> 
 
 
 def _graph() -> dict[str, set[str]]:
-    paths = {_module_name(p): p for p in (REPO / "tessera").rglob("*.py") if "v1" not in p.relative_to(REPO).parts}
+    paths = {_module_name(p): p for package in PACKAGES for p in (REPO / package).rglob("*.py")
+             if "v1" not in p.relative_to(REPO).parts and p.name != "setup.py"}
     modules = frozenset(paths)
     return {name: {i for i in _imports(path, name, modules) if i in modules} for name, path in paths.items()}
 
@@ -47,12 +51,21 @@ GRAPH = _graph()
 
 def _service_of(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in SERVICES else None
+    return parts[1] if parts[0] == "services" and len(parts) > 1 and parts[1] in SERVICES else None
 
 
 def test_the_graph_is_read():
-    assert "tessera.decoder.engine" in GRAPH
-    assert "tessera.common.errors" in GRAPH["tessera.common.server"]
+    assert "services.decoder.engine" in GRAPH
+    assert "services.common.errors" in GRAPH["services.common.server"]
+    assert "tessera.client.sync" in GRAPH and "tessera.cli.up" in GRAPH
+
+
+def test_the_layout_is_the_designs():
+    """services/<name>/ for each service and common; tessera/ holds only the client, the CLI and the stubs."""
+    assert all((REPO / "services" / name / "__init__.py").is_file() for name in (*SERVICES, "common"))
+    assert all((REPO / "services" / name / "__main__.py").is_file() for name in SERVICES)
+    packages = {p.name for p in (REPO / "tessera").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == {"cli", "client", "v1"}
 
 
 def test_no_import_cycle():
@@ -84,8 +97,23 @@ def test_no_service_imports_another_service():
     assert crossings == [], "\n".join(f"{m} imports {t}" for m, t in crossings)
 
 
+def test_services_import_nothing_from_the_cli():
+    assert [(m, t) for m, ts in GRAPH.items() if m.startswith("services") for t in ts if t.startswith("tessera.cli")] == []
+
+
+def test_the_client_imports_nothing_from_services():
+    """tessera.client (and the modules it reaches) is the light distribution: no `services` module."""
+    reached, stack = set(), ["tessera.client"]
+    while stack:
+        module = stack.pop()
+        if module not in reached:
+            reached.add(module)
+            stack.extend(GRAPH[module])
+    assert sorted(m for m in reached if m.startswith("services")) == []
+
+
 def test_common_imports_no_service():
-    assert [(m, t) for m, ts in GRAPH.items() if m.startswith("tessera.common") for t in ts if _service_of(t)] == []
+    assert [(m, t) for m, ts in GRAPH.items() if m.startswith("services.common") for t in ts if _service_of(t)] == []
 
 
 def _path_of(module: str) -> Path:
@@ -97,12 +125,12 @@ def _path_of(module: str) -> Path:
 def test_the_decoder_engine_knows_no_transport(forbidden):
     """Neither the engine nor a decoder module it reaches imports `forbidden` (common's shared
     modules, the error table among them, are outside the engine's transport)."""
-    reached, stack = set(), ["tessera.decoder.engine"]
+    reached, stack = set(), ["services.decoder.engine"]
     while stack:
         module = stack.pop()
         if module not in reached:
             reached.add(module)
-            stack.extend(t for t in GRAPH[module] if t.startswith("tessera.decoder."))
+            stack.extend(t for t in GRAPH[module] if t.startswith("services.decoder."))
     offenders = sorted(module for module in reached
                        for name in _imports(_path_of(module), module)
                        if name == forbidden or name.startswith(forbidden + "."))

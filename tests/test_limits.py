@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from tessera.adapters.config import RegistryConfig
-from tessera.adapters.convert import check_request, report_from_pb
-from tessera.common.config_cli import add_flags, from_flags
-from tessera.common.errors import InvalidArgument
-from tessera.common.limits import (
+from services.adapters.config import RegistryConfig
+from services.adapters.convert import check_request, report_from_pb
+from services.common.config_cli import add_flags, from_flags
+from services.common.errors import InvalidArgument
+from services.common.limits import (
     CHARS_PER_CONTEXT_TOKEN,
     GenerateLimits,
     PoolingLimits,
@@ -21,7 +21,7 @@ from tessera.common.limits import (
     check_rerank,
     check_tokenize,
 )
-from tessera.decoder.convert import generate_from_pb
+from services.decoder.convert import generate_from_pb
 from tessera.v1 import adapters_pb2, decoder_pb2, pooling_pb2, vision_pb2
 
 G = GenerateLimits(max_name_chars=10, max_prompt_chars=50, max_messages=3, max_content_parts=4, max_images=2,

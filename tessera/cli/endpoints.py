@@ -1,5 +1,5 @@
 """`<log dir>/endpoints.json`, which `tessera up` writes: where each process of a cluster serves
-gRPC and Prometheus /metrics. `tessera info` reads it (stdlib and tessera.common.paths only: a
+gRPC and Prometheus /metrics. `tessera info` reads it (stdlib and tessera.paths only: a
 client command imports no service code)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tessera.common.paths import cluster_home
+from tessera.paths import cluster_home
 
 ENDPOINTS_FILE = "endpoints.json"
 

@@ -23,7 +23,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tessera.common.paths import DECODER_MODEL, models_dir, tessera_home
+from tessera.paths import DECODER_MODEL, models_dir, tessera_home
 
 if TYPE_CHECKING:  # gguf, torch and numpy load on export only: `tessera` starts without them
     import gguf
@@ -81,7 +81,7 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
         raise ValueError(f"{model_dir}: export-gguf writes LlamaForCausalLM only, got {config.get('architectures')}")
     if not isinstance(config, dict):
         raise ValueError(f"{model_dir}: config.json holds a JSON {type(config).__name__}, not an object")
-    from tessera.common.checkpoint import rope_settings  # here: the client commands import no service code
+    from services.common.checkpoint import rope_settings  # here: the client commands import no service code
 
     rope_type, rope_theta = rope_settings(config)
     if rope_type != "default":

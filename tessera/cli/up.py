@@ -24,7 +24,7 @@ Replicas (`num_decoders`, `num_poolers`) are processes of their own, named `deco
 ...: the first replica of each keeps the service's usual port (base + PORT_OFFSETS), the others
 take the ports after the five, decoders' first, then poolers'. The gateway gets the same kind of
 target a Kubernetes or compose deployment gives it, an `ipv4:a:p,b:p` list of every replica
-(tessera/gateway/replicas.py), and balances over them itself. Every process also serves
+(services/gateway/replicas.py), and balances over them itself. Every process also serves
 Prometheus /metrics on its gRPC port + METRICS_PORT_OFFSET (`--metrics-port`); once all are SERVING,
 `up` prints them and writes `<log dir>/endpoints.json`, which `tessera info` lists, and removes it
 when it stops.
@@ -36,7 +36,7 @@ any process starts (`check_decoder_dir`).
 
 Internal hops are authenticated: each `up` writes a fresh token to `<log dir>/internal-token` (mode
 0600) and hands every service its path in `$TESSERA_INTERNAL_TOKEN_FILE` (never the token in argv);
-the internal ports then refuse callers without it (tessera/common/auth.py).
+the internal ports then refuse callers without it (services/common/auth.py).
 """
 
 from __future__ import annotations
@@ -54,22 +54,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tessera.adapters.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
+from services.adapters.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
+from services.common import auth
+from services.common.checkpoint import CheckpointConfig
+from services.common.healthcheck import check as check_health
+from services.common.launch import service_env
+from services.common.logs import LOG_FORMATS, LOG_LEVELS
+from services.common.server import DEFAULT_PORTS
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, ServiceLog, StartupError, failure_cause
 from tessera.cli.topology import check_model_dirs, pick_encoder
-from tessera.common import auth
-from tessera.common.checkpoint import CheckpointConfig
-from tessera.common.healthcheck import check as check_health
-from tessera.common.launch import service_env
-from tessera.common.logs import LOG_FORMATS, LOG_LEVELS
-from tessera.common.paths import (
+from tessera.paths import (
     cluster_home,
     default_adapter_root,
     default_decoder_dir,
     default_embedding_dir,
 )
-from tessera.common.server import DEFAULT_PORTS
 
 SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
 UNHEALTHY_RESTART_S = 30.0  # NOT_SERVING (or no health answer) this long -> killed and restarted
@@ -224,7 +224,7 @@ class ClusterSpec:
                         "--vision", a("vision") if self.encoder else "", "--http-port", str(self.http_port)],
         }[service]
         metrics_port = int(a(instance).rpartition(":")[2]) + METRICS_PORT_OFFSET
-        return [sys.executable, "-m", f"tessera.{service}", "--address", a(instance), *args,
+        return [sys.executable, "-m", f"services.{service}", "--address", a(instance), *args,
                 "--metrics-port", str(metrics_port), "--log-format", self.log_format, "--log-level", self.log_level,
                 *self.extra_args.get(service, [])]
 
@@ -602,7 +602,7 @@ for service, argv in json.loads(sys.argv[1]):
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            importlib.import_module(f"tessera.{service}.__main__").build_parser().parse_args(argv)
+            importlib.import_module(f"services.{service}.__main__").build_parser().parse_args(argv)
     except SystemExit as exit_:
         if exit_.code:
             print(service, (stderr.getvalue().strip().splitlines() or [str(exit_.code)])[-1])

@@ -1,7 +1,7 @@
 """The client's exceptions: one class per gRPC status a tessera call can end with.
 
 The public client does not import the services' code, so it keeps its own table from status to
-exception; the classes mirror the services' domain errors (tessera/common/errors.py) by status.
+exception; the classes mirror the services' domain errors (services/common/errors.py) by status.
 Every exception carries the status `code` and the server's `details` ("prompt has 9000 tokens
 after image expansion; the model's context is 8192").
 """

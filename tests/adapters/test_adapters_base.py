@@ -14,14 +14,14 @@ import grpc
 import pytest
 from transformers import LlamaConfig
 
-from tessera.adapters.__main__ import parse_config
-from tessera.adapters.config import RegistryConfig
-from tessera.adapters.engine import AdapterRegistry
-from tessera.adapters.servicer import register
+from services.adapters.__main__ import parse_config
+from services.adapters.config import RegistryConfig
+from services.adapters.engine import AdapterRegistry
+from services.adapters.servicer import register
+from services.common.checkpoint import CheckpointConfig, base_model_digest
+from services.common.errors import AlreadyExists, FailedPrecondition
+from services.common.server import create_server
 from tessera.cli.up import ClusterSpec
-from tessera.common.checkpoint import CheckpointConfig, base_model_digest
-from tessera.common.errors import AlreadyExists, FailedPrecondition
-from tessera.common.server import create_server
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 from tests.adapters.conftest import TINY_LLAMA
 

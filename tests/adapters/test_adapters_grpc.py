@@ -1,4 +1,4 @@
-"""End to end over a real socket: `python -m tessera.adapters` in a subprocess."""
+"""End to end over a real socket: `python -m services.adapters` in a subprocess."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tessera.adapters.peft_format import read_peft_adapter
-from tessera.common.launch import ServiceProcess
-from tessera.common.tensor import from_pb
+from services.adapters.peft_format import read_peft_adapter
+from services.common.launch import ServiceProcess
+from services.common.tensor import from_pb
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ ADMIN = (("authorization", f"Bearer {TOKEN}"),)
 @pytest.fixture()
 def registry_address(root, adapter_in_root, base_model_dir):
     args = ["--root", str(root), "--base-model-dir", str(base_model_dir), "--max-rank", "8"]
-    service = ServiceProcess("tessera.adapters", args, env={"TESSERA_ADMIN_TOKEN": TOKEN})
+    service = ServiceProcess("services.adapters", args, env={"TESSERA_ADMIN_TOKEN": TOKEN})
     with service:
         yield service.address
     assert service.process.returncode == 0, service.log()[-2000:]

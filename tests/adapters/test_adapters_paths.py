@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from tessera.adapters.paths import resolve_in_root
-from tessera.adapters.peft_format import read_peft_adapter
-from tessera.common.errors import InvalidArgument, NotFound
-from tessera.common.names import check_adapter_name
+from services.adapters.paths import resolve_in_root
+from services.adapters.peft_format import read_peft_adapter
+from services.common.errors import InvalidArgument, NotFound
+from services.common.names import check_adapter_name
 
 
 def test_relative_and_absolute_inside_resolve_to_the_same_dir(root, adapter_in_root):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tessera.adapters.base_model import BaseModelShapes
-from tessera.adapters.peft_format import read_peft_adapter
-from tessera.common.errors import InvalidArgument
+from services.adapters.base_model import BaseModelShapes
+from services.adapters.peft_format import read_peft_adapter
+from services.common.errors import InvalidArgument
 
 MODULES = sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in ("q", "v"))
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tessera.adapters.config import RegistryConfig
-from tessera.adapters.engine import AdapterRegistry
-from tessera.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.adapters.config import RegistryConfig
+from services.adapters.engine import AdapterRegistry
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 
 @pytest.fixture()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.adapters.__main__ import parse_config
-from tessera.adapters.config import RegistryConfig
+from services.adapters.__main__ import parse_config
+from services.adapters.config import RegistryConfig
 from tessera.cli.up import Cluster, ClusterSpec
 
 

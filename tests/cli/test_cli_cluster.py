@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from tessera.cli.up import SERVICES
 from tessera.client import Client
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
+from tessera.paths import default_decoder_dir, default_embedding_dir
 
 MAX_MODEL_LEN = 512
 
@@ -118,7 +118,7 @@ def _argv_of_every_process() -> dict[int, str]:
 
 def test_no_secret_appears_in_any_process_argv(cluster):
     argv = _argv_of_every_process()
-    assert any("-m tessera.adapters" in text for text in argv.values())  # the registry is among those read
+    assert any("-m services.adapters" in text for text in argv.values())  # the registry is among those read
     leaks = {pid: text for pid, text in argv.items() if cluster.admin_token in text or cluster.api_key in text}
     assert leaks == {}
 

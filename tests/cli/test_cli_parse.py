@@ -12,6 +12,7 @@ from importlib.metadata import version
 
 import pytest
 
+from services.common.launch import free_port
 from tessera.cli.client import check_address, explain
 from tessera.cli.main import build_parser, main
 from tessera.client import (
@@ -22,7 +23,6 @@ from tessera.client import (
     Unauthenticated,
     Unavailable,
 )
-from tessera.common.launch import free_port
 
 
 def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -97,7 +97,7 @@ def test_every_option_with_a_value_shows_its_default_in_help():
 
 
 def test_a_secret_flag_is_refused_without_echoing_the_secret(capsys):
-    from tessera.adapters.__main__ import build_parser as registry_parser
+    from services.adapters.__main__ import build_parser as registry_parser
 
     for parse in (lambda: main(["up", "--admin-token", "s3cret-value"]),
                   lambda: main(["adapters", "load", "a", "b", "--admin-token", "s3cret-value"]),
@@ -125,7 +125,7 @@ for argv in (["generate", "hi", "--n", "2", "--logprobs", "1", "--system", "be b
         codes.append(exit_.code)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "safetensors", "PIL")
                or m.split(".")[:2] in (["tessera", s] for s in ("decoder", "gateway", "pooling", "vision", "adapters"))
-               or (m.startswith("tessera.common.") and m != "tessera.common.paths"))
+               or (m.startswith("services.common.") and m != "tessera.paths"))
 print(json.dumps({"codes": codes, "heavy": heavy}))
 """
 
@@ -167,8 +167,8 @@ def test_errors_name_the_flag_or_variable_to_set():
 
 
 def test_up_log_choices_are_the_services_own():
+    from services.common import logs
     from tessera.cli import main
-    from tessera.common import logs
 
     assert (main.LOG_FORMATS, main.LOG_LEVELS) == (logs.LOG_FORMATS, logs.LOG_LEVELS)
 

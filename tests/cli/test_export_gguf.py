@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tessera.cli.gguf_export import export_gguf, permute_for_ggml
 from tessera.cli.main import main
-from tessera.common.paths import default_decoder_dir
+from tessera.paths import default_decoder_dir
 
 PROMPT = "The capital of France is"
 TENSORS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",

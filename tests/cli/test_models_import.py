@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
 from tessera.cli.main import main
 from tessera.cli.models import smollm2_gguf
 from tessera.cli.up import ClusterSpec
-from tessera.common.paths import default_decoder_dir
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
+from tessera.paths import default_decoder_dir
 from tests.decoder.decoder_testing import run_requests
 
 NEW_TOKENS = 8

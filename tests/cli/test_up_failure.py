@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from cli_testing import process_argvs
 
+from services.common.launch import REPO, free_port
 from tessera.cli.logfiles import StartupError
 from tessera.cli.up import STARTUP_TAIL_LINES
-from tessera.common.launch import REPO, free_port
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
+from tessera.paths import default_decoder_dir, default_embedding_dir
 
 
 def _up(tmp_path: Path, *service_args: str) -> tuple[subprocess.CompletedProcess, int]:
@@ -37,11 +37,11 @@ def test_a_gateway_flag_it_refuses_fails_the_start_in_one_line(tmp_path):
     result, base = _up(tmp_path, "gateway=--max-path-chars 0")
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
-    assert lines[0] == "gateway failed to start: python -m tessera.gateway: error: max_path_chars must be >= 1, " \
+    assert lines[0] == "gateway failed to start: python -m services.gateway: error: max_path_chars must be >= 1, " \
                        "got 0 (exited with code 2)"
     log = tmp_path / "home" / "clusters" / str(base) / "logs" / "gateway.log"
     assert lines[1] == f"last {STARTUP_TAIL_LINES} lines of {log}:"
-    assert lines[2 + STARTUP_TAIL_LINES - 1] == "  python -m tessera.gateway: error: max_path_chars must be >= 1, got 0"
+    assert lines[2 + STARTUP_TAIL_LINES - 1] == "  python -m services.gateway: error: max_path_chars must be >= 1, got 0"
     assert "Traceback" not in result.stdout + result.stderr
     assert lines[-1] == "stopped the other services"
     assert not _running_with(base + 2), "the decoder outlived the failed start"

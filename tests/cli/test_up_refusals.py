@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tessera.cli.main import main
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
+from tessera.paths import default_decoder_dir, default_embedding_dir
 
 BASE_PORT = 21500
 
@@ -74,11 +74,11 @@ def test_a_port_out_of_range_or_taken_is_refused(up, tmp_path, capsys, flag, val
 def test_a_service_flag_its_service_cannot_parse_is_refused(up, tmp_path, capsys):
     code, started = up("--service-args", "gateway=--no-such-flag 1 --max-path-chars 64")
     assert (code, started) == (2, [])
-    assert capsys.readouterr().err == ("error: --service-args gateway: python -m tessera.gateway: error: "
+    assert capsys.readouterr().err == ("error: --service-args gateway: python -m services.gateway: error: "
                                        "unrecognized arguments: --no-such-flag 1\n")
     code, started = up("--service-args", "gateway=--max-path-chars many")
     assert (code, started) == (2, [])
-    assert capsys.readouterr().err == ("error: --service-args gateway: python -m tessera.gateway: error: argument "
+    assert capsys.readouterr().err == ("error: --service-args gateway: python -m services.gateway: error: argument "
                                        "--max-path-chars: invalid int value: 'many'\n")
     assert _written(tmp_path) == []
     code, started = up("--service-args", "gateway=--max-path-chars 64", "--service-args", "vision=--no-such-flag")

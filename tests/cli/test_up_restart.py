@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.launch import free_port
 from tessera.cli.up import RestartPolicy, _kill, services_to_restart
-from tessera.common.launch import free_port
 
 
 def test_policy_restarts_on_exit_at_once_and_on_unhealth_after_the_bound():

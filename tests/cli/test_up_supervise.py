@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from cli_testing import free_base_port, process_argvs
 
+from services.common.healthcheck import check as check_health
+from services.common.launch import REPO
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import StartupError
 from tessera.cli.up import SERVICES, Cluster, ClusterSpec, CrashLoopBackoff, Supervisor
-from tessera.common.healthcheck import check as check_health
-from tessera.common.launch import REPO
 
 # A service's stand-in: SERVING on the address it is given, or one error line and exit 1 when the
 # port is taken; NOT_SERVING for ever with a second argument "never".

@@ -14,10 +14,10 @@ import pytest
 from google.protobuf import json_format
 
 import tessera.client as tc
+from services.common.launch import REPO
 from tessera.cli.client import _json_names, cluster_rows, replica_table
 from tessera.client import convert
 from tessera.client.errors import STATUS_TO_ERROR, from_rpc_error
-from tessera.common.launch import REPO
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2, vision_pb2
 
 from ..test_auth import _self_signed

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tessera.common.launch import free_port
-from tessera.common.server import insecure_channel, serve
+from services.common.launch import free_port
+from services.common.server import insecure_channel, serve
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -10,9 +10,9 @@ import math
 import pytest
 from transformers import AutoConfig
 
-from tessera.common.checkpoint import check_decoder_dir, rope_settings
-from tessera.common.errors import InvalidArgument
-from tessera.common.paths import default_decoder_dir
+from services.common.checkpoint import check_decoder_dir, rope_settings
+from services.common.errors import InvalidArgument
+from tessera.paths import default_decoder_dir
 
 BASE = json.loads((default_decoder_dir() / "config.json").read_text())
 

@@ -1,5 +1,5 @@
-"""Flags generated from config fields (tessera/common/config_cli.py), and statuses mapped back to
-domain errors from the one table (tessera/common/errors.py)."""
+"""Flags generated from config fields (services/common/config_cli.py), and statuses mapped back to
+domain errors from the one table (services/common/errors.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tessera.common import errors
-from tessera.common.config_cli import add_flags, from_flags
-from tessera.common.mrope import parse_mrope_section
+from services.common import errors
+from services.common.config_cli import add_flags, from_flags
+from services.common.mrope import parse_mrope_section
 
 
 @dataclass

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tessera.common.launch import free_port
-from tessera.common.server import EXIT_UNHEALTHY, EXIT_UNHEALTHY_ENV, exit_unhealthy_after_s, insecure_channel, serve
+from services.common.launch import free_port
+from services.common.server import EXIT_UNHEALTHY, EXIT_UNHEALTHY_ENV, exit_unhealthy_after_s, insecure_channel, serve
 from tests.common.serving import serving
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -96,7 +96,7 @@ def test_the_process_exits_3_with_its_log_line(tmp_path):
     """The real exit (os._exit, past threads that would never join), and the log line before it."""
     script = textwrap.dedent(f"""
         import asyncio, logging, threading
-        from tessera.common.server import serve
+        from services.common.server import serve
         logging.basicConfig(level=logging.INFO)
         threading.Thread(target=threading.Event().wait, name="wedged-worker").start()  # never joins
         asyncio.run(serve("svc", "127.0.0.1:{free_port()}", lambda server: [], health=lambda: "the loop died"))
@@ -109,7 +109,7 @@ def test_the_process_exits_3_with_its_log_line(tmp_path):
 
 def test_a_service_refuses_a_bad_value_in_one_line(tmp_path):
     env = {**os.environ, EXIT_UNHEALTHY_ENV: "soon"}
-    done = subprocess.run([sys.executable, "-m", "tessera.adapters", "--address", f"127.0.0.1:{free_port()}",
+    done = subprocess.run([sys.executable, "-m", "services.adapters", "--address", f"127.0.0.1:{free_port()}",
                            "--root", str(tmp_path), "--db", str(tmp_path / "catalog.sqlite3")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1

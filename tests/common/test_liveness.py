@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.common.errors import Unavailable
-from tessera.common.liveness import Liveness
+from services.common.errors import Unavailable
+from services.common.liveness import Liveness
 
 
 def test_wedged_only_when_work_waits_and_no_step_completes_for_the_bound():

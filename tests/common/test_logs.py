@@ -12,10 +12,10 @@ import sys
 import grpc
 import pytest
 
+from services.common import logs
+from services.common.launch import free_port
+from services.common.server import insecure_channel
 from tessera.cli.logfiles import ServiceLog, failure_cause
-from tessera.common import logs
-from tessera.common.launch import free_port
-from tessera.common.server import insecure_channel
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 
 from .serving import serving
@@ -91,7 +91,7 @@ def test_a_library_imported_before_logging_is_configured_logs_json_too():
     script = (
         "from transformers.utils import logging as hf\n"
         "hf.get_logger('transformers.early').info('configured')\n"  # its handler is made here
-        "from tessera.common import logs\n"
+        "from services.common import logs\n"
         "logs.configure_logging('pooling', ['--log-format', 'json'])\n"
         "hf.get_logger('transformers.tokenization').warning('Token indices sequence length is longer')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -179,7 +179,7 @@ def test_a_followed_process_writes_its_output_to_the_file(tmp_path):
 
 
 TRACEBACK = """\
-2026-11-30 18:00:00,000 INFO tessera.decoder: loading
+2026-11-30 18:00:00,000 INFO services.decoder: loading
 Traceback (most recent call last):
   File "x.py", line 1, in <module>
 ValueError: num_blocks must be >= 0, got -1
@@ -188,7 +188,7 @@ ValueError: num_blocks must be >= 0, got -1
 
 def test_the_cause_is_the_last_error_line():
     assert failure_cause(TRACEBACK.splitlines(), exited=True) == "ValueError: num_blocks must be >= 0, got -1"
-    usage = ["usage: python -m tessera.gateway [-h]", "python -m tessera.gateway: error: unrecognized arguments: --x"]
+    usage = ["usage: python -m services.gateway [-h]", "python -m services.gateway: error: unrecognized arguments: --x"]
     assert failure_cause(usage, exited=True) == usage[1]
     records = [json.dumps({"level": "CRITICAL", "message": "OSError: port\n 1 is in use"}),
                json.dumps({"level": "INFO", "message": "decoder: draining"})]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.common.errors import InvalidArgument
-from tessera.common.names import check_adapter_name
+from services.common.errors import InvalidArgument
+from services.common.names import check_adapter_name
 
 
 @pytest.mark.parametrize("name", ["a", "sql-lora", "v1.2_final", "A" * 128])

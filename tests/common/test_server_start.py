@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tessera.common.launch import free_port
-from tessera.common.server import exit_refused, insecure_channel, serve
+from services.common.launch import free_port
+from services.common.server import exit_refused, insecure_channel, serve
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -13,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera.common.errors import InvalidArgument
-from tessera.common.server import bind, create_server
+from services.common.errors import InvalidArgument
+from services.common.server import bind, create_server
 
 SERVICE = "test.Shapes"
 

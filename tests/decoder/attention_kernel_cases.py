@@ -7,17 +7,17 @@ import sys
 
 import torch
 
-from tessera.decoder.attention import make_attention_backend
-from tessera.decoder.attention.torch_backend import TorchAttentionMetadata, paged_attention, plan_decode, prefill_span
-from tessera.decoder.kv_cache import KVCache
-from tessera.decoder.request import Request
-from tessera.decoder.scheduler import ScheduledRequest
-from tessera.decoder.types import PromptInputs, SamplingParams
+from services.decoder.attention import make_attention_backend
+from services.decoder.attention.torch_backend import TorchAttentionMetadata, paged_attention, plan_decode, prefill_span
+from services.decoder.kv_cache import KVCache
+from services.decoder.request import Request
+from services.decoder.scheduler import ScheduledRequest
+from services.decoder.types import PromptInputs, SamplingParams
 
 
 def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> float:
     """One causal prefill chunk (positions 5..9 of a 10-token sequence) and two decodes, scattered blocks."""
-    from tessera.decoder.attention.triton_kernel import triton_paged_attention  # defines the kernel
+    from services.decoder.attention.triton_kernel import triton_paged_attention  # defines the kernel
 
     torch.manual_seed(num_heads * 100 + head_dim)
     num_blocks = 12
@@ -91,9 +91,9 @@ def engine_case(model_dir: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from decoder_testing import capture_logits, run_requests
 
-    from tessera.decoder.config import DecoderConfig
-    from tessera.decoder.engine import start_engine
-    from tessera.decoder.types import GenerateInput, SamplingParams
+    from services.decoder.config import DecoderConfig
+    from services.decoder.engine import start_engine
+    from services.decoder.types import GenerateInput, SamplingParams
 
     prompts = [list(range(100, 120)), [5, 6, 7]]
     results = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from tessera.common.paths import default_decoder_dir
+from tessera.paths import default_decoder_dir
 
 torch.set_num_threads(2)
 
@@ -207,9 +207,9 @@ def check_greedy(engine, refs, requests, concurrent: bool = True) -> list[tuple[
 
 async def with_decoder_server(config, body):
     """Serve a DecoderServicer for `config` on a free local port; returns `await body(stub, servicer)`."""
-    from tessera.common.server import create_server, insecure_channel
-    from tessera.decoder.engine import LLMEngine
-    from tessera.decoder.servicer import DecoderServicer
+    from services.common.server import create_server, insecure_channel
+    from services.decoder.engine import LLMEngine
+    from services.decoder.servicer import DecoderServicer
     from tessera.v1 import decoder_pb2_grpc
 
     servicer = DecoderServicer(LLMEngine(config))

@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-from tessera.decoder.lora.batch import LoRABatch
-from tessera.decoder.lora.torch_backend import TorchLoRABackend
-from tessera.decoder.lora.triton_backend import TritonLoRABackend, bgmv, sgmv
+from services.decoder.lora.batch import LoRABatch
+from services.decoder.lora.torch_backend import TorchLoRABackend
+from services.decoder.lora.triton_backend import TritonLoRABackend, bgmv, sgmv
 
 # (num_tokens, in_features, out_features, num_slots, max_rank, ranks per slot, decode fraction)
 CASES = [

@@ -17,13 +17,13 @@ from decoder_testing import capture_logits, hf_reference
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
-from tessera.adapters.base_model import BaseModelShapes
-from tessera.adapters.peft_format import read_peft_adapter
-from tessera.decoder.adapter_source import InMemoryAdapterSource
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.lora import LoRAWeights
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.adapters.base_model import BaseModelShapes
+from services.adapters.peft_format import read_peft_adapter
+from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.lora import LoRAWeights
+from services.decoder.types import GenerateInput, SamplingParams
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # ranks 4 / 8 / 16: plain LoRA, rsLoRA, rank_pattern + alpha_pattern

@@ -15,11 +15,11 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from tessera.common.launch import ServiceProcess
-from tessera.decoder.adapter_client import RegistryAdapterSource
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import LLMEngine, start_engine
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.common.launch import ServiceProcess
+from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import LLMEngine, start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2
 
 PROMPT = [1, 5, 77, 300, 12, 9, 44, 8, 19]
@@ -49,7 +49,7 @@ def save_variant(root: Path, source: str, name: str, factor: float) -> None:
 
 def start_registry(model_dir: Path, root: Path, db: Path, address: str | None = None) -> ServiceProcess:
     """The registry as an OS process (no admin token) on `address` (default: a free port)."""
-    service = ServiceProcess("tessera.adapters", ["--root", str(root), "--db", str(db), "--base-model-dir",
+    service = ServiceProcess("services.adapters", ["--root", str(root), "--db", str(db), "--base-model-dir",
                                                    str(model_dir), "--max-rank", str(MAX_RANK)],
                              env={"TESSERA_ADMIN_TOKEN": ""})
     if address is not None:

@@ -3,14 +3,14 @@ blocks) and prefill spans vs a per-row float64 reference (scattered blocks, GQA,
 
 import torch
 
-from tessera.decoder.attention.torch_backend import (
+from services.decoder.attention.torch_backend import (
     GROUP_COST_POSITIONS,
     TorchAttentionMetadata,
     paged_attention,
     plan_decode,
     prefill_span,
 )
-from tessera.decoder.kv_cache import KVCache
+from services.decoder.kv_cache import KVCache
 
 
 def reference(q, k_cache, v_cache, slots, scale):

@@ -6,9 +6,9 @@ attention_kernel_cases.backend_case("triton"))."""
 import pytest
 from attention_kernel_cases import backend_case
 
-from tessera.decoder.attention import ATTENTION_BACKENDS, make_attention_backend
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.kernels import native
+from services.decoder.attention import ATTENTION_BACKENDS, make_attention_backend
+from services.decoder.config import DecoderConfig
+from services.decoder.kernels import native
 
 IN_PROCESS = [name for name in ATTENTION_BACKENDS if name != "triton"]  # Triton needs TRITON_INTERPRET at import
 

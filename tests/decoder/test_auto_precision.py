@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from tessera.decoder.attention import resolve_attention_backend
-from tessera.decoder.config import DecoderConfig, checkpoint_dtype, resolve_dtype
-from tessera.decoder.kernels import native
-from tessera.decoder.lora.registry import resolve_lora_backend, triton_available
+from services.decoder.attention import resolve_attention_backend
+from services.decoder.config import DecoderConfig, checkpoint_dtype, resolve_dtype
+from services.decoder.kernels import native
+from services.decoder.lora.registry import resolve_lora_backend, triton_available
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

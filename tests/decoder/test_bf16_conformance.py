@@ -26,10 +26,10 @@ import torch
 from decoder_testing import capture_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tessera.common.paths import default_decoder_dir
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
+from tessera.paths import default_decoder_dir
 
 NEW_TOKENS = 32
 PAD = 2

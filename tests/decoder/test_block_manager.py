@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tessera.decoder.block_manager import BlockManager
+from services.decoder.block_manager import BlockManager
 
 
 def test_allocation_order_free_list_and_slot_mapping():

@@ -1,6 +1,6 @@
 import pytest
 
-from tessera.decoder.config import DecoderConfig
+from services.decoder.config import DecoderConfig
 
 
 def test_defaults_derive_from_the_model(tiny_llama):

@@ -17,9 +17,9 @@ from decoder_testing import (
 )
 from transformers import AutoModelForCausalLM
 
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 
 NEW_TOKENS = 64
 LENGTHS = [1, 3, 5, 9, 16, 17, 20, 24, 31, 33, 40, 47, 50, 57, 64, 70]

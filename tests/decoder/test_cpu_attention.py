@@ -12,14 +12,14 @@ import pytest
 import torch
 from test_attention import decode_meta, reference, scattered
 
-from tessera.decoder.attention import cpu_backend as cpu_attention
-from tessera.decoder.attention import make_attention_backend
-from tessera.decoder.attention.cpu_backend import CpuAttentionMetadata
-from tessera.decoder.attention.torch_backend import paged_attention, prefill_span
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.kernels import native
-from tessera.decoder.kv_cache import KVCache
-from tessera.decoder.lora.registry import make_backend
+from services.decoder.attention import cpu_backend as cpu_attention
+from services.decoder.attention import make_attention_backend
+from services.decoder.attention.cpu_backend import CpuAttentionMetadata
+from services.decoder.attention.torch_backend import paged_attention, prefill_span
+from services.decoder.config import DecoderConfig
+from services.decoder.kernels import native
+from services.decoder.kv_cache import KVCache
+from services.decoder.lora.registry import make_backend
 
 
 def cpu_paged_attention(query, k_cache, v_cache, meta, scale):

@@ -15,12 +15,12 @@ import torch
 from test_attention import reference
 from test_cpu_attention import _case
 
-from tessera.decoder.attention import cpu_backend as cpu_attention
-from tessera.decoder.attention import make_attention_backend
-from tessera.decoder.attention.torch_backend import paged_attention
-from tessera.decoder.kernels import native
-from tessera.decoder.lora.batch import LoRABatch
-from tessera.decoder.lora.registry import make_backend
+from services.decoder.attention import cpu_backend as cpu_attention
+from services.decoder.attention import make_attention_backend
+from services.decoder.attention.torch_backend import paged_attention
+from services.decoder.kernels import native
+from services.decoder.lora.batch import LoRABatch
+from services.decoder.lora.registry import make_backend
 
 ULP = 2.0 ** -7  # bf16 keeps 8 significant bits: one ulp is at most 2^-7 of the value
 

@@ -8,9 +8,9 @@ engine on this backend is checked against transformers in test_smollm.py and tes
 import pytest
 import torch
 
-from tessera.decoder.kernels.pointwise import CpuPointwise
-from tessera.decoder.model_llama import RMSNorm
-from tessera.decoder.rotary import RotaryEmbedding, apply_rotary
+from services.decoder.kernels.pointwise import CpuPointwise
+from services.decoder.model_llama import RMSNorm
+from services.decoder.rotary import RotaryEmbedding, apply_rotary
 
 BF16_ULP = 2.0 ** -7  # bfloat16's spacing relative to the value (8 bits of significand)
 
@@ -145,8 +145,8 @@ def test_silu_mul_views_and_extremes(pointwise):
 
 def test_mlp_runs_the_c_gate_once_attached(pointwise):
     """LlamaMLP with `pointwise` set gives the torch path's output (up to float32 rounding)."""
-    from tessera.decoder.kernels.pointwise import attach_pointwise
-    from tessera.decoder.model_llama import LlamaMLP, LlamaSpec
+    from services.decoder.kernels.pointwise import attach_pointwise
+    from services.decoder.model_llama import LlamaMLP, LlamaSpec
 
     spec = LlamaSpec.from_config({"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,

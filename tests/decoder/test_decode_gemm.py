@@ -1,4 +1,4 @@
-"""The C GEMM (tessera/decoder/kernels/gemm.c through linear.CpuGemm / PackedWeight): y = x @ W.T (+ b)
+"""The C GEMM (services/decoder/kernels/gemm.c through linear.CpuGemm / PackedWeight): y = x @ W.T (+ b)
 on weights packed into panels, for every row count, float32 and bfloat16 weights, against float64
 references; a row's numbers do not depend on its batch, the thread count or the build variant;
 packing releases the model's row-major weights (a tied lm_head keeps the embedding); bad inputs
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.kernels import native
-from tessera.decoder.linear import BF16_PANEL_ORDER, PANEL_WIDTH, CpuGemm, Linear, attach_gemm, linear
+from services.decoder.config import DecoderConfig
+from services.decoder.kernels import native
+from services.decoder.linear import BF16_PANEL_ORDER, PANEL_WIDTH, CpuGemm, Linear, attach_gemm, linear
 
 pytestmark = pytest.mark.skipif(native.unavailable("float32") is not None, reason="no C compiler with OpenMP")
 

@@ -10,8 +10,8 @@ from lora_registry_cases import generate, load_request, make_engine, run, save_a
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessera.common.metrics import make_registry
-from tessera.decoder.stats import DecoderStats, EngineCollector
+from services.common.metrics import make_registry
+from services.decoder.stats import DecoderStats, EngineCollector
 from tessera.v1 import adapters_pb2_grpc
 
 

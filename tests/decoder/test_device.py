@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.common.device import resolve_device
-from tessera.common.paths import default_decoder_dir
-from tessera.decoder.block_manager import BlockManager
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.kv_cache import KVCache
-from tessera.decoder.lora import LoRAWeights
-from tessera.decoder.model_runner import ModelRunner
-from tessera.decoder.models import load_model
-from tessera.decoder.request import Request
-from tessera.decoder.sampler import make_generator
-from tessera.decoder.scheduler import Scheduler
-from tessera.decoder.types import GenerateInput, PromptInputs, SamplingParams
+from services.common.device import resolve_device
+from services.decoder.block_manager import BlockManager
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.kv_cache import KVCache
+from services.decoder.lora import LoRAWeights
+from services.decoder.model_runner import ModelRunner
+from services.decoder.models import load_model
+from services.decoder.request import Request
+from services.decoder.sampler import make_generator
+from services.decoder.scheduler import Scheduler
+from services.decoder.types import GenerateInput, PromptInputs, SamplingParams
+from tessera.paths import default_decoder_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -58,7 +58,7 @@ def test_config_resolves_the_device_once_and_refuses_backends_that_cannot_run_th
     assert DecoderConfig(model_dir=str(tiny_llama), device="cpu", attention_backend="triton",
                          lora_backend="triton").torch_device == CPU
     monkeypatch.setenv("TESSERA_DECODER_DEVICE", "cpu")  # the flag's environment variable
-    from tessera.decoder.__main__ import parse_args
+    from services.decoder.__main__ import parse_args
     assert parse_args(["--model-dir", str(tiny_llama)])[1].device == "cpu"
 
 
@@ -125,11 +125,11 @@ def test_decoder_refuses_a_configuration_this_machine_cannot_run_in_one_line():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
     cases = {"--device cuda": ["--device", "cuda"], "--attention-backend triton": ["--attention-backend", "triton"]}
-    procs = {named: subprocess.Popen([sys.executable, "-m", "tessera.decoder", "--model-dir", str(default_decoder_dir()),
+    procs = {named: subprocess.Popen([sys.executable, "-m", "services.decoder", "--model-dir", str(default_decoder_dir()),
                                       "--address", "127.0.0.1:0", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True) for named, flags in cases.items()}
     for named, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         lines = stderr.strip().splitlines()
         assert proc.returncode != 0 and len(lines) == 1, stderr
-        assert lines[0].startswith(f"python -m tessera.decoder: error: {named} needs a CUDA device"), lines
+        assert lines[0].startswith(f"python -m services.decoder: error: {named} needs a CUDA device"), lines

@@ -16,13 +16,13 @@ import grpc
 import pytest
 import torch
 
-from tessera.common.errors import Unavailable
-from tessera.decoder.adapter_source import InMemoryAdapterSource
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import LLMEngine, start_engine
-from tessera.decoder.lora import LoRAWeights
-from tessera.decoder.servicer import DecoderServicer
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.common.errors import Unavailable
+from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import LLMEngine, start_engine
+from services.decoder.lora import LoRAWeights
+from services.decoder.servicer import DecoderServicer
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 from tests.common.serving import NOT_SERVING, SERVING, WatchedHealth, serving
 
@@ -158,7 +158,7 @@ def test_a_dead_engine_says_not_serving_and_fails_requests_at_once(tiny_llama):
 
 
 def test_the_wedge_bound_is_a_flag(tiny_llama):
-    from tessera.decoder.__main__ import parse_args
+    from services.decoder.__main__ import parse_args
 
     assert parse_args(["--model-dir", str(tiny_llama), "--wedged-after-s", "5"])[1].wedged_after_s == 5.0
     assert parse_args(["--model-dir", str(tiny_llama)])[1].wedged_after_s == 60.0

@@ -5,14 +5,14 @@ import asyncio
 import pytest
 import torch
 
-from tessera.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from tessera.decoder.block_manager import BlockManager
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.multimodal import PromptInputs
-from tessera.decoder.request import Request
-from tessera.decoder.scheduler import Scheduler
-from tessera.decoder.types import ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams, TextPart
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.decoder.block_manager import BlockManager
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.multimodal import PromptInputs
+from services.decoder.request import Request
+from services.decoder.scheduler import Scheduler
+from services.decoder.types import ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams, TextPart
 
 
 @pytest.fixture(scope="module")

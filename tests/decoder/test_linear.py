@@ -1,9 +1,9 @@
-"""`linear` (tessera/decoder/linear.py) equals F.linear in both GEMM orientations."""
+"""`linear` (services/decoder/linear.py) equals F.linear in both GEMM orientations."""
 
 import torch
 import torch.nn.functional as F
 
-from tessera.decoder.linear import TRANSPOSED_ROWS, linear
+from services.decoder.linear import TRANSPOSED_ROWS, linear
 
 
 def test_linear_equals_f_linear_row_major_for_every_row_count():

@@ -8,12 +8,12 @@ from decoder_testing import hf_greedy
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
-from tessera.common.errors import InvalidArgument
-from tessera.decoder.adapter_source import InMemoryAdapterSource
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.lora import AdapterSlots, LoRAWeights
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.common.errors import InvalidArgument
+from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.lora import AdapterSlots, LoRAWeights
+from services.decoder.types import GenerateInput, SamplingParams
 
 PROMPTS = [[1, 5, 77, 300, 12], list(range(100, 130))]
 NEW_TOKENS = 24
@@ -109,7 +109,7 @@ def test_non_finite_logits_fail_only_their_request(tiny_llama):
     """An adapter whose (finite) weights overflow the model gives NaN/inf logits: that request ends
     with FAILED_PRECONDITION naming it, and a sampled neighbour in the same batch is unharmed (NaN
     probabilities used to fail multinomial, and with it every request of the step)."""
-    from tessera.common.errors import FailedPrecondition
+    from services.common.errors import FailedPrecondition
 
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
                                         max_lora_rank=16), InMemoryAdapterSource())
@@ -142,7 +142,7 @@ def test_an_overflowing_request_leaves_no_poison_in_reused_blocks(tiny_llama):
     """Its blocks go back to the pool and are reused; a later request's padded and stale slots are
     multiplied by probability 0 in attention, so a NaN or inf left there would turn unrelated base
     requests into NaN. They must match a fresh engine exactly."""
-    from tessera.common.errors import FailedPrecondition
+    from services.common.errors import FailedPrecondition
 
     def engine_():
         return start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=6, block_size=16, max_model_len=96,
@@ -181,7 +181,7 @@ def test_hidden_states_past_float32_range_fail_the_request(tiny_llama):
     """An adapter that slips past the registry's checks (loaded straight into the bank) and drives the
     residual stream to ~1e21: finite, but RMSNorm's mean(x^2) overflows, scaling rows to zeros, so the
     logits were flat and finite and greedy served token 0 forever. The request must fail instead."""
-    from tessera.common.errors import FailedPrecondition
+    from services.common.errors import FailedPrecondition
 
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
                                         max_lora_rank=16), InMemoryAdapterSource())

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.decoder.lora.batch import LoRABatch
-from tessera.decoder.lora.registry import make_backend
+from services.decoder.lora.batch import LoRABatch
+from services.decoder.lora.registry import make_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,11 +23,11 @@ from lora_mixed_cases import save_adapters
 from peft import PeftModel
 from transformers import LlamaForCausalLM
 
-from tessera.common.errors import FailedPrecondition
-from tessera.decoder.adapter_client import RegistryAdapterSource
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.common.errors import FailedPrecondition
+from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def registry(tiny_llama, tmp_path_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-    process = subprocess.Popen([sys.executable, "-m", "tessera.adapters", "--address", address, "--root", str(root),
+    process = subprocess.Popen([sys.executable, "-m", "services.adapters", "--address", address, "--root", str(root),
                                 "--base-model-dir", str(tiny_llama), "--max-rank", "16"], cwd=REPO,
                                env={**os.environ, "TESSERA_ADMIN_TOKEN": ""}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)

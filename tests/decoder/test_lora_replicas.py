@@ -21,11 +21,11 @@ from lora_registry_cases import (
     start_registry,
 )
 
-from tessera.common.errors import NotFound, Unavailable
-from tessera.decoder.adapter_client import RegistryAdapterSource
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import LLMEngine
-from tessera.decoder.servicer import DecoderServicer
+from services.common.errors import NotFound, Unavailable
+from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import LLMEngine
+from services.decoder.servicer import DecoderServicer
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 

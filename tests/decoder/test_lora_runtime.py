@@ -13,24 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.kernels import native
-from tessera.decoder.lora import AdapterSlots, LoRAContext, LoRAWeights
-from tessera.decoder.lora.registry import LORA_BACKENDS, make_backend
+from services.decoder.config import DecoderConfig
+from services.decoder.kernels import native
+from services.decoder.lora import AdapterSlots, LoRAContext, LoRAWeights
+from services.decoder.lora.registry import LORA_BACKENDS, make_backend
 
 ROOT = Path(__file__).resolve().parents[2]
-IMPLEMENTATIONS = {"tessera.decoder.lora.torch_backend", "tessera.decoder.lora.cpu_backend",
-                   "tessera.decoder.lora.triton_backend", "tessera.decoder.kernels.native", "triton"}
+IMPLEMENTATIONS = {"services.decoder.lora.torch_backend", "services.decoder.lora.cpu_backend",
+                   "services.decoder.lora.triton_backend", "services.decoder.kernels.native", "triton"}
 
 
 def test_interface_and_registry_import_no_implementation():
-    code = ("import json, sys; import tessera.decoder.lora.backend, tessera.decoder.lora.registry; "
+    code = ("import json, sys; import services.decoder.lora.backend, services.decoder.lora.registry; "
             "print(json.dumps(sorted(sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(json.loads(proc.stdout))
-    assert {"tessera.decoder.lora.backend", "tessera.decoder.lora.registry"} <= loaded
+    assert {"services.decoder.lora.backend", "services.decoder.lora.registry"} <= loaded
     assert not loaded & IMPLEMENTATIONS
 
 

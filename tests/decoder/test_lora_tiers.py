@@ -25,7 +25,7 @@ from lora_registry_cases import (
     start_registry,
 )
 
-from tessera.decoder.lora import AdapterSlots, HostAdapterCache, LoRAWeights
+from services.decoder.lora import AdapterSlots, HostAdapterCache, LoRAWeights
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 PROMPTS = [PROMPT, list(range(100, 117))]
@@ -157,8 +157,8 @@ def test_host_cache_is_bounded_lru_by_digest():
 
 
 def test_host_cache_size_flag_reaches_the_adapter_client(tiny_llama):
-    from tessera.decoder.__main__ import parse_args
-    from tessera.decoder.config import DecoderConfig
+    from services.decoder.__main__ import parse_args
+    from services.decoder.config import DecoderConfig
 
     _, config = parse_args(["--model-dir", str(tiny_llama), "--adapter-host-cache-mb", "3"])
     assert config.adapter_host_cache_mb == 3

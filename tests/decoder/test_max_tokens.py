@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from tessera.common.errors import InvalidArgument
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.convert import sampling_from_pb
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.common.errors import InvalidArgument
+from services.decoder.config import DecoderConfig
+from services.decoder.convert import sampling_from_pb
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import decoder_pb2
 
 MAX_MODEL_LEN = 48

@@ -6,10 +6,10 @@ import pytest
 import torch
 from decoder_testing import make_tiny_llama
 
-from tessera.decoder.model_llama import LlamaForCausalLM
-from tessera.decoder.model_qwen2 import Qwen2ForCausalLM
-from tessera.decoder.model_qwen3 import Qwen3Attention, Qwen3ForCausalLM
-from tessera.decoder.models import load_model
+from services.decoder.model_llama import LlamaForCausalLM
+from services.decoder.model_qwen2 import Qwen2ForCausalLM
+from services.decoder.model_qwen3 import Qwen3Attention, Qwen3ForCausalLM
+from services.decoder.models import load_model
 
 
 @pytest.mark.parametrize("family, cls", [("llama", LlamaForCausalLM), ("qwen2", Qwen2ForCausalLM),

@@ -5,9 +5,9 @@ import torch
 from decoder_testing import hf_greedy, run_requests
 from transformers import LlamaForCausalLM
 
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, ImagePart, SamplingParams, TextPart
 
 SECTION = (2, 3, 3)  # tiny model: head_dim 16 -> 8 rotary pairs
 IMAGE_TOKEN = "<repo_name>"
@@ -129,7 +129,7 @@ def test_chunk_boundary_inside_an_image_matches_unchunked(tiny_llama, engine):
 
 
 def test_image_refusals(engine):
-    from tessera.common.errors import InvalidArgument
+    from services.common.errors import InvalidArgument
 
     def build(parts):
         return engine.prompts.build(_image_request(parts))

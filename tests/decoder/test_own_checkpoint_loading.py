@@ -14,12 +14,12 @@ from decoder_testing import make_tiny_llama
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from tessera.common.checkpoint import CheckpointConfig
-from tessera.common.errors import InvalidArgument
-from tessera.decoder.model_llama import LlamaForCausalLM, load_checkpoint
-from tessera.decoder.multimodal import PromptBuilder
-from tessera.decoder.tokens import check_chat_template, tokenize
-from tessera.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart, TokenizeInput
+from services.common.checkpoint import CheckpointConfig
+from services.common.errors import InvalidArgument
+from services.decoder.model_llama import LlamaForCausalLM, load_checkpoint
+from services.decoder.multimodal import PromptBuilder
+from services.decoder.tokens import check_chat_template, tokenize
+from services.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart, TokenizeInput
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import struct
 
 import torch
 
-from tessera.decoder.block_manager import BlockManager
-from tessera.decoder.prefix_cache import BlockHasher, hash_block, image_keys, rows_digest
-from tessera.decoder.request import Request
-from tessera.decoder.scheduler import Scheduler
-from tessera.decoder.types import ImageSpan, PromptInputs, SamplingParams
+from services.decoder.block_manager import BlockManager
+from services.decoder.prefix_cache import BlockHasher, hash_block, image_keys, rows_digest
+from services.decoder.request import Request
+from services.decoder.scheduler import Scheduler
+from services.decoder.types import ImageSpan, PromptInputs, SamplingParams
 
 
 def _expected_hash(parent, ids, extras=()):

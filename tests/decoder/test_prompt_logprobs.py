@@ -11,12 +11,12 @@ from decoder_testing import run_requests
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from tessera.decoder import model_runner
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.convert import generate_from_pb, output_to_pb
-from tessera.decoder.engine import start_engine
-from tessera.decoder.token_text import TokenTexts
-from tessera.decoder.types import GenerateInput, RequestOutput, Sample, SamplingParams, TextPart, TokenText
+from services.decoder import model_runner
+from services.decoder.config import DecoderConfig
+from services.decoder.convert import generate_from_pb, output_to_pb
+from services.decoder.engine import start_engine
+from services.decoder.token_text import TokenTexts
+from services.decoder.types import GenerateInput, RequestOutput, Sample, SamplingParams, TextPart, TokenText
 from tessera.v1 import decoder_pb2
 
 TEXT = ("The list of animals: cat, dog, cat, dog, cat, dog, and then a horse, a cow, a sheep and "

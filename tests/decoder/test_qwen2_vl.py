@@ -20,14 +20,14 @@ from decoder_testing import capture_logits, capture_prompt_logits, run_requests,
 from PIL import Image
 from transformers import AutoTokenizer
 
-from tessera.common.errors import InvalidArgument
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
-from tessera.vision.config import VisionConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource
-from tessera.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
+from services.common.errors import InvalidArgument
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
+from services.vision.config import VisionConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 from tests.vision.qwen2_vl_tiny import MROPE_SECTION, build_tiny_qwen2_vl, hf_greedy, hf_inputs, reference_processor
 
 NEW_TOKENS = 32
@@ -252,8 +252,8 @@ def test_loader_layouts_and_refusals(tiny, tmp_path):
 
     from safetensors.torch import save_file
 
-    from tessera.decoder.model_qwen2_vl import load_qwen2_vl
-    from tessera.decoder.models import load_model
+    from services.decoder.model_qwen2_vl import load_qwen2_vl
+    from services.decoder.models import load_model
 
     directory, model, _, _ = tiny
     saved = load_model(directory, torch.float32)
@@ -287,8 +287,8 @@ def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(ti
 
     from transformers import AutoConfig
 
-    from tessera.decoder.model_qwen2_vl import mrope_section
-    from tessera.vision.qwen2_vl_encoder import _mrope_section
+    from services.decoder.model_qwen2_vl import mrope_section
+    from services.vision.qwen2_vl_encoder import _mrope_section
 
     directory, _, _, _ = tiny
     config = json.loads((directory / "config.json").read_text())
@@ -304,8 +304,8 @@ def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(ti
 def test_decoder_service_serves_a_qwen2_vl_dir(tiny, refs):
     """--model-dir of a Qwen2-VL checkpoint just works over gRPC: sections from the checkpoint, an
     encoded image part in a chat message, the same greedy ids as transformers."""
-    from tessera.common.tensor import to_pb
-    from tessera.decoder.__main__ import parse_args
+    from services.common.tensor import to_pb
+    from services.decoder.__main__ import parse_args
     from tessera.v1 import decoder_pb2, vision_pb2
 
     directory, _, vision, _ = tiny

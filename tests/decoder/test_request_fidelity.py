@@ -17,15 +17,15 @@ import torch
 from decoder_testing import TOKENIZER_FILES, hf_reference
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tessera.common.errors import InvalidArgument
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.convert import chat_options_from_pb, generate_from_pb, sampling_from_pb
-from tessera.decoder.detokenizer import IncrementalDetokenizer
-from tessera.decoder.engine import start_engine
-from tessera.decoder.multimodal import PromptBuilder
-from tessera.decoder.servicer import DecoderServicer
-from tessera.decoder.tokens import tokenize
-from tessera.decoder.types import (
+from services.common.errors import InvalidArgument
+from services.decoder.config import DecoderConfig
+from services.decoder.convert import chat_options_from_pb, generate_from_pb, sampling_from_pb
+from services.decoder.detokenizer import IncrementalDetokenizer
+from services.decoder.engine import start_engine
+from services.decoder.multimodal import PromptBuilder
+from services.decoder.servicer import DecoderServicer
+from services.decoder.tokens import tokenize
+from services.decoder.types import (
     CHAT_TEMPLATE_ARGUMENTS,
     ChatMessage,
     ChatTemplateOptions,

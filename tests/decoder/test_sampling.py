@@ -5,9 +5,9 @@ import asyncio
 import pytest
 from decoder_testing import run_requests
 
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 
 PROMPT = (1, 5, 77, 300, 12)
 

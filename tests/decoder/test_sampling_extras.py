@@ -7,11 +7,11 @@ import torch
 from decoder_testing import hf_reference
 from transformers import AutoModelForCausalLM
 
-from tessera.common.errors import InvalidArgument
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.convert import output_to_pb, sampling_from_pb
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import GenerateInput, SamplingParams
+from services.common.errors import InvalidArgument
+from services.decoder.config import DecoderConfig
+from services.decoder.convert import output_to_pb, sampling_from_pb
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
 from tessera.v1 import decoder_pb2
 
 PROMPT = tuple(range(300, 340))  # 40 tokens: 2 full 16-token blocks

@@ -1,9 +1,9 @@
 """Scheduler on a tiny pool: chunked prefill, decode-first order, recompute preemption (exact block ids)."""
 
-from tessera.decoder.block_manager import BlockManager
-from tessera.decoder.request import Request, RequestStatus
-from tessera.decoder.scheduler import Scheduler
-from tessera.decoder.types import PromptInputs, SamplingParams
+from services.decoder.block_manager import BlockManager
+from services.decoder.request import Request, RequestStatus
+from services.decoder.scheduler import Scheduler
+from services.decoder.types import PromptInputs, SamplingParams
 
 
 def _request(key, num_prompt):

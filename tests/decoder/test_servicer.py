@@ -6,7 +6,7 @@ import grpc
 import pytest
 from decoder_testing import with_decoder_server
 
-from tessera.decoder.config import DecoderConfig
+from services.decoder.config import DecoderConfig
 from tessera.v1 import decoder_pb2
 
 
@@ -60,7 +60,7 @@ def test_generate_info_errors_and_cancel(tiny_llama):
 
 
 def test_main_parses_flags(tiny_llama):
-    from tessera.decoder.__main__ import parse_args
+    from services.decoder.__main__ import parse_args
     address, config = parse_args(["--address", "127.0.0.1:6000", "--model-dir", str(tiny_llama), "--block-size", "8",
                                   "--mrope-section", "2,3,3", "--image-token", "<repo_name>", "--max-model-len", "128"])
     assert address == "127.0.0.1:6000"

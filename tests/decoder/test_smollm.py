@@ -10,10 +10,10 @@ import torch
 from decoder_testing import cancel_mid_stream, check_greedy, run_requests
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tessera.common.paths import default_decoder_dir
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import start_engine
-from tessera.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
+from tessera.paths import default_decoder_dir
 
 NEW_TOKENS = 64
 PAD = 2

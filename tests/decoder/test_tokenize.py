@@ -10,9 +10,9 @@ import pytest
 from decoder_testing import with_decoder_server
 from transformers import AutoTokenizer
 
-from tessera.common.limits import GenerateLimits
-from tessera.common.paths import default_decoder_dir
-from tessera.decoder.config import DecoderConfig
+from services.common.limits import GenerateLimits
+from services.decoder.config import DecoderConfig
+from tessera.paths import default_decoder_dir
 from tessera.v1 import decoder_pb2, vision_pb2
 
 TEXT = "Tokenizers split text into pieces: naïve café, 日本語, emoji 🙂 and code def f(x): return x."
@@ -95,8 +95,8 @@ def test_tokenize_and_detokenize_equal_transformers():
 def test_consecutive_text_parts_of_a_message_are_joined_by_a_newline_as_vllm():
     """vLLM renders a message's text parts as one text joined by "\\n" (chat_utils); joined with
     nothing, "Translate to French:" + "Good morning" reached the model as one run-on line."""
-    from tessera.decoder.multimodal import PromptBuilder, chat_text_joiner
-    from tessera.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
+    from services.decoder.multimodal import PromptBuilder, chat_text_joiner
+    from services.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
 
     model_dir = default_decoder_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.decoder.config import DecoderConfig
+from services.decoder.config import DecoderConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,18 +19,18 @@ import torch
 from decoder_testing import with_decoder_server
 from PIL import Image
 
-from tessera.common.errors import InvalidArgument
-from tessera.common.server import create_server
-from tessera.common.tensor import to_pb
-from tessera.decoder.adapter_client import RegistryAdapterSource
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.lora import AdapterSlots
-from tessera.decoder.types import GenerateInput, ImagePart, SamplingParams
+from services.common.errors import InvalidArgument
+from services.common.server import create_server
+from services.common.tensor import to_pb
+from services.decoder.adapter_client import RegistryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.lora import AdapterSlots
+from services.decoder.types import GenerateInput, ImagePart, SamplingParams
+from services.vision.config import VisionConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc, decoder_pb2, tensor_pb2, vision_pb2
-from tessera.vision.config import VisionConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource
-from tessera.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 from tests.vision.qwen2_vl_tiny import build_tiny_qwen2_vl
 
 NEW_TOKENS = 12
@@ -110,7 +110,7 @@ def test_image_rows_are_checked_on_arrival(tiny):
 
 def test_image_rows_must_be_finite_in_the_compute_dtype(tiny):
     """Rows are cast to the model's dtype: a float16 decoder refuses rows past 65504 (inf there)."""
-    from tessera.decoder.engine import start_engine
+    from services.decoder.engine import start_engine
 
     directory, encoded = tiny
     engine = start_engine(_config(directory))
@@ -129,7 +129,7 @@ def test_image_rows_must_be_finite_in_the_compute_dtype(tiny):
 def test_forged_rows_under_a_real_hash_never_share_the_images_kv(tiny):
     """Observed: rows x -3 sent with image X's real content hash were cached under X's key, and a
     later user of X was served that forged prefix. The key now digests the rows received."""
-    from tessera.decoder.convert import generate_from_pb
+    from services.decoder.convert import generate_from_pb
 
     directory, encoded = tiny
     genuine = _request(_image(encoded))

@@ -12,16 +12,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tessera.common.launch import free_port
-from tessera.common.server import insecure_channel, serve
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import LLMEngine, start_engine
-from tessera.decoder.servicer import DecoderServicer
-from tessera.decoder.warmup import warm_up
+from services.common.launch import free_port
+from services.common.server import insecure_channel, serve
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import LLMEngine, start_engine
+from services.decoder.servicer import DecoderServicer
+from services.decoder.warmup import warm_up
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 from tests.common.serving import NOT_SERVING, SERVING, serving
 
-TRITON_KERNEL = "tessera.decoder.attention.triton_kernel"
+TRITON_KERNEL = "services.decoder.attention.triton_kernel"
 
 
 def _register(engine: LLMEngine):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tessera.common.launch import ServiceProcess, free_port
+from services.common.launch import ServiceProcess, free_port
 
 
 @dataclass
@@ -21,7 +21,7 @@ def pooling_service():
     port = free_port()
     # a small token budget: one 64-text request takes several forwards, the rest of it queued meanwhile
     args = ["--metrics-port", str(port), "--max-wait-ms", "0", "--max-batch-tokens", "512"]
-    with ServiceProcess("tessera.pooling", args) as service:
+    with ServiceProcess("services.pooling", args) as service:
         yield Running(service.address, f"http://127.0.0.1:{port}/metrics")
 
 
@@ -30,7 +30,7 @@ def decoder_service():
     port = free_port()
     # one running sequence at a time, so concurrent streams queue and the waiting gauge moves
     args = ["--metrics-port", str(port), "--max-num-seqs", "1", "--max-model-len", "512", "--num-blocks", "64"]
-    with ServiceProcess("tessera.decoder", args, startup_s=180) as service:
+    with ServiceProcess("services.decoder", args, startup_s=180) as service:
         yield Running(service.address, f"http://127.0.0.1:{port}/metrics")
 
 
@@ -46,5 +46,5 @@ def gateway_service(decoder_service, pooling_service):
     port, dead = free_port(), f"127.0.0.1:{free_port()}"
     args = ["--decoder", f"ipv4:{decoder_service.address},{dead}", "--pooling", pooling_service.address,
             "--adapters", f"127.0.0.1:{free_port()}", "--vision", "", "--metrics-port", str(port)]
-    with ServiceProcess("tessera.gateway", args) as service:
+    with ServiceProcess("services.gateway", args) as service:
         yield Gateway(service.address, f"http://127.0.0.1:{port}/metrics", dead)

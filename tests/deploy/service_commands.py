@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tessera.common.launch import REPO
-from tessera.common.paths import models_dir
+from services.common.launch import REPO
+from tessera.paths import models_dir
 
 SERVICES = ("gateway", "vision", "decoder", "pooling", "adapters")
 GRPC_SERVICE = {"gateway": "tessera.v1.Gateway", "vision": "tessera.v1.Vision", "decoder": "tessera.v1.Decoder",
@@ -37,9 +37,9 @@ def run(command: list[str], stdin: str | None = None) -> subprocess.CompletedPro
 
 
 def module_of(command: list[str]) -> str:
-    """`python -m tessera.<name> ...` -> name."""
-    assert command[:2] == ["python", "-m"] and command[2].startswith("tessera."), command
-    name = command[2].removeprefix("tessera.")
+    """`python -m services.<name> ...` -> name."""
+    assert command[:2] == ["python", "-m"] and command[2].startswith("services."), command
+    name = command[2].removeprefix("services.")
     assert name in SERVICES, command
     return name
 
@@ -73,7 +73,7 @@ def parse_command(command: list[str], scratch: Path):
     runs), so every flag, value and cross-check (model dirs, M-RoPE sections vs head_dim) is the
     service's. Returns (service name, bind address, config object)."""
     name = module_of(command)
-    main = importlib.import_module(f"tessera.{name}.__main__")
+    main = importlib.import_module(f"services.{name}.__main__")
     argv = localize(command[3:], scratch)
     if name == "decoder":
         address, config = main.parse_args(argv)

@@ -80,7 +80,7 @@ def test_topology(compose):
         service = services[name]
         assert service["restart"] == "unless-stopped"
         assert service["environment"]["TESSERA_INTERNAL_TOKEN_FILE"] == TOKEN_FILE
-        # compose restarts on exit only: a service NOT_SERVING this long exits (tessera/common/server.py)
+        # compose restarts on exit only: a service NOT_SERVING this long exits (services/common/server.py)
         assert service["environment"]["TESSERA_EXIT_UNHEALTHY_AFTER_S"] == "30"
         assert [s["source"] if isinstance(s, dict) else s for s in service["secrets"]] == [Path(TOKEN_FILE).name]
         assert "egress" not in service["networks"], f"{name} must not reach outside networks"
@@ -113,7 +113,7 @@ def test_commands_parse_with_each_services_own_parser(compose, tmp_path):
         addresses[name] = port
         assert host == "0.0.0.0", f"{name} must listen on the container's interfaces"
         # the healthcheck asks this very port, for this service's name
-        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "tessera.common.healthcheck",
+        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck",
                                                   f"127.0.0.1:{port}", GRPC_SERVICE[name]]
         exposed = {int(p) for p in service["expose"]}
         extra = {getattr(config, "metrics_port", 0), getattr(config, "http_port", 0)} - {0}
@@ -154,7 +154,7 @@ def test_paths_in_commands_lie_on_volumes(compose, name):
 
 def test_dockerfile_matches_pyproject_and_the_deploy_paths():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    pyproject = (DEPLOY.parent / "pyproject.toml").read_text()
+    pyproject = (DEPLOY.parent / "services" / "pyproject.toml").read_text()  # the server distribution pins torch
     [torch_pin] = re.findall(r'"torch==([^"]+)"', pyproject)
     assert f"ARG TORCH_VERSION={torch_pin}\n" in dockerfile
     assert "--index-url https://download.pytorch.org/whl/cpu" in dockerfile

@@ -10,12 +10,12 @@ from pathlib import Path
 import grpc
 from prometheus_client import generate_latest
 
-from tessera.common.metrics import make_registry
+from services.common.metrics import make_registry
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.stats import VisionCollector
 from tessera.v1 import decoder_pb2, gateway_pb2_grpc, pooling_pb2
-from tessera.vision.config import VisionConfig
-from tessera.vision.encoder import DemoEncoderConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.stats import VisionCollector
 from tests.deploy.prom import Samples
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tessera.json"

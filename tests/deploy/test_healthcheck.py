@@ -1,4 +1,4 @@
-"""`python -m tessera.common.healthcheck`: the probe the image ships, against real gRPC servers."""
+"""`python -m services.common.healthcheck`: the probe the image ships, against real gRPC servers."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera.common.launch import REPO, free_port
+from services.common.launch import REPO, free_port
 
 
 def probe(*args: str, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *python_flags, "-m", "tessera.common.healthcheck", *args],
+    return subprocess.run([sys.executable, *python_flags, "-m", "services.common.healthcheck", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=30)
 
 

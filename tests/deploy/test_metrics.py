@@ -15,9 +15,9 @@ from PIL import Image
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessera.adapters import __main__ as adapters_main
-from tessera.common.launch import free_port
-from tessera.common.metrics import (
+from services.adapters import __main__ as adapters_main
+from services.common.launch import free_port
+from services.common.metrics import (
     DECODER_KV_USAGE,
     DECODER_RUNNING,
     DECODER_WAITING,
@@ -25,19 +25,19 @@ from tessera.common.metrics import (
     DecoderCollector,
     make_registry,
 )
-from tessera.common.tensor import from_pb
-from tessera.decoder.config import DecoderConfig
-from tessera.decoder.engine import EngineStats
-from tessera.gateway import __main__ as gateway_main
-from tessera.gateway.config import GatewayConfig
-from tessera.pooling import __main__ as pooling_main
+from services.common.tensor import from_pb
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import EngineStats
+from services.gateway import __main__ as gateway_main
+from services.gateway.config import GatewayConfig
+from services.pooling import __main__ as pooling_main
+from services.vision import __main__ as vision_main
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource
+from services.vision.stats import VisionCollector
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, gateway_pb2_grpc, pooling_pb2, pooling_pb2_grpc
-from tessera.vision import __main__ as vision_main
-from tessera.vision.config import VisionConfig
-from tessera.vision.encoder import DemoEncoderConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource
-from tessera.vision.stats import VisionCollector
 from tests.deploy.prom import Samples
 
 
@@ -298,12 +298,12 @@ def test_gateway_counts_downstream_calls_by_status_and_reports_replicas_up_and_d
 
 
 def test_gateway_metrics_app_serves_on_an_asgi_http_app():
-    """`tessera.gateway.metrics.asgi_app`, mounted on a FastAPI app as the gateway's HTTP port does."""
+    """`services.gateway.metrics.asgi_app`, mounted on a FastAPI app as the gateway's HTTP port does."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from tessera.gateway.metrics import asgi_app
-    from tessera.gateway.servicer import GatewayServicer
+    from services.gateway.metrics import asgi_app
+    from services.gateway.servicer import GatewayServicer
 
     async def build() -> GatewayServicer:  # its channels belong to a loop
         return GatewayServicer(GatewayConfig(decoder=f"127.0.0.1:{free_port()}"))

@@ -10,7 +10,7 @@ import importlib
 import subprocess
 import sys
 
-from tessera.common.launch import REPO
+from services.common.launch import REPO
 from tessera.v1 import gateway_pb2
 
 
@@ -34,8 +34,8 @@ def test_grpc_reference_lists_every_gateway_rpc_and_request_field():
 
 
 def test_http_reference_lists_every_route_and_request_field():
-    from tessera.gateway.http.app import create_app
-    from tessera.gateway.http.backend import Backend
+    from services.gateway.http.app import create_app
+    from services.gateway.http.backend import Backend
 
     async def build():  # a grpc.aio channel belongs to a loop: a fresh one, whatever ran before
         return create_app(Backend("127.0.0.1:1", {}), max_body_bytes=1).openapi()
@@ -60,7 +60,7 @@ def test_configuration_reference_lists_every_flag_of_every_service_and_up():
     text = (REPO / "docs" / "reference" / "configuration.md").read_text()
     for service in ("gateway", "vision", "decoder", "pooling", "adapters"):
         section = text.split(f"## {service}: ", 1)[1].split("\n## ", 1)[0]
-        for option in _options(importlib.import_module(f"tessera.{service}.__main__").build_parser()):
+        for option in _options(importlib.import_module(f"services.{service}.__main__").build_parser()):
             assert f"| `{option}`" in section, (service, option)
     from tessera.cli.main import build_parser
 

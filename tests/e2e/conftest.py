@@ -19,10 +19,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import INTERNAL_TOKEN_METADATA
+from services.common.server import CHANNEL_OPTIONS
 from tessera.cli.up import SERVICES, Cluster, ClusterSpec
-from tessera.common.auth import INTERNAL_TOKEN_METADATA
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
-from tessera.common.server import CHANNEL_OPTIONS
+from tessera.paths import default_decoder_dir, default_embedding_dir
 from tessera.v1 import gateway_pb2_grpc, pooling_pb2
 
 # Small enough that "image over the byte cap" needs no huge upload.
@@ -84,7 +84,7 @@ def gateway_address(cluster) -> str:
 
 @pytest.fixture(scope="session")
 def http_url(cluster) -> str:
-    """The gateway's HTTP API (tessera/gateway/http/), e.g. http://127.0.0.1:PORT."""
+    """The gateway's HTTP API (services/gateway/http/), e.g. http://127.0.0.1:PORT."""
     return f"http://{cluster.spec.host}:{cluster.spec.http_port}"
 
 

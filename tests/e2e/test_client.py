@@ -17,10 +17,10 @@ import pytest
 from PIL import Image
 
 import tessera.client as tc
+from services.common.tensor import from_pb
 from tessera.cli.demo import write_random_lora
 from tessera.client import InvalidArgument
-from tessera.common.paths import default_decoder_dir
-from tessera.common.tensor import from_pb
+from tessera.paths import default_decoder_dir
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2, vision_pb2
 
 from .conftest import run_cli

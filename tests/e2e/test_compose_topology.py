@@ -23,8 +23,8 @@ import grpc
 import pytest
 import yaml
 
-from tessera.common.launch import REPO, free_port, service_env
-from tessera.common.server import CHANNEL_OPTIONS
+from services.common.launch import REPO, free_port, service_env
+from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import adapters_pb2, gateway_pb2_grpc, pooling_pb2
 from tests.deploy.service_commands import TOKEN_FILE, localize
 from tests.deploy.test_compose import compose_config
@@ -90,7 +90,7 @@ class Topology:
         deadline = time.monotonic() + timeout_s
         for address in self.addresses[name]:
             command = self.rewrite(test[1:])
-            command[command.index("tessera.common.healthcheck") + 1] = address
+            command[command.index("services.common.healthcheck") + 1] = address
             while subprocess.run(command, cwd=REPO, capture_output=True).returncode != 0:
                 for label, process, log in self.processes:
                     assert process.poll() is None, f"{label} exited:\n{log.read_text()[-3000:]}"

@@ -8,8 +8,8 @@ import re
 import subprocess
 import sys
 
-from tessera.common.launch import REPO
-from tessera.common.paths import default_decoder_dir
+from services.common.launch import REPO
+from tessera.paths import default_decoder_dir
 
 EXAMPLES = REPO / "docs" / "examples"
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from tessera.common.server import CHANNEL_OPTIONS
+from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, pooling_pb2, tensor_pb2, vision_pb2
 
 from .conftest import internal_channel

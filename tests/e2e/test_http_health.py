@@ -15,8 +15,8 @@ import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tessera.common.auth import INTERNAL_TOKEN_FILE_ENV
-from tessera.common.launch import ServiceProcess
+from services.common.auth import INTERNAL_TOKEN_FILE_ENV
+from services.common.launch import ServiceProcess
 from tessera.v1 import gateway_pb2
 
 from .conftest import free_port
@@ -33,10 +33,10 @@ def keyed_gateway(cluster, tmp_path_factory):
     keys.write_text(f"# one key a line\n{API_KEY}\n")
     (tmp_path / "root").mkdir()
     env = {INTERNAL_TOKEN_FILE_ENV: str(cluster.token_file)}
-    registry = ServiceProcess("tessera.adapters", ["--root", str(tmp_path / "root"), "--base-model-dir",
+    registry = ServiceProcess("services.adapters", ["--root", str(tmp_path / "root"), "--base-model-dir",
                                                     str(spec.decoder_model_dir)], env=env)
     http_port = free_port()
-    gateway = ServiceProcess("tessera.gateway", [
+    gateway = ServiceProcess("services.gateway", [
         "--decoder", spec.address("decoder"), "--pooling", spec.address("pooling"), "--adapters", registry.address,
         "--vision", spec.address("vision"), "--http-port", str(http_port)],
         env={**env, "TESSERA_API_KEY_FILE": str(keys)})  # keys by path in the environment, never argv

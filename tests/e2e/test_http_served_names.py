@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from tessera.cli.up import Cluster, ClusterSpec
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
+from tessera.paths import default_decoder_dir, default_embedding_dir
 
 from .conftest import _free_base_port, free_port
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from PIL import Image
 
-from tessera.common.auth import INTERNAL_TOKEN_FILE_ENV
+from services.common.auth import INTERNAL_TOKEN_FILE_ENV
 from tessera.v1 import decoder_pb2, gateway_pb2, gateway_pb2_grpc, vision_pb2
 
 from .conftest import VISION_MAX_BYTES
@@ -60,7 +60,7 @@ def test_gateway_without_vision_refuses_images(cluster):
     spec = cluster.spec
     port = spec.base_port + 5 + (os.getpid() % 50)
     address = f"127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-m", "tessera.gateway", "--address", address,
+    process = subprocess.Popen([sys.executable, "-m", "services.gateway", "--address", address,
                                 "--decoder", spec.address("decoder"), "--pooling", spec.address("pooling"),
                                 "--adapters", spec.address("adapters"), "--vision", ""],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

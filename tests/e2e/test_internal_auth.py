@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tessera.common.auth import INTERNAL_TOKEN_METADATA
+from services.common.auth import INTERNAL_TOKEN_METADATA
 from tessera.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from PIL import Image
 
-from tessera.common.auth import token_interceptors
-from tessera.common.server import CHANNEL_OPTIONS
+from services.common.auth import token_interceptors
+from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -88,7 +88,7 @@ def test_50_mb_prompt_is_refused_before_tokenizing(cluster, assert_healthy, port
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         limit = 32 * DECODER_MAX_MODEL_LEN
         assert f"prompt text has 50000004 characters; the limit is {limit} (--max-prompt-chars" in error.details()
-    else:  # past the decoder port's receive limit (tessera/common/message_limits.py): grpc refuses it unread
+    else:  # past the decoder port's receive limit (services/common/message_limits.py): grpc refuses it unread
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     print(f"50 MB prompt refused by the {port} in {seconds:.3f} s")
     assert seconds < BOUND_S
@@ -171,7 +171,7 @@ def test_each_port_refuses_past_its_caps(gateway, direct, port, method, request_
 def test_a_refused_stream_message_keeps_its_status_for_asyncio_clients(cluster, port, bad):
     """A refusal while the client is still writing: grpc's asyncio client (which the gateway is,
     towards pooling) would read INTERNAL "Internal error from Core" unless the server first reads
-    the rest of the client's stream (tessera/common/streams.py)."""
+    the rest of the client's stream (services/common/streams.py)."""
     service = "Gateway" if port == "gateway" else "Pooling"
 
     async def run() -> list[grpc.StatusCode]:

@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from tessera.common.checkpoint import CheckpointConfig, base_model_digest, base_model_name
+from services.common.checkpoint import CheckpointConfig, base_model_digest, base_model_name
 from tessera.v1 import adapters_pb2, gateway_pb2
 
 from .conftest import once_back, run_cli

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.checkpoint import DECODER_ARCHITECTURES
+from services.common.server import CHANNEL_OPTIONS
 from tessera.cli.up import Cluster, ClusterSpec
-from tessera.common.checkpoint import DECODER_ARCHITECTURES
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
-from tessera.common.server import CHANNEL_OPTIONS
+from tessera.paths import default_decoder_dir, default_embedding_dir
 from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.decoder.decoder_testing import make_tiny_llama
 
@@ -103,10 +103,10 @@ def test_tessera_up_refuses_a_non_decoder_dir_in_one_line_before_any_service_sta
 
 def test_the_decoder_refuses_the_same_way_at_its_own_start(tmp_path):
     directory = _config_only_dir(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "tessera.decoder", "--model-dir", str(directory),
+    result = subprocess.run([sys.executable, "-m", "services.decoder", "--model-dir", str(directory),
                              "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"python -m tessera.decoder: error: decoder model dir {str(directory)!r} "
+    assert result.stderr.splitlines() == [f"python -m services.decoder: error: decoder model dir {str(directory)!r} "
                                           "has no weights: neither model.safetensors nor model.safetensors.index.json"]
 
 
@@ -117,7 +117,7 @@ def test_damaged_weights_are_refused_in_one_line_naming_the_file(tmp_path):
     shutil.copytree(default_decoder_dir(), directory, ignore=shutil.ignore_patterns("*.safetensors"))
     weights = directory / "model.safetensors"
     weights.write_bytes(b"garbage")
-    result = subprocess.run([sys.executable, "-m", "tessera.decoder", "--model-dir", str(directory),
+    result = subprocess.run([sys.executable, "-m", "services.decoder", "--model-dir", str(directory),
                              "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=180)
     lines = result.stderr.strip().splitlines()  # the config's INFO lines (its automatic choices), then why
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -140,6 +140,6 @@ def test_demo_pairing_and_explicit_sections(tmp_path):
 
 
 def test_the_checkpoint_check_names_every_family_the_decoder_loads():
-    from tessera.decoder.models import MODEL_FAMILIES
+    from services.decoder.models import MODEL_FAMILIES
 
     assert set(DECODER_ARCHITECTURES) == {*MODEL_FAMILIES, "qwen2_vl"}

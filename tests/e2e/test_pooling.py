@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.common.tensor import from_pb
+from services.common.tensor import from_pb
 from tessera.v1 import gateway_pb2, pooling_pb2
 
 from .conftest import run_cli
@@ -117,7 +117,7 @@ def test_tokenize_and_embed_stream_through_gateway(gateway, sentence_transformer
 
     # a refused message, by pooling (no inputs) or by the gateway's caps (past max_batch_size): the
     # messages before it are answered, then the stream ends with INVALID_ARGUMENT
-    from tessera.common.limits import PoolingLimits
+    from services.common.limits import PoolingLimits
 
     over_cap = pooling_pb2.EmbedRequest(inputs=["a"] * (PoolingLimits().max_batch_size + 1))
     for refused in (pooling_pb2.EmbedRequest(inputs=[]), over_cap):

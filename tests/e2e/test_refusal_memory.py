@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tessera.common.auth import INTERNAL_TOKEN_METADATA
-from tessera.common.server import CHANNEL_OPTIONS
+from services.common.auth import INTERNAL_TOKEN_METADATA
+from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, pooling_pb2, pooling_pb2_grpc
 
 NUM_REFUSED = 10

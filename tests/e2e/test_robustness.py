@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from tessera.common.server import CHANNEL_OPTIONS
+from services.common.server import CHANNEL_OPTIONS
 from tessera.v1 import decoder_pb2, gateway_pb2, pooling_pb2
 
 from .conftest import embed_once_back, once_back
@@ -106,7 +106,7 @@ def test_killed_pooling_replica(cluster, gateway, assert_healthy):
 def test_a_frozen_service_is_listed_unavailable_by_get_info(cluster, gateway, assert_healthy):
     """A service that is alive but does not answer (SIGSTOP) must not hang GetInfo: the others'
     sections arrive and the frozen one is listed unavailable after the gateway's per-section cap."""
-    from tessera.gateway.servicer import INFO_TIMEOUT_S
+    from services.gateway.servicer import INFO_TIMEOUT_S
 
     # The gateway's channel to vision must be connected before the stop: a first connection to a stopped
     # peer fails its handshake at once ("is unavailable"), and this test is about a peer that hangs.
@@ -134,7 +134,7 @@ def test_a_frozen_vision_service_fails_image_requests_instead_of_holding_them(cl
     connection open), an image request with a long deadline ends UNAVAILABLE naming vision within
     the keepalive's ~8 s instead of waiting out its deadline; text requests are served meanwhile, and
     images again once vision answers."""
-    from tessera.common.server import KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
+    from services.common.server import KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
 
     from .test_images import image_request, png_bytes
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import signal
 import time
 
+from services.common.healthcheck import check as check_health
 from tessera.cli.up import RestartPolicy, Supervisor
-from tessera.common.healthcheck import check as check_health
 
 from .conftest import embed_once_back
 

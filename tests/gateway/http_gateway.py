@@ -10,8 +10,8 @@ import json
 
 import grpc
 
-from tessera.gateway.http.app import create_app
-from tessera.gateway.http.backend import Backend
+from services.gateway.http.app import create_app
+from services.gateway.http.backend import Backend
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2, tensor_pb2
 
 BASE = "base-model"

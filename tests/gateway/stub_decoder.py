@@ -1,7 +1,7 @@
 """A decoder replica without a model, for routing tests over real sockets:
 `python -m tests.gateway.stub_decoder HOST:PORT`.
 
-It runs on `tessera.common.server.serve` (the real server options, health and reflection) and
+It runs on `services.common.server.serve` (the real server options, health and reflection) and
 answers Generate with `sampling.max_tokens` tokens (id 7, text "x"), one every TOKEN_INTERVAL_S,
 and GetInfo with an idle replica's report. Light enough to start several per test and to stop
 with SIGSTOP.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from tessera.common.server import serve
+from services.common.server import serve
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 
 TOKEN_INTERVAL_S = 0.05

@@ -2,8 +2,8 @@
 
 import pytest
 
+from services.gateway.replicas import parse_target
 from tessera.cli.up import ClusterSpec
-from tessera.gateway.replicas import parse_target
 
 
 def test_replicas_get_their_own_ports_and_the_gateway_an_ipv4_list():

@@ -2,7 +2,7 @@
 process) is dropped by the gateway within seconds, as a killed one is: its stream ends UNAVAILABLE
 naming it, new requests go to the other replica, GetInfo lists it not ready; after SIGCONT it
 serves again. Real processes on loopback: two stub decoders (tests/gateway/stub_decoder.py) behind
-`python -m tessera.gateway`."""
+`python -m services.gateway`."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import grpc
 import pytest
 import requests
 
-from tessera.common.auth import INTERNAL_TOKEN_FILE_ENV
-from tessera.common.server import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
-from tessera.gateway.servicer import REPLICA_METADATA
+from services.common.auth import INTERNAL_TOKEN_FILE_ENV
+from services.common.server import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
+from services.gateway.servicer import REPLICA_METADATA
 from tessera.v1 import decoder_pb2, gateway_pb2, gateway_pb2_grpc
 
 from .stub_decoder import TOKEN_INTERVAL_S
@@ -96,7 +96,7 @@ def cluster(tmp_path):
     decoders = {f"127.0.0.1:{port}": _start(["-m", "tests.gateway.stub_decoder", f"127.0.0.1:{port}"],
                                             tmp_path / f"decoder-{port}.log") for port in decoder_ports}
     target = "ipv4:" + ",".join(decoders)
-    gateway = _start(["-m", "tessera.gateway", "--address", f"127.0.0.1:{gateway_port}", "--decoder", target,
+    gateway = _start(["-m", "services.gateway", "--address", f"127.0.0.1:{gateway_port}", "--decoder", target,
                       "--pooling", "127.0.0.1:1", "--adapters", "127.0.0.1:1", "--vision", "",
                       "--http-port", str(http_port)],
                      tmp_path / "gateway.log")

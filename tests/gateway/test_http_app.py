@@ -10,9 +10,9 @@ import json
 import grpc
 import pytest
 
-from tessera.gateway.api_keys import read_api_keys
-from tessera.gateway.http.app import create_app
-from tessera.gateway.http.backend import Backend, loopback_address
+from services.gateway.api_keys import read_api_keys
+from services.gateway.http.app import create_app
+from services.gateway.http.backend import Backend, loopback_address
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end UNAVAILABLE
@@ -108,7 +108,7 @@ def test_a_body_of_many_bad_list_items_stops_at_the_first(model, body):
     gigabytes of errors in the gateway's event loop, long enough for its supervisor to restart it."""
     from pydantic import ValidationError
 
-    from tessera.gateway.http import models
+    from services.gateway.http import models
 
     with pytest.raises(ValidationError) as error:
         getattr(models, model).model_validate(body)
@@ -144,7 +144,7 @@ def test_openai_fields_tessera_does_not_honour_are_refused_not_ignored(app, fiel
 
 
 def test_a_developer_message_is_sent_as_the_system_message():
-    from tessera.gateway.http import convert, models
+    from services.gateway.http import convert, models
 
     body = models.ChatCompletionRequest(model="m", messages=[{"role": "developer", "content": "be brief"},
                                                              {"role": "user", "content": "hi"}])
@@ -186,7 +186,7 @@ def test_text_routes_have_their_own_smaller_byte_limit():
 
 
 def test_a_body_of_more_json_values_than_any_request_needs_is_413_before_parsing():
-    from tessera.gateway.http.app import MAX_JSON_VALUES
+    from services.gateway.http.app import MAX_JSON_VALUES
 
     app = App(max_body_bytes=1 << 30)
     try:

@@ -1,5 +1,5 @@
 """Every field a client sends is honoured, accepted or refused by name, never dropped
-(tessera/gateway/http/fields.py): a property test over every request body (a field outside the
+(services/gateway/http/fields.py): a property test over every request body (a field outside the
 table, at any level, is 400 naming its dotted path; the fields inside it pass; each refused field
 is 400 naming it unless its value asks for nothing), and each honoured field reaches the protobuf
 the gateway's gRPC API receives (tests/gateway/http_gateway.py's FakeGateway records it)."""
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tessera.gateway.http import models
-from tessera.gateway.http.fields import Strict, is_accepted
+from services.gateway.http import models
+from services.gateway.http.fields import Strict, is_accepted
 
 from .http_gateway import ALIASES, BASE, EMBEDDER, EMBEDDER_ALIAS, GENERATION_DEFAULTS, Harness
 from .test_http_app import App, call, error_of, tei_error_of

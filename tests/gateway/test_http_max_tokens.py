@@ -1,8 +1,8 @@
 """The OpenAI routes' max_tokens defaults, as OpenAI and vLLM: chat runs to the end of the context
 (0 on the wire, resolved by the decoder: tests/decoder/test_max_tokens.py), completions take 16."""
 
-from tessera.gateway.http import models
-from tessera.gateway.http.convert import chat_request, completion_requests
+from services.gateway.http import models
+from services.gateway.http.convert import chat_request, completion_requests
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

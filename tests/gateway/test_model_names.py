@@ -12,10 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera.common.server import create_server
-from tessera.gateway import pools
-from tessera.gateway.config import GatewayConfig
-from tessera.gateway.servicer import GatewayServicer
+from services.common.server import create_server
+from services.gateway import pools
+from services.gateway.config import GatewayConfig
+from services.gateway.servicer import GatewayServicer
 from tessera.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,

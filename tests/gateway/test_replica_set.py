@@ -4,8 +4,8 @@ import asyncio
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera.common.server import create_server
-from tessera.gateway.replicas import ReplicaSet
+from services.common.server import create_server
+from services.gateway.replicas import ReplicaSet
 from tessera.v1 import decoder_pb2_grpc
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

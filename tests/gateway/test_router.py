@@ -2,9 +2,9 @@
 
 import pytest
 
-from tessera.gateway.convert import routing_key
-from tessera.gateway.replicas import parse_target, resolve
-from tessera.gateway.router import (
+from services.gateway.convert import routing_key
+from services.gateway.replicas import parse_target, resolve
+from services.gateway.router import (
     LeastOutstanding,
     PrefixIndex,
     Router,

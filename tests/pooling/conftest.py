@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
-from tessera.common.paths import default_decoder_dir, default_embedding_dir
-from tessera.pooling.config import ModelConfig, PoolingConfig
-from tessera.pooling.engine import load_served_model
+from services.pooling.config import ModelConfig, PoolingConfig
+from services.pooling.engine import load_served_model
+from tessera.paths import default_decoder_dir, default_embedding_dir
 
 
 @pytest.fixture(scope="session")

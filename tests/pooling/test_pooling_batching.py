@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from tessera.common.errors import ResourceExhausted
-from tessera.pooling.batcher import group_by_length
-from tessera.pooling.config import PoolingConfig
-from tessera.pooling.engine import PoolingEngine
+from services.common.errors import ResourceExhausted
+from services.pooling.batcher import group_by_length
+from services.pooling.config import PoolingConfig
+from services.pooling.engine import PoolingEngine
 
 LONG = " ".join(f"Sentence number {i} talks about rivers, mountains and the weather in spring." for i in range(14))
 SINGLES = ["A cat sat on the mat.", "Hello world", "Quantum computers use qubits.", "Paris is in France.",
@@ -110,7 +110,7 @@ def test_cancelled_request_is_dropped_from_the_queue(minilm_model_config, minilm
 
 
 def test_embed_stream_answers_in_order(minilm_model_config, minilm_loaded, alone):
-    from tessera.pooling.types import EmbedQuery
+    from services.pooling.types import EmbedQuery
 
     service = _service(minilm_model_config, minilm_loaded, max_wait_ms=50)
 

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from tessera.pooling.__main__ import parse_args
-from tessera.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
-from tessera.pooling.st_config import read_st_config
+from services.pooling.__main__ import parse_args
+from services.pooling.config import CROSS_ENCODER, EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
+from services.pooling.st_config import read_st_config
 
 
 def _write(path, obj):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
-from tessera.pooling.config import ModelConfig, PoolingConfig
-from tessera.pooling.engine import PoolingEngine
+from services.pooling.config import ModelConfig, PoolingConfig
+from services.pooling.engine import PoolingEngine
 
 
 def _tiny_encoder(path, minilm_dir, poison: bool = False):

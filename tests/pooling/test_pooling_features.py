@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.common.errors import InvalidArgument
-from tessera.pooling.config import ModelConfig, PoolingConfig
-from tessera.pooling.engine import PoolingEngine, ServedModel
+from services.common.errors import InvalidArgument
+from services.pooling.config import ModelConfig, PoolingConfig
+from services.pooling.engine import PoolingEngine, ServedModel
 
 SHORT = "A cat sat on the mat."
 LONG = " ".join(f"Paragraph {i} describes the history of ancient trade routes across deserts." for i in range(34))

@@ -1,4 +1,4 @@
-"""End to end over a real socket: `python -m tessera.pooling` in a subprocess, called with the stubs."""
+"""End to end over a real socket: `python -m services.pooling` in a subprocess, called with the stubs."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tessera.common.launch import ServiceProcess
-from tessera.common.tensor import from_pb
+from services.common.launch import ServiceProcess
+from services.common.tensor import from_pb
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServiceProcess("tessera.pooling", ["--max-batch-size", "4"]) as service:
+    with ServiceProcess("services.pooling", ["--max-batch-size", "4"]) as service:
         channel = grpc.insecure_channel(service.address)
         yield channel, service.process
         channel.close()

@@ -14,8 +14,8 @@ import time
 import grpc
 import pytest
 
-from tessera.pooling.engine import PoolingEngine
-from tessera.pooling.servicer import PoolingServicer
+from services.pooling.engine import PoolingEngine
+from services.pooling.servicer import PoolingServicer
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 from tests.common.serving import NOT_SERVING, SERVING, WatchedHealth, serving
 
@@ -82,7 +82,7 @@ def test_a_dead_batcher_says_not_serving_and_fails_requests_at_once(minilm_confi
 
 
 def test_a_wedged_batcher_turns_unhealthy_after_the_bound(minilm_loaded):
-    from tessera.pooling.config import PoolingConfig
+    from services.pooling.config import PoolingConfig
 
     config = PoolingConfig(models=[minilm_loaded.config], wedged_after_s=1.0)
     service = PoolingEngine(config, models={minilm_loaded.name: minilm_loaded})
@@ -112,7 +112,7 @@ def test_a_wedged_batcher_turns_unhealthy_after_the_bound(minilm_loaded):
 
 
 def test_the_wedge_bound_is_a_flag(minilm_dir):
-    from tessera.pooling.__main__ import parse_args
+    from services.pooling.__main__ import parse_args
 
     assert parse_args(["--model-dir", str(minilm_dir), "--wedged-after-s", "5"]).wedged_after_s == 5.0
     assert parse_args(["--model-dir", str(minilm_dir)]).wedged_after_s == 60.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.pooling.pooling import normalize, pool
+from services.pooling.pooling import normalize, pool
 
 PAD = 1e6  # padding rows hold garbage that would dominate any leak
 

@@ -9,9 +9,9 @@ import torch
 from sentence_transformers import CrossEncoder
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from tessera.common.errors import InvalidArgument, NotFound
-from tessera.pooling.config import EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
-from tessera.pooling.engine import PoolingEngine, load_served_model
+from services.common.errors import InvalidArgument, NotFound
+from services.pooling.config import EMBEDDING, LLM_JUDGE, ModelConfig, PoolingConfig
+from services.pooling.engine import PoolingEngine, load_served_model
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["Paris is the capital and largest city of France.", "Bananas are yellow.",

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 
-from tessera.common.errors import InvalidArgument, NotFound, Unavailable
-from tessera.pooling.config import ModelConfig, PoolingConfig
-from tessera.pooling.convert import check_tokenize_fields, embeddings_to_pb, info_to_pb
-from tessera.pooling.engine import PoolingEngine
+from services.common.errors import InvalidArgument, NotFound, Unavailable
+from services.pooling.config import ModelConfig, PoolingConfig
+from services.pooling.convert import check_tokenize_fields, embeddings_to_pb, info_to_pb
+from services.pooling.engine import PoolingEngine
 from tessera.v1 import decoder_pb2, pooling_pb2
 
 SHORT = "A cat sat on the mat."

@@ -10,9 +10,9 @@ import sys
 
 import grpc
 
-from tessera.common.launch import REPO, free_port, service_env
-from tessera.pooling.engine import PoolingEngine
-from tessera.pooling.servicer import PoolingServicer
+from services.common.launch import REPO, free_port, service_env
+from services.pooling.engine import PoolingEngine
+from services.pooling.servicer import PoolingServicer
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 from tests.common.serving import serving
 
@@ -60,7 +60,7 @@ def test_a_second_service_on_a_port_in_use_exits_naming_it(minilm_dir):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "tessera.pooling", "--address", f"127.0.0.1:{port}",
+        done = subprocess.run([sys.executable, "-m", "services.pooling", "--address", f"127.0.0.1:{port}",
                                "--model-dir", str(minilm_dir)], cwd=REPO, env=service_env({"OMP_NUM_THREADS": "1"}),
                               capture_output=True, text=True, timeout=120)
     assert done.returncode != 0

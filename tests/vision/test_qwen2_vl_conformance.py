@@ -15,13 +15,13 @@ from PIL import Image
 from qwen2_vl_tiny import MAX_PIXELS, MIN_PIXELS, MROPE_SECTION, build_tiny_qwen2_vl, reference_processor
 from vision_images import encode, png_header_claiming
 
-from tessera.common.errors import InvalidArgument
-from tessera.vision.__main__ import parse_args
-from tessera.vision.config import VisionConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageProcessor, ImageSource, ProcessorConfig
-from tessera.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
-from tessera.vision.qwen2_vl_pixels import patchify
+from services.common.errors import InvalidArgument
+from services.vision.__main__ import parse_args
+from services.vision.config import VisionConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageProcessor, ImageSource, ProcessorConfig
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
+from services.vision.qwen2_vl_pixels import patchify
 
 # (width, height): square, tall, wide, odd-sized, above max_pixels (downscaled), below min_pixels (upscaled)
 SIZES = [(64, 64), (60, 150), (150, 60), (97, 53), (400, 300), (20, 30)]

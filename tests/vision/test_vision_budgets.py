@@ -13,12 +13,12 @@ from PIL import Image
 from qwen2_vl_tiny import build_tiny_qwen2_vl
 from vision_images import encode, png_header_claiming, solid
 
-from tessera.common.errors import InvalidArgument
-from tessera.vision.config import VisionConfig
-from tessera.vision.encoder import DemoEncoderConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource, ProcessorConfig
-from tessera.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
+from services.common.errors import InvalidArgument
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource, ProcessorConfig
+from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 
 WIDTH = 32
 DEMO_TOKENS = (64 // 8) ** 2  # demo encoder: image_size 64, patch 8

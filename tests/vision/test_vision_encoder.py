@@ -6,12 +6,12 @@ import pytest
 import torch
 from vision_images import solid, two_halves
 
-from tessera.common.errors import InvalidArgument
-from tessera.common.paths import default_decoder_dir
-from tessera.vision.config import DecoderGeometry, VisionConfig
-from tessera.vision.encoder import DemoEncoder, DemoEncoderConfig, decoder_geometry
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource, ProcessorConfig
+from services.common.errors import InvalidArgument
+from services.vision.config import DecoderGeometry, VisionConfig
+from services.vision.encoder import DemoEncoder, DemoEncoderConfig, decoder_geometry
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource, ProcessorConfig
+from tessera.paths import default_decoder_dir
 
 WIDTH = 64
 

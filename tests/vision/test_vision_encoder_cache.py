@@ -6,11 +6,11 @@ import pytest
 import torch
 from vision_images import solid
 
-from tessera.vision.config import VisionConfig
-from tessera.vision.encoder import DemoEncoderConfig, EncoderOutput
-from tessera.vision.encoder_cache import EncoderCache
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig, EncoderOutput
+from services.vision.encoder_cache import EncoderCache
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource
 
 WIDTH = 32
 ROW_BYTES = 64 * WIDTH * 4  # one demo image: 64 rows of WIDTH float32

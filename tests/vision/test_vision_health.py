@@ -12,10 +12,10 @@ import grpc
 import pytest
 from vision_images import solid
 
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.servicer import VisionServicer
 from tessera.v1 import vision_pb2, vision_pb2_grpc
-from tessera.vision.config import VisionConfig
-from tessera.vision.encoder import DemoEncoderConfig
-from tessera.vision.servicer import VisionServicer
 from tests.common.serving import NOT_SERVING, SERVING, WatchedHealth, serving
 
 
@@ -107,7 +107,7 @@ def test_a_wedged_encoder_says_not_serving_after_the_bound():
 
 
 def test_the_wedge_bound_is_a_flag():
-    from tessera.vision.__main__ import parse_args
+    from services.vision.__main__ import parse_args
 
     assert parse_args(["--output-width", "64", "--wedged-after-s", "5"]).wedged_after_s == 5.0
     assert parse_args(["--output-width", "64"]).wedged_after_s == 60.0

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 from vision_images import encode, png_header_claiming, solid, two_halves
 
-from tessera.common.errors import InvalidArgument
-from tessera.vision.processor import ImageProcessor, ImageSource, ProcessorConfig, content_hash
+from services.common.errors import InvalidArgument
+from services.vision.processor import ImageProcessor, ImageSource, ProcessorConfig, content_hash
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 

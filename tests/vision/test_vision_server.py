@@ -1,4 +1,4 @@
-"""End to end over a real socket: `python -m tessera.vision` in a subprocess, a plain grpc client."""
+"""End to end over a real socket: `python -m services.vision` in a subprocess, a plain grpc client."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vision_images import solid, two_halves
 
-from tessera.common.launch import ServiceProcess
-from tessera.common.server import CHANNEL_OPTIONS
-from tessera.common.tensor import from_pb
+from services.common.launch import ServiceProcess
+from services.common.server import CHANNEL_OPTIONS
+from services.common.tensor import from_pb
+from services.vision.config import VisionConfig
+from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
+from services.vision.processor import ImageSource, ProcessorConfig
 from tessera.v1 import vision_pb2, vision_pb2_grpc
-from tessera.vision.config import VisionConfig
-from tessera.vision.encoder import DemoEncoderConfig
-from tessera.vision.engine import VisionEngine
-from tessera.vision.processor import ImageSource, ProcessorConfig
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTH = 64
@@ -28,7 +28,7 @@ WIDTH = 64
 @pytest.fixture(scope="module")
 def server():
     args = ["--output-width", str(WIDTH), "--max-images", "2", "--max-image-bytes", "100000"]
-    with ServiceProcess("tessera.vision", args) as service:
+    with ServiceProcess("services.vision", args) as service:
         channel = grpc.insecure_channel(service.address, options=CHANNEL_OPTIONS)
         yield channel, service.process
         channel.close()
@@ -96,7 +96,7 @@ def test_qwen2_vl_encoder_over_grpc(tmp_path):
     from vision_images import encode
 
     model = build_tiny_qwen2_vl(tmp_path)
-    with ServiceProcess("tessera.vision", ["--encoder", "qwen2-vl", "--model-dir", str(tmp_path)]) as service, \
+    with ServiceProcess("services.vision", ["--encoder", "qwen2-vl", "--model-dir", str(tmp_path)]) as service, \
             grpc.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
         stub = vision_pb2_grpc.VisionStub(channel)
         info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)

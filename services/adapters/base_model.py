@@ -1,0 +1,91 @@
+"""Linear-module shapes of a Llama-family base model, read from its config.json, and the scale
+(largest |weight|) of each linear, read from its safetensors when the directory holds them."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from services.common.checkpoint import CheckpointConfig
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class BaseModelShapes:
+    """module name -> (in_features, out_features) for every LoRA-targetable linear.
+
+    Names follow transformers' Llama layout: `model.layers.{i}.self_attn.{q,k,v,o}_proj` and
+    `model.layers.{i}.mlp.{gate,up,down}_proj`; head_dim defaults to hidden_size / num_attention_heads
+    as in LlamaConfig.
+    """
+
+    modules: dict[str, LinearShape]
+    weight_files: tuple[Path, ...] = ()
+    _scales: dict[str, float | None] = field(default_factory=dict, compare=False, repr=False)
+    _key_to_file: dict[str, Path] = field(default_factory=dict, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def weight_scale(self, module: str) -> float | None:
+        """max |W| (float) of `module`'s base weight, read once and cached; None when the model
+        directory holds no safetensors or none of them names this module's weight.
+
+        VL checkpoints name text weights `model.language_model.layers...` in newer layouts; both
+        spellings are looked up.
+        """
+        with self._lock:
+            if module not in self._scales:
+                self._scales[module] = self._read_scale(module)
+            return self._scales[module]
+
+    def _read_scale(self, module: str) -> float | None:
+        if not self._key_to_file:
+            for path in self.weight_files:
+                try:
+                    with safe_open(str(path), "pt") as reader:
+                        self._key_to_file.update((key, path) for key in reader.keys())  # noqa: SIM118 (safe_open is not a dict)
+                except (SafetensorError, OSError):
+                    continue
+        suffix = module.removeprefix("model.")
+        for key in (f"{module}.weight", f"model.language_model.{suffix}.weight"):
+            path = self._key_to_file.get(key)
+            if path is not None:
+                with safe_open(str(path), "pt") as reader:
+                    weight = reader.get_tensor(key)
+                return float(weight.to(torch.float32).abs().max()) if weight.numel() else None
+        return None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> BaseModelShapes:
+        """Raises ValueError when config.json lacks a field the layout needs."""
+        config = CheckpointConfig.read(model_dir)
+        required = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+        missing = [name for name in required if getattr(config, name) is None]
+        if missing:
+            raise ValueError(f"base model config.json in {model_dir} lacks {missing[0]!r}")
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        num_layers, head_dim = config.num_hidden_layers, config.head_dim
+        per_layer = {
+            "self_attn.q_proj": LinearShape(hidden, num_heads * head_dim),
+            "self_attn.k_proj": LinearShape(hidden, num_kv_heads * head_dim),
+            "self_attn.v_proj": LinearShape(hidden, num_kv_heads * head_dim),
+            "self_attn.o_proj": LinearShape(num_heads * head_dim, hidden),
+            "mlp.gate_proj": LinearShape(hidden, intermediate),
+            "mlp.up_proj": LinearShape(hidden, intermediate),
+            "mlp.down_proj": LinearShape(intermediate, hidden),
+        }
+        modules = {f"model.layers.{i}.{suffix}": shape
+                   for i in range(num_layers) for suffix, shape in per_layer.items()}
+        return cls(modules, tuple(sorted(Path(model_dir).glob("*.safetensors"))))

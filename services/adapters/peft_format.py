@@ -1,0 +1,267 @@
+"""Reading a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors).
+
+Everything is validated before anything is accepted: unsupported PEFT features are refused with
+a message naming the config field, so an adapter is never served with silently different math.
+Scales follow PEFT's `LoraLayer.update_layer` (alpha/r, or alpha/sqrt(r) with use_rslora), and
+per-module rank/alpha follow `rank_pattern`/`alpha_pattern` matched as PEFT's `get_pattern_key`.
+
+Config and weights must agree: every weight pair belongs to a module that `target_modules` names
+(targets.py), and with a base model every target entry matches one of its linears and every pair
+fits its layer and the configured rank. The first mismatch is refused, named.
+
+Effective-delta bound. Per target, with A [r, in] and scaled B' [out, r] (scale folded in):
+
+    bound = max_i sum_k |B'[i, k]| * max_j |A[k, j]|      (float64; >= max |B' A|, equal for r = 1)
+
+must be finite and at most DELTA_SCALE_FACTOR (1e3) x the base layer's max |W| (when the registry
+has the base weights; else x 1.0, the order of a trained LLM linear's largest weight). Trained
+adapters sit orders of magnitude below: their deltas are small next to the weights they adjust.
+A delta past it swamps the layer, and its products with activations leave float16's range
+(65504) and soon float32's, so the decoder would serve garbage or non-finite logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from services.adapters.base_model import BaseModelShapes
+from services.adapters.paths import file_in_root
+from services.adapters.targets import TargetModules, match_module
+from services.adapters.types import LoRAAdapter, LoRATarget
+from services.common.errors import InvalidArgument
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+_EMBEDDING_NAMES = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out"}
+_FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+DELTA_SCALE_FACTOR = 1e3
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """The accepted subset of a PEFT LoraConfig."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    targets: TargetModules
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+
+    def rank_for(self, module: str) -> int:
+        return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, module, "rank_pattern"), self.r))
+
+    def alpha_for(self, module: str) -> float:
+        return float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module, "alpha_pattern"),
+                                            self.lora_alpha))
+
+    def scale(self, rank: int, alpha: float) -> float:
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+def _pattern_key(patterns: dict, module: str, field_name: str) -> str:
+    """The first pattern that matches the end of `module` at a dot boundary (PEFT's get_pattern_key).
+    Raises InvalidArgument for a pattern that takes too long (`targets.match_module`)."""
+    for key in patterns:
+        if match_module(_pattern_regex(key), module, field_name, whole=False):
+            return key
+    return module
+
+
+def _pattern_regex(key: str) -> str:
+    return rf"(.*\.)?({key})$"
+
+
+def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
+                      base: BaseModelShapes | None = None) -> LoRAAdapter:
+    """Parse and validate the PEFT LoRA adapter in `directory` (already resolved inside `root`).
+
+    Returns:
+        A `LoRAAdapter` whose targets hold A [r, in] and scaled B [out, r], float32.
+
+    Raises:
+        InvalidArgument: a missing/unreadable file, an unsupported PEFT feature (the message names
+            the field), rank > max_rank, non-finite weights, unpaired or extra tensors, a pair for a
+            module target_modules does not name, inconsistent shapes, an effective delta past the
+            bound (module docstring), or (with `base`) a target entry matching no base-model
+            linear, or a pair that is not a base-model linear or does not fit it.
+    """
+    settings = read_lora_settings(file_in_root(root, directory, CONFIG_FILE))
+    if base is not None:
+        settings.targets.check_against(base.modules)
+    tensors = _load_tensors(file_in_root(root, directory, WEIGHTS_FILE))
+    pairs = _pair_tensors(tensors)
+    for module in sorted(pairs):
+        if not settings.targets.matches(module):
+            raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
+                                  "does not name")
+    targets = {module: _build_target(module, a, b, settings, max_rank, base) for module, (a, b) in pairs.items()}
+    return LoRAAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
+                       use_rslora=settings.use_rslora, targets=targets)
+
+
+def read_lora_settings(config_path: Path) -> LoRASettings:
+    """Parse adapter_config.json, refusing every PEFT feature the decoder cannot reproduce."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidArgument(f"{config_path.name} is not readable JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{config_path.name} must hold a JSON object")
+    _refuse_unsupported(config)
+    targets = TargetModules.from_config(config)
+    _refuse_embedding_targets(targets)
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not _is_positive_int(r):
+        raise InvalidArgument(f"adapter_config.json: r={_clip(r)} must be a positive integer")
+    if not _is_finite_number(alpha):
+        raise InvalidArgument(f"adapter_config.json: lora_alpha={_clip(alpha)} must be a finite number")
+    rank_pattern = _pattern(config, "rank_pattern", _is_positive_int, "a positive integer rank")
+    alpha_pattern = _pattern(config, "alpha_pattern", _is_finite_number, "a finite number")
+    return LoRASettings(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora")), targets=targets,
+                        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pattern(config: dict, field_name: str, valid, expected: str) -> dict:
+    """`config[field_name]` ({module regex: value}) checked: an object of compilable regexes to valid values."""
+    pattern = config.get(field_name) or {}
+    if not isinstance(pattern, dict):
+        raise InvalidArgument(f"adapter_config.json: {field_name} must be an object, got {_clip(pattern)}")
+    for key, value in pattern.items():
+        try:
+            re.compile(_pattern_regex(key))
+        except re.error as error:
+            raise InvalidArgument(f"adapter_config.json: {field_name} key {_clip(key)} is not a valid regular "
+                                  f"expression ({error})") from None
+        if not valid(value):
+            raise InvalidArgument(f"adapter_config.json: {field_name}[{_clip(key)}]={_clip(value)} must be {expected}")
+    return dict(pattern)
+
+
+def _clip(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (config values are client input and may be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _refuse_unsupported(config: dict) -> None:
+    if config.get("peft_type") != "LORA":
+        raise InvalidArgument(f"adapter_config.json: peft_type={_clip(config.get('peft_type'))} is not supported; "
+                              "only 'LORA' adapters can be loaded")
+    refusals = {
+        "use_dora": "DoRA adds a magnitude vector the decoder does not apply",
+        "modules_to_save": "saved full modules would replace base weights",
+        "fan_in_fan_out": "transposed (Conv1D) factors are not supported",
+        "lora_bias": "trained LoRA biases are not supported",
+        "trainable_token_indices": "trainable token embeddings are not supported",
+        "layer_replication": "layer replication changes the base model",
+    }
+    for field_name, reason in refusals.items():
+        if config.get(field_name):
+            raise InvalidArgument(f"adapter_config.json: {field_name}={_clip(config[field_name])} is not supported; {reason}")
+    if config.get("bias", "none") != "none":
+        raise InvalidArgument(f"adapter_config.json: bias={_clip(config['bias'])} is not supported; only 'none' "
+                              "(trained biases would change the base layers)")
+
+
+def _refuse_embedding_targets(targets: TargetModules) -> None:
+    embedded = sorted(t for t in targets.targets.names if t.rsplit(".", 1)[-1] in _EMBEDDING_NAMES)
+    if embedded:
+        raise InvalidArgument(f"adapter_config.json: target_modules includes {embedded}; embedding and lm_head "
+                              "targets are not supported")
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise InvalidArgument(f"{path.name} is not a readable safetensors file: {error}") from None
+
+
+def _pair_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (lora_A.weight, lora_B.weight); every tensor must belong to exactly one pair."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    extra = []
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            extra.append(key)
+            continue
+        parts.setdefault(match["module"], {})[match["part"]] = tensor
+    if extra:
+        kind = "embedding LoRA tensors" if any("lora_embedding" in k for k in extra) else "unexpected tensors"
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds {kind} {sorted(extra)[:4]}; only "
+                              "base_model.model.<module>.lora_A.weight / .lora_B.weight are accepted")
+    if not parts:
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds no LoRA tensors")
+    for module, pair in sorted(parts.items()):
+        missing = {"A", "B"} - set(pair)
+        if missing:
+            raise InvalidArgument(f"{module}: lora_{missing.pop()}.weight is missing; A and B come in pairs")
+        if module.rsplit(".", 1)[-1] in _EMBEDDING_NAMES:
+            raise InvalidArgument(f"{module}: embedding and lm_head targets are not supported")
+    return {module: (pair["A"], pair["B"]) for module, pair in parts.items()}
+
+
+def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, max_rank: int,
+                  base: BaseModelShapes | None) -> LoRATarget:
+    """Check one pair (A [r, in], B [out, r]) and return it in float32 with B scaled."""
+    for part, tensor in (("A", a), ("B", b)):
+        if tensor.dim() != 2:
+            raise InvalidArgument(f"{module}: lora_{part} has shape {tuple(tensor.shape)}; expected 2-D")
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise InvalidArgument(f"{module}: lora_{part} has dtype {tensor.dtype}; expected a float dtype")
+    rank, in_features = a.shape
+    out_features = b.shape[0]
+    if b.shape[1] != rank:
+        raise InvalidArgument(f"{module}: lora_A is {tuple(a.shape)} and lora_B is {tuple(b.shape)}; ranks differ")
+    if not 1 <= rank <= max_rank:
+        raise InvalidArgument(f"{module}: rank {rank} exceeds the registry's max_rank {max_rank}")
+    if rank != settings.rank_for(module):
+        raise InvalidArgument(f"{module}: tensors have rank {rank} but adapter_config.json (r/rank_pattern) "
+                              f"says {settings.rank_for(module)}")
+    if base is not None:
+        shape = base.modules.get(module)
+        if shape is None:
+            raise InvalidArgument(f"target {module} matches no linear module of the base model")
+        if (in_features, out_features) != (shape.in_features, shape.out_features):
+            raise InvalidArgument(f"{module}: LoRA maps {in_features} -> {out_features} features but the base "
+                                  f"model's layer is {shape.in_features} -> {shape.out_features}")
+    alpha = settings.alpha_for(module)
+    scaled_b = b.to(torch.float64) * settings.scale(rank, alpha)  # [out, r]
+    lora_a = a.to(torch.float32).contiguous()  # [r, in]
+    lora_b = scaled_b.to(torch.float32).contiguous()  # [out, r]
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all() and torch.isfinite(lora_b).all()):
+        raise InvalidArgument(f"{module}: LoRA weights contain non-finite values")
+    _check_delta_bound(module, a, scaled_b, None if base is None else base.weight_scale(module))
+    return LoRATarget(lora_a=lora_a, lora_b=lora_b, alpha=alpha)
+
+
+def _check_delta_bound(module: str, a: torch.Tensor, scaled_b: torch.Tensor, base_scale: float | None) -> None:
+    """Refuse a delta past the bound of the module docstring (O(out*r + r*in), no [out, in] product)."""
+    row_max_a = a.to(torch.float64).abs().amax(dim=1)  # [r]
+    bound = float((scaled_b.abs() @ row_max_a).max())  # >= max |B' A|
+    scale = 1.0 if base_scale is None else base_scale
+    limit = DELTA_SCALE_FACTOR * scale
+    if not math.isfinite(bound) or bound > limit:
+        of = "the base layer's max |W|" if base_scale is not None else "an assumed base max |W|"
+        raise InvalidArgument(f"{module}: the effective LoRA delta (scale * B @ A) reaches up to {bound:.3g}; the "
+                              f"limit is {limit:.3g} ({DELTA_SCALE_FACTOR:g} x {of} {scale:.3g}), past which it "
+                              "overflows the decoder's compute range")

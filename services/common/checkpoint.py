@@ -1,0 +1,247 @@
+"""A Hugging Face checkpoint's config.json, read once into a typed object its loaders receive, and the
+one check that a directory is a decoder checkpoint tessera serves (`check_decoder_dir`).
+
+`check_decoder_dir` needs no torch: `tessera up` runs it before any service starts, and the
+decoder runs it again at its own start, so both refuse a directory with the same one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+# model_type -> the architecture transformers names for it; services/decoder/models.py holds one model
+# family per entry (Qwen2-VL's language model through model_qwen2_vl.py).
+DECODER_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+}
+# the dtype names config.json's torch_dtype / dtype may hold (transformers resolves them with
+# getattr(torch, name) when it reads the config, as AutoTokenizer does)
+TORCH_DTYPE_NAMES = frozenset({"auto", "float32", "float", "float16", "half", "bfloat16", "float64", "double",
+                               "int8", "uint8", "int16", "int32", "int64", "bool", "float8_e4m3fn",
+                               "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# what AutoTokenizer loads without converting: a fast tokenizer, a sentencepiece model, or BPE files
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The fields of config.json tessera reads, for the language model of the checkpoint.
+
+    A vision-language checkpoint nests its language model's config in `text_config`; the typed
+    fields come from there when present (the top level otherwise). `raw` keeps the whole file for
+    family-specific keys (vision_config, rope_scaling, judge templates).
+
+    Attributes:
+        model_dir: the checkpoint directory.
+        raw: config.json as parsed.
+        model_type, architectures: as in the file ("" and () when absent).
+        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+        max_position_embeddings: None when absent.
+        num_key_value_heads: the config's, else num_attention_heads (no grouped-query attention).
+        head_dim: the config's `head_dim`, else hidden_size // num_attention_heads (the
+            transformers Llama/Qwen2 convention); None when neither is known.
+    """
+
+    model_dir: Path
+    raw: Mapping[str, Any]
+    model_type: str
+    architectures: tuple[str, ...]
+    hidden_size: int | None
+    intermediate_size: int | None
+    num_hidden_layers: int | None
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    head_dim: int | None
+    max_position_embeddings: int | None
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> CheckpointConfig:
+        """Raises ValueError: no readable config.json in `model_dir` (the message names the path)."""
+        model_dir = Path(model_dir).expanduser()
+        path = model_dir / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"model_dir {str(model_dir)!r} has no readable config.json: {error}") from error
+        if not isinstance(raw, dict):
+            raise ValueError(f"config.json holds a JSON {type(raw).__name__}, not an object")
+        text = raw.get("text_config") or raw
+        if not isinstance(text, dict):
+            raise ValueError(f"config.json's text_config is a JSON {type(text).__name__}, not an object")
+        architectures = raw.get("architectures") or ()
+        if not isinstance(architectures, list | tuple) or not all(isinstance(a, str) for a in architectures):
+            raise ValueError(f"config.json's architectures must be a list of names, got {architectures!r}")
+        model_type = raw.get("model_type", "")
+        if not isinstance(model_type, str):
+            raise ValueError(f"config.json's model_type must be a string, got {model_type!r}")
+        hidden = _int(text, "hidden_size")
+        heads = _int(text, "num_attention_heads")
+        head_dim = _int(text, "head_dim") or (hidden // heads if hidden and heads else None)
+        return cls(model_dir=model_dir, raw=raw, model_type=model_type, architectures=tuple(architectures),
+                   hidden_size=hidden, intermediate_size=_int(text, "intermediate_size"),
+                   num_hidden_layers=_int(text, "num_hidden_layers"), num_attention_heads=heads,
+                   num_key_value_heads=_int(text, "num_key_value_heads") or heads, head_dim=head_dim,
+                   max_position_embeddings=_int(text, "max_position_embeddings"))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level key of config.json."""
+        return self.raw.get(key, default)
+
+
+def _int(config: Mapping[str, Any], name: str) -> int | None:
+    """config[name] as an int, None when absent. Raises ValueError for any other JSON value
+    (a float, a string, a list, true/false: transformers would fail on them later, less clearly)."""
+    value = config.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config.json's {name} must be an integer, got {value!r}")
+    return value
+
+
+def rope_settings(config: Mapping[str, Any]) -> tuple[str, float]:
+    """(rope_type, rope_theta) of a text model's config as transformers 5 reads them: a legacy
+    `rope_scaling` replaces `rope_parameters` when both are present (its theta, else the top-level
+    `rope_theta`, else 10000); the type is `rope_type` or the legacy `type`, "default" when absent.
+
+    Raises:
+        ValueError: either field not an object, or a theta that is not a positive finite number.
+    """
+    for name in ("rope_scaling", "rope_parameters"):
+        if config.get(name) is not None and not isinstance(config[name], dict):
+            raise ValueError(f"config.json's {name} must be an object, got {config[name]!r}")
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return str(rope_type), _positive_number(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta")
+
+
+def _positive_number(value: Any, name: str) -> float:
+    """`value` as a float. Raises ValueError naming config.json's `name` unless it is a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"config.json's {name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+# What decides whether LoRA factors fit a base model's linears and address the same token ids.
+_BASE_MODEL_FIELDS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def base_model_digest(config: CheckpointConfig) -> str:
+    """sha256 hex of the canonical JSON of the base model's architecture fields: model_type,
+    architectures, hidden/intermediate sizes, layers, attention and key-value heads, head_dim and
+    vocab_size (the language model's, for a VLM).
+
+    Equal for checkpoints that differ only in weights (a base model and its fine-tune share it),
+    so an adapter is tied to an architecture and vocabulary, not to one set of weights.
+    """
+    text = config.raw.get("text_config") or config.raw
+    fields = {name: getattr(config, name) for name in _BASE_MODEL_FIELDS if name != "vocab_size"}
+    fields["architectures"] = list(config.architectures)
+    fields["vocab_size"] = _int(text, "vocab_size")
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def base_model_name(config: CheckpointConfig) -> str:
+    """A readable name of a base model for messages and listings, e.g.
+    "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, hidden 576)"."""
+    architecture = config.architectures[0] if config.architectures else config.model_type or "unknown architecture"
+    return (f"{config.model_dir.name} ({architecture}, {config.num_hidden_layers} layers, "
+            f"hidden {config.hidden_size})")
+
+
+def check_decoder_dir(model_dir: str | Path) -> CheckpointConfig:
+    """The checkpoint's config when `model_dir` holds a decoder tessera serves: a config.json whose
+    model_type is in DECODER_ARCHITECTURES with the sizes a model needs, safetensors weights
+    (WEIGHT_FILES) and tokenizer files (TOKENIZER_FILES). Reads config.json only, never the weights.
+
+    Raises:
+        InvalidArgument: one line naming the directory and what is wrong: the path is missing or
+            not a directory, config.json is missing or unreadable, the architecture found and the
+            supported ones, a missing size, or the missing weight or tokenizer files.
+    """
+    path = Path(model_dir).expanduser()
+    where = f"decoder model dir {str(path)!r}"
+    if not path.is_dir():
+        raise InvalidArgument(f"{where} {'is not a directory' if path.exists() else 'does not exist'}")
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(f"{where} has no config.json (not a Hugging Face checkpoint)")
+    try:
+        config = CheckpointConfig.read(path)
+    except ValueError as error:
+        raise InvalidArgument(f"{where}: {error}") from None
+    if config.model_type not in DECODER_ARCHITECTURES:
+        found = ", ".join(config.architectures) or "none named"
+        supported = ", ".join(f"{arch} ({kind})" for kind, arch in DECODER_ARCHITECTURES.items())
+        raise InvalidArgument(f"{where} holds architecture {found} (model_type {config.model_type or 'missing'!r}), "
+                              f"not a supported decoder; supported: {supported}")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if getattr(config, name) is None:
+            raise InvalidArgument(f"{where}: config.json has no {name}")
+    try:
+        _check_language_model(config)
+    except ValueError as error:
+        raise InvalidArgument(f"{where}: {error}") from None
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.gguf"))
+        found = f" (found {', '.join(other[:3])}: convert to safetensors, or `tessera models import` a GGUF)" \
+            if other else ""
+        raise InvalidArgument(f"{where} has no weights: neither {' nor '.join(WEIGHT_FILES)}{found}")
+    if not any(all((path / name).is_file() for name in names) for names in TOKENIZER_FILES):
+        wanted = ", ".join(" + ".join(names) for names in TOKENIZER_FILES)
+        raise InvalidArgument(f"{where} has no tokenizer: one of {wanted} is needed")
+    return config
+
+
+def _check_language_model(config: CheckpointConfig) -> None:
+    """What every supported decoder family needs of config.json, checked before any weight is read:
+    positive sizes, heads that split the hidden size and share key-value heads evenly, a vocabulary,
+    SiLU, default RoPE with a positive theta, a positive RMSNorm epsilon. Raises ValueError naming
+    the field, its value and what is needed."""
+    text = config.raw.get("text_config") or config.raw
+    sizes = {name: getattr(config, name) for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                       "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                       "max_position_embeddings")}
+    sizes["vocab_size"] = _int(text, "vocab_size")
+    for name in ("vocab_size", "intermediate_size"):
+        if sizes[name] is None:
+            raise ValueError(f"config.json has no {name}")
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"config.json's {name} is {value}; it must be at least 1")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv_heads:
+        raise ValueError(f"config.json's num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                         f"{kv_heads} (each key-value head serves the same number of query heads)")
+    if _int(text, "head_dim") is None and config.hidden_size % heads:
+        raise ValueError(f"config.json's hidden_size {config.hidden_size} does not split into "
+                         f"num_attention_heads {heads} heads, and there is no head_dim")
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim {config.head_dim} is odd; rotary embeddings rotate pairs")
+    activation = text.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"config.json's hidden_act is {activation!r}; the supported decoders use 'silu'")
+    rope_type, _ = rope_settings(text)
+    if rope_type not in ("default", "mrope"):  # mrope: Qwen2-VL's legacy spelling of its sections
+        raise ValueError(f"config.json's RoPE scaling {rope_type!r} is not supported; only default RoPE is")
+    for scope in (config.raw, text):
+        for key in ("torch_dtype", "dtype"):
+            declared = scope.get(key)
+            if declared is not None and (not isinstance(declared, str)
+                                         or declared.removeprefix("torch.") not in TORCH_DTYPE_NAMES):
+                raise ValueError(f"config.json's {key} is {declared!r}, not a torch dtype name "
+                                 f"(e.g. float32, bfloat16, float16)")
+    _positive_number(text.get("rms_norm_eps", 1e-6), "rms_norm_eps")

@@ -1,0 +1,293 @@
+"""Decoder configuration: one dataclass, validated once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.common.checkpoint import CheckpointConfig, check_decoder_dir
+from services.common.device import DEVICE_HELP, resolve_device
+from services.common.limits import GenerateLimits
+from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
+from services.common.metrics import check_metrics_port
+from services.common.mrope import check_mrope_section, parse_mrope_section
+from services.common.server import default_address
+from services.decoder.attention import ATTENTION_BACKENDS, resolve_attention_backend
+from services.decoder.kernels import native
+from services.decoder.linear import LINEAR_BACKENDS, resolve_linear_backend
+from services.decoder.lora.registry import LORA_BACKENDS, check_dtype, resolve_lora_backend
+from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
+from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
+from services.decoder.types import GenerationDefaults
+from tessera.paths import default_decoder_dir
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+AUTO = "auto"  # dtype: the checkpoint's (resolve_dtype); backends: the fastest that runs (their registries)
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM = "auto", "vllm"  # --generation-config's named values
+
+
+def _flag(default, help_text: str, **metadata):
+    """A config field with its command-line flag (services/common/config_cli.py)."""
+    return field(default=default, metadata={"help": help_text, **metadata})
+
+
+@dataclass
+class DecoderConfig:
+    """Everything the decoder needs to start.
+
+    `num_blocks` and `max_model_len` default from the model (0 = derive): max_model_len is
+    min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
+    capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
+    image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
+`enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
+`dtype`: "auto" (default) follows the checkpoint's config.json (`resolve_dtype`); resolved here.
+`attention_backend`, `lora_backend`: "auto" (default) resolves here to the fastest that runs:
+"triton" on a CUDA device, "cpu" on the CPU where the C kernels build (kernels/native.py, built
+then) and compute the dtype (float32, bfloat16), else "torch". Attention: "torch" (any device),
+"triton" (paged attention kernel; needs a GPU, or TRITON_INTERPRET=1 on CPU, and a power-of-two
+block_size) or "cpu" (decode rows in a C kernel; faster decode attention than the torch path on
+long contexts: bench/results/kernels.md).
+`linear_backend`: "auto" (default) resolves here to "cpu" (the C GEMM on packed weights,
+services/decoder/linear.py, and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py) on a CPU without
+AVX-512 where the kernels build, else "torch".
+`wedged_after_s`: seconds with requests queued and no engine step completed before health says
+NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
+`limits`: caps on each Generate request, checked on the protobuf before tokenizing
+(services/common/limits.py); its prompt character cap defaults to 32 x max_model_len.
+`address`: host:port the decoder binds.
+`device`: auto, cpu, cuda or cuda:N, resolved once into `torch_device` (services/common/device.py;
+auto is the CPU when a cpu backend is chosen); weights, KV cache, adapter slots and sampling live
+there. The triton backends need a CUDA device (or TRITON_INTERPRET=1), the cpu backends the CPU:
+another pairing is refused here, naming the flag.
+`served_model_name`: the names the model answers to (vLLM's --served-model-name NAME [ALIAS ...]);
+empty = the checkpoint directory's name (`served_model_names`).
+`generation_config` (vLLM's flag): where the sampling defaults for fields a request leaves unset
+come from, read once here into `generation_defaults`: "auto" the checkpoint's
+generation_config.json (none when it has none), a directory holding a generation_config.json, or
+"vllm" none (every unset field neutral). The model's EOS ids come from the checkpoint either way.
+    """
+
+    model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
+    block_size: int = _flag(16, "tokens per KV-cache block")
+    num_blocks: int = _flag(0, "KV-cache blocks; 0 = enough for max_num_seqs * max_model_len / 4 tokens, at most 2048")
+    max_num_seqs: int = _flag(32, "most sequences in one step")
+    max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
+    max_model_len: int = _flag(0, "context length in tokens; 0 = min(max_position_embeddings, 8192)")
+    max_waiting: int = _flag(256, "most queued requests before RESOURCE_EXHAUSTED")
+    mrope_section: tuple[int, int, int] | None = _flag(None, 'M-RoPE pairs per (t,h,w) axis, e.g. "8,12,12"; '
+                                                             "empty = text-only", type=parse_mrope_section)
+    image_token: str | None = _flag(None, "the placeholder token for image rows")
+    adapters_address: str | None = _flag(None, "the adapter registry host:port; empty = no adapters",
+                                         type=lambda text: text or None)
+    adapter_slots: int = _flag(8, "adapters resident at once")
+    max_lora_rank: int = _flag(64, "largest LoRA rank a slot holds")
+    lora_backend: str = _flag(AUTO, "multi-LoRA compute: auto (triton on a GPU, cpu where its C kernel builds, "
+                                     "else torch), torch grouped matmuls, Triton BGMV/SGMV kernels (GPU or "
+                                     "TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel (float32, bfloat16)",
+                              choices=(AUTO, *LORA_BACKENDS))
+    adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
+                                             "refetching)")
+    dtype: str = _flag(AUTO, f"model dtype: auto (the checkpoint's; on a CPU, bfloat16 and float16 serve as "
+                             f"bfloat16 where it computes bf16 natively, else float32; none declared: float32) "
+                             f"or one of {', '.join(DTYPES)}")
+    enable_prefix_caching: bool = _flag(True, "share KV blocks of full prompt blocks between requests",
+                                        flag="--prefix-caching")
+    attention_backend: str = _flag(AUTO, "paged attention implementation: auto (triton on a GPU, cpu where its C "
+                                         "kernel builds, else torch); triton needs a GPU (or TRITON_INTERPRET=1); "
+                                         "cpu: decode rows in a C kernel (needs a C compiler with OpenMP; float32, "
+                                         "bfloat16)",
+                                   choices=(AUTO, *ATTENTION_BACKENDS))
+    linear_backend: str = _flag(AUTO, "dense projections, lm_head, RMSNorm, rotary and the MLP's SiLU gate: auto "
+                                      "(cpu on a CPU without AVX-512 where its C kernels build, else torch), torch "
+                                      "(MKL), or cpu: a C GEMM on weights packed at load, every step (float32; "
+                                      "bfloat16 weights read directly), and C RMSNorm, rotary and SiLU-gate kernels",
+                                choices=(AUTO, *LINEAR_BACKENDS))
+    metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
+    wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
+                                  "no engine step completes for this long (seconds; must exceed the longest step)")
+    limits: GenerateLimits = field(default_factory=GenerateLimits)
+    address: str = _flag(default_address("decoder"), "bind host:port")
+    device: str = _flag("auto", DEVICE_HELP, env="TESSERA_DECODER_DEVICE")
+    served_model_name: tuple[str, ...] = _flag((), "the model's name in requests and answers, then aliases "
+                                               "also accepted", nargs="+", metavar=("NAME", "ALIAS"),
+                                               default_help="the model directory's name")
+    generation_config: str = _flag(GENERATION_CONFIG_AUTO, "sampling defaults for fields a request leaves "
+                                   "unset (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
+                                   "auto (the checkpoint's generation_config.json), vllm (none: neutral values) or "
+                                   "a directory holding a generation_config.json")
+    torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device` resolved, once
+    checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
+    generation_defaults: GenerationDefaults = field(init=False, repr=False, compare=False)  # read once
+
+    def __post_init__(self) -> None:
+        self._check_values()
+        self._check_served_names()
+        self._check_device()
+        self._derive_from_checkpoint()
+        self.generation_defaults = self._read_generation_defaults()
+        self._resolve_precision(self.torch_device)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The model's name (first) and its aliases: --served-model-name, else the directory's name."""
+        return self.served_model_name or (Path(self.model_dir).name,)
+
+    def _check_served_names(self) -> None:
+        self.served_model_name = tuple(self.served_model_name)
+        for name in self.served_model_name:
+            if not name.strip():
+                raise ValueError(f"served_model_name holds an empty name: {list(self.served_model_name)}")
+        if len(set(self.served_model_name)) < len(self.served_model_name):
+            raise ValueError(f"served_model_name names one model twice: {list(self.served_model_name)}")
+
+    def _read_generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults `generation_config` names (see the class docstring).
+
+        Raises:
+            ValueError: a directory without a readable generation_config.json, a file that is not a
+                JSON object, or a value out of range (naming the file and the key).
+        """
+        if self.generation_config == GENERATION_CONFIG_VLLM:
+            return GenerationDefaults()
+        auto = self.generation_config == GENERATION_CONFIG_AUTO
+        path = Path(self.model_dir if auto else self.generation_config).expanduser() / "generation_config.json"
+        if auto and not path.is_file():
+            return GenerationDefaults()
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"generation_config {self.generation_config!r}: no readable {path}: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object")
+        defaults = GenerationDefaults.from_generation_config(raw, str(path))
+        if defaults.as_dict():
+            log.info("sampling defaults from %s for fields a request leaves unset: %s", path, defaults.as_dict())
+        return defaults
+
+    def _check_device(self) -> None:
+        """Resolve `device` ("auto" is the CPU when a cpu backend is chosen); refuse a backend that
+        cannot compute there (triton: CUDA or Triton's interpreter; cpu: the CPU), naming its flag."""
+        cpu_backend = "cpu" in (self.attention_backend, self.lora_backend, self.linear_backend)
+        self.torch_device = resolve_device("cpu" if self.device == "auto" and cpu_backend else self.device)
+        on_cuda = self.torch_device.type == "cuda"
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        for flag, backend in (("--attention-backend", self.attention_backend), ("--lora-backend", self.lora_backend),
+                              ("--linear-backend", self.linear_backend)):
+            if backend == "triton" and not (on_cuda or interpreted):
+                where = f"--device is {self.device}" if torch.cuda.is_available() else "this machine has none"
+                raise ValueError(f"{flag} triton needs a CUDA device or TRITON_INTERPRET=1; {where}")
+            if backend == "cpu" and on_cuda:
+                raise ValueError(f"{flag} cpu computes on the CPU; --device is {self.device} ({self.torch_device}); "
+                                 f"use --device cpu or another {flag}")
+
+    def _check_values(self) -> None:
+        """Checks that need no checkpoint: ranges, registered backends, dtype."""
+        check_metrics_port(self.metrics_port)
+        check_wedged_after_s(self.wedged_after_s)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                     "adapter_slots", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        if self.num_blocks < 0 or self.max_model_len < 0:
+            raise ValueError(f"num_blocks and max_model_len must be >= 0 (0 = derive), got "
+                             f"{self.num_blocks} and {self.max_model_len}")
+        if self.adapter_host_cache_mb < 0:
+            raise ValueError(f"adapter_host_cache_mb must be >= 0, got {self.adapter_host_cache_mb}")
+        if self.lora_backend not in (AUTO, *LORA_BACKENDS):
+            raise ValueError(f"lora_backend must be one of {(AUTO, *LORA_BACKENDS)}, got {self.lora_backend!r}")
+        if self.attention_backend not in (AUTO, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {(AUTO, *ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.linear_backend not in (AUTO, *LINEAR_BACKENDS):
+            raise ValueError(f"linear_backend must be one of {(AUTO, *LINEAR_BACKENDS)}, got {self.linear_backend!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
+        if self.dtype != AUTO:  # refused before config.json is read; "auto" is checked once resolved
+            self._check_backends_take_dtype()
+
+    def _check_backends_take_dtype(self) -> None:
+        if self.attention_backend != AUTO:
+            ATTENTION_BACKENDS[self.attention_backend].check_config(self.block_size, self.dtype)
+        if self.lora_backend != AUTO:
+            check_dtype(self.lora_backend, self.dtype)
+        if self.linear_backend == "cpu" and self.dtype not in native.DTYPES:
+            raise ValueError(f"the cpu linear backend computes {' and '.join(native.DTYPES)} only, got dtype "
+                             f"{self.dtype!r}")
+
+    def _resolve_precision(self, device: torch.device) -> None:
+        """dtype "auto" from the checkpoint, then "auto" backends for `device` and that dtype (building
+        the C kernels when the cpu backends are candidates)."""
+        if self.dtype == AUTO:
+            self.dtype = resolve_dtype(self.checkpoint.raw, device)
+            log.info("dtype auto: %s (checkpoint %s)", self.dtype, checkpoint_dtype(self.checkpoint.raw))
+            self._check_backends_take_dtype()
+        self.attention_backend = resolve_attention_backend(self.attention_backend, device, self.dtype,
+                                                           self.block_size)
+        self.lora_backend = resolve_lora_backend(self.lora_backend, device, self.dtype)
+        self.linear_backend = resolve_linear_backend(self.linear_backend, device, self.dtype)
+
+    def _derive_from_checkpoint(self) -> None:
+        """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
+        self.checkpoint = check_decoder_dir(self.model_dir)  # the one read of config.json; refuses a non-decoder
+        outer = dict(self.checkpoint.raw)
+        model = text_config(outer)  # Qwen2-VL nests its language model's config
+        if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
+            own = checkpoint_mrope_section(outer)
+            if self.mrope_section is not None and tuple(self.mrope_section) != own:
+                raise ValueError(f"mrope_section {tuple(self.mrope_section)} differs from the checkpoint's {own}")
+            self.mrope_section = own
+        limit = int(model.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        if self.max_model_len == 0:
+            self.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        if self.num_blocks == 0:
+            tokens = self.max_num_seqs * self.max_model_len // 4
+            self.num_blocks = max(1, min(2048, -(-tokens // self.block_size)))
+        if self.mrope_section is not None:
+            self._check_mrope(model)
+
+    def _check_mrope(self, model: dict) -> None:
+        head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+        self.mrope_section = check_mrope_section(self.mrope_section, head_dim)
+        if self.image_token is None and model.get("image_token_id") is None:
+            raise ValueError("mrope_section needs image_token (a token in the vocabulary) "
+                             "because config.json has no image_token_id")
+
+
+def checkpoint_dtype(raw: Mapping) -> str | None:
+    """The dtype config.json declares (`torch_dtype`, or `dtype` as transformers 5 writes it; top
+    level, else a vision-language model's text_config), as a torch dtype name; None if none."""
+    for scope in (raw, raw.get("text_config") or {}):
+        for key in ("torch_dtype", "dtype"):
+            value = scope.get(key)
+            if isinstance(value, str) and value:
+                return value.removeprefix("torch.")
+    return None
+
+
+def resolve_dtype(raw: Mapping, device: torch.device) -> str:
+    """The model dtype "auto" stands for with checkpoint config `raw` on `device`: the checkpoint's
+    declared dtype, as transformers and vLLM follow it, except for half precision on a CPU. There a
+    bfloat16 or float16 checkpoint serves as bfloat16 where the CPU computes bf16 natively (AVX512-BF16
+    or AMX; vLLM casts float16 so too) and as float32 elsewhere: emulated half-precision matmuls are
+    slower than float32 (bf16 P1 ran at 0.36x of float32 on an AVX2-only CPU: bench/results/peer.md),
+    and widening bf16 or fp16 to float32 is exact. None declared, or one tessera does not load:
+    float32 (transformers' default). float32 checkpoints stay float32."""
+    declared = checkpoint_dtype(raw)
+    if declared not in DTYPES:
+        return "float32"
+    if declared in ("float16", "bfloat16") and device.type == "cpu":
+        return "bfloat16" if native.cpu_has_bf16() else "float32"
+    return declared

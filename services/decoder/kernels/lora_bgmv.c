@@ -1,0 +1,184 @@
+/* BGMV for CPUs: the LoRA corrections of decode rows, grouped by adapter slot (float32 or bfloat16).
+ *
+ * Built and loaded with paged_attention.c by services/decoder/kernels/native.py; called by the
+ * "cpu" LoRA backend (services/decoder/lora/cpu_backend.py) for decode rows, one call per projection.
+ *
+ * Rows rows[group_starts[g]:group_starts[g + 1]] use slot group_slots[g]. Each slot's factors are
+ * read once per call, whatever its number of rows:
+ *
+ *     shrink   s[i][k] = x[row_i] . a[slot][k]                     k < rank      (a: [rank, in])
+ *     expand   y[row_i][o] += sum_k s[i][k] * bt[slot][k][o]                     (bt: [rank, out], B^T)
+ *
+ * The expand sums its rank terms in a zeroed accumulator and adds it to y once, as the torch
+ * backend adds its delta. Work is split over groups for the shrink and over (group, 1024 outputs)
+ * for the expand, so factors are read in long contiguous runs (the kernel is bound by reading
+ * them); each item is computed by one thread, so results do not depend on the thread count.
+ *
+ * bfloat16 (x, y, a and bt in bf16): s and the expand accumulators are float32, as the torch
+ * backend computes (bf16.h widens exactly); y[row][o] is widened, added to and rounded to bf16
+ * once. With AVX512-BF16 the shrink's products run in VDPBF16PS.
+ *
+ * Each exported function holds its own parallel region around the always-inlined team body, called
+ * with a literal dtype: GCC outlines a parallel region before it inlines, so one region shared by
+ * both dtypes read the dtype at run time inside every loop, and the loops ran 1.5-4.5x slower
+ * (SmolLM2 projections, 19 decode rows in 4 adapter groups, rank 16, A/B medians: 1536 -> 576
+ * 171-181 -> 46-51 us float32, 277-295 -> 61-65 us bfloat16; 576 -> 3072 137-149 -> 94-99 us
+ * float32; the vectorized sums are also closer to float64: 2-4e-7 instead of 5-9e-7 relative).
+ */
+#include <stdint.h>
+
+#include "bf16.h"
+
+#define ROWS 4    /* rows of one slot computed together: each factor value loaded once feeds 4 FMAs */
+#define CHUNK 64  /* expand outputs held in registers per row (4 AVX-512 vectors) */
+
+/* element e of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float32 */
+#define LOAD(p, e) (bf16 ? bf16_to_f32(((const bf16_t *)(p))[e]) : ((const float *)(p))[e])
+
+/* s[r][k] = x[rows[r]] . a_slot[k] for r < nr <= ROWS (x: row stride x_stride elements) */
+static inline __attribute__((always_inline)) void shrink_rows(
+    const void *x, int64_t x_stride, const int64_t *rows, int64_t nr, const void *a_slot, int64_t in_features,
+    int64_t rank, float *s, const int bf16)
+{
+    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    const char *x0 = (const char *)x + (size_t)(rows[0] * x_stride) * element;
+    const char *x1 = (const char *)x + (size_t)(rows[nr > 1 ? 1 : 0] * x_stride) * element;  /* missing rows */
+    const char *x2 = (const char *)x + (size_t)(rows[nr > 2 ? 2 : 0] * x_stride) * element;  /* repeat row 0, */
+    const char *x3 = (const char *)x + (size_t)(rows[nr > 3 ? 3 : 0] * x_stride) * element;  /* unused */
+    for (int64_t k = 0; k < rank; k++) {
+        const char *ak = (const char *)a_slot + (size_t)(k * in_features) * element;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        if (bf16 && TESSERA_DPBF16) {
+            s0 = dot_bf16((const bf16_t *)x0, (const bf16_t *)ak, in_features);
+            s1 = dot_bf16((const bf16_t *)x1, (const bf16_t *)ak, in_features);
+            s2 = dot_bf16((const bf16_t *)x2, (const bf16_t *)ak, in_features);
+            s3 = dot_bf16((const bf16_t *)x3, (const bf16_t *)ak, in_features);
+        } else {
+            #pragma omp simd reduction(+:s0, s1, s2, s3)
+            for (int64_t d = 0; d < in_features; d++) {
+                const float av = LOAD(ak, d);
+                s0 += LOAD(x0, d) * av;
+                s1 += LOAD(x1, d) * av;
+                s2 += LOAD(x2, d) * av;
+                s3 += LOAD(x3, d) * av;
+            }
+        }
+        s[0 * rank + k] = s0;
+        s[1 * rank + k] = s1;
+        s[2 * rank + k] = s2;
+        s[3 * rank + k] = s3;
+    }
+}
+
+/* y[rows[r]][o0:o0+width] += sum_k s[r][k] * b_slot[k][o0:o0+width], r < ROWS (s rows past nr are 0) */
+static inline __attribute__((always_inline)) void expand_rows(
+    void *y, int64_t y_stride, const int64_t *rows, int64_t nr, const float *s, const void *b_slot,
+    int64_t out_features, int64_t rank, int64_t o0, int64_t width, const int bf16)
+{
+    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    float acc[ROWS][CHUNK] = {{0}};
+    if (width == CHUNK) {  /* constant bounds: the accumulators stay in registers */
+        for (int64_t k = 0; k < rank; k++) {
+            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * element;
+            const float c0 = s[0 * rank + k], c1 = s[1 * rank + k], c2 = s[2 * rank + k], c3 = s[3 * rank + k];
+            #pragma omp simd
+            for (int64_t o = 0; o < CHUNK; o++) {
+                const float bv = LOAD(bk, o);
+                acc[0][o] += c0 * bv;
+                acc[1][o] += c1 * bv;
+                acc[2][o] += c2 * bv;
+                acc[3][o] += c3 * bv;
+            }
+        }
+    } else {
+        for (int64_t k = 0; k < rank; k++) {
+            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * element;
+            for (int64_t r = 0; r < ROWS; r++) {
+                const float c = s[r * rank + k];
+                #pragma omp simd
+                for (int64_t o = 0; o < width; o++)
+                    acc[r][o] += c * LOAD(bk, o);
+            }
+        }
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const size_t first = (size_t)(rows[r] * y_stride + o0);
+        if (bf16) {
+            bf16_t *yr = (bf16_t *)y + first;
+            #pragma omp simd
+            for (int64_t o = 0; o < width; o++)
+                yr[o] = f32_to_bf16(bf16_to_f32(yr[o]) + acc[r][o]);
+        } else {
+            float *yr = (float *)y + first;
+            #pragma omp simd
+            for (int64_t o = 0; o < width; o++)
+                yr[o] += acc[r][o];
+        }
+    }
+}
+
+/* one thread's share of the kernel, called inside the exported functions' parallel regions (its
+   worksharing loops bind to them), for float32 (bf16 = 0) or bfloat16 (bf16 = 1) x, y, a and bt */
+static inline __attribute__((always_inline)) void lora_bgmv_team(
+    const void *x, int64_t x_stride, void *y, int64_t y_stride, const void *a, const void *bt, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features,
+    int64_t out_features, int64_t rank, float *shrunk, int num_threads, const int bf16)
+{
+    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    /* the expand splits out_features in two when one group would leave a thread idle */
+    const int64_t halves = num_groups < num_threads && out_features >= 2 * CHUNK ? 2 : 1;
+    const int64_t span = (out_features / CHUNK + halves - 1) / halves * CHUNK;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < num_groups; g++) {
+        const char *a_slot = (const char *)a + (size_t)(group_slots[g] * rank * in_features) * element;
+        for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
+            const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
+            float local[ROWS * rank];  /* all ROWS rows are computed; only nr are this group's */
+            shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, local, bf16);
+            for (int64_t v = 0; v < nr * rank; v++)
+                shrunk[i * rank + v] = local[v];
+        }
+    }
+    /* implicit barrier: every shrunk row is complete */
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_groups * halves; item++) {
+        const int64_t g = item / halves;
+        const int64_t first = (item % halves) * span;
+        const int64_t last = item % halves == halves - 1 ? out_features : first + span;
+        const char *b_slot = (const char *)bt + (size_t)(group_slots[g] * rank * out_features) * element;
+        for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
+            const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
+            float s[ROWS * rank];
+            for (int64_t r = 0; r < ROWS; r++)
+                for (int64_t k = 0; k < rank; k++)
+                    s[r * rank + k] = r < nr ? shrunk[(i + r) * rank + k] : 0.f;
+            for (int64_t o0 = first; o0 < last; o0 += CHUNK)
+                expand_rows(y, y_stride, rows + i, nr, s, b_slot, out_features, rank, o0,
+                            last - o0 < CHUNK ? last - o0 : CHUNK, bf16);
+        }
+    }
+}
+
+/* x [num_tokens, in] (row stride x_stride elements), y [num_tokens, out] (row stride y_stride),
+   a [num_slots, rank, in] and bt [num_slots, rank, out] contiguous; rows [num_rows] grouped by slot,
+   group_starts [num_groups + 1], group_slots [num_groups]; shrunk [num_rows, rank] float32 scratch */
+void tessera_lora_bgmv_f32(
+    const float *x, int64_t x_stride, float *y, int64_t y_stride, const float *a, const float *bt,
+    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
+    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads)
+    lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
+                   out_features, rank, shrunk, num_threads, 0);
+}
+
+/* the same over bfloat16 x, y, a and bt (raw bits, uint16); shrunk stays float32 */
+void tessera_lora_bgmv_bf16(
+    const bf16_t *x, int64_t x_stride, bf16_t *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
+    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
+    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads)
+    lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
+                   out_features, rank, shrunk, num_threads, 1);
+}

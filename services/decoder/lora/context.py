@@ -1,0 +1,58 @@
+"""The model runner's per-step LoRA state: the step's batch metadata and the backend that uses it.
+
+`AdapterSlots` (slots.py) decides which adapters are resident and who leases them; this context
+only computes. Per step, the model runner enters `step(token_slots, decode_rows)`, which builds
+the step's `LoRABatch` (decode rows for BGMV, slot-sorted prefill segments for SGMV) once; every
+`LoRALinear` of the forward then calls `apply`, which hands its module's factors and that batch to
+the backend (as vLLM's Punica wrapper sits between its LoRA layers and kernels). No lock is held:
+see `AdapterSlots` for why the rows a step reads cannot change under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from services.decoder.lora.backend import LoRABackend
+from services.decoder.lora.batch import LoRABatch
+from services.decoder.lora.slots import AdapterSlots
+
+
+class LoRAContext:
+    """One model runner's LoRA compute: `step` scopes a forward pass, `apply` serves each projection.
+
+    Used from the engine thread only (one step at a time).
+    """
+
+    def __init__(self, slots: AdapterSlots, backend: LoRABackend) -> None:
+        self.slots = slots
+        self.backend = backend
+        self._batch: LoRABatch | None = None  # this step's row permutation / segments
+
+    @contextmanager
+    def step(self, token_slots: torch.Tensor | None, decode_rows: torch.Tensor | None = None) -> Iterator[None]:
+        """Build the step's LoRA metadata once, reused by every projection of the forward inside.
+
+        token_slots: int64 [num_tokens] slot per row (-1 = base); None = all base (no LoRA work).
+        decode_rows: int64 rows that decode one token (BGMV); the rest are prefill (SGMV).
+        """
+        self._batch = None if token_slots is None else LoRABatch.build(token_slots, decode_rows)
+        try:
+            yield
+        finally:
+            self._batch = None
+            self.backend.end_step()
+
+    @property
+    def active(self) -> bool:
+        """True while a step with at least one adapter row is running."""
+        return self._batch is not None
+
+    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the LoRA correction of module `name` to `y` [num_tokens, out] in place (x: [num_tokens, in])."""
+        factors = self.slots.factors(name)
+        if factors is None or self._batch is None:
+            return
+        self.backend.add_lora(y, x, factors[0], factors[1], self._batch)

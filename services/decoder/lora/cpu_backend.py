@@ -1,0 +1,79 @@
+"""The cpu LoRA backend: decode rows through the C BGMV kernel (kernels/lora_bgmv.c)."""
+
+from __future__ import annotations
+
+import torch
+
+from services.decoder.kernels import native
+from services.decoder.lora.backend import LoRABackend
+from services.decoder.lora.batch import BASE_SLOT, LoRABatch
+from services.decoder.lora.torch_backend import TorchLoRABackend
+
+
+class CpuLoRABackend(LoRABackend):
+    """Decode rows through the C BGMV kernel (kernels/lora_bgmv.c), prefill rows through the torch backend.
+
+    A decode step is memory-bound on the factors: the kernel reads each slot's A and B^T once per
+    projection and adds into y in place, where the torch backend gathers rows onto a padded grid,
+    runs two bmm and scatters the deltas back. Prefill segments are compute-bound GEMMs, which MKL
+    (the torch backend) does best. x, y, A and B all float32, or all bfloat16 (float32 sums, y
+    rounded once, as the torch backend); B must be stored as AdapterSlots stores it (the
+    transposed view of a contiguous [slots, max_rank, out]; other layouts are copied per call).
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        library = native.load()
+        self._kernels = {torch.float32: library.tessera_lora_bgmv_f32, torch.bfloat16: library.tessera_lora_bgmv_bf16}
+        self._torch = TorchLoRABackend()
+        self._step: tuple[LoRABatch, tuple | None, LoRABatch | None] | None = None
+
+    def add_lora(self, y, x, a, b, batch):
+        kernel = self._kernels.get(y.dtype)
+        if kernel is None or any(t.dtype != y.dtype for t in (x, a, b)):
+            raise ValueError(f"the cpu LoRA backend computes float32 or bfloat16 (x, y, a, b all one), got "
+                             f"{x.dtype}, {y.dtype}, {a.dtype}, {b.dtype}")
+        if y.stride(-1) != 1:
+            raise ValueError("LoRA output must have a contiguous last dimension")
+        num_slots, rank, in_f = a.shape
+        if b.shape != (num_slots, y.shape[1], rank) or x.shape[1] != in_f or x.shape[0] != y.shape[0]:
+            raise ValueError(f"LoRA shapes do not fit: x {tuple(x.shape)}, y {tuple(y.shape)}, "
+                             f"a {tuple(a.shape)}, b {tuple(b.shape)}")
+        decode, prefill = self._split(batch)
+        if prefill is not None:
+            self._torch.add_lora(y, x, a, b, prefill)
+        if decode is None:
+            return
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        a, bt = a.contiguous(), b.transpose(1, 2).contiguous()  # no copies for AdapterSlots' layout
+        rows, starts, slots = decode
+        shrunk = torch.empty(rows.numel(), rank, dtype=torch.float32)
+        kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
+               rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f, bt.shape[2], rank,
+               shrunk.data_ptr(), torch.get_num_threads())
+
+    def end_step(self) -> None:
+        self._step = None
+        self._torch.end_step()
+
+    def _split(self, batch: LoRABatch) -> tuple[tuple | None, LoRABatch | None]:
+        """(decode rows grouped by slot: rows, group starts [g + 1], group slots; or None) and the
+        prefill rows' own LoRABatch (None without prefill adapter rows), built once per step."""
+        if self._step is not None and self._step[0] is batch:
+            return self._step[1], self._step[2]
+        decode = None
+        if batch.decode_rows.numel():
+            order = torch.sort(batch.decode_slots, stable=True).indices
+            slots, counts = torch.unique_consecutive(batch.decode_slots[order], return_counts=True)
+            starts = torch.zeros(slots.numel() + 1, dtype=torch.long)
+            torch.cumsum(counts, 0, out=starts[1:])
+            decode = (batch.decode_rows[order].contiguous(), starts, slots.contiguous())
+        prefill = None
+        if batch.prefill_perm.numel():
+            token_slots = batch.token_slots.clone()
+            token_slots[batch.decode_rows] = BASE_SLOT
+            prefill = LoRABatch.build(token_slots)
+        self._step = (batch, decode, prefill)
+        return decode, prefill

@@ -1,0 +1,232 @@
+"""Adapter slots: which adapters are resident on the device, their factors, and who leases them.
+
+Each targeted linear `y = x W^T + b` of the model gets `y += (x A_s^T) B_s^T` for the rows whose
+slot is s, where A is [rank, in] and B is [out, rank] with the LoRA scale already folded in by the
+registry. `AdapterSlots` keeps every slot's A and B (padded to `max_rank` with zeros) in one buffer
+per module; the model runner's `LoRAContext` (context.py) reads them each step and hands them
+to a `LoRABackend`. Slot -1 (`BASE_SLOT`) is the base model, no correction.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One adapter's factors by module name (e.g. "model.layers.0.self_attn.q_proj").
+
+    a: float32 [rank, in_features]; b: float32 [out_features, rank], already scaled.
+    """
+
+    digest: str
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class AdapterSlots:
+    """Fixed slots of adapter weights, keyed by content digest, with leases and an LRU.
+
+    A slot holding a leased adapter is never reused; unleased resident slots are recycled
+    least recently used first. Each lease carries the adapter name its request was admitted under
+    ("" for callers without one): two registry names loaded from the same files share a slot, but
+    the registry drains and unloads them by name. When every slot is leased a load returns None and
+    the caller registers `when_slot_frees` to retry once a lease ends (admission waits, never fails).
+    Loading into a slot rewrites every target buffer of that slot.
+
+    Thread-safe: the registry client loads and leases from the event loop while the engine thread
+    runs steps. A step takes no lock: every row of a step belongs to a request that holds a lease on
+    its slot until the engine thread retires it after the step, and a load writes only a slot
+    without leases, so the rows a forward reads never change under it (`factors`).
+    """
+
+    def __init__(self, num_slots: int, max_rank: int, module_shapes: dict[str, tuple[int, int]],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.module_shapes = module_shapes  # name -> (in_features, out_features)
+        self.dtype = dtype
+        self.device = torch.device(device)  # the model's: slot buffers live beside the weights they correct
+        self.lock = threading.RLock()
+        self._a: dict[str, torch.Tensor] = {}  # name -> [slots, max_rank, in]
+        self._b: dict[str, torch.Tensor] = {}  # name -> [slots, out, max_rank], a view of [slots, max_rank, out]
+        self._digests: list[str | None] = [None] * num_slots
+        self._leases = [0] * num_slots
+        self._named: list[Counter[str]] = [Counter() for _ in range(num_slots)]  # slot -> leases by name
+        self._idle: OrderedDict[int, None] = OrderedDict()  # unleased resident slots, LRU first
+        self._waiters: list[Callable[[], None]] = []  # admissions waiting for a slot to free
+        self.num_swaps = 0  # adapters written into a slot (swap-ins)
+
+    def slot_of(self, digest: str) -> int | None:
+        with self.lock:
+            return self._digests.index(digest) if digest in self._digests else None
+
+    def digest_of(self, slot: int) -> str | None:
+        """Weight digest resident in `slot` (None when empty); prefix-cache keys use it."""
+        with self.lock:
+            return self._digests[slot]
+
+    def acquire(self, digest: str, name: str = "") -> int | None:
+        """Lease the slot holding `digest` for a request admitted as adapter `name`; None if it is
+        not resident."""
+        with self.lock:
+            slot = self.slot_of(digest)
+            if slot is not None:
+                self._leases[slot] += 1
+                self._named[slot][name] += 1
+                self._idle.pop(slot, None)
+            return slot
+
+    def release(self, slot: int, name: str = "") -> None:
+        """Drop one lease of `slot` taken as `name`; the last one makes the slot idle and wakes
+        admissions waiting for a slot.
+
+        Raises:
+            ValueError: `slot` holds no lease taken as `name`.
+        """
+        waiters: list[Callable[[], None]] = []
+        with self.lock:
+            if self._named[slot][name] <= 0:
+                raise ValueError(f"slot {slot} has no lease of adapter {name!r} to release")
+            self._named[slot][name] -= 1
+            if not self._named[slot][name]:
+                del self._named[slot][name]
+            self._leases[slot] -= 1
+            if self._leases[slot] == 0:
+                self._idle[slot] = None
+                waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+
+    def when_slot_frees(self, wake: Callable[[], None]) -> bool:
+        """Call `wake()` (once, from the releasing thread) when a slot becomes idle.
+
+        Returns False, registering nothing, if a slot is already empty or idle (retry the load now).
+        """
+        with self.lock:
+            if None in self._digests or self._idle:
+                return False
+            self._waiters.append(wake)
+            return True
+
+    def load_and_acquire(self, weights: LoRAWeights, name: str = "") -> int | None:
+        """`load` then lease the slot for `name` atomically (no concurrent load can evict it in
+        between); None if every slot is leased. Raises what `load` raises."""
+        with self.lock:
+            slot = self.load(weights)
+            return None if slot is None else self.acquire(weights.digest, name)
+
+    def num_leases(self, slot: int) -> int:
+        return self._leases[slot]
+
+    def num_idle(self) -> int:
+        """Slots that are empty or resident without leases (reusable by a load)."""
+        with self.lock:
+            return self._digests.count(None) + len(self._idle)
+
+    def residency(self) -> dict[str, int]:
+        """{digest: leases} of every resident adapter (what the decoder reports to the registry)."""
+        with self.lock:
+            return {d: self._leases[s] for s, d in enumerate(self._digests) if d is not None}
+
+    def leases_by_name(self) -> dict[str, dict[str, int]]:
+        """{digest: {admission name: leases}} of every resident adapter with leases."""
+        with self.lock:
+            return {d: dict(self._named[s]) for s, d in enumerate(self._digests) if d is not None and self._leases[s]}
+
+    def load(self, weights: LoRAWeights) -> int | None:
+        """Make `weights` resident (not leased); returns its slot, or None if every slot is leased.
+
+        Raises:
+            InvalidArgument: unknown module name, factors that are not 2-D float tensors, shape
+                mismatch, rank above max_rank, or values not finite in the slots' dtype.
+        """
+        self._validate(weights)
+        with self.lock:
+            slot = self.slot_of(weights.digest)
+            if slot is not None:
+                return slot
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            for name in self._a:
+                self._a[name][slot].zero_()
+                self._b[name][slot].zero_()
+            for name, (a, b) in weights.modules.items():
+                self._buffers(name)
+                rank = a.shape[0]
+                # from pinned host memory (HostAdapterCache on CUDA) the copy runs asynchronously,
+                # ordered before the next step's kernels on the device's stream
+                self._a[name][slot, :rank].copy_(a, non_blocking=True)
+                self._b[name][slot, :, :rank].copy_(b, non_blocking=True)
+            self._digests[slot] = weights.digest
+            self.num_swaps += 1
+            self._idle[slot] = None
+            return slot
+
+    def unload(self, digest: str) -> None:
+        """Empty the slot holding `digest` (zeroed, taken first by the next load); nothing when it
+        is not resident.
+
+        Raises:
+            ValueError: the slot is leased.
+        """
+        with self.lock:
+            slot = self.slot_of(digest)
+            if slot is None:
+                return
+            if self._leases[slot]:
+                raise ValueError(f"slot {slot} holding {digest!r} is leased {self._leases[slot]} time(s)")
+            for name in self._a:
+                self._a[name][slot].zero_()
+                self._b[name][slot].zero_()
+            self._digests[slot] = None
+            self._idle.pop(slot, None)
+
+    def _free_slot(self) -> int | None:
+        if None in self._digests:
+            return self._digests.index(None)
+        if not self._idle:
+            return None
+        slot, _ = self._idle.popitem(last=False)
+        self._digests[slot] = None
+        return slot
+
+    def _validate(self, weights: LoRAWeights) -> None:
+        for name, (a, b) in weights.modules.items():
+            if name not in self.module_shapes:
+                raise InvalidArgument(f"adapter targets unknown module {name[:200]!r}")
+            if a.dim() != 2 or b.dim() != 2 or not (a.is_floating_point() and b.is_floating_point()):
+                raise InvalidArgument(f"adapter factors at {name} must be 2-D float tensors, got {a.dtype} "
+                                      f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+            in_f, out_f = self.module_shapes[name]
+            rank = a.shape[0]
+            if rank > self.max_rank:
+                raise InvalidArgument(f"adapter rank {rank} at {name} exceeds max_lora_rank {self.max_rank}")
+            if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+                raise InvalidArgument(f"adapter factors at {name} have shapes {tuple(a.shape)}, {tuple(b.shape)}; "
+                                      f"expected ({rank}, {in_f}) and ({out_f}, {rank})")
+            if not (torch.isfinite(a.to(self.dtype)).all() and torch.isfinite(b.to(self.dtype)).all()):
+                raise InvalidArgument(f"adapter factors at {name} hold values that are not finite in {self.dtype} "
+                                      "(NaN, inf, or past its range)")
+
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [slots, max_rank, in], B [slots, out, max_rank]) of module `name`; None while no
+        resident adapter has ever targeted it. Lock-free: called per projection of every step."""
+        a = self._a.get(name)
+        return None if a is None else (a, self._b[name])
+
+    def _buffers(self, name: str) -> None:
+        if name not in self._a:
+            in_f, out_f = self.module_shapes[name]
+            # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends).
+            # B before A: `factors` reads without the lock and finds B wherever it finds A.
+            self._b[name] = torch.zeros(self.num_slots, self.max_rank, out_f, dtype=self.dtype,
+                                        device=self.device).transpose(1, 2)
+            self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype, device=self.device)

@@ -1,0 +1,340 @@
+"""Llama causal LM over a flat token batch and a paged KV cache; the base of the Qwen2 and Qwen3 files.
+
+RMSNorm, SiLU-gated MLP, GQA, default RoPE or M-RoPE, tied or untied lm_head, optional biases
+(`attention_bias`, `mlp_bias`) as in transformers' LlamaForCausalLM. Sliding-window layers are
+refused. Weights load by name from `model.safetensors` (or a sharded index) with the HF
+`config.json`; module names match transformers, so "model.layers.0.self_attn.q_proj" is both a
+weight prefix and a LoRA target name. At load, each layer's q/k/v and gate/up projections are
+concatenated into one wider projection each (`qkv_proj`, `gate_up_proj`: two GEMMs where the
+checkpoint has five, with fewer dispatches and one pass over the input each); LoRA still targets
+the checkpoint's names, each on its columns of the fused output. A family differs by
+`spec_from_config` and its attention class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k
+RMSNorm); `load_model` (models.py) picks the family from config.json's model_type.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from services.common.checkpoint import CheckpointConfig, rope_settings
+from services.decoder.attention import AttentionBackend, AttentionMetadata
+from services.decoder.kernels.pointwise import CpuPointwise
+from services.decoder.kv_cache import KVCache
+from services.decoder.linear import Linear
+from services.decoder.lora import LoRALinear
+from services.decoder.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The architecture facts read from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> LlamaSpec:
+        """Llama's reading of config.json (biases from `attention_bias` / `mlp_bias`).
+
+        Raises ValueError for unsupported activations, rope scaling or sliding-window layers.
+        """
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported; expected 'silu'")
+        rope_type, rope_theta = rope_settings(cfg)  # transformers' reading of rope_scaling / rope_parameters
+        if rope_type != "default":
+            raise ValueError(f"rope scaling {rope_type!r} is not supported; only default RoPE is")
+        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
+            raise ValueError("sliding-window attention layers are not supported")
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        )
+
+
+def _linear(prefix: str, in_f: int, parts: tuple[tuple[str, int], ...], bias: bool) -> LoRALinear:
+    """One projection computing the checkpoint projections `parts` ((name, out_features), ...)
+    side by side: a single wider GEMM where the checkpoint has several (see `fuse_projections`)."""
+    slices, start = [], 0
+    for name, out_f in parts:
+        slices.append((f"{prefix}.{name}", start, start + out_f))
+        start += out_f
+    layer = LoRALinear(in_f, start, bias=bias)
+    layer.lora_slices = tuple(slices)
+    return layer
+
+
+# fused module -> the checkpoint projections it concatenates along the output dimension, in order
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Concatenate each layer's q/k/v and gate/up weights (and biases) in `state` (HF names) into
+    the fused modules' entries, in place; the parts' entries are removed. A layer missing a part
+    is left as it is (the caller's name check reports it)."""
+    for layer in range(num_layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{layer}.{part}.{kind}" for part in parts]
+                if all(name in state for name in names):
+                    state[f"model.layers.{layer}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm; in the C kernel once `attach_pointwise` set `pointwise`."""
+
+    pointwise: CpuPointwise | None = None
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pointwise is not None:
+            return self.pointwise.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # one fused kernel; the same values as below in float32
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        dtype = x.dtype  # transformers' order: normalize in float32, round, then scale in `dtype`
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # statistics in float32
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    pointwise: CpuPointwise | None = None  # the C rotary kernel, set by `attach_pointwise`
+
+    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}.self_attn"
+        h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, d
+        self.scale = d ** -0.5
+        self.qkv_proj = _linear(prefix, spec.hidden_size, (("q_proj", h * d), ("k_proj", kv * d), ("v_proj", kv * d)),
+                                spec.qkv_bias)
+        self.o_proj = _linear(prefix, h * d, (("o_proj", spec.hidden_size),), spec.o_bias)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook between projection and RoPE: identity here (Qwen3 normalizes per head)."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                attention: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = q.view(n, self.num_heads, d)     # [n, heads, head_dim], column views of [n, (heads + 2 kv) d]
+        k = k.view(n, self.num_kv_heads, d)  # [n, kv_heads, head_dim]
+        v = v.view(n, self.num_kv_heads, d)
+        q, k = self.normalize_qk(q, k)
+        rotate = apply_rotary if self.pointwise is None else self.pointwise.rotary
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        attention.write_kv(cache, self.layer, k, v, meta)
+        k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
+        out = attention.forward(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
+        return self.o_proj(out.reshape(n, -1))
+
+
+class LlamaMLP(nn.Module):
+    pointwise: CpuPointwise | None = None  # the C SiLU gate, set by `attach_pointwise`
+
+    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}.mlp"
+        hs, inter, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.intermediate_size = inter
+        self.gate_up_proj = _linear(prefix, hs, (("gate_proj", inter), ("up_proj", inter)), bias)
+        self.down_proj = _linear(prefix, inter, (("down_proj", hs),), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [n, 2 * inter]: gate, then up
+        if self.pointwise is not None:  # one pass, a contiguous [n, inter] for the down projection
+            return self.down_proj(self.pointwise.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, -1)  # column views
+        # in place: no new [tokens, intermediate] buffer (at 2048 prefill tokens one is 12 MB)
+        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: int, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(spec, layer)
+        self.mlp = LlamaMLP(spec, layer)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, attention, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attention, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: LlamaSpec, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, attention_cls) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward: flat batch -> last layer's residual stream; compute_logits: selected rows -> final
+    norm -> logits."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    @classmethod
+    def spec_from_config(cls, cfg: dict) -> LlamaSpec:
+        """The family's reading of config.json. Raises ValueError for what the family cannot run."""
+        return LlamaSpec.from_config(cfg)
+
+    def __init__(self, spec: LlamaSpec, mrope_section: tuple[int, int, int] | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec, self.attention_cls)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_section)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [num_tokens, hidden] for int64 ids [num_tokens]."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                attention: AttentionBackend, meta: AttentionMetadata, embed_rows: torch.Tensor | None = None,
+                embed_values: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every layer over a flat batch.
+
+        Args:
+            input_ids: int64 [num_tokens].
+            positions: int64 [num_tokens] (RoPE) or [3, num_tokens] (M-RoPE t/h/w).
+            cache: the paged KV cache; this step's K/V are written at `meta.slot_mapping`.
+            attention: the backend that writes K/V and attends; `meta` is its metadata for this step.
+            embed_rows / embed_values: optional int64 [n] flat rows whose embedding lookup is
+                replaced by `embed_values` [n, hidden] (projected image rows).
+        Returns:
+            the residual stream after the last layer [num_tokens, hidden]; `compute_logits` applies
+            the final norm, to the rows it projects only.
+        """
+        x = self.embed(input_ids)  # [num_tokens, hidden]
+        if embed_rows is not None and embed_rows.numel():
+            x[embed_rows] = embed_values.to(x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [num_tokens, head_dim]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, attention, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Residual rows [rows, hidden] (from `forward`) -> final norm -> float32 logits [rows, vocab]."""
+        return self.lm_head(self.model.norm(hidden)).float()
+
+
+def load_checkpoint(model_cls: type[LlamaForCausalLM], checkpoint: CheckpointConfig, dtype: torch.dtype,
+                    mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
+    """Build `model_cls` from the checkpoint's config.json and load its safetensors weights by name.
+
+    Raises:
+        ValueError: unsupported configuration, missing weights or unexpected weight names/shapes.
+    """
+    spec = model_cls.spec_from_config(dict(checkpoint.raw))
+    return build_model(model_cls, spec, mrope_section, _read_safetensors(checkpoint.model_dir), dtype,
+                       f"weights in {checkpoint.model_dir} do not match {spec.architecture}")
+
+
+def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_section: tuple[int, int, int] | None,
+                state: dict[str, torch.Tensor], dtype: torch.dtype, mismatch: str) -> LlamaForCausalLM:
+    """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec does.
+
+    Raises:
+        ValueError: `mismatch` followed by the first weight whose shape config.json's sizes do not
+            give, or by the first missing and unexpected weight names.
+    """
+    with torch.device("meta"):
+        model = model_cls(spec, mrope_section)
+    if spec.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    shapes = checkpoint_shapes(model)
+    for name, tensor in state.items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{mismatch}: {name} has shape {list(tensor.shape)}; config.json's sizes need "
+                             f"{list(shapes[name])}")
+    fuse_projections(state, spec.num_layers)
+    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(f"{mismatch}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight a checkpoint holds for `model` (HF names: the q/k/v and gate/up
+    parts, not the fused modules they are concatenated into), from its parameters (a meta model will do)."""
+    shapes = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    for module in model.modules():
+        for name, start, end in getattr(module, "lora_slices", None) or ():
+            shapes[f"{name}.weight"] = (end - start, module.in_features)
+            if module.bias is not None:
+                shapes[f"{name}.bias"] = (end - start,)
+    return shapes
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (HF names). Raises ValueError naming the file when there is no
+    weights file or one is not readable safetensors (truncated, corrupt); OSError for a missing shard."""
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return _load_weights(single)
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map of tensor name -> "
+                         f"file): {error!r}") from None
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        path = model_dir / str(shard)
+        if path.resolve().parent != model_dir.resolve():  # a shard is a file of the checkpoint directory itself
+            raise ValueError(f"{index} names shard {shard!r}, which is not a file in {model_dir}")
+        state.update(_load_weights(path))
+    return state
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}): the checkpoint's weights "
+                         "are damaged or incomplete") from None

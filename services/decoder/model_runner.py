@@ -1,0 +1,276 @@
+"""Executes one scheduler step: flat batch inputs, the attention backend's metadata, forward, sampling.
+
+Flat batch layout (two requests, one decoding, one prefilling a chunk):
+
+    rows:        0   | 1   2   3   4
+    request:     A   | B   B   B   B
+    position:    37  | 16  17  18  19       (physical; M-RoPE rows use the request's table/delta)
+    slot:        A's block_table[37 // bs] * bs + 37 % bs, ...
+
+Only requests whose chunk reaches their last token are sampled (their last row's logits). A
+request that asks for prompt logprobs also has its chunk's prompt rows projected to the vocabulary
+(the row at position j scores prompt token j + 1), a slice of rows at a time; no other row is.
+
+Inputs and the attention backend's metadata are built on the host, then moved to the cache's
+device once per step (`on_device`), so no layer copies between host and device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument, TesseraError
+from services.decoder.attention import AttentionMetadata, make_attention_backend
+from services.decoder.block_manager import BlockManager
+from services.decoder.kernels.pointwise import CpuPointwise, attach_pointwise
+from services.decoder.kv_cache import KVCache
+from services.decoder.linear import attach_gemm, make_linear_backend
+from services.decoder.lora import BASE_SLOT, LoRAContext, attach_context
+from services.decoder.model_llama import LlamaForCausalLM
+from services.decoder.request import Request
+from services.decoder.sampler import Sample, SamplingRow, sample
+from services.decoder.scheduler import ScheduledRequest, SchedulerOutput
+
+# Prompt rows are projected to the vocabulary this many at a time, so a prefill chunk with prompt
+# logprobs holds at most [PROMPT_LOGITS_ROWS, vocab] float32 logits at once, whatever its length.
+PROMPT_LOGITS_ROWS = 128
+
+
+@dataclass
+class PromptRows:
+    """One request's rows of a step whose prompt logprobs are recorded: `num_rows` consecutive
+    positions from `start`, each with `num_alternatives` alternatives."""
+
+    key: str
+    start: int
+    num_rows: int
+    num_alternatives: int
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Entries for prompt positions start, start + 1, ... (`PromptLogprobs.record` takes them)."""
+
+    start: int
+    entries: list[Sample]
+
+
+@dataclass
+class RunnerOutput:
+    """What a step computed, by request key: a sample (or the error that replaced it) for each
+    request whose chunk sampled, prompt logprobs for each that asked and computed prompt rows."""
+
+    samples: dict[str, Sample | TesseraError] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor        # int64 [num_tokens]
+    positions: torch.Tensor        # int64 [num_tokens] or [3, num_tokens]
+    meta: AttentionMetadata         # the attention backend's own metadata type
+    decode_rows: torch.Tensor | None  # int64 [num_decodes] rows of single-token (decode) requests; None: none
+    embed_rows: torch.Tensor | None  # int64 [n] rows replaced by image rows
+    embed_values: torch.Tensor | None  # [n, hidden]
+    token_slots: torch.Tensor | None  # int64 [num_tokens] adapter slot per row (-1 = base)
+    sample_rows: torch.Tensor       # int64 [num_sampled] last row of each sampled request
+    sampled: list[ScheduledRequest]
+    prompt_rows: torch.Tensor | None = None  # int64 [num_prompt_rows] rows whose prompt logprobs are recorded
+    prompt_targets: torch.Tensor | None = None  # int64 [num_prompt_rows] the prompt token each row predicts
+    prompt_spans: list[PromptRows] = field(default_factory=list)  # prompt_rows by request, in row order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
+                 lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch",
+                 linear_backend: str = "torch") -> None:
+        """`attention_backend`: a name in services/decoder/attention's registry, constructed here;
+        `linear_backend`: "torch" or "cpu" (the C GEMM on weights packed here, services/decoder/linear.py,
+        and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py).
+
+        Raises:
+            ValueError: an unknown backend, or one that cannot run on this machine.
+        """
+        self.attention = make_attention_backend(attention_backend)
+        self.model = model
+        attach_gemm(model, make_linear_backend(linear_backend))
+        attach_pointwise(model, CpuPointwise() if linear_backend == "cpu" else None)
+        self.cache = cache
+        self.block_manager = block_manager
+        self.lora = lora  # this runner's per-step LoRA state; the model's LoRALinear layers call it
+        if lora is not None:
+            attach_context(model, lora)
+        self.mrope = mrope
+
+    def prepare(self, out: SchedulerOutput) -> ModelInputs:
+        ids, positions, decode_rows, embed_rows, embed_values, token_slots = [], [], [], [], [], []
+        sample_rows, sampled = [], []
+        prompt_rows, prompt_targets, prompt_spans = [], [], []
+        row = 0
+        for item in out.scheduled:
+            request, start, end = item.request, item.start, item.end
+            ids.extend(request.token_ids(start, end))
+            positions.append(request.rope_positions(start, end, self.mrope))
+            if item.num_new_tokens == 1:
+                decode_rows.append(row)
+            offsets, blocks = request.image_rows(start, end)
+            embed_rows.extend(row + o for o in offsets)
+            embed_values.extend(blocks)
+            slot = BASE_SLOT if request.lora_slot is None else request.lora_slot
+            token_slots.append(torch.full((item.num_new_tokens,), slot, dtype=torch.long))
+            if item.samples:
+                sample_rows.append(row + item.num_new_tokens - 1)
+                sampled.append(item)
+            span = _prompt_rows(item)
+            if span is not None:
+                prompt_rows.extend(range(row + span.start - start, row + span.start - start + span.num_rows))
+                prompt_targets.extend(request.prompt.token_ids[span.start + 1:span.start + span.num_rows + 1])
+                prompt_spans.append(span)
+            row += item.num_new_tokens
+        block_tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
+        meta = self.attention.build_metadata(out.scheduled, block_tables, self.cache)
+        slot_tensor = torch.cat(token_slots)
+        device = self.cache.device
+        return ModelInputs(
+            input_ids=on_device(torch.tensor(ids, dtype=torch.long), device),
+            positions=on_device(torch.cat(positions, dim=-1), device),
+            meta=on_device(meta, device),
+            decode_rows=on_device(torch.tensor(decode_rows, dtype=torch.long), device) if decode_rows else None,
+            embed_rows=on_device(torch.tensor(embed_rows, dtype=torch.long), device) if embed_rows else None,
+            embed_values=on_device(torch.cat(embed_values), device) if embed_values else None,
+            token_slots=on_device(slot_tensor, device) if bool((slot_tensor != BASE_SLOT).any()) else None,
+            sample_rows=on_device(torch.tensor(sample_rows, dtype=torch.long), device),
+            sampled=sampled,
+            prompt_rows=on_device(torch.tensor(prompt_rows, dtype=torch.long), device) if prompt_rows else None,
+            prompt_targets=on_device(torch.tensor(prompt_targets, dtype=torch.long), device) if prompt_rows else None,
+            prompt_spans=prompt_spans,
+        )
+
+    @torch.inference_mode()
+    def hidden(self, inputs: ModelInputs) -> torch.Tensor:
+        """The forward under this step's adapters: the last layer's residual stream [num_tokens, hidden]."""
+        if self.lora is None:
+            return self._forward(inputs)
+        with self.lora.step(inputs.token_slots, inputs.decode_rows):
+            return self._forward(inputs)
+
+    @torch.inference_mode()
+    def logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [num_sampled, vocab] for the sampled requests' last rows of `hidden`
+        [num_tokens, hidden].
+
+        A row whose hidden state left float32's range reads as NaN: RMSNorm's statistic
+        mean(x^2) overflows to inf for finite |x| past ~1e19 and then scales the row to zeros,
+        which would give flat, finite logits (garbage tokens served as if fine).
+        """
+        residual = hidden[inputs.sample_rows]  # [num_sampled, hidden], before the final norm
+        logits = self.model.compute_logits(residual)  # [num_sampled, vocab]
+        overflow = ~torch.isfinite(residual.float().pow(2).mean(-1))  # [num_sampled], as RMSNorm computes it
+        return logits.masked_fill_(overflow[:, None], float("nan"))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
+        """Prompt logprobs of `inputs.prompt_rows` of `hidden` [num_tokens, hidden], by request key:
+        log_softmax of the float32 logits (the raw model distribution, as the sampled logprobs),
+        the logprob of the prompt token each row predicts and the request's most likely
+        alternatives (most likely first). Logits exist for PROMPT_LOGITS_ROWS rows at a time.
+        """
+        if inputs.prompt_rows is None:
+            return {}
+        residual = hidden[inputs.prompt_rows]  # [num_prompt_rows, hidden]
+        num_top = max(span.num_alternatives for span in inputs.prompt_spans)
+        chosen, top_values, top_ids = [], [], []
+        for lo in range(0, residual.shape[0], PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(residual[lo:lo + PROMPT_LOGITS_ROWS])  # [rows, vocab]
+            logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+            targets = inputs.prompt_targets[lo:lo + PROMPT_LOGITS_ROWS, None]  # [rows, 1]
+            chosen.append(logprobs.gather(1, targets)[:, 0])  # [rows]
+            if num_top:
+                values, ids = torch.topk(logprobs, num_top, dim=-1)  # [rows, num_top] each
+                top_values.append(values)
+                top_ids.append(ids)
+        chosen_list = torch.cat(chosen).tolist()
+        target_list = inputs.prompt_targets.tolist()
+        values_list = torch.cat(top_values).tolist() if num_top else [[] for _ in chosen_list]
+        ids_list = torch.cat(top_ids).tolist() if num_top else [[] for _ in chosen_list]
+        chunks, row = {}, 0
+        for span in inputs.prompt_spans:
+            k = span.num_alternatives
+            entries = [Sample(target_list[r], chosen_list[r], list(zip(ids_list[r][:k], values_list[r][:k])))
+                       for r in range(row, row + span.num_rows)]
+            chunks[span.key] = PromptLogprobsChunk(span.start, entries)
+            row += span.num_rows
+        return chunks
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.cache, self.attention, inputs.meta,
+                          inputs.embed_rows, inputs.embed_values)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step; returns the samples of requests that sampled and the prompt logprobs of
+        those that asked (`prompt_logprobs`).
+
+        A request whose hidden state or logits are not all finite (NaN/inf, or past float32's
+        range: an adapter with absurd weights, image rows of absurd magnitude) gets an error instead
+        of a sample: no token is drawn from meaningless scores, and its NaNs never reach the sampling
+        of its neighbours (multinomial would fail the whole step).
+        """
+        inputs = self.prepare(out)
+        hidden = self.hidden(inputs)
+        result = RunnerOutput(prompt_logprobs=self.prompt_logprobs(inputs, hidden))
+        if not inputs.sampled:
+            return result
+        logits = self.logits(inputs, hidden)
+        requests = [item.request for item in inputs.sampled]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        kept = [r for r, ok in zip(requests, finite) if ok]
+        if len(kept) < len(requests):
+            logits = logits[[i for i, ok in enumerate(finite) if ok]]
+        rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in kept]
+        result.samples.update((r.key, s) for r, s in zip(kept, sample(logits, rows)))
+        result.samples.update((r.key, _non_finite(r)) for r, ok in zip(requests, finite) if not ok)
+        return result
+
+
+def on_device(value, device: torch.device):
+    """`value` with every tensor it holds (dataclass fields, lists, tuples, nested) on `device`; a
+    dataclass is changed in place. Anything else is returned as it is. The CPU path is untouched."""
+    if device.type == "cpu":
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, list | tuple):
+        return type(value)(on_device(item, device) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            object.__setattr__(value, field.name, on_device(getattr(value, field.name), device))
+    return value
+
+
+def _prompt_rows(item: ScheduledRequest) -> PromptRows | None:
+    """The positions of `item`'s chunk whose prompt logprobs its request asked for and has not
+    recorded (None: none)."""
+    record = item.request.prompt_logprobs
+    if record is None:
+        return None
+    positions = record.positions_to_compute(item.start, item.end)
+    if not positions:
+        return None
+    return PromptRows(item.request.key, positions.start, len(positions), record.num_alternatives)
+
+
+def _non_finite(request: Request) -> TesseraError:
+    """The error for a request whose hidden state or logits are not finite: FAILED_PRECONDITION
+    when its adapter is the likely cause, INVALID_ARGUMENT when its image rows are, else INTERNAL."""
+    what = "the hidden states or logits of this request are not finite (NaN, inf, or past float32's range)"
+    if request.lora_slot is not None:
+        adapter = request.lora_name or f"slot {request.lora_slot}"
+        return FailedPrecondition(f"{what} under adapter {adapter!r}; its weights overflow the model, so no token "
+                                  "can be drawn")
+    if request.prompt.image_spans:
+        return InvalidArgument(f"{what}; its image rows drive the model out of range, so no token can be drawn")
+    return TesseraError(what)

@@ -1,0 +1,189 @@
+"""The decoder's request metrics under vLLM's names, fed by the engine at each lifecycle point.
+
+The engine thread calls one hook per event; the hooks record monotonic timestamps and update
+prometheus-client counters and histograms (thread-safe), which `services.common.metrics` serves.
+
+    arrival --queue time--> first scheduled --> first token (TTFT) --ITL--> ... --> finish (e2e)
+
+As in vLLM: TTFT is arrival to first generated token; inter-token latency is the gap between a
+request's consecutive tokens; e2e latency is arrival to finish; queue time is arrival to first
+scheduled; prompt tokens are counted once a request's prefill completes (its first token), so a
+request aborted while waiting adds none; every finished request counts once in
+`vllm:request_success_total{finished_reason}` (stop, length or abort). Choices of an n > 1
+request are requests of their own here. Bucket bounds are vLLM's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+FINISH_REASONS = ("stop", "length", "abort")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class _Timing:
+    arrival_s: float
+    scheduled_s: float | None = None
+    last_token_s: float | None = None
+
+
+@dataclass(frozen=True)
+class LoraSnapshot:
+    """Adapter names of the running and waiting requests at the last scheduling step."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    updated_s: float = 0.0  # wall-clock seconds (vLLM's gauge value)
+
+
+class DecoderStats(Collector):
+    """Counters and histograms of one decoder's requests, labelled with `model_name`.
+
+    Hooks take engine `Request`s (key, num_prompt_tokens, lora_name) and a `SchedulerOutput`
+    (scheduled items, preempted requests); `clock` is monotonic seconds.
+    """
+
+    def __init__(self, model_name: str, clock=time.monotonic) -> None:
+        self.model_name, self.clock = model_name, clock
+        self._timings: dict[str, _Timing] = {}
+        self.lora = LoraSnapshot()
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels + (extra or []), registry=None)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=tuple(buckets), registry=None)
+
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter("vllm:request_success", "Count of finished requests by finish reason.",
+                                       ["finished_reason"])
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
+        for reason in FINISH_REASONS:  # present at zero from the start, as vLLM's are
+            self.request_success.labels(model_name, reason)
+        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
+                       self.e2e, self.queue_time):
+            metric.labels(model_name)
+
+    # ---- hooks (engine thread) -------------------------------------------------------------
+    def on_arrival(self, requests: Iterable) -> None:
+        """Requests entered the waiting queue."""
+        now = self.clock()
+        for request in requests:
+            self._timings[request.key] = _Timing(now)
+
+    def on_schedule(self, out, scheduler) -> None:
+        """A step was scheduled: first schedulings, preemptions, and the adapters in use."""
+        now = self.clock()
+        for item in out.scheduled:
+            timing = self._timings.get(item.request.key)
+            if timing is not None and timing.scheduled_s is None:
+                timing.scheduled_s = now
+                self.queue_time.labels(self.model_name).observe(now - timing.arrival_s)
+        if out.preempted:
+            self.preemptions.labels(self.model_name).inc(len(out.preempted))
+        self.lora = LoraSnapshot(_names(scheduler.running), _names(scheduler.waiting), time.time())
+
+    def on_token(self, request) -> None:
+        """`request` generated one token."""
+        now = self.clock()
+        self.generation_tokens.labels(self.model_name).inc()
+        timing = self._timings.get(request.key)
+        if timing is None:
+            return
+        if timing.last_token_s is None:
+            self.ttft.labels(self.model_name).observe(now - timing.arrival_s)
+            self.prompt_tokens.labels(self.model_name).inc(request.num_prompt_tokens)
+        else:
+            self.itl.labels(self.model_name).observe(now - timing.last_token_s)
+        timing.last_token_s = now
+
+    def on_finish(self, request, reason: str) -> None:
+        """`request` left the engine with `reason` (stop, length, abort)."""
+        timing = self._timings.pop(request.key, None)
+        self.request_success.labels(self.model_name, reason).inc()
+        if not self._timings:  # idle: no step will run to say that no adapter is in use any more
+            self.lora = LoraSnapshot(updated_s=time.time())
+        if timing is not None:
+            self.e2e.labels(self.model_name).observe(self.clock() - timing.arrival_s)
+
+    # ---- prometheus ------------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.request_success,
+                       self.ttft, self.itl, self.e2e, self.queue_time):
+            yield from metric.collect()
+
+
+class EngineCollector(Collector):
+    """The engine's `DecoderStats`, and what is read from the engine at scrape time (no samples
+    while it loads: `engine()` is None):
+
+        vllm:prefix_cache_queries_total / _hits_total   prompt tokens looked up / found in the
+                                                        prefix cache at admission (vLLM counts tokens)
+        vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
+                                                        value: wall-clock time of the last update
+        vllm:cache_config_info{block_size, num_gpu_blocks, enable_prefix_caching, cache_dtype}  1
+        tessera_adapter_swaps_total                     adapters loaded into a bank slot
+        tessera_adapter_host_cache_hits_total           adapter weights found in the host-memory tier
+        tessera_adapter_weight_fetches_total            weight downloads from the adapter registry
+
+    `engine` returns the running `LLMEngine` (its `config`, `metrics`, `block_manager`, `bank`, `adapters`).
+    """
+
+    def __init__(self, model_name: str, engine: Callable[[], object | None]) -> None:
+        self.model_name, self.engine = model_name, engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine()
+        if engine is None:
+            return
+        yield from engine.metrics.collect()
+        name, config = self.model_name, engine.config
+        prefix, adapters, lora = engine.block_manager.stats, engine.adapters, engine.metrics.lora
+        for metric, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", prefix.num_query_tokens),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", prefix.num_hit_tokens),
+                ("tessera_adapter_swaps", "Adapters written into a device slot.", engine.bank.num_swaps),
+                ("tessera_adapter_host_cache_hits", "Adapter weights found in the host-memory tier.",
+                 adapters.num_host_cache_hits),
+                ("tessera_adapter_weight_fetches", "Adapter weight downloads from the registry.",
+                 adapters.num_weight_fetches)):
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([name, ",".join(lora.running), ",".join(lora.waiting), str(config.adapter_slots)],
+                        lora.updated_s)
+        yield info
+        cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache's configuration.",
+                                  labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
+                                          "cache_dtype"])
+        cache.add_metric([name, str(config.block_size), str(config.num_blocks),
+                          str(config.enable_prefix_caching), config.dtype], 1.0)
+        yield cache
+
+
+def _names(requests: Iterable) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name}))

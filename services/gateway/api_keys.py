@@ -1,0 +1,92 @@
+"""API keys on the gateway's public gRPC port: the same keys (`--api-key-file`) as its HTTP API.
+
+A call to a Gateway RPC other than LoadAdapter / UnloadAdapter (admin calls: their
+`authorization` carries the registry's admin token) must send metadata `authorization: Bearer
+<key>`; health and reflection stay open (probes). The HTTP API reaches the gRPC port with a key of
+its own process (`loopback_key`), minted at start and never written anywhere.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from pathlib import Path
+
+import grpc
+
+from services.common.auth import UNAUTHENTICATED_SERVICES, _refusal
+
+ADMIN_METHODS = ("/tessera.v1.Gateway/LoadAdapter", "/tessera.v1.Gateway/UnloadAdapter")
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+    """One key per line (blank lines and `#` comments skipped).
+
+    Raises:
+        ValueError: the file cannot be read or holds no key.
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"api key file {path}: {error.strerror or error}") from None
+    keys = frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ValueError(f"api key file {path} holds no key")
+    return keys
+
+
+def mint_loopback_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses Gateway calls without a valid `authorization: Bearer <key>` with UNAUTHENTICATED
+    (constant-time compare; the refusal never parses the request)."""
+
+    def __init__(self, keys: frozenset[str]) -> None:
+        self._keys = [key.encode() for key in keys]
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(UNAUTHENTICATED_SERVICES) or details.method in ADMIN_METHODS:
+            return await continuation(details)
+        presented = [value for key, value in (details.invocation_metadata or ()) if key == "authorization"]
+        scheme, _, key = (presented[0] if presented else "").partition(" ")
+        if isinstance(key, str) and scheme.lower() == "bearer" and key:
+            candidate = key.strip().encode()
+            if any(hmac.compare_digest(candidate, k) for k in self._keys):
+                return await continuation(details)
+            reason = "the API key is not valid"
+        else:
+            reason = "this gateway needs an API key: metadata 'authorization: Bearer <key>' (tessera.client: api_token)"
+        handler = await continuation(details)
+        return None if handler is None else _refusal(handler, reason)
+
+
+class _BearerIfAbsent:
+    """Adds `authorization: Bearer <key>` to a call that carries no `authorization` of its own."""
+
+    def __init__(self, key: str) -> None:
+        self._entry = ("authorization", f"Bearer {key}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = list(details.metadata or ())
+        if any(name == "authorization" for name, _ in metadata):
+            return details
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata, self._entry),
+                                          details.credentials, details.wait_for_ready)
+
+
+# One class per call kind: a grpc.aio channel files each interceptor under the first kind it implements.
+class _UnaryUnaryBearer(_BearerIfAbsent, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class _UnaryStreamBearer(_BearerIfAbsent, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+def bearer_interceptors(key: str) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors for the HTTP API's loopback channel (its RPCs are unary or server-streaming)."""
+    return [_UnaryUnaryBearer(key), _UnaryStreamBearer(key)]

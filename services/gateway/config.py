@@ -1,0 +1,74 @@
+"""Gateway configuration: where the other services are, and the caps on each public request.
+
+`decoder` and `pooling` are gRPC targets that may name several replicas (`host:port`,
+`ipv4:a:p,b:p`, `dns:///name:port`; services/gateway/replicas.py); the others are one host:port.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.limits import GenerateLimits, PoolingLimits
+from services.common.metrics import check_metrics_port
+from services.common.server import default_address
+from services.gateway.replicas import parse_target
+
+
+def _check_address(field: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{field} must be host:port with a port in 1..65535, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """`decoder`, `pooling`: replica targets; the rest host:port. `vision` may be empty: then image
+    parts are refused.
+
+    `limits` caps Generate requests and `pooling_limits` Embed / Rerank / Tokenize requests, as the
+    decoder and pooling services do with the same flags (services/common/limits.py);
+    `max_path_chars` caps LoadAdapter's path. `http_port` serves the HTTP API
+    (services/gateway/http/) beside gRPC; `api_key_file` names its keys (a path: keys never go in
+    argv). Raises ValueError for a bad address, target or cap.
+    """
+
+    address: str = field(default=default_address("gateway"), metadata={"help": "bind host:port"})
+    decoder: str = field(default=default_address("decoder"),
+                         metadata={"help": "decoder replicas: host:port, ipv4:a:p,b:p or dns:///name:port"})
+    pooling: str = field(default=default_address("pooling"),
+                         metadata={"help": "pooling replicas: host:port, ipv4:a:p,b:p or dns:///name:port"})
+    adapters: str = field(default=default_address("adapters"), metadata={"help": "adapter registry host:port"})
+    vision: str = field(default=default_address("vision"),
+                        metadata={"help": "vision host:port; empty string = no vision (images refused)"})
+    limits: GenerateLimits = field(default_factory=GenerateLimits)
+    pooling_limits: PoolingLimits = field(default_factory=PoolingLimits)
+    max_path_chars: int = field(default=4096, metadata={"help": "characters of LoadAdapter's path"})
+    http_port: int = field(default=0, metadata={
+        "help": "serve the OpenAI-compatible HTTP API on this port, on the gRPC address's host (0 = off)",
+        "env": "TESSERA_HTTP_PORT"})
+    api_key_file: str = field(default="", metadata={
+        "help": "file of API keys, one a line: HTTP inference routes then need Authorization: Bearer <key> "
+                "(empty = no keys)",
+        "env": "TESSERA_API_KEY_FILE"})
+    return_tokens_as_token_ids: bool = field(default=False, metadata={
+        "help": "HTTP logprobs name each token `token_id:<id>` instead of its text (vLLM's flag; a request's "
+                "return_tokens_as_token_ids overrides it)"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "also serve Prometheus /metrics on this port, same host as --address (0: off; the HTTP port "
+                "serves them at /metrics)", "env": "TESSERA_METRICS_PORT"})
+
+    def __post_init__(self) -> None:
+        for name in ("address", "adapters"):
+            _check_address(name, getattr(self, name))
+        for name in ("decoder", "pooling"):
+            try:
+                parse_target(getattr(self, name))
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+        if self.vision:
+            _check_address("vision", self.vision)
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 0..65535 (0 = off), got {self.http_port}")
+        check_metrics_port(self.metrics_port)
+        if self.max_path_chars < 1:
+            raise ValueError(f"max_path_chars must be >= 1, got {self.max_path_chars}")

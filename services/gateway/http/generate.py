@@ -1,0 +1,257 @@
+"""Chat and text completions over the gateway's Generate stream, whole or as server-sent events.
+
+A stream's first message is awaited before the HTTP response starts, so a refusal (bad input,
+unknown adapter, a service down) still answers with its own status and OpenAI's error object; a
+failure after that ends the event stream with one `data: {"error": ...}` event (as vLLM does).
+
+Events follow OpenAI's stream exactly: per choice a first chat event with `delta: {"role":
+"assistant", "content": ""}`, then one event per decoder message with its text (and logprobs),
+then an event with an empty delta (completions: text "") and the finish_reason, so content and
+finish_reason never share an event; with `stream_options.include_usage` every event carries
+`"usage": null` and a last one carries the usage with `"choices": []`; `data: [DONE]` ends the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.gateway.http import logprobs as lp
+from services.gateway.http import responses
+from services.gateway.http.errors import from_rpc_error
+from tessera.v1 import decoder_pb2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a route asks of its answer beyond the decoder's messages.
+
+    `echo_prompt`: completions' echo, the prompt's text (and its tokens' logprobs) first;
+    `echo_text`: chat's echo (vLLM's), the last assistant message's content first;
+    `drop_generated`: `max_tokens: 0` with echo, the one token asked of the decoder is not
+    returned nor counted; `prompt_logprobs`: vLLM's prompt_logprobs answer; `as_ids`: logprob
+    tokens as `token_id:<id>`; `continuous_usage`: vLLM's usage on every event.
+    """
+
+    chat: bool
+    model: str
+    ident: str
+    logprobs: bool = False
+    as_ids: bool = False
+    echo_prompt: bool = False
+    echo_text: str = ""
+    drop_generated: bool = False
+    prompt_logprobs: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    entries: list = field(default_factory=list)             # chat: the decoder's TokenLogprob entries
+    legacy: lp.CompletionLogprobs | None = None             # completions: legacy logprobs
+    prompt_logprobs: responses.PromptLogprobs | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Delta:
+    """What one decoder message adds to its choice (a stream event's content)."""
+
+    index: int
+    first: bool
+    text: str
+    entries: list
+    legacy_from: int
+
+
+@dataclass
+class Tally:
+    """Choices and token counts over the Generate streams of one HTTP request (one per prompt)."""
+
+    n: int
+    shape: Shape
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt
+    completion_tokens: int = 0
+
+    def add(self, prompt: int, response: decoder_pb2.GenerateResponse) -> _Delta:
+        index = prompt * self.n + response.index
+        first = index not in self.choices
+        choice = self.choices.setdefault(index, _Choice())
+        shape, head = self.shape, ""
+        if first:
+            choice.prompt_tokens = len(response.prompt_token_ids)
+            head = response.prompt_text if shape.echo_prompt else shape.echo_text
+            if shape.logprobs and not shape.chat:
+                choice.legacy = lp.CompletionLogprobs(shape.as_ids)
+                if shape.echo_prompt:
+                    choice.legacy.add_prompt(response)
+            if shape.prompt_logprobs:
+                choice.prompt_logprobs = lp.prompt_logprobs(response)
+        legacy_from = len(choice.legacy) if choice.legacy is not None and not first else 0
+        generated, entries = ("", []) if shape.drop_generated else (response.text, list(response.logprobs))
+        choice.text.append(head + generated)
+        if shape.logprobs and shape.chat:
+            choice.entries.extend(entries)
+        elif choice.legacy is not None:
+            for entry in entries:
+                choice.legacy.add(entry)
+        if not shape.drop_generated:
+            choice.completion_tokens += len(response.token_ids)
+        if response.finish_reason:
+            choice.finish_reason = response.finish_reason
+        if response.HasField("usage"):  # each choice's final message
+            self.prompt_tokens[prompt] = choice.prompt_tokens = response.usage.prompt_tokens
+            counted = 0 if shape.drop_generated else response.usage.completion_tokens
+            self.completion_tokens += counted
+            choice.completion_tokens = counted
+        return _Delta(index, first, head + generated, entries, legacy_from)
+
+    def usage(self) -> responses.Usage:
+        prompt = sum(self.prompt_tokens.values())
+        return responses.Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                               total_tokens=prompt + self.completion_tokens)
+
+
+class Stream:
+    """One Generate call whose first message has arrived (or that ended without any)."""
+
+    def __init__(self, call, first: decoder_pb2.GenerateResponse | None):
+        self.call, self.first = call, first
+
+    @classmethod
+    async def open(cls, stub, request: decoder_pb2.GenerateRequest, metadata) -> Stream:
+        """Start Generate and wait for its first message; raises AioRpcError for a refusal."""
+        call = stub.Generate(request, metadata=metadata)
+        try:
+            first = await call.read()
+        except BaseException:
+            call.cancel()
+            raise
+        return cls(call, None if first is grpc.aio.EOF else first)
+
+    async def messages(self) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        try:
+            if self.first is None:
+                return
+            yield self.first
+            while (message := await self.call.read()) is not grpc.aio.EOF:
+                yield message
+        finally:
+            self.call.cancel()  # the HTTP client went away: the decoder frees the request's blocks
+
+
+def cancel(streams: list[Stream]) -> None:
+    """End every call (a failure or a departed client must not leave later prompts generating)."""
+    for stream in streams:
+        stream.call.cancel()
+
+
+async def collect(streams: list[Stream], n: int, shape: Shape) -> Tally:
+    tally = Tally(n, shape)
+    try:
+        for prompt, stream in enumerate(streams):
+            async for message in stream.messages():
+                tally.add(prompt, message)
+    finally:
+        cancel(streams)
+    return tally
+
+
+def chat_completion(tally: Tally) -> responses.ChatCompletion:
+    shape = tally.shape
+    choices = [responses.ChatChoice(index=i, message=responses.AssistantMessage(content="".join(c.text)),
+                                    finish_reason=c.finish_reason,
+                                    logprobs=lp.chat_logprobs(c.entries, shape.as_ids) if shape.logprobs else None)
+               for i, c in sorted(tally.choices.items())]
+    first = tally.choices.get(0)
+    return responses.ChatCompletion(id=shape.ident, created=int(time.time()), model=shape.model, choices=choices,
+                                    usage=tally.usage(), prompt_logprobs=first.prompt_logprobs if first else None)
+
+
+def completion(tally: Tally) -> responses.Completion:
+    shape = tally.shape
+    choices = [responses.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+                                          logprobs=c.legacy.answer if c.legacy is not None else None,
+                                          prompt_logprobs=c.prompt_logprobs)
+               for i, c in sorted(tally.choices.items())]
+    return responses.Completion(id=shape.ident, created=int(time.time()), model=shape.model, choices=choices,
+                                usage=tally.usage())
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Events:
+    """The event payloads of one streamed answer (OpenAI's chunk objects)."""
+
+    def __init__(self, tally: Tally):
+        self.tally, shape = tally, tally.shape
+        self.head = {"id": shape.ident, "object": "chat.completion.chunk" if shape.chat else "text_completion",
+                     "created": int(time.time()), "model": shape.model}
+
+    def chunk(self, choice: dict, index: int) -> str:
+        payload = {**self.head, "choices": [choice]}
+        shape = self.tally.shape
+        if shape.continuous_usage:
+            c = self.tally.choices[index]
+            payload["usage"] = responses.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                                               total_tokens=c.prompt_tokens + c.completion_tokens).model_dump()
+        elif shape.include_usage:
+            payload["usage"] = None
+        return _event(payload)
+
+    def of(self, delta: _Delta, finish_reason: str) -> list[str]:
+        shape, out = self.tally.shape, []
+        choice = self.tally.choices[delta.index]
+        if shape.chat:
+            if delta.first:
+                out.append(self.chunk({"index": delta.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}, delta.index))
+            if delta.text or delta.entries:
+                logprobs = lp.chat_logprobs(delta.entries, shape.as_ids).model_dump() if shape.logprobs else None
+                out.append(self.chunk({"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                                       "finish_reason": None}, delta.index))
+            if finish_reason:
+                out.append(self.chunk({"index": delta.index, "delta": {}, "logprobs": None,
+                                       "finish_reason": finish_reason}, delta.index))
+            return out
+        shown = choice.legacy is not None and len(choice.legacy) > delta.legacy_from
+        if delta.text or shown:
+            logprobs = choice.legacy.since(delta.legacy_from).model_dump() if choice.legacy is not None else None
+            out.append(self.chunk({"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                                   "finish_reason": None}, delta.index))
+        if finish_reason:
+            out.append(self.chunk({"index": delta.index, "text": "", "logprobs": None,
+                                   "finish_reason": finish_reason}, delta.index))
+        return out
+
+
+async def events(streams: list[Stream], n: int, shape: Shape) -> AsyncIterator[str]:
+    """Server-sent events of chat.completion.chunk (or text_completion) objects, then [DONE]."""
+    tally = Tally(n, shape)
+    shaper = _Events(tally)
+    try:
+        for prompt, stream in enumerate(streams):
+            async for message in stream.messages():
+                for event in shaper.of(tally.add(prompt, message), message.finish_reason):
+                    yield event
+    except grpc.aio.AioRpcError as error:
+        failure = from_rpc_error(error)
+        yield _event({"error": {"message": failure.message, "type": failure.type, "param": None,
+                                "code": failure.status}})
+    else:
+        if shape.include_usage:
+            yield _event({**shaper.head, "choices": [], "usage": tally.usage().model_dump()})
+    finally:
+        cancel(streams)
+    yield "data: [DONE]\n\n"
