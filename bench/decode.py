@@ -130,7 +130,7 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "au
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
                                         attention_backend=backend, linear_backend=linear, dtype=dtype))
     stamps, forwards = [], []
-    schedule, logits = engine.scheduler.schedule, engine.runner.logits
+    schedule, logits = engine.parts.scheduler.schedule, engine.parts.runner.logits
 
     def timed():
         out = schedule()
@@ -145,8 +145,8 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "au
             forwards.append(time.perf_counter() - t0)
         return result
 
-    engine.scheduler.schedule = timed
-    engine.runner.logits = timed_logits
+    engine.parts.scheduler.schedule = timed
+    engine.parts.runner.logits = timed_logits
     work = [GenerateInput(SamplingParams(max_tokens=steps + 8, ignore_eos=True), prompt_token_ids=tuple(
         random.Random(i).randrange(100, 40000) for _ in range(context))) for i in range(batch)]
 

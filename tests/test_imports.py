@@ -55,7 +55,8 @@ def _service_of(module: str) -> str | None:
 
 
 def test_the_graph_is_read():
-    assert "services.decoder.engine" in GRAPH
+    assert {"services.decoder.engine", "services.decoder.engine_core"} <= set(GRAPH)
+    assert "services.decoder.engine_core" in GRAPH["services.decoder.engine"]
     assert "services.common.errors" in GRAPH["services.common.server"]
     assert "tessera.client.sync" in GRAPH and "tessera.cli.up" in GRAPH
 
@@ -121,11 +122,13 @@ def _path_of(module: str) -> Path:
     return path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
 
 
+@pytest.mark.parametrize("engine", ["services.decoder.engine_core", "services.decoder.engine"])
 @pytest.mark.parametrize("forbidden", ["grpc", "tessera.v1"])
-def test_the_decoder_engine_knows_no_transport(forbidden):
-    """Neither the engine nor a decoder module it reaches imports `forbidden` (common's shared
-    modules, the error table among them, are outside the engine's transport)."""
-    reached, stack = set(), ["services.decoder.engine"]
+def test_the_decoder_engine_knows_no_transport(engine, forbidden):
+    """Neither the engine core, nor its async client, nor a decoder module they reach imports
+    `forbidden` (common's shared modules, the error table among them, are outside the engine's
+    transport)."""
+    reached, stack = set(), [engine]
     while stack:
         module = stack.pop()
         if module not in reached:

@@ -7,7 +7,8 @@ service's own (`make_registry`). Gauges are read from the running service when P
 stats.py, services/pooling/stats.py, services/vision/stats.py) and, for the gateway, from the
 downstream-call interceptors below (services/gateway/metrics.py). The decoder's names and meanings
 are vLLM's, so dashboards, alerts and autoscaling rules written for vLLM read a tessera decoder
-unchanged; the scheduler gauges:
+unchanged; the scheduler gauges (services/decoder/stats.py `DecoderCollector` serves them, with the
+rest of the decoder's families):
 
     vllm:num_requests_waiting{model_name}   requests queued, not yet scheduled
     vllm:num_requests_running{model_name}   requests holding KV blocks in the running batch
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -41,35 +41,6 @@ def check_metrics_port(port: int) -> None:
     """Raises ValueError unless `port` is 0 (off) or a TCP port."""
     if not 0 <= port <= 65535:
         raise ValueError(f"metrics_port must be 0 (off) or a TCP port in 1..65535, got {port}")
-
-
-class SchedulerStats(Protocol):
-    """What the decoder collector reads (services.decoder.engine.EngineStats has it)."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_running: int
-    num_waiting: int
-
-
-class DecoderCollector(Collector):
-    """vLLM's scheduler gauges for one decoder. `stats` returns None while the model is loading
-    (then the gauges have no samples: an autoscaler sees no value rather than a false zero)."""
-
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]):
-        self.model_name, self.stats = model_name, stats
-
-    def collect(self) -> Iterator[Metric]:
-        waiting = GaugeMetricFamily(DECODER_WAITING, "Requests waiting to be scheduled.", labels=["model_name"])
-        running = GaugeMetricFamily(DECODER_RUNNING, "Requests in the running batch.", labels=["model_name"])
-        usage = GaugeMetricFamily(DECODER_KV_USAGE, "KV-cache usage; 1 means 100 percent.", labels=["model_name"])
-        stats = self.stats()
-        if stats is not None:
-            label = [self.model_name]
-            waiting.add_metric(label, stats.num_waiting)
-            running.add_metric(label, stats.num_running)
-            usage.add_metric(label, 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0)
-        yield from (waiting, running, usage)
 
 
 class PoolingCollector(Collector):

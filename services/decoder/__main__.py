@@ -16,13 +16,12 @@ from services.common import auth, logs
 from services.common.config_cli import add_flags, from_flags
 from services.common.limits import GenerateLimits
 from services.common.message_limits import decoder_bytes
-from services.common.metrics import DecoderCollector, start_metrics_server
+from services.common.metrics import start_metrics_server
 from services.common.server import exit_refused, exit_unhealthy_after_s, serve
 from services.decoder.adapter_client import RegistryAdapterSource
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine
 from services.decoder.servicer import DecoderServicer
-from services.decoder.stats import EngineCollector
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc
 
 
@@ -63,10 +62,7 @@ def run(address: str, config: DecoderConfig) -> None:
     backends failed) or OSError (a port cannot be bound) before health ever says SERVING."""
     engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
     servicer = DecoderServicer(engine)
-    name = config.served_model_names[0]  # the metrics' model label
-    start_metrics_server(config.metrics_port, address, DecoderCollector(
-        name, lambda: engine.stats() if engine.started else None),
-        EngineCollector(name, lambda: engine if engine.started else None))
+    start_metrics_server(config.metrics_port, address, engine.collector())
 
     def register(server):
         decoder_pb2_grpc.add_DecoderServicer_to_server(servicer, server)

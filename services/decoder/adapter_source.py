@@ -27,12 +27,15 @@ class AdapterSource(ABC):
     Contract: `start(slots)` is awaited once, on the event loop that serves requests, before the
     first `acquire`; `acquire(name)` returns a slot of `slots` holding `name`'s weights, leased
     under `name` (it may load them into an idle slot, and waits while every slot is leased);
-    `release(slot, name)` ends one such lease and may be called from any thread; `close()` ends
-    background work. Acquire raises InvalidArgument for a malformed name, NotFound for an
+    `share(slot, name)` takes one more lease on a slot the caller holds one on (the other choices
+    of an n > 1 request); `release(slot, name)` ends one lease and may be called from any thread;
+    `close()` ends background work. Every lease the engine holds is taken and given back here. Acquire raises InvalidArgument for a malformed name, NotFound for an
     unknown one, and the source's own errors (FailedPrecondition, Unavailable) before any lease.
     """
 
     slots: AdapterSlots | None = None
+    num_weight_fetches = 0   # weight downloads (a registry source counts them)
+    num_host_cache_hits = 0  # weight lookups a host-memory tier answered
 
     async def start(self, slots: AdapterSlots) -> None:
         """Serve leases of `slots` from now on."""
@@ -41,6 +44,14 @@ class AdapterSource(ABC):
     @abstractmethod
     async def acquire(self, name: str) -> int:
         """Lease a slot holding adapter `name`; returns the slot index."""
+
+    def share(self, slot: int, name: str) -> int:
+        """One more lease on `slot`, which the caller holds leased as adapter `name` (so its
+        weights are resident: this never waits or loads); returns `slot` (thread-safe)."""
+        shared = self.slots.acquire(self.slots.digest_of(slot), name)
+        if shared != slot:
+            raise RuntimeError(f"slot {slot} holds no leased adapter to share as {name!r}")
+        return shared
 
     def release(self, slot: int, name: str) -> None:
         """End one lease on `slot` taken as adapter `name` (thread-safe)."""

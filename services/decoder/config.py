@@ -18,10 +18,10 @@ from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_
 from services.common.metrics import check_metrics_port
 from services.common.mrope import check_mrope_section, parse_mrope_section
 from services.common.server import default_address
-from services.decoder.attention import ATTENTION_BACKENDS, resolve_attention_backend
+from services.decoder.attention import ATTENTION_BACKENDS
 from services.decoder.kernels import native
-from services.decoder.linear import LINEAR_BACKENDS, resolve_linear_backend
-from services.decoder.lora.registry import LORA_BACKENDS, check_dtype, resolve_lora_backend
+from services.decoder.linear import LINEAR_BACKENDS
+from services.decoder.lora.registry import LORA_BACKENDS, check_dtype
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
 from services.decoder.types import GenerationDefaults
@@ -49,13 +49,14 @@ class DecoderConfig:
     image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
 `enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
 `dtype`: "auto" (default) follows the checkpoint's config.json (`resolve_dtype`); resolved here.
-`attention_backend`, `lora_backend`: "auto" (default) resolves here to the fastest that runs:
+`attention_backend`, `lora_backend`: "auto" (default) resolves when the engine starts
+(engine_parts.py `resolve_backends`; building the config builds nothing) to the fastest that runs:
 "triton" on a CUDA device, "cpu" on the CPU where the C kernels build (kernels/native.py, built
 then) and compute the dtype (float32, bfloat16), else "torch". Attention: "torch" (any device),
 "triton" (paged attention kernel; needs a GPU, or TRITON_INTERPRET=1 on CPU, and a power-of-two
 block_size) or "cpu" (decode rows in a C kernel; faster decode attention than the torch path on
 long contexts: bench/results/kernels.md).
-`linear_backend`: "auto" (default) resolves here to "cpu" (the C GEMM on packed weights,
+`linear_backend`: "auto" (default) resolves at start to "cpu" (the C GEMM on packed weights,
 services/decoder/linear.py, and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py) on a CPU without
 AVX-512 where the kernels build, else "torch".
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
@@ -133,7 +134,7 @@ generation_config.json (none when it has none), a directory holding a generation
         self._check_device()
         self._derive_from_checkpoint()
         self.generation_defaults = self._read_generation_defaults()
-        self._resolve_precision(self.torch_device)
+        self._resolve_dtype(self.torch_device)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -224,17 +225,14 @@ generation_config.json (none when it has none), a directory holding a generation
             raise ValueError(f"the cpu linear backend computes {' and '.join(native.DTYPES)} only, got dtype "
                              f"{self.dtype!r}")
 
-    def _resolve_precision(self, device: torch.device) -> None:
-        """dtype "auto" from the checkpoint, then "auto" backends for `device` and that dtype (building
-        the C kernels when the cpu backends are candidates)."""
+    def _resolve_dtype(self, device: torch.device) -> None:
+        """dtype "auto" from the checkpoint (`resolve_dtype`), then the explicit backends checked
+        against it. The "auto" backends stay "auto": the engine chooses them when it starts
+        (services/decoder/engine_parts.py `resolve_backends`), as that may build the C kernels."""
         if self.dtype == AUTO:
             self.dtype = resolve_dtype(self.checkpoint.raw, device)
             log.info("dtype auto: %s (checkpoint %s)", self.dtype, checkpoint_dtype(self.checkpoint.raw))
             self._check_backends_take_dtype()
-        self.attention_backend = resolve_attention_backend(self.attention_backend, device, self.dtype,
-                                                           self.block_size)
-        self.lora_backend = resolve_lora_backend(self.lora_backend, device, self.dtype)
-        self.linear_backend = resolve_linear_backend(self.linear_backend, device, self.dtype)
 
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""

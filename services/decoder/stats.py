@@ -23,6 +23,9 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.metrics import DECODER_KV_USAGE, DECODER_RUNNING, DECODER_WAITING
+from services.decoder.types import EngineStats
+
 FINISH_REASONS = ("stop", "length", "abort")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -135,10 +138,23 @@ class DecoderStats(Collector):
             yield from metric.collect()
 
 
-class EngineCollector(Collector):
-    """The engine's `DecoderStats`, and what is read from the engine at scrape time (no samples
-    while it loads: `engine()` is None):
+@dataclass(frozen=True)
+class CacheInfo:
+    """The KV cache's configuration, for `vllm:cache_config_info`, and the adapter slots (max_lora)."""
 
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    cache_dtype: str
+    max_lora: int
+
+
+class DecoderCollector(Collector):
+    """Every metric of one decoder, read at scrape time from one `EngineStats` snapshot (`stats()`,
+    None while the model loads: then only the scheduler gauges, without samples, so an autoscaler
+    sees no value rather than a false zero) and the request metrics of `requests`:
+
+        vllm:num_requests_waiting / _running, vllm:kv_cache_usage_perc    services/common/metrics.py
         vllm:prefix_cache_queries_total / _hits_total   prompt tokens looked up / found in the
                                                         prefix cache at admission (vLLM counts tokens)
         vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
@@ -147,42 +163,52 @@ class EngineCollector(Collector):
         tessera_adapter_swaps_total                     adapters loaded into a bank slot
         tessera_adapter_host_cache_hits_total           adapter weights found in the host-memory tier
         tessera_adapter_weight_fetches_total            weight downloads from the adapter registry
-
-    `engine` returns the running `LLMEngine` (its `config`, `metrics`, `block_manager`, `bank`, `adapters`).
     """
 
-    def __init__(self, model_name: str, engine: Callable[[], object | None]) -> None:
-        self.model_name, self.engine = model_name, engine
+    def __init__(self, model_name: str, requests: DecoderStats, cache: CacheInfo,
+                 stats: Callable[[], EngineStats | None]) -> None:
+        self.model_name, self.requests, self.cache, self.stats = model_name, requests, cache, stats
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.engine()
-        if engine is None:
+        name, stats = self.model_name, self.stats()
+        yield from _scheduler_gauges(name, stats)
+        if stats is None:
             return
-        yield from engine.metrics.collect()
-        name, config = self.model_name, engine.config
-        prefix, adapters, lora = engine.block_manager.stats, engine.adapters, engine.metrics.lora
+        yield from self.requests.collect()
         for metric, doc, value in (
-                ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", prefix.num_query_tokens),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", prefix.num_hit_tokens),
-                ("tessera_adapter_swaps", "Adapters written into a device slot.", engine.bank.num_swaps),
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.",
+                 stats.prefix_cache_query_tokens),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", stats.prefix_cache_hit_tokens),
+                ("tessera_adapter_swaps", "Adapters written into a device slot.", stats.num_adapter_swaps),
                 ("tessera_adapter_host_cache_hits", "Adapter weights found in the host-memory tier.",
-                 adapters.num_host_cache_hits),
+                 stats.num_adapter_host_cache_hits),
                 ("tessera_adapter_weight_fetches", "Adapter weight downloads from the registry.",
-                 adapters.num_weight_fetches)):
+                 stats.num_adapter_weight_fetches)):
             family = CounterMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], value)
             yield family
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                  labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        info.add_metric([name, ",".join(lora.running), ",".join(lora.waiting), str(config.adapter_slots)],
-                        lora.updated_s)
+        info.add_metric([name, ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                         str(self.cache.max_lora)], stats.lora_updated_s)
         yield info
         cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache's configuration.",
                                   labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                                           "cache_dtype"])
-        cache.add_metric([name, str(config.block_size), str(config.num_blocks),
-                          str(config.enable_prefix_caching), config.dtype], 1.0)
+        cache.add_metric([name, str(self.cache.block_size), str(self.cache.num_blocks),
+                          str(self.cache.enable_prefix_caching), self.cache.cache_dtype], 1.0)
         yield cache
+
+
+def _scheduler_gauges(name: str, stats: EngineStats | None) -> Iterator[Metric]:
+    waiting = GaugeMetricFamily(DECODER_WAITING, "Requests waiting to be scheduled.", labels=["model_name"])
+    running = GaugeMetricFamily(DECODER_RUNNING, "Requests in the running batch.", labels=["model_name"])
+    usage = GaugeMetricFamily(DECODER_KV_USAGE, "KV-cache usage; 1 means 100 percent.", labels=["model_name"])
+    if stats is not None:
+        waiting.add_metric([name], stats.num_waiting)
+        running.add_metric([name], stats.num_running)
+        usage.add_metric([name], 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+    yield from (waiting, running, usage)
 
 
 def _names(requests: Iterable) -> tuple[str, ...]:

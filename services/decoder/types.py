@@ -395,7 +395,9 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
-    """The scheduler's and the KV cache's state now (counts of blocks and requests)."""
+    """The engine's state now, taken at once: the scheduler's and the KV cache's counts of blocks
+    and requests, the prefix cache's and the adapters' counters since start, and the adapters of
+    the running and waiting requests at the last scheduling step (GetInfo's and the metrics')."""
 
     num_blocks: int
     num_free_blocks: int
@@ -405,6 +407,13 @@ class EngineStats:
     prefix_cache_queries: int = 0      # admissions that looked the prefix cache up
     prefix_cache_hits: int = 0         # admissions that reused at least one cached block
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0  # prompt tokens looked up
+    num_adapter_swaps: int = 0          # adapters written into a device slot
+    num_adapter_host_cache_hits: int = 0
+    num_adapter_weight_fetches: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    lora_updated_s: float = 0.0         # wall-clock seconds of the adapter lists' last update
 
 
 @dataclass

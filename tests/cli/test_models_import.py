@@ -35,7 +35,7 @@ def _greedy(model_dir) -> tuple[list[list[int]], list[list[int]]]:
     try:
         requests = [GenerateInput(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), request_id=f"q{i}",
                                   messages=(ChatMessage("user", (TextPart(q),)),)) for i, q in enumerate(QUESTIONS)]
-        prompts = [list(engine.prompts.build(r).token_ids) for r in requests]
+        prompts = [list(engine.parts.prompts.build(r).token_ids) for r in requests]
         return prompts, [ids for ids, _, _ in run_requests(engine, requests)]
     finally:
         engine.shutdown()

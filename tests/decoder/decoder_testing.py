@@ -97,7 +97,7 @@ def hf_reference_batch(model, prompts: list[list[int]], max_new_tokens: int,
 def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
     """Record the engine's sampled fp32 logits rows per request id (one row per generated token)."""
     rows: dict[str, list[torch.Tensor]] = {}
-    compute = engine.runner.logits
+    compute = engine.parts.runner.logits
 
     def recording(inputs, *args):
         logits = compute(inputs, *args)
@@ -105,7 +105,7 @@ def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
             rows.setdefault(item.request.request_id, []).append(row.clone())
         return logits
 
-    engine.runner.logits = recording
+    engine.parts.runner.logits = recording
     return rows
 
 
@@ -117,7 +117,7 @@ def capture_prompt_logits(engine) -> dict[str, dict[int, torch.Tensor]]:
     the row's absolute position.
     """
     found: dict[str, dict[int, torch.Tensor]] = {}
-    runner = engine.runner
+    runner = engine.parts.runner
     prepare, forward = runner.prepare, runner._forward
     step = {}
 
@@ -163,11 +163,11 @@ def cancel_mid_stream(engine, victim, others, num_outputs: int = 3):
         stream = engine.generate(victim)
         for _ in range(num_outputs):
             await stream.__anext__()
-        key = next(k for k, r in engine._requests.items() if r.request_id == victim.request_id)
-        held = len(engine.block_manager.block_table(key))
+        key = next(k for k, r in engine.core.requests.items() if r.request_id == victim.request_id)
+        held = len(engine.parts.block_manager.block_table(key))
         await stream.aclose()
         for _ in range(400):
-            if all(r.request_id != victim.request_id for r in engine.scheduler.running):
+            if all(r.request_id != victim.request_id for r in engine.parts.scheduler.running):
                 return held
             await asyncio.sleep(0.005)
         return None

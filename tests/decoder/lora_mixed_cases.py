@@ -75,7 +75,7 @@ def run_engine(model_dir: Path, root: Path, backend: str) -> dict[str, tuple[lis
     try:
         for name in ADAPTERS:
             weights = registry_weights(model_dir, root, name)
-            engine.bank.load(weights)
+            engine.parts.bank.load(weights)
             engine.adapters.add(name, weights)
         logits = capture_logits(engine)
         jobs = []
@@ -93,7 +93,7 @@ def run_engine(model_dir: Path, root: Path, backend: str) -> dict[str, tuple[lis
             return await asyncio.gather(*(collect(r) for r, _ in jobs))
 
         ids = asyncio.run(main())
-        assert all(engine.bank.num_leases(s) == 0 for s in range(engine.bank.num_slots))
+        assert all(engine.parts.bank.num_leases(s) == 0 for s in range(engine.parts.bank.num_slots))
         return {r.request_id: (i, torch.stack(logits[r.request_id])) for (r, _), i in zip(jobs, ids)}
     finally:
         engine.shutdown()

@@ -86,7 +86,7 @@ def load_request(name: str, path: str, replace: bool = False) -> adapters_pb2.Lo
 
 def assert_nothing_leaked(engine: LLMEngine) -> None:
     """No lease, waiter, running or waiting request is left; every slot is reusable."""
-    bank = engine.bank
+    bank = engine.parts.bank
     assert all(bank.num_leases(s) == 0 for s in range(bank.num_slots))
     assert set(bank.residency().values()) <= {0}
     assert bank.num_idle() == bank.num_slots

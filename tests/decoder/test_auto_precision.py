@@ -11,6 +11,7 @@ import torch
 
 from services.decoder.attention import resolve_attention_backend
 from services.decoder.config import DecoderConfig, checkpoint_dtype, resolve_dtype
+from services.decoder.engine_parts import resolve_backends
 from services.decoder.kernels import native
 from services.decoder.lora.registry import resolve_lora_backend, triton_available
 
@@ -49,13 +50,17 @@ def test_config_resolves_auto_from_a_bf16_checkpoint(tiny_llama, tmp_path, caplo
     assert checkpoint_dtype(json.loads((tiny_llama / "config.json").read_text())) == "float32"
     with caplog.at_level(logging.INFO):
         config = DecoderConfig(model_dir=str(model_dir))
+        assert (config.attention_backend, config.lora_backend, config.linear_backend) == ("auto",) * 3  # built at start
+        chosen = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
+        assert len(chosen) == 1 and "bfloat16" in chosen[0]  # the dtype
+        backends = resolve_backends(config)
     assert config.dtype == "bfloat16"
     built = native.unavailable("bfloat16") is None
-    assert (config.attention_backend, config.lora_backend) == (("cpu", "cpu") if built else ("torch", "torch"))
+    assert (backends.attention, backends.lora) == (("cpu", "cpu") if built else ("torch", "torch"))
     chosen = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
     assert len(chosen) == 4 and any("bfloat16" in line for line in chosen)  # dtype + 3 backends, once each
     explicit = DecoderConfig(model_dir=str(model_dir), dtype="float32", attention_backend="torch")
-    assert (explicit.dtype, explicit.attention_backend) == ("float32", "torch")
+    assert (explicit.dtype, resolve_backends(explicit).attention) == ("float32", "torch")
 
 
 def test_backend_auto_per_device_and_dtype():
@@ -70,3 +75,13 @@ def test_backend_auto_per_device_and_dtype():
     for name in ("torch", "cpu", "triton"):  # a named backend is taken as named
         assert resolve_attention_backend(name, CUDA, "float16", 12) == name
         assert resolve_lora_backend(name, CPU, "float64") == name
+
+
+def test_the_config_builds_no_kernels(tiny_llama, monkeypatch):
+    """Backend choice, and the C kernel builds it may need, happen when the engine starts."""
+    def refuse():
+        raise AssertionError("DecoderConfig built the C kernels")
+
+    monkeypatch.setattr(native, "load", refuse)
+    config = DecoderConfig(model_dir=str(tiny_llama))
+    assert (config.attention_backend, config.lora_backend, config.linear_backend) == ("auto",) * 3

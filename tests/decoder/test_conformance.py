@@ -78,8 +78,8 @@ def test_chunked_prefill_every_prompt_chunked(family, attention_backend):
     model_dir, refs = family
     engine = _engine(model_dir, attention_backend, max_num_batched_tokens=16)
     chunks = []
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
+    schedule = engine.parts.scheduler.schedule
+    engine.parts.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
         s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))[0]
     try:
         _check(engine, refs, PROMPTS[-6:])  # prompts of 40..70 tokens: at least 3 chunks each
@@ -107,8 +107,8 @@ def test_preemption_recompute(family, attention_backend):
     # 24 blocks of 8 tokens cannot hold 16 requests of up to 70 + 64 tokens at once
     engine = _engine(model_dir, attention_backend, num_blocks=24, block_size=8)
     preempted = []
-    original = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    original = engine.parts.scheduler._preempt
+    engine.parts.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
     try:
         _check(engine, refs, PROMPTS)
         assert engine.stats().num_free_blocks == 24

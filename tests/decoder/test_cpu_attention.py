@@ -17,6 +17,7 @@ from services.decoder.attention import make_attention_backend
 from services.decoder.attention.cpu_backend import CpuAttentionMetadata
 from services.decoder.attention.torch_backend import paged_attention, prefill_span
 from services.decoder.config import DecoderConfig
+from services.decoder.engine_parts import resolve_backends
 from services.decoder.kernels import native
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora.registry import make_backend
@@ -207,8 +208,8 @@ def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypa
     monkeypatch.setenv("CC", "true")  # "succeeds" without building anything
     with pytest.raises(ValueError, match="built but could not be loaded"):
         make_attention_backend("cpu")
-    config = DecoderConfig(model_dir=str(tiny_llama))  # auto falls back to torch, naming why
-    assert (config.attention_backend, config.lora_backend) == ("torch", "torch")
+    backends = resolve_backends(DecoderConfig(model_dir=str(tiny_llama)))  # auto falls back to torch, naming why
+    assert (backends.attention, backends.lora) == ("torch", "torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import make_registry
-from services.decoder.stats import DecoderStats, EngineCollector
+from services.decoder.stats import DecoderStats
 from tessera.v1 import adapters_pb2_grpc
 
 
@@ -75,7 +75,7 @@ def test_adapter_swaps_and_host_tier_hits_on_one_slot(tiny_llama, tmp_path):
 
     try:
         run(main())
-        values = _values(EngineCollector("m", lambda: engine))
+        values = _values(engine.collector())
         assert values[("tessera_adapter_swaps_total", ())] == 3
         assert values[("tessera_adapter_weight_fetches_total", ())] == 2
         assert values[("tessera_adapter_host_cache_hits_total", ())] == 1

@@ -81,13 +81,13 @@ def test_engine_puts_weights_cache_slots_tables_and_generators_on_its_device(tin
         device = engine.device
         assert device == resolve_device(engine.config.device) == engine.config.torch_device
         assert device.type == engine.config.device
-        placed = [*engine.model.parameters(), *engine.model.buffers(), engine.model.rotary.inv_freq,
-                  *engine.cache.key, *engine.cache.value]
-        name, (in_features, out_features) = next(iter(engine.bank.module_shapes.items()))
-        engine.bank.load(LoRAWeights("d", {name: (torch.ones(2, in_features), torch.ones(out_features, 2))}))
-        placed += [factor for module in engine.bank.module_shapes if (f := engine.bank.factors(module)) for factor in f]
+        placed = [*engine.parts.model.parameters(), *engine.parts.model.buffers(), engine.parts.model.rotary.inv_freq,
+                  *engine.parts.cache.key, *engine.parts.cache.value]
+        name, (in_features, out_features) = next(iter(engine.parts.bank.module_shapes.items()))
+        engine.parts.bank.load(LoRAWeights("d", {name: (torch.ones(2, in_features), torch.ones(out_features, 2))}))
+        placed += [factor for module in engine.parts.bank.module_shapes if (f := engine.parts.bank.factors(module)) for factor in f]
         assert len(placed) > 20 and {t.device for t in placed} == {device}
-        assert engine.cache.device == engine.bank.device == device
+        assert engine.parts.cache.device == engine.parts.bank.device == device
         request = engine._make_requests(_generate_input(seed=5), PromptInputs([1, 2, 3]), None, "")[0]
         assert request.generator.device == device == make_generator(None, device).device
     finally:

@@ -64,11 +64,11 @@ def test_a_bad_step_fails_only_its_requests(engine, owner, name):
     torch.manual_seed(0)  # a small adapter on q_proj: each request holds a lease on its slot
     weights = LoRAWeights("digest-x", {f"model.layers.{i}.self_attn.q_proj": (
         torch.randn(4, 64) * 0.1, torch.randn(64, 4) * 0.1) for i in range(2)})
-    slot = engine.bank.load(weights)
+    slot = engine.parts.bank.load(weights)
     engine.adapters.add("x", weights)
 
     async def main():
-        _fail_once(getattr(engine, owner), name)
+        _fail_once(getattr(engine.parts, owner), name)
         # max_num_seqs 1: the failing step holds one request; the other waits, then runs
         results = await asyncio.wait_for(asyncio.gather(*(
             _tokens(engine, _request(key), "x") for key in ("a", "b")),
@@ -82,13 +82,13 @@ def test_a_bad_step_fails_only_its_requests(engine, owner, name):
     asyncio.run(main())
     stats = engine.stats()
     assert (stats.num_free_blocks, stats.num_running, stats.num_waiting) == (32, 0, 0)
-    assert engine.bank.num_leases(slot) == 0
-    assert engine._thread.is_alive() and engine.health() is None
+    assert engine.parts.bank.num_leases(slot) == 0
+    assert engine.core.is_alive() and engine.health() is None
 
 
 def test_a_wedged_engine_turns_unhealthy_after_the_bound(engine):
     release, entered = threading.Event(), threading.Event()
-    execute = engine.runner.execute
+    execute = engine.parts.runner.execute
 
     def blocked(out):
         entered.set()
@@ -96,7 +96,7 @@ def test_a_wedged_engine_turns_unhealthy_after_the_bound(engine):
         return execute(out)
 
     async def main():
-        engine.runner.execute = blocked
+        engine.parts.runner.execute = blocked
         task = asyncio.create_task(_tokens(engine, _request("w")))
         try:
             assert await asyncio.to_thread(entered.wait, 5)
@@ -110,7 +110,7 @@ def test_a_wedged_engine_turns_unhealthy_after_the_bound(engine):
             assert reasons[0] is None and 0.9 <= waited < 2.0
             assert "wedged" in reasons[-1] and "1 s" in reasons[-1]
         finally:
-            engine.runner.execute = execute
+            engine.parts.runner.execute = execute
             release.set()
         assert len(await asyncio.wait_for(task, 30)) == 4
         assert engine.health() is None  # steps complete again
@@ -138,7 +138,7 @@ def test_a_dead_engine_says_not_serving_and_fails_requests_at_once(tiny_llama):
                                                   sampling=decoder_pb2.SamplingParams(max_tokens=4))
             assert len([r async for r in stub.Generate(request)]) >= 1
 
-            servicer.engine.scheduler.schedule = killed
+            servicer.engine.parts.scheduler.schedule = killed
             with pytest.raises(grpc.aio.AioRpcError) as pending:
                 [r async for r in stub.Generate(request, timeout=10)]
             died = time.monotonic()

@@ -92,14 +92,14 @@ def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(tiny_llama):
 
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=64, max_num_seqs=1,
                                         max_waiting=1))
-    execute, in_step, resume = engine.runner.execute, threading.Event(), threading.Event()
+    execute, in_step, resume = engine.parts.runner.execute, threading.Event(), threading.Event()
 
     def slow_execute(out):
         in_step.set()
         resume.wait(30)
         return execute(out)
 
-    engine.runner.execute = slow_execute
+    engine.parts.runner.execute = slow_execute
 
     def request():
         return GenerateInput(SamplingParams(max_tokens=2, ignore_eos=True), prompt_token_ids=(1, 2, 3))

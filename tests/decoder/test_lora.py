@@ -62,8 +62,8 @@ def test_lora_and_base_in_one_batch_equal_peft_and_base(tiny_llama):
                                         max_lora_rank=16), adapters)
     try:
         weights_a, weights_b = _weights(peft_a, "digest-a"), _weights(peft_b, "digest-b")
-        slot_a = engine.bank.load(weights_a)
-        slot_b = engine.bank.load(weights_b)
+        slot_a = engine.parts.bank.load(weights_a)
+        slot_b = engine.parts.bank.load(weights_b)
         adapters.add("a", weights_a)
         adapters.add("b", weights_b)
         assert (slot_a, slot_b) == (0, 1)
@@ -82,7 +82,7 @@ def test_lora_and_base_in_one_batch_equal_peft_and_base(tiny_llama):
         results = asyncio.run(main())
         expected = [ref for triple in zip(refs_a, refs_base, refs_b) for ref in triple]
         assert results == expected
-        assert engine.bank.num_leases(slot_a) == 0 and engine.bank.num_leases(slot_b) == 0
+        assert engine.parts.bank.num_leases(slot_a) == 0 and engine.parts.bank.num_leases(slot_b) == 0
     finally:
         engine.shutdown()
 
@@ -113,10 +113,10 @@ def test_non_finite_logits_fail_only_their_request(tiny_llama):
 
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
                                         max_lora_rank=16), InMemoryAdapterSource())
-    shapes = engine.bank.module_shapes
+    shapes = engine.parts.bank.module_shapes
     huge = LoRAWeights("huge", {name: (torch.full((4, i), 1e30), torch.full((o, 4), 1e30))
                                 for name, (i, o) in shapes.items() if name.endswith(("o_proj", "down_proj"))})
-    slot = engine.bank.load(huge)
+    slot = engine.parts.bank.load(huge)
     engine.adapters.add("huge", huge)
 
     async def sampled(lora):
@@ -133,7 +133,7 @@ def test_non_finite_logits_fail_only_their_request(tiny_llama):
         alone, (bad, neighbour) = asyncio.run(main())
         assert isinstance(bad, FailedPrecondition) and "not finite" in str(bad), bad
         assert neighbour == alone and len(alone) == 8
-        assert engine.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
+        assert engine.parts.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
     finally:
         engine.shutdown()
 
@@ -165,14 +165,14 @@ def test_an_overflowing_request_leaves_no_poison_in_reused_blocks(tiny_llama):
     engine = engine_()
     try:
         huge = LoRAWeights("huge", {name: (torch.full((4, i), 1e30), torch.full((o, 4), 1e30))
-                                    for name, (i, o) in engine.bank.module_shapes.items()})
-        engine.bank.load(huge)
+                                    for name, (i, o) in engine.parts.bank.module_shapes.items()})
+        engine.parts.bank.load(huge)
         engine.adapters.add("huge", huge)
         for _ in range(3):
             with pytest.raises(FailedPrecondition, match="not finite"):
                 run(engine, list(range(200, 260)), "huge")
         assert [run(engine, p) for p in prompts] == expected
-        assert all(bool(torch.isfinite(v).all()) for v in engine.cache.value)
+        assert all(bool(torch.isfinite(v).all()) for v in engine.parts.cache.value)
     finally:
         engine.shutdown()
 
@@ -186,9 +186,9 @@ def test_hidden_states_past_float32_range_fail_the_request(tiny_llama):
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
                                         max_lora_rank=16), InMemoryAdapterSource())
     name = "model.layers.0.self_attn.o_proj"
-    in_f, out_f = engine.bank.module_shapes[name]
+    in_f, out_f = engine.parts.bank.module_shapes[name]
     loud = LoRAWeights("loud", {name: (torch.full((4, in_f), 1.0), torch.full((out_f, 4), 1e20))})
-    slot = engine.bank.load(loud)
+    slot = engine.parts.bank.load(loud)
     engine.adapters.add("loud", loud)
 
     async def run(lora):
@@ -201,6 +201,6 @@ def test_hidden_states_past_float32_range_fail_the_request(tiny_llama):
             asyncio.run(run("loud"))
         base = asyncio.run(run(""))  # the base model is unharmed
         assert sum(len(out.token_ids) for out in base) == 4
-        assert engine.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
+        assert engine.parts.bank.num_leases(slot) == 0 and engine.stats().num_free_blocks == 64
     finally:
         engine.shutdown()

@@ -116,7 +116,7 @@ def test_leased_unload_refused_drain_waits_and_reload_follows_new_weights(tiny_l
             assert info.state == "draining" and not drain.done()
             await asyncio.sleep(0.3)
             assert not drain.done()                          # still leased: the replace waits
-            engine.bank.release(slot, "a")                   # the request finishes
+            engine.parts.bank.release(slot, "a")                   # the request finishes
             second = await asyncio.wait_for(drain, 10)
             assert second.digest != first.digest and second.generation == first.generation + 1
 
@@ -157,12 +157,12 @@ def test_names_sharing_weights_do_not_share_leases_or_drains(tiny_llama, registr
             await asyncio.wait_for(drain, 10)                  # while "a" still holds its lease
             listed = (await stub.ListAdapters(adapters_pb2.ListAdaptersRequest())).adapters
             assert [(info.name, info.leases) for info in listed] == [("a", 1)]
-            engine.bank.release(slot, "a")
+            engine.parts.bank.release(slot, "a")
             await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="a"))
         await engine.adapters.close()
 
     try:
         asyncio.run(main())
-        assert set(engine.bank.residency().values()) <= {0}
+        assert set(engine.parts.bank.residency().values()) <= {0}
     finally:
         engine.shutdown()

@@ -145,7 +145,7 @@ def test_decoder_service_reports_residency_from_start(tiny_llama, root, tmp_path
         await servicer.engine.start()
         try:
             servicer.engine.adapters.report_interval_s = 0.05
-            servicer.engine.bank.load(registry_weights(tiny_llama, root, "pattern16"))
+            servicer.engine.parts.bank.load(registry_weights(tiny_llama, root, "pattern16"))
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
                 [info] = await _list(registry.address)

@@ -68,7 +68,7 @@ def test_three_adapters_on_two_slots_all_complete_equal_to_peft(tiny_llama, regi
         assert first == [refs[j] for j in jobs] and second == first
         assert engine.adapters.num_slot_waits >= 1             # the third adapter waited for a slot
         assert fetches == 3 and engine.adapters.num_weight_fetches == 3  # swap-ins came from host memory
-        assert len(engine.adapters.host_cache) == 3 and len(engine.bank.residency()) == 2
+        assert len(engine.adapters.host_cache) == 3 and len(engine.parts.bank.residency()) == 2
         assert engine.adapters.host_cache.max_bytes == engine.config.adapter_host_cache_mb << 20
         assert_nothing_leaked(engine)
     finally:
@@ -93,10 +93,10 @@ def test_slot_reuse_equals_cold_run_and_n_plus_one_cycles_leak_nothing(tiny_llam
             assert await generate(warm, "r-all", request_id="all") == ref_all
             await warm.adapters.report_once()
             await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="r-all"))
-            warm.bank.load(LoRAWeights("filler", {}))             # occupy slot 1: q/v must reuse slot 0
-            assert warm.bank.slot_of(all_digest) == 0
+            warm.parts.bank.load(LoRAWeights("filler", {}))             # occupy slot 1: q/v must reuse slot 0
+            assert warm.parts.bank.slot_of(all_digest) == 0
             warm_ids = await generate(warm, "r-qv", request_id="qv")
-            assert warm.bank.slot_of(qv_digest) == 0 and warm.bank.slot_of(all_digest) is None
+            assert warm.parts.bank.slot_of(qv_digest) == 0 and warm.parts.bank.slot_of(all_digest) is None
             await cold.adapters.report_once()
             await warm.adapters.report_once()
             await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="r-qv"))
@@ -119,7 +119,7 @@ def test_slot_reuse_equals_cold_run_and_n_plus_one_cycles_leak_nothing(tiny_llam
         assert torch.equal(torch.stack(warm_logits["qv"]), torch.stack(cold_logits["qv"]))  # no stale A/B rows
         assert final == ref_all
         assert [(a.name, a.leases) for a in listed] == [("final", 0)]
-        assert len(warm.bank.residency()) <= 2 and len(warm.adapters.host_cache) == 5
+        assert len(warm.parts.bank.residency()) <= 2 and len(warm.adapters.host_cache) == 5
         assert warm.adapters.num_weight_fetches == 5  # "final" has plain4's digest: taken from host memory
         assert_nothing_leaked(warm)
     finally:

@@ -39,10 +39,10 @@ def _image_request(prompt_parts, max_tokens=NEW_TOKENS):
 
 
 def test_positions_and_delta_match_a_hand_computed_example(engine):
-    tokenizer = engine.tokenizer
+    tokenizer = engine.parts.tokenizer
     before, after = tokenizer("a b", add_special_tokens=False).input_ids, tokenizer(" c d e", add_special_tokens=False).input_ids
     assert (len(before), len(after)) == (2, 3)
-    prompt = engine.prompts.build(_image_request([TextPart("a b"), _image((1, 2, 3)), TextPart(" c d e")]))
+    prompt = engine.parts.prompts.build(_image_request([TextPart("a b"), _image((1, 2, 3)), TextPart(" c d e")]))
     assert prompt.token_ids == before + [3] * 6 + after
     assert prompt.mrope_positions.tolist() == [
         [0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 7],   # t
@@ -106,7 +106,7 @@ def test_image_rows_and_decode_delta_match_reference(tiny_llama, engine):
     parts = [TextPart("Look at"), _image((1, 3, 4), seed=1), TextPart(" and"), _image((2, 2, 2), seed=2),
              TextPart(" describe.")]
     request = _image_request(parts)
-    prompt = engine.prompts.build(request)
+    prompt = engine.parts.prompts.build(request)
     assert prompt.rope_delta < 0
     ref = _reference_greedy(tiny_llama, prompt, NEW_TOKENS)
     ids, _, last = run_requests(engine, [request])[0]
@@ -132,7 +132,7 @@ def test_image_refusals(engine):
     from services.common.errors import InvalidArgument
 
     def build(parts):
-        return engine.prompts.build(_image_request(parts))
+        return engine.parts.prompts.build(_image_request(parts))
 
     with pytest.raises(InvalidArgument, match="hidden size is 64"):
         build([ImagePart(torch.zeros(4, 32), (1, 2, 2), SECTION)])

@@ -38,7 +38,7 @@ def engine(tiny_llama):
 
 @pytest.fixture(scope="module")
 def prompt_ids(engine) -> tuple[int, ...]:
-    ids = tuple(engine.tokenizer(TEXT)["input_ids"])
+    ids = tuple(engine.parts.tokenizer(TEXT)["input_ids"])
     assert len(ids) > 32  # two full 16-token blocks: a prefix-cache hit is possible
     return ids
 
@@ -111,8 +111,8 @@ def test_chunked_prefill_in_slices_equals_transformers_and_projects_only_asking_
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512,
                                         max_num_batched_tokens=12, enable_prefix_caching=False))
     projected = []
-    compute = engine.runner.model.compute_logits
-    engine.runner.model.compute_logits = lambda rows: (projected.append(rows.shape[0]), compute(rows))[1]
+    compute = engine.parts.runner.model.compute_logits
+    engine.parts.runner.model.compute_logits = lambda rows: (projected.append(rows.shape[0]), compute(rows))[1]
     other = list(range(500, 530))
     try:
         results = run_requests(engine, [_request(prompt_ids, "asks", prompt_logprobs=NUM_TOP, max_tokens=1),
@@ -127,7 +127,7 @@ def test_chunked_prefill_in_slices_equals_transformers_and_projects_only_asking_
 
 
 def test_a_prefix_cache_hit_skips_no_asked_position_and_still_registers_blocks(engine, hf_model):
-    ids = tuple(engine.tokenizer(TEXT + " Then it rained on all of them.")["input_ids"])  # seen by no other test
+    ids = tuple(engine.parts.tokenizer(TEXT + " Then it rained on all of them.")["input_ids"])  # seen by no other test
     ref = _reference(hf_model, ids)
     first = _outputs(engine, _request(ids, "asks", prompt_logprobs=NUM_TOP))
     plain = _outputs(engine, _request(ids, "plain"))[-1]  # hits the blocks the asking request registered
@@ -159,8 +159,8 @@ def test_preemption_recomputes_without_duplicating_entries(tiny_llama, hf_model)
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=12, block_size=8, max_model_len=512,
                                         max_num_batched_tokens=16))
     preempted = []
-    original = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    original = engine.parts.scheduler._preempt
+    engine.parts.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
     prompts = [list(range(1000 + 40 * i, 1030 + 40 * i)) for i in range(4)]
     try:
         results = _outputs_concurrently(engine, [_request(p, f"r{i}", prompt_logprobs=2, max_tokens=20)
@@ -178,9 +178,9 @@ def test_return_prompt_gives_the_ids_and_text_special_tokens_kept(engine):
     text = "<|im_start|>user\nHello there<|im_end|>"
     outputs = _outputs(engine, GenerateInput(SamplingParams(max_tokens=2), prompt=(TextPart(text),),
                                              return_prompt=True))
-    ids = engine.tokenizer(text)["input_ids"]
+    ids = engine.parts.tokenizer(text)["input_ids"]
     assert outputs[0].prompt_token_ids == ids and outputs[0].prompt_text == text
-    assert ids[0] == engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == engine.parts.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert outputs[1].prompt_token_ids is None and outputs[1].prompt_text is None
 
 
@@ -188,29 +188,29 @@ def test_token_texts_join_back_to_the_text_and_bytes_decode_to_it(engine, prompt
     outputs = _outputs(engine, _request(prompt_ids, prompt_logprobs=2, top_logprobs=3, max_tokens=12))
     first = outputs[0]
     texts = first.token_texts
-    joined = engine.tokenizer.decode(prompt_ids[:1]) + "".join(texts[e.token_id].text for e in first.prompt_logprobs)
+    joined = engine.parts.tokenizer.decode(prompt_ids[:1]) + "".join(texts[e.token_id].text for e in first.prompt_logprobs)
     assert joined == TEXT
     for out in outputs:  # every id of the output's entries, chosen and alternatives, has its text
         for entry in (*out.logprobs, *(out.prompt_logprobs or ())):
             for token_id in (entry.token_id, *(t for t, _ in entry.top)):
                 text = out.token_texts[token_id]
-                assert text == TokenText(engine.tokenizer.decode([token_id]), text.bytes)
+                assert text == TokenText(engine.parts.tokenizer.decode([token_id]), text.bytes)
                 if "\ufffd" not in text.text:
                     assert text.bytes.decode() == text.text
     # the random model's tokens may split characters: their bytes still concatenate to the output
     generated = [t for out in outputs for t in out.token_ids]
     token_bytes = b"".join(out.token_texts[e.token_id].bytes for out in outputs for e in out.logprobs)
-    assert token_bytes.decode("utf-8", errors="replace") == engine.tokenizer.decode(generated)
+    assert token_bytes.decode("utf-8", errors="replace") == engine.parts.tokenizer.decode(generated)
     assert not _outputs(engine, _request(prompt_ids, max_tokens=2))[0].token_texts  # none asked: none computed
 
 
 def test_a_character_split_across_tokens_gives_bytes_that_concatenate_to_its_utf8(engine):
     text = "x 你好😀é"
-    ids = engine.tokenizer(text)["input_ids"]
+    ids = engine.parts.tokenizer(text)["input_ids"]
     first = _outputs(engine, _request(ids, prompt_logprobs=0, max_tokens=1))[0]
     pieces = [first.token_texts[e.token_id] for e in first.prompt_logprobs]
     assert any(piece.text == "\ufffd" for piece in pieces)  # some token holds part of a character
-    assert engine.tokenizer.decode(ids[:1]) == "x"
+    assert engine.parts.tokenizer.decode(ids[:1]) == "x"
     assert b"".join(piece.bytes for piece in pieces) == text[1:].encode()
 
 

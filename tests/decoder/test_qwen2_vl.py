@@ -98,13 +98,13 @@ def _run_together(engine, requests):
         return ids, "", last
 
     async def main():
-        engine._cond.acquire()  # re-entrant: generate() takes it again on this thread
+        engine.core.lock.acquire()  # re-entrant: generate() takes it again on this thread
         try:
             tasks = [asyncio.create_task(collect(r)) for r in requests]
-            while len(engine._requests) < len(requests):
+            while len(engine.core.requests) < len(requests):
                 await asyncio.sleep(0.001)
         finally:
-            engine._cond.release()
+            engine.core.lock.release()
         return await asyncio.gather(*tasks)
 
     return asyncio.run(main())
@@ -135,7 +135,7 @@ PARTS = ["First part.", "Second part.", IMAGE_A, "Third.", "Fourth."]
 def test_ids_and_positions_equal_processor_and_get_rope_index(tiny, engine, content):
     _, model, vision, processor = tiny
     batch = _hf_batch(processor, content)
-    prompt = engine.prompts.build(_ours(vision, content, "p"))
+    prompt = engine.parts.prompts.build(_ours(vision, content, "p"))
     assert prompt.token_ids == batch["input_ids"][0].tolist()
     want, delta = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
                                              batch.get("image_grid_thw"))
@@ -193,7 +193,7 @@ def test_prefix_hits_only_for_the_same_image(tiny, refs):
     engine = _engine(directory, block_size=4)
     try:
         a, b = ["Describe ", IMAGE_A, " briefly."], ["Describe ", IMAGE_B, " briefly."]
-        span = engine.prompts.build(_ours(vision, a, "x")).image_spans[0]
+        span = engine.parts.prompts.build(_ours(vision, a, "x")).image_spans[0]
         first = _check(engine, [_ours(vision, a, "one")], [refs["one"]])[0]
         second = _check(engine, [_ours(vision, b, "b")], [refs["b"]])[0]
         third = _check(engine, [_ours(vision, a, "one")], [refs["one"]])[0]
@@ -218,8 +218,8 @@ def test_preemption_and_recompute(tiny, refs):
     directory, _, vision, _ = tiny
     engine = _engine(directory, num_blocks=24, block_size=8)  # 3 requests of 121-130 tokens need ~48 blocks
     preempted = []
-    original = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    original = engine.parts.scheduler._preempt
+    engine.parts.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
     try:
         requests = [_ours(vision, ONE, "one"), _ours(vision, TWO, "two"), _ours(vision, ["Describe ", IMAGE_B, " briefly."], "b")]
         _check(engine, requests, [refs["one"], refs["two"], refs["b"]], admit_together=True)
@@ -233,11 +233,11 @@ def test_literal_placeholders_and_sections_are_refused(tiny, engine):
     directory, _, vision, _ = tiny
     for token in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"):
         with pytest.raises(InvalidArgument, match="must not contain"):
-            engine.prompts.build(_ours(vision, [f"look {token} here"], "x"))
+            engine.parts.prompts.build(_ours(vision, [f"look {token} here"], "x"))
     with pytest.raises(InvalidArgument, match="placeholder token 250"):
-        engine.prompts.build(GenerateInput(SamplingParams(max_tokens=1), prompt_token_ids=(5, 250, 6)))
+        engine.parts.prompts.build(GenerateInput(SamplingParams(max_tokens=1), prompt_token_ids=(5, 250, 6)))
     with pytest.raises(InvalidArgument, match="differs from the decoder's"):
-        engine.prompts.build(_ours(vision, ["x"], "x").__class__(
+        engine.parts.prompts.build(_ours(vision, ["x"], "x").__class__(
             SamplingParams(max_tokens=1), prompt=(ImagePart(torch.zeros(4, 64), (1, 2, 2), (4, 2, 2)),)))
     assert engine.config.mrope_section == tuple(MROPE_SECTION)
     with pytest.raises(ValueError, match="differs from the checkpoint's"):

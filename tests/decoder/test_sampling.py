@@ -41,7 +41,7 @@ def test_max_tokens_finishes_with_length(engine):
     ids, text, last = run_requests(engine, [_req(max_tokens=5)])[0]
     assert len(ids) == 5 and last.finish_reason == "length"
     assert last.usage.completion_tokens == 5 and last.usage.prompt_tokens == len(PROMPT)
-    assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == engine.parts.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_stop_string_truncates_text_and_stops(engine):
@@ -60,7 +60,7 @@ def test_stop_token_id_stops_after_that_token(engine):
 
 
 def test_closing_the_stream_aborts_and_frees_blocks(engine):
-    total = engine.block_manager.num_blocks
+    total = engine.parts.block_manager.num_blocks
 
     async def main():
         stream = engine.generate(_req(max_tokens=400))
@@ -78,7 +78,7 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
 
 
 def test_cancelled_task_aborts_and_frees_blocks(engine):
-    total = engine.block_manager.num_blocks
+    total = engine.parts.block_manager.num_blocks
 
     async def consume():
         async for _ in engine.generate(_req(max_tokens=400)):

@@ -96,7 +96,7 @@ def test_alone_and_chat_template(smollm, attention_backend):
         messages = tuple(ChatMessage(m["role"], (TextPart(m["content"]),)) for m in MESSAGES)
         chat_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"]
-        assert engine.prompts.build(GenerateInput(SamplingParams(max_tokens=1), messages=messages)).token_ids == chat_ids
+        assert engine.parts.prompts.build(GenerateInput(SamplingParams(max_tokens=1), messages=messages)).token_ids == chat_ids
         _, text, _ = run_requests(engine, [GenerateInput(SamplingParams(max_tokens=8), messages=messages)])[0]
     finally:
         engine.shutdown()
@@ -122,12 +122,12 @@ def test_each_linear_backend_with_chunked_prefill(smollm, linear_backend):
     try:
         assert engine.config.linear_backend == linear_backend
         kernel = linear_backend == "cpu"  # every projection and the lm_head packed for the C GEMM
-        assert (engine.model.lm_head.gemm is not None) == kernel
-        assert (engine.model.model.layers[0].mlp.down_proj.gemm is not None) == kernel
-        assert (engine.model.model.layers[0].mlp.down_proj.weight.numel() == 0) == kernel  # released
-        layer = engine.model.model.layers[0]  # RMSNorm and rotary in the C kernels too
+        assert (engine.parts.model.lm_head.gemm is not None) == kernel
+        assert (engine.parts.model.model.layers[0].mlp.down_proj.gemm is not None) == kernel
+        assert (engine.parts.model.model.layers[0].mlp.down_proj.weight.numel() == 0) == kernel  # released
+        layer = engine.parts.model.model.layers[0]  # RMSNorm and rotary in the C kernels too
         assert all((m.pointwise is not None) == kernel for m in (layer.input_layernorm, layer.self_attn,
-                                                                 engine.model.model.norm))
+                                                                 engine.parts.model.model.norm))
         _check(engine, refs, prompts)
     finally:
         engine.shutdown()
@@ -137,8 +137,8 @@ def test_chunked_prefill_every_prompt_chunked(smollm, attention_backend):
     model_dir, _, prompts, _, refs = smollm
     engine = _engine(model_dir, attention_backend, max_num_batched_tokens=16)
     chunks = []
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
+    schedule = engine.parts.scheduler.schedule
+    engine.parts.scheduler.schedule = lambda: (out := schedule(), chunks.extend(
         s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))[0]
     try:
         _check(engine, refs, prompts[-4:])  # prompts of 50..70 tokens: at least 4 chunks each
@@ -167,8 +167,8 @@ def test_preemption_recompute(smollm, attention_backend):
     # 16 blocks of 8 tokens (128 tokens) cannot hold 5 requests of 40..64 + 64 tokens at once
     engine = _engine(model_dir, attention_backend, num_blocks=16, block_size=8)
     preempted = []
-    original = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    original = engine.parts.scheduler._preempt
+    engine.parts.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
     try:
         _check(engine, refs, prompts[-6:-1])
         assert engine.stats().num_free_blocks == 16

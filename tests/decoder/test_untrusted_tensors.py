@@ -115,13 +115,13 @@ def test_image_rows_must_be_finite_in_the_compute_dtype(tiny):
     directory, encoded = tiny
     engine = start_engine(_config(directory))
     try:
-        half = copy.copy(engine.prompts)
+        half = copy.copy(engine.parts.prompts)
         half.compute_dtype = torch.float16
         loud = ImagePart(encoded.rows * 1e6, encoded.grid_thw, encoded.mrope_section, encoded.content_hash)
         request = GenerateInput(SamplingParams(max_tokens=1), prompt=(loud,))
         with pytest.raises(InvalidArgument, match=r"must be finite in the decoder's float16 \(\|x\| <= 6.55e\+04\)"):
             half.build(request)
-        assert engine.prompts.build(request).num_image_tokens == encoded.rows.shape[0]  # float32 holds them
+        assert engine.parts.prompts.build(request).num_image_tokens == encoded.rows.shape[0]  # float32 holds them
     finally:
         engine.shutdown()
 
@@ -136,7 +136,7 @@ def test_forged_rows_under_a_real_hash_never_share_the_images_kv(tiny):
     forged = _request(_image(encoded, to_pb(encoded.rows * -3)))
 
     async def genuine_forged_genuine(stub, servicer):
-        span = servicer.engine.prompts.build(generate_from_pb(genuine)).image_spans[0]
+        span = servicer.engine.parts.prompts.build(generate_from_pb(genuine)).image_spans[0]
         return (span.start, span.end), [await _generate(stub, r) for r in (genuine, forged, genuine)]
 
     async def forged_then_genuine(stub, servicer):

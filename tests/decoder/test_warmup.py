@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.launch import free_port
 from services.common.server import insecure_channel, serve
+from services.decoder import engine_parts
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import LLMEngine, start_engine
 from services.decoder.servicer import DecoderServicer
@@ -38,19 +39,19 @@ def _check(address: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
-def test_serving_only_after_the_warm_up_which_frees_its_blocks_and_slot(tiny_llama):
+def test_serving_only_after_the_warm_up_which_frees_its_blocks_and_slot(tiny_llama, monkeypatch):
     config = DecoderConfig(model_dir=str(tiny_llama), device="cpu", num_blocks=16, max_model_len=128)
     engine = LLMEngine(config)
     address = f"127.0.0.1:{free_port()}"
     seen = []
-    original = engine._warm_up
+    original = engine_parts.warm_up_parts
 
-    def observed_warm_up():  # on the engine thread, while `start` is awaited
+    def observed_warm_up(config, parts):  # on the engine thread, while `start` is awaited
         seen.append(("before", _check(address)))
-        original()
-        seen.append(("after", _check(address), engine.stats().num_free_blocks, engine.bank.residency()))
+        original(config, parts)
+        seen.append(("after", _check(address), parts.block_manager.num_free_blocks, parts.bank.residency()))
 
-    engine._warm_up = observed_warm_up
+    monkeypatch.setattr(engine_parts, "warm_up_parts", observed_warm_up)
 
     async def main():
         async with serving("decoder", _register(engine), engine.health, engine.start, engine.stop, address) as channel:
@@ -59,8 +60,8 @@ def test_serving_only_after_the_warm_up_which_frees_its_blocks_and_slot(tiny_lla
             stats = engine.stats()
             assert (stats.num_free_blocks, stats.num_running, stats.num_waiting) == (16, 0, 0)
             assert (stats.num_cached_blocks, stats.prefix_cache_queries) == (0, 0)  # no trace in the prefix cache
-            assert engine.bank.residency() == {} and engine.bank.num_swaps == 0
-            assert engine.bank.factors(next(iter(engine.bank.module_shapes))) is not None  # the LoRA path ran
+            assert engine.parts.bank.residency() == {} and engine.parts.bank.num_swaps == 0
+            assert engine.parts.bank.factors(next(iter(engine.parts.bank.module_shapes))) is not None  # the LoRA path ran
 
     asyncio.run(main())
     assert seen == [("before", NOT_SERVING), ("after", NOT_SERVING, 16, {})]
@@ -71,13 +72,13 @@ def test_warm_up_samples_through_the_engine_parts_and_gives_everything_back(tiny
                                         max_model_len=128))
     try:
         for max_tokens, num_sampled in ((64, 2), (1, 1)):
-            free = engine.block_manager.free_block_ids()
-            ids = warm_up(engine.scheduler, engine.runner, engine.bank, max_tokens, engine.device)
-            assert len(ids) == num_sampled and all(0 <= i < engine.model.spec.vocab_size for i in ids)
-            assert sorted(engine.block_manager.free_block_ids()) == sorted(free) == [0, 1, 2, 3]
-            assert not engine.scheduler.has_work() and engine.bank.residency() == {}
-        first = warm_up(engine.scheduler, engine.runner, engine.bank, 64, engine.device)
-        assert warm_up(engine.scheduler, engine.runner, engine.bank, 64, engine.device) == first  # seeded
+            free = engine.parts.block_manager.free_block_ids()
+            ids = warm_up(engine.parts.scheduler, engine.parts.runner, engine.parts.bank, max_tokens, engine.device)
+            assert len(ids) == num_sampled and all(0 <= i < engine.parts.model.spec.vocab_size for i in ids)
+            assert sorted(engine.parts.block_manager.free_block_ids()) == sorted(free) == [0, 1, 2, 3]
+            assert not engine.parts.scheduler.has_work() and engine.parts.bank.residency() == {}
+        first = warm_up(engine.parts.scheduler, engine.parts.runner, engine.parts.bank, 64, engine.device)
+        assert warm_up(engine.parts.scheduler, engine.parts.runner, engine.parts.bank, 64, engine.device) == first  # seeded
     finally:
         engine.shutdown()
 

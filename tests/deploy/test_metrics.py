@@ -22,12 +22,12 @@ from services.common.metrics import (
     DECODER_RUNNING,
     DECODER_WAITING,
     POOLING_QUEUE,
-    DecoderCollector,
     make_registry,
 )
 from services.common.tensor import from_pb
 from services.decoder.config import DecoderConfig
-from services.decoder.engine import EngineStats
+from services.decoder.stats import CacheInfo, DecoderCollector, DecoderStats
+from services.decoder.types import EngineStats
 from services.gateway import __main__ as gateway_main
 from services.gateway.config import GatewayConfig
 from services.pooling import __main__ as pooling_main
@@ -106,15 +106,24 @@ def test_metrics_port_is_checked_once_in_each_config():
         pooling_main.parse_args(["--metrics-port", "-1"])
 
 
-def test_decoder_collector_reads_engine_stats_and_is_silent_while_loading():
+def test_decoder_collector_reads_one_engine_stats_snapshot_and_is_silent_while_loading():
     stats: list[EngineStats | None] = [None]
-    collector = DecoderCollector("m", lambda: stats[0])
+    collector = DecoderCollector("m", DecoderStats("m"), CacheInfo(16, 10, True, "float32", 4), lambda: stats[0])
     assert [(f.name, f.samples) for f in collector.collect()] == [
         (DECODER_WAITING, []), (DECODER_RUNNING, []), (DECODER_KV_USAGE, [])]
-    stats[0] = EngineStats(num_blocks=10, num_free_blocks=7, num_running=2, num_waiting=5)
-    assert {f.name: [(s.labels, s.value) for s in f.samples] for f in collector.collect()} == {
+    stats[0] = EngineStats(num_blocks=10, num_free_blocks=7, num_running=2, num_waiting=5,
+                           prefix_cache_query_tokens=9, prefix_cache_hit_tokens=3, num_adapter_swaps=1,
+                           running_lora_adapters=("a", "b"), lora_updated_s=12.0)
+    families = {f.name: [(s.labels, s.value) for s in f.samples] for f in collector.collect()}
+    assert {name: families[name] for name in (DECODER_WAITING, DECODER_RUNNING, DECODER_KV_USAGE)} == {
         DECODER_WAITING: [({"model_name": "m"}, 5)], DECODER_RUNNING: [({"model_name": "m"}, 2)],
         DECODER_KV_USAGE: [({"model_name": "m"}, pytest.approx(0.3))]}
+    assert families["vllm:prefix_cache_queries"] == [({"model_name": "m"}, 9)]
+    assert families["vllm:prefix_cache_hits"] == [({"model_name": "m"}, 3)]
+    assert families["tessera_adapter_swaps"] == [({"model_name": "m"}, 1)]
+    assert families["vllm:lora_requests_info"] == [({"model_name": "m", "running_lora_adapters": "a,b",
+                                                     "waiting_lora_adapters": "", "max_lora": "4"}, 12.0)]
+    assert "vllm:request_success" in families  # the request metrics, from the same collector
 
 
 DECODER_MODEL = "smollm2-135m-instruct"

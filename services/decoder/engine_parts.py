@@ -1,0 +1,152 @@
+"""What the decoder engine is made of, and how it is built: backends chosen, model loaded, warmed up.
+
+`build_parts(config)` runs on the engine thread at start (engine_core.py): it resolves the "auto"
+backends for the configured device and dtype (`resolve_backends`, which builds the C kernels when
+the cpu backends are candidates), loads the tokenizer and the weights, sizes the KV cache, the
+block manager, the scheduler and the adapter slots, and runs one warm-up step through all of them
+(warmup.py). Nothing here runs before start: `DecoderConfig` only checks and derives values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.decoder.attention import resolve_attention_backend
+from services.decoder.block_manager import BlockManager
+from services.decoder.config import DecoderConfig
+from services.decoder.kv_cache import KVCache
+from services.decoder.linear import resolve_linear_backend
+from services.decoder.lora import AdapterSlots, LoRAContext, target_shapes
+from services.decoder.lora.registry import make_backend, resolve_lora_backend
+from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, text_config
+from services.decoder.model_runner import ModelRunner
+from services.decoder.models import load_model
+from services.decoder.multimodal import PromptBuilder
+from services.decoder.scheduler import Scheduler
+from services.decoder.token_text import TokenTexts
+from services.decoder.tokens import check_chat_template
+from services.decoder.warmup import warm_up
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The attention, LoRA and linear backends an engine computes with ("auto" resolved)."""
+
+    attention: str
+    lora: str
+    linear: str
+
+
+def resolve_backends(config: DecoderConfig) -> Backends:
+    """`config`'s backends, each "auto" resolved to the fastest that runs on its device and dtype
+    (the registries' `resolve_*_backend`: they build the C kernels when the cpu backends are
+    candidates, and log each automatic choice with its reason)."""
+    device, dtype = config.torch_device, config.dtype
+    return Backends(resolve_attention_backend(config.attention_backend, device, dtype, config.block_size),
+                    resolve_lora_backend(config.lora_backend, device, dtype),
+                    resolve_linear_backend(config.linear_backend, device, dtype))
+
+
+@dataclass
+class EngineParts:
+    """The built engine: model, cache, scheduler, adapter slots and the request-side helpers."""
+
+    backends: Backends
+    tokenizer: PreTrainedTokenizerBase
+    token_texts: TokenTexts
+    eos_token_ids: set[int]
+    model: torch.nn.Module
+    cache: KVCache
+    block_manager: BlockManager
+    scheduler: Scheduler
+    bank: AdapterSlots
+    image_token_id: int | None
+    prompts: PromptBuilder
+    runner: ModelRunner
+
+
+def build_parts(config: DecoderConfig) -> EngineParts:
+    """Build every part for `config` and run the warm-up step (`warm_up_parts`).
+
+    Raises:
+        ValueError: a configuration that cannot run (a chat template that never finishes, an
+            image token outside the vocabulary, a failed warm-up step).
+        whatever loading the tokenizer or the weights raises (OSError for missing files).
+    """
+    backends = resolve_backends(config)
+    dtype, device = getattr(torch, config.dtype), config.torch_device
+    model_config = dict(config.checkpoint.raw)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+    check_chat_template(tokenizer)  # before the weights: a template that never finishes is refused
+    model = load_model(config.checkpoint, dtype, config.mrope_section).to(device)
+    model.rotary.to(device)  # a plain table, not a module buffer: model.to() leaves it
+    spec = model.spec
+    cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+                    dtype, device)
+    block_manager = BlockManager(config.num_blocks, config.block_size)
+    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting)
+    bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(model), dtype, device)
+    image_token_id = _image_token_id(config, model_config, tokenizer)
+    vision = VisionTokens.from_config(model_config) if is_qwen2_vl(model_config) else None
+    prompts = PromptBuilder(tokenizer, spec.vocab_size, spec.hidden_size, config.mrope_section, image_token_id,
+                            vision.start if vision else None, vision.end if vision else None, compute_dtype=dtype)
+    runner = ModelRunner(model, cache, block_manager, LoRAContext(bank, make_backend(backends.lora)),
+                         config.mrope_section is not None, backends.attention, backends.linear)
+    parts = EngineParts(backends, tokenizer, TokenTexts(tokenizer), _eos_token_ids(config, model_config), model,
+                        cache, block_manager, scheduler, bank, image_token_id, prompts, runner)
+    warm_up_parts(config, parts)
+    return parts
+
+
+def warm_up_parts(config: DecoderConfig, parts: EngineParts) -> None:
+    """One real prefill and decode step through the configured backends (warmup.py), before
+    `start` returns and health says SERVING.
+
+    Raises:
+        ValueError: the step failed: this configuration cannot run here. One line naming the
+            device, the three backends and the cause; the traceback is logged.
+    """
+    try:
+        warm_up(parts.scheduler, parts.runner, parts.bank,
+                min(config.num_blocks * config.block_size, config.max_model_len), config.torch_device)
+    except Exception as error:  # noqa: BLE001 - whatever a backend raises means it cannot serve
+        log.error("the decoder's warm-up step failed", exc_info=error)
+        cause = next(iter(str(error).strip().splitlines()), "")
+        backends = parts.backends
+        raise ValueError(f"the warm-up step failed on --device {config.device} ({config.torch_device}) with "
+                         f"--attention-backend {backends.attention}, --lora-backend {backends.lora} and "
+                         f"--linear-backend {backends.linear}: {type(error).__name__}: {cause}") from error
+
+
+def _image_token_id(config: DecoderConfig, model_config: dict, tokenizer) -> int | None:
+    if config.mrope_section is None:
+        return None
+    if config.image_token is None:
+        return int(model_config["image_token_id"])
+    token_id = tokenizer.convert_tokens_to_ids(config.image_token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"image_token {config.image_token!r} is not in the vocabulary")
+    return int(token_id)
+
+
+def _eos_token_ids(config: DecoderConfig, model_config: dict) -> set[int]:
+    """The EOS ids of config.json (a VLM's text config) and generation_config.json, together."""
+    ids: set[int] = set()
+    sources = [text_config(model_config).get("eos_token_id")]
+    gen_path = Path(config.model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids
