@@ -163,7 +163,7 @@ def test_chunk_boundary_inside_the_image(tiny, refs):
     request = _ours(vision, ONE, "one")
     chunked = _engine(directory, max_num_batched_tokens=5)  # chunks of 5 rows: the 12-row image spans three
     try:
-        span = chunked.prompts.build(request).image_spans[0]
+        span = chunked.parts.prompts.build(request).image_spans[0]
         assert span.end - span.start == 12 and span.start % 5 != 0
         _check(chunked, [request], [refs["one"]])
     finally:
