@@ -138,3 +138,8 @@ def test_the_decoder_engine_knows_no_transport(engine, forbidden):
                        for name in _imports(_path_of(module), module)
                        if name == forbidden or name.startswith(forbidden + "."))
     assert offenders == []
+
+
+def test_the_decoder_engine_core_has_no_asyncio_side():
+    """The thread loop knows no event loop: admission and streams are the async client's (engine.py)."""
+    assert "asyncio" not in _imports(_path_of("services.decoder.engine_core"), "services.decoder.engine_core")

@@ -87,6 +87,50 @@ def test_lora_and_base_in_one_batch_equal_peft_and_base(tiny_llama):
         engine.shutdown()
 
 
+class _LeaseLog(InMemoryAdapterSource):
+    """An in-memory source that records every lease it hands out and takes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, str]] = []
+
+    async def acquire(self, name: str) -> int:
+        slot = await super().acquire(name)
+        self.events.append(("acquire", slot, name))
+        return slot
+
+    def share(self, slot: int, name: str) -> int:
+        self.events.append(("share", slot, name))
+        return super().share(slot, name)
+
+    def release(self, slot: int, name: str) -> None:
+        self.events.append(("release", slot, name))
+        super().release(slot, name)
+
+
+def test_each_choice_of_n_holds_a_lease_from_the_source_until_it_ends(tiny_llama):
+    """n = 3 with an adapter: the source leases the first choice's slot and shares it with the other
+    two; all three leases come back through the source (none taken from the slots behind its back)."""
+    adapters = _LeaseLog()
+    engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
+                                        max_lora_rank=16), adapters)
+    try:
+        adapters.add("a", _weights(_peft_model(tiny_llama, 1), "digest-a"))
+        request = GenerateInput(SamplingParams(max_tokens=NEW_TOKENS, n=3, temperature=1.0, seed=3),
+                                prompt_token_ids=tuple(PROMPTS[0]), lora="a")
+
+        async def main():
+            return {out.index async for out in engine.generate(request)}
+
+        assert asyncio.run(main()) == {0, 1, 2}
+        slot = engine.parts.bank.slot_of("digest-a")
+        assert adapters.events[:3] == [("acquire", slot, "a"), ("share", slot, "a"), ("share", slot, "a")]
+        assert sorted(adapters.events[3:]) == [("release", slot, "a")] * 3
+        assert engine.parts.bank.num_leases(slot) == 0 and engine.parts.bank.leases_by_name() == {}
+    finally:
+        engine.shutdown()
+
+
 def test_bank_leases_lru_and_slot_rewrite():
     shapes = {"m.q": (4, 4), "m.v": (4, 2)}
     bank = AdapterSlots(num_slots=2, max_rank=4, module_shapes=shapes)
