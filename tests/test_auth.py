@@ -8,7 +8,6 @@ import datetime
 import ipaddress
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -122,8 +121,9 @@ def _wait_serving(address: str, credentials, process, log: Path, options=()) -> 
 
 def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_path):
     """A certificate that names the public host only (not 127.0.0.1): HTTP is HTTPS with it, the
-    HTTP routes still reach the gateway's own gRPC API (a private Unix socket, not TLS to loopback),
-    and the image's healthcheck probes it with --tls-ca-file and --tls-server-name."""
+    HTTP routes reach the gateway's core in process (no socket to its own gRPC port, so the
+    certificate needs no loopback name), and the image's healthcheck probes it with --tls-ca-file
+    and --tls-server-name."""
     import http.client
     import json
     import ssl
@@ -132,7 +132,6 @@ def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_
     address, http_port = f"127.0.0.1:{free_port()}", free_port()
     unused = f"127.0.0.1:{free_port()}"
     log = tmp_path / "gateway.log"
-    private_dirs = set(Path(tempfile.gettempdir()).glob("tessera-gateway-*"))
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "services.gateway", "--address", address, "--decoder", unused, "--pooling", unused,
@@ -149,7 +148,7 @@ def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_
         reply = connection.getresponse()
         health = json.loads(reply.read())
         assert reply.status == 503 and health["not_serving"], health  # nothing behind the gateway
-        assert not [p for p in health["not_serving"] if p.startswith("gateway")], health  # the door reaches gRPC
+        assert not [p for p in health["not_serving"] if p.startswith("gateway")], health  # the door reaches the core
         with pytest.raises((ConnectionError, http.client.HTTPException)):  # no plaintext HTTP on that port
             plain = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
             plain.request("GET", "/health")
@@ -166,16 +165,13 @@ def test_a_tls_gateway_serves_https_and_its_http_door_reaches_its_grpc_port(tmp_
     finally:
         process.terminate()
         process.wait(timeout=30)
-    assert set(Path(tempfile.gettempdir()).glob("tessera-gateway-*")) == private_dirs, "the socket's directory goes"
 
 
-def test_a_tls_gateway_that_cannot_start_leaves_no_socket_directory(tmp_path):
-    """A start that fails (here its HTTP port is taken) removes the private directory it made."""
+def test_a_tls_gateway_whose_http_port_is_taken_exits_1_in_one_line(tmp_path):
     import socket
 
     cert_file, key_file = _self_signed(tmp_path, names=("gateway.example",))
     unused = f"127.0.0.1:{free_port()}"
-    private_dirs = set(Path(tempfile.gettempdir()).glob("tessera-gateway-*"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -185,7 +181,6 @@ def test_a_tls_gateway_that_cannot_start_leaves_no_socket_directory(tmp_path):
              "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "http: cannot listen on" in done.stderr.strip().splitlines()[-1], done.stderr
-    assert set(Path(tempfile.gettempdir()).glob("tessera-gateway-*")) == private_dirs
 
 
 def test_a_certificate_and_a_key_that_do_not_match_are_refused_in_one_line(tmp_path):

@@ -332,7 +332,7 @@ async def serve(
     credentials: grpc.ServerCredentials | None = None,
     health: Callable[[], str | None] | None = None,
     exit_process: Callable[[int], object] = os._exit,
-    local_address: str | None = None,
+    health_servicer: grpc_health.aio.HealthServicer | None = None,
 ) -> None:
     """Run one service until SIGTERM/SIGINT.
 
@@ -355,9 +355,9 @@ async def serve(
             that many seconds of NOT_SERVING in a row the port closes and `exit_process(EXIT_UNHEALTHY)`
             ends the process (the module's docstring).
         exit_process: how the process ends then (tests pass a recorder).
-        local_address: one more, plaintext, listening address for this host's own clients (the
-            gateway's HTTP door reaches a TLS gRPC port at "unix:PATH" in a private directory: the
-            certificate's names need not cover a loopback host); same servicers and interceptors.
+        health_servicer: the grpc.health.v1 servicer the statuses are set on (default: a new
+            one); a caller that reads its own status in process passes its own (the gateway's HTTP
+            /health).
 
     Raises:
         ValueError: $TESSERA_EXIT_UNHEALTHY_AFTER_S is not a positive number (before anything listens).
@@ -365,13 +365,11 @@ async def serve(
     give_up_after_s = exit_unhealthy_after_s()
     server = create_server(interceptors, public=public, max_receive_bytes=max_receive_bytes)
     service_names = list(register(server))
-    health_servicer = grpc_health.aio.HealthServicer()
+    health_servicer = health_servicer or grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
     bind(server, name, address, credentials)
-    if local_address is not None:
-        bind(server, name, local_address, None)
     await server.start()
     not_serving, serving = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
     for service in ["", *service_names]:

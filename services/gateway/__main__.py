@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import tempfile
-from pathlib import Path
+
+from grpc_health.v1 import health as grpc_health
 
 from services.common import auth, logs
 from services.common.config_cli import add_flags, from_flags
@@ -16,9 +15,11 @@ from services.common.message_limits import gateway_bytes, pooling_bytes
 from services.common.metrics import record_downstream, start_metrics_server
 from services.common.server import exit_refused, serve
 from services.gateway import metrics as gateway_metrics
-from services.gateway.api_keys import ApiKeyInterceptor, mint_loopback_key, read_api_keys
+from services.gateway.api_keys import ApiKeyInterceptor, read_api_keys
 from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
 from services.gateway.http import http_server
+from services.gateway.http.backend import health_of
 from services.gateway.servicer import GatewayServicer
 from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -44,8 +45,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 
 
 async def _main(config: GatewayConfig, security: auth.Security) -> None:
-    record_downstream()  # before the servicer opens its channels
-    servicer = GatewayServicer(config)
+    record_downstream()  # before the core opens its channels
+    core = GatewayCore(config)
+    servicer = GatewayServicer(core)
     max_receive_bytes = max(gateway_bytes(config.limits.max_images),
                             pooling_bytes(config.pooling_limits.max_request_chars,
                                           config.pooling_limits.max_request_token_ids))
@@ -53,55 +55,33 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    # With TLS, the HTTP door reaches the gRPC port through a Unix socket only this user can open:
-    # dialled over TCP at 127.0.0.1, TLS would need the certificate to name the loopback host.
-    private = _private_dir() if config.http_port and security.tls_cert_file else None
-    try:
-        await _serve(config, security, servicer, max_receive_bytes, keys, private)
-    finally:
-        if private is not None:  # also when the start fails (a port in use, ...)
-            shutil.rmtree(private, ignore_errors=True)
-
-
-def _private_dir() -> Path:
-    """A directory only this user can enter, for the HTTP door's Unix socket; under /tmp when
-    $TMPDIR's path would make the socket's longer than a socket address holds (108 bytes)."""
-    base = tempfile.gettempdir()
-    if len(base) > 60:
-        base = "/tmp"
-    return Path(tempfile.mkdtemp(prefix="tessera-gateway-", dir=base))
-
-
-async def _serve(config: GatewayConfig, security: auth.Security, servicer: GatewayServicer, max_receive_bytes: int,
-                 keys: frozenset[str], private: Path | None) -> None:
-    loopback_key = mint_loopback_key() if keys else ""
-    interceptors = [ApiKeyInterceptor(keys | {loopback_key})] if keys else []
-    local_address = f"unix:{private / 'grpc.sock'}" if private else None
-    http = (http_server(config, max_receive_bytes, loopback_target=local_address, loopback_key=loopback_key,
+    interceptors = [ApiKeyInterceptor(keys)] if keys else []
+    health = grpc_health.aio.HealthServicer()  # the HTTP /health reads the gateway's own status from it
+    http = (http_server(config, core, max_receive_bytes, gateway_health=health_of(health),
                         tls=(security.tls_cert_file, security.tls_key_file) if security.tls_cert_file else None,
-                        extra_routes={"/metrics": gateway_metrics.asgi_app(servicer)})
+                        extra_routes={"/metrics": gateway_metrics.asgi_app(core)})
             if config.http_port else None)
 
     async def start() -> None:
-        await servicer.start()
+        await core.start()
         if http is not None:
             await http.start()
 
     async def stop() -> None:
         if http is not None:
             await http.stop()
-        await servicer.close()
+        await core.close()
 
-    start_metrics_server(config.metrics_port, config.address, *gateway_metrics.collectors(servicer))
+    start_metrics_server(config.metrics_port, config.address, *gateway_metrics.collectors(core))
 
     def register(server):
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
-    # The public port: no internal-token check; the servicer's channels send the token.
+    # The public port: no internal-token check; the core's channels send the token.
     await serve("gateway", config.address, register, start=start, stop=stop, public=True, interceptors=interceptors,
                 credentials=security.server_credentials(), max_receive_bytes=max_receive_bytes,
-                local_address=local_address)
+                health_servicer=health)
 
 
 def main(argv: list[str] | None = None) -> None:

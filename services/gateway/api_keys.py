@@ -2,14 +2,13 @@
 
 A call to a Gateway RPC other than LoadAdapter / UnloadAdapter (admin calls: their
 `authorization` carries the registry's admin token) must send metadata `authorization: Bearer
-<key>`; health and reflection stay open (probes). The HTTP API reaches the gRPC port with a key of
-its own process (`loopback_key`), minted at start and never written anywhere.
+<key>`; health and reflection stay open (probes). The HTTP API checks the same keys on its own
+`Authorization` header (http/backend.py) before it calls the core.
 """
 
 from __future__ import annotations
 
 import hmac
-import secrets
 from pathlib import Path
 
 import grpc
@@ -35,10 +34,6 @@ def read_api_keys(path: str) -> frozenset[str]:
     return keys
 
 
-def mint_loopback_key() -> str:
-    return secrets.token_urlsafe(32)
-
-
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses Gateway calls without a valid `authorization: Bearer <key>` with UNAUTHENTICATED
     (constant-time compare; the refusal never parses the request)."""
@@ -60,33 +55,3 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             reason = "this gateway needs an API key: metadata 'authorization: Bearer <key>' (tessera.client: api_token)"
         handler = await continuation(details)
         return None if handler is None else _refusal(handler, reason)
-
-
-class _BearerIfAbsent:
-    """Adds `authorization: Bearer <key>` to a call that carries no `authorization` of its own."""
-
-    def __init__(self, key: str) -> None:
-        self._entry = ("authorization", f"Bearer {key}")
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = list(details.metadata or ())
-        if any(name == "authorization" for name, _ in metadata):
-            return details
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata, self._entry),
-                                          details.credentials, details.wait_for_ready)
-
-
-# One class per call kind: a grpc.aio channel files each interceptor under the first kind it implements.
-class _UnaryUnaryBearer(_BearerIfAbsent, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _UnaryStreamBearer(_BearerIfAbsent, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-def bearer_interceptors(key: str) -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors for the HTTP API's loopback channel (its RPCs are unary or server-streaming)."""
-    return [_UnaryUnaryBearer(key), _UnaryStreamBearer(key)]

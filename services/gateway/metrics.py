@@ -7,8 +7,8 @@
     tessera_gateway_replica_outstanding_requests{service, replica}   requests in flight there
 
 The downstream metrics come from an interceptor on every channel the gateway opens
-(`services.common.metrics.record_downstream`, enabled in `__main__` before the servicer is built).
-They are served on the gateway's HTTP port at /metrics (mount `asgi_app(servicer)` there) and,
+(`services.common.metrics.record_downstream`, enabled in `__main__` before the core is built).
+They are served on the gateway's HTTP port at /metrics (mount `asgi_app(core)` there) and,
 with `--metrics-port N`, on a port of their own like every other service's.
 """
 
@@ -28,17 +28,17 @@ REPLICA_OUTSTANDING = "tessera_gateway_replica_outstanding_requests"
 
 
 class ReplicaCollector(Collector):
-    """Replica state of the servicer's decoder and pooler pools, read when Prometheus scrapes."""
+    """Replica state of the core's decoder and pooler pools, read when Prometheus scrapes."""
 
-    def __init__(self, servicer) -> None:
-        self.servicer = servicer
+    def __init__(self, core) -> None:
+        self.core = core
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(REPLICA_UP, "1 while the replica is ready (health SERVING).",
                                labels=["service", "replica"])
         outstanding = GaugeMetricFamily(REPLICA_OUTSTANDING, "Requests the gateway has in flight at the replica.",
                                         labels=["service", "replica"])
-        for pool in (self.servicer.decoders, self.servicer.poolers):
+        for pool in (self.core.decoders, self.core.poolers):
             service = pool.replicas.service
             for replica in list(pool.replicas.replicas.values()):
                 ready = replica.channel.get_state() == grpc.ChannelConnectivity.READY
@@ -48,22 +48,22 @@ class ReplicaCollector(Collector):
         yield outstanding
 
 
-def collectors(servicer) -> list[Collector]:
-    """The gateway's collectors: downstream calls (enables their recording) and `servicer`'s replicas."""
-    return [record_downstream(), ReplicaCollector(servicer)]
+def collectors(core) -> list[Collector]:
+    """The gateway's collectors: downstream calls (enables their recording) and `core`'s replicas."""
+    return [record_downstream(), ReplicaCollector(core)]
 
 
-def registry(servicer) -> CollectorRegistry:
+def registry(core) -> CollectorRegistry:
     """The gateway's metrics (downstream calls, replicas, process) in a registry of their own."""
-    return make_registry(*collectors(servicer))
+    return make_registry(*collectors(core))
 
 
-def asgi_app(servicer):
-    """An ASGI app answering GET with the Prometheus text of `registry(servicer)`.
+def asgi_app(core):
+    """An ASGI app answering GET with the Prometheus text of `registry(core)`.
 
-    FastAPI/Starlette: `app.mount("/metrics", asgi_app(servicer))` serves `/metrics/` (and
+    FastAPI/Starlette: `app.mount("/metrics", asgi_app(core))` serves `/metrics/` (and
     redirects `/metrics` there, which Prometheus follows); for `/metrics` itself add a route that
     returns `Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)` with `reg =
-    registry(servicer)` (prometheus_client). Either way `record_downstream()` must have run before
-    the servicer opened its channels (`python -m services.gateway` does so first)."""
-    return make_asgi_app(registry(servicer))
+    registry(core)` (prometheus_client). Either way `record_downstream()` must have run before
+    the core opened its channels (`python -m services.gateway` does so first)."""
+    return make_asgi_app(registry(core))

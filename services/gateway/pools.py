@@ -78,6 +78,12 @@ class DecoderPool(_Pool):
         self.started(replica)
         return replica
 
+    async def pick_unary(self, remaining: float | None = None) -> Replica:
+        """The ready replica with the fewest requests in flight, for a unary call; recorded as started."""
+        replica = min(await self.ready((), remaining), key=lambda r: r.num_outstanding)
+        self.started(replica)
+        return replica
+
     def started(self, replica: Replica) -> None:
         super().started(replica)
         self.router.started(replica.address)

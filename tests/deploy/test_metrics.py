@@ -311,17 +311,17 @@ def test_gateway_metrics_app_serves_on_an_asgi_http_app():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from services.gateway.core import GatewayCore
     from services.gateway.metrics import asgi_app
-    from services.gateway.servicer import GatewayServicer
 
-    async def build() -> GatewayServicer:  # its channels belong to a loop
-        return GatewayServicer(GatewayConfig(decoder=f"127.0.0.1:{free_port()}"))
+    async def build() -> GatewayCore:  # its channels belong to a loop
+        return GatewayCore(GatewayConfig(decoder=f"127.0.0.1:{free_port()}"))
 
-    servicer = asyncio.run(build())
+    core = asyncio.run(build())
     app = FastAPI()
-    app.mount("/metrics", asgi_app(servicer))
+    app.mount("/metrics", asgi_app(core))
     reply = TestClient(app).get("/metrics/")
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
     scraped = Samples.parse(reply.text)
-    assert scraped.get("tessera_gateway_replica_up", service="decoder", replica=servicer.config.decoder) == 0
+    assert scraped.get("tessera_gateway_replica_up", service="decoder", replica=core.config.decoder) == 0
     assert "process_resident_memory_bytes" in scraped.sample_names

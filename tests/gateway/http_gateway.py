@@ -1,18 +1,16 @@
-"""A gateway gRPC API for the HTTP app's tests: it records every request the HTTP door sends and
+"""A gateway core for the HTTP app's tests: it records every request the HTTP door hands it and
 answers Generate as the decoder does (token text and bytes, logprobs, the prompt back), so a test
-asserts both on what reached the protobuf and on the answer's shape. `Harness` serves it on a
-loopback port with the app over it, all on one event loop."""
+asserts both on what reached the protobuf and on the answer's shape. `Harness` builds the app over
+it, on one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-import grpc
-
 from services.gateway.http.app import create_app
 from services.gateway.http.backend import Backend
-from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, pooling_pb2, tensor_pb2
+from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, pooling_pb2, tensor_pb2
 
 BASE = "base-model"
 ALIASES = ("base-model", "alias-b")
@@ -67,7 +65,7 @@ def generate(request: decoder_pb2.GenerateRequest) -> list[decoder_pb2.GenerateR
     return out
 
 
-class FakeGateway(gateway_pb2_grpc.GatewayServicer):
+class FakeGateway:
     """Records each request (`received`, by RPC name) and answers as a cluster serving BASE (with
     ALIASES) and EMBEDDER (with EMBEDDER_ALIAS)."""
 
@@ -80,7 +78,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     def last(self, name: str):
         return self.received[name][-1]
 
-    async def GetInfo(self, request, context):
+    async def info(self, call):
         decoder = decoder_pb2.DecoderInfo(model=BASE, served_model_names=list(ALIASES), max_model_len=2048,
                                           generation_config="auto", generation_defaults=GENERATION_DEFAULTS)
         embedder = pooling_pb2.PoolingModelInfo(model=EMBEDDER, kind="embedding", aliases=[EMBEDDER_ALIAS],
@@ -88,53 +86,44 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.ClusterInfo(decoder=decoder, pooling=pooling_pb2.PoolingInfo(
             model=EMBEDDER, models=[embedder], max_batch_size=32))
 
-    async def ListAdapters(self, request, context):
+    async def list_adapters(self, request, call):
         return adapters_pb2.ListAdaptersResponse(adapters=[adapters_pb2.AdapterInfo(name="qv", path="qv-dir",
                                                                                     state="ready")])
 
-    async def Generate(self, request, context):
+    async def generate(self, request, call):
         self._record("Generate", request)
         for message in generate(request):
             yield message
 
-    async def Embed(self, request, context):
+    async def embed(self, request, call):
         self._record("Embed", request)
         return pooling_pb2.EmbedResponse(model=request.model or EMBEDDER, embeddings=tensor_pb2.Tensor(
             shape=[1, 1], data=b"\x00\x00\x80?"), usage=tensor_pb2.Usage(prompt_tokens=1, total_tokens=1))
 
-    async def Rerank(self, request, context):
+    async def rerank(self, request, call):
         self._record("Rerank", request)
         return pooling_pb2.RerankResponse(model=request.model or EMBEDDER, results=[
             pooling_pb2.RerankResult(index=i, score=0.5) for i in range(len(request.documents))])
 
-    async def Tokenize(self, request, context):
+    async def tokenize(self, request, call):
         self._record("Tokenize", request)
         return pooling_pb2.TokenizeResponse(model=request.model, results=[pooling_pb2.TokenizedInput(
             tokens=[pooling_pb2.Token(id=1, text="a")])])
 
-    async def Detokenize(self, request, context):
+    async def detokenize(self, request, call):
         self._record("Detokenize", request)
         return decoder_pb2.DetokenizeResponse(model=request.model, text="a")
 
 
 class Harness:
-    """FakeGateway on a loopback port and the HTTP app over it, on one event loop."""
+    """The HTTP app over a FakeGateway core, on one event loop."""
 
     def __init__(self, **app_options) -> None:
         self.gateway = FakeGateway()
         self.loop = asyncio.new_event_loop()
-
-        async def start():
-            server = grpc.aio.server()
-            gateway_pb2_grpc.add_GatewayServicer_to_server(self.gateway, server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            return server, create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20, **app_options)
-
-        self.server, self.app = self.loop.run_until_complete(start())
+        self.app = create_app(Backend(self.gateway, {}), max_body_bytes=1 << 20, **app_options)
 
     def close(self) -> None:
-        self.loop.run_until_complete(self.server.stop(None))
         self.loop.close()
 
     def raw(self, path: str, body: dict | None) -> tuple[int, bytes]:

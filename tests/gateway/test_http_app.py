@@ -1,5 +1,5 @@
 """The HTTP app's refusals, in process (ASGI calls, no sockets): each answers OpenAI's error object
-with its documented status before any gRPC call is spent, and a gateway that does not answer is a
+with its documented status before the core is called, and a core whose services do not answer is a
 503, never a 500. The routes' answers against a running cluster: tests/e2e/test_http_*.py."""
 
 from __future__ import annotations
@@ -7,27 +7,35 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import pytest
 
+from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.gateway.api_keys import read_api_keys
 from services.gateway.http.app import create_app
-from services.gateway.http.backend import Backend, loopback_address
-from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.http.backend import Backend
+from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2
 
-UNREACHABLE = "127.0.0.1:1"  # nothing listens: any call the app made would end UNAVAILABLE
+
+class UnreachableCore:
+    """A gateway core none of whose services answers: every call is Unavailable, as the real core's
+    when no replica is ready."""
+
+    async def _down(self, *args):
+        raise Unavailable("no decoder replica is ready behind 127.0.0.1:1 (replicas: 127.0.0.1:1 TRANSIENT_FAILURE)")
+
+    info = embed = rerank = tokenize = detokenize = load_adapter = unload_adapter = list_adapters = _down
+
+    async def generate(self, request, call):
+        await self._down()
+        yield decoder_pb2.GenerateResponse()
 
 
 class App:
-    """The app and the one event loop its gRPC channel lives on."""
+    """The app over an UnreachableCore, and the one event loop it runs on."""
 
     def __init__(self, api_keys: frozenset[str] = frozenset(), **limits):
         self.loop = asyncio.new_event_loop()
-
-        async def build():
-            return create_app(Backend(UNREACHABLE, {}, api_keys), **{"max_body_bytes": 4096, **limits})
-
-        self.asgi = self.loop.run_until_complete(build())
+        self.asgi = create_app(Backend(UnreachableCore(), {}, api_keys), **{"max_body_bytes": 4096, **limits})
 
     def close(self) -> None:
         self.loop.close()
@@ -297,12 +305,6 @@ def test_health_answers_on_vllms_and_teis_paths_and_version(app):
     assert call(app, "/version", None) == (200, {"version": package_version()})
 
 
-def test_loopback_address():
-    assert loopback_address("0.0.0.0:50051") == "127.0.0.1:50051"
-    assert loopback_address("[::]:50051") == "[::1]:50051"
-    assert loopback_address("10.0.0.2:7") == "10.0.0.2:7"
-
-
 def test_text_that_is_not_unicode_is_400_not_500(app):
     """JSON may carry a lone UTF-16 surrogate; protobuf strings cannot: 400 in OpenAI's shape."""
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi \\ud800"}]}'
@@ -345,28 +347,24 @@ def test_extra_routes_answer_at_their_exact_path():
 
 
 async def _build_with_metrics(metrics_app):
-    return create_app(Backend(UNREACHABLE, {}), max_body_bytes=4096, extra_routes={"/metrics": metrics_app})
+    return create_app(Backend(UnreachableCore(), {}), max_body_bytes=4096, extra_routes={"/metrics": metrics_app})
 
 
-async def _serve(servicer: gateway_pb2_grpc.GatewayServicer):
-    """`servicer` as the gateway's gRPC API on a loopback port, and the HTTP app over it."""
-    server = grpc.aio.server()
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, create_app(Backend(f"127.0.0.1:{port}", {}), max_body_bytes=1 << 20)
+def _serve(core):
+    """The HTTP app over `core`."""
+    return create_app(Backend(core, {}), max_body_bytes=1 << 20)
 
 
-class QueuedGateway(gateway_pb2_grpc.GatewayServicer):
-    """A gateway gRPC API whose Generate calls stay queued (no first message) until cancelled."""
+class QueuedGateway:
+    """A gateway core whose Generate calls stay queued (no first message) until cancelled."""
 
     def __init__(self) -> None:
         self.started, self.cancelled = 0, 0
 
-    async def GetInfo(self, request, context):
+    async def info(self, call):
         return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base"))
 
-    async def Generate(self, request, context):
+    async def generate(self, request, call):
         self.started += 1
         try:
             await asyncio.sleep(3600)
@@ -382,7 +380,7 @@ def test_prompts_are_queued_together_and_a_client_that_leaves_cancels_every_one(
 
     async def scenario():
         servicer = QueuedGateway()
-        server, app = await _serve(servicer)
+        app = _serve(servicer)
         body = json.dumps({"model": "base", "prompt": ["a", "b", "c"], "max_tokens": 4}).encode()
         gone, sent, unread = asyncio.Event(), [], [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -413,7 +411,6 @@ def test_prompts_are_queued_together_and_a_client_that_leaves_cancels_every_one(
                 break
             await asyncio.sleep(0.02)
         assert servicer.cancelled == 3
-        await server.stop(None)
 
     loop = asyncio.new_event_loop()
     try:
@@ -439,26 +436,23 @@ async def _post(asgi, path: str, body: bytes | None) -> tuple[int, dict]:
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
 
 
-class RefusingGateway(gateway_pb2_grpc.GatewayServicer):
-    """Generate refuses an adapter name as the real gateway and decoder do."""
+class RefusingGateway:
+    """Generate refuses an adapter name as the real core and decoder do."""
 
-    async def GetInfo(self, request, context):
+    async def info(self, call):
         return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base"))
 
-    async def Generate(self, request, context):
+    async def generate(self, request, call):
         if len(request.lora) > 256:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"lora has {len(request.lora)} characters; the limit is 256 (--max-name-chars)")
-        await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown adapter {request.lora!r}")
+            raise InvalidArgument(f"lora has {len(request.lora)} characters; the limit is 256 (--max-name-chars)")
+        raise NotFound(f"unknown adapter {request.lora!r}")
         yield decoder_pb2.GenerateResponse()
 
 
 def test_an_unknown_or_oversized_adapter_name_is_reported_as_the_model_field():
     async def scenario():
-        server, app = await _serve(RefusingGateway())
-        answers = [await _post(app, "/v1/chat/completions", chat(model=model)) for model in ("gpt-4", "x" * 300)]
-        await server.stop(None)
-        return answers
+        app = _serve(RefusingGateway())
+        return [await _post(app, "/v1/chat/completions", chat(model=model)) for model in ("gpt-4", "x" * 300)]
 
     loop = asyncio.new_event_loop()
     try:
@@ -471,24 +465,24 @@ def test_an_unknown_or_oversized_adapter_name_is_reported_as_the_model_field():
     assert error_of(long)["message"] == "model has 300 characters; the limit is 256 (--max-name-chars)"
 
 
-class RecordingGateway(gateway_pb2_grpc.GatewayServicer):
+class RecordingGateway:
     """Answers the adapter calls, keeping each request as it arrived."""
 
     def __init__(self) -> None:
         self.received = []
 
-    async def GetInfo(self, request, context):
+    async def info(self, call):
         return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base", max_model_len=2048))
 
-    async def LoadAdapter(self, request, context):
+    async def load_adapter(self, request, call):
         self.received.append(request)
         return adapters_pb2.AdapterInfo(name=request.name, path=request.path)
 
-    async def UnloadAdapter(self, request, context):
+    async def unload_adapter(self, request, call):
         self.received.append(request)
         return adapters_pb2.UnloadAdapterResponse(name=request.name)
 
-    async def ListAdapters(self, request, context):
+    async def list_adapters(self, request, call):
         return adapters_pb2.ListAdaptersResponse(adapters=[adapters_pb2.AdapterInfo(name="qv", path="qv-dir",
                                                                                     state="ready")])
 
@@ -498,14 +492,13 @@ def test_adapter_routes_pass_replace_and_drain_and_a_model_is_retrieved_by_name(
     bodies carry both."""
     async def scenario():
         servicer = RecordingGateway()
-        server, app = await _serve(servicer)
+        app = _serve(servicer)
         statuses = [
             (await _post(app, "/v1/load_lora_adapter", json.dumps(
                 {"lora_name": "a", "lora_path": "p", "replace": True, "drain": True}).encode()))[0],
             (await _post(app, "/v1/unload_lora_adapter", json.dumps({"lora_name": "a", "drain": True}).encode()))[0],
             (await _post(app, "/v1/unload_lora_adapter", json.dumps({"lora_name": "a"}).encode()))[0]]
         retrieved = [await _post(app, f"/v1/models/{name}", None) for name in ("base", "qv", "nope")]
-        await server.stop(None)
         return statuses, servicer.received, retrieved
 
     loop = asyncio.new_event_loop()

@@ -2,7 +2,7 @@
 DecoderInfo.served_model_names (its `model` alone when the list is empty), a pooling model's
 aliases (resolved by the pooler), a ready adapter's name; `model` "" is the decoder's tokenizer
 (as vLLM's /tokenize), the default pooling model's only in a cluster without a decoder. In-process
-fakes of the decoder, pooling and adapter services on loopback, behind the real GatewayServicer."""
+fakes of the decoder, pooling and adapter services on loopback, behind the real GatewayCore and GatewayServicer."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common.server import create_server
 from services.gateway import pools
 from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
 from services.gateway.servicer import GatewayServicer
 from tessera.v1 import (
     adapters_pb2,
@@ -93,11 +94,11 @@ def _run(scenario, served_model_names: list[str], with_decoder: bool = True):
         (decoder_server, decoder_address), (_, pooling_address), (_, adapters_address) = servers
         if not with_decoder:
             await decoder_server.stop(None)
-        gateway = GatewayServicer(GatewayConfig(address="127.0.0.1:1", decoder=decoder_address,
+        gateway = GatewayCore(GatewayConfig(address="127.0.0.1:1", decoder=decoder_address,
                                                 pooling=pooling_address, adapters=adapters_address, vision=""))
         await gateway.start()
         server = create_server(public=True)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(gateway, server)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

@@ -1,9 +1,10 @@
-"""The FastAPI application: OpenAI-compatible routes over the gateway's gRPC API.
+"""The FastAPI application: OpenAI-compatible routes over the gateway's in-process core.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (and /rerank),
 /v1/score (and /score), /tokenize, /detokenize; text-embeddings-inference's POST /embed (and /), /rerank with `texts`, GET
 /info; GET /v1/models, /v1/models/{model}, /health (also /ping and GET /), /version; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin:
-the `Authorization` header is relayed to the adapter registry, which checks its admin token).
+the `Authorization` header goes to the adapter registry, which checks its admin token, as the
+`authorization` metadata of the gRPC API's admin calls does).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.
 `extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
 Bodies past `max_body_bytes` (chat, which may carry images) or `max_text_body_bytes` (every other
@@ -15,14 +16,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
-import grpc
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, TesseraError, Unavailable
 from services.common.message_limits import FRAMING_BYTES, TEXT_BYTES
+from services.gateway.core import Call
 from services.gateway.http import convert, generate, models, responses
 from services.gateway.http.backend import Backend, DecoderNames
-from services.gateway.http.errors import HANDLERS, TEI_SHAPED, ApiError, from_rpc_error, tei_shaped
+from services.gateway.http.errors import HANDLERS, TEI_SHAPED, ApiError, from_error, tei_shaped
 from services.gateway.http.request_log import RequestLog
 from tessera import package_version
 from tessera.v1 import adapters_pb2, decoder_pb2
@@ -114,14 +116,14 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     @router.post("/v1/embeddings", response_model=responses.EmbeddingList)
     async def embeddings(body: models.EmbeddingRequest):
         request = convert.embed_request(body, await backend.pooling_model(body.model))
-        reply = await backend.stub.Embed(request)
+        reply = await _embed(backend, request)
         data = [responses.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
         return responses.EmbeddingList(data=data, model=reply.model, usage=convert.usage(reply))
 
     @router.post("/v1/rerank", response_model=responses.RerankResponse)
     async def rerank(body: models.RerankRequest) -> responses.RerankResponse:
         request = convert.rerank_request(body, await backend.pooling_model(body.model), tei_allowed=False)
-        return convert.rerank_response(await backend.stub.Rerank(request))
+        return convert.rerank_response(await _rerank(backend, request))
 
     @router.post("/rerank", response_model=responses.RerankResponse | list[responses.TeiRank], summary="Rerank")
     async def rerank_jina_or_tei(body: models.RerankRequest, http: Request):
@@ -131,7 +133,7 @@ def _pooling_routes(backend: Backend) -> APIRouter:
         if tei:
             http.scope[TEI_SHAPED] = True
         request = convert.rerank_request(body, await backend.pooling_model(body.model), tei_allowed=True)
-        reply = await backend.stub.Rerank(request)
+        reply = await _rerank(backend, request)
         return JSONResponse(convert.tei_ranks(reply)) if tei else convert.rerank_response(reply)
 
     async def score(body: models.ScoreRequest) -> responses.ScoreResponse:
@@ -143,7 +145,7 @@ def _pooling_routes(backend: Backend) -> APIRouter:
             if limit and len(requests) > limit:
                 raise ApiError(400, f"text_1 and text_2 hold {len(requests)} pairs; the pooling service's "
                                     f"max_batch_size is {limit}", param="text_1")
-        return convert.scores(await asyncio.gather(*(backend.stub.Rerank(r) for r in requests)))
+        return convert.scores(await asyncio.gather(*(_rerank(backend, r) for r in requests)))
 
     router.post("/v1/score", response_model=responses.ScoreResponse)(score)
     router.post("/score", response_model=responses.ScoreResponse)(score)
@@ -151,7 +153,8 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     @router.post("/tokenize", response_model=responses.TokenizeResponse)
     async def tokenize(body: models.TokenizeRequest):
         request = convert.tokenize_request(body, await backend.tokenizer_model(body.model))
-        reply = await backend.stub.Tokenize(request)
+        backend.check_size(request)
+        reply = await backend.core.tokenize(request, Call())
         tokens = list(reply.results[0].tokens) if reply.results else []
         return responses.TokenizeResponse(model=reply.model, count=len(tokens),
                                           max_model_len=reply.max_model_len or None,
@@ -160,7 +163,8 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     @router.post("/detokenize", response_model=responses.DetokenizeResponse)
     async def detokenize(body: models.DetokenizeRequest):
         request = decoder_pb2.DetokenizeRequest(model=await backend.tokenizer_model(body.model), token_ids=body.tokens)
-        reply = await backend.stub.Detokenize(request)
+        backend.check_size(request)
+        reply = await backend.core.detokenize(request, Call())
         return responses.DetokenizeResponse(model=reply.model, prompt=reply.text)
 
     return router
@@ -176,7 +180,7 @@ def _tei_routes(backend: Backend) -> APIRouter:
     async def embed(body: models.TeiEmbedRequest):
         """TEI's embed: one vector per input, in input order (normalized unless `normalize` is false)."""
         request = convert.embed_request(body, await backend.pooling_model(body.model))
-        return JSONResponse(convert.embeddings(await backend.stub.Embed(request)))
+        return JSONResponse(convert.embeddings(await _embed(backend, request)))
 
     router.post("/embed", response_model=list[list[float]])(embed)
     router.post("/", response_model=list[list[float]], summary="TEI's root route: /embed")(embed)
@@ -197,9 +201,9 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
     """Models (an inference route: API key), adapters (admin: the registry's token), health (open)."""
     router = APIRouter()
 
-    def admin_metadata(request: Request) -> list[tuple[str, str]]:
-        value = request.headers.get("authorization")
-        return [("authorization", value)] if value else []
+    def admin(request: Request) -> Call:
+        """The registry checks the caller's own credentials (none sent: UNAUTHENTICATED, 401)."""
+        return Call(authorization=request.headers.get("authorization"))
 
     @router.get("/v1/models", dependencies=inference, response_model=responses.ModelList)
     async def list_models():
@@ -226,19 +230,19 @@ def _cluster_routes(backend: Backend, inference) -> APIRouter:
         if body.lora_name in served:
             raise ApiError(400, f"lora_name {body.lora_name!r} is the name of a served model; an adapter needs a "
                                 "name of its own", param="lora_name")
-        info = await backend.stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name=body.lora_name,
-                                                                              path=body.lora_path,
-                                                                              replace=body.replace, drain=body.drain),
-                                              metadata=admin_metadata(request))
+        load = adapters_pb2.LoadAdapterRequest(name=body.lora_name, path=body.lora_path, replace=body.replace,
+                                               drain=body.drain)
+        backend.check_size(load)
+        info = await backend.core.load_adapter(load, admin(request))
         # the entry /v1/models lists for it from now on (its context is the base model's)
         return JSONResponse(_entry(responses.Model(id=info.name, root=info.path, parent=await backend.base_model(),
                                                    max_model_len=cluster.decoder.max_model_len or None)))
 
     @router.post("/v1/unload_lora_adapter", response_model=responses.Model)
     async def unload_lora_adapter(body: models.UnloadLoraAdapterRequest, request: Request):
-        reply = await backend.stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name=body.lora_name,
-                                                                                    drain=body.drain),
-                                                 metadata=admin_metadata(request))
+        unload = adapters_pb2.UnloadAdapterRequest(name=body.lora_name, drain=body.drain)
+        backend.check_size(unload)
+        reply = await backend.core.unload_adapter(unload, admin(request))
         return JSONResponse(_entry(responses.Model(id=reply.name)))
 
     async def health():
@@ -332,7 +336,7 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
     stream is when its response ends early."""
     try:
         streams = await _open(backend, requests, http)
-    except grpc.aio.AioRpcError as error:
+    except TesseraError as error:
         raise _as_model_error(error, body.model, requests[0].lora) from error
     if body.stream:
         return StreamingResponse(generate.events(streams, body.n, shape), media_type="text/event-stream")
@@ -346,14 +350,14 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
     return (generate.chat_completion if shape.chat else generate.completion)(tally)
 
 
-def _as_model_error(error: grpc.aio.AioRpcError, model: str, lora: str) -> ApiError:
+def _as_model_error(error: TesseraError, model: str, lora: str) -> ApiError:
     """A refusal of Generate's `lora` in the HTTP API's terms: it came from the body's `model`."""
-    refusal = from_rpc_error(error)
-    details = error.details() or ""
-    if lora and error.code() == grpc.StatusCode.NOT_FOUND and details.startswith("unknown adapter"):
+    refusal = from_error(error)
+    details = refusal.message
+    if lora and isinstance(error, NotFound) and details.startswith("unknown adapter"):
         return ApiError(404, f"model {model!r} is neither the decoder's model nor a loaded adapter ({details})",
                         "not_found_error", param="model")
-    if lora and error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("lora "):
+    if lora and isinstance(error, InvalidArgument) and details.startswith("lora "):
         return ApiError(refusal.status, "model " + details.removeprefix("lora "), refusal.type, param="model")
     return refusal
 
@@ -366,10 +370,12 @@ async def _open(backend: Backend, requests, http: Request) -> list[generate.Stre
     every one, as it does once they stream.
 
     Raises:
-        AioRpcError: the first prompt (in order) that was refused; the others are cancelled.
+        TesseraError: the first prompt (in order) that was refused; the others are cancelled.
         ApiError: 499 when the client closed the connection first.
     """
-    opening = [asyncio.ensure_future(generate.Stream.open(backend.stub, request, ())) for request in requests]
+    for request in requests:
+        backend.check_size(request)
+    opening = [asyncio.ensure_future(generate.Stream.open(backend.core, request)) for request in requests]
     try:
         while True:
             _, pending = await asyncio.wait(opening, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
@@ -383,9 +389,19 @@ async def _open(backend: Backend, requests, http: Request) -> list[generate.Stre
     except BaseException:
         for task in opening:
             task.cancel()  # a call still waiting for its first message cancels itself (Stream.open)
-        generate.cancel([task.result() for task in opening
-                         if task.done() and not task.cancelled() and task.exception() is None])
+        await generate.close([task.result() for task in opening
+                              if task.done() and not task.cancelled() and task.exception() is None])
         raise
+
+
+async def _embed(backend: Backend, request):
+    backend.check_size(request)
+    return await backend.core.embed(request, Call())
+
+
+async def _rerank(backend: Backend, request):
+    backend.check_size(request)
+    return await backend.core.rerank(request, Call())
 
 
 async def _models(backend: Backend) -> responses.ModelList:
@@ -404,13 +420,11 @@ async def _models(backend: Backend) -> responses.ModelList:
     for model in pooled:
         data.append(responses.Model(id=model.model, root=model.model, max_model_len=model.max_input_length or None))
     try:
-        adapters = (await backend.stub.ListAdapters(adapters_pb2.ListAdaptersRequest())).adapters
-    except grpc.aio.AioRpcError as error:
-        if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise
+        adapters = (await backend.core.list_adapters(adapters_pb2.ListAdaptersRequest(), Call())).adapters
+    except (Unavailable, DeadlineExceeded) as error:
         # the registry is down: the models still served are listed (as vLLM's list never fails),
         # and the answer says which part is missing
-        return responses.ModelList(data=data, unavailable=[error.details() or f"adapters: {error.code().name}"])
+        return responses.ModelList(data=data, unavailable=[str(error) or f"adapters: {error.code.name}"])
     for adapter in adapters:
         if adapter.state in ("ready", "draining"):  # not those registered for another base model (base_*)
             data.append(responses.Model(id=adapter.name, root=adapter.path, parent=base,

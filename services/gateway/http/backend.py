@@ -1,8 +1,9 @@
-"""What the HTTP routes call: the gateway's own gRPC API over a loopback channel, and health.
+"""What the HTTP routes call: the gateway's in-process core (services/gateway/core.py), the served
+models' names, API keys, and the health of every required service.
 
-The HTTP door is one more client of the public gRPC port, so routing, caps, image encoding and
-adapter auth happen in the servicer exactly as for gRPC clients, and every refusal arrives as the
-same status a gRPC client would get.
+The HTTP door is a second adapter over the same core as the gRPC servicer: routing, caps, image
+encoding and adapter auth happen there exactly as for gRPC clients, and every refusal is the same
+domain error a gRPC client gets as a status (errors.py maps it to HTTP).
 """
 
 from __future__ import annotations
@@ -10,31 +11,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import logs
-from services.common.server import CHANNEL_OPTIONS
-from services.gateway.api_keys import bearer_interceptors
+from services.common.errors import ResourceExhausted, TesseraError
+from services.gateway.core import Call
 from services.gateway.http.errors import ApiError
-from tessera.v1 import gateway_pb2, gateway_pb2_grpc
+from tessera.v1 import gateway_pb2
 
 INFO_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
 ALIAS_REFRESH_S = 5.0  # the shortest wait before the pooling models' names are asked again for an unknown one
-REQUIRED = ("gateway", "adapters", "vision", "decoder", "pooling")
-
-
-def loopback_address(address: str) -> str:
-    """The gateway's bind address as a local client dials it (a wildcard host becomes loopback)."""
-    host, _, port = address.rpartition(":")
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host in ("[::]", "::"):
-        host = "[::1]"
-    return f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -53,25 +43,29 @@ class DecoderNames:
         return cls(base=names[0], grpc=info.model, accepted=frozenset(names) | {info.model})
 
 
-class Backend:
-    """The loopback stub, the served models' names, and the health of every required service.
+async def _always_serving() -> str | None:
+    return None
 
-    `services` maps each required service other than the gateway to the address its health is
-    asked at ("vision" absent when none is configured); decoder and pooling replicas are the ones
-    the gateway's GetInfo lists.
+
+class Backend:
+    """The core, the served models' names, and the health of every required service.
+
+    `core`: a `GatewayCore` (or an object with its methods); `services` maps each required service
+    other than the gateway to the address its health is asked at ("vision" absent when none is
+    configured); decoder and pooling replicas are the ones the core's info lists. `gateway_health`:
+    the gateway's own grpc.health.v1 verdict (None = SERVING, else why), as its gRPC port answers it.
+    `max_request_bytes`: the largest request the gateway's gRPC port accepts; a route's request
+    past it is refused as that port refuses it (0: no limit).
     """
 
-    def __init__(self, target: str, services: dict[str, str], api_keys: frozenset[str] = frozenset(),
-                 loopback_key: str = ""):
-        """`target`: the gateway's gRPC API, plaintext, on this host (`loopback_address(its address)`,
-        or a Unix socket); `loopback_key`: the key its gRPC port accepts from the HTTP API (when keys are on)."""
-        # The HTTP request's id goes on to the gRPC port (services/common/logs.py).
-        interceptors = [*logs.client_interceptors(), *(bearer_interceptors(loopback_key) if loopback_key else ())]
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+    def __init__(self, core, services: dict[str, str], api_keys: frozenset[str] = frozenset(),
+                 gateway_health: Callable[[], Awaitable[str | None]] = _always_serving, max_request_bytes: int = 0):
+        self.core = core
         self.services = services
         self.api_keys = api_keys
-        self._health_channels: dict[str, grpc.aio.Channel] = {"gateway": self.channel}
+        self.gateway_health = gateway_health
+        self.max_request_bytes = max_request_bytes
+        self._health_channels: dict[str, grpc.aio.Channel] = {}
         self._decoder_names: DecoderNames | None = None
         self._pooling_names: dict[str, str] = {}  # every pooling model's name and alias -> its name
         self._pooling_asked = float("-inf")
@@ -91,8 +85,14 @@ class Backend:
         if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in self.api_keys):
             raise ApiError(401, "the API key is not valid", "authentication_error")
 
-    async def info(self) -> gateway_pb2.ClusterInfo:
-        return await self.stub.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=INFO_TIMEOUT_S)
+    def check_size(self, request) -> None:
+        """Raises ResourceExhausted (413) for a request larger than the gRPC port would take."""
+        if self.max_request_bytes and (size := request.ByteSize()) > self.max_request_bytes:
+            raise ResourceExhausted(f"the request is {size} bytes as protobuf: larger than max "
+                                    f"({self.max_request_bytes} bytes, the gateway's message limit)")
+
+    async def info(self, timeout_s: float = INFO_TIMEOUT_S) -> gateway_pb2.ClusterInfo:
+        return await self.core.info(Call.within(timeout_s))
 
     async def decoder_names(self) -> DecoderNames:
         """The decoder's model names (asked once; every replica serves the same model).
@@ -130,7 +130,7 @@ class Backend:
             self._pooling_asked = time.monotonic()
             try:
                 info = await self.info()
-            except grpc.aio.AioRpcError:
+            except TesseraError:
                 return model  # the call that follows reports the outage
             listed = list(info.pooling.models) or ([info.pooling] if info.pooling.model else [])
             self._pooling_names = {name: m.model for m in listed
@@ -158,14 +158,14 @@ class Backend:
         checks = {name: address for name, address in self.services.items() if name not in ("decoder", "pooling")}
         problems: list[str] = []
         try:
-            info = await self.stub.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=HEALTH_TIMEOUT_S * 2)
+            info = await self.info(HEALTH_TIMEOUT_S * 2)
             replicas = [(r.service, r.address) for r in info.replicas]
-        except grpc.aio.AioRpcError as error:
-            return [f"gateway: {error.code().name} {error.details()}"], []
+        except TesseraError as error:
+            return [f"gateway: {error.code.name} {error}"], []
         names = ["gateway", *checks, *(f"{s}@{a}" for s, a in replicas)]
-        verdicts = await asyncio.gather(self._check("gateway", None),
-                                        *(self._check(name, a) for name, a in checks.items()),
-                                        *(self._check(s, a) for s, a in replicas))
+        verdicts = await asyncio.gather(self._gateway(),
+                                        *(self._check(a) for a in checks.values()),
+                                        *(self._check(a) for _, a in replicas))
         by_service: dict[str, list[str | None]] = {}
         for name, verdict in zip(names, verdicts):
             by_service.setdefault(name.split("@")[0], []).append(verdict)
@@ -179,17 +179,34 @@ class Backend:
                     if verdict and not all(by_service[service])]
         return problems, degraded
 
-    async def _check(self, name: str, address: str | None) -> str | None:
+    async def _gateway(self) -> str | None:
+        reason = await self.gateway_health()
+        return None if reason is None else f"gateway {reason}"
+
+    async def _check(self, address: str) -> str | None:
         """None when `address`'s grpc.health.v1 says SERVING, else why."""
-        key = address or "gateway"
-        channel = self._health_channels.get(key)
+        channel = self._health_channels.get(address)
         if channel is None:
-            channel = self._health_channels[key] = grpc.aio.insecure_channel(address)
+            channel = self._health_channels[address] = grpc.aio.insecure_channel(address)
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                     timeout=HEALTH_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            return f"{address or 'gateway'} {error.code().name}"
+            return f"{address} {error.code().name}"
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return f"{address or 'gateway'} {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            return f"{address} {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
         return None
+
+
+def health_of(servicer) -> Callable[[], Awaitable[str | None]]:
+    """The gateway's own verdict from its grpc.health.v1 servicer (`serve(health_servicer=...)`):
+    None while it says SERVING, else the status's name (NOT_SERVING before the start and from
+    SIGTERM on)."""
+
+    async def verdict() -> str | None:
+        reply = await servicer.Check(health_pb2.HealthCheckRequest(), None)  # "" is always set: no abort
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    return verdict

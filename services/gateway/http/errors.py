@@ -1,11 +1,11 @@
-"""gRPC status -> HTTP status and OpenAI's error object, in one table.
+"""Domain error (its gRPC status) -> HTTP status and OpenAI's error object, in one table.
 
 Every refusal of the HTTP API answers `{"error": {"message", "type", "param", "code"}}` (OpenAI's
 shape, so the `openai` SDK raises its typed errors: BadRequestError, NotFoundError, ...), except on
 TEI's native routes (`TEI_PATHS`, and /rerank with TEI's body), which answer TEI's shape
 `{"error": message, "error_type": "validation" | "overloaded" | "unhealthy" | "backend"}` (what
-huggingface_hub's InferenceClient and TEI's other clients read). The gateway's gRPC status decides
-the HTTP status either way; a request body that does not parse or validate is 400, never FastAPI's
+huggingface_hub's InferenceClient and TEI's other clients read). The status the gateway's gRPC
+API answers for the same refusal decides the HTTP status either way; a request body that does not parse or validate is 400, never FastAPI's
 422, and never a 500.
 """
 
@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from services.common.errors import clip_message
+from services.common.errors import TesseraError, clip_message, status_of
 from services.gateway.http.fields import REFUSED_ERROR
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,13 @@ def error_body(message: str, type_: str, param: str | None, code: int | str | No
     return {"error": {"message": clip_message(message), "type": type_, "param": param, "code": code}}
 
 
-def from_rpc_error(error: grpc.aio.AioRpcError) -> ApiError:
-    """The HTTP refusal for a gateway status (UNAVAILABLE -> 503 naming the service, ...)."""
-    details = error.details() or error.code().name
-    status, type_ = STATUS_TO_HTTP.get(error.code(), (500, "server_error"))
-    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in details for m in _TOO_LARGE_MARKERS):
+def from_error(error: Exception) -> ApiError:
+    """The HTTP refusal for a core's domain error, by the status gRPC answers for it (Unavailable
+    -> 503 naming the service, ...); anything else is a 500."""
+    code, details = status_of(error)
+    details = details or code.name
+    status, type_ = STATUS_TO_HTTP.get(code, (500, "server_error"))
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in details for m in _TOO_LARGE_MARKERS):
         status, type_ = 413, "invalid_request_error"
     return ApiError(status, details, type_)
 
@@ -88,8 +90,8 @@ async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
     return error.response(tei_shaped(request.scope))
 
 
-async def rpc_error_handler(request: Request, error: grpc.aio.AioRpcError) -> JSONResponse:
-    return from_rpc_error(error).response(tei_shaped(request.scope))
+async def tessera_error_handler(request: Request, error: TesseraError) -> JSONResponse:
+    return from_error(error).response(tei_shaped(request.scope))
 
 
 _MISSING = object()
@@ -173,7 +175,7 @@ HANDLERS = {
     ApiError: api_error_handler,
     UnicodeError: unicode_error_handler,
     Exception: unexpected_error_handler,
-    grpc.aio.AioRpcError: rpc_error_handler,
+    TesseraError: tessera_error_handler,
     RequestValidationError: validation_error_handler,
     HTTPException: http_error_handler,
 }

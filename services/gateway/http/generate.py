@@ -1,4 +1,4 @@
-"""Chat and text completions over the gateway's Generate stream, whole or as server-sent events.
+"""Chat and text completions over the core's Generate responses, whole or as server-sent events.
 
 A stream's first message is awaited before the HTTP response starts, so a refusal (bad input,
 unknown adapter, a service down) still answers with its own status and OpenAI's error object; a
@@ -14,16 +14,19 @@ finish_reason never share an event; with `stream_options.include_usage` every ev
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
+from services.common.errors import TesseraError
+from services.gateway.core import Call
 from services.gateway.http import logprobs as lp
 from services.gateway.http import responses
-from services.gateway.http.errors import from_rpc_error
+from services.gateway.http.errors import from_error
 from tessera.v1 import decoder_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,37 +125,47 @@ class Tally:
 
 
 class Stream:
-    """One Generate call whose first message has arrived (or that ended without any)."""
+    """One Generate of the core whose first message has arrived (or that ended without any).
 
-    def __init__(self, call, first: decoder_pb2.GenerateResponse | None):
-        self.call, self.first = call, first
+    Closing it (`close`, or leaving `messages` early) closes the core's response iterator, which
+    cancels the decoder's call: the decoder frees the request's KV blocks and adapter lease.
+    """
+
+    def __init__(self, responses: AsyncGenerator[decoder_pb2.GenerateResponse, None],
+                 first: decoder_pb2.GenerateResponse | None):
+        self.responses, self.first = responses, first
 
     @classmethod
-    async def open(cls, stub, request: decoder_pb2.GenerateRequest, metadata) -> Stream:
-        """Start Generate and wait for its first message; raises AioRpcError for a refusal."""
-        call = stub.Generate(request, metadata=metadata)
+    async def open(cls, core, request: decoder_pb2.GenerateRequest) -> Stream:
+        """Start the core's Generate and wait for its first message; raises TesseraError for a refusal."""
+        responses = core.generate(request, Call())
         try:
-            first = await call.read()
+            first = await anext(responses)
+        except StopAsyncIteration:
+            first = None
         except BaseException:
-            call.cancel()
+            await responses.aclose()
             raise
-        return cls(call, None if first is grpc.aio.EOF else first)
+        return cls(responses, first)
 
     async def messages(self) -> AsyncIterator[decoder_pb2.GenerateResponse]:
         try:
             if self.first is None:
                 return
             yield self.first
-            while (message := await self.call.read()) is not grpc.aio.EOF:
+            async for message in self.responses:
                 yield message
         finally:
-            self.call.cancel()  # the HTTP client went away: the decoder frees the request's blocks
+            await self.close()  # the HTTP client went away: the decoder frees the request's blocks
+
+    async def close(self) -> None:
+        await self.responses.aclose()
 
 
-def cancel(streams: list[Stream]) -> None:
-    """End every call (a failure or a departed client must not leave later prompts generating)."""
+async def close(streams: list[Stream]) -> None:
+    """End every Generate (a failure or a departed client must not leave later prompts generating)."""
     for stream in streams:
-        stream.call.cancel()
+        await stream.close()
 
 
 async def collect(streams: list[Stream], n: int, shape: Shape) -> Tally:
@@ -162,7 +175,7 @@ async def collect(streams: list[Stream], n: int, shape: Shape) -> Tally:
             async for message in stream.messages():
                 tally.add(prompt, message)
     finally:
-        cancel(streams)
+        await close(streams)
     return tally
 
 
@@ -245,13 +258,15 @@ async def events(streams: list[Stream], n: int, shape: Shape) -> AsyncIterator[s
             async for message in stream.messages():
                 for event in shaper.of(tally.add(prompt, message), message.finish_reason):
                     yield event
-    except grpc.aio.AioRpcError as error:
-        failure = from_rpc_error(error)
+    except Exception as error:  # noqa: BLE001 - the answer has started: the failure becomes its last event
+        if not isinstance(error, TesseraError):
+            log.exception("a streamed answer failed")
+        failure = from_error(error)
         yield _event({"error": {"message": failure.message, "type": failure.type, "param": None,
                                 "code": failure.status}})
     else:
         if shape.include_usage:
             yield _event({**shaper.head, "choices": [], "usage": tally.usage().model_dump()})
     finally:
-        cancel(streams)
+        await close(streams)
     yield "data: [DONE]\n\n"

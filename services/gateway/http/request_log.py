@@ -1,8 +1,8 @@
 """One log line per HTTP request, and its `X-Request-Id`.
 
 The id is the caller's `X-Request-Id` header or a fresh one (services/common/logs.py); every
-answer carries it back in `X-Request-Id`, and the loopback gRPC call the route makes sends it on
-as `x-request-id` metadata, so the gateway's gRPC line, the decoder's and this one share it.
+answer carries it back in `X-Request-Id`, and every downstream call the core makes for the route
+sends it on as `x-request-id` metadata, so the decoder's line and this one share it.
 """
 
 from __future__ import annotations
