@@ -9,8 +9,8 @@ request's service time is
 (tokens = bytes / 4). The trace: multi-turn conversations that open with one of a few shared
 system prompts, each with an adapter drawn from a Zipf law (or the base model), arriving in
 bursts; a conversation's next turn arrives a think time after its previous turn finished and
-repeats everything said so far. The policies see the same trace: the gateway's `Router` (fed each
-replica's queue and resident adapters, as GetInfo would), round robin, and consistent hashing of
+repeats everything said so far. The policies see the same trace: the gateway's `CacheAwarePolicy` (fed
+each replica's queue and resident adapters, as GetInfo would), round robin, and consistent hashing of
 the first block (a ring with virtual nodes).
 """
 
@@ -25,7 +25,7 @@ import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from services.gateway.router import Router, RouterConfig, RoutingKey, block_hashes
+from services.gateway.routing import CacheAwarePolicy, ReplicaReport, RouterConfig, RoutingKey, block_hashes
 
 BYTES_PER_TOKEN = 4
 
@@ -109,18 +109,18 @@ class RouterPolicy(Policy):
     name = "router (prefix + adapter + load)"
 
     def __init__(self, config: RouterConfig) -> None:
-        self.router = Router(config)
+        self.router = CacheAwarePolicy(config)
 
     def pick(self, key, hashes, replicas, now):
         by_name = {r.name: r for r in replicas}
         for r in replicas:  # what each replica's GetInfo would report
-            self.router.set_report(r.name, int(r.busy), len(r.queue), 0.0, r.slots.keys())
+            self.router.report(r.name, ReplicaReport(int(r.busy), len(r.queue), 0.0, r.slots.keys()))
         replica = by_name[self.router.pick(key, list(by_name), now, hashes).replica]
-        self.router.started(replica.name)
+        self.router.in_flight.started(replica.name)
         return replica
 
     def finished(self, replica):
-        self.router.finished(replica.name)
+        self.router.in_flight.finished(replica.name)
 
 
 class RoundRobin(Policy):

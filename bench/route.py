@@ -2,7 +2,7 @@
 
 --simulate: replays a synthetic trace (multi-turn conversations sharing system prompts, Zipf-popular
   adapters, bursty arrivals; bench/_route_sim.py) through the gateway's own router code
-  (services/gateway/router.py) over 2..64 simulated replicas, beside round robin and consistent
+  (services/gateway/routing/cache_aware.py) over 2..64 simulated replicas, beside round robin and consistent
   hashing of the first block, and reports prefix-hit rate, adapter swaps, queue imbalance and
   latency.
 real (default): two decoder replicas, one compute thread each, pinned to different cores, behind a

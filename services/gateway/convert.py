@@ -1,4 +1,4 @@
-"""Protobuf -> the router's domain types (services/gateway/router.py), and the gateway's Tokenize
+"""Protobuf -> the routing policies' domain types (services/gateway/routing/), and the gateway's Tokenize
 to and from the decoder's."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 
 from services.common.errors import InvalidArgument
-from services.gateway.router import RoutingKey
+from services.gateway.routing import RoutingKey
 from tessera.v1 import decoder_pb2, pooling_pb2
 
 # Separators that cannot occur in UTF-8 text a chat template would distinguish from content

@@ -235,7 +235,7 @@ class GatewayCore:
         failure: Exception | None = None
         while True:
             try:
-                replica = await self.poolers.pick(tried, 0.0 if tried else call.time_remaining())
+                replica = await self.poolers.pick(None, tried, 0.0 if tried else call.time_remaining())
             except Unavailable:
                 if failure is not None:  # no other pooler to retry on: the first one's answer
                     raise failure from None
@@ -344,7 +344,7 @@ class GatewayCore:
         return [name for m in info.models for name in (m.model, *m.aliases)] or [info.model]
 
     async def _decoded(self, method: str, request, call: Call):
-        """One unary decoder call on the replica the pool's unary policy picks (fewest in flight)."""
+        """One unary decoder call on the replica the pool's unary policy picks (least outstanding)."""
         replica = await self.decoders.pick_unary(call.time_remaining())
         try:
             return await self._unary("decoder", replica.address, getattr(replica.stub, method), request, call)

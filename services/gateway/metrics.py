@@ -43,7 +43,7 @@ class ReplicaCollector(Collector):
             for replica in list(pool.replicas.replicas.values()):
                 ready = replica.channel.get_state() == grpc.ChannelConnectivity.READY
                 up.add_metric([service, replica.address], float(ready))
-                outstanding.add_metric([service, replica.address], replica.num_outstanding)
+                outstanding.add_metric([service, replica.address], pool.in_flight[replica.address])
         yield up
         yield outstanding
 

@@ -7,7 +7,7 @@
     dns:///name:port           every address `name` resolves to: a Kubernetes headless Service
                                or a compose service name, one address per replica
 
-The gateway scores decoder replicas itself (services/gateway/router.py), so it keeps a channel per
+The gateway scores decoder replicas itself (services/gateway/routing/), so it keeps a channel per
 replica address rather than one balancing channel: a DNS target is resolved here with
 `socket.getaddrinfo` every `resolve_interval_s` (replicas come and go; a replica gone is dropped,
 its channel closed). Each replica's channel uses grpc's client-side health checking (service
@@ -116,13 +116,12 @@ def resolve(target: Target) -> list[str]:
 
 @dataclass
 class Replica:
-    """One replica address with its own health-checked channel and the gateway's counters."""
+    """One replica address with its own health-checked channel (its requests in flight are
+    counted by its pool: services/gateway/pools.py)."""
 
     address: str
     channel: grpc.aio.Channel
     stub: object
-    num_requests: int = 0              # requests the gateway routed here
-    num_outstanding: int = 0
     info: object | None = None         # last GetInfo reply (decoders), None before the first
     was_ready: bool = False
     ready_since: float = field(default_factory=time.monotonic)

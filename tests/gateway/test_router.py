@@ -1,16 +1,21 @@
-"""The gateway's router on synthetic replicas: block hashing, prefix and adapter affinity, load bounds."""
+"""The gateway's routing policies on synthetic replicas: block hashing, prefix and adapter affinity,
+load bounds, one count of requests in flight."""
 
 import pytest
 
 from services.gateway.convert import routing_key
 from services.gateway.replicas import parse_target, resolve
-from services.gateway.router import (
-    LeastOutstanding,
+from services.gateway.routing import (
+    CacheAwarePolicy,
+    InFlight,
+    LeastOutstandingPolicy,
     PrefixIndex,
-    Router,
+    ReplicaReport,
     RouterConfig,
     RoutingKey,
+    RoutingPolicy,
     block_hashes,
+    create_policy,
 )
 from tessera.v1 import decoder_pb2
 
@@ -65,15 +70,15 @@ def test_prefix_index_is_bounded_lru_and_forgets_replicas():
 
 
 def test_conversation_turns_stay_on_their_replica():
-    router = Router()
+    router = CacheAwarePolicy()
     homes = {}
     for c in range(12):  # first turns arrive together: the shared system prompt yields to load
         turns = [("system", SYSTEM), ("user", question(c))]
         homes[c] = router.pick(routing_key(chat(*turns)), REPLICAS, now=0.0).replica
-        router.started(homes[c])
+        router.in_flight.started(homes[c])
     assert len(set(homes.values())) == 3
     for c in range(12):
-        router.finished(homes[c])
+        router.in_flight.finished(homes[c])
     for c in range(12):
         turns = [("system", SYSTEM), ("user", question(c)),
                  ("assistant", "Here is a long answer " * 4), ("user", "and more?")]
@@ -84,56 +89,57 @@ def test_conversation_turns_stay_on_their_replica():
 
 def test_prefix_affinity_yields_to_a_much_longer_queue():
     config = RouterConfig(max_queue_gap=4)
-    router = Router(config)
+    router = CacheAwarePolicy(config)
     key = RoutingKey(b"p" * 640)
     home = router.pick(key, REPLICAS, now=0.0).replica
-    router.load(home).num_outstanding = 2  # within the gap: still home
+    for _ in range(2):  # within the gap: still home
+        router.in_flight.started(home)
     assert router.pick(key, REPLICAS, now=0.0).replica == home
-    router.load(home).num_outstanding = config.max_queue_gap + 1  # much longer than the shortest
+    for _ in range(config.max_queue_gap - 1):  # much longer than the shortest
+        router.in_flight.started(home)
     assert router.pick(key, REPLICAS, now=0.0).replica != home
 
 
 def test_reported_load_counts_too():
-    router = Router()
-    router.set_report("r0:1", num_running=8, num_waiting=4, kv_usage=0.9, resident_adapters=())
+    router = CacheAwarePolicy()
+    router.report("r0:1", ReplicaReport(num_running=8, num_waiting=4, kv_usage=0.9))
     picks = {router.pick(RoutingKey(b"q%d" % i), REPLICAS, now=0.0).replica for i in range(6)}
     assert "r0:1" not in picks
     # a report counts only what is not the gateway's own: 4 of the 5 reported were in flight from
     # here when it was asked for, and 3 of those have finished since
-    router = Router()
+    router = CacheAwarePolicy()
     for _ in range(4):
-        router.started("r1:1")
-    router.set_report("r1:1", num_running=2, num_waiting=3, kv_usage=0.0, resident_adapters=(),
-                      num_outstanding_then=4)
+        router.in_flight.started("r1:1")
+    router.report("r1:1", ReplicaReport(num_running=2, num_waiting=3, num_in_flight_then=4))
     for _ in range(3):
-        router.finished("r1:1")
-    assert router.load("r1:1").queue == 1 + 1
+        router.in_flight.finished("r1:1")
+    assert router.queue("r1:1") == 1 + 1
 
 
 def test_hot_adapter_sticks_then_spreads_to_a_second_replica():
     config = RouterConfig(adapter_queue_gap=2)
-    router = Router(config)
-    router.set_report("r1:1", 0, 0, 0.0, resident_adapters=["x"])
+    router = CacheAwarePolicy(config)
+    router.report("r1:1", ReplicaReport(resident_adapters=["x"]))
     # X's requests go to the replica holding X while its queue is within the gap
     for queued in range(config.adapter_queue_gap + 1):
         decision = router.pick(RoutingKey(b"%d" % queued, adapter="x"), REPLICAS, now=0.0)
         assert decision.replica == "r1:1" and decision.adapter_resident
-        router.started("r1:1")
+        router.in_flight.started("r1:1")
     # clearly longer now: the next request for X goes to another replica, which will load X
     spill = router.pick(RoutingKey(b"spill", adapter="x"), REPLICAS, now=0.0)
     assert spill.replica != "r1:1" and not spill.adapter_resident
     assert router.resident(spill.replica, "x", now=1.0)  # learned from routing, before any report
     # from then on both hold X and share a steady stream of its requests (three in flight at a
     # time) by load; the third replica, which does not hold X, gets none of them
-    router.started(spill.replica)
-    router.finished("r1:1")
+    router.in_flight.started(spill.replica)
+    router.in_flight.finished("r1:1")
     in_flight = ["r1:1", "r1:1", spill.replica]
     shared = []
     for i in range(12):
         d = router.pick(RoutingKey(b"later%d" % i, adapter="x"), REPLICAS, now=2.0)
         shared.append(d.replica)
-        router.started(d.replica)
-        router.finished(in_flight.pop(0))
+        router.in_flight.started(d.replica)
+        router.in_flight.finished(in_flight.pop(0))
         in_flight.append(d.replica)
     assert set(shared) == {"r1:1", spill.replica}
     # a routed adapter not confirmed by a report is forgotten after adapter_memory_s
@@ -141,7 +147,7 @@ def test_hot_adapter_sticks_then_spreads_to_a_second_replica():
 
 
 def test_removed_replica_loses_its_affinity():
-    router = Router()
+    router = CacheAwarePolicy()
     key = RoutingKey(b"z" * 256)
     home = router.pick(key, REPLICAS, now=0.0).replica
     router.remove(home)
@@ -149,12 +155,28 @@ def test_removed_replica_loses_its_affinity():
 
 
 def test_least_outstanding_spreads_and_prefers_idle():
-    policy = LeastOutstanding()
-    picks = [policy.pick(["a", "b"]) for _ in range(4)]
+    policy = LeastOutstandingPolicy()
+    picks = [policy.pick(None, ["a", "b"]).replica for _ in range(4)]
     assert sorted(picks) == ["a", "a", "b", "b"]
-    policy.started("a")
-    assert all(policy.pick(["a", "b"]) == "b" for _ in range(3))
-    assert policy.pick([]) is None
+    policy.in_flight.started("a")
+    assert all(policy.pick(None, ["a", "b"]).replica == "b" for _ in range(3))
+    assert policy.pick(None, []) is None
+
+
+def test_policies_share_one_count_of_requests_in_flight():
+    """The factory's policies over one InFlight (as a decoder pool's Generate and unary calls):
+    a request counted by either is load for both."""
+    in_flight = InFlight()
+    streams, unary = create_policy("cache_aware", in_flight), create_policy("least_outstanding", in_flight)
+    assert isinstance(streams, RoutingPolicy) and isinstance(unary, RoutingPolicy)
+    in_flight.started("r0:1")
+    in_flight.started("r1:1")
+    assert unary.pick(None, REPLICAS).replica == "r2:1"
+    assert streams.pick(RoutingKey(b"k" * 64), REPLICAS, now=0.0).replica == "r2:1"
+    in_flight.finished("r1:1")
+    assert (in_flight["r0:1"], in_flight["r1:1"], in_flight.num_requests("r1:1")) == (1, 0, 1)
+    with pytest.raises(ValueError, match="routing policy 'random'"):
+        create_policy("random")
 
 
 def test_router_config_checks():

@@ -1,8 +1,10 @@
-"""Which decoder replica serves a Generate: prefix affinity, adapter affinity and load, scored per replica.
+"""The cache-aware policy: which decoder replica serves a Generate, by prefix affinity, adapter
+affinity and load, scored per replica.
 
 The gateway scores replicas itself, as llm-d's endpoint picker and SGLang's cache-aware router do.
-This module is pure (no I/O, no clock of its own): `services/gateway/replicas.py` feeds it each
-replica's reported load and readiness, `bench/route.py --simulate` feeds it simulated replicas.
+This module is pure (no I/O, no clock of its own): the decoder pool (services/gateway/pools.py)
+feeds it each replica's reported load and readiness, `bench/route.py --simulate` feeds it
+simulated replicas.
 
 Prefix affinity. The gateway has no tokenizer, so a request's canonical content (`RoutingKey`:
 chat messages rendered role + text in order, or the raw prompt, as UTF-8) is cut into fixed-size
@@ -28,8 +30,8 @@ Scoring, in units of one queued request (higher wins):
     matched(r) = leading blocks of the request that r holds (least matched: the minimum over ready
                replicas, so a system prompt every replica holds decides nothing)
     gap(r)   = queue(r) - min over ready replicas of queue
-    queue(r) = the gateway's own requests in flight on r + what r last reported running or
-               waiting beyond those (other gateways' requests)
+    queue(r) = the gateway's own requests in flight on r (policy.InFlight) + what r last reported
+               running or waiting beyond those (other gateways' requests)
 
 So affinity never sends a request to a replica whose queue is more than `max_queue_gap` longer
 than the shortest, and a hot adapter stays on the replica holding it only while that replica's
@@ -48,21 +50,9 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from services.gateway.routing.policy import Decision, InFlight, ReplicaReport, RoutingKey, RoutingPolicy
+
 ROOT_PARENT = bytes(32)
-
-
-@dataclass(frozen=True)
-class RoutingKey:
-    """What a Generate request's KV blocks depend on, as the gateway sees it.
-
-    `content`: canonical UTF-8 bytes of the prompt (services/gateway/convert.py renders it);
-    `adapter`: the adapter name ("" = base model); `image_offsets`: (byte offset in `content`,
-    content hash) of each image.
-    """
-
-    content: bytes
-    adapter: str = ""
-    image_offsets: tuple[tuple[int, str], ...] = ()
 
 
 def _keys_bytes(extra_keys: Sequence[str]) -> bytes:
@@ -164,37 +154,25 @@ class RouterConfig:
 
 @dataclass
 class ReplicaLoad:
-    """A replica's load: the gateway's own count, and the decoder's last report (GetInfo)."""
+    """What a replica's last report (GetInfo) and the routing so far say of it, beside the
+    gateway's own requests in flight there (policy.InFlight)."""
 
-    num_outstanding: int = 0           # requests the gateway has in flight there
     num_others: int = 0                # reported running + waiting requests that are not the gateway's
     kv_usage: float = 0.0              # fraction of KV blocks in use, 0..1
     resident_adapters: frozenset[str] = frozenset()
     routed_adapters: dict[str, float] = field(default_factory=dict)  # name -> when last routed there
 
-    @property
-    def queue(self) -> int:
-        # the gateway's own count is fresh; a report (up to a poll interval old) adds only what other
-        # clients (other gateways) have queued there
-        return self.num_outstanding + self.num_others
 
-
-@dataclass(frozen=True)
-class Decision:
-    replica: str
-    matched_blocks: int
-    num_blocks: int
-    adapter_resident: bool
-
-
-class Router:
+class CacheAwarePolicy(RoutingPolicy):
     """Scores ready replicas for each request (module docstring) and learns from its decisions.
 
-    Replicas are named by their address. `loads` holds every known replica; the caller keeps it
-    current (`set_report`, `started` / `finished`) and says which are ready at each `pick`.
+    Replicas are named by their address. `loads` holds what is known of every replica; the pool
+    keeps it current (`report`, `remove`) and says which are ready at each `pick`; the gateway's
+    requests in flight come from `in_flight`.
     """
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
+    def __init__(self, config: RouterConfig | None = None, in_flight: InFlight | None = None) -> None:
+        super().__init__(in_flight)
         self.config = config or RouterConfig()
         self.index = PrefixIndex(self.config.index_capacity)
         self.loads: dict[str, ReplicaLoad] = {}
@@ -203,30 +181,22 @@ class Router:
     def load(self, replica: str) -> ReplicaLoad:
         return self.loads.setdefault(replica, ReplicaLoad())
 
-    def set_report(self, replica: str, num_running: int, num_waiting: int, kv_usage: float,
-                   resident_adapters: Collection[str], num_outstanding_then: int | None = None) -> None:
-        """A replica's report (GetInfo). `num_outstanding_then`: the gateway's own requests in flight
-        there when the report was asked for (default: now); the rest of its queue is other clients'."""
+    def queue(self, replica: str) -> int:
+        """The gateway's own count is fresh; a report (up to a poll interval old) adds only what
+        other clients (other gateways) have queued there."""
+        return self.in_flight[replica] + self.load(replica).num_others
+
+    def report(self, replica: str, report: ReplicaReport) -> None:
         load = self.load(replica)
-        own = max(load.num_outstanding, num_outstanding_then or 0)
-        load.num_others = max(0, num_running + num_waiting - own)
-        load.kv_usage = kv_usage
-        load.resident_adapters = frozenset(resident_adapters)
+        own = max(self.in_flight[replica], report.num_in_flight_then or 0)
+        load.num_others = max(0, report.num_running + report.num_waiting - own)
+        load.kv_usage = report.kv_usage
+        load.resident_adapters = frozenset(report.resident_adapters)
 
     def remove(self, replica: str) -> None:
-        """The replica left or restarted: forget its reported load, adapters and prefixes (the
-        gateway's own requests still in flight there are still counted until they end)."""
-        load = self.loads.pop(replica, None)
-        if load is not None and load.num_outstanding:
-            self.loads[replica] = ReplicaLoad(num_outstanding=load.num_outstanding)
+        """The replica left or restarted: forget its reported load, adapters and prefixes."""
+        self.loads.pop(replica, None)
         self.index.forget(replica)
-
-    def started(self, replica: str) -> None:
-        self.load(replica).num_outstanding += 1
-
-    def finished(self, replica: str) -> None:
-        load = self.load(replica)
-        load.num_outstanding = max(0, load.num_outstanding - 1)
 
     def resident(self, replica: str, adapter: str, now: float) -> bool:
         load = self.load(replica)
@@ -234,32 +204,34 @@ class Router:
         return adapter in load.resident_adapters or (
             routed is not None and now - routed <= self.config.adapter_memory_s)
 
-    def pick(self, key: RoutingKey, ready: Sequence[str], now: float,
+    def pick(self, key: RoutingKey | None, ready: Sequence[str], now: float = 0.0,
              hashes: Sequence[bytes] | None = None) -> Decision | None:
         """The best of `ready` for `key` (None when `ready` is empty); records the decision.
 
-        `now`: seconds on the caller's monotonic clock (adapter memory ages with it); `hashes`:
-        `block_hashes(key, block_bytes)` when the caller has them already.
+        `key` None: load alone decides. `hashes`: `block_hashes(key, block_bytes)` when the caller
+        has them already.
         """
         if not ready:
             return None
         cfg = self.config
+        key = key or RoutingKey(b"")
         hashes = block_hashes(key, cfg.block_bytes) if hashes is None else hashes
-        shortest = min(self.load(r).queue for r in ready)
+        queues = {r: self.queue(r) for r in ready}
+        shortest = min(queues.values())
         matched = self.index.matched_by_replica(hashes, ready)
         least_matched = min(matched.values())
         turn = next(self._round_robin)
         best: tuple | None = None
         for position, replica in enumerate(ready):
             load = self.load(replica)
-            gap = load.queue - shortest
+            gap = queues[replica] - shortest
             score = -gap - cfg.kv_weight * load.kv_usage
             if hashes and gap <= cfg.max_queue_gap:
                 score += cfg.prefix_weight * (matched[replica] - least_matched) / len(hashes)
             resident = bool(key.adapter) and self.resident(replica, key.adapter, now)
             if resident and gap <= cfg.adapter_queue_gap:
                 score += cfg.adapter_queue_gap + 0.5  # outweighs any gap up to adapter_queue_gap
-            rank = (score, -load.num_outstanding, -((position - turn) % len(ready)))
+            rank = (score, -self.in_flight[replica], -((position - turn) % len(ready)))
             if best is None or rank > best[0]:
                 best = (rank, Decision(replica, matched[replica], len(hashes), resident))
         decision = best[1]
@@ -275,25 +247,3 @@ class Router:
             for name in [n for n, t in routed.items() if now - t > self.config.adapter_memory_s]:
                 del routed[name]
             routed[key.adapter] = now
-
-
-class LeastOutstanding:
-    """Poolers: the ready replica with the fewest requests in flight, round robin among ties."""
-
-    def __init__(self) -> None:
-        self.outstanding: dict[str, int] = {}
-        self._turn = itertools.count()
-
-    def pick(self, ready: Sequence[str]) -> str | None:
-        if not ready:
-            return None
-        turn = next(self._turn)
-        fewest = min(self.outstanding.get(r, 0) for r in ready)
-        tied = [r for r in ready if self.outstanding.get(r, 0) == fewest]
-        return tied[turn % len(tied)]
-
-    def started(self, replica: str) -> None:
-        self.outstanding[replica] = self.outstanding.get(replica, 0) + 1
-
-    def finished(self, replica: str) -> None:
-        self.outstanding[replica] = max(0, self.outstanding.get(replica, 0) - 1)
