@@ -365,7 +365,8 @@ async def serve(
     give_up_after_s = exit_unhealthy_after_s()
     server = create_server(interceptors, public=public, max_receive_bytes=max_receive_bytes)
     service_names = list(register(server))
-    health_servicer = health_servicer or grpc_health.aio.HealthServicer()
+    if health_servicer is None:
+        health_servicer = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)

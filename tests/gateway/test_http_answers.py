@@ -5,11 +5,13 @@ exact shape: against a recorded OpenAI-shape fixture and the official SDK's stre
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from .http_gateway import BASE, GENERATED_TEXT, PROMPT_TEXT, TOKENS, Harness, alternatives, logprob_of
+from .http_gateway import BASE, GENERATED_TEXT, PROMPT_TEXT, TOKENS, FakeGateway, Harness, alternatives, logprob_of
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -210,3 +212,25 @@ def test_request_id_names_the_answer(harness):
     _, chat = harness.post("/v1/chat/completions", {**CHAT, "request_id": "abc"})
     _, text = harness.post("/v1/completions", {"prompt": "x", "request_id": "abc"})
     assert (chat["id"], text["id"], chat["model"]) == ("chatcmpl-abc", "cmpl-abc", BASE)
+
+
+def test_health_follows_the_gateways_own_grpc_health():
+    """The HTTP /health reads the gateway's own grpc.health.v1 status in process: NOT_SERVING (from
+    SIGTERM on, before the drain) is a 503 naming the gateway, as its gRPC port answers."""
+    from grpc_health.v1 import health, health_pb2
+
+    from services.gateway.http.backend import Backend, health_of
+
+    async def scenario():
+        status = health.aio.HealthServicer()
+        backend = Backend(FakeGateway(), {}, gateway_health=health_of(status))
+        verdicts = []
+        for serving in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING):
+            await status.set("", serving)
+            down, _ = await backend.not_serving()
+            verdicts.append(down)
+        return verdicts
+
+    serving, stopping = asyncio.run(scenario())
+    assert not [p for p in serving if p.startswith("gateway")], serving
+    assert "gateway: gateway NOT_SERVING" in stopping, stopping
