@@ -126,9 +126,10 @@ class Harness:
     def close(self) -> None:
         self.loop.close()
 
-    def raw(self, path: str, body: dict | None) -> tuple[int, bytes]:
-        """POST `body` as JSON (GET when None); (status, the answer's bytes)."""
-        sent, unread, done = [], [json.dumps(body).encode() if body is not None else b""], asyncio.Event()
+    def raw(self, path: str, body: dict | bytes | None) -> tuple[int, bytes]:
+        """POST `body` as JSON (bytes: as they are; GET when None); (status, the answer's bytes)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
+        sent, unread, done = [], [data], asyncio.Event()
 
         async def receive():  # the body, then a disconnect once the answer is complete
             if unread:
@@ -148,7 +149,7 @@ class Harness:
         self.loop.run_until_complete(self.app(scope, receive, send))
         return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
-    def post(self, path: str, body: dict | None) -> tuple[int, dict]:
+    def post(self, path: str, body: dict | bytes | None) -> tuple[int, dict]:
         status, data = self.raw(path, body)
         return status, json.loads(data)
 

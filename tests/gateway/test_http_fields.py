@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from services.gateway.http import models
 from services.gateway.http.fields import Strict, is_accepted
+from tessera.v1 import pooling_pb2
 
-from .http_gateway import ALIASES, BASE, EMBEDDER, EMBEDDER_ALIAS, GENERATION_DEFAULTS, Harness
+from .http_gateway import ALIASES, BASE, EMBEDDER, EMBEDDER_ALIAS, GENERATED_TEXT, GENERATION_DEFAULTS, Harness
 from .test_http_app import App, call, error_of, tei_error_of
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
@@ -325,5 +326,97 @@ def test_openapi_lists_the_honoured_and_accepted_fields_and_names_the_refused(ap
         assert set(schema.get("x-refused", {})) == set(model.refused), model
         for name, info in model.model_fields.items():
             assert (schema["properties"][name].get("x-tessera") == "accepted") == is_accepted(info), name
+            options = schema["properties"][name].get("anyOf", [schema["properties"][name]])
+            nullable = any(option.get("type") == "null" for option in options)
+            assert nullable == (not info.is_required()), (model, name)  # null: the default
     assert "audio" in schemas["ChatCompletionRequest"]["x-refused"]
     assert "top_k" in schemas["CompletionRequest"]["properties"]
+
+
+# A lone surrogate in each kind of string a body holds (as the raw JSON escape a client may send):
+# refused naming its path before any call, never a 500 nor an event stream that carries it.
+SURROGATES = [
+    ("/v1/chat/completions", '{"model": "m", "max_tokens": 4, "request_id": "\\ud800", "messages": [%s]}', "request_id"),
+    ("/v1/completions", '{"prompt": "x", "request_id": "\\ud800"}', "request_id"),
+    ("/v1/completions", '{"prompt": "x", "stream": true, "request_id": "\\ud800"}', "request_id"),
+    ("/v1/chat/completions", '{"messages": [%s], "stream": true, "request_id": "a\\udfffb"}', "request_id"),
+    ("/v1/chat/completions", '{"messages": [%s], "user": "\\ud800"}', "user"),
+    ("/v1/chat/completions", '{"model": "\\ud800", "messages": [%s]}', "model"),
+    ("/v1/chat/completions", '{"messages": [%s], "metadata": {"\\udc00": "v"}}', "metadata.\\udc00"),
+    ("/v1/chat/completions", '{"messages": [%s, {"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages.1.content.0.text"),
+    ("/v1/chat/completions", '{"messages": [%s], "stop": ["ok", "\\ud800"]}', "stop.1"),
+    ("/v1/embeddings", '{"model": "\\ud800", "input": "x"}', "model"),
+    ("/v1/embeddings", '{"input": ["x", "\\udfff"]}', "input.1"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/rerank", '{"query": "q", "documents": [{"text": "\\ud800"}]}', "documents.0.text"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", SURROGATES)
+def test_text_that_is_not_unicode_is_400_naming_its_field_before_any_call(harness, route, body, param):
+    body = body.replace("%s", '{"role": "user", "content": "hi"}').encode()
+    status, answer = harness.post(route, body)
+    assert status == 400, answer
+    assert error_of(answer)["param"] == param
+    assert error_of(answer)["message"].startswith(f"{param} holds text that is not valid Unicode"), answer
+    assert not harness.gateway.received, "refused before the core was called"
+
+
+def test_teis_routes_refuse_text_that_is_not_unicode_in_teis_shape(harness):
+    status, answer = harness.post("/embed", b'{"inputs": ["a", "\\ud800"]}')
+    assert status == 400 and tei_error_of(answer)["error"].startswith("inputs.1 holds text that is not valid Unicode")
+
+
+def test_a_surrogate_pair_is_text(harness):
+    status, answer = harness.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": '
+                                                          b'"\\ud83d\\ude00"}], "request_id": "\\ud83d\\ude00"}')
+    assert status == 200 and answer["id"] == "chatcmpl-\U0001f600"
+
+
+def _optional_fields(model) -> list[str]:
+    return [name for name, info in model.model_fields.items() if not info.is_required()]
+
+
+# optional fields that are the template's one input (one of two): null leaves the body without any
+_THE_INPUT = {("/tokenize", "messages"), ("/v1/rerank", "documents")}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_null_is_the_default_of_every_optional_field(app, route):
+    """The openai SDK sends null for a parameter passed as None (OpenAI's spec marks them nullable;
+    vLLM declares them Optional[...] = default): null never refuses an honoured field."""
+    template, objects = ROUTES[route]
+    for path, model in objects.items():
+        for name in _optional_fields(model):
+            if (route, name) in _THE_INPUT:
+                continue
+            body = _copy(template)
+            _at(body, path)[name] = None
+            status, answer = call(app, route, json.dumps(body).encode())
+            dotted = ".".join(str(p) for p in (*path, name))
+            if status == 400 and route not in TEI_ROUTES:  # the default contradicts a sibling (stream_options)
+                assert error_of(answer)["param"] not in (dotted, None), (route, dotted, answer)
+            else:
+                assert status == 503, (route, dotted, answer)  # past validation, on to the (unreachable) gateway
+
+
+def test_null_sampling_fields_reach_the_protobuf_as_their_defaults(harness):
+    nulls = {name: None for name in ("n", "presence_penalty", "frequency_penalty", "logprobs", "stream", "ignore_eos",
+                                     "continue_final_message", "echo", "min_tokens", "include_stop_str_in_output")}
+    status, answer = harness.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **nulls})
+    assert status == 200 and answer["object"] == "chat.completion", answer  # not streamed: stream null is false
+    request = harness.gateway.last("Generate")
+    sampling = request.sampling
+    assert (sampling.n, sampling.presence_penalty, sampling.frequency_penalty, sampling.logprobs, sampling.ignore_eos,
+            sampling.min_tokens, request.continue_final_message) == (1, 0.0, 0.0, False, False, 0, False)
+    nulls = {"echo": None, "logprobs": None, "stream": None, "n": None}
+    status, answer = harness.post("/v1/completions", {"prompt": "x", **nulls})
+    assert status == 200 and answer["choices"][0]["text"] == GENERATED_TEXT and answer["choices"][0]["logprobs"] is None
+    assert harness.post("/v1/embeddings", {"input": "x", "encoding_format": None})[0] == 200
+    assert harness.gateway.last("Embed").encoding_format == pooling_pb2.ENCODING_FORMAT_FLOAT
+
+
+def test_null_is_still_refused_for_a_required_field(harness):
+    status, answer = harness.post("/v1/chat/completions", {"messages": None})
+    assert status == 400 and error_of(answer)["param"] == "messages"

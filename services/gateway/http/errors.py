@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from services.common.errors import TesseraError, clip_message, status_of
-from services.gateway.http.fields import REFUSED_ERROR
+from services.gateway.http.fields import NOT_UNICODE_ERROR, REFUSED_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,10 @@ def _problem(error: dict, body) -> tuple[str, str]:
         ctx = error.get("ctx") or {}
         param = ".".join([*path, ctx.get("field", "")]).strip(".")
         return param, f"{param} is not supported: {ctx.get('reason', '')}"
+    if error.get("type") == NOT_UNICODE_ERROR:
+        param = (error.get("ctx") or {}).get("field", "")
+        return param, (f"{param or 'body'} holds text that is not valid Unicode (a lone UTF-16 surrogate, such as "
+                       "\\ud800); every string must encode as UTF-8")
     param = ".".join(path)
     if error.get("type") == "extra_forbidden":
         return param, (f"{param} is not a field of this request (refused, never ignored: see the route's fields in "
@@ -129,14 +133,14 @@ def _problem(error: dict, body) -> tuple[str, str]:
     return param, f"{param or 'body'}: {error.get('msg')}"
 
 
-# A refusal or an unknown field says what is wrong whatever else is: it comes first.
-_FIRST = {REFUSED_ERROR: 0, "extra_forbidden": 1}
+# Text that is not Unicode, a refusal or an unknown field says what is wrong whatever else is: it comes first.
+_FIRST = {NOT_UNICODE_ERROR: 0, REFUSED_ERROR: 1, "extra_forbidden": 2}
 
 
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     """Pydantic's errors as one 400 whose `param` is the dotted path of the first problem: a
     refused field (models.py's tables) or an unknown one before any other."""
-    problems = sorted(error.errors(), key=lambda e: _FIRST.get(e.get("type"), 2))
+    problems = sorted(error.errors(), key=lambda e: _FIRST.get(e.get("type"), len(_FIRST)))
     first = problems[0] if problems else {}
     if first.get("type") == "json_invalid":  # FastAPI's loc is the byte offset, its ctx json's reason
         reason = (first.get("ctx") or {}).get("error", "not JSON")

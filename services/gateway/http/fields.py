@@ -9,8 +9,14 @@ refused by name; none is dropped.
 - any other field, at any level of the body (a message, a content part, `stream_options`), is
   unknown: 400 naming its dotted path (pydantic's extra="forbid" on every `Strict` model).
 
+Every optional field takes `null` for its default, as OpenAI's spec marks them nullable and vLLM
+declares them `Optional[...] = default` (the `openai` SDK sends `"presence_penalty": null` for
+None). A whole body (`Body`) is refused first, naming its path, for a string (or key) that is not
+valid Unicode: JSON's "\\ud800" escapes a lone UTF-16 surrogate, which no protobuf string, log line
+or answer can carry.
+
 The same declarations write the OpenAPI document: a body's `properties` are its honoured and
-accepted fields (accepted ones carry `x-tessera: accepted`), `additionalProperties` is false,
+accepted fields (accepted ones carry `x-tessera: accepted`; every optional one is nullable), `additionalProperties` is false,
 and its refused fields are absent from `properties`, listed with their reasons under the
 schema's `x-refused`. docs/http.md's field lists are rendered from them (docs/render_http.py).
 A refusal that depends on two fields (`top_logprobs` without `logprobs`) is the route's
@@ -19,6 +25,7 @@ A refusal that depends on two fields (`top_logprobs` without `logprobs`) is the 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 REFUSED_ERROR = "refused"  # the pydantic error type of a refusal (errors.validation_error_handler reads it)
+NOT_UNICODE_ERROR = "not_unicode"  # ... and of a string that is not valid Unicode
 ACCEPTED = "accepted"      # the `x-tessera` mark of an accepted field in the JSON schema
 
 
@@ -80,7 +88,8 @@ def is_accepted(info) -> bool:
 
 class Strict(BaseModel):
     """A request body (or part of one): unknown fields are refused, and so are the fields of its
-    `refused` table unless their `Refusal` permits the value sent.
+    `refused` table unless their `Refusal` permits the value sent; an optional field sent as null
+    takes its default.
 
     A refused field that is not declared (`audio`) and is permitted (null) is removed before
     validation: it asks for nothing. A declared one (`tools`, permitted as []) is validated as
@@ -93,25 +102,106 @@ class Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not cls.refused:
+        if not isinstance(data, dict):
             return data
-        kept = data
+        defaulted = _defaulted(cls)
+        kept = {k: v for k, v in data.items() if not (v is None and k in defaulted)}
         for name, rule in cls.refused.items():
             if name not in data:
                 continue
             if not rule.permits(data[name], data):
                 raise refusal(name, rule.reason)
             if name not in cls.model_fields:
-                kept = {k: v for k, v in kept.items() if k != name}
+                kept.pop(name, None)
         return kept
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core_schema, handler):
         schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        required = set(target.get("required", ()))
+        for name, spec in target.get("properties", {}).items():
+            if name not in required:
+                target["properties"][name] = _nullable(spec)
         if cls.refused:
-            target = handler.resolve_ref_schema(schema)
             target["x-refused"] = {name: rule.describe() for name, rule in cls.refused.items()}
         return schema
+
+
+# the keys of a property's JSON schema that describe the field, not its value's type
+_FIELD_KEYS = ("title", "default", "description", "x-tessera", "examples", "deprecated")
+
+
+def _nullable(spec: dict) -> dict:
+    """A property's schema with `null` among its values (a field that takes null for its default)."""
+    options = spec.get("anyOf", [spec])
+    if any(option.get("type") == "null" for option in options):
+        return spec
+    value = {k: v for k, v in spec.items() if k not in _FIELD_KEYS}
+    return {"anyOf": [value, {"type": "null"}], **{k: spec[k] for k in _FIELD_KEYS if k in spec}}
+
+
+@functools.cache
+def _defaulted(model: type[Strict]) -> frozenset[str]:
+    """The optional fields of `model` whose default is not null: null sent for one means the default."""
+    return frozenset(name for name, info in model.model_fields.items()
+                     if not info.is_required() and info.get_default(call_default_factory=False) is not None)
+
+
+class Body(Strict):
+    """A whole request body: first of all, every string in it (keys included) must be valid
+    Unicode, else the first that is not is refused naming its dotted path."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        path = not_unicode(data)
+        if path is not None:
+            where = ".".join(_printable(str(p)) for p in path)
+            raise PydanticCustomError(NOT_UNICODE_ERROR, "{field} is text that is not valid Unicode", {"field": where})
+        return data
+
+
+def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    """`text` with each lone surrogate as its escape (\\ud800), so an answer can name it."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+_TEXTUAL = frozenset({str, dict, list})  # JSON values that are or may hold strings
+
+
+def not_unicode(value: Any) -> tuple | None:
+    """The path (keys and indices) of the first string, or object key, in a parsed JSON `value`
+    that does not encode as UTF-8 (a lone surrogate); None when every one does.
+
+    Iterative (a deeply nested body cannot exhaust the stack); a list of numbers is passed over
+    by one set test of its items' types.
+    """
+    pending: list[tuple[Any, tuple]] = [(value, ())]
+    while pending:
+        item, path = pending.pop()
+        kind = type(item)
+        if kind is str:
+            if not _encodes(item):
+                return path
+        elif kind is dict:
+            for key in item:
+                if isinstance(key, str) and not _encodes(key):
+                    return (*path, key)
+            pending.extend(reversed([(v, (*path, k)) for k, v in item.items() if type(v) in _TEXTUAL]))
+        elif kind is list and not _TEXTUAL.isdisjoint(map(type, item)):
+            pending.extend(reversed([(v, (*path, i)) for i, v in enumerate(item) if type(v) in _TEXTUAL]))
+    return None
 
 
 def refusal(field: str, reason: str) -> PydanticCustomError:

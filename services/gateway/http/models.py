@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from services.gateway.http.fields import VLLM_GENERATION, Refusal, Strict, accepted, refusal
+from services.gateway.http.fields import VLLM_GENERATION, Body, Refusal, Strict, accepted, refusal
 
 # protobuf's int32 fields: a larger number is refused here (400), not by the message setter
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -131,7 +131,7 @@ class StreamOptions(Strict):
 # -- chat and completions ----------------------------------------------------------------------
 
 
-class SamplingFields(Strict):
+class SamplingFields(Body):
     """The fields chat and completions share: OpenAI's, and vLLM's sampling extras."""
 
     model: str | None = Field(default=None, description="the decoder's base model name or one of its aliases "
@@ -263,7 +263,7 @@ _POOLING_REFUSED = {
 }
 
 
-class EmbeddingRequest(Strict):
+class EmbeddingRequest(Body):
     model: str | None = Field(default=None, description="an embedding model's name or alias (absent: the pooling "
                               "service's default embedding model)")
     truncate_prompt_tokens: int | None = _TRUNCATE_PROMPT_TOKENS
@@ -295,7 +295,7 @@ class RerankRequestDocument(Strict):
     text: str
 
 
-class RerankRequest(Strict):
+class RerankRequest(Body):
     """Jina's and Cohere's rerank body (documents: texts or `{"text": ...}` objects), or on POST /rerank
     also TEI's (`texts`, answered as TEI's list of ranks): exactly one of `documents` and `texts`."""
 
@@ -326,7 +326,7 @@ class RerankRequest(Strict):
     }
 
 
-class ScoreRequest(Strict):
+class ScoreRequest(Body):
     """vLLM's /score body: `text_1` one text scored against each of `text_2`, or two lists of equal
     length scored pairwise (a list of one text counts as one text)."""
 
@@ -343,7 +343,7 @@ class ScoreRequest(Strict):
     refused: ClassVar[dict[str, Refusal]] = dict(_POOLING_REFUSED)
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(Body):
     """vLLM's /tokenize: exactly one of `prompt` and `messages` (chat: decoder models only)."""
 
     model: str | None = Field(default=None, description="absent: the decoder's tokenizer when a decoder is served "
@@ -366,14 +366,14 @@ class TokenizeRequest(Strict):
     }
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(Body):
     """vLLM's /detokenize (decoder models only)."""
 
     model: str | None = Field(default=None, description="the decoder's model, an alias or a loaded adapter's name")
     tokens: TokenIds
 
 
-class LoadLoraAdapterRequest(Strict):
+class LoadLoraAdapterRequest(Body):
     lora_name: str
     lora_path: str
     replace: bool = Field(default=False, strict=True, description="tessera: load new weights under a name already loaded")
@@ -381,7 +381,7 @@ class LoadLoraAdapterRequest(Strict):
                                                    "weights to end (else 400 while any runs)")
 
 
-class UnloadLoraAdapterRequest(Strict):
+class UnloadLoraAdapterRequest(Body):
     lora_name: str
     drain: bool = Field(default=False, strict=True, description="tessera: refuse new requests and wait for running ones to "
                                                    "end (else 400 while any runs)")
@@ -391,7 +391,7 @@ class UnloadLoraAdapterRequest(Strict):
 # -- text-embeddings-inference's native routes (its router's http/types.rs) -----------------------
 
 
-class TeiEmbedRequest(Strict):
+class TeiEmbedRequest(Body):
     """TEI's /embed body (also POST /, where huggingface_hub's InferenceClient.feature_extraction sends it)."""
 
     inputs: str | Texts | StrictTokenIds | StrictTokenIdLists = Field(
@@ -408,7 +408,7 @@ class TeiEmbedRequest(Strict):
 
 
 # Every request body, by the routes that take it (docs/render_http.py lists their fields).
-REQUEST_BODIES: dict[str, type[Strict]] = {
+REQUEST_BODIES: dict[str, type[Body]] = {
     "POST /v1/chat/completions": ChatCompletionRequest,
     "POST /v1/completions": CompletionRequest,
     "POST /v1/embeddings": EmbeddingRequest,
