@@ -44,7 +44,7 @@ def test_http_reference_lists_every_route_and_request_field():
     request = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     for field in request:
         assert f"| `{field}` | " in text, field
-    assert "| `encoding_format` | `\"float\"` \\| `\"base64\"` |  | `float` |" in text
+    assert "| `encoding_format` | `\"float\"` \\| `\"base64\"` \\| null |  | `float` |" in text  # null: the default
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:
