@@ -148,12 +148,54 @@ def content_parts(content: Content) -> list[decoder_pb2.ContentPart]:
             else image_part(p) for p in content]
 
 
+_MESSAGE_KEYS = ("role", "content", "name")
+_TOOLS = "the gateway does not call tools"
+_TEMPLATE_FIELDS = "the chat template is given each message's role, content and name only"
+# OpenAI's message keys tessera does not take, and why (as the HTTP API refuses them); None, and
+# an empty tool_calls, ask for nothing and pass.
+_REFUSED_MESSAGE_KEYS = {"tool_calls": _TOOLS, "tool_call_id": _TOOLS, "function_call": _TOOLS,
+                         "audio": "audio is not supported: the decoder reads text and images",
+                         "refusal": _TEMPLATE_FIELDS, "reasoning_content": _TEMPLATE_FIELDS,
+                         "reasoning": _TEMPLATE_FIELDS}
+
+
+def _message_fields(message: Message | dict, where: str) -> tuple[str, Content, str | None]:
+    """(role, content, name) of a `Message` or an OpenAI-style dict.
+
+    Raises:
+        ValueError: naming the key: one a message does not have, one tessera does not take
+            (`tool_calls`, ...), a missing or null role or content, a role or name that is not a str.
+    """
+    if isinstance(message, dict):
+        for key, value in message.items():
+            if key in _REFUSED_MESSAGE_KEYS:
+                if value is not None and value != []:
+                    raise ValueError(f"{where}.{key} is not supported: {_REFUSED_MESSAGE_KEYS[key]}")
+            elif key not in _MESSAGE_KEYS:
+                raise ValueError(f"{where} has no field {key!r}; a message's fields are {list(_MESSAGE_KEYS)}")
+        role, content, name = message.get("role"), message.get("content"), message.get("name")
+    else:
+        role, content, name = message.role, message.content, message.name
+    if not isinstance(role, str):
+        raise ValueError(f"{where}.role must be a str (\"system\", \"user\" or \"assistant\"); got "
+                         f"{type(role).__name__}")
+    if content is None:
+        raise ValueError(f"{where}.content is missing: a message needs its text, or a list of parts")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{where}.name must be a str; got {type(name).__name__}")
+    return role, content, name
+
+
 def chat_messages(messages: Iterable[Message | dict]) -> list[decoder_pb2.ChatMessage]:
-    """Messages as `Message`s or OpenAI-style dicts with "role" and "content"."""
+    """Messages as `Message`s or OpenAI-style dicts with "role", "content" and optionally "name".
+
+    Raises:
+        ValueError: a message `_message_fields` refuses, or a content part `openai_part` does.
+    """
     out = []
-    for m in messages:
-        role, content = (m["role"], m["content"]) if isinstance(m, dict) else (m.role, m.content)
-        out.append(decoder_pb2.ChatMessage(role=role, content=content_parts(content)))
+    for i, message in enumerate(messages):
+        role, content, name = _message_fields(message, f"messages[{i}]")
+        out.append(decoder_pb2.ChatMessage(role=role, content=content_parts(content), name=name or ""))
     return out
 
 

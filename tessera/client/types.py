@@ -24,10 +24,12 @@ Content = str | Sequence[Any]
 @dataclass(frozen=True)
 class Message:
     """One chat turn. `role` is "system", "user" or "assistant"; images come in `content` as parts
-    (see `Content`: the client's own, or OpenAI's dicts)."""
+    (see `Content`: the client's own, or OpenAI's dicts); `name`, the participant's name, reaches
+    the chat template as the message's `name` (OpenAI's and vLLM's)."""
 
     role: str
     content: Content
+    name: str | None = None
 
 
 @dataclass(frozen=True)

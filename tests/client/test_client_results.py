@@ -114,3 +114,29 @@ def test_chat_takes_openai_content_parts_as_well_as_its_own():
 def test_an_openai_content_part_tessera_cannot_honour_is_refused_naming_it(part, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         convert.generate_request(messages=[{"role": "user", "content": [part]}], sampling=SamplingParams())
+
+
+def test_a_messages_name_reaches_the_protobuf():
+    messages = [{"role": "user", "content": "x", "name": "bob", "tool_calls": [], "refusal": None},
+                Message("assistant", "hi", name="ada"), Message("user", "again")]
+    request = convert.generate_request(messages=messages, sampling=SamplingParams())
+    assert [(m.role, m.name) for m in request.messages] == [("user", "bob"), ("assistant", "ada"), ("user", "")]
+    assert convert.tokenize_request(None, messages=messages[:1], model="", add_special_tokens=None,
+                                    prompt_name="").messages[0].name == "bob"
+
+
+@pytest.mark.parametrize(("message", "words"), [
+    ({"role": "user", "content": "x", "bogus": 1}, "messages[0] has no field 'bogus'"),
+    ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1", "type": "function"}]},
+     "messages[0].tool_calls is not supported: the gateway does not call tools"),
+    ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages[0].tool_call_id is not supported"),
+    ({"role": "assistant", "content": "x", "reasoning_content": "hmm"}, "messages[0].reasoning_content is not supported"),
+    ({"role": "user"}, "messages[0].content is missing"),
+    ({"role": "user", "content": None}, "messages[0].content is missing"),
+    ({"content": "x"}, "messages[0].role must be a str"),
+    ({"role": "user", "content": "x", "name": 3}, "messages[0].name must be a str"),
+    (Message("user", None), "messages[0].content is missing"),
+])
+def test_a_message_key_tessera_does_not_take_is_refused_naming_it(message, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        convert.generate_request(messages=[message], sampling=SamplingParams())
