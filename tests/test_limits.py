@@ -105,6 +105,23 @@ def test_generate_caps(at_cap, over, message):
     assert message in str(error.value)
 
 
+# The field each cap blames (TesseraError.field), absent where the count spans several fields.
+GENERATE_FIELDS = {"request_id": "request_id", "lora": "lora", "role": "messages[0].role", "messages": "messages",
+                   "stop-count": "sampling.stop", "stop-chars": "sampling.stop[1]",
+                   "stop-token-ids": "sampling.stop_token_ids", "n": "sampling.n", "top-logprobs": "sampling.top_logprobs",
+                   "prompt-logprobs": "sampling.prompt_logprobs", "max-tokens-negative": "sampling.max_tokens",
+                   "max-tokens": "sampling.max_tokens", "prompt-token-ids": "prompt_token_ids",
+                   "prompt-token-ids-max-tokens-unset": "prompt_token_ids"}
+
+
+@pytest.mark.parametrize("name, over", [(row[0], row[2]) for row in GENERATE], ids=[row[0] for row in GENERATE])
+def test_generate_caps_name_the_field_to_blame(name, over):
+    with pytest.raises(InvalidArgument) as error:
+        check_generate(over, G, CONTEXT)
+    assert error.value.field == GENERATE_FIELDS.get(name)
+    assert error.value.field is None or str(error.value).startswith(error.value.field)
+
+
 def embed(**fields) -> pooling_pb2.EmbedRequest:
     return pooling_pb2.EmbedRequest(**fields)
 

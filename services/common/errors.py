@@ -13,11 +13,22 @@ from __future__ import annotations
 
 import grpc
 
+# The trailing metadata key of a refusal that one request field is to blame for: that field's
+# path in the service's protobuf request ("sampling.n", "token_ids[3]"), so each API can name it
+# in its own terms (the HTTP API's `param`) without reading the message.
+FIELD_METADATA = "tessera-field"
+
 
 class TesseraError(Exception):
-    """Base of every domain error; `code` is the gRPC status it maps to."""
+    """Base of every domain error; `code` is the gRPC status it maps to. `field`: the request field
+    to blame, as a path of the protobuf request (FIELD_METADATA), or None; the message then starts
+    with that path (or, below a message, its last part: "min_tokens must be ...")."""
 
     code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, *args, field: str | None = None):
+        super().__init__(*args)
+        self.field = field
 
 
 class InvalidArgument(TesseraError, ValueError):
@@ -89,20 +100,29 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
 
 
-def error_of(code: grpc.StatusCode, message: str) -> TesseraError:
-    """The domain error a peer's status `code` stands for, with its `message`.
+def error_of(code: grpc.StatusCode, message: str, field: str | None = None) -> TesseraError:
+    """The domain error a peer's status `code` stands for, with its `message` (and `field`).
 
     A code no domain error stands for (CANCELLED, UNIMPLEMENTED, ...) becomes `Internal`, naming it.
     """
     error = _ERROR_OF_CODE.get(code)
     if error is None:
         return Internal(f"{code.name}: {message}")
-    return error(message)
+    return error(message, field=field)
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> TesseraError:
-    """`error_of` for a failed call's status and details."""
-    return error_of(error.code(), error.details() or "")
+    """`error_of` for a failed call's status, details and FIELD_METADATA."""
+    field = next((value for key, value in (error.trailing_metadata() or ()) if key == FIELD_METADATA), None)
+    return error_of(error.code(), error.details() or "", field or None)
+
+
+def prefixed(error: TesseraError, prefix: str) -> TesseraError:
+    """`error` with its field under `prefix` (a submessage's name: "sampling"), for a check that
+    names the submessage's own fields."""
+    if error.field is not None:
+        error.field = f"{prefix}.{error.field}"
+    return error
 
 
 def clip_message(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:

@@ -33,15 +33,19 @@ def _cap(default: int, help_text: str):
 
 
 def check_chars(field: str, value: str, limit: int, setting: str) -> None:
-    """Raises InvalidArgument when `value` has more than `limit` characters."""
+    """Raises InvalidArgument (naming `field`, a protobuf path) when `value` has more than `limit` characters."""
     if len(value) > limit:
-        raise InvalidArgument(f"{field} has {len(value)} characters; the limit is {limit} ({flag(setting)})")
+        raise InvalidArgument(f"{field} has {len(value)} characters; the limit is {limit} ({flag(setting)})",
+                              field=field)
 
 
-def check_count(field: str, count: int, limit: int, setting: str, unit: str = "entries") -> None:
-    """Raises InvalidArgument when a list field holds more than `limit` items (`unit` names them)."""
+def check_count(field: str, count: int, limit: int, setting: str, unit: str = "entries", *,
+                one_field: bool = True) -> None:
+    """Raises InvalidArgument when a list field holds more than `limit` items (`unit` names them);
+    it names `field` as the one to blame unless `one_field` is false (a count over several)."""
     if count > limit:
-        raise InvalidArgument(f"{field} has {count} {unit}; the limit is {limit} ({flag(setting)})")
+        raise InvalidArgument(f"{field} has {count} {unit}; the limit is {limit} ({flag(setting)})",
+                              field=field if one_field else None)
 
 
 def check_positive(owner: object, names: tuple[str, ...]) -> None:
@@ -116,14 +120,15 @@ def check_generate(request, limits: GenerateLimits, max_model_len: int | None) -
     _check_sampling(request.sampling, limits, max_model_len)
     check_count("messages", len(request.messages), limits.max_messages, "max_messages", "messages")
     num_parts = len(request.prompt) + sum(len(message.content) for message in request.messages)
-    check_count("prompt and messages", num_parts, limits.max_content_parts, "max_content_parts", "content parts")
+    check_count("prompt and messages", num_parts, limits.max_content_parts, "max_content_parts", "content parts",
+                one_field=False)
     parts = list(request.prompt)
     for index, message in enumerate(request.messages):
         check_chars(f"messages[{index}].role", message.role, limits.max_name_chars, "max_name_chars")
         parts.extend(message.content)
     kinds = [part.WhichOneof("part") for part in parts]
     num_images = sum(kind in ("image", "encoded_image") for kind in kinds)
-    check_count("prompt and messages", num_images, limits.max_images, "max_images", "images")
+    check_count("prompt and messages", num_images, limits.max_images, "max_images", "images", one_field=False)
     cap = limits.prompt_chars(max_model_len)
     if cap is not None:
         chars = sum(len(part.text) for part in parts if part.WhichOneof("part") == "text")
@@ -141,19 +146,20 @@ def _check_sampling(sampling, limits: GenerateLimits, max_model_len: int | None)
     check_count("sampling.stop_token_ids", len(sampling.stop_token_ids), limits.max_stop_token_ids,
                 "max_stop_token_ids", "ids")
     if sampling.n > limits.max_n:
-        raise InvalidArgument(f"sampling.n is {sampling.n}; the limit is {limits.max_n} ({flag('max_n')})")
+        raise InvalidArgument(f"sampling.n is {sampling.n}; the limit is {limits.max_n} ({flag('max_n')})",
+                              field="sampling.n")
     if sampling.top_logprobs > limits.max_logprobs:
         raise InvalidArgument(f"sampling.top_logprobs is {sampling.top_logprobs}; the limit is "
-                              f"{limits.max_logprobs} ({flag('max_logprobs')})")
+                              f"{limits.max_logprobs} ({flag('max_logprobs')})", field="sampling.top_logprobs")
     if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs > limits.max_logprobs:
         raise InvalidArgument(f"sampling.prompt_logprobs is {sampling.prompt_logprobs}; the limit is "
-                              f"{limits.max_logprobs} ({flag('max_logprobs')})")
+                              f"{limits.max_logprobs} ({flag('max_logprobs')})", field="sampling.prompt_logprobs")
     if sampling.max_tokens < 0:  # before any image is encoded for a request that cannot run
         raise InvalidArgument(f"sampling.max_tokens must be >= 1 (or 0, unset: the rest of the context), "
-                              f"got {sampling.max_tokens}")
+                              f"got {sampling.max_tokens}", field="sampling.max_tokens")
     if max_model_len is not None and sampling.max_tokens >= max_model_len:
         raise InvalidArgument(f"sampling.max_tokens is {sampling.max_tokens}; the model's context is {max_model_len} "
-                              "tokens, and the prompt needs at least one")
+                              "tokens, and the prompt needs at least one", field="sampling.max_tokens")
 
 
 def _check_context(request, parts: list, max_model_len: int) -> None:
@@ -163,7 +169,8 @@ def _check_context(request, parts: list, max_model_len: int) -> None:
     wanted = f"max_tokens {max_tokens}" if request.sampling.max_tokens else "room for one generated token"
     num_ids = len(request.prompt_token_ids)
     if num_ids + max_tokens > max_model_len:
-        raise InvalidArgument(f"prompt_token_ids has {num_ids} ids and {wanted}; the model's context is {max_model_len}")
+        raise InvalidArgument(f"prompt_token_ids has {num_ids} ids and {wanted}; the model's context is {max_model_len}",
+                              field="prompt_token_ids")
     image_tokens = 0
     for part in parts:
         if part.WhichOneof("part") == "encoded_image":
@@ -184,7 +191,7 @@ def check_decoder_tokenize(field: str, texts, messages, limits: GenerateLimits, 
     caps. `max_model_len`: as for `check_generate`. Raises InvalidArgument for the first cap passed."""
     check_count("messages", len(messages), limits.max_messages, "max_messages", "messages")
     num_parts = sum(len(message.content) for message in messages)
-    check_count("messages", num_parts, limits.max_content_parts, "max_content_parts", "content parts")
+    check_count("messages", num_parts, limits.max_content_parts, "max_content_parts", "content parts", one_field=False)
     chars = sum(len(text) for text in texts)
     for index, message in enumerate(messages):
         check_chars(f"messages[{index}].role", message.role, limits.max_name_chars, "max_name_chars")
@@ -202,7 +209,8 @@ def check_detokenize(request, limits: GenerateLimits, max_model_len: int | None)
     check_chars("model", request.model, limits.max_name_chars, "max_name_chars")
     num_ids = len(request.token_ids)
     if max_model_len is not None and num_ids > max_model_len:
-        raise InvalidArgument(f"token_ids has {num_ids} ids; the limit is the model's context, {max_model_len} tokens")
+        raise InvalidArgument(f"token_ids has {num_ids} ids; the limit is the model's context, {max_model_len} tokens",
+                              field="token_ids")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import auth, logs, metrics
-from services.common.errors import InvalidArgument, status_of
+from services.common.errors import FIELD_METADATA, InvalidArgument, status_of
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,9 @@ def _wrap_single(inner, method: str, streams_in: bool):
             raise
         except Exception as error:  # noqa: BLE001 - this is the backstop
             code, message = _status_logged(method, error)
+            field = getattr(error, "field", None)
         del request  # see _end_with_status
-        _end_with_status(context, code, message)
+        _end_with_status(context, code, message, field)
 
     return behavior
 
@@ -209,10 +210,11 @@ def _wrap_streaming(inner, method: str, streams_in: bool):
             raise
         except Exception as error:  # noqa: BLE001
             code, message = _status_logged(method, error)
+            field = getattr(error, "field", None)
         else:
             return
         del request  # see _end_with_status
-        _end_with_status(context, code, message)
+        _end_with_status(context, code, message, field)
 
     return behavior
 
@@ -243,8 +245,10 @@ def _drop_tracebacks(error: BaseException) -> None:
             pending += [chained.__cause__, chained.__context__]
 
 
-def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End the call with `code`, keeping nothing of the request alive.
+def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                     field: str | None = None) -> None:
+    """End the call with `code` (and the `field` to blame as FIELD_METADATA), keeping nothing of
+    the request alive.
 
     Called after the `except` block, never inside it: the exception's traceback holds every
     servicer frame and the request, and `context.abort` would chain it to an AbortError that grpc
@@ -254,6 +258,8 @@ def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, m
     """
     context.set_code(code)
     context.set_details(message)
+    if field:
+        context.set_trailing_metadata((*(context.trailing_metadata() or ()), (FIELD_METADATA, field)))
 
 
 def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, public: bool = False,

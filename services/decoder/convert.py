@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, prefixed
 from services.common.limits import GenerateLimits, check_decoder_tokenize, check_detokenize, check_generate
 from services.common.tensor import FLOAT_DTYPES, from_pb
 from services.decoder.types import (
@@ -62,19 +62,22 @@ def sampling_from_pb(sampling: decoder_pb2.SamplingParams,
         return neutral if value is None else value
 
     neutral_temperature = sampling.default_temperature if sampling.HasField("default_temperature") else 0.0
-    return SamplingParams(
-        max_tokens=sampling.max_tokens or None, temperature=pick("temperature", neutral_temperature),
-        top_p=pick("top_p", 1.0), top_k=pick("top_k", 0), min_p=pick("min_p", 0.0),
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-        repetition_penalty=pick("repetition_penalty", 1.0), presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty, n=sampling.n or 1, logprobs=sampling.logprobs,
-        top_logprobs=sampling.top_logprobs, min_tokens=sampling.min_tokens,
-        include_stop_str_in_output=sampling.include_stop_str_in_output,
-        skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
-        spaces_between_special_tokens=(sampling.spaces_between_special_tokens
-                                       if sampling.HasField("spaces_between_special_tokens") else True),
-        prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None)
+    try:
+        return SamplingParams(
+            max_tokens=sampling.max_tokens or None, temperature=pick("temperature", neutral_temperature),
+            top_p=pick("top_p", 1.0), top_k=pick("top_k", 0), min_p=pick("min_p", 0.0),
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            repetition_penalty=pick("repetition_penalty", 1.0), presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty, n=sampling.n or 1, logprobs=sampling.logprobs,
+            top_logprobs=sampling.top_logprobs, min_tokens=sampling.min_tokens,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+            skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+            spaces_between_special_tokens=(sampling.spaces_between_special_tokens
+                                           if sampling.HasField("spaces_between_special_tokens") else True),
+            prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None)
+    except InvalidArgument as error:
+        raise prefixed(error, "sampling") from None
 
 
 def chat_options_from_pb(request: decoder_pb2.GenerateRequest | decoder_pb2.DecoderTokenizeRequest
@@ -94,9 +97,10 @@ def chat_options_from_pb(request: decoder_pb2.GenerateRequest | decoder_pb2.Deco
         try:
             kwargs = json.loads(request.chat_template_kwargs)
         except json.JSONDecodeError as error:
-            raise InvalidArgument(f"chat_template_kwargs is not JSON: {error}") from None
+            raise InvalidArgument(f"chat_template_kwargs is not JSON: {error}", field="chat_template_kwargs") from None
         if not isinstance(kwargs, dict):
-            raise InvalidArgument(f"chat_template_kwargs must be a JSON object, got a JSON {type(kwargs).__name__}")
+            raise InvalidArgument(f"chat_template_kwargs must be a JSON object, got a JSON {type(kwargs).__name__}",
+                                  field="chat_template_kwargs")
     return ChatTemplateOptions(add_prompt, continue_final, kwargs)
 
 

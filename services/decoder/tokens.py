@@ -83,5 +83,6 @@ def detokenize(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = 
     vocab_size = len(tokenizer)
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            raise InvalidArgument(f"token_ids[{index}] is {token_id}, outside the vocabulary [0, {vocab_size})")
+            raise InvalidArgument(f"token_ids[{index}] is {token_id}, outside the vocabulary [0, {vocab_size})",
+                                  field=f"token_ids[{index}]")
     return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

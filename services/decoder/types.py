@@ -109,53 +109,58 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1 (or unset for the rest of the context), got {self.max_tokens}")
+            raise InvalidArgument(f"max_tokens must be >= 1 (or unset for the rest of the context), got {self.max_tokens}",
+                                  field="max_tokens")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}",
+                                  field="temperature")
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0  # dividing logits by ~1e-38 overflows; below vLLM's epsilon is greedy
         if self.seed is not None and self.seed < 0:
-            raise InvalidArgument(f"seed must be >= 0, got {self.seed}")
+            raise InvalidArgument(f"seed must be >= 0, got {self.seed}", field="seed")
         self._check_filters()
         if any(s == "" for s in self.stop):
-            raise InvalidArgument("stop strings must not be empty")
+            raise InvalidArgument("stop strings must not be empty", field="stop")
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
         self.eos_token_ids = tuple(self.eos_token_ids)
         if self.min_tokens < 0:
-            raise InvalidArgument(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise InvalidArgument(f"min_tokens must be >= 0, got {self.min_tokens}", field="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidArgument(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise InvalidArgument(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                                  field="min_tokens")
         self._check_penalties_and_choices()
 
     def _check_filters(self) -> None:
         if not (math.isfinite(self.top_p) and 0 <= self.top_p <= 1):
-            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}", field="top_p")
         if self.top_p == 0:
             self.top_p = 1.0
         if self.top_k < -1:
-            raise InvalidArgument(f"top_k must be >= 0 (0 or -1 = disabled), got {self.top_k}")
+            raise InvalidArgument(f"top_k must be >= 0 (0 or -1 = disabled), got {self.top_k}", field="top_k")
         if self.top_k == -1:
             self.top_k = 0  # vLLM's "disabled"
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
-            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
 
     def _check_penalties_and_choices(self) -> None:
         if self.repetition_penalty == 0:
             self.repetition_penalty = 1.0
         if not 0 < self.repetition_penalty <= 10:
-            raise InvalidArgument(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+            raise InvalidArgument(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                                  field="repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise InvalidArgument(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {getattr(self, name)}", field=name)
         if not 1 <= self.n <= MAX_N:
-            raise InvalidArgument(f"n must be in [1, {MAX_N}], got {self.n}")
+            raise InvalidArgument(f"n must be in [1, {MAX_N}], got {self.n}", field="n")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                                  field="top_logprobs")
         if self.top_logprobs:
             self.logprobs = True
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or unset), "
-                                  f"got {self.prompt_logprobs}")
+                                  f"got {self.prompt_logprobs}", field="prompt_logprobs")
 
     @property
     def penalized(self) -> bool:
@@ -249,14 +254,15 @@ class ChatTemplateOptions:
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidArgument("add_generation_prompt and continue_final_message cannot both be true: "
-                                  "continue the final message, or open a new assistant turn")
+                                  "continue the final message, or open a new assistant turn",
+                                  field="add_generation_prompt")
         for key in self.template_kwargs:
             if key == "tools":
                 raise InvalidArgument("chat_template_kwargs key 'tools' is refused: this server does not "
-                                      "serve function calling")
+                                      "serve function calling", field="chat_template_kwargs")
             if key in CHAT_TEMPLATE_ARGUMENTS:
                 raise InvalidArgument(f"chat_template_kwargs key {key!r} is refused: it is an argument of "
-                                      "apply_chat_template, not a template variable")
+                                      "apply_chat_template, not a template variable", field="chat_template_kwargs")
 
     @property
     def is_default(self) -> bool:

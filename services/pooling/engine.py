@@ -344,15 +344,17 @@ class PoolingEngine:
     def _check_inputs(self, inputs: list, what: str, extra_chars: int = 0) -> None:
         """Count, emptiness (an empty text or id list) and (texts) size checks; `extra_chars`: other text of the request (a rerank query)."""
         if not inputs:
-            raise InvalidArgument(f"{what} is empty; send at least one text")
+            raise InvalidArgument(f"{what} is empty; send at least one text", field=what)
         if len(inputs) > self.config.max_batch_size:
-            raise InvalidArgument(f"request has {len(inputs)} {what}; max_batch_size is {self.config.max_batch_size}")
+            raise InvalidArgument(f"request has {len(inputs)} {what}; max_batch_size is {self.config.max_batch_size}",
+                                  field=what)
         for index, item in enumerate(inputs):
             if not item and isinstance(item, str):
-                raise InvalidArgument(f"{what}[{index}] is an empty string; every input must hold text")
+                raise InvalidArgument(f"{what}[{index}] is an empty string; every input must hold text",
+                                      field=f"{what}[{index}]")
             if not item:
                 raise InvalidArgument(f"{what}[{index}] is an empty id list; every input must hold at least one "
-                                      "token id")
+                                      "token id", field=f"{what}[{index}]")
         chars = extra_chars + sum(len(item) for item in inputs if isinstance(item, str))
         if chars > self.config.max_request_chars:
             raise InvalidArgument(f"request holds {chars} characters of text; the limit is "

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, error_from_rpc
 from services.common.server import bind, create_server
 
 SERVICE = "test.Shapes"
@@ -21,7 +21,7 @@ SERVICE = "test.Shapes"
 
 async def unary_unary(request: bytes, context) -> bytes:
     if request == b"bad":
-        raise InvalidArgument("request says bad")
+        raise InvalidArgument("request says bad", field="request")
     return request.upper()
 
 
@@ -29,14 +29,14 @@ async def unary_stream_gen(request: bytes, context):
     for i in range(3):
         yield request + str(i).encode()
     if request == b"bad":
-        raise InvalidArgument("request says bad")
+        raise InvalidArgument("request says bad", field="request")
 
 
 async def unary_stream_writer(request: bytes, context) -> None:
     for i in range(3):
         await context.write(request + str(i).encode())
     if request == b"bad":
-        raise InvalidArgument("request says bad")
+        raise InvalidArgument("request says bad", field="request")
 
 
 async def stream_unary(requests, context) -> bytes:
@@ -46,14 +46,14 @@ async def stream_unary(requests, context) -> bytes:
 async def stream_stream_gen(requests, context):
     async for item in requests:
         if item == b"bad":
-            raise InvalidArgument("request says bad")
+            raise InvalidArgument("request says bad", field="request")
         yield item.upper()
 
 
 async def stream_stream_writer(requests, context) -> None:
     async for item in requests:
         if item == b"bad":
-            raise InvalidArgument("request says bad")
+            raise InvalidArgument("request says bad", field="request")
         await context.write(item.upper())
 
 
@@ -131,6 +131,8 @@ def test_domain_errors_become_their_status_in_every_shape(kind, name):
                 [m async for m in call(_stream_of(b"ok", b"bad"))]
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details() == "request says bad"
+        relayed = error_from_rpc(info.value)  # the field to blame travels as data, for the caller to name
+        assert isinstance(relayed, InvalidArgument) and relayed.field == "request"
 
     _run(body)
 

@@ -350,14 +350,15 @@ def test_chat_options_from_the_wire_and_their_refusals(tokenizer):
     assert chat_options_from_pb(_chat_request(chat_template_kwargs='{"enable_thinking": false}')).template_kwargs == {
         "enable_thinking": False}
     for fields, words in [
-        (dict(continue_final_message=True, add_generation_prompt=True), "cannot both be true"),
+        (dict(add_generation_prompt=True, continue_final_message=True), "cannot both be true"),
         (dict(chat_template_kwargs="{not json"), "not JSON"),
         (dict(chat_template_kwargs="[1, 2]"), "JSON object, got a JSON list"),
         (dict(chat_template_kwargs='{"tokenize": false}'), "'tokenize' is refused"),
         (dict(chat_template_kwargs='{"tools": []}'), "function calling"),
     ]:
-        with pytest.raises(InvalidArgument, match=words):
+        with pytest.raises(InvalidArgument, match=words) as refused:
             chat_options_from_pb(_chat_request(**fields))
+        assert refused.value.field == next(iter(fields)), fields  # the field to blame, as data
     with pytest.raises(InvalidArgument, match="messages only"):
         tokenize(tokenizer, TokenizeInput(text="hi", chat=ChatTemplateOptions(template_kwargs={"x": 1})))
     # every argument of the installed apply_chat_template but `documents` is refused as a template variable
@@ -371,8 +372,12 @@ def test_sampling_fields_are_validated_naming_the_limit():
                           (dict(max_tokens=4, min_tokens=5), "min_tokens must be <= max_tokens (4), got 5"),
                           (dict(top_k=-2), "top_k must be >= 0"),
                           (dict(prompt_logprobs=21), "prompt_logprobs must be in [0, 20]")]:
-        with pytest.raises(InvalidArgument, match=re.escape(words)):
+        with pytest.raises(InvalidArgument, match=re.escape(words)) as refused:
             SamplingParams(**fields)
+        assert refused.value.field == words.split()[0]
+        with pytest.raises(InvalidArgument) as refused:  # the protobuf's path of the field to blame
+            sampling_from_pb(decoder_pb2.SamplingParams(**fields))
+        assert refused.value.field == f"sampling.{words.split()[0]}"
     params = sampling_from_pb(decoder_pb2.SamplingParams(min_p=0.2, min_tokens=3, include_stop_str_in_output=True,
                                                          skip_special_tokens=False, prompt_logprobs=0))
     assert (params.min_p, params.min_tokens, params.include_stop_str_in_output, params.skip_special_tokens,

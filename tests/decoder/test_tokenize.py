@@ -10,6 +10,7 @@ import pytest
 from decoder_testing import with_decoder_server
 from transformers import AutoTokenizer
 
+from services.common.errors import error_from_rpc
 from services.common.limits import GenerateLimits
 from services.decoder.config import DecoderConfig
 from tessera.paths import default_decoder_dir
@@ -28,12 +29,14 @@ def _chat(messages) -> list[decoder_pb2.ChatMessage]:
             for m in messages]
 
 
-async def _refused(call, *words: str) -> None:
+async def _refused(call, *words: str, field: str | None = None) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await call
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
     for word in words:
         assert word in error.value.details()
+    if field is not None:  # the field to blame travels as data (services/common/errors.py's FIELD_METADATA)
+        assert error_from_rpc(error.value).field == field
 
 
 def test_tokenize_and_detokenize_equal_transformers():
@@ -66,7 +69,7 @@ def test_tokenize_and_detokenize_equal_transformers():
             "input_ids"]
         await _refused(stub.Tokenize(decoder_pb2.DecoderTokenizeRequest(messages=_chat(MESSAGES),
                                                                         chat_template_kwargs='{"tokenize": true}')),
-                       "chat_template_kwargs", "'tokenize'")
+                       "chat_template_kwargs", "'tokenize'", field="chat_template_kwargs")
 
         text = await stub.Detokenize(decoder_pb2.DetokenizeRequest(token_ids=chat.token_ids))
         assert text.text == tokenizer.decode(list(chat.token_ids)) and text.model == model_dir.name
@@ -78,7 +81,7 @@ def test_tokenize_and_detokenize_equal_transformers():
 
         vocab = len(tokenizer)
         await _refused(stub.Detokenize(decoder_pb2.DetokenizeRequest(token_ids=[1, vocab])),
-                       "token_ids[1]", str(vocab))
+                       "token_ids[1]", str(vocab), field="token_ids[1]")
         await _refused(stub.Detokenize(decoder_pb2.DetokenizeRequest(token_ids=[-1])), "token_ids[0]")
         await _refused(stub.Detokenize(decoder_pb2.DetokenizeRequest(token_ids=[5] * (MAX_MODEL_LEN + 1))),
                        "token_ids", str(MAX_MODEL_LEN + 1), str(MAX_MODEL_LEN))

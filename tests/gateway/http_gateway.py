@@ -71,9 +71,12 @@ class FakeGateway:
 
     def __init__(self) -> None:
         self.received: dict[str, list] = {}
+        self.refusal: Exception | None = None  # set: every call that records its request raises it
 
     def _record(self, name: str, request) -> None:
         self.received.setdefault(name, []).append(request)
+        if self.refusal is not None:
+            raise self.refusal
 
     def last(self, name: str):
         return self.received[name][-1]

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.common.errors import InvalidArgument
 from services.gateway.http import models
 from services.gateway.http.fields import Strict, is_accepted
 from tessera.v1 import pooling_pb2
@@ -420,3 +421,86 @@ def test_null_sampling_fields_reach_the_protobuf_as_their_defaults(harness):
 def test_null_is_still_refused_for_a_required_field(harness):
     status, answer = harness.post("/v1/chat/completions", {"messages": None})
     assert status == 400 and error_of(answer)["param"] == "messages"
+
+
+HI = [{"role": "user", "content": "hi"}]
+# (route, body, the core's refusal: message and protobuf field, the body's param, the answer's message)
+NAMED_REFUSALS = [
+    ("/v1/chat/completions", {"messages": HI, "n": 1000}, ("sampling.n is 1000; the limit is 16 (--max-n)", "sampling.n"),
+     "n", "n is 1000; the limit is 16 (--max-n)"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 4096},
+     ("sampling.max_tokens is 4096; the model's context is 2048 tokens", "sampling.max_tokens"),
+     "max_completion_tokens", "max_completion_tokens is 4096; the model's context is 2048 tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 4096},
+     ("sampling.max_tokens is 4096; the model's context", "sampling.max_tokens"), "max_tokens", "max_tokens is 4096"),
+    ("/v1/chat/completions", {"messages": HI, "stop": ["a", "bb"]},
+     ("sampling.stop[1] has 2 characters; the limit is 1 (--max-stop-chars)", "sampling.stop[1]"), "stop.1",
+     "stop.1 has 2 characters"),
+    ("/v1/chat/completions", {"messages": HI, "stop_token_ids": [-1]},
+     ("sampling.stop_token_ids holds -1, outside the vocabulary [0, 49152)", "sampling.stop_token_ids"),
+     "stop_token_ids", "stop_token_ids holds -1, outside the vocabulary"),
+    ("/v1/chat/completions", {"messages": HI, "min_tokens": 9, "max_tokens": 4},
+     ("min_tokens must be <= max_tokens (4), got 9", "sampling.min_tokens"), "min_tokens", "min_tokens must be <="),
+    ("/v1/chat/completions", {"messages": HI, "repetition_penalty": 100},
+     ("repetition_penalty must be in (0, 10], got 100.0", "sampling.repetition_penalty"), "repetition_penalty",
+     "repetition_penalty must be in (0, 10]"),
+    ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"tokenize": True}},
+     ("chat_template_kwargs key 'tokenize' is refused: it is an argument of apply_chat_template",
+      "chat_template_kwargs"), "chat_template_kwargs", "chat_template_kwargs key 'tokenize' is refused"),
+    ("/v1/chat/completions", {"messages": HI}, ("messages[0].role has 300 characters", "messages[0].role"),
+     "messages.0.role", "messages.0.role has 300 characters"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 20},
+     ("sampling.top_logprobs is 20; the limit is 5 (--max-logprobs)", "sampling.top_logprobs"), "logprobs",
+     "logprobs is 20; the limit is 5"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 20},
+     ("sampling.prompt_logprobs is 20; the limit is 5", "sampling.prompt_logprobs"), "logprobs", "logprobs is 20"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 20},
+     ("sampling.prompt_logprobs is 20; the limit is 5", "sampling.prompt_logprobs"), "prompt_logprobs",
+     "prompt_logprobs is 20"),
+    ("/v1/completions", {"prompt": [1, 2]}, ("prompt_token_ids has 2 ids and max_tokens 16; the model's context is 8",
+                                             "prompt_token_ids"), "prompt", "prompt has 2 ids and max_tokens 16"),
+    ("/detokenize", {"tokens": [-1]}, ("token_ids[0] is -1, outside the vocabulary [0, 49152)", "token_ids[0]"),
+     "tokens.0", "tokens.0 is -1, outside the vocabulary"),
+    ("/v1/embeddings", {"input": ""}, ("inputs[0] is an empty string; every input must hold text", "inputs[0]"),
+     "input", "input is an empty string"),
+    ("/v1/embeddings", {"input": ["a", ""]}, ("inputs[1] is an empty string", "inputs[1]"), "input.1",
+     "input.1 is an empty string"),
+    ("/v1/embeddings", {"input": [[1], []]}, ("input_ids[1] is an empty id list", "input_ids[1]"), "input.1",
+     "input.1 is an empty id list"),
+    ("/tokenize", {"prompt": "x"}, ("inputs[0] is an empty string", "inputs[0]"), "prompt", "prompt is an empty"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", ""]}, ("documents[1] is an empty string", "documents[1]"),
+     "documents.1", "documents.1 is an empty string"),
+    ("/v1/score", {"text_1": "q", "text_2": ["a", ""]}, ("documents[1] is an empty string", "documents[1]"),
+     "text_2.1", "text_2.1 is an empty string"),
+]
+
+
+@pytest.mark.parametrize("route, body, refusal, param, message", NAMED_REFUSALS)
+def test_a_refusal_naming_a_protobuf_field_names_the_bodys_field(harness, route, body, refusal, param, message):
+    harness.gateway.refusal = InvalidArgument(refusal[0], field=refusal[1])
+    status, answer = harness.post(route, body)
+    assert status == 400 and error_of(answer)["param"] == param, answer
+    assert error_of(answer)["message"].startswith(message), answer
+
+
+def test_teis_routes_name_teis_field(harness):
+    harness.gateway.refusal = InvalidArgument("inputs[1] is an empty string", field="inputs[1]")
+    status, answer = harness.post("/embed", {"inputs": ["a", ""]})
+    assert status == 400 and tei_error_of(answer)["error"].startswith("inputs.1 is an empty string")
+    harness.gateway.refusal = InvalidArgument("documents[0] is an empty string", field="documents[0]")
+    status, answer = harness.post("/rerank", {"query": "q", "texts": [""]})
+    assert status == 400 and tei_error_of(answer)["error"].startswith("texts.0 is an empty string")
+
+
+def test_a_refusal_naming_no_field_keeps_param_null(harness):
+    harness.gateway.refusal = InvalidArgument("prompt and messages has 9 images; the limit is 8 (--max-images)")
+    status, answer = harness.post("/v1/chat/completions", {"messages": HI})
+    assert status == 400 and error_of(answer)["param"] is None
+    assert error_of(answer)["message"].startswith("prompt and messages has 9 images")
+
+
+def test_an_empty_token_id_prompt_is_refused_naming_it(harness):
+    for prompt, param in (([[]], "prompt.0"), ([[1], []], "prompt.1")):
+        status, answer = harness.post("/v1/completions", {"prompt": prompt})
+        assert status == 400 and error_of(answer)["param"] == param, answer
+    assert "Generate" not in harness.gateway.received

@@ -14,6 +14,7 @@ route), or holding more than MAX_JSON_VALUES values, are refused with 413 before
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -116,14 +117,16 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     @router.post("/v1/embeddings", response_model=responses.EmbeddingList)
     async def embeddings(body: models.EmbeddingRequest):
         request = convert.embed_request(body, await backend.pooling_model(body.model))
-        reply = await _embed(backend, request)
+        with _naming(convert.embed_fields(body)):
+            reply = await _embed(backend, request)
         data = [responses.Embedding(index=i, embedding=e) for i, e in enumerate(convert.embeddings(reply))]
         return responses.EmbeddingList(data=data, model=reply.model, usage=convert.usage(reply))
 
     @router.post("/v1/rerank", response_model=responses.RerankResponse)
     async def rerank(body: models.RerankRequest) -> responses.RerankResponse:
         request = convert.rerank_request(body, await backend.pooling_model(body.model), tei_allowed=False)
-        return convert.rerank_response(await _rerank(backend, request))
+        with _naming(convert.RERANK_FIELDS):
+            return convert.rerank_response(await _rerank(backend, request))
 
     @router.post("/rerank", response_model=responses.RerankResponse | list[responses.TeiRank], summary="Rerank")
     async def rerank_jina_or_tei(body: models.RerankRequest, http: Request):
@@ -133,7 +136,8 @@ def _pooling_routes(backend: Backend) -> APIRouter:
         if tei:
             http.scope[TEI_SHAPED] = True
         request = convert.rerank_request(body, await backend.pooling_model(body.model), tei_allowed=True)
-        reply = await _rerank(backend, request)
+        with _naming(convert.TEI_RERANK_FIELDS if tei else convert.RERANK_FIELDS):
+            reply = await _rerank(backend, request)
         return JSONResponse(convert.tei_ranks(reply)) if tei else convert.rerank_response(reply)
 
     async def score(body: models.ScoreRequest) -> responses.ScoreResponse:
@@ -145,7 +149,8 @@ def _pooling_routes(backend: Backend) -> APIRouter:
             if limit and len(requests) > limit:
                 raise ApiError(400, f"text_1 and text_2 hold {len(requests)} pairs; the pooling service's "
                                     f"max_batch_size is {limit}", param="text_1")
-        return convert.scores(await asyncio.gather(*(_rerank(backend, r) for r in requests)))
+        with _naming(convert.SCORE_FIELDS):
+            return convert.scores(await asyncio.gather(*(_rerank(backend, r) for r in requests)))
 
     router.post("/v1/score", response_model=responses.ScoreResponse)(score)
     router.post("/score", response_model=responses.ScoreResponse)(score)
@@ -154,7 +159,8 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     async def tokenize(body: models.TokenizeRequest):
         request = convert.tokenize_request(body, await backend.tokenizer_model(body.model))
         backend.check_size(request)
-        reply = await backend.core.tokenize(request, Call())
+        with _naming(convert.TOKENIZE_FIELDS):
+            reply = await backend.core.tokenize(request, Call())
         tokens = list(reply.results[0].tokens) if reply.results else []
         return responses.TokenizeResponse(model=reply.model, count=len(tokens),
                                           max_model_len=reply.max_model_len or None,
@@ -164,7 +170,8 @@ def _pooling_routes(backend: Backend) -> APIRouter:
     async def detokenize(body: models.DetokenizeRequest):
         request = decoder_pb2.DetokenizeRequest(model=await backend.tokenizer_model(body.model), token_ids=body.tokens)
         backend.check_size(request)
-        reply = await backend.core.detokenize(request, Call())
+        with _naming(convert.DETOKENIZE_FIELDS):
+            reply = await backend.core.detokenize(request, Call())
         return responses.DetokenizeResponse(model=reply.model, prompt=reply.text)
 
     return router
@@ -180,7 +187,8 @@ def _tei_routes(backend: Backend) -> APIRouter:
     async def embed(body: models.TeiEmbedRequest):
         """TEI's embed: one vector per input, in input order (normalized unless `normalize` is false)."""
         request = convert.embed_request(body, await backend.pooling_model(body.model))
-        return JSONResponse(convert.embeddings(await _embed(backend, request)))
+        with _naming(convert.embed_fields(body)):
+            return JSONResponse(convert.embeddings(await _embed(backend, request)))
 
     router.post("/embed", response_model=list[list[float]])(embed)
     router.post("/", response_model=list[list[float]], summary="TEI's root route: /embed")(embed)
@@ -337,7 +345,8 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
     try:
         streams = await _open(backend, requests, http)
     except TesseraError as error:
-        raise _as_model_error(error, body.model, requests[0].lora) from error
+        fields = convert.chat_fields(body) if shape.chat else convert.completion_fields(body)
+        raise _as_model_error(error, body.model, requests[0].lora, fields) from error
     if body.stream:
         return StreamingResponse(generate.events(streams, body.n, shape), media_type="text/event-stream")
     collecting = asyncio.ensure_future(generate.collect(streams, body.n, shape))
@@ -350,9 +359,10 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
     return (generate.chat_completion if shape.chat else generate.completion)(tally)
 
 
-def _as_model_error(error: TesseraError, model: str, lora: str) -> ApiError:
-    """A refusal of Generate's `lora` in the HTTP API's terms: it came from the body's `model`."""
-    refusal = from_error(error)
+def _as_model_error(error: TesseraError, model: str, lora: str, fields: dict[str, str]) -> ApiError:
+    """A refusal of Generate in the HTTP API's terms: the body's field it names (`fields`), and a
+    refusal of `lora` as the body's `model`."""
+    refusal = from_error(error, fields)
     details = refusal.message
     if lora and isinstance(error, NotFound) and details.startswith("unknown adapter"):
         return ApiError(404, f"model {model!r} is neither the decoder's model nor a loaded adapter ({details})",
@@ -392,6 +402,16 @@ async def _open(backend: Backend, requests, http: Request) -> list[generate.Stre
         await generate.close([task.result() for task in opening
                               if task.done() and not task.cancelled() and task.exception() is None])
         raise
+
+
+@contextlib.contextmanager
+def _naming(fields: dict[str, str]):
+    """A refusal of the core's that names a protobuf field names the body's (`fields`: the route's
+    table in convert.py) in `param` and its message."""
+    try:
+        yield
+    except TesseraError as error:
+        raise from_error(error, fields) from error
 
 
 async def _embed(backend: Backend, request):

@@ -159,6 +159,44 @@ def completion_shape(body: models.CompletionRequest, model: str, as_ids: bool) -
                   drop_generated=body.echo and body.max_tokens == 0)
 
 
+# A refusal that names a protobuf field (TesseraError.field) names the body's field instead
+# (errors.body_field): each route's protobuf paths -> the body's names, "" dropping a submessage.
+_GENERATE_FIELDS = {"sampling": "", "lora": "model", "prompt_token_ids": "prompt", "prompt": "prompt"}
+
+
+def chat_fields(body: models.ChatCompletionRequest) -> dict[str, str]:
+    """The chat body's names for Generate's fields (max_tokens as the body sent it)."""
+    sent = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    return {**_GENERATE_FIELDS, "sampling.max_tokens": sent}
+
+
+def completion_fields(body: models.CompletionRequest) -> dict[str, str]:
+    """The completions body's names for Generate's fields: top_logprobs is `logprobs`, and so is
+    prompt_logprobs when echo asked for it through `logprobs`; a prompt's parts are the prompt."""
+    fields = {**_GENERATE_FIELDS, "sampling.top_logprobs": "logprobs", "prompt.0": "prompt"}
+    if body.prompt_logprobs is None:
+        fields["sampling.prompt_logprobs"] = "logprobs"
+    return fields
+
+
+def embed_fields(body: models.EmbeddingRequest | models.TeiEmbedRequest) -> dict[str, str]:
+    """The embeddings body's names for Embed's fields (`input`, TEI's `inputs`; a lone text or id
+    list is the field itself)."""
+    name = "inputs" if isinstance(body, models.TeiEmbedRequest) else "input"
+    data = body.inputs if isinstance(body, models.TeiEmbedRequest) else body.input
+    fields = {"inputs": name, "input_ids": name}
+    if isinstance(data, str) or (data and isinstance(data[0], int)):
+        fields |= {"inputs.0": name, "input_ids.0": name}
+    return fields
+
+
+TOKENIZE_FIELDS = {"inputs": "prompt", "inputs.0": "prompt", "text": "prompt"}
+DETOKENIZE_FIELDS = {"token_ids": "tokens"}
+RERANK_FIELDS = {"documents": "documents"}
+TEI_RERANK_FIELDS = {"documents": "texts"}
+SCORE_FIELDS = {"query": "text_1", "documents": "text_2"}
+
+
 MAX_PROMPTS = 64  # prompts in one completions call, each one Generate (a batch past this: several calls)
 
 
@@ -170,8 +208,8 @@ def completion_requests(body: models.CompletionRequest) -> list[decoder_pb2.Gene
     which the answer leaves out (as vLLM).
 
     Raises:
-        ApiError: 400 for max_tokens 0 without echo, an empty prompt list, more than MAX_PROMPTS
-            prompts, or the refusals of `_stream_fields`.
+        ApiError: 400 for max_tokens 0 without echo, an empty prompt list (or token id list in one),
+            more than MAX_PROMPTS prompts, or the refusals of `_stream_fields`.
     """
     _stream_fields(body)
     if body.max_tokens == 0 and not body.echo:
@@ -197,7 +235,10 @@ def completion_requests(body: models.CompletionRequest) -> list[decoder_pb2.Gene
         raise ApiError(400, f"prompt holds {len(prompts)} prompts; the limit is {MAX_PROMPTS} per request",
                        param="prompt")
     out = []
-    for item in prompts:
+    for index, item in enumerate(prompts):
+        if not item and isinstance(item, list):
+            raise ApiError(400, f"prompt.{index} is an empty list of token ids; a prompt needs at least one",
+                           param=f"prompt.{index}")
         if isinstance(item, str):
             out.append(decoder_pb2.GenerateRequest(prompt=[decoder_pb2.ContentPart(text=item)], **common))
         else:

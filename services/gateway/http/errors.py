@@ -12,6 +12,8 @@ API answers for the same refusal decides the HTTP status either way; a request b
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Mapping
 
 import grpc
 from fastapi import Request
@@ -75,15 +77,45 @@ def error_body(message: str, type_: str, param: str | None, code: int | str | No
     return {"error": {"message": clip_message(message), "type": type_, "param": param, "code": code}}
 
 
-def from_error(error: Exception) -> ApiError:
+def from_error(error: Exception, fields: Mapping[str, str] | None = None) -> ApiError:
     """The HTTP refusal for a core's domain error, by the status gRPC answers for it (Unavailable
-    -> 503 naming the service, ...); anything else is a 500."""
+    -> 503 naming the service, ...); anything else is a 500. An error that names the protobuf
+    field to blame (TesseraError.field) names the body's field instead, in `param` and its message,
+    by `fields` (the route's table, `body_field`)."""
     code, details = status_of(error)
     details = details or code.name
     status, type_ = STATUS_TO_HTTP.get(code, (500, "server_error"))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in details for m in _TOO_LARGE_MARKERS):
         status, type_ = 413, "invalid_request_error"
-    return ApiError(status, details, type_)
+    field = getattr(error, "field", None)
+    if not field or fields is None:
+        return ApiError(status, details, type_)
+    param = body_field(field, fields)
+    return ApiError(status, _renamed(details, field, param), type_, param=param)
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def body_field(field: str, fields: Mapping[str, str]) -> str:
+    """A protobuf field path ("sampling.stop[3]") as the body's dotted path ("stop.3"): its longest
+    prefix (dotted, "sampling.max_tokens", "inputs.0") that `fields` renames takes the body's name
+    ("" drops it: "sampling" -> ""), the rest is kept."""
+    parts = _INDEX.sub(r".\1", field).split(".")
+    for end in range(len(parts), 0, -1):
+        head = fields.get(".".join(parts[:end]))
+        if head is not None:
+            return ".".join(p for p in (head, *parts[end:]) if p)
+    return ".".join(parts)
+
+
+def _renamed(message: str, field: str, param: str) -> str:
+    """`message` starting with `param` where it starts with `field` (or, for a check below a
+    submessage, with the field's last part: "min_tokens must be ...")."""
+    for name in dict.fromkeys((field, field.rsplit(".", 1)[-1])):
+        if message.startswith(name) and message[len(name):len(name) + 1] in ("", " ", ":", ","):
+            return param + message[len(name):]
+    return message
 
 
 async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
