@@ -274,16 +274,20 @@ class GatewayCore:
             raise NotFound(f"{error}; {await self._which_decoder(call)}") from None
 
     async def detokenize(self, request: decoder_pb2.DetokenizeRequest, call: Call) -> decoder_pb2.DetokenizeResponse:
-        """Decoder models only (any served name; the answer carries the first, an adapter's its own);
-        a pooling model (or none) named is INVALID_ARGUMENT, an unknown one NOT_FOUND."""
+        """Decoder models only: "" (the served model, as vLLM's /detokenize) or any served name (the
+        answer carries the first, an adapter's its own); a pooling model named is INVALID_ARGUMENT,
+        an unknown one NOT_FOUND, and "" without a decoder UNAVAILABLE."""
         self.limits.detokenize(request)
-        named = await self._names_decoder(request.model, call) if request.model else None
+        named = await (self._names_decoder(request.model, call) if request.model
+                       else self._ask_decoder_model(call))
         if named is None:
             takes = await self._which_decoder(call)
-            if request.model and request.model not in await self._pooling_models(call):
+            if not request.model:
+                raise Unavailable(f"no decoder has reported its model; detokenize takes {takes}")
+            if request.model not in await self._pooling_models(call):
                 raise NotFound(f"model {request.model!r} is not served; detokenize takes {takes}")
-            which = f"{request.model!r} is a pooling model" if request.model else "no model is named"
-            raise InvalidArgument(f"model: {which}; detokenize takes {takes}")
+            raise InvalidArgument(f"model: {request.model!r} is a pooling model; detokenize takes {takes}",
+                                  field="model")
         reply = await self._decoded("Detokenize", request, call)
         return decoder_pb2.DetokenizeResponse(model=named, text=reply.text)
 

@@ -504,3 +504,9 @@ def test_an_empty_token_id_prompt_is_refused_naming_it(harness):
         status, answer = harness.post("/v1/completions", {"prompt": prompt})
         assert status == 400 and error_of(answer)["param"] == param, answer
     assert "Generate" not in harness.gateway.received
+
+
+def test_detokenize_without_a_model_asks_for_the_decoders(harness):
+    """vLLM's /detokenize (and /tokenize) default to the served model: no model is the core's ""."""
+    status, answer = harness.post("/detokenize", {"tokens": [1, 2]})
+    assert status == 200 and harness.gateway.last("Detokenize").model == ""

@@ -128,9 +128,9 @@ def test_every_served_name_reaches_the_decoder_and_answers_carry_the_first():
         assert [r.text for r in decoder.tokenized] == ["hello"] * 4 and pooling.tokenized == []
         adapter = await stub.Tokenize(pooling_pb2.TokenizeRequest(model="ad", inputs=["hello"]), timeout=10)
         assert adapter.model == "ad"
-        for name in ("org/m", "m"):
+        for name in ("", "org/m", "m"):  # "": the decoder's model, as vLLM's /detokenize (and /tokenize)
             back = await stub.Detokenize(decoder_pb2.DetokenizeRequest(model=name, token_ids=[5, 6]), timeout=10)
-            assert (back.model, back.text) == ("org/m", "hello")
+            assert (back.model, back.text) == ("org/m", "hello"), name
 
         # the chat fields travel to the decoder
         chat = pooling_pb2.TokenizeRequest(

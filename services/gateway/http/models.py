@@ -369,7 +369,8 @@ class TokenizeRequest(Body):
 class DetokenizeRequest(Body):
     """vLLM's /detokenize (decoder models only)."""
 
-    model: str | None = Field(default=None, description="the decoder's model, an alias or a loaded adapter's name")
+    model: str | None = Field(default=None, description="the decoder's model, an alias or a loaded adapter's name "
+                              "(absent: the decoder's model, as vLLM)")
     tokens: TokenIds
 
 
