@@ -111,7 +111,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_event(harness):
     assert harness.gateway.last("Generate").return_prompt  # the prompt's length comes with the first message
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
-    assert counts == sorted(counts) and counts[-1] == len(TOKENS) and counts[0] == 1
+    assert counts == sorted(counts) and counts[-1] == len(TOKENS)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and counts[0] == 0  # as vLLM's
+    assert counts[1] == 1  # the first token's event
 
 
 def test_chat_logprobs_carry_each_tokens_text_and_bytes(harness):
@@ -206,6 +208,25 @@ def test_chat_echo_prepends_the_last_assistant_message(harness):
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "Well," + GENERATED_TEXT
     _, plain = harness.post("/v1/chat/completions", {**CHAT, "echo": True})  # the last message is the user's
     assert plain["choices"][0]["message"]["content"] == GENERATED_TEXT
+
+
+def test_streamed_chat_echo_is_an_event_of_its_own_and_each_events_logprobs_cover_its_text(harness):
+    """vLLM's stream: the role's event, the echoed text's (no logprobs, no tokens counted), then the
+    generated text, each event's logprobs exactly its content's tokens."""
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}],
+            "echo": True, "continue_final_message": True, "logprobs": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    events = harness.stream("/v1/chat/completions", body)
+    role, echo, *rest = [e for e in events if e["choices"]]
+    assert echo["choices"][0]["delta"] == {"content": "Well,"} and echo["choices"][0]["logprobs"] is None
+    assert role["usage"]["completion_tokens"] == echo["usage"]["completion_tokens"] == 0
+    generated = [e for e in rest if e["choices"][0]["delta"].get("content")]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in generated) == GENERATED_TEXT
+    for event in generated:  # a token's bytes may complete a character in a later event: compare the whole
+        assert event["choices"][0]["logprobs"]["content"], event
+    data = b"".join(bytes(c["bytes"]) for e in rest if e["choices"][0]["logprobs"]
+                    for c in e["choices"][0]["logprobs"]["content"])
+    assert data.decode() == GENERATED_TEXT
 
 
 def test_request_id_names_the_answer(harness):

@@ -5,7 +5,8 @@ unknown adapter, a service down) still answers with its own status and OpenAI's 
 failure after that ends the event stream with one `data: {"error": ...}` event (as vLLM does).
 
 Events follow OpenAI's stream exactly: per choice a first chat event with `delta: {"role":
-"assistant", "content": ""}`, then one event per decoder message with its text (and logprobs),
+"assistant", "content": ""}` (with chat's echo, then one with the echoed text and no logprobs, as
+vLLM's), then one event per decoder message with its text (and logprobs),
 then an event with an empty delta (completions: text "") and the finish_reason, so content and
 finish_reason never share an event; with `stream_options.include_usage` every event carries
 `"usage": null` and a last one carries the usage with `"choices": []`; `data: [DONE]` ends the stream.
@@ -66,10 +67,12 @@ class _Choice:
 
 @dataclass
 class _Delta:
-    """What one decoder message adds to its choice (a stream event's content)."""
+    """What one decoder message adds to its choice (a stream event's content): `head`, on a
+    choice's first message, the echoed text before the generated `text`."""
 
     index: int
     first: bool
+    head: str
     text: str
     entries: list
     legacy_from: int
@@ -116,7 +119,7 @@ class Tally:
             counted = 0 if shape.drop_generated else response.usage.completion_tokens
             self.completion_tokens += counted
             choice.completion_tokens = counted
-        return _Delta(index, first, head + generated, entries, legacy_from)
+        return _Delta(index, first, head, generated, entries, legacy_from)
 
     def usage(self) -> responses.Usage:
         prompt = sum(self.prompt_tokens.values())
@@ -212,13 +215,16 @@ class _Events:
         self.head = {"id": shape.ident, "object": "chat.completion.chunk" if shape.chat else "text_completion",
                      "created": int(time.time()), "model": shape.model}
 
-    def chunk(self, choice: dict, index: int) -> str:
+    def chunk(self, choice: dict, index: int, generated: bool = True) -> str:
+        """One event; with continuous usage, its choice's tokens so far (`generated` false: an event
+        before the generated text, the role's or the echo's, counts none, as vLLM's)."""
         payload = {**self.head, "choices": [choice]}
         shape = self.tally.shape
         if shape.continuous_usage:
             c = self.tally.choices[index]
-            payload["usage"] = responses.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                                               total_tokens=c.prompt_tokens + c.completion_tokens).model_dump()
+            completion = c.completion_tokens if generated else 0
+            payload["usage"] = responses.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=completion,
+                                               total_tokens=c.prompt_tokens + completion).model_dump()
         elif shape.include_usage:
             payload["usage"] = None
         return _event(payload)
@@ -229,7 +235,10 @@ class _Events:
         if shape.chat:
             if delta.first:
                 out.append(self.chunk({"index": delta.index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}, delta.index))
+                                       "logprobs": None, "finish_reason": None}, delta.index, generated=False))
+            if delta.head:  # the echoed message in an event of its own, without logprobs (as vLLM)
+                out.append(self.chunk({"index": delta.index, "delta": {"content": delta.head}, "logprobs": None,
+                                       "finish_reason": None}, delta.index, generated=False))
             if delta.text or delta.entries:
                 logprobs = lp.chat_logprobs(delta.entries, shape.as_ids).model_dump() if shape.logprobs else None
                 out.append(self.chunk({"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
@@ -239,9 +248,10 @@ class _Events:
                                        "finish_reason": finish_reason}, delta.index))
             return out
         shown = choice.legacy is not None and len(choice.legacy) > delta.legacy_from
-        if delta.text or shown:
+        text = delta.head + delta.text  # echo: the prompt with its tokens' logprobs, then the generated text
+        if text or shown:
             logprobs = choice.legacy.since(delta.legacy_from).model_dump() if choice.legacy is not None else None
-            out.append(self.chunk({"index": delta.index, "text": delta.text, "logprobs": logprobs,
+            out.append(self.chunk({"index": delta.index, "text": text, "logprobs": logprobs,
                                    "finish_reason": None}, delta.index))
         if finish_reason:
             out.append(self.chunk({"index": delta.index, "text": "", "logprobs": None,
