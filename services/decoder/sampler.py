@@ -31,12 +31,14 @@ class SamplingRow:
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on `device` (where the logits are: multinomial draws with a generator of the
     probabilities' device), seeded with `seed`, or from fresh entropy when None. A seed gives the
-    same tokens on every run on one device kind; CPU and CUDA generators differ from each other."""
+    same tokens on every run on one device kind; CPU and CUDA generators differ from each other.
+    Any int is a seed, taken modulo 2**64 (torch's manual_seed reads a negative one so, and vLLM
+    hands a request's seed to it as it is: seed -1 draws as 2**64 - 1)."""
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(seed % 2**64)
     return generator
 
 

@@ -63,7 +63,8 @@ class SamplingParams:
     repetition_penalty as in transformers (tokens of prompt + output; 1 = off), presence and
     frequency penalties as in OpenAI's API (generated tokens only; 0 = off). After temperature,
     min_p drops tokens whose probability is below min_p times the most likely one's (vLLM's order:
-    min_p, then top-k, then top-p). `n` choices share the prompt; choice i draws from seed + i.
+    min_p, then top-k, then top-p). `n` choices share the prompt; choice i draws from seed + i
+    (any int: a negative seed is taken modulo 2**64, as torch and vLLM take it; sampler.make_generator).
     `logprobs` / `top_logprobs` report the raw model distribution; `prompt_logprobs` (None = none)
     asks the same of every prompt token from the second.
 
@@ -116,8 +117,6 @@ class SamplingParams:
                                   field="temperature")
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0  # dividing logits by ~1e-38 overflows; below vLLM's epsilon is greedy
-        if self.seed is not None and self.seed < 0:
-            raise InvalidArgument(f"seed must be >= 0, got {self.seed}", field="seed")
         self._check_filters()
         if any(s == "" for s in self.stop):
             raise InvalidArgument("stop strings must not be empty", field="stop")

@@ -3,10 +3,12 @@
 import asyncio
 
 import pytest
+import torch
 from decoder_testing import run_requests
 
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
+from services.decoder.sampler import make_generator
 from services.decoder.types import GenerateInput, SamplingParams
 
 PROMPT = (1, 5, 77, 300, 12)
@@ -35,6 +37,16 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine):
     assert alone != other
     greedy = run_requests(engine, [_req()])[0][0]
     assert alone != greedy
+
+
+def test_a_negative_seed_is_a_seed_taken_modulo_2_64_as_vllms(engine):
+    """vLLM's OpenAI server takes any int64 seed and hands it to torch's generator, which reads a
+    negative one modulo 2**64: seed -1 is honoured, and draws as 2**64 - 1 does."""
+    draws = [torch.rand(4, generator=make_generator(seed)).tolist() for seed in (-1, 2**64 - 1, 0)]
+    assert draws[0] == draws[1] != draws[2]
+    seeded = dict(temperature=1.0, top_k=50, seed=-1)
+    first, again = (run_requests(engine, [_req(**seeded)])[0][0] for _ in range(2))
+    assert first == again and first != run_requests(engine, [_req(**{**seeded, "seed": 1})])[0][0]
 
 
 def test_max_tokens_finishes_with_length(engine):

@@ -19,7 +19,7 @@ from .test_generate import CHAT_PROMPTS, chat_request, collect
 
 @pytest.mark.parametrize("sampling", [
     {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": -1.0}, {"top_p": math.nan},
-    {"top_p": 1.5}, {"top_k": -2}, {"seed": -1},
+    {"top_p": 1.5}, {"top_k": -2}, {"min_p": 1.5},  # seed -1 is a seed (modulo 2**64, as vLLM): test_http_fidelity
 ], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 def test_bad_sampling_is_invalid_argument(gateway, assert_healthy, sampling):
     with pytest.raises(grpc.RpcError) as error:

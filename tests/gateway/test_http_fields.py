@@ -510,3 +510,12 @@ def test_detokenize_without_a_model_asks_for_the_decoders(harness):
     """vLLM's /detokenize (and /tokenize) default to the served model: no model is the core's ""."""
     status, answer = harness.post("/detokenize", {"tokens": [1, 2]})
     assert status == 200 and harness.gateway.last("Detokenize").model == ""
+
+
+def test_a_negative_seed_is_honoured_and_a_negative_min_tokens_refused_by_name(harness):
+    """vLLM takes any int64 seed (torch's generator reads it modulo 2**64); min_tokens is >= 0."""
+    assert harness.post("/v1/chat/completions", {"messages": HI, "seed": -1})[0] == 200
+    assert harness.gateway.last("Generate").sampling.seed == -1
+    for route, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "x"})):
+        status, answer = harness.post(route, {**body, "min_tokens": -1})
+        assert status == 400 and error_of(answer)["param"] == "min_tokens", answer

@@ -16,6 +16,7 @@ from services.gateway.http.fields import VLLM_GENERATION, Body, Refusal, Strict,
 # protobuf's int32 fields: a larger number is refused here (400), not by the message setter
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+NonNegativeInt32 = Annotated[int, Field(ge=0, le=2**31 - 1)]  # a bound beside Int32's would be overridden by it
 # Lists stop at their first bad item (pydantic's fail_fast): a body of millions of bad items would
 # otherwise build an error for each, gigabytes and seconds of the gateway's one event loop.
 TokenIds = Annotated[list[Int32], Field(fail_fast=True)]
@@ -142,7 +143,8 @@ class SamplingFields(Body):
                                 description="absent: the model's generation-config default, else 1")
     stop: str | Texts | None = Field(default=None, description="stop strings; the match is not returned "
                                      "(see include_stop_str_in_output)")
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63, description="choice i samples with seed + i")
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63, description="choice i samples with seed + i; a "
+                             "negative seed is taken modulo 2^64, as vLLM's (torch's generator) takes it")
     n: Count = 1
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -159,7 +161,7 @@ class SamplingFields(Body):
                                              "(transformers'): > 1 penalizes tokens of the prompt and output; "
                                              "absent: the model's default, else 1")
     ignore_eos: bool = Field(default=False, description="vLLM's: generate past EOS, to max_tokens")
-    min_tokens: Int32 = Field(default=0, ge=0, description="vLLM's: EOS, stop_token_ids and stop strings end no "
+    min_tokens: NonNegativeInt32 = Field(default=0, description="vLLM's: EOS, stop_token_ids and stop strings end no "
                               "choice before this many tokens")
     stop_token_ids: TokenIds | None = Field(default=None, description="vLLM's: token ids that end a choice "
                                             "(finish_reason stop; the id's text is not returned)")
