@@ -181,7 +181,7 @@ def _logprob_to_pb(sample: Sample, texts: dict[int, TokenText]) -> decoder_pb2.T
         text = texts.get(token_id, none)
         top.append(decoder_pb2.TopLogprob(token_id=token_id, logprob=logprob, token=text.text, token_bytes=text.bytes))
     return decoder_pb2.TokenLogprob(token_id=sample.token_id, logprob=sample.logprob, top=top, token=chosen.text,
-                                    token_bytes=chosen.bytes)
+                                    token_bytes=chosen.bytes, rank=sample.rank or 0)
 
 
 def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:

@@ -175,32 +175,36 @@ class ModelRunner:
     def prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
         """Prompt logprobs of `inputs.prompt_rows` of `hidden` [num_tokens, hidden], by request key:
         log_softmax of the float32 logits (the raw model distribution, as the sampled logprobs),
-        the logprob of the prompt token each row predicts and the request's most likely
-        alternatives (most likely first). Logits exist for PROMPT_LOGITS_ROWS rows at a time.
+        the logprob of the prompt token each row predicts, its rank (the tokens at least as likely,
+        as vLLM's batched_count_greater_than) and the request's most likely alternatives (most
+        likely first). Logits exist for PROMPT_LOGITS_ROWS rows at a time.
         """
         if inputs.prompt_rows is None:
             return {}
         residual = hidden[inputs.prompt_rows]  # [num_prompt_rows, hidden]
         num_top = max(span.num_alternatives for span in inputs.prompt_spans)
-        chosen, top_values, top_ids = [], [], []
+        chosen, ranks, top_values, top_ids = [], [], [], []
         for lo in range(0, residual.shape[0], PROMPT_LOGITS_ROWS):
             logits = self.model.compute_logits(residual[lo:lo + PROMPT_LOGITS_ROWS])  # [rows, vocab]
             logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
             targets = inputs.prompt_targets[lo:lo + PROMPT_LOGITS_ROWS, None]  # [rows, 1]
-            chosen.append(logprobs.gather(1, targets)[:, 0])  # [rows]
+            target_logprobs = logprobs.gather(1, targets)  # [rows, 1]
+            chosen.append(target_logprobs[:, 0])  # [rows]
+            ranks.append((logprobs >= target_logprobs).sum(dim=-1))  # [rows]
             if num_top:
                 values, ids = torch.topk(logprobs, num_top, dim=-1)  # [rows, num_top] each
                 top_values.append(values)
                 top_ids.append(ids)
         chosen_list = torch.cat(chosen).tolist()
+        rank_list = torch.cat(ranks).tolist()
         target_list = inputs.prompt_targets.tolist()
         values_list = torch.cat(top_values).tolist() if num_top else [[] for _ in chosen_list]
         ids_list = torch.cat(top_ids).tolist() if num_top else [[] for _ in chosen_list]
         chunks, row = {}, 0
         for span in inputs.prompt_spans:
             k = span.num_alternatives
-            entries = [Sample(target_list[r], chosen_list[r], list(zip(ids_list[r][:k], values_list[r][:k])))
-                       for r in range(row, row + span.num_rows)]
+            entries = [Sample(target_list[r], chosen_list[r], list(zip(ids_list[r][:k], values_list[r][:k])),
+                              rank_list[r]) for r in range(row, row + span.num_rows)]
             chunks[span.key] = PromptLogprobsChunk(span.start, entries)
             row += span.num_rows
         return chunks

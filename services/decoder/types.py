@@ -345,11 +345,14 @@ class PromptInputs:
 
 @dataclass
 class Sample:
-    """One chosen token; `logprob`/`top` are filled only when the request asked for logprobs."""
+    """One chosen token; `logprob`/`top` are filled only when the request asked for logprobs;
+    `rank` (prompt logprobs) is the token's place in the whole distribution: how many tokens are at
+    least as likely, itself included (1 = most likely; vLLM's rank, ties counted as it counts them)."""
 
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

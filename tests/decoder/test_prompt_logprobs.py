@@ -55,6 +55,8 @@ def _check_entries(entries: list[Sample], ids, ref: torch.Tensor, num_top: int =
         assert entry.token_id == ids[j + 1]
         assert entry.logprob == pytest.approx(float(ref[j, ids[j + 1]]), abs=1e-4)
         values, top_ids = torch.topk(ref[j], num_top)
+        target = float(ref[j, ids[j + 1]])  # its rank: the tokens at least as likely (vLLM's), to the tolerance
+        assert int((ref[j] >= target + 1e-4).sum()) <= entry.rank <= int((ref[j] >= target - 1e-4).sum())
         assert [t for t, _ in entry.top] == top_ids.tolist()
         assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
 
@@ -224,14 +226,15 @@ def test_byte_fallback_pieces_give_their_byte():
 
 
 def test_the_wire_carries_prompt_fields_and_token_texts():
-    entry = Sample(7, -0.5, [(7, -0.5), (9, -1.5)])
+    entry = Sample(7, -0.5, [(7, -0.5), (9, -1.5)], rank=1)
     output = RequestOutput("r", [9], "b", logprobs=[Sample(9, -1.0, [(7, -0.4)])], prompt_logprobs=[entry],
                            prompt_token_ids=[3, 7], prompt_text="ab",
                            token_texts={7: TokenText("a", b"a"), 9: TokenText("\ufffd", b"\xe4")})
     pb = output_to_pb(output)
     assert list(pb.prompt_token_ids) == [3, 7] and pb.prompt_text == "ab"
     (prompt_entry,) = pb.prompt_logprobs
-    assert (prompt_entry.token_id, prompt_entry.token, prompt_entry.token_bytes) == (7, "a", b"a")
+    assert (prompt_entry.token_id, prompt_entry.token, prompt_entry.token_bytes, prompt_entry.rank) == (7, "a", b"a", 1)
+    assert pb.logprobs[0].rank == 0  # a sampled token's rank is not computed
     assert [(t.token_id, t.token, t.token_bytes) for t in prompt_entry.top] == [(7, "a", b"a"), (9, "\ufffd", b"\xe4")]
     assert (pb.logprobs[0].token, pb.logprobs[0].token_bytes, pb.logprobs[0].top[0].token) == ("\ufffd", b"\xe4", "a")
     plain = output_to_pb(RequestOutput("r", [9], "b"))

@@ -36,9 +36,14 @@ def alternatives(k: int) -> list[decoder_pb2.TopLogprob]:
                                    token_bytes=f"alt{i}".encode()) for i in range(k)]
 
 
-def entry(token_id: int, text: str, data: bytes, k: int) -> decoder_pb2.TokenLogprob:
+def entry(token_id: int, text: str, data: bytes, k: int, rank: int = 0) -> decoder_pb2.TokenLogprob:
     return decoder_pb2.TokenLogprob(token_id=token_id, logprob=logprob_of(token_id), token=text, token_bytes=data,
-                                    top=alternatives(k))
+                                    top=alternatives(k), rank=rank)
+
+
+def prompt_rank(token_id: int) -> int:
+    """The rank the decoder reports for a prompt token (its place in the whole vocabulary)."""
+    return 100 + token_id
 
 
 def generate(request: decoder_pb2.GenerateRequest) -> list[decoder_pb2.GenerateResponse]:
@@ -55,7 +60,7 @@ def generate(request: decoder_pb2.GenerateRequest) -> list[decoder_pb2.GenerateR
                 message.prompt_token_ids.extend(PROMPT_IDS)
                 message.prompt_text = PROMPT_TEXT
             if i == 0 and sampling.HasField("prompt_logprobs"):
-                message.prompt_logprobs.extend(entry(t, text, data, sampling.prompt_logprobs)
+                message.prompt_logprobs.extend(entry(t, text, data, sampling.prompt_logprobs, rank=prompt_rank(t))
                                                for t, (text, data) in zip(PROMPT_IDS[1:], PROMPT_PIECES[1:]))
             if i == count - 1:
                 message.finish_reason = "length" if count == sampling.max_tokens else "stop"

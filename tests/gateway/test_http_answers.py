@@ -11,7 +11,17 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from .http_gateway import BASE, GENERATED_TEXT, PROMPT_TEXT, TOKENS, FakeGateway, Harness, alternatives, logprob_of
+from .http_gateway import (
+    BASE,
+    GENERATED_TEXT,
+    PROMPT_TEXT,
+    TOKENS,
+    FakeGateway,
+    Harness,
+    alternatives,
+    logprob_of,
+    prompt_rank,
+)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -192,7 +202,8 @@ def test_vllms_prompt_logprobs_answer(harness):
     prompt_logprobs = answer["choices"][0]["prompt_logprobs"]
     assert prompt_logprobs[0] is None and len(prompt_logprobs) == 3
     assert list(prompt_logprobs[1]) == ["11", "30"]  # the prompt's token first, then the alternative
-    assert prompt_logprobs[1]["11"] == {"logprob": logprob_of(11), "rank": None, "decoded_token": " c"}
+    # the prompt's token's rank is its place in the whole vocabulary, the decoder's (vLLM's, never null)
+    assert prompt_logprobs[1]["11"] == {"logprob": logprob_of(11), "rank": prompt_rank(11), "decoded_token": " c"}
     assert prompt_logprobs[1]["30"]["rank"] == 1
     assert answer["choices"][0]["text"] == GENERATED_TEXT  # no echo: the prompt is not in the text
     _, chat = harness.post("/v1/chat/completions", {**CHAT, "prompt_logprobs": 0})

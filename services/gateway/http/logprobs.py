@@ -101,13 +101,14 @@ class CompletionLogprobs:
 
 def prompt_logprobs(message: decoder_pb2.GenerateResponse) -> responses.PromptLogprobs:
     """vLLM's prompt_logprobs from a choice's first message: null for the first prompt token, then
-    per token {id: {logprob, rank, decoded_token}}, the prompt's token first, then the alternatives
-    (rank = place among them, 1 = most likely)."""
+    per token {id: {logprob, rank, decoded_token}}, the prompt's token first (rank: its place in
+    the whole distribution, the decoder's), then the alternatives (rank = place among them, 1 =
+    most likely)."""
     out: responses.PromptLogprobs = [None]
     for entry in message.prompt_logprobs:
         ranks = {t.token_id: i + 1 for i, t in enumerate(entry.top)}
         position = {str(entry.token_id): responses.PromptLogprob(logprob=_logprob(entry.logprob),
-                                                                 rank=ranks.get(entry.token_id),
+                                                                 rank=entry.rank or ranks.get(entry.token_id),
                                                                  decoded_token=_text(entry, False))}
         for t in entry.top:
             position.setdefault(str(t.token_id), responses.PromptLogprob(

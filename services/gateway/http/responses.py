@@ -34,8 +34,8 @@ class PromptLogprob(BaseModel):
     """vLLM's Logprob: one prompt position's token or alternative."""
 
     logprob: float
-    rank: int | None = Field(default=None, description="1 = most likely; null for a prompt token outside the "
-                             "alternatives asked for")
+    rank: int | None = Field(default=None, description="1 = most likely: the prompt's token's place in the whole "
+                             "distribution, an alternative's among the alternatives (vLLM's)")
     decoded_token: str
 
 
