@@ -45,7 +45,8 @@ def encoded(grid) -> decoder_pb2.ContentPart:
 
 def gen(prompt=None, messages=(), max_tokens=4, **fields) -> decoder_pb2.GenerateRequest:
     prompt = (text("hi"),) if prompt is None else prompt
-    sampling = {k: fields.pop(k) for k in ("stop", "stop_token_ids", "n", "top_logprobs", "prompt_logprobs") if k in fields}
+    sampling = {k: fields.pop(k) for k in ("stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "prompt_logprobs")
+                if k in fields}
     return decoder_pb2.GenerateRequest(prompt=list(prompt), messages=list(messages),
                                        sampling=decoder_pb2.SamplingParams(max_tokens=max_tokens, **sampling), **fields)
 
@@ -80,7 +81,10 @@ GENERATE = [
     ("stop-token-ids", gen(stop_token_ids=[1, 2, 3]), gen(stop_token_ids=[1, 2, 3, 4]),
      "sampling.stop_token_ids has 4 ids; the limit is 3 (--max-stop-token-ids)"),
     ("n", gen(n=4), gen(n=5), "sampling.n is 5; the limit is 4 (--max-n)"),
-    ("top-logprobs", gen(top_logprobs=5), gen(top_logprobs=6), "sampling.top_logprobs is 6; the limit is 5 (--max-logprobs)"),
+    ("top-logprobs", gen(logprobs=True, top_logprobs=5), gen(logprobs=True, top_logprobs=6),
+     "sampling.top_logprobs is 6; the limit is 5 (--max-logprobs)"),
+    ("top-logprobs-without-logprobs", gen(logprobs=True, top_logprobs=3), gen(top_logprobs=3),
+     "sampling.top_logprobs is 3, which needs sampling.logprobs true"),
     ("prompt-logprobs", gen(prompt_logprobs=5), gen(prompt_logprobs=6),
      "sampling.prompt_logprobs is 6; the limit is 5 (--max-logprobs)"),
     ("max-tokens-negative", gen(max_tokens=0), gen(max_tokens=-1),
@@ -109,6 +113,7 @@ def test_generate_caps(at_cap, over, message):
 GENERATE_FIELDS = {"request_id": "request_id", "lora": "lora", "role": "messages[0].role", "messages": "messages",
                    "stop-count": "sampling.stop", "stop-chars": "sampling.stop[1]",
                    "stop-token-ids": "sampling.stop_token_ids", "n": "sampling.n", "top-logprobs": "sampling.top_logprobs",
+                   "top-logprobs-without-logprobs": "sampling.top_logprobs",
                    "prompt-logprobs": "sampling.prompt_logprobs", "max-tokens-negative": "sampling.max_tokens",
                    "max-tokens": "sampling.max_tokens", "prompt-token-ids": "prompt_token_ids",
                    "prompt-token-ids-max-tokens-unset": "prompt_token_ids"}

@@ -148,6 +148,9 @@ def _check_sampling(sampling, limits: GenerateLimits, max_model_len: int | None)
     if sampling.n > limits.max_n:
         raise InvalidArgument(f"sampling.n is {sampling.n}; the limit is {limits.max_n} ({flag('max_n')})",
                               field="sampling.n")
+    if sampling.top_logprobs and not sampling.logprobs:  # as OpenAI's (and the HTTP API's): never implied
+        raise InvalidArgument(f"sampling.top_logprobs is {sampling.top_logprobs}, which needs sampling.logprobs true",
+                              field="sampling.top_logprobs")
     if sampling.top_logprobs > limits.max_logprobs:
         raise InvalidArgument(f"sampling.top_logprobs is {sampling.top_logprobs}; the limit is "
                               f"{limits.max_logprobs} ({flag('max_logprobs')})", field="sampling.top_logprobs")

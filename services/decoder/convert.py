@@ -95,13 +95,19 @@ def chat_options_from_pb(request: decoder_pb2.GenerateRequest | decoder_pb2.Deco
     kwargs = {}
     if request.chat_template_kwargs:
         try:
-            kwargs = json.loads(request.chat_template_kwargs)
+            kwargs = json.loads(request.chat_template_kwargs, parse_constant=_not_json)
         except json.JSONDecodeError as error:
             raise InvalidArgument(f"chat_template_kwargs is not JSON: {error}", field="chat_template_kwargs") from None
         if not isinstance(kwargs, dict):
             raise InvalidArgument(f"chat_template_kwargs must be a JSON object, got a JSON {type(kwargs).__name__}",
                                   field="chat_template_kwargs")
     return ChatTemplateOptions(add_prompt, continue_final, kwargs)
+
+
+def _not_json(constant: str):
+    """NaN and Infinity, which Python's json reads and JSON (RFC 8259, the HTTP API) does not."""
+    raise InvalidArgument(f"chat_template_kwargs is not JSON: {constant} is not a JSON value",
+                          field="chat_template_kwargs")
 
 
 def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimits | None = None,

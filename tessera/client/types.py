@@ -37,7 +37,7 @@ class SamplingParams:
     """How to sample (the decoder's SamplingParams). temperature 0 is greedy; top_p 1 and top_k 0
     are off; `seed` makes sampling repeatable; `stop` strings are not returned; `n` choices share
     the prompt's KV blocks; `logprobs` returns each chosen token's log-probability and
-    `top_logprobs` (0..20) alternatives; penalties follow OpenAI (presence, frequency) and
+    `top_logprobs` (0..20; only with logprobs) alternatives; penalties follow OpenAI (presence, frequency) and
     transformers (repetition, 1 = off). vLLM's extras: `min_p` (0 = off) drops tokens less likely
     than min_p times the likeliest; the first `min_tokens` tokens never end a choice (EOS, stop ids
     and strings); `include_stop_str_in_output` keeps a matched stop string; `skip_special_tokens`

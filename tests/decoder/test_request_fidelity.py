@@ -353,6 +353,8 @@ def test_chat_options_from_the_wire_and_their_refusals(tokenizer):
         (dict(add_generation_prompt=True, continue_final_message=True), "cannot both be true"),
         (dict(chat_template_kwargs="{not json"), "not JSON"),
         (dict(chat_template_kwargs="[1, 2]"), "JSON object, got a JSON list"),
+        (dict(chat_template_kwargs='{"a": NaN}'), "NaN is not a JSON value"),  # Python's json reads it; JSON does not
+        (dict(chat_template_kwargs='{"a": [-Infinity]}'), "-Infinity is not a JSON value"),
         (dict(chat_template_kwargs='{"tokenize": false}'), "'tokenize' is refused"),
         (dict(chat_template_kwargs='{"tools": []}'), "function calling"),
     ]:
