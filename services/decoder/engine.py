@@ -100,7 +100,8 @@ class LLMEngine:
         vocab_size = parts.prompts.vocab_size
         bad = [t for t in request_input.sampling.stop_token_ids if not 0 <= t < vocab_size]
         if bad:  # a stop that can never be sampled is a caller's mistake, as a prompt id past the vocabulary is
-            raise InvalidArgument(f"sampling.stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})")
+            raise InvalidArgument(f"sampling.stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})",
+                                  field="sampling.stop_token_ids")
         prompt = await asyncio.to_thread(parts.prompts.build, request_input)
         request_input = replace(request_input, sampling=self._resolve_sampling(len(prompt.token_ids),
                                                                                request_input.sampling))
@@ -232,7 +233,7 @@ class LLMEngine:
         if sampling.min_tokens > max_tokens:
             raise InvalidArgument(f"min_tokens is {sampling.min_tokens}, but max_tokens is unset and this request "
                                   f"may generate at most {max_tokens} tokens (the model's default or the rest of "
-                                  "its context)")
+                                  "its context)", field="sampling.min_tokens")
         vocab_size = self.parts.prompts.vocab_size
         eos_ids = tuple(sorted(t for t in self.parts.eos_token_ids if 0 <= t < vocab_size))
         return replace(sampling, max_tokens=max_tokens, eos_token_ids=eos_ids)

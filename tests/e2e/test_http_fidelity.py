@@ -4,6 +4,8 @@ transformers' reference on the same checkpoint: vLLM's sampling extras, echo wit
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import requests
@@ -112,3 +114,44 @@ def test_unknown_and_refused_fields_are_400_naming_them(sdk, info):  # noqa: F81
     reply = sdk.chat.completions.create(model=info.decoder.model, messages=messages, max_tokens=2, user="u",
                                         store=False, service_tier="auto", metadata={"k": "v"})
     assert reply.choices[0].message.content is not None
+
+
+def test_refusals_of_the_services_behind_name_the_bodys_field(http_url, info):  # noqa: F811
+    """A cap of the gateway, a check of the decoder or the pooling service: the answer's param and
+    message name the HTTP body's field, not the protobuf's (the field travels as data)."""
+    chat = {"model": info.decoder.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        ("/v1/chat/completions", {**chat, "n": 1000}, "n"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 2**31 - 1}, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "stop": ["s"] * 100}, "stop"),
+        ("/v1/chat/completions", {**chat, "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/v1/chat/completions", {**chat, "min_tokens": 5}, "min_tokens"),
+        ("/v1/chat/completions", {**chat, "repetition_penalty": 100}, "repetition_penalty"),
+        ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+        ("/v1/embeddings", {"input": ""}, "input"),
+        ("/v1/embeddings", {"input": ["a", ""]}, "input.1"),
+    ]
+    for route, body, param in cases:
+        reply = requests.post(f"{http_url}{route}", json=body, timeout=60)
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == param, (route, body, error)
+        assert error["message"].startswith(param), error
+
+
+def test_a_negative_seed_is_a_seed_and_null_is_the_default(sdk, info):  # noqa: F811
+    common = dict(model=info.decoder.model, prompt=ANIMALS, max_tokens=8, temperature=1.5)
+    first, again = (sdk.completions.create(**common, seed=-1).choices[0].text for _ in range(2))
+    assert first == again
+    reply = sdk.completions.create(**common, seed=3, presence_penalty=None, frequency_penalty=None, n=None)
+    assert reply.choices[0].text == sdk.completions.create(**common, seed=3).choices[0].text
+
+
+def test_text_that_is_not_unicode_is_refused_before_any_work(http_url, info):  # noqa: F811
+    body = json.dumps({"model": info.decoder.model, "max_tokens": 4, "request_id": "@",
+                       "messages": [{"role": "user", "content": "hi"}]}).replace("@", "\\ud800")  # JSON's escape
+    for stream in (False, True):
+        raw = body[:-1] + f', "stream": {json.dumps(stream)}}}'
+        reply = requests.post(f"{http_url}/v1/chat/completions", data=raw, headers={"content-type": "application/json"},
+                              timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "request_id", reply.text
