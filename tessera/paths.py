@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tessera.protocol import HOME_ENV
+
 DECODER_MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 def tessera_home() -> Path:
     """`$TESSERA_HOME`, default `~/.cache/tessera`."""
-    return Path(os.environ.get("TESSERA_HOME", Path.home() / ".cache" / "tessera")).expanduser()
+    return Path(os.environ.get(HOME_ENV, Path.home() / ".cache" / "tessera")).expanduser()
 
 
 def models_dir() -> Path:

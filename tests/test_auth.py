@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import auth
 from services.common.launch import REPO, free_port
 from services.common.server import create_server, insecure_channel
+from tessera import protocol
+from tessera.rich_status import error_info_of
 
 
 @pytest.fixture
@@ -223,7 +225,8 @@ async def _echo_stream(request_iterator, context):
 
 
 def test_internal_port_refuses_every_call_kind_without_the_token(process_token):
-    """All four call kinds, in process: missing and wrong token UNAUTHENTICATED, the right one served."""
+    """All four call kinds, in process: missing and wrong token UNAUTHENTICATED with their reasons
+    (the status's ErrorInfo), the right one served."""
     async def scenario() -> dict[str, list]:
         auth.use_internal_token("right-token")
         server = create_server()
@@ -248,8 +251,8 @@ def test_internal_port_refuses_every_call_kind_without_the_token(process_token):
         return results
 
     results = asyncio.run(scenario())
-    assert results["missing"] == [grpc.StatusCode.UNAUTHENTICATED] * 4
-    assert results["wrong"] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    assert results["missing"] == [(grpc.StatusCode.UNAUTHENTICATED, protocol.INTERNAL_TOKEN_MISSING)] * 4
+    assert results["wrong"] == [(grpc.StatusCode.UNAUTHENTICATED, protocol.INTERNAL_TOKEN_WRONG)] * 4
     assert results["right"] == [b"x"] * 4
 
 
@@ -273,9 +276,11 @@ async def _invoke(channel, kind: str, metadata) -> bytes:
     return b"".join([r async for r in channel.stream_stream(method)(iter([b"x"]), metadata=metadata, timeout=10)])
 
 
-async def _code(call) -> grpc.StatusCode:
+async def _code(call) -> tuple[grpc.StatusCode, str]:
+    """The call's status and the reason its ErrorInfo gives."""
     try:
         await call
     except grpc.aio.AioRpcError as error:
-        return error.code()
-    return grpc.StatusCode.OK
+        info = error_info_of(error)
+        return error.code(), info.reason if info else ""
+    return grpc.StatusCode.OK, ""

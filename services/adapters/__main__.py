@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from services.adapters.auth import AdminAuthInterceptor
-from services.adapters.config import ADMIN_TOKEN_ENV, RegistryConfig
+from services.adapters.config import RegistryConfig
 from services.adapters.engine import AdapterRegistry
 from services.adapters.servicer import register
 from services.common import auth, logs
@@ -14,6 +14,7 @@ from services.common.config_cli import add_flags, from_flags
 from services.common.message_limits import REGISTRY_BYTES
 from services.common.metrics import start_metrics_server
 from services.common.server import exit_refused, serve
+from tessera.protocol import ADMIN_TOKEN_ENV
 
 
 class RefuseSecretInArgv(argparse.Action):

@@ -6,7 +6,9 @@ import hmac
 
 import grpc
 
-from services.common.errors import PermissionDenied, TesseraError, Unauthenticated, status_of
+from services.common.auth import refusal_handler
+from services.common.errors import PermissionDenied, TesseraError, Unauthenticated
+from tessera.protocol import ADMIN_TOKEN_INVALID, ADMIN_TOKEN_MISSING, AUTHORIZATION_METADATA
 
 ADMIN_METHODS = frozenset({"/tessera.v1.Adapters/LoadAdapter", "/tessera.v1.Adapters/UnloadAdapter"})
 
@@ -18,14 +20,15 @@ def check_bearer(metadata: tuple | None, token: str) -> None:
         Unauthenticated: no authorization header, or not a Bearer credential.
         PermissionDenied: a Bearer token that is not the admin token.
     """
-    values = [value for key, value in (metadata or ()) if key.lower() == "authorization"]
+    values = [value for key, value in (metadata or ()) if key.lower() == AUTHORIZATION_METADATA]
     if not values:
-        raise Unauthenticated("this RPC is an admin operation; send metadata 'authorization: Bearer <token>'")
+        raise Unauthenticated("this RPC is an admin operation; send metadata 'authorization: Bearer <token>'",
+                              reason=ADMIN_TOKEN_MISSING)
     scheme, _, presented = str(values[0]).partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
-        raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+        raise Unauthenticated("authorization metadata must be 'Bearer <token>'", reason=ADMIN_TOKEN_MISSING)
     if not hmac.compare_digest(presented.strip().encode(), token.encode()):
-        raise PermissionDenied("admin token is not valid for this registry")
+        raise PermissionDenied("admin token is not valid for this registry", reason=ADMIN_TOKEN_INVALID)
 
 
 class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -40,13 +43,6 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
         try:
             check_bearer(details.invocation_metadata, self._token)
         except TesseraError as error:
-            return _refusal(error)
+            handler = await continuation(details)
+            return None if handler is None else refusal_handler(handler, error)
         return await continuation(details)
-
-
-def _refusal(error: TesseraError) -> grpc.RpcMethodHandler:
-    async def refuse(request, context):
-        await context.abort(*status_of(error))
-
-    # Request bytes are never parsed for a refused call.
-    return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=None, response_serializer=None)

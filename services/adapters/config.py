@@ -9,9 +9,8 @@ from pathlib import Path
 from services.common.metrics import check_metrics_port
 from services.common.server import default_address
 from tessera.paths import default_adapter_root
+from tessera.protocol import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, METRICS_PORT_ENV
 
-ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
-ADMIN_TOKEN_FILE_ENV = "TESSERA_ADMIN_TOKEN_FILE"
 RANK_LIMIT = 1024  # a sanity bound on max_rank itself
 
 
@@ -68,7 +67,7 @@ class RegistryConfig:
     address: str = field(default=default_address("adapters"), metadata={"help": "bind host:port"})
     metrics_port: int = field(default=0, metadata={
         "help": "serve Prometheus /metrics (process gauges) on this port, same host as --address (0: off)",
-        "env": "TESSERA_METRICS_PORT"})
+        "env": METRICS_PORT_ENV})
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)

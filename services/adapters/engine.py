@@ -26,6 +26,7 @@ from services.common.errors import (
     TesseraError,
 )
 from services.common.names import check_adapter_name
+from tessera.protocol import UNKNOWN_ADAPTER
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class AdapterRegistry:
         """Forget `name` (its generation count is kept). Raises NotFound if it is not loaded."""
         check_adapter_name(name)
         if not self.catalog.mark_unloaded(name):
-            raise NotFound(f"unknown adapter {name!r}; nothing to unload")
+            raise NotFound(f"unknown adapter {name!r}; nothing to unload", reason=UNKNOWN_ADAPTER)
         log.info("unloaded adapter %r", name)
 
     def list(self) -> list[AdapterRecord]:
@@ -191,7 +192,7 @@ class AdapterRegistry:
         check_adapter_name(name)
         record = self.catalog.get(name)
         if record is None or record.state != READY:
-            raise NotFound(f"unknown adapter {name!r}")
+            raise NotFound(f"unknown adapter {name!r}", reason=UNKNOWN_ADAPTER)
         return record
 
     def get_admissible(self, name: str) -> AdapterRecord:

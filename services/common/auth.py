@@ -29,8 +29,14 @@ from pathlib import Path
 
 import grpc
 
-INTERNAL_TOKEN_FILE_ENV = "TESSERA_INTERNAL_TOKEN_FILE"
-INTERNAL_TOKEN_METADATA = "x-tessera-internal-token"
+from services.common.errors import TesseraError, Unauthenticated, rich_status_of, set_status
+from tessera.protocol import (
+    INTERNAL_TOKEN_FILE_ENV,
+    INTERNAL_TOKEN_METADATA,
+    INTERNAL_TOKEN_MISSING,
+    INTERNAL_TOKEN_WRONG,
+)
+
 # Probes and tooling reach these without credentials; they reveal no content.
 UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                             "/grpc.reflection.v1.ServerReflection/")
@@ -139,30 +145,33 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         presented = [value for key, value in (details.invocation_metadata or ()) if key == INTERNAL_TOKEN_METADATA]
         if not presented:
-            reason = f"this is an internal port; metadata {INTERNAL_TOKEN_METADATA!r} is missing"
+            refused = Unauthenticated(f"this is an internal port; metadata {INTERNAL_TOKEN_METADATA!r} is missing",
+                                      reason=INTERNAL_TOKEN_MISSING)
         elif not hmac.compare_digest(_as_bytes(presented[0]), self._token):
-            reason = f"metadata {INTERNAL_TOKEN_METADATA!r} does not match this cluster's internal token"
+            refused = Unauthenticated(f"metadata {INTERNAL_TOKEN_METADATA!r} does not match this cluster's internal "
+                                      "token", reason=INTERNAL_TOKEN_WRONG)
         else:
             return await continuation(details)
         handler = await continuation(details)
-        return None if handler is None else _refusal(handler, reason)
+        return None if handler is None else refusal_handler(handler, refused)
 
 
 def _as_bytes(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
-def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED.
+def refusal_handler(handler: grpc.RpcMethodHandler, error: TesseraError) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers `error`'s status, reason included,
+    without parsing the request's bytes.
 
     It sets the status rather than raising grpc's AbortError, which grpc keeps on the call in a
     reference cycle with the handler's frame (services/common/server.py `_end_with_status`).
     """
+    status = rich_status_of(error)
 
     async def refuse(request, context):
         del request  # nothing of a refused call outlives it
-        context.set_code(grpc.StatusCode.UNAUTHENTICATED)
-        context.set_details(reason)
+        set_status(context, *status)
 
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
              (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}

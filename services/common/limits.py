@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from services.common.config_cli import flag
 from services.common.errors import InvalidArgument
+from tessera.protocol import OVER_LIMIT
 
 # Sampling bounds the sampler is built and tested for; a flag may lower them, never raise them.
 MAX_N = 16
@@ -36,7 +37,7 @@ def check_chars(field: str, value: str, limit: int, setting: str) -> None:
     """Raises InvalidArgument (naming `field`, a protobuf path) when `value` has more than `limit` characters."""
     if len(value) > limit:
         raise InvalidArgument(f"{field} has {len(value)} characters; the limit is {limit} ({flag(setting)})",
-                              field=field)
+                              reason=OVER_LIMIT, field=field)
 
 
 def check_count(field: str, count: int, limit: int, setting: str, unit: str = "entries", *,
@@ -45,7 +46,7 @@ def check_count(field: str, count: int, limit: int, setting: str, unit: str = "e
     it names `field` as the one to blame unless `one_field` is false (a count over several)."""
     if count > limit:
         raise InvalidArgument(f"{field} has {count} {unit}; the limit is {limit} ({flag(setting)})",
-                              field=field if one_field else None)
+                              reason=OVER_LIMIT, field=field if one_field else None)
 
 
 def check_positive(owner: object, names: tuple[str, ...]) -> None:

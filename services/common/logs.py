@@ -42,8 +42,8 @@ from datetime import UTC, datetime
 import grpc
 
 from services.common.config_cli import add_flags, from_flags
+from tessera.protocol import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REQUEST_ID_METADATA
 
-REQUEST_ID_METADATA = "x-request-id"
 MAX_REQUEST_ID_CHARS = 128  # a longer caller id is cut (it is only ever logged and passed on)
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -63,10 +63,10 @@ class LogConfig:
 
     log_format: str = field(default="text", metadata={
         "help": "log line format: text, or json (one object per line)", "choices": LOG_FORMATS,
-        "env": "TESSERA_LOG_FORMAT"})
+        "env": LOG_FORMAT_ENV})
     log_level: str = field(default="INFO", metadata={
         "help": "least severe level logged; INFO logs one line per request", "choices": LOG_LEVELS,
-        "env": "TESSERA_LOG_LEVEL", "type": str.upper})
+        "env": LOG_LEVEL_ENV, "type": str.upper})
 
     def __post_init__(self) -> None:
         if self.log_format not in LOG_FORMATS:

@@ -33,22 +33,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import auth, logs, metrics
-from services.common.errors import FIELD_METADATA, InvalidArgument, status_of
+from services.common.errors import InvalidArgument, rich_status_of, set_status
+from tessera.protocol import CHANNEL_OPTIONS, EXIT_UNHEALTHY_ENV, MAX_MESSAGE_BYTES
+from tessera.rich_status import ErrorInfo
 
 log = logging.getLogger(__name__)
-
-# Large enough for the biggest allowed image and for adapter weights pulled by decoders;
-# anything past it is refused with RESOURCE_EXHAUSTED by grpc itself, never a hang.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A restarted replica is found again within ~2 s (grpc's default backoff grows to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 
 # Clients re-resolve a DNS target (a headless Service, a compose service name) only when a
 # connection ends: closing each connection after MAX_CONNECTION_AGE_MS lets them find new
@@ -193,10 +182,9 @@ def _wrap_single(inner, method: str, streams_in: bool):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001 - this is the backstop
-            code, message = _status_logged(method, error)
-            field = getattr(error, "field", None)
+            status = _status_logged(method, error)
         del request  # see _end_with_status
-        _end_with_status(context, code, message, field)
+        _end_with_status(context, *status)
 
     return behavior
 
@@ -209,24 +197,23 @@ def _wrap_streaming(inner, method: str, streams_in: bool):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001
-            code, message = _status_logged(method, error)
-            field = getattr(error, "field", None)
+            status = _status_logged(method, error)
         else:
             return
         del request  # see _end_with_status
-        _end_with_status(context, code, message, field)
+        _end_with_status(context, *status)
 
     return behavior
 
 
-def _status_logged(method: str, error: Exception) -> tuple[grpc.StatusCode, str]:
-    code, message = status_of(error)
+def _status_logged(method: str, error: Exception) -> tuple[grpc.StatusCode, str, ErrorInfo]:
+    code, message, info = rich_status_of(error)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=error)
     else:
         log.info("%s -> %s: %s", method, code.name, message)
     _drop_tracebacks(error)
-    return code, message
+    return code, message, info
 
 
 def _drop_tracebacks(error: BaseException) -> None:
@@ -245,10 +232,8 @@ def _drop_tracebacks(error: BaseException) -> None:
             pending += [chained.__cause__, chained.__context__]
 
 
-def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
-                     field: str | None = None) -> None:
-    """End the call with `code` (and the `field` to blame as FIELD_METADATA), keeping nothing of
-    the request alive.
+def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, info: ErrorInfo) -> None:
+    """End the call with `code` and its ErrorInfo `info`, keeping nothing of the request alive.
 
     Called after the `except` block, never inside it: the exception's traceback holds every
     servicer frame and the request, and `context.abort` would chain it to an AbortError that grpc
@@ -256,10 +241,7 @@ def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, m
     a full gc). Setting the status instead of aborting raises nothing at all; grpc discards the
     handler's return value when the code is not OK. The caller drops its `request` first.
     """
-    context.set_code(code)
-    context.set_details(message)
-    if field:
-        context.set_trailing_metadata((*(context.trailing_metadata() or ()), (FIELD_METADATA, field)))
+    set_status(context, code, message, info)
 
 
 def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, public: bool = False,
@@ -303,7 +285,6 @@ def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.Ser
                       f"available on this host") from cause
 
 
-EXIT_UNHEALTHY_ENV = "TESSERA_EXIT_UNHEALTHY_AFTER_S"
 EXIT_UNHEALTHY = 3  # the exit status of a service that gave up after NOT_SERVING for that long
 
 

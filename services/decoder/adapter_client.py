@@ -41,6 +41,7 @@ from services.common.tensor import from_pb
 from services.decoder.adapter_source import AdapterSource, wait_for_free_slot
 from services.decoder.config import DecoderConfig
 from services.decoder.lora import AdapterSlots, HostAdapterCache, LoRAWeights
+from tessera.protocol import UNKNOWN_ADAPTER
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class RegistryAdapterSource(AdapterSource):
         """
         check_adapter_name(name)
         if self.address is None:
-            raise NotFound(f"unknown adapter {name!r}: this decoder has no adapter registry configured")
+            raise NotFound(f"unknown adapter {name!r}: this decoder has no adapter registry configured", reason=UNKNOWN_ADAPTER)
         self.start_reporting()
         digest = await self._resolve(name)
         weights: LoRAWeights | None = None
@@ -210,7 +211,7 @@ class RegistryAdapterSource(AdapterSource):
         try:
             return await self._call("GetAdapter", request)
         except NotFound:
-            raise NotFound(f"unknown adapter {name!r}") from None
+            raise NotFound(f"unknown adapter {name!r}", reason=UNKNOWN_ADAPTER) from None
 
     async def _call(self, method: str, request):
         if self._stub is None:

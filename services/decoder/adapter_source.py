@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from services.common.errors import NotFound
 from services.common.names import check_adapter_name
 from services.decoder.lora import AdapterSlots, LoRAWeights
+from tessera.protocol import UNKNOWN_ADAPTER
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class InMemoryAdapterSource(AdapterSource):
         check_adapter_name(name)
         weights = self.adapters.get(name)
         if weights is None:
-            raise NotFound(f"unknown adapter {name!r}")
+            raise NotFound(f"unknown adapter {name!r}", reason=UNKNOWN_ADAPTER)
         while True:
             slot = self.slots.load_and_acquire(weights, name)
             if slot is not None:

@@ -26,6 +26,7 @@ from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
 from services.decoder.types import GenerationDefaults
 from tessera.paths import default_decoder_dir
+from tessera.protocol import DECODER_DEVICE_ENV
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 AUTO = "auto"  # dtype: the checkpoint's (resolve_dtype); backends: the fastest that runs (their registries)
@@ -116,7 +117,7 @@ generation_config.json (none when it has none), a directory holding a generation
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
     limits: GenerateLimits = field(default_factory=GenerateLimits)
     address: str = _flag(default_address("decoder"), "bind host:port")
-    device: str = _flag("auto", DEVICE_HELP, env="TESSERA_DECODER_DEVICE")
+    device: str = _flag("auto", DEVICE_HELP, env=DECODER_DEVICE_ENV)
     served_model_name: tuple[str, ...] = _flag((), "the model's name in requests and answers, then aliases "
                                                "also accepted", nargs="+", metavar=("NAME", "ALIAS"),
                                                default_help="the model directory's name")

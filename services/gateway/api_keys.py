@@ -13,7 +13,9 @@ from pathlib import Path
 
 import grpc
 
-from services.common.auth import UNAUTHENTICATED_SERVICES, _refusal
+from services.common.auth import UNAUTHENTICATED_SERVICES, refusal_handler
+from services.common.errors import Unauthenticated
+from tessera.protocol import API_KEY_INVALID, API_KEY_MISSING, AUTHORIZATION_METADATA
 
 ADMIN_METHODS = ("/tessera.v1.Gateway/LoadAdapter", "/tessera.v1.Gateway/UnloadAdapter")
 
@@ -44,14 +46,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         if details.method.startswith(UNAUTHENTICATED_SERVICES) or details.method in ADMIN_METHODS:
             return await continuation(details)
-        presented = [value for key, value in (details.invocation_metadata or ()) if key == "authorization"]
+        presented = [value for key, value in (details.invocation_metadata or ()) if key == AUTHORIZATION_METADATA]
         scheme, _, key = (presented[0] if presented else "").partition(" ")
         if isinstance(key, str) and scheme.lower() == "bearer" and key:
             candidate = key.strip().encode()
             if any(hmac.compare_digest(candidate, k) for k in self._keys):
                 return await continuation(details)
-            reason = "the API key is not valid"
+            refused = Unauthenticated("the API key is not valid", reason=API_KEY_INVALID)
         else:
-            reason = "this gateway needs an API key: metadata 'authorization: Bearer <key>' (tessera.client: api_token)"
+            refused = Unauthenticated("this gateway needs an API key: metadata 'authorization: Bearer <key>' "
+                                      "(tessera.client: api_token)", reason=API_KEY_MISSING)
         handler = await continuation(details)
-        return None if handler is None else _refusal(handler, reason)
+        return None if handler is None else refusal_handler(handler, refused)

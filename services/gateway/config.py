@@ -12,6 +12,7 @@ from services.common.limits import GenerateLimits, PoolingLimits
 from services.common.metrics import check_metrics_port
 from services.common.server import default_address
 from services.gateway.replicas import parse_target
+from tessera.protocol import API_KEY_FILE_ENV, HTTP_PORT_ENV, METRICS_PORT_ENV
 
 
 def _check_address(field: str, value: str) -> None:
@@ -45,17 +46,17 @@ class GatewayConfig:
     max_path_chars: int = field(default=4096, metadata={"help": "characters of LoadAdapter's path"})
     http_port: int = field(default=0, metadata={
         "help": "serve the OpenAI-compatible HTTP API on this port, on the gRPC address's host (0 = off)",
-        "env": "TESSERA_HTTP_PORT"})
+        "env": HTTP_PORT_ENV})
     api_key_file: str = field(default="", metadata={
         "help": "file of API keys, one a line: HTTP inference routes then need Authorization: Bearer <key> "
                 "(empty = no keys)",
-        "env": "TESSERA_API_KEY_FILE"})
+        "env": API_KEY_FILE_ENV})
     return_tokens_as_token_ids: bool = field(default=False, metadata={
         "help": "HTTP logprobs name each token `token_id:<id>` instead of its text (vLLM's flag; a request's "
                 "return_tokens_as_token_ids overrides it)"})
     metrics_port: int = field(default=0, metadata={
         "help": "also serve Prometheus /metrics on this port, same host as --address (0: off; the HTTP port "
-                "serves them at /metrics)", "env": "TESSERA_METRICS_PORT"})
+                "serves them at /metrics)", "env": METRICS_PORT_ENV})
 
     def __post_init__(self) -> None:
         for name in ("address", "adapters"):

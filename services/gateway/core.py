@@ -36,16 +36,18 @@ from services.common.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     TesseraError,
     Unavailable,
+    answered_by_service,
     error_from_rpc,
 )
-from services.common.logs import REQUEST_ID_METADATA
 from services.common.server import insecure_channel
 from services.gateway.config import GatewayConfig
 from services.gateway.convert import decoder_tokenize_request, routing_key, served_names, tokenize_response
 from services.gateway.limits import GatewayLimits
 from services.gateway.pools import DecoderPool, PoolerPool
+from tessera.protocol import MESSAGE_TOO_LARGE
 from tessera.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -130,12 +132,8 @@ class GatewayCore:
 
     @staticmethod
     def _downstream(service: str, address: str, error: grpc.aio.AioRpcError) -> TesseraError:
-        """`downstream_error` with whether `service` answered the call itself: every tessera
-        service's answer carries the call's x-request-id in its trailing metadata (logs.py); an
-        error grpc made up on this side (connection refused, reset, a ping not acked) carries none,
-        also while the channel still says READY."""
-        answered = any(key == REQUEST_ID_METADATA for key, _ in (error.trailing_metadata() or ()))
-        return downstream_error(service, address, error, answered)
+        """`downstream_error` for a call to `service` at `address`."""
+        return downstream_error(service, address, error)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -444,12 +442,20 @@ class _RequestRelay:
             raise self._failure
 
 
-def downstream_error(service: str, address: str, error: grpc.aio.AioRpcError, reachable: bool) -> TesseraError:
-    """A downstream failure as its domain error (services/common/errors.py); UNAVAILABLE names the
-    service (or, when that service answered it itself, says what it was relayed by)."""
+def downstream_error(service: str, address: str, error: grpc.aio.AioRpcError) -> TesseraError:
+    """A downstream failure as its domain error (services/common/errors.py), its reason kept.
+
+    A status the service answered itself carries tessera's ErrorInfo; one without it grpc made up
+    on this side (a connection refused or reset, a ping not acked, also while the channel still says
+    READY; a message past a receive limit). UNAVAILABLE names the service (or, when that service
+    answered it itself, says what it was relayed by); a RESOURCE_EXHAUSTED grpc made is a message
+    too large (MESSAGE_TOO_LARGE)."""
     failure = error_from_rpc(error)
+    answered = answered_by_service(error)
+    if isinstance(failure, ResourceExhausted) and not answered:
+        return ResourceExhausted(str(failure), reason=MESSAGE_TOO_LARGE)
     if not isinstance(failure, Unavailable):
         return failure
-    if reachable:  # e.g. the decoder is up but its adapter registry is not
-        return Unavailable(f"{error.details()} (answered by the {service} service at {address})")
+    if answered:  # e.g. the decoder is up but its adapter registry is not
+        return Unavailable(f"{error.details()} (answered by the {service} service at {address})", reason=failure.reason)
     return Unavailable(f"{service} service at {address} is unavailable: {error.details()}")

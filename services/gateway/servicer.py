@@ -11,11 +11,11 @@ from __future__ import annotations
 from contextlib import aclosing
 
 from services.gateway.core import INFO_TIMEOUT_S, Call, GatewayCore
+from tessera.protocol import REPLICA_METADATA
 from tessera.v1 import gateway_pb2_grpc
 
 __all__ = ["INFO_TIMEOUT_S", "REPLICA_METADATA", "GatewayServicer"]
 
-REPLICA_METADATA = "tessera-replica"  # initial metadata of a Generate: the decoder replica serving it
 
 
 def _call(context) -> Call:

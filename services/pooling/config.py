@@ -14,6 +14,7 @@ from services.common.metrics import check_metrics_port
 from services.common.server import default_address
 from services.pooling.st_config import POOLING_MODES, read_st_config
 from tessera.paths import default_embedding_dir
+from tessera.protocol import POOLING_DEVICE_ENV
 
 # Tokenizers without a real limit report a huge sentinel (transformers' VERY_LARGE_INTEGER).
 _NO_TOKENIZER_LIMIT = 10**9
@@ -202,7 +203,7 @@ class PoolingConfig:
     models: list[ModelConfig]
     address: str = field(default=default_address("pooling"), metadata={"help": "bind host:port"})
     max_batch_size: int = field(default=PoolingLimits.max_batch_size, metadata={"help": "most inputs per request"})
-    device: str = field(default="auto", metadata={"help": DEVICE_HELP, "env": "TESSERA_POOLING_DEVICE"})
+    device: str = field(default="auto", metadata={"help": DEVICE_HELP, "env": POOLING_DEVICE_ENV})
     dynamic_batching: bool = field(default=True, metadata={
         "help": "gather concurrent requests into shared forwards; --no-dynamic-batching = one forward per "
                 "request under a lock"})

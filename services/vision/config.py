@@ -13,6 +13,7 @@ from services.vision.encoder import DemoEncoderConfig, decoder_geometry
 from services.vision.processor import ProcessorConfig, parse_color
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig, read_checkpoint
 from tessera.paths import default_decoder_dir
+from tessera.protocol import METRICS_PORT_ENV
 
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -136,7 +137,7 @@ class VisionFlags:
                                   "long (seconds; must exceed the longest encode)")
     background: str = _flag("white", "colour under transparent pixels: name, #RRGGBB or R,G,B")
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address (0: off)",
-                              env="TESSERA_METRICS_PORT")
+                              env=METRICS_PORT_ENV)
 
     def vision_config(self) -> VisionConfig:
         """Raises ValueError for any inconsistent flag (e.g. output width != decoder hidden size)."""

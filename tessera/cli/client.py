@@ -30,7 +30,14 @@ from tessera.client import (
     TesseraError,
     TokenizeResult,
 )
-from tessera.client.channel import ADDRESS_ENV, ADMIN_TOKEN_ENV, API_TOKEN_ENV
+from tessera.protocol import (
+    ADDRESS_ENV,
+    ADMIN_TOKEN_ENV,
+    API_KEY_INVALID,
+    API_TOKEN_ENV,
+    INTERNAL_TOKEN_MISSING,
+    INTERNAL_TOKEN_WRONG,
+)
 
 # gRPC's own details when no connection could be made (never the gateway's: it names the service).
 NOT_CONNECTED = ("failed to connect to all addresses",)
@@ -103,14 +110,14 @@ def explain(error: TesseraError, args: Namespace) -> str:
         return f"the host in {address} ({address_source(address)}) does not resolve: {details}"
     if code == grpc.StatusCode.UNAVAILABLE and details.startswith(NOT_CONNECTED):
         return f"no tessera cluster is running at {address} (start one with `tessera up`)"
-    if code == grpc.StatusCode.UNAUTHENTICATED and "internal port" in details:
+    if error.reason in (INTERNAL_TOKEN_MISSING, INTERNAL_TOKEN_WRONG):
         return f"{address} is one of a cluster's internal ports; --address names the gateway's"
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and admin:
         refused = code == grpc.StatusCode.PERMISSION_DENIED
         return (f"the adapter registry {'refused the admin token' if refused else 'needs an admin token'}: "
                 f"set {ADMIN_TOKEN_ENV} or pass --admin-token-file PATH (the token `tessera up` was given)")
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        what = "refused the API key in" if "not valid" in details else "needs an API key: set"
+        what = "refused the API key in" if error.reason == API_KEY_INVALID else "needs an API key: set"
         return f"the gateway at {address} {what} {API_TOKEN_ENV}"
     for field_text, flag in FIELD_TO_FLAG.items():
         details = details.replace(f"pass {field_text}", f"pass {flag}")

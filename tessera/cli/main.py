@@ -17,14 +17,13 @@ from tessera import package_version
 from tessera.cli.gguf_export import add_export_gguf_parser
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.client import DEFAULT_ADDRESS, TesseraError
-from tessera.client.channel import ADDRESS_ENV
 from tessera.paths import default_adapter_root, default_decoder_dir, default_embedding_dir
+from tessera.protocol import ADDRESS_ENV, ADMIN_TOKEN_FILE_ENV, CLUSTER_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV
 
 # services.common.logs's choices, spelled here so that client commands do not import it (tests/cli checks they agree)
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-ADMIN_TOKEN_FILE_ENV = "TESSERA_ADMIN_TOKEN_FILE"
 DEFAULT_BASE_PORT = int(DEFAULT_ADDRESS.rpartition(":")[2])  # the gateway's; the services take the next four
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
 
@@ -128,14 +127,14 @@ def _add_server_commands(sub) -> None:
     up.add_argument("--poolers", type=int, default=1, help="pooling replicas; least outstanding requests")
     up.add_argument("--http-port", type=int, default=8000,
                     help="the gateway's OpenAI-compatible HTTP API on --host (0 = off)")
-    up.add_argument("--cluster", default=os.environ.get("TESSERA_CLUSTER", ""),
+    up.add_argument("--cluster", default=os.environ.get(CLUSTER_ENV, ""),
                     help="the cluster's name; its logs and adapter catalog live in $TESSERA_HOME/clusters/NAME "
                          "(env TESSERA_CLUSTER; default: the gateway's port)")
-    up.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get("TESSERA_LOG_FORMAT", "text"),
+    up.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get(LOG_FORMAT_ENV, "text"),
                     help="every service's log lines: text, or json (one object per line) (default: %(default)s; "
                          "$TESSERA_LOG_FORMAT when set)")
     up.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                    default=os.environ.get("TESSERA_LOG_LEVEL", "INFO").upper(),
+                    default=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
                     help="every service's least severe level logged (default: %(default)s; $TESSERA_LOG_LEVEL)")
     up.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                     help="a service's log file is rotated at this size (default: %(default)s)")

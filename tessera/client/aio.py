@@ -10,7 +10,6 @@ import grpc
 
 from tessera.client import convert
 from tessera.client.channel import (
-    CHANNEL_OPTIONS,
     DEFAULT_ADDRESS,
     NO_RETRY,
     Deadline,
@@ -20,7 +19,6 @@ from tessera.client.channel import (
     retryable,
 )
 from tessera.client.errors import from_rpc_error
-from tessera.client.sync import REPLICA_METADATA
 from tessera.client.types import (
     AdapterInfo,
     ClusterInfo,
@@ -33,6 +31,7 @@ from tessera.client.types import (
     SamplingParams,
     TokenizeResult,
 )
+from tessera.protocol import CHANNEL_OPTIONS, REPLICA_METADATA
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc
 
 

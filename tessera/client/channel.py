@@ -12,23 +12,9 @@ from pathlib import Path
 import grpc
 
 from tessera.client.types import SamplingParams
+from tessera.protocol import ADMIN_TOKEN_ENV, API_TOKEN_ENV, TLS_ROOT_CERT_ENV
 
 DEFAULT_ADDRESS = "localhost:50051"
-ADDRESS_ENV = "TESSERA_ADDRESS"  # the CLI's default gateway address when set
-API_TOKEN_ENV = "TESSERA_API_TOKEN"
-ADMIN_TOKEN_ENV = "TESSERA_ADMIN_TOKEN"
-TLS_ROOT_CERT_ENV = "TESSERA_TLS_ROOT_CERT"
-
-# The gateway accepts messages up to 256 MiB (the biggest allowed image); the client matches it.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A restarted gateway is found again within ~2 s (grpc's default backoff grows to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 
 
 @dataclass(frozen=True)

@@ -2,23 +2,30 @@
 
 The public client does not import the services' code, so it keeps its own table from status to
 exception; the classes mirror the services' domain errors (services/common/errors.py) by status.
-Every exception carries the status `code` and the server's `details` ("prompt has 9000 tokens
-after image expansion; the model's context is 8192").
+Every exception carries the status `code`, the server's `details` ("prompt has 9000 tokens after
+image expansion; the model's context is 8192") and, from the status's ErrorInfo, its `reason`
+(tessera.protocol's table: UNKNOWN_ADAPTER, API_KEY_INVALID, ...; "" for a status no tessera
+service answered, e.g. a gateway that cannot be reached) and the request `field` it is about.
 """
 
 from __future__ import annotations
 
 import grpc
 
+from tessera.protocol import FIELD_METADATA
+from tessera.rich_status import error_info_of
+
 
 class TesseraError(Exception):
-    """A call that ended with a non-OK status. `code` is the grpc.StatusCode, `details` its message."""
+    """A call that ended with a non-OK status. `code` is the grpc.StatusCode, `details` its message,
+    `reason` its machine-readable reason ("" when none came) and `field` the request field named."""
 
     code = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, details: str = "", code: grpc.StatusCode | None = None):
+    def __init__(self, details: str = "", code: grpc.StatusCode | None = None, *, reason: str = "",
+                 field: str | None = None):
         super().__init__(details)
-        self.details = details
+        self.details, self.reason, self.field = details, reason, field
         if code is not None:
             self.code = code
 
@@ -100,5 +107,9 @@ def from_rpc_error(error: grpc.RpcError) -> TesseraError:
     """The exception for a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`); unlisted codes
     become a plain TesseraError carrying the code."""
     code, details = error.code(), error.details() or ""
+    info = error_info_of(error)
+    reason, field = (info.reason, info.metadata.get(FIELD_METADATA)) if info is not None else ("", None)
     cls = STATUS_TO_ERROR.get(code)
-    return cls(details) if cls is not None else TesseraError(details, code)
+    if cls is None:
+        return TesseraError(details, code, reason=reason, field=field)
+    return cls(details, reason=reason, field=field)

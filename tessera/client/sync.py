@@ -10,7 +10,6 @@ import grpc
 
 from tessera.client import convert
 from tessera.client.channel import (
-    CHANNEL_OPTIONS,
     DEFAULT_ADDRESS,
     NO_RETRY,
     Deadline,
@@ -32,9 +31,8 @@ from tessera.client.types import (
     SamplingParams,
     TokenizeResult,
 )
+from tessera.protocol import CHANNEL_OPTIONS, REPLICA_METADATA
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc
-
-REPLICA_METADATA = "tessera-replica"  # a Generate's initial metadata: the decoder replica serving it
 
 
 class GenerateStream:

@@ -13,6 +13,7 @@ from importlib.metadata import version
 import pytest
 
 from services.common.launch import free_port
+from tessera import protocol
 from tessera.cli.client import check_address, explain
 from tessera.cli.main import build_parser, main
 from tessera.client import (
@@ -149,9 +150,10 @@ def test_errors_name_the_flag_or_variable_to_set():
         "no tessera cluster is running at gw:1 (start one with `tessera up`)"
     assert explain(Unavailable("decoder service at x:1 is unavailable: boom"), remote) == \
         "UNAVAILABLE: decoder service at x:1 is unavailable: boom"  # the cluster runs; one service does not
-    assert explain(Unauthenticated("this gateway needs an API key: metadata 'authorization: Bearer <key>'"),
+    assert explain(Unauthenticated("this gateway needs an API key: metadata 'authorization: Bearer <key>'",
+                                   reason=protocol.API_KEY_MISSING),
                    remote) == "the gateway at gw:1 needs an API key: set TESSERA_API_TOKEN"
-    assert explain(Unauthenticated("the API key is not valid"), remote) == \
+    assert explain(Unauthenticated("the API key is not valid", reason=protocol.API_KEY_INVALID), remote) == \
         "the gateway at gw:1 refused the API key in TESSERA_API_TOKEN"
     assert "set TESSERA_ADMIN_TOKEN or pass --admin-token-file" in explain(
         Unauthenticated("this RPC is an admin operation; send metadata 'authorization: Bearer <token>'"), admin)
@@ -163,7 +165,8 @@ def test_errors_name_the_flag_or_variable_to_set():
         "adapter 'a' is leased by 1 request(s); pass drain=true to refuse new requests and wait"), admin)
     assert explain(InvalidArgument("sampling.top_logprobs is 50; the limit is 20; sampling.max_tokens is 9"),
                    remote) == "INVALID_ARGUMENT: --logprobs is 50; the limit is 20; --max-tokens is 9"
-    assert "internal ports" in explain(Unauthenticated("this is an internal port; metadata is missing"), remote)
+    assert "internal ports" in explain(Unauthenticated("this is an internal port; metadata is missing",
+                                                       reason=protocol.INTERNAL_TOKEN_MISSING), remote)
 
 
 def test_up_log_choices_are_the_services_own():

@@ -35,7 +35,7 @@ async def _refused(call, *words: str, field: str | None = None) -> None:
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
     for word in words:
         assert word in error.value.details()
-    if field is not None:  # the field to blame travels as data (services/common/errors.py's FIELD_METADATA)
+    if field is not None:  # the field to blame travels as data (its ErrorInfo, tessera/rich_status.py)
         assert error_from_rpc(error.value).field == field
 
 

@@ -9,10 +9,12 @@ import json
 
 import pytest
 
-from services.common.errors import InvalidArgument, NotFound, Unavailable
+from services.common.errors import NotFound, Unavailable
+from services.common.limits import check_chars
 from services.gateway.api_keys import read_api_keys
 from services.gateway.http.app import create_app
 from services.gateway.http.backend import Backend
+from tessera import protocol
 from tessera.v1 import adapters_pb2, decoder_pb2, gateway_pb2
 
 
@@ -443,9 +445,8 @@ class RefusingGateway:
         return gateway_pb2.ClusterInfo(decoder=decoder_pb2.DecoderInfo(model="base"))
 
     async def generate(self, request, call):
-        if len(request.lora) > 256:
-            raise InvalidArgument(f"lora has {len(request.lora)} characters; the limit is 256 (--max-name-chars)")
-        raise NotFound(f"unknown adapter {request.lora!r}")
+        check_chars("lora", request.lora, 256, "max_name_chars")
+        raise NotFound(f"unknown adapter {request.lora!r}", reason=protocol.UNKNOWN_ADAPTER)
         yield decoder_pb2.GenerateResponse()
 
 

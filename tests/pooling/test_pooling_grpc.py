@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.errors import FIELD_METADATA
 from services.common.launch import ServiceProcess
 from services.common.tensor import from_pb
+from tessera.rich_status import error_info_of
 from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 
 
@@ -60,7 +60,7 @@ def test_embed_rerank_info_health_and_errors(server):
     with pytest.raises(grpc.RpcError) as bad:
         stub.Embed(pooling_pb2.EmbedRequest(inputs=["fine", ""]), timeout=10)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty string" in bad.value.details()
-    assert (FIELD_METADATA, "inputs[1]") in bad.value.trailing_metadata()  # the field to blame, as data
+    assert error_info_of(bad.value).metadata == {"field": "inputs[1]"}  # the field to blame, as data (ErrorInfo)
     with pytest.raises(grpc.RpcError) as bad:
         stub.Rerank(pooling_pb2.RerankRequest(query="q", documents=["a"], top_n=0), timeout=10)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_n" in bad.value.details()

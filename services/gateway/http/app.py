@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, TesseraError, Unavailable
+from services.common.errors import DeadlineExceeded, TesseraError, Unavailable
 from services.common.message_limits import FRAMING_BYTES, TEXT_BYTES
 from services.gateway.core import Call
 from services.gateway.http import convert, generate, models, responses
@@ -28,6 +28,7 @@ from services.gateway.http.backend import Backend, DecoderNames
 from services.gateway.http.errors import HANDLERS, TEI_SHAPED, ApiError, from_error, tei_shaped
 from services.gateway.http.request_log import RequestLog
 from tessera import package_version
+from tessera.protocol import UNKNOWN_ADAPTER
 from tessera.v1 import adapters_pb2, decoder_pb2
 
 ERROR_RESPONSES = {status: {"model": responses.ErrorResponse}
@@ -360,16 +361,14 @@ async def _generate(backend: Backend, requests, body: models.SamplingFields, htt
 
 
 def _as_model_error(error: TesseraError, model: str, lora: str, fields: dict[str, str]) -> ApiError:
-    """A refusal of Generate in the HTTP API's terms: the body's field it names (`fields`), and a
-    refusal of `lora` as the body's `model`."""
+    """A refusal of Generate in the HTTP API's terms: the body's field it names (`fields`: `lora` is
+    the body's `model`), and an unknown adapter (its reason) as an unknown `model`."""
     refusal = from_error(error, fields)
     details = refusal.message
-    if lora and isinstance(error, NotFound) and details.startswith("unknown adapter"):
+    if lora and error.reason == UNKNOWN_ADAPTER:
         return ApiError(404, f"model {model!r} is neither the decoder's model nor a loaded adapter ({details})",
                         "not_found_error", param="model")
-    if lora and isinstance(error, InvalidArgument) and details.startswith("lora "):
-        return ApiError(refusal.status, "model " + details.removeprefix("lora "), refusal.type, param="model")
-    return refusal
+    return refusal  # a refusal of `lora` names `model` by `fields`
 
 
 async def _open(backend: Backend, requests, http: Request) -> list[generate.Stream]:

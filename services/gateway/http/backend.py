@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.errors import ResourceExhausted, TesseraError
 from services.gateway.core import Call
 from services.gateway.http.errors import ApiError
+from tessera.protocol import MESSAGE_TOO_LARGE
 from tessera.v1 import gateway_pb2
 
 INFO_TIMEOUT_S = 5.0
@@ -89,7 +90,8 @@ class Backend:
         """Raises ResourceExhausted (413) for a request larger than the gRPC port would take."""
         if self.max_request_bytes and (size := request.ByteSize()) > self.max_request_bytes:
             raise ResourceExhausted(f"the request is {size} bytes as protobuf: larger than max "
-                                    f"({self.max_request_bytes} bytes, the gateway's message limit)")
+                                    f"({self.max_request_bytes} bytes, the gateway's message limit)",
+                                    reason=MESSAGE_TOO_LARGE)
 
     async def info(self, timeout_s: float = INFO_TIMEOUT_S) -> gateway_pb2.ClusterInfo:
         return await self.core.info(Call.within(timeout_s))

@@ -15,37 +15,21 @@ import logging
 import re
 from collections.abc import Mapping
 
-import grpc
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from services.common.errors import TesseraError, clip_message, status_of
+from services.common.errors import TesseraError, clip_message, rich_status_of
 from services.gateway.http.fields import NOT_UNICODE_ERROR, REFUSED_ERROR
+from tessera.protocol import FIELD_METADATA, http_status
 
 log = logging.getLogger(__name__)
 
-# (HTTP status, OpenAI error type) per gRPC status; anything not listed is a 500 server_error.
-STATUS_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
 # text-embeddings-inference's native routes (its router's http/server.rs): refusals in TEI's shape.
 TEI_PATHS = frozenset({"/", "/embed", "/info"})
 TEI_SHAPED = "tessera.tei_shaped"  # a scope key: set by a route shared with OpenAI's shapes (/rerank) for a TEI body
 _TEI_ERROR_TYPES = {429: "overloaded", 503: "unhealthy"}  # else: 4xx "validation", 5xx "backend"
-# The one RESOURCE_EXHAUSTED that is not load: a message past the gRPC receive limit.
-_TOO_LARGE_MARKERS = ("larger than max", "message larger")
 
 
 class ApiError(HTTPException):
@@ -78,16 +62,15 @@ def error_body(message: str, type_: str, param: str | None, code: int | str | No
 
 
 def from_error(error: Exception, fields: Mapping[str, str] | None = None) -> ApiError:
-    """The HTTP refusal for a core's domain error, by the status gRPC answers for it (Unavailable
-    -> 503 naming the service, ...); anything else is a 500. An error that names the protobuf
-    field to blame (TesseraError.field) names the body's field instead, in `param` and its message,
-    by `fields` (the route's table, `body_field`)."""
-    code, details = status_of(error)
+    """The HTTP refusal for a core's domain error, by the status gRPC answers for it and its reason
+    (tessera.protocol's table: Unavailable -> 503 naming the service, MESSAGE_TOO_LARGE -> 413,
+    ...); anything else is a 500. An error that names the protobuf field to blame (its ErrorInfo's
+    field, TesseraError.field) names the body's field instead, in `param` and its message, by
+    `fields` (the route's table, `body_field`)."""
+    code, details, info = rich_status_of(error)
     details = details or code.name
-    status, type_ = STATUS_TO_HTTP.get(code, (500, "server_error"))
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in details for m in _TOO_LARGE_MARKERS):
-        status, type_ = 413, "invalid_request_error"
-    field = getattr(error, "field", None)
+    status, type_ = http_status(code.name, info.reason)
+    field = info.metadata.get(FIELD_METADATA)
     if not field or fields is None:
         return ApiError(status, details, type_)
     param = body_field(field, fields)
