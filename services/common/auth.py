@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from services.common.errors import TesseraError, Unauthenticated, rich_status_of, set_status
+from services.common.interceptors import metadata_interceptors
 from tessera.protocol import (
     INTERNAL_TOKEN_FILE_ENV,
     INTERNAL_TOKEN_METADATA,
@@ -178,43 +179,10 @@ def refusal_handler(handler: grpc.RpcMethodHandler, error: TesseraError) -> grpc
     return kinds[handler.request_streaming, handler.response_streaming](refuse)
 
 
-class _TokenMetadata:
-    """Adds the internal token to the metadata of each call it intercepts."""
-
-    def __init__(self, token: str) -> None:
-        self._entry = (INTERNAL_TOKEN_METADATA, token)
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
-
-
-# One class per call kind: a grpc.aio channel files each interceptor under the first kind it
-# implements only, so one class implementing all four would miss three of them.
-class _UnaryUnaryToken(_TokenMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _UnaryStreamToken(_TokenMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _StreamUnaryToken(_TokenMetadata, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
-
-
-class _StreamStreamToken(_TokenMetadata, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
-
-
 def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """grpc.aio client interceptors that send `token` on every call of a channel."""
-    return [kind(token) for kind in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
+    entry = ((INTERNAL_TOKEN_METADATA, token),)
+    return metadata_interceptors(lambda details: entry)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:

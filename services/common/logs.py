@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 import grpc
 
 from services.common.config_cli import add_flags, from_flags
+from services.common.interceptors import metadata_interceptors
 from tessera.protocol import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REQUEST_ID_METADATA
 
 MAX_REQUEST_ID_CHARS = 128  # a longer caller id is cut (it is only ever logged and passed on)
@@ -365,40 +366,14 @@ class _CallLog:
 
 # ---- passing the id on ------------------------------------------------------------------------
 
-class _SendRequestId:
-    """Adds this context's request id to a call's metadata, unless the caller set one."""
-
-    @staticmethod
-    def _details(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        current = _request_id.get()
-        if not current or _metadata_value(details.metadata, REQUEST_ID_METADATA) is not None:
-            return details
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), (REQUEST_ID_METADATA, current))
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
-
-
-# One class per call kind: a grpc.aio channel files each interceptor under the first kind it implements.
-class _UnaryUnaryId(_SendRequestId, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _UnaryStreamId(_SendRequestId, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _StreamUnaryId(_SendRequestId, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
-
-
-class _StreamStreamId(_SendRequestId, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
+def _request_id_entry(details: grpc.aio.ClientCallDetails) -> tuple[tuple[str, str], ...]:
+    """This context's request id for a call's metadata, unless the caller set one."""
+    current = _request_id.get()
+    if not current or _metadata_value(details.metadata, REQUEST_ID_METADATA) is not None:
+        return ()
+    return ((REQUEST_ID_METADATA, current),)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """grpc.aio client interceptors sending the current request's id as `x-request-id` metadata."""
-    return [kind() for kind in (_UnaryUnaryId, _UnaryStreamId, _StreamUnaryId, _StreamStreamId)]
+    return metadata_interceptors(_request_id_entry)

@@ -31,6 +31,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from services.common.interceptors import client_interceptors
+
 DECODER_WAITING = "vllm:num_requests_waiting"
 DECODER_RUNNING = "vllm:num_requests_running"
 DECODER_KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -120,8 +122,17 @@ class DownstreamMetrics:
         self._pending: set[asyncio.Task] = set()
 
     def interceptors(self, address: str) -> list[grpc.aio.ClientInterceptor]:
-        """Interceptors recording every call on a channel to `address` (one per RPC kind)."""
-        return [kind(self, address) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+        """Interceptors recording every call on a channel to `address`."""
+        async def intercept(continuation, details, request):
+            started = time.monotonic()
+            call = await continuation(details, request)
+            method = details.method.decode() if isinstance(details.method, bytes) else details.method
+            task = asyncio.ensure_future(self.record(call, address, method, started))
+            self._pending.add(task)  # a reference until it is done (the loop keeps only weak ones)
+            task.add_done_callback(self._pending.discard)
+            return call
+
+        return client_interceptors(intercept)
 
     async def record(self, call, address: str, method: str, started: float) -> None:
         service, _, name = method.strip("/").rpartition("/")
@@ -138,37 +149,6 @@ class DownstreamMetrics:
         yield from self.seconds.collect()
 
 
-class _DownstreamInterceptor:
-    def __init__(self, metrics: DownstreamMetrics, address: str) -> None:
-        self.metrics, self.address = metrics, address
-
-    async def _intercept(self, continuation, details, request):
-        started = time.monotonic()
-        call = await continuation(details, request)
-        method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        task = asyncio.ensure_future(self.metrics.record(call, self.address, method, started))
-        self.metrics._pending.add(task)  # a reference until it is done (the loop keeps only weak ones)
-        task.add_done_callback(self.metrics._pending.discard)
-        return call
-
-
-# grpc.aio files an interceptor under the first of the four kinds it is an instance of: one class each
-class _UnaryUnary(_DownstreamInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
-    intercept_unary_unary = _DownstreamInterceptor._intercept
-
-
-class _UnaryStream(_DownstreamInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    intercept_unary_stream = _DownstreamInterceptor._intercept
-
-
-class _StreamUnary(_DownstreamInterceptor, grpc.aio.StreamUnaryClientInterceptor):
-    intercept_stream_unary = _DownstreamInterceptor._intercept
-
-
-class _StreamStream(_DownstreamInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    intercept_stream_stream = _DownstreamInterceptor._intercept
-
-
 _downstream: DownstreamMetrics | None = None
 
 
@@ -181,6 +161,6 @@ def record_downstream() -> DownstreamMetrics:
     return _downstream
 
 
-def client_interceptors(address: str) -> list[grpc.aio.ClientInterceptor]:
-    """The downstream-metrics interceptor for a channel to `address`, once `record_downstream()` ran."""
+def downstream_interceptors(address: str) -> list[grpc.aio.ClientInterceptor]:
+    """The downstream-metrics interceptors for a channel to `address`, once `record_downstream()` ran."""
     return [] if _downstream is None else _downstream.interceptors(address)

@@ -263,7 +263,7 @@ def insecure_channel(address: str, extra_options: Sequence[tuple[str, object]] =
     handled (logs.py) and the cluster's internal token on every call when this process has one."""
     return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, *extra_options],
                                      interceptors=[*logs.client_interceptors(), *auth.client_interceptors(),
-                                                   *metrics.client_interceptors(address)])
+                                                   *metrics.downstream_interceptors(address)])
 
 
 def bind(server: grpc.aio.Server, name: str, address: str, credentials: grpc.ServerCredentials | None = None) -> None:
