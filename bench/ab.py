@@ -27,25 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _decoder_proc import REPO, RESULTS, free_port, machine  # noqa: E402
 from lora import _grpc_run, _load, make_adapters  # noqa: E402
 
-
-def _wait_serving(process: subprocess.Popen, address: str, log: Path, timeout_s: float = 300.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{address} exited; see {log}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    process.kill()
-    raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s; see {log}")
+from services.common.launch import wait_serving  # noqa: E402
 
 
 def _start(checkout: Path, module: str, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
@@ -58,7 +40,11 @@ def _start(checkout: Path, module: str, args: list[str], log: Path) -> tuple[sub
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", module, "--address", address, *args], cwd=checkout, env=env,
                                    stdout=out, stderr=subprocess.STDOUT)
-    _wait_serving(process, address, log)
+    try:
+        wait_serving(address, process, 300.0, address, lambda: f"see {log}")
+    except BaseException:
+        process.kill()
+        raise
     return process, address
 
 

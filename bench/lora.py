@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from _decoder_proc import REPO, RESULTS, free_port, machine, start_decoder, stop  # noqa: E402
 
+from services.common.launch import wait_serving  # noqa: E402
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ROUNDS = 5
 
@@ -58,26 +60,17 @@ def make_adapters(model_dir: Path, root: Path, count: int, rank: int) -> list[st
 
 
 def start_registry(model_dir: Path, root: Path, rank: int) -> tuple[subprocess.Popen, str]:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     address = f"127.0.0.1:{free_port()}"
     log = (RESULTS / "lora-registry.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "services.adapters", "--address", address, "--root", str(root),
                                 "--base-model-dir", str(model_dir), "--max-rank", str(rank)], cwd=REPO,
                                env={**os.environ, "TESSERA_ADMIN_TOKEN": ""}, stdout=log, stderr=subprocess.STDOUT)
-    with grpc.insecure_channel(address) as channel:
-        health, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError("registry exited; see bench/results/lora-registry.log")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return process, address
-            except grpc.RpcError:
-                time.sleep(0.2)
-    process.kill()
-    raise TimeoutError("registry not SERVING after 120 s")
+    try:
+        wait_serving(address, process, 120.0, "registry", lambda: "see bench/results/lora-registry.log")
+    except BaseException:
+        process.kill()
+        raise
+    return process, address
 
 
 async def _load(registry: str, names: list[str]) -> None:

@@ -16,12 +16,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 2.0
+
+
+def _request(service: str) -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def not_serving(reply: health_pb2.HealthCheckResponse) -> str | None:
+    """None for SERVING, else the status's name (NOT_SERVING, SERVICE_UNKNOWN, ...)."""
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        return None
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def check(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S, tls_ca: bytes | None = None,
@@ -39,13 +52,46 @@ def check(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
                if tls_ca else grpc.insecure_channel(address))
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(_request(service), timeout=timeout_s)
         except grpc.RpcError as error:
             return f"{address} service {service!r}: {error.code().name}: {error.details()}"
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        return f"{address} service {service!r}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-    return None
+    status = not_serving(reply)
+    return None if status is None else f"{address} service {service!r}: {status}"
+
+
+async def probe(channel: grpc.aio.Channel, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> str | None:
+    """`check` from a running event loop over an open channel (the gateway's HTTP /health keeps one
+    per address): None when SERVING, else the status's name or the failed call's code's name."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(_request(service), timeout=timeout_s)
+    except grpc.aio.AioRpcError as error:
+        return error.code().name
+    return not_serving(reply)
+
+
+def wait_serving(address: str, timeout_s: float, exited: Callable[[], str | None] = lambda: None,
+                 poll_s: float = 0.2) -> None:
+    """Block until `address` answers SERVING (`check` every `poll_s` seconds, each with a 1 s deadline).
+
+    Args:
+        exited: None while the process behind `address` runs, else why it stopped (checked
+            before every probe).
+
+    Raises:
+        RuntimeError: `exited()` said why the process stopped.
+        TimeoutError: not SERVING within `timeout_s` seconds (the message holds the last verdict).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stopped = exited()
+        if stopped is not None:
+            raise RuntimeError(stopped)
+        verdict = check(address, timeout_s=1.0)
+        if verdict is None:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s ({verdict})")
+        time.sleep(poll_s)
 
 
 def main(argv: list[str] | None = None) -> int:

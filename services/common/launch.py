@@ -13,12 +13,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.common import healthcheck
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,27 +30,21 @@ def free_port() -> int:
 
 def wait_serving(address: str, process: subprocess.Popen, timeout_s: float, name: str,
                  log_tail: Callable[[], str] = lambda: "") -> None:
-    """Block until `address` answers SERVING.
+    """Block until `address` answers SERVING (healthcheck.wait_serving).
 
     Raises:
         RuntimeError: the process exited first (the message carries the log's tail).
         TimeoutError: not SERVING within `timeout_s` seconds.
     """
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {process.returncode} during startup:\n{log_tail()}")
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} at {address} not SERVING after {timeout_s:.0f} s:\n{log_tail()}")
-            time.sleep(0.2)
+    def exited() -> str | None:
+        if process.poll() is None:
+            return None
+        return f"{name} exited with code {process.returncode} during startup:\n{log_tail()}"
+
+    try:
+        healthcheck.wait_serving(address, timeout_s, exited)
+    except TimeoutError:
+        raise TimeoutError(f"{name} at {address} not SERVING after {timeout_s:.0f} s:\n{log_tail()}") from None
 
 
 # Environment defaults of every service process (the caller's environment wins). GNU OpenMP's

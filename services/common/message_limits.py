@@ -3,7 +3,7 @@
 Each limit is derived from the service's own caps, so grpc refuses anything bigger with
 RESOURCE_EXHAUSTED before it is read into memory, and everything a caller may legitimately send
 still arrives and meets the service's own checks (which name the field and its limit). Client
-channels keep `server.MAX_MESSAGE_BYTES`: a decoder pulls adapter weights from the registry, the
+channels keep `tessera.protocol.MAX_MESSAGE_BYTES`: a decoder pulls adapter weights from the registry, the
 gateway relays whatever its backends answer.
 """
 

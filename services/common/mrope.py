@@ -43,3 +43,17 @@ def check_mrope_section(section: Sequence[int], head_dim: int | None = None, min
         raise ValueError(f"mrope_section {values} sums to {sum(values)} rotary pairs; "
                          f"the model's head_dim {head_dim} needs {head_dim // 2}")
     return values  # type: ignore[return-value]
+
+
+def check_checkpoint_section(given: Sequence[int] | None, own: tuple[int, int, int],
+                             as_flag: bool = False) -> tuple[int, int, int]:
+    """The checkpoint's sections `own`, once the configured `given` (None: take the checkpoint's) is
+    found equal to them.
+
+    Raises:
+        ValueError: `given` differs (named as the config field, or with `as_flag` as the flag).
+    """
+    if given is not None and tuple(given) != tuple(own):
+        shown = f"--mrope-section {','.join(map(str, given))}" if as_flag else f"mrope_section {tuple(given)}"
+        raise ValueError(f"{shown} differs from the checkpoint's {tuple(own)}")
+    return tuple(own)  # type: ignore[return-value]

@@ -16,7 +16,7 @@ from services.common.device import DEVICE_HELP, resolve_device
 from services.common.limits import GenerateLimits
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.metrics import check_metrics_port
-from services.common.mrope import check_mrope_section, parse_mrope_section
+from services.common.mrope import check_checkpoint_section, check_mrope_section, parse_mrope_section
 from services.common.server import default_address
 from services.decoder.attention import ATTENTION_BACKENDS
 from services.decoder.kernels import native
@@ -241,10 +241,7 @@ generation_config.json (none when it has none), a directory holding a generation
         outer = dict(self.checkpoint.raw)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
-            own = checkpoint_mrope_section(outer)
-            if self.mrope_section is not None and tuple(self.mrope_section) != own:
-                raise ValueError(f"mrope_section {tuple(self.mrope_section)} differs from the checkpoint's {own}")
-            self.mrope_section = own
+            self.mrope_section = check_checkpoint_section(self.mrope_section, checkpoint_mrope_section(outer))
         limit = int(model.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
         if self.max_model_len == 0:
             self.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)

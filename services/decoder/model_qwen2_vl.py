@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from services.common.checkpoint import CheckpointConfig
+from services.common.mrope import check_checkpoint_section, check_mrope_section
 from services.decoder.model_llama import LlamaForCausalLM, LlamaSpec, _read_safetensors, build_model
 from services.decoder.model_qwen2 import Qwen2ForCausalLM
 
@@ -72,13 +73,9 @@ def mrope_section(cfg: dict) -> tuple[int, int, int]:
     if rope_type not in PLAIN_ROPE_TYPES:
         raise ValueError(f"scaled RoPE {rope_type!r} is not supported for Qwen2-VL; expected one of {PLAIN_ROPE_TYPES}")
     section = rope.get("mrope_section")
-    if section is None or len(section) != 3:
-        raise ValueError(f"config.json has no 3-axis mrope_section (got {section!r})")
-    head_dim = flat.get("head_dim") or flat["hidden_size"] // flat["num_attention_heads"]
-    if 2 * sum(section) != head_dim:
-        raise ValueError(f"mrope_section {tuple(section)} sums to {sum(section)} pairs; head_dim {head_dim} "
-                         f"needs {head_dim // 2}")
-    return tuple(int(s) for s in section)
+    if section is None:
+        raise ValueError("config.json has no mrope_section")
+    return check_mrope_section(section, flat.get("head_dim") or flat["hidden_size"] // flat["num_attention_heads"])
 
 
 @dataclass(frozen=True)
@@ -136,8 +133,6 @@ def load_qwen2_vl(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
     if not isinstance(checkpoint, CheckpointConfig):
         checkpoint = CheckpointConfig.read(checkpoint)
     model_dir, cfg = checkpoint.model_dir, dict(checkpoint.raw)
-    own = mrope_section(cfg)
-    if section is not None and tuple(section) != own:
-        raise ValueError(f"mrope_section {tuple(section)} differs from the checkpoint's {own}")
+    own = check_checkpoint_section(section, mrope_section(cfg))
     return build_model(Qwen2ForCausalLM, qwen2_spec(cfg), own, _text_weights(_read_safetensors(model_dir)), dtype,
                        f"text weights in {model_dir} do not match Qwen2-VL")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from services.common.mrope import check_mrope_section
+
 
 class RotaryEmbedding:
     """Cos/sin tables for positions [num_tokens] (RoPE) or [3, num_tokens] (M-RoPE)."""
@@ -19,8 +21,8 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int] | None = None) -> None:
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-        if mrope_section is not None and (len(mrope_section) != 3 or 2 * sum(mrope_section) != head_dim):
-            raise ValueError(f"mrope_section {mrope_section} must be 3 pair counts summing to head_dim/2 = {head_dim // 2}")
+        if mrope_section is not None:
+            check_mrope_section(mrope_section, head_dim)
         self.head_dim = head_dim
         self.mrope_section = tuple(mrope_section) if mrope_section is not None else None
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim

@@ -7,7 +7,12 @@ from pathlib import Path
 
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
 from services.common.metrics import check_metrics_port
-from services.common.mrope import DEFAULT_MROPE_SECTION, check_mrope_section, parse_mrope_section
+from services.common.mrope import (
+    DEFAULT_MROPE_SECTION,
+    check_checkpoint_section,
+    check_mrope_section,
+    parse_mrope_section,
+)
 from services.common.server import default_address
 from services.vision.encoder import DemoEncoderConfig, decoder_geometry
 from services.vision.processor import ProcessorConfig, parse_color
@@ -87,9 +92,7 @@ class VisionConfig:
         if self.processor.qwen2_vl != checkpoint.pixels:
             raise ValueError(f"processor.qwen2_vl {self.processor.qwen2_vl} must be the checkpoint's recipe "
                              f"{checkpoint.pixels}")
-        if self.mrope_section != checkpoint.mrope_section:
-            raise ValueError(f"mrope_section {self.mrope_section} differs from the checkpoint's "
-                             f"{checkpoint.mrope_section}")
+        check_checkpoint_section(self.mrope_section, checkpoint.mrope_section)
         return checkpoint.vision.hidden_size
 
 
@@ -170,7 +173,5 @@ class VisionFlags:
         config = VisionConfig.for_qwen2_vl(encoder, processor, address=self.address, decoder=decoder,
                                            encoder_cache_bytes=self.encoder_cache_bytes,
                                            wedged_after_s=self.wedged_after_s, metrics_port=self.metrics_port)
-        if self.mrope_section is not None and self.mrope_section != config.mrope_section:
-            raise ValueError(f"--mrope-section {','.join(map(str, self.mrope_section))} differs from the "
-                             f"checkpoint's {config.mrope_section}")
+        check_checkpoint_section(self.mrope_section, config.mrope_section, as_flag=True)
         return config

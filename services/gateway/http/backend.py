@@ -15,9 +15,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from services.common.errors import ResourceExhausted, TesseraError
+from services.common.healthcheck import not_serving, probe
 from services.gateway.core import Call
 from services.gateway.http.errors import ApiError
 from tessera.protocol import MESSAGE_TOO_LARGE
@@ -190,14 +191,8 @@ class Backend:
         channel = self._health_channels.get(address)
         if channel is None:
             channel = self._health_channels[address] = grpc.aio.insecure_channel(address)
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                    timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError as error:
-            return f"{address} {error.code().name}"
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return f"{address} {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-        return None
+        verdict = await probe(channel, timeout_s=HEALTH_TIMEOUT_S)
+        return None if verdict is None else f"{address} {verdict}"
 
 
 def health_of(servicer) -> Callable[[], Awaitable[str | None]]:
@@ -206,9 +201,6 @@ def health_of(servicer) -> Callable[[], Awaitable[str | None]]:
     SIGTERM on)."""
 
     async def verdict() -> str | None:
-        reply = await servicer.Check(health_pb2.HealthCheckRequest(), None)  # "" is always set: no abort
-        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-            return None
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return not_serving(await servicer.Check(health_pb2.HealthCheckRequest(), None))  # "" is always set: no abort
 
     return verdict
