@@ -1,6 +1,6 @@
 """`tessera bench vision`: repeated-image request latency, encoder-cache hit vs miss (target >= 10x).
 
-In process (a `VisionEngine`, the servicer's core: byte caps, content hash, cache lookup, decode,
+In process (a `VisionCore`, the servicer's core: byte caps, content hash, cache lookup, decode,
 preprocess, encoder), one run:
   miss: N distinct images of the same size, each seen for the first time (decode + encoder);
   hit:  the same N images again (hash + cache lookup; no decode, no encoder).
@@ -31,8 +31,8 @@ import torch
 from PIL import Image
 
 from services.vision.config import VisionConfig
+from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoderConfig
-from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource, ProcessorConfig
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 
@@ -85,7 +85,7 @@ def char_tokenizer():
                                    additional_special_tokens=["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
 
 
-def measure(engine: VisionEngine, data: list[bytes]) -> tuple[list[float], list[float]]:
+def measure(engine: VisionCore, data: list[bytes]) -> tuple[list[float], list[float]]:
     """(miss ms, hit ms) per single-image request; checks the hits really skipped the encoder."""
     def one(image: bytes) -> float:
         start = time.perf_counter()
@@ -101,7 +101,7 @@ def measure(engine: VisionEngine, data: list[bytes]) -> tuple[list[float], list[
     return misses, hits
 
 
-def decoder_prefix(model_dir: Path, vision: VisionEngine, data: list[bytes]) -> tuple[list[float], list[float], int]:
+def decoder_prefix(model_dir: Path, vision: VisionCore, data: list[bytes]) -> tuple[list[float], list[float], int]:
     """(miss ms, hit ms, cached prompt tokens of the last hit) per single-image request, TTFT."""
     import asyncio
 
@@ -146,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data = images(args.images, args.size)
     lines = []
-    demo = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=576)))
+    demo = VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=576)))
     lines.append(row("demo", "64x64 after resize, 64 rows x 576", *measure(demo, data)))
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model_dir or Path(scratch)
         if args.model_dir is None:
             build_random_qwen2_vl(model_dir)
         config = VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(model_dir)), ProcessorConfig())
-        qwen = VisionEngine(config)
+        qwen = VisionCore(config)
         misses, hits = measure(qwen, data)
         grid = qwen.encode(qwen.process([ImageSource(data=data[0])]))[0].grid_thw
         name = model_dir.name if args.model_dir else "qwen2-vl (random: depth 4, embed 256)"
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     decoder = row(name, f"{grid[1] * grid[2]} image tokens, {cached} prompt tokens cached on a hit", d_misses, d_hits)
     table = "\n".join(["| encoder | image | miss p50 ms | hit p50 ms | miss/hit |", "|---|---|---|---|---|", *lines])
     text = (f"# tessera bench vision\n\nMachine: {machine()}\n\n"
-            f"Encoder cache, in-process VisionEngine; {args.images} distinct {args.size}x{args.size} PNGs, each sent "
+            f"Encoder cache, in-process VisionCore; {args.images} distinct {args.size}x{args.size} PNGs, each sent "
             "once (miss: decode + preprocess + encoder) then again (hit: content hash + cache lookup). "
             "Target: miss/hit >= 10x.\n\n" + table + "\n\n"
             "Decoder prefix cache, in-process LLMEngine (the checkpoint's language model, fp32): time to first "

@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import importlib
 import itertools
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,11 @@ def _shown(value: Any) -> str:
 
 def _config_fields(module) -> dict[str, dataclasses.Field]:
     """dest -> field, for every flagged field of the config dataclasses `module` builds flags from
-    (its own names, then those of the services.common modules it imports, e.g. logs.LogConfig)."""
+    (its own names, then those of the services.common modules loaded with it, e.g. logs.LogConfig,
+    whose flags services.common.run adds to every service)."""
     found: dict[str, dataclasses.Field] = {}
-    common = [vars(value).values() for value in vars(module).values()
-              if isinstance(value, types.ModuleType) and value.__name__.startswith("services.common.")]
+    common = [vars(value).values() for name, value in sorted(sys.modules.items())
+              if isinstance(value, types.ModuleType) and name.startswith("services.common.")]
     for value in itertools.chain(vars(module).values(), *common):
         if isinstance(value, type) and dataclasses.is_dataclass(value):
             for f in dataclasses.fields(value):

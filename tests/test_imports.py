@@ -57,7 +57,7 @@ def _service_of(module: str) -> str | None:
 def test_the_graph_is_read():
     assert {"services.decoder.engine", "services.decoder.engine_core"} <= set(GRAPH)
     assert "services.decoder.engine_core" in GRAPH["services.decoder.engine"]
-    assert "services.common.errors" in GRAPH["services.common.server"]
+    assert "services.common.errors" in GRAPH["services.common.error_interceptor"]
     assert "tessera.client.sync" in GRAPH and "tessera.cli.up" in GRAPH
 
 

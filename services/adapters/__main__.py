@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from services.adapters.auth import AdminAuthInterceptor
 from services.adapters.config import RegistryConfig
 from services.adapters.engine import AdapterRegistry
 from services.adapters.servicer import register
-from services.common import auth, logs
-from services.common.config_cli import add_flags, from_flags
+from services.common.auth import Security
+from services.common.config_cli import from_flags
 from services.common.message_limits import REGISTRY_BYTES
 from services.common.metrics import start_metrics_server
-from services.common.server import exit_refused, serve
+from services.common.run import parse_config, run_service, service_parser
+from services.common.server import Hooks, Listen, serve
 from tessera.protocol import ADMIN_TOKEN_ENV
 
 
@@ -26,39 +26,32 @@ class RefuseSecretInArgv(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.adapters", description=__doc__)
-    add_flags(parser, RegistryConfig)
+    parser = service_parser("adapters", __doc__, RegistryConfig)
     parser.add_argument("--admin-token", action=RefuseSecretInArgv, help=argparse.SUPPRESS)
-    auth.add_arguments(parser)
-    logs.add_arguments(parser)
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> tuple[str, RegistryConfig]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = from_flags(RegistryConfig, args)
-    except ValueError as error:
-        parser.error(str(error))
-    return config.address, config
+def configure(args: argparse.Namespace) -> RegistryConfig:
+    return from_flags(RegistryConfig, args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    logs.configure_logging("adapters", argv)  # first: the config logs its automatic choices
-    address, config = parse_config(argv)
-    auth.configure_security(argv)
+def parse_args(argv: list[str] | None = None) -> RegistryConfig:
+    return parse_config(build_parser(), argv, configure)
+
+
+async def serve_registry(config: RegistryConfig, security: Security) -> None:
     registry = AdapterRegistry(config)
-    start_metrics_server(config.metrics_port, address)
+    start_metrics_server(config.metrics_port, config.address)
 
     async def stop() -> None:
         registry.close()
 
-    try:
-        asyncio.run(serve("adapters", address, lambda server: register(server, registry), stop=stop,
-                          interceptors=[AdminAuthInterceptor(config.admin_token)], max_receive_bytes=REGISTRY_BYTES))
-    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
-        exit_refused("adapters", error)
+    listen = Listen(config.address, REGISTRY_BYTES, interceptors=[AdminAuthInterceptor(config.admin_token)])
+    await serve("adapters", listen, lambda server: register(server, registry), Hooks(stop=stop))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service("adapters", argv, build_parser(), configure, serve_registry)
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def refusal_handler(handler: grpc.RpcMethodHandler, error: TesseraError) -> grpc
     without parsing the request's bytes.
 
     It sets the status rather than raising grpc's AbortError, which grpc keeps on the call in a
-    reference cycle with the handler's frame (services/common/server.py `_end_with_status`).
+    reference cycle with the handler's frame (services/common/error_interceptor.py `_end_with_status`).
     """
     status = rich_status_of(error)
 

@@ -120,7 +120,7 @@ def rich_status_of(error: BaseException) -> tuple[grpc.StatusCode, str, ErrorInf
 def set_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, info: ErrorInfo) -> None:
     """End the call with `code`, `message` and `info` (in the trailer, after what the call's
     trailing metadata holds already: its request id) without raising: `context.abort` would chain
-    the exception being handled to an AbortError grpc keeps on the call (server.py `_end_with_status`)."""
+    the exception being handled to an AbortError grpc keeps on the call (error_interceptor.py `_end_with_status`)."""
     context.set_code(code)
     context.set_details(message)
     context.set_trailing_metadata((*(context.trailing_metadata() or ()), *status_metadata(code, message, info)))

@@ -259,7 +259,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
     The line (logger "tessera.requests") carries request_id, method, status (the gRPC code's
     name), latency_ms and, where the responses carry `usage`, prompt_tokens and completion_tokens
     (a Generate's choices summed). INFO, or DEBUG for POLL_METHODS. Wraps the four handler kinds
-    in their own shapes, as server.ErrorInterceptor does; synchronous handlers pass untouched.
+    in their own shapes, as error_interceptor.ErrorInterceptor does; synchronous handlers pass untouched.
     """
 
     _FACTORIES = {

@@ -1,12 +1,13 @@
 """Server lifecycle shared by every service: options, interceptors, health, reflection, SIGTERM.
 
-Every service calls `serve(...)` with its servicers; health starts NOT_SERVING, flips to SERVING
-once the service's `start` returned (its model loaded and one warm-up step run through every
-configured backend, so a configuration that cannot compute never reports SERVING), follows the service's own check afterwards (NOT_SERVING while
-its engine loop has died or is wedged, services/common/liveness.py), and goes NOT_SERVING on
-SIGTERM before the drain (`server.stop(grace)`), as in grpc's python examples and TGI's server.
-A start that fails closes the port and raises; `exit_refused` turns a configuration error into
-the one line on stderr that `python -m tessera.<service>` exits with.
+Every service calls `serve(name, Listen(...), register, lifecycle)` with its servicers and its
+engine's `Lifecycle` (start, stop, health); health starts NOT_SERVING, flips to SERVING once
+`start` returned (its model loaded and one warm-up step run through every configured backend, so a
+configuration that cannot compute never reports SERVING), follows `health()` afterwards
+(NOT_SERVING while its engine loop has died or is wedged, services/common/liveness.py), and goes
+NOT_SERVING on SIGTERM before the drain (`server.stop(grace)`), as in grpc's python examples and
+TGI's server. A start that fails closes the port and raises; `exit_refused` turns it into the one
+line on stderr that `python -m services.<name>` exits 1 with (services/common/run.py).
 
 With `$TESSERA_EXIT_UNHEALTHY_AFTER_S` set, a service whose own check has said NOT_SERVING for
 that many seconds in a row stops listening and exits with EXIT_UNHEALTHY, so that a supervisor
@@ -18,24 +19,22 @@ joined, so the process ends without running the service's `stop`.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import NoReturn
+from dataclasses import dataclass
+from typing import NoReturn, Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import auth, logs, metrics
-from services.common.errors import InvalidArgument, rich_status_of, set_status
+from services.common.error_interceptor import ErrorInterceptor
 from tessera.protocol import CHANNEL_OPTIONS, EXIT_UNHEALTHY_ENV, MAX_MESSAGE_BYTES
-from tessera.rich_status import ErrorInfo
 
 log = logging.getLogger(__name__)
 
@@ -100,150 +99,6 @@ def exit_refused(name: str, error: BaseException) -> NoReturn:
     raise SystemExit(1)
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """The backstop: domain errors become their status; anything unexpected is logged and INTERNAL.
-
-    Wraps all four handler kinds, so servicers never catch errors just to translate them. A
-    request that is not valid protobuf (e.g. a string field with bad UTF-8) is INVALID_ARGUMENT
-    rather than grpc's default UNKNOWN. A streaming handler is either an async generator or a
-    coroutine that writes its responses with `context.write` (grpc's health Watch is one); each
-    is wrapped in its own shape. Synchronous handlers pass through untouched.
-    """
-
-    # kind -> (handler factory, request is a stream, response is a stream)
-    _KINDS = {
-        "unary_unary": (grpc.unary_unary_rpc_method_handler, False, False),
-        "unary_stream": (grpc.unary_stream_rpc_method_handler, False, True),
-        "stream_unary": (grpc.stream_unary_rpc_method_handler, True, False),
-        "stream_stream": (grpc.stream_stream_rpc_method_handler, True, True),
-    }
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        for kind, (factory, streams_in, streams_out) in self._KINDS.items():
-            inner = getattr(handler, kind)
-            if inner is None:
-                continue
-            if streams_out and inspect.isasyncgenfunction(inner):
-                wrap = _wrap_streaming
-            elif inspect.iscoroutinefunction(inner):
-                wrap = _wrap_single
-            else:
-                return handler
-            return factory(wrap(inner, details.method, streams_in),
-                           _tolerant(handler.request_deserializer), handler.response_serializer)
-        return handler
-
-
-class _Undecodable:
-    """Stands in for a request whose bytes did not parse, so the handler can answer the status."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-    def check(self):
-        raise InvalidArgument(f"request is not a valid protobuf message: {self.error}")
-
-
-def _tolerant(deserialize):
-    if deserialize is None:
-        return None
-
-    def parse(data: bytes):
-        try:
-            return deserialize(data)
-        except DecodeError as error:
-            return _Undecodable(error)
-
-    return parse
-
-
-def _checked(request, streams_in: bool):
-    if not streams_in:
-        if isinstance(request, _Undecodable):
-            request.check()
-        return request
-
-    async def items():
-        async for item in request:
-            if isinstance(item, _Undecodable):
-                item.check()
-            yield item
-
-    return items()
-
-
-def _wrap_single(inner, method: str, streams_in: bool):
-    async def behavior(request, context):
-        try:
-            return await inner(_checked(request, streams_in), context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as error:  # noqa: BLE001 - this is the backstop
-            status = _status_logged(method, error)
-        del request  # see _end_with_status
-        _end_with_status(context, *status)
-
-    return behavior
-
-
-def _wrap_streaming(inner, method: str, streams_in: bool):
-    async def behavior(request, context):
-        try:
-            async for response in inner(_checked(request, streams_in), context):
-                yield response
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as error:  # noqa: BLE001
-            status = _status_logged(method, error)
-        else:
-            return
-        del request  # see _end_with_status
-        _end_with_status(context, *status)
-
-    return behavior
-
-
-def _status_logged(method: str, error: Exception) -> tuple[grpc.StatusCode, str, ErrorInfo]:
-    code, message, info = rich_status_of(error)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("%s failed", method, exc_info=error)
-    else:
-        log.info("%s -> %s: %s", method, code.name, message)
-    _drop_tracebacks(error)
-    return code, message, info
-
-
-def _drop_tracebacks(error: BaseException) -> None:
-    """Unlink the tracebacks of `error` and of every exception it chains.
-
-    A frame that catches an exception and raises another (`except X as e: raise Y from e`) keeps
-    `e` as a local while `e`'s traceback keeps the frame: a reference cycle holding the frame's
-    request until a full gc. Once the status is logged nothing needs those frames.
-    """
-    pending, seen = [error], set()
-    while pending:
-        chained = pending.pop()
-        if chained is not None and id(chained) not in seen:
-            seen.add(id(chained))
-            chained.__traceback__ = None
-            pending += [chained.__cause__, chained.__context__]
-
-
-def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, info: ErrorInfo) -> None:
-    """End the call with `code` and its ErrorInfo `info`, keeping nothing of the request alive.
-
-    Called after the `except` block, never inside it: the exception's traceback holds every
-    servicer frame and the request, and `context.abort` would chain it to an AbortError that grpc
-    keeps on the call's state in a reference cycle (a refused 50 MB request stayed in memory until
-    a full gc). Setting the status instead of aborting raises nothing at all; grpc discards the
-    handler's return value when the code is not OK. The caller drops its `request` first.
-    """
-    set_status(context, code, message, info)
-
-
 def create_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, public: bool = False,
                   max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
     """A server that logs every call with its request id (logs.py), whose internal port checks the
@@ -306,81 +161,98 @@ def exit_unhealthy_after_s() -> float | None:
     return value
 
 
-async def serve(
-    name: str,
-    address: str,
-    register: Callable[[grpc.aio.Server], Iterable[str]],
-    start: Callable[[], Awaitable[None]] | None = None,
-    stop: Callable[[], Awaitable[None]] | None = None,
-    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-    grace_s: float = 5.0,
-    max_receive_bytes: int = MAX_MESSAGE_BYTES,
-    public: bool = False,
-    credentials: grpc.ServerCredentials | None = None,
-    health: Callable[[], str | None] | None = None,
-    exit_process: Callable[[int], object] = os._exit,
-    health_servicer: grpc_health.aio.HealthServicer | None = None,
-) -> None:
-    """Run one service until SIGTERM/SIGINT.
+class Lifecycle(Protocol):
+    """What `serve` asks of a service's engine (decoder, pooling and vision engines, the registry,
+    the gateway's core): `start` (load, warm up), `stop` (release), `health` (None = healthy)."""
+
+    async def start(self) -> None:
+        """Awaited after the port is bound and before health says SERVING (model load and a warm-up
+        step, on the service's compute thread); afterwards every other thread computes
+        single-threaded (services/common/compute.py). What it raises is raised by `serve`, once
+        the port is closed again, and health never said SERVING."""
+
+    async def stop(self) -> None:
+        """Awaited after the drain (release engines, close channels)."""
+
+    def health(self) -> str | None:
+        """The runtime check, polled every HEALTH_POLL_S seconds on the event loop once SERVING:
+        None = healthy, else the reason, which turns every status NOT_SERVING (logged once) until
+        the check passes again."""
+
+
+class Hooks:
+    """A Lifecycle from plain functions (each optional: nothing to start or stop, always healthy)."""
+
+    def __init__(self, start: Callable[[], Awaitable[None]] | None = None,
+                 stop: Callable[[], Awaitable[None]] | None = None,
+                 health: Callable[[], str | None] | None = None) -> None:
+        self._start, self._stop, self._health = start, stop, health
+
+    async def start(self) -> None:
+        if self._start is not None:
+            await self._start()
+
+    async def stop(self) -> None:
+        if self._stop is not None:
+            await self._stop()
+
+    def health(self) -> str | None:
+        return None if self._health is None else self._health()
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where and how a service's server listens.
+
+    Attributes:
+        address: "host:port" to bind.
+        max_receive_bytes: the largest request the service can accept (from its config).
+        interceptors: the service's own, after the shared ones (create_server).
+        public: the gateway's port: no internal-token check (auth.py).
+        credentials: serve TLS with these instead of plaintext.
+    """
+
+    address: str
+    max_receive_bytes: int = MAX_MESSAGE_BYTES
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    public: bool = False
+    credentials: grpc.ServerCredentials | None = None
+
+
+async def serve(name: str, listen: Listen | str, register: Callable[[grpc.aio.Server], Iterable[str]],
+                lifecycle: Lifecycle | None = None, *, health_servicer: grpc_health.aio.HealthServicer | None = None,
+                grace_s: float = 5.0, exit_process: Callable[[int], object] = os._exit) -> None:
+    """Run one service until SIGTERM/SIGINT (the module's docstring).
 
     Args:
         name: service name for logs.
-        address: "host:port" to bind.
-        register: adds servicers to the server; returns their full service names
-            (for health and reflection).
-        start: awaited after the port is bound and before health says SERVING (model load and a
-            warm-up step, on the service's compute thread); afterwards every other thread computes
-            single-threaded (services/common/compute.py). What it raises is raised here, once the
-            port is closed again, and health never said SERVING.
-        stop: awaited after the drain (release engines, close channels).
-        max_receive_bytes: the largest request the service can accept (from its config).
-        public: the gateway's port: no internal-token check (auth.py).
-        credentials: serve TLS with these instead of plaintext.
-        health: the service's runtime check, polled every HEALTH_POLL_S seconds on the event loop
-            once SERVING: None = healthy, else the reason, which turns every status NOT_SERVING
-            (logged once) until the check passes again; with $TESSERA_EXIT_UNHEALTHY_AFTER_S, after
-            that many seconds of NOT_SERVING in a row the port closes and `exit_process(EXIT_UNHEALTHY)`
-            ends the process (the module's docstring).
-        exit_process: how the process ends then (tests pass a recorder).
+        listen: the port (a bare "host:port" takes the defaults of `Listen`).
+        register: adds servicers to the server; returns their full service names (for health and
+            reflection).
+        lifecycle: the service's start, stop and health (default: none, always healthy); with
+            $TESSERA_EXIT_UNHEALTHY_AFTER_S, after that many seconds of NOT_SERVING in a row the
+            port closes and `exit_process(EXIT_UNHEALTHY)` ends the process, without `stop`.
         health_servicer: the grpc.health.v1 servicer the statuses are set on (default: a new
             one); a caller that reads its own status in process passes its own (the gateway's HTTP
             /health).
+        exit_process: how the process ends then (tests pass a recorder).
 
     Raises:
         ValueError: $TESSERA_EXIT_UNHEALTHY_AFTER_S is not a positive number (before anything listens).
+        OSError: the port cannot be bound.
     """
     give_up_after_s = exit_unhealthy_after_s()
-    server = create_server(interceptors, public=public, max_receive_bytes=max_receive_bytes)
-    service_names = list(register(server))
-    if health_servicer is None:
-        health_servicer = grpc_health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    bind(server, name, address, credentials)
+    listen = Listen(listen) if isinstance(listen, str) else listen
+    lifecycle = lifecycle or Hooks()
+    health_servicer = health_servicer or grpc_health.aio.HealthServicer()
+    server, services = _build(name, listen, register, health_servicer)
     await server.start()
-    not_serving, serving = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
-    for service in ["", *service_names]:
-        await health_servicer.set(service, not_serving)
-    if start is not None:
-        try:
-            await start()
-        except BaseException:
-            await server.stop(None)
-            raise
-    if "torch" in sys.modules:  # a model loaded in `start` keeps its compute thread's intra-op threads
-        from services.common.compute import confine_other_threads
+    await _start(name, listen.address, server, lifecycle, health_servicer, services)
 
-        confine_other_threads()
-    for service in ["", *service_names]:
-        await health_servicer.set(service, serving)
-    log.info("%s serving on %s", name, address)
-
-    stopping = asyncio.Event()
+    stopping, gave_up = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    gave_up = asyncio.Event()
 
     def give_up(reason: str) -> None:
         log.error("%s: NOT_SERVING for %g s (%s): exiting with status %d to be restarted ($%s)", name,
@@ -388,11 +260,10 @@ async def serve(
         gave_up.set()
         stopping.set()
 
-    follower = None if health is None else asyncio.create_task(
-        _follow_health(name, health, health_servicer, ["", *service_names], give_up_after_s, give_up))
+    follower = asyncio.create_task(_follow_health(name, lifecycle.health, health_servicer, services,
+                                                  give_up_after_s, give_up))
     await stopping.wait()
-    if follower is not None:
-        follower.cancel()
+    follower.cancel()
     log.info("%s: draining", name)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
@@ -400,9 +271,41 @@ async def serve(
         logging.shutdown()  # flush the log handlers: exit_process skips interpreter shutdown
         exit_process(EXIT_UNHEALTHY)
         return
-    if stop is not None:
-        await stop()
+    await lifecycle.stop()
     log.info("%s stopped", name)
+
+
+def _build(name: str, listen: Listen, register: Callable[[grpc.aio.Server], Iterable[str]],
+           health_servicer: grpc_health.aio.HealthServicer) -> tuple[grpc.aio.Server, list[str]]:
+    """The bound server with the service's servicers, health and reflection; the names health is
+    set for ("" = the whole server, then each service's)."""
+    server = create_server(listen.interceptors, public=listen.public, max_receive_bytes=listen.max_receive_bytes)
+    service_names = list(register(server))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    bind(server, name, listen.address, listen.credentials)
+    return server, ["", *service_names]
+
+
+async def _start(name: str, address: str, server: grpc.aio.Server, lifecycle: Lifecycle,
+                 health_servicer: grpc_health.aio.HealthServicer, services: list[str]) -> None:
+    """NOT_SERVING while `lifecycle.start()` runs, SERVING once it returned; a start that raises
+    closes the port and raises."""
+    for service in services:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        await lifecycle.start()
+    except BaseException:
+        await server.stop(None)
+        raise
+    if "torch" in sys.modules:  # a model loaded in `start` keeps its compute thread's intra-op threads
+        from services.common.compute import confine_other_threads
+
+        confine_other_threads()
+    for service in services:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on %s", name, address)
 
 
 async def _follow_health(name: str, check: Callable[[], str | None], health_servicer: grpc_health.aio.HealthServicer,

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from grpc_health.v1 import health as grpc_health
 
-from services.common import auth, logs
-from services.common.config_cli import add_flags, from_flags
+from services.common.auth import Security
+from services.common.config_cli import from_flags
 from services.common.limits import GenerateLimits, PoolingLimits
 from services.common.memory import unmap_large_buffers
 from services.common.message_limits import gateway_bytes, pooling_bytes
 from services.common.metrics import record_downstream, start_metrics_server
-from services.common.server import exit_refused, serve
+from services.common.run import parse_config, run_service, service_parser
+from services.common.server import Hooks, Listen, serve
 from services.gateway import metrics as gateway_metrics
 from services.gateway.api_keys import ApiKeyInterceptor, read_api_keys
 from services.gateway.config import GatewayConfig
@@ -25,37 +25,27 @@ from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    add_flags(parser, GatewayConfig)
-    add_flags(parser, GenerateLimits)
-    add_flags(parser, PoolingLimits)
-    auth.add_arguments(parser, tls=True)
-    logs.add_arguments(parser)
-    return parser
+    return service_parser("gateway", __doc__, GatewayConfig, GenerateLimits, PoolingLimits, tls=True)
+
+
+def configure(args: argparse.Namespace) -> GatewayConfig:
+    return from_flags(GatewayConfig, args, limits=from_flags(GenerateLimits, args),
+                      pooling_limits=from_flags(PoolingLimits, args))
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return from_flags(GatewayConfig, args, limits=from_flags(GenerateLimits, args),
-                          pooling_limits=from_flags(PoolingLimits, args))
-    except ValueError as error:
-        parser.error(str(error))
+    return parse_config(build_parser(), argv, configure)
 
 
-async def _main(config: GatewayConfig, security: auth.Security) -> None:
+async def serve_gateway(config: GatewayConfig, security: Security) -> None:
+    unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
     record_downstream()  # before the core opens its channels
     core = GatewayCore(config)
     servicer = GatewayServicer(core)
     max_receive_bytes = max(gateway_bytes(config.limits.max_images),
                             pooling_bytes(config.pooling_limits.max_request_chars,
                                           config.pooling_limits.max_request_token_ids))
-    try:
-        keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
-    interceptors = [ApiKeyInterceptor(keys)] if keys else []
+    keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()  # ValueError: exits 1
     health = grpc_health.aio.HealthServicer()  # the HTTP /health reads the gateway's own status from it
     http = (http_server(config, core, max_receive_bytes, gateway_health=health_of(health),
                         tls=(security.tls_cert_file, security.tls_key_file) if security.tls_cert_file else None,
@@ -79,20 +69,13 @@ async def _main(config: GatewayConfig, security: auth.Security) -> None:
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
     # The public port: no internal-token check; the core's channels send the token.
-    await serve("gateway", config.address, register, start=start, stop=stop, public=True, interceptors=interceptors,
-                credentials=security.server_credentials(), max_receive_bytes=max_receive_bytes,
-                health_servicer=health)
+    listen = Listen(config.address, max_receive_bytes, interceptors=[ApiKeyInterceptor(keys)] if keys else [],
+                    public=True, credentials=security.server_credentials())
+    await serve("gateway", listen, register, Hooks(start, stop), health_servicer=health)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logs.configure_logging("gateway", argv)  # first: the config logs its automatic choices
-    config = parse_args(argv)
-    unmap_large_buffers()  # the gateway relays messages and computes no tensors (memory.py)
-    security = auth.configure_security(argv, tls=True)
-    try:
-        asyncio.run(_main(config, security))
-    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
-        exit_refused("gateway", error)
+    run_service("gateway", argv, build_parser(), configure, serve_gateway, tls=True)
 
 
 if __name__ == "__main__":

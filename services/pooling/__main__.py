@@ -1,19 +1,21 @@
 """`python -m services.pooling`: embeddings, rerank and tokenization over gRPC.
 
-A configuration that cannot run (a bad value, --device cuda without CUDA, a model that does not
-load, a warm-up forward that fails, a port in use) exits with status 1 and one line on stderr.
+A configuration that cannot run exits with one line on stderr (services/common/run.py): status 2
+for a bad value (--device cuda without CUDA, a bad number), as argparse does for a bad flag;
+status 1 for what fails at start (a model that does not load, a warm-up forward that fails, a
+port in use).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from services.common import auth, logs
-from services.common.config_cli import add_flags, from_flags
+from services.common.auth import Security
+from services.common.config_cli import from_flags
 from services.common.message_limits import pooling_bytes
 from services.common.metrics import MergedCollector, PoolingCollector, start_metrics_server
-from services.common.server import exit_refused, exit_unhealthy_after_s, serve
+from services.common.run import parse_config, run_service, service_parser
+from services.common.server import Listen, serve
 from services.pooling.config import ModelFlags, PoolingConfig
 from services.pooling.engine import PoolingEngine
 from services.pooling.servicer import PoolingServicer
@@ -21,24 +23,18 @@ from tessera.v1 import pooling_pb2, pooling_pb2_grpc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.pooling", description=__doc__)
-    add_flags(parser, PoolingConfig)
-    add_flags(parser, ModelFlags)
-    auth.add_arguments(parser)
-    logs.add_arguments(parser)
-    return parser
+    return service_parser("pooling", __doc__, PoolingConfig, ModelFlags)
+
+
+def configure(args: argparse.Namespace) -> PoolingConfig:
+    return from_flags(PoolingConfig, args, models=from_flags(ModelFlags, args).models())
 
 
 def parse_args(argv: list[str] | None = None) -> PoolingConfig:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return from_flags(PoolingConfig, args, models=from_flags(ModelFlags, args).models())
-    except ValueError as error:
-        exit_refused("pooling", error)
+    return parse_config(build_parser(), argv, configure)
 
 
-async def _main(config: PoolingConfig) -> None:
+async def serve_pooling(config: PoolingConfig, security: Security) -> None:
     engine = PoolingEngine(config)
     start_metrics_server(config.metrics_port, config.address, PoolingCollector(engine.queue_sizes),
                          MergedCollector(engine.batcher_stats))
@@ -47,22 +43,12 @@ async def _main(config: PoolingConfig) -> None:
         pooling_pb2_grpc.add_PoolingServicer_to_server(PoolingServicer(engine), server)
         return [pooling_pb2.DESCRIPTOR.services_by_name["Pooling"].full_name]
 
-    async def start() -> None:
-        await engine.compute.run(engine.load)  # weights touched first by the compute thread
-
-    await serve("pooling", config.address, register, start=start, health=engine.health,
-                max_receive_bytes=pooling_bytes(config.max_request_chars, config.max_request_token_ids))
+    max_receive_bytes = pooling_bytes(config.max_request_chars, config.max_request_token_ids)
+    await serve("pooling", Listen(config.address, max_receive_bytes), register, engine)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logs.configure_logging("pooling", argv)  # first: the config logs its automatic choices
-    config = parse_args(argv)
-    auth.configure_security(argv)
-    try:
-        exit_unhealthy_after_s()  # checked before the models load (serve reads it again)
-        asyncio.run(_main(config))
-    except (ValueError, OSError) as error:
-        exit_refused("pooling", error)
+    run_service("pooling", argv, build_parser(), configure, serve_pooling)
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ def load_served_model(config: ModelConfig, device: str = "cpu") -> ServedModel:
 class PoolingEngine:
     """Embeddings, reranking and tokenization for the models of a `PoolingConfig`.
 
-    Call `load()` (blocking; the server runs it on `self.compute` before reporting SERVING) or pass
-    already loaded `models` (by name, e.g. shared between tests). Requests before that raise `Unavailable`.
+    Await `start()` (the server does, before reporting SERVING: `load()` on `self.compute`, where the
+    weights are touched first), call `load()` (blocking) or pass already loaded `models` (by name,
+    e.g. shared between tests). Requests before that raise `Unavailable`.
     """
 
     def __init__(self, config: PoolingConfig, models: dict[str, ServedModel] | None = None):
@@ -83,6 +84,13 @@ class PoolingEngine:
             device = resolve_device(self.config.device)
             self._install({m.model_name: load_served_model(m, str(device)) for m in self.config.models})
             self.warm_up(device)
+
+    async def start(self) -> None:
+        """`load()` on the compute thread (raises as `load`)."""
+        await self.compute.run(self.load)
+
+    async def stop(self) -> None:
+        """Nothing to release: the compute thread is the process's."""
 
     def warm_up(self, device: torch.device) -> None:
         """One forward of a one-text batch through every loaded model (`load` calls it)."""

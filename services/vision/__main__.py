@@ -8,58 +8,47 @@ checkpoint's vision tower + PatchMerger, with its preprocessing recipe and M-RoP
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from services.common import auth, logs
-from services.common.config_cli import add_flags, from_flags
+from services.common.auth import Security
+from services.common.config_cli import from_flags
 from services.common.message_limits import vision_bytes
 from services.common.metrics import start_metrics_server
-from services.common.server import exit_refused, serve
+from services.common.run import parse_config, run_service, service_parser
+from services.common.server import Listen, serve
 from services.vision.config import VisionConfig, VisionFlags
+from services.vision.engine import VisionEngine
 from services.vision.servicer import VisionServicer
 from services.vision.stats import VisionCollector
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.vision", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(parser, VisionFlags)
-    auth.add_arguments(parser)
-    logs.add_arguments(parser)
-    return parser
+    return service_parser("vision", __doc__, VisionFlags, raw_description=True)
+
+
+def configure(args: argparse.Namespace) -> VisionConfig:
+    return from_flags(VisionFlags, args).vision_config()
 
 
 def parse_args(argv: list[str] | None = None) -> VisionConfig:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return from_flags(VisionFlags, args).vision_config()
-    except ValueError as error:
-        parser.error(str(error))
+    return parse_config(build_parser(), argv, configure)
 
 
-async def _main(config: VisionConfig) -> None:
-    servicer = VisionServicer(config)
-    start_metrics_server(config.metrics_port, config.address, VisionCollector(lambda: servicer._engine))
+async def serve_vision(config: VisionConfig, security: Security) -> None:
+    engine = VisionEngine(config)
+    start_metrics_server(config.metrics_port, config.address, VisionCollector(lambda: engine.core))
 
     def register(server):
-        vision_pb2_grpc.add_VisionServicer_to_server(servicer, server)
+        vision_pb2_grpc.add_VisionServicer_to_server(VisionServicer(engine), server)
         return [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name]
 
     processor = config.processor
-    await serve("vision", config.address, register, start=servicer.start, health=servicer.health,
-                max_receive_bytes=vision_bytes(processor.max_images, processor.max_image_bytes))
+    await serve("vision", Listen(config.address, vision_bytes(processor.max_images, processor.max_image_bytes)),
+                register, engine)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logs.configure_logging("vision", argv)  # first: the config logs its automatic choices
-    config = parse_args(argv)
-    auth.configure_security(argv)
-    try:
-        asyncio.run(_main(config))
-    except (ValueError, OSError) as error:  # a configuration that cannot run here: one line, status 1
-        exit_refused("vision", error)
+    run_service("vision", argv, build_parser(), configure, serve_vision)
 
 
 if __name__ == "__main__":

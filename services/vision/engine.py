@@ -1,130 +1,103 @@
-"""The vision engine: processor + encoder cache + encoder + content hash, with no gRPC types.
+"""The vision engine: the `VisionCore` (core.py) run off the event loop, with its liveness.
 
-    sources --byte caps--> content hash (bytes + recipe + encoder revision)
-            --cache hit?--> cached rows and grid (no decoding, no encoder)
-            --miss--> header only: pixel and frame caps, grid from the resize rule
-            --every image inspected--> request pixel budget (misses), token budget (all)
-            --misses--> decode + preprocess (processor) --> encoder (misses only, duplicates once)
-            --> cache.put --> EncodedImage per source, in order
+The core (encoder weights) is built in `start`, which `serve` awaits before health says SERVING,
+on the process's compute thread (services/common/compute.py), where every encode then runs, one
+batch at a time; decoding runs in worker threads (concurrently), so the event loop keeps answering
+health checks while a batch encodes.
 
-The grid an image will have is known from its header size: the demo encoder's is fixed
-(image_size / patch_size per side); Qwen2-VL's is smart_resize(height, width) / (patch * merge),
-the processor's own rule (`qwen2_vl_pixels.smart_resize`), which is symmetric in the two sides, so
-EXIF orientation does not change it. A request whose images expand past its token budget is
-refused before a single image is decoded.
-
-`process` (lookups and PIL decoding) is safe to run concurrently; `encode` touches the model and
-must be serialized by the caller (the servicer holds a lock and runs both off the event loop).
+An encode that raises an error fails its request only. One that ends with a fatal error (a
+BaseException that is not an Exception: the encoder can no longer be trusted) stops the encoder:
+that and every later request fail with UNAVAILABLE naming the cause, and `health()` says so, as it
+does when encodes are waiting and none completes within `wedged_after_s` (services/common/liveness.py).
 """
 
 from __future__ import annotations
 
-from services.common.errors import InvalidArgument
+import asyncio
+import logging
+
+from services.common.compute import shared_compute_thread
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.liveness import Liveness
 from services.vision.config import VisionConfig
-from services.vision.encoder import DemoEncoder, ImageEncoder
-from services.vision.encoder_cache import EncoderCache
-from services.vision.processor import ImageProcessor, ImageSource, content_hash
-from services.vision.qwen2_vl_encoder import Qwen2VLEncoder, Qwen2VLEncoderConfig
-from services.vision.qwen2_vl_pixels import smart_resize
-from services.vision.stats import VisionStats
-from services.vision.types import EncodedImage, InspectedImage, PreparedImage, VisionInfo
+from services.vision.core import VisionCore
+from services.vision.processor import ImageSource
+from services.vision.types import EncodedImage, VisionInfo
 
-
-def build_encoder(config: VisionConfig) -> ImageEncoder:
-    if isinstance(config.encoder, Qwen2VLEncoderConfig):
-        return Qwen2VLEncoder(config.encoder)
-    return DemoEncoder(config.encoder)
+log = logging.getLogger(__name__)
 
 
 class VisionEngine:
-    def __init__(self, config: VisionConfig, encoder: ImageEncoder | None = None) -> None:
+    """Encodes images for the decoder: `start()` (the core, on the compute thread), then `encode`.
+
+    Requests before `start` has finished raise Unavailable ("still loading").
+    """
+
+    def __init__(self, config: VisionConfig) -> None:
         self.config = config
-        self.processor = ImageProcessor(config.processor)
-        self.encoder = encoder or build_encoder(config)
-        self.cache = EncoderCache(config.encoder_cache_bytes)
-        self.images_encoded = 0
-        self.stats = VisionStats(self.encoder.name)
+        self.compute = shared_compute_thread()
+        self.liveness = Liveness("the vision encoder", config.wedged_after_s)
+        self.core: VisionCore | None = None
+        self._num_encoding = 0  # requests inside `encode`: waiting for, or on, the compute thread
 
-    def process(self, sources: list[ImageSource], max_image_tokens: int = 0) -> list[PreparedImage]:
-        """Count cap first, then every image's byte and header caps, then the request's budgets
-        (pixels of the images to decode; `max_image_tokens` over all, 0 = none), then decoding of
-        cache misses only.
+    async def start(self) -> None:
+        """Build the core (processor, cache, encoder weights) on the compute thread.
 
-        Raises InvalidArgument (naming the image index when a request has several images).
+        Raises:
+            ValueError: the encoder cannot be built as configured.
         """
-        self.processor.check_count(len(sources))
-        inspected = [_indexed(i, len(sources), self.inspect, source) for i, source in enumerate(sources)]
-        self.processor.check_request_pixels([item.size for item in inspected if item.size is not None])
-        check_image_tokens(inspected, max_image_tokens)
-        return [_indexed(i, len(sources), self._decode, item) for i, item in enumerate(inspected)]
+        self.core = await self.compute.run(VisionCore, self.config)
 
-    def inspect(self, source: ImageSource) -> InspectedImage:
-        """Byte cap, content hash, cache lookup; for a miss the header checks and the grid to come."""
-        data = self.processor.image_bytes(source)  # byte cap, base64 decoding
-        key = content_hash(data, self.config.processor, self.encoder.revision)
-        cached = self.cache.get(key)
-        if cached is not None:  # same bytes + recipe + weights: already validated and encoded
-            return InspectedImage(data=data, content_hash=key, grid_thw=tuple(cached.grid_thw), cached=cached)
-        width, height = self.processor.header_size(data)
-        return InspectedImage(data=data, content_hash=key, grid_thw=self.grid_for(width, height),
-                              size=(width, height))
+    async def stop(self) -> None:
+        """Nothing to release: the compute thread is the process's."""
 
-    def grid_for(self, width: int, height: int) -> tuple[int, int, int]:
-        """(t, h, w) in LLM units an image of this header size is encoded to (see the module docstring)."""
-        qwen = self.config.processor.qwen2_vl
-        if qwen is None:
-            return self.config.encoder.grid_thw
-        resized_h, resized_w = smart_resize(height, width, qwen)
-        return (1, resized_h // qwen.factor, resized_w // qwen.factor)
+    def health(self) -> str | None:
+        """None while the encoder works (or is still loading); else why not."""
+        return self.liveness.check(self._num_encoding > 0)
 
-    def _decode(self, item: InspectedImage) -> PreparedImage:
-        if item.cached is not None:
-            return PreparedImage(content_hash=item.content_hash, cached=item.cached)
-        return PreparedImage(content_hash=item.content_hash,
-                             processed=self.processor.process(ImageSource(data=item.data)))
+    def _loaded(self) -> VisionCore:
+        if self.core is None:
+            raise Unavailable("the vision encoder is still loading")
+        return self.core
 
-    def encode(self, prepared: list[PreparedImage]) -> list[EncodedImage]:
-        """Rows for every prepared image, in order; the encoder runs once per distinct missing hash."""
-        outputs = {p.content_hash: p.cached for p in prepared if p.cached is not None}
-        misses = {p.content_hash: p.processed for p in prepared if p.content_hash not in outputs}
-        if misses:
-            encoded = self.stats.timed(self.encoder.encode, [p.pixels for p in misses.values()])
-            self.images_encoded += len(encoded)
-            for key, output in zip(misses, encoded, strict=True):
-                self.cache.put(key, output)
-                outputs[key] = output
-        return [EncodedImage(rows=outputs[p.content_hash].rows, grid_thw=outputs[p.content_hash].grid_thw,
-                             mrope_section=self.config.mrope_section, content_hash=p.content_hash)
-                for p in prepared]
+    def check_count(self, num_images: int) -> None:
+        """The request's image count cap, checked before any image is read.
+
+        Raises:
+            InvalidArgument: more images than the cap.
+            Unavailable: still loading.
+        """
+        self._loaded().processor.check_count(num_images)
+
+    async def encode(self, sources: list[ImageSource], max_image_tokens: int = 0) -> list[EncodedImage]:
+        """Rows for every image, in order (core.py `process`, then `encode` on the compute thread).
+
+        Raises:
+            InvalidArgument: past a cap or the token budget (`max_image_tokens`: 0 = none), or not an image.
+            Unavailable: still loading, or the encoder has stopped.
+        """
+        core = self._loaded()
+        if max_image_tokens < 0:
+            raise InvalidArgument(f"max_image_tokens must be >= 0 (0 = no budget), got {max_image_tokens}")
+        # headers and budgets before any decoding; encoder-cache hits skip decoding
+        prepared = await asyncio.to_thread(core.process, sources, max_image_tokens)
+        self.liveness.raise_if_dead()
+        self._num_encoding += 1
+        try:
+            encoded = await self.compute.run(core.encode, prepared)
+        except asyncio.CancelledError:  # the caller gave up; the encode may still be running: no progress
+            raise
+        except Exception:  # this request only; the encoder finished a step
+            self.liveness.num_steps += 1
+            raise
+        except BaseException as cause:  # noqa: BLE001 - fatal: the encoder stops serving
+            log.critical("the vision encoder stopped", exc_info=cause)
+            self.liveness.die(cause)
+            raise self.liveness.dead_error() from cause
+        finally:
+            self._num_encoding -= 1
+        self.liveness.num_steps += 1
+        return encoded
 
     def info(self) -> VisionInfo:
-        p = self.config.processor
-        qwen = p.qwen2_vl
-        patch = qwen.patch_size if qwen is not None else self.config.encoder.patch_size
-        return VisionInfo(encoder=self.encoder.name, revision=self.encoder.revision,
-                          output_width=self.encoder.output_width,
-                          image_size=0 if qwen is not None else p.image_size, patch_size=patch,
-                          max_image_bytes=p.max_image_bytes, max_image_pixels=p.max_image_pixels,
-                          max_images_per_request=p.max_images, mrope_section=self.config.mrope_section,
-                          min_pixels=qwen.min_pixels if qwen else 0, max_pixels=qwen.max_pixels if qwen else 0,
-                          cache=self.cache.stats(), images_encoded=self.images_encoded)
-
-
-def check_image_tokens(images: list[InspectedImage], max_image_tokens: int) -> None:
-    """Raises InvalidArgument when the images expand past `max_image_tokens` (0 = no budget)."""
-    total = sum(image.num_tokens for image in images)
-    if max_image_tokens and total > max_image_tokens:
-        shown = ", ".join("x".join(map(str, image.grid_thw)) for image in images[:8])
-        more = ", ..." if len(images) > 8 else ""
-        raise InvalidArgument(f"{len(images)} images expand to {total} tokens (grids {shown}{more}); the budget is "
-                              f"{max_image_tokens} (max_image_tokens: the decoder's context less max_tokens)")
-
-
-def _indexed(index: int, count: int, step, item):
-    """`step(item)`, its InvalidArgument prefixed with the image index when a request has several."""
-    try:
-        return step(item)
-    except InvalidArgument as error:
-        if count > 1:
-            raise InvalidArgument(f"image {index}: {error}") from error
-        raise
+        return self._loaded().info()

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from transformers import LlamaConfig
 
-from services.adapters.__main__ import parse_config
+from services.adapters.__main__ import parse_args
 from services.adapters.config import RegistryConfig
 from services.adapters.engine import AdapterRegistry
 from services.adapters.servicer import register
@@ -139,7 +139,7 @@ def test_up_gives_each_cluster_its_own_catalog(root, adapter_in_root, base_model
                            adapter_root=root)
         command = spec.command("adapters")
         assert command[command.index("--db") + 1] == str(tmp_path / "home/clusters" / name / "registry/catalog.sqlite3")
-        _, config = parse_config(command[3:])  # the registry's own parser, as the process would run it
+        config = parse_args(command[3:])  # the registry's own parser, as the process would run it
         assert config.db_path == spec.catalog_path
         registries[name] = AdapterRegistry(config)
     registries["alpha"].load("support", "plain")

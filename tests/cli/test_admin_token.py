@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.adapters.__main__ import parse_config
+from services.adapters.__main__ import parse_args
 from services.adapters.config import RegistryConfig
 from tessera.cli.up import Cluster, ClusterSpec
 
@@ -17,7 +17,7 @@ def test_the_token_file_is_read_and_stripped(tmp_path, monkeypatch):
     token_file.write_text("  s3cret\n")
     assert RegistryConfig(root=tmp_path, admin_token_file=token_file).admin_token == "s3cret"
     monkeypatch.setenv("TESSERA_ADMIN_TOKEN_FILE", str(token_file))
-    _, config = parse_config(["--root", str(tmp_path)])
+    config = parse_args(["--root", str(tmp_path)])
     assert config.admin_token == "s3cret"
     assert "s3cret" not in repr(config)
 

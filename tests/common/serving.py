@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.launch import free_port
-from services.common.server import insecure_channel, serve
+from services.common.server import Hooks, insecure_channel, serve
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -32,7 +32,7 @@ async def serving(name: str, register: Callable[[grpc.aio.Server], list[str]], h
     health says SERVING."""
     before = signal.getsignal(signal.SIGTERM)
     address = address or f"127.0.0.1:{free_port()}"
-    task = asyncio.create_task(serve(name, address, register, start=start, stop=stop, health=health))
+    task = asyncio.create_task(serve(name, address, register, Hooks(start, stop, health)))
     async with insecure_channel(address) as channel:
         try:
             stub = health_pb2_grpc.HealthStub(channel)

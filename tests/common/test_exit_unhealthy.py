@@ -16,7 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.launch import free_port
-from services.common.server import EXIT_UNHEALTHY, EXIT_UNHEALTHY_ENV, exit_unhealthy_after_s, insecure_channel, serve
+from services.common.server import (
+    EXIT_UNHEALTHY,
+    EXIT_UNHEALTHY_ENV,
+    Hooks,
+    exit_unhealthy_after_s,
+    insecure_channel,
+    serve,
+)
 from tests.common.serving import serving
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -30,7 +37,7 @@ def _serve_until_exit(address: str, verdicts, stopped: list) -> tuple[list[int],
         stopped.append(True)
 
     async def main() -> float:
-        task = asyncio.create_task(serve("svc", address, lambda server: [], stop=stop, health=verdicts,
+        task = asyncio.create_task(serve("svc", address, lambda server: [], Hooks(stop=stop, health=verdicts),
                                          exit_process=exits.append))
         async with insecure_channel(address) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10,
@@ -96,10 +103,10 @@ def test_the_process_exits_3_with_its_log_line(tmp_path):
     """The real exit (os._exit, past threads that would never join), and the log line before it."""
     script = textwrap.dedent(f"""
         import asyncio, logging, threading
-        from services.common.server import serve
+        from services.common.server import Hooks, serve
         logging.basicConfig(level=logging.INFO)
         threading.Thread(target=threading.Event().wait, name="wedged-worker").start()  # never joins
-        asyncio.run(serve("svc", "127.0.0.1:{free_port()}", lambda server: [], health=lambda: "the loop died"))
+        asyncio.run(serve("svc", "127.0.0.1:{free_port()}", lambda server: [], Hooks(health=lambda: "the loop died")))
     """)
     env = {**os.environ, EXIT_UNHEALTHY_ENV: "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
@@ -112,6 +119,7 @@ def test_a_service_refuses_a_bad_value_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "services.adapters", "--address", f"127.0.0.1:{free_port()}",
                            "--root", str(tmp_path), "--db", str(tmp_path / "catalog.sqlite3")],
                           env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == (
-        "adapters: $TESSERA_EXIT_UNHEALTHY_AFTER_S must be a positive number of seconds, got 'soon'")
+    assert done.returncode == 2  # a bad value, as a bad flag (services/common/run.py)
+    assert done.stderr.strip().splitlines()[-1] == ("python -m services.adapters: error: "
+                                                    "$TESSERA_EXIT_UNHEALTHY_AFTER_S must be a positive number of "
+                                                    "seconds, got 'soon'")

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.launch import free_port
-from services.common.server import exit_refused, insecure_channel, serve
+from services.common.server import Hooks, exit_refused, insecure_channel, serve
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -24,7 +24,7 @@ def test_a_failing_start_closes_the_port_without_ever_serving():
         raise ValueError("--attention-backend triton needs a CUDA device")
 
     async def main():
-        task = asyncio.create_task(serve("svc", address, lambda server: [], start=start))
+        task = asyncio.create_task(serve("svc", address, lambda server: [], Hooks(start=start)))
         async with insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             during = await stub.Check(health_pb2.HealthCheckRequest(), timeout=10, wait_for_ready=True)

@@ -160,8 +160,8 @@ def test_a_dead_engine_says_not_serving_and_fails_requests_at_once(tiny_llama):
 def test_the_wedge_bound_is_a_flag(tiny_llama):
     from services.decoder.__main__ import parse_args
 
-    assert parse_args(["--model-dir", str(tiny_llama), "--wedged-after-s", "5"])[1].wedged_after_s == 5.0
-    assert parse_args(["--model-dir", str(tiny_llama)])[1].wedged_after_s == 60.0
+    assert parse_args(["--model-dir", str(tiny_llama), "--wedged-after-s", "5"]).wedged_after_s == 5.0
+    assert parse_args(["--model-dir", str(tiny_llama)]).wedged_after_s == 60.0
     with pytest.raises(ValueError, match="wedged_after_s must be > 0 seconds, got -1"):
         DecoderConfig(model_dir=str(tiny_llama), wedged_after_s=-1)
 

@@ -160,7 +160,7 @@ def test_host_cache_size_flag_reaches_the_adapter_client(tiny_llama):
     from services.decoder.__main__ import parse_args
     from services.decoder.config import DecoderConfig
 
-    _, config = parse_args(["--model-dir", str(tiny_llama), "--adapter-host-cache-mb", "3"])
+    config = parse_args(["--model-dir", str(tiny_llama), "--adapter-host-cache-mb", "3"])
     assert config.adapter_host_cache_mb == 3
     with pytest.raises(ValueError, match="adapter_host_cache_mb must be >= 0, got -1"):
         DecoderConfig(model_dir=str(tiny_llama), adapter_host_cache_mb=-1)

@@ -25,7 +25,7 @@ from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
 from services.decoder.types import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
 from services.vision.config import VisionConfig
-from services.vision.engine import VisionEngine
+from services.vision.core import VisionCore
 from services.vision.processor import ImageSource
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 from tests.vision.qwen2_vl_tiny import MROPE_SECTION, build_tiny_qwen2_vl, hf_greedy, hf_inputs, reference_processor
@@ -38,7 +38,7 @@ TOL = 1e-4
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2-vl-decoder")
     model = build_tiny_qwen2_vl(directory)
-    vision = VisionEngine(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
+    vision = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
     return directory, model, vision, (AutoTokenizer.from_pretrained(directory), reference_processor())
 
 
@@ -309,8 +309,8 @@ def test_decoder_service_serves_a_qwen2_vl_dir(tiny, refs):
     from tessera.v1 import decoder_pb2, vision_pb2
 
     directory, _, vision, _ = tiny
-    _, config = parse_args(["--address", "127.0.0.1:0", "--model-dir", str(directory), "--num-blocks", "64",
-                            "--max-model-len", "512"])
+    config = parse_args(["--address", "127.0.0.1:0", "--model-dir", str(directory), "--num-blocks", "64",
+                         "--max-model-len", "512"])
     e = vision.encode(vision.process([ImageSource(data=IMAGE_A)]))[0]
     image = vision_pb2.EncodedImage(rows=to_pb(e.rows), grid_thw=list(e.grid_thw), mrope_section=list(e.mrope_section),
                                     content_hash=e.content_hash)

@@ -61,14 +61,14 @@ def test_generate_info_errors_and_cancel(tiny_llama):
 
 def test_main_parses_flags(tiny_llama):
     from services.decoder.__main__ import parse_args
-    address, config = parse_args(["--address", "127.0.0.1:6000", "--model-dir", str(tiny_llama), "--block-size", "8",
-                                  "--mrope-section", "2,3,3", "--image-token", "<repo_name>", "--max-model-len", "128"])
-    assert address == "127.0.0.1:6000"
+    config = parse_args(["--address", "127.0.0.1:6000", "--model-dir", str(tiny_llama), "--block-size", "8",
+                         "--mrope-section", "2,3,3", "--image-token", "<repo_name>", "--max-model-len", "128"])
+    assert config.address == "127.0.0.1:6000"
     assert (config.block_size, config.mrope_section, config.max_model_len) == (8, (2, 3, 3), 128)
-    assert parse_args(["--model-dir", str(tiny_llama), "--mrope-section", ""])[1].mrope_section is None
-    config = parse_args(["--model-dir", str(tiny_llama), "--attention-backend", "cpu", "--no-prefix-caching"])[1]
+    assert parse_args(["--model-dir", str(tiny_llama), "--mrope-section", ""]).mrope_section is None
+    config = parse_args(["--model-dir", str(tiny_llama), "--attention-backend", "cpu", "--no-prefix-caching"])
     assert (config.attention_backend, config.enable_prefix_caching) == ("cpu", False)
-    assert parse_args(["--model-dir", str(tiny_llama)])[1].enable_prefix_caching is True
-    config = parse_args(["--model-dir", str(tiny_llama), "--served-model-name", "a", "b", "--generation-config", "vllm"])[1]
+    assert parse_args(["--model-dir", str(tiny_llama)]).enable_prefix_caching is True
+    config = parse_args(["--model-dir", str(tiny_llama), "--served-model-name", "a", "b", "--generation-config", "vllm"])
     assert (config.served_model_names, config.generation_config) == (("a", "b"), "vllm")
-    assert parse_args(["--model-dir", str(tiny_llama)])[1].served_model_names == (tiny_llama.name,)
+    assert parse_args(["--model-dir", str(tiny_llama)]).served_model_names == (tiny_llama.name,)

@@ -27,7 +27,7 @@ from services.decoder.config import DecoderConfig
 from services.decoder.lora import AdapterSlots
 from services.decoder.types import GenerateInput, ImagePart, SamplingParams
 from services.vision.config import VisionConfig
-from services.vision.engine import VisionEngine
+from services.vision.core import VisionCore
 from services.vision.processor import ImageSource
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc, decoder_pb2, tensor_pb2, vision_pb2
@@ -40,7 +40,7 @@ NEW_TOKENS = 12
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2-vl-untrusted")
     build_tiny_qwen2_vl(directory)
-    vision = VisionEngine(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
+    vision = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
     pixels = np.random.default_rng(4).integers(0, 256, (84, 112, 3), dtype=np.uint8)
     png = io.BytesIO()
     Image.fromarray(pixels).save(png, format="PNG")

@@ -97,8 +97,7 @@ def test_a_backend_that_fails_its_warm_up_is_refused_and_never_serving(tiny_llam
     address = f"127.0.0.1:{free_port()}"
 
     async def main():
-        task = asyncio.create_task(serve("decoder", address, _register(engine), start=engine.start,
-                                         health=engine.health))
+        task = asyncio.create_task(serve("decoder", address, _register(engine), engine))
         statuses = set()
         async with insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

@@ -75,11 +75,5 @@ def parse_command(command: list[str], scratch: Path):
     name = module_of(command)
     main = importlib.import_module(f"services.{name}.__main__")
     argv = localize(command[3:], scratch)
-    if name == "decoder":
-        address, config = main.parse_args(argv)
-    elif name == "adapters":
-        address, config = main.parse_config(argv)
-    else:
-        config = main.parse_args(argv)
-        address = config.address
-    return name, address, config
+    config = main.parse_args(argv)
+    return name, config.address, config

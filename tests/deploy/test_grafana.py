@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 
 from services.common.metrics import make_registry
 from services.vision.config import VisionConfig
+from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoderConfig
-from services.vision.engine import VisionEngine
 from services.vision.stats import VisionCollector
 from tessera.v1 import decoder_pb2, gateway_pb2_grpc, pooling_pb2
 from tests.deploy.prom import Samples
@@ -55,7 +55,7 @@ def test_every_metric_the_dashboard_queries_is_exported(decoder_service, pooling
             max_tokens=2)), timeout=120))
     texts = [urllib.request.urlopen(s.metrics_url, timeout=5).read().decode()
              for s in (decoder_service, pooling_service, gateway_service)]
-    engine = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=64)))
+    engine = VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=64)))
     texts.append(generate_latest(make_registry(VisionCollector(lambda: engine))).decode())
     exported = set().union(*(Samples.parse(text).sample_names for text in texts))
     queried = set(METRIC.findall(" ".join(_queries(json.loads(DASHBOARD.read_text())))))

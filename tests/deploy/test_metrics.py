@@ -33,8 +33,8 @@ from services.gateway.config import GatewayConfig
 from services.pooling import __main__ as pooling_main
 from services.vision import __main__ as vision_main
 from services.vision.config import VisionConfig
+from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoderConfig
-from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource
 from services.vision.stats import VisionCollector
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, gateway_pb2_grpc, pooling_pb2, pooling_pb2_grpc
@@ -245,7 +245,7 @@ def _png(color: tuple[int, int, int]) -> bytes:
 def test_vision_cache_counters_and_encode_seconds():
     """Three images, one of them twice in a second request: 4 lookups, 1 hit, 3 misses, 3 images
     encoded in 2 encoder forwards."""
-    engine = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=64)))
+    engine = VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=64)))
     registry = make_registry(VisionCollector(lambda: engine))
     red, green, blue = (ImageSource(data=_png(c)) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255)))
     first = engine.encode(engine.process([red, green]))
@@ -265,7 +265,7 @@ def test_vision_cache_counters_and_encode_seconds():
 def test_every_service_takes_metrics_port():
     assert vision_main.parse_args(["--metrics-port", "9091", "--output-width", "64"]).metrics_port == 9091
     assert gateway_main.parse_args(["--metrics-port", "9092"]).metrics_port == 9092
-    assert adapters_main.parse_config(["--metrics-port", "9093"])[1].metrics_port == 9093
+    assert adapters_main.parse_args(["--metrics-port", "9093"]).metrics_port == 9093
     with pytest.raises(SystemExit):
         vision_main.parse_args(["--metrics-port", "70000", "--output-width", "64"])
     with pytest.raises(ValueError, match="metrics_port must be 0 .* got -1"):

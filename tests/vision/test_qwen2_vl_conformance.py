@@ -18,7 +18,7 @@ from vision_images import encode, png_header_claiming
 from services.common.errors import InvalidArgument
 from services.vision.__main__ import parse_args
 from services.vision.config import VisionConfig
-from services.vision.engine import VisionEngine
+from services.vision.core import VisionCore
 from services.vision.processor import ImageProcessor, ImageSource, ProcessorConfig
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 from services.vision.qwen2_vl_pixels import patchify
@@ -31,7 +31,7 @@ SIZES = [(64, 64), (60, 150), (150, 60), (97, 53), (400, 300), (20, 30)]
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2-vl-tiny")
     model = build_tiny_qwen2_vl(directory)
-    engine = VisionEngine(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
+    engine = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
     return directory, model, engine
 
 
@@ -105,7 +105,7 @@ def test_refusals_before_decoding(tiny):
 def test_min_max_pixel_overrides_change_grid_and_hash(tiny):
     directory, _, engine = tiny
     data = _noise_png(400, 300)
-    small = VisionEngine(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory),
+    small = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory),
                                                                         max_pixels=28 * 28 * 16)))
     (a,), (b,) = (e.encode(e.process([ImageSource(data=data)])) for e in (engine, small))
     assert a.grid_thw[1] * a.grid_thw[2] > 16 >= b.grid_thw[1] * b.grid_thw[2]
@@ -150,7 +150,7 @@ def test_original_release_layout_loads_the_same_tower(tiny, tmp_path):
     weights = load_file(directory / "model.safetensors")
     save_file({("model." + k if k.startswith("visual.") else k): v for k, v in weights.items()},
               tmp_path / "model.safetensors")
-    release = VisionEngine(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(tmp_path))))
+    release = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(tmp_path))))
     assert release.encoder.revision == engine.encoder.revision and release.config.mrope_section == tuple(MROPE_SECTION)
     data = _noise_png(97, 53)
     (a,), (b,) = (e.encode(e.process([ImageSource(data=data)])) for e in (engine, release))

@@ -15,8 +15,8 @@ from vision_images import encode, png_header_claiming, solid
 
 from services.common.errors import InvalidArgument
 from services.vision.config import VisionConfig
+from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoderConfig
-from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource, ProcessorConfig
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
 
@@ -24,8 +24,8 @@ WIDTH = 32
 DEMO_TOKENS = (64 // 8) ** 2  # demo encoder: image_size 64, patch 8
 
 
-def _demo(**processor) -> VisionEngine:
-    return VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH),
+def _demo(**processor) -> VisionCore:
+    return VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH),
                                      processor=ProcessorConfig(**processor)))
 
 
@@ -65,10 +65,10 @@ def test_request_pixel_budget_must_hold_one_image():
 
 
 @pytest.fixture(scope="module")
-def qwen_engine(tmp_path_factory) -> VisionEngine:
+def qwen_engine(tmp_path_factory) -> VisionCore:
     directory = tmp_path_factory.mktemp("qwen2-vl-tiny-budget")
     build_tiny_qwen2_vl(directory)
-    return VisionEngine(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
+    return VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory))))
 
 
 @pytest.mark.parametrize("size", [(64, 64), (60, 150), (150, 60), (97, 53), (400, 300), (20, 30)])

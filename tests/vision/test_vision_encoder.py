@@ -8,8 +8,8 @@ from vision_images import solid, two_halves
 
 from services.common.errors import InvalidArgument
 from services.vision.config import DecoderGeometry, VisionConfig
+from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoder, DemoEncoderConfig, decoder_geometry
-from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource, ProcessorConfig
 from tessera.paths import default_decoder_dir
 
@@ -51,8 +51,8 @@ def test_batch_rows_match_single_rows_and_differ_per_image():
     assert not torch.allclose(batch[0].rows, batch[1].rows, atol=1e-3)
 
 
-def _engine(**processor) -> VisionEngine:
-    return VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH),
+def _engine(**processor) -> VisionCore:
+    return VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH),
                                      processor=ProcessorConfig(**processor)))
 
 
@@ -66,7 +66,7 @@ def test_engine_hashes_identify_the_image_config_and_revision():
     assert _engine().encode(_engine().process([red]))[0].content_hash == first[0].content_hash
     black = _engine(background=(0, 0, 0))  # the recipe enters the hash when the engine reads the bytes
     assert black.encode(black.process([red]))[0].content_hash != first[0].content_hash
-    reseeded = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH, seed=7)))
+    reseeded = VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH, seed=7)))
     assert reseeded.encode(reseeded.process([red]))[0].content_hash != first[0].content_hash
     # the same pixels transposed (W x H vs H x W) resize to different inputs and hash differently
     wide, tall = (ImageSource(data=two_halves((255, 0, 0), (0, 0, 255), size=s)) for s in [(40, 20), (20, 40)])

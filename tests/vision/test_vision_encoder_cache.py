@@ -7,20 +7,20 @@ import torch
 from vision_images import solid
 
 from services.vision.config import VisionConfig
+from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoderConfig, EncoderOutput
 from services.vision.encoder_cache import EncoderCache
-from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource
 
 WIDTH = 32
 ROW_BYTES = 64 * WIDTH * 4  # one demo image: 64 rows of WIDTH float32
 
 
-def _engine(cache_bytes: int) -> VisionEngine:
-    return VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH), encoder_cache_bytes=cache_bytes))
+def _engine(cache_bytes: int) -> VisionCore:
+    return VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH), encoder_cache_bytes=cache_bytes))
 
 
-def _encode(engine: VisionEngine, *images: bytes):
+def _encode(engine: VisionCore, *images: bytes):
     return engine.encode(engine.process([ImageSource(data=d) for d in images]))
 
 
@@ -83,7 +83,7 @@ def test_zero_capacity_disables_and_oversized_entries_are_not_stored():
 def test_key_includes_encoder_revision():
     """Same bytes, other weights: no cross-talk even through one shared cache."""
     cache_owner = _engine(10 * ROW_BYTES)
-    reseeded = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH, seed=9)))
+    reseeded = VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH, seed=9)))
     reseeded.cache = cache_owner.cache  # share the cache; keys must still differ
     (a,) = _encode(cache_owner, RED)
     (b,) = _encode(reseeded, RED)

@@ -14,6 +14,7 @@ from vision_images import solid
 
 from services.vision.config import VisionConfig
 from services.vision.encoder import DemoEncoderConfig
+from services.vision.engine import VisionEngine
 from services.vision.servicer import VisionServicer
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 from tests.common.serving import NOT_SERVING, SERVING, WatchedHealth, serving
@@ -36,7 +37,7 @@ def _images(*colors) -> vision_pb2.EncodeImagesRequest:
 
 
 def test_a_dead_encoder_says_not_serving_and_fails_requests_at_once():
-    servicer = VisionServicer(VisionConfig(encoder=DemoEncoderConfig(output_width=64), encoder_cache_bytes=0))
+    engine = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=64), encoder_cache_bytes=0))
     calls = {"n": 0}
 
     def faulty(pixels):
@@ -46,13 +47,13 @@ def test_a_dead_encoder_says_not_serving_and_fails_requests_at_once():
         raise EncoderKilled("injected: the encoder went down")
 
     async def main():
-        async with serving("vision", _register(servicer), servicer.health, start=servicer.start) as channel:
+        async with serving("vision", _register(VisionServicer(engine)), engine.health, start=engine.start) as channel:
             stub = vision_pb2_grpc.VisionStub(channel)
             watch = WatchedHealth(channel, "tessera.v1.Vision")
             await watch.wait_for(SERVING, 5)
             assert len((await stub.EncodeImages(_images((1, 2, 3)))).images) == 1
 
-            servicer.engine.encoder.encode = faulty
+            engine.core.encoder.encode = faulty
             with pytest.raises(grpc.aio.AioRpcError) as failed:  # an ordinary error: this request only
                 await stub.EncodeImages(_images((4, 5, 6)), timeout=10)
             assert failed.value.code() == grpc.StatusCode.INTERNAL
@@ -76,27 +77,27 @@ def test_a_dead_encoder_says_not_serving_and_fails_requests_at_once():
 
 
 def test_a_wedged_encoder_says_not_serving_after_the_bound():
-    servicer = VisionServicer(VisionConfig(encoder=DemoEncoderConfig(output_width=64), encoder_cache_bytes=0,
-                                           wedged_after_s=1.0))
+    engine = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=64), encoder_cache_bytes=0,
+                                       wedged_after_s=1.0))
     release = threading.Event()
 
     async def main():
-        async with serving("vision", _register(servicer), servicer.health, start=servicer.start) as channel:
+        async with serving("vision", _register(VisionServicer(engine)), engine.health, start=engine.start) as channel:
             stub = vision_pb2_grpc.VisionStub(channel)
             watch = WatchedHealth(channel)
             await watch.wait_for(SERVING, 5)
-            encode = servicer.engine.encoder.encode
+            encode = engine.core.encoder.encode
 
             def blocked(pixels):
                 release.wait(10)
                 return encode(pixels)
 
-            servicer.engine.encoder.encode = blocked
+            engine.core.encoder.encode = blocked
             call = stub.EncodeImages(_images((1, 2, 3)), timeout=20)
             started = time.monotonic()
             waited = await watch.wait_for(NOT_SERVING, 4) - started
             assert 1.0 <= waited < 2.5  # the bound, plus up to two health polls
-            servicer.engine.encoder.encode = encode
+            engine.core.encoder.encode = encode
             release.set()
             assert len((await call).images) == 1
             watch.statuses.clear()

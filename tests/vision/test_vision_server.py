@@ -16,8 +16,8 @@ from services.common.launch import ServiceProcess
 from services.common.server import CHANNEL_OPTIONS
 from services.common.tensor import from_pb
 from services.vision.config import VisionConfig
+from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoderConfig
-from services.vision.engine import VisionEngine
 from services.vision.processor import ImageSource, ProcessorConfig
 from tessera.v1 import vision_pb2, vision_pb2_grpc
 
@@ -41,7 +41,7 @@ def test_encode_info_health_and_errors(server):
     assert health.Check(health_pb2.HealthCheckRequest(service="tessera.v1.Vision")).status == \
         health_pb2.HealthCheckResponse.SERVING
 
-    reference = VisionEngine(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH),
+    reference = VisionCore(VisionConfig(encoder=DemoEncoderConfig(output_width=WIDTH),
                                           processor=ProcessorConfig(max_images=2, max_image_bytes=100000)))
     info = stub.GetInfo(vision_pb2.VisionInfoRequest(), timeout=10)
     assert info.encoder == "demo" and info.revision == reference.encoder.revision  # same seed, other process
