@@ -8,7 +8,7 @@ the gateway's gRPC API, returning typed results and raising `TesseraError` subcl
             print(delta.text, end="", flush=True)
         print(stream.result.usage)
 
-It needs grpcio, protobuf and numpy, never torch or transformers.
+It needs grpcio (and grpcio-status), protobuf and numpy, never torch or transformers.
 """
 
 from tessera.client.aio import AsyncClient, AsyncGenerateStream
