@@ -39,7 +39,8 @@ from tessera.protocol import (
     INTERNAL_TOKEN_WRONG,
 )
 
-# gRPC's own details when no connection could be made (never the gateway's: it names the service).
+# gRPC's own details when no connection could be made: read only for an error no tessera service
+# answered (it carries no reason; a relayed one names the service).
 NOT_CONNECTED = ("failed to connect to all addresses",)
 RESOLVE_FAILED = ("errors resolving", "DNS resolution failed")  # gRPC's words for a host that does not resolve
 # The server's advice names a request field; the CLI user sets a flag.
@@ -106,9 +107,10 @@ def explain(error: TesseraError, args: Namespace) -> str:
     details, address = error.details, getattr(args, "address", DEFAULT_ADDRESS)
     admin = getattr(args, "action", "") in ("load", "unload")
     code = error.code
-    if code == grpc.StatusCode.UNAVAILABLE and any(words in details for words in RESOLVE_FAILED):
+    unreached = code == grpc.StatusCode.UNAVAILABLE and not error.reason  # no tessera service answered
+    if unreached and any(words in details for words in RESOLVE_FAILED):
         return f"the host in {address} ({address_source(address)}) does not resolve: {details}"
-    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(NOT_CONNECTED):
+    if unreached and details.startswith(NOT_CONNECTED):
         return f"no tessera cluster is running at {address} (start one with `tessera up`)"
     if error.reason in (INTERNAL_TOKEN_MISSING, INTERNAL_TOKEN_WRONG):
         return f"{address} is one of a cluster's internal ports; --address names the gateway's"
