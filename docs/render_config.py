@@ -82,21 +82,21 @@ def _config_fields(module) -> dict[str, dataclasses.Field]:
 def _kind(action: argparse.Action) -> str:
     if isinstance(action, argparse.BooleanOptionalAction):
         return "bool"
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # noqa: SLF001
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return "switch"
     kind = getattr(action.type, "__name__", "str") if action.type else "str"
     kind = kind if kind in ("int", "float", "str", "Path") else "str"  # a custom parser still reads text
     if action.nargs == "+":
         return f"{kind}, one or more"
-    return f"{kind}, repeatable" if isinstance(action, argparse._AppendAction) else kind  # noqa: SLF001
+    return f"{kind}, repeatable" if isinstance(action, argparse._AppendAction) else kind
 
 
 def _flag_rows(parser: argparse.ArgumentParser, fields: dict[str, dataclasses.Field],
                flag_env: dict[str, list[str]], where: str) -> list[str]:
     """The flags table; each flag's env variable is also added to `flag_env` (variable -> flags)."""
     rows = ["| flag | type | default | env | choices | meaning |", "|---|---|---|---|---|---|"]
-    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of its arguments
-        if (not action.option_strings or isinstance(action, argparse._HelpAction)  # noqa: SLF001
+    for action in parser._actions:  # argparse has no public list of its arguments
+        if (not action.option_strings or isinstance(action, argparse._HelpAction)
                 or action.help == argparse.SUPPRESS):  # a removed flag kept only to refuse it
             continue
         f = fields.get(action.dest)
@@ -119,8 +119,8 @@ def _flag_rows(parser: argparse.ArgumentParser, fields: dict[str, dataclasses.Fi
 def _up_parser() -> argparse.ArgumentParser:
     from tessera.cli.main import build_parser
 
-    for action in build_parser()._actions:  # noqa: SLF001
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
             return action.choices["up"]
     raise LookupError("tessera's parser has no `up` command")
 
@@ -192,7 +192,7 @@ def render_configuration_reference() -> str:
                   _cell(module.__doc__.strip().splitlines()[0]) if module.__doc__ else "", ""]
         lines += _flag_rows(module.build_parser(), _config_fields(module), flag_env, name) + [""]
     lines += ["## `tessera up`", "",
-              "Starts the five services on one host (tessera/cli/up.py); `--service-args SERVICE=ARGS` passes any "
+              "Starts the five services on one host (tessera/cli/up/); `--service-args SERVICE=ARGS` passes any "
               "flag above to one service.", ""]
     lines += _flag_rows(_up_parser(), {}, flag_env, "tessera up") + [""]
     return "\n".join(lines + _environment_section(flag_env)).rstrip() + "\n"

@@ -18,7 +18,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from tessera.cli import client
-from tessera.cli.up import Cluster, ClusterSpec
+from tessera.cli.up.launch import Cluster
+from tessera.cli.up.spec import ClusterSpec
 from tessera.client import SamplingParams
 
 DEMO_ADAPTER = "demo-lora"

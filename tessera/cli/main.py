@@ -289,7 +289,8 @@ def _models_list(args) -> int:
 def _up(args) -> int:
     from services.adapters.config import ADMIN_TOKEN_ENV
     from tessera.cli.client import read_token_file
-    from tessera.cli.up import ClusterSpec, check_service_args, parse_extra, run_until_signalled
+    from tessera.cli.up import run_until_signalled
+    from tessera.cli.up.spec import ClusterSpec, check_service_args, parse_extra
 
     token = read_token_file(args.admin_token_file) if args.admin_token_file else os.environ.get(ADMIN_TOKEN_ENV, "")
     spec = ClusterSpec(host=args.host, base_port=args.base_port, decoder_model_dir=args.decoder_model_dir,
@@ -315,7 +316,7 @@ def _bench(args) -> int:
 
 def _demo(args) -> int:
     from tessera.cli.demo import run_demo
-    from tessera.cli.up import ClusterSpec
+    from tessera.cli.up.spec import ClusterSpec
 
     return run_demo(ClusterSpec(base_port=args.base_port))
 

@@ -21,7 +21,7 @@ from services.adapters.servicer import register
 from services.common.checkpoint import CheckpointConfig, base_model_digest
 from services.common.errors import AlreadyExists, FailedPrecondition
 from services.common.server import create_server
-from tessera.cli.up import ClusterSpec
+from tessera.cli.up.spec import ClusterSpec
 from tessera.v1 import adapters_pb2, adapters_pb2_grpc
 from tests.adapters.conftest import TINY_LLAMA
 
@@ -124,7 +124,7 @@ def test_catalog_without_base_column_is_migrated_and_its_rows_need_registering_a
     record = registry.load("legacy", "plain", replace=True)
     assert record.generation == 4 and registry.list_status()[0].state == "ready"
     registry.close()
-    # a registry with no base configured checks nothing: the same row serves there as before
+    # a registry with no base configured checks nothing: the same row serves there too
     assert _registry(root, db, None).get_admissible("legacy").generation == 4
 
 

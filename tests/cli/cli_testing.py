@@ -7,7 +7,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from tessera.cli.up import METRICS_PORT_OFFSET
+from tessera.cli.up.spec import METRICS_PORT_OFFSET
 
 
 def free_base_port(num_ports: int, low: int = 21000, span: int = 25000) -> int:

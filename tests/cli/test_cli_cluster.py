@@ -20,7 +20,7 @@ import torch
 from cli_testing import free_base_port
 from safetensors.torch import save_file
 
-from tessera.cli.up import SERVICES
+from tessera.cli.up.spec import SERVICES
 from tessera.client import Client
 from tessera.paths import default_decoder_dir, default_embedding_dir
 

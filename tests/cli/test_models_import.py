@@ -11,7 +11,7 @@ from services.decoder.engine import start_engine
 from services.decoder.types import ChatMessage, GenerateInput, SamplingParams, TextPart
 from tessera.cli.main import main
 from tessera.cli.models import smollm2_gguf
-from tessera.cli.up import ClusterSpec
+from tessera.cli.up.spec import ClusterSpec
 from tessera.paths import default_decoder_dir
 from tests.decoder.decoder_testing import run_requests
 

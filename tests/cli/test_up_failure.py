@@ -13,7 +13,7 @@ from cli_testing import process_argvs
 
 from services.common.launch import REPO, free_port
 from tessera.cli.logfiles import StartupError
-from tessera.cli.up import STARTUP_TAIL_LINES
+from tessera.cli.up.launch import STARTUP_TAIL_LINES
 from tessera.paths import default_decoder_dir, default_embedding_dir
 
 
@@ -60,7 +60,7 @@ def test_the_report_names_the_cause_and_shows_the_tail():
 
 
 def test_service_args_that_do_not_split_are_refused_naming_the_flag():
-    from tessera.cli.up import parse_extra
+    from tessera.cli.up.spec import parse_extra
 
     assert parse_extra(["decoder=--num-blocks 64 --name 'a b'"]) == {"decoder": ["--num-blocks", "64", "--name", "a b"]}
     with pytest.raises(ValueError, match=r"""--service-args "decoder=--foo 'x": No closing quotation"""):

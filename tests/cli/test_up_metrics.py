@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tessera.cli.endpoints import metrics_table
-from tessera.cli.up import METRICS_PORT_OFFSET, ClusterSpec, write_endpoints
+from tessera.cli.up.launch import write_endpoints
+from tessera.cli.up.spec import METRICS_PORT_OFFSET, ClusterSpec
 
 
 def _flag(command: list[str], name: str) -> str:

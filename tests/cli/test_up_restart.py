@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.launch import free_port
-from tessera.cli.up import RestartPolicy, _kill, services_to_restart
+from tessera.cli.up.supervise import RestartPolicy, kill, services_to_restart
 
 
 def test_policy_restarts_on_exit_at_once_and_on_unhealth_after_the_bound():
@@ -55,9 +55,9 @@ def test_services_to_restart_probes_real_health_and_processes():
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         time.sleep(1.1)
         assert [s for s, _ in services_to_restart(processes, addresses.get, policy)] == []  # vision: clock restarted
-        _kill(processes["decoder"])
+        kill(processes["decoder"])
         assert processes["decoder"].returncode == -9
     finally:
         for process in processes.values():
-            _kill(process)
+            kill(process)
         server.stop(0)

@@ -22,7 +22,9 @@ from services.common.healthcheck import check as check_health
 from services.common.launch import REPO
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import StartupError
-from tessera.cli.up import SERVICES, Cluster, ClusterSpec, CrashLoopBackoff, Supervisor
+from tessera.cli.up.launch import Cluster
+from tessera.cli.up.spec import SERVICES, ClusterSpec
+from tessera.cli.up.supervise import CrashLoopBackoff, Supervisor
 
 # A service's stand-in: SERVING on the address it is given, or one error line and exit 1 when the
 # port is taken; NOT_SERVING for ever with a second argument "never".
@@ -49,12 +51,13 @@ server.wait_for_termination()
 UP_WITH_STAND_INS = """
 import sys
 from pathlib import Path
-from tessera.cli import up
+from tessera.cli.up import run_until_signalled
+from tessera.cli.up.spec import ClusterSpec
 stand_in, base, home = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-up.ClusterSpec.command = lambda spec, name: [sys.executable, "-c", stand_in, spec.address(name)]
-spec = up.ClusterSpec(base_port=base, num_decoders=2, vision=False, log_dir=home / "logs",
-                      adapter_root=home / "adapters")
-sys.exit(up.run_until_signalled(spec))
+ClusterSpec.command = lambda spec, name: [sys.executable, "-c", stand_in, spec.address(name)]
+spec = ClusterSpec(base_port=base, num_decoders=2, vision=False, log_dir=home / "logs",
+                   adapter_root=home / "adapters")
+sys.exit(run_until_signalled(spec))
 """
 
 

@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.auth import INTERNAL_TOKEN_METADATA
 from services.common.server import CHANNEL_OPTIONS
-from tessera.cli.up import SERVICES, Cluster, ClusterSpec
+from tessera.cli.up.launch import Cluster
+from tessera.cli.up.spec import SERVICES, ClusterSpec
 from tessera.paths import default_decoder_dir, default_embedding_dir
 from tessera.v1 import gateway_pb2_grpc, pooling_pb2
 

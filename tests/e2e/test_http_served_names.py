@@ -8,7 +8,8 @@ import openai
 import pytest
 import requests
 
-from tessera.cli.up import Cluster, ClusterSpec
+from tessera.cli.up.launch import Cluster
+from tessera.cli.up.spec import ClusterSpec
 from tessera.paths import default_decoder_dir, default_embedding_dir
 
 from .conftest import _free_base_port, free_port

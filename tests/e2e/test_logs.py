@@ -12,7 +12,7 @@ import grpc
 import pytest
 import requests
 
-from tessera.cli.up import service_of
+from tessera.cli.up.spec import service_of
 from tessera.v1 import gateway_pb2
 
 from .test_generate import chat_request, collect

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.checkpoint import DECODER_ARCHITECTURES
 from services.common.server import CHANNEL_OPTIONS
-from tessera.cli.up import Cluster, ClusterSpec
+from tessera.cli.up.launch import Cluster
+from tessera.cli.up.spec import ClusterSpec
 from tessera.paths import default_decoder_dir, default_embedding_dir
 from tessera.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.decoder.decoder_testing import make_tiny_llama

@@ -13,7 +13,8 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from services.common.server import CHANNEL_OPTIONS
-from tessera.cli.up import Cluster, ClusterSpec
+from tessera.cli.up.launch import Cluster
+from tessera.cli.up.spec import ClusterSpec
 from tessera.v1 import decoder_pb2, gateway_pb2, gateway_pb2_grpc, vision_pb2
 from tests.vision.qwen2_vl_tiny import MROPE_SECTION, build_tiny_qwen2_vl, hf_greedy, hf_inputs, reference_processor
 

@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.auth import INTERNAL_TOKEN_METADATA
 from services.common.server import CHANNEL_OPTIONS
 from services.gateway.servicer import REPLICA_METADATA
-from tessera.cli.up import Cluster, ClusterSpec
+from tessera.cli.up.launch import Cluster
+from tessera.cli.up.spec import ClusterSpec
 from tessera.v1 import adapters_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, pooling_pb2
 
 from .conftest import internal_token, run_cli

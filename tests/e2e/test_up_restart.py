@@ -7,7 +7,7 @@ import signal
 import time
 
 from services.common.healthcheck import check as check_health
-from tessera.cli.up import RestartPolicy, Supervisor
+from tessera.cli.up.supervise import RestartPolicy, Supervisor
 
 from .conftest import embed_once_back
 

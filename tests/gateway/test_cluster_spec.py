@@ -3,7 +3,7 @@
 import pytest
 
 from services.gateway.replicas import parse_target
-from tessera.cli.up import ClusterSpec
+from tessera.cli.up.spec import ClusterSpec
 
 
 def test_replicas_get_their_own_ports_and_the_gateway_an_ipv4_list():

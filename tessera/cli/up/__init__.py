@@ -1,0 +1,54 @@
+"""`tessera up`: start the five services on loopback, wait for health, keep them running, stop them
+together on Ctrl-C / SIGTERM.
+
+Three modules, one job each: `spec` (the cluster: processes, ports, command lines, checked before
+any process starts), `launch` (process control: start, wait for health, stop) and `supervise`
+(restart policy and backoff once the cluster is up). `run_until_signalled` is the command's loop
+over the three.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from tessera.cli.logfiles import StartupError
+from tessera.cli.up.launch import Cluster, StartInterrupted
+from tessera.cli.up.spec import ClusterSpec
+from tessera.cli.up.supervise import Supervisor
+
+
+def run_until_signalled(spec: ClusterSpec) -> int:
+    """Start, print endpoints, keep every process running (`Supervisor`) and stop all on Ctrl-C /
+    SIGTERM. Returns 0 (stopped by a signal), 1 (a service failed to start) or 130 (interrupted
+    while starting)."""
+    cluster = Cluster(spec)
+    stop = {"signalled": False}
+
+    def on_signal(signum, frame):
+        stop["signalled"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)
+    try:
+        cluster.start(interrupted=lambda: stop["signalled"])
+    except StartInterrupted:
+        print("interrupted while starting: stopped the services", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT  # the shell's status for a command ended by SIGINT (main's INTERRUPTED)
+    except StartupError as error:
+        print(error.report(), file=sys.stderr, flush=True)
+        print("stopped the other services", file=sys.stderr, flush=True)
+        return 1
+    for service in spec.services():
+        print(f"  {service:<9} {spec.address(service)}  SERVING  metrics {spec.metrics_url(service)}", flush=True)
+    http = f", HTTP at http://{spec.host}:{spec.http_port}" if spec.http_port else ""
+    print(f"tessera is up: gateway at {spec.address('gateway')}{http} (Ctrl-C to stop)", flush=True)
+    supervisor = Supervisor(cluster)
+    while not stop["signalled"]:
+        supervisor.step(interrupted=lambda: stop["signalled"])
+        time.sleep(0.5)
+    print("stopping tessera", flush=True)
+    cluster.stop()
+    return 0
