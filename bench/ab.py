@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _decoder_proc import REPO, RESULTS, free_port, machine  # noqa: E402
-from lora import _grpc_run, _load, make_adapters  # noqa: E402
+from _decoder_proc import REPO, RESULTS, free_port, machine
+from lora import _grpc_run, _load, make_adapters
 
 from services.common.launch import wait_serving  # noqa: E402
 

@@ -29,7 +29,7 @@ In one run on one machine:
 `--linear-backend` (default auto: the C GEMM on packed weights on a CPU without AVX-512) applies to the runs
 and the engine step. `--dtype bfloat16` runs the decoder, the engine step and the transformers anchors in bf16;
 `--decoder-only` skips the anchors and the comparison backend (steps 2 and 4), for before/after
-measurements. Targets (issue 3): >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one
+measurements. Targets: >= 1.5x batched, >= 6x sequential, overhead <= 1.10. Prints one
 table and rewrites bench/results/decode.md (decode-DTYPE.md for another dtype; decoder-only runs
 print only). Never a test assertion.
 """
@@ -46,9 +46,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from _decoder_proc import RESULTS, machine, start_decoder, stop  # noqa: E402
-from _flops import ModelShape, matmul_peak, read_bandwidth, roofline_s  # noqa: E402
+import torch
+from _decoder_proc import RESULTS, machine, start_decoder, stop
+from _flops import ModelShape, matmul_peak, read_bandwidth, roofline_s
 
 
 def workload(num: int, prompt_range: tuple[int, int], tokens_range: tuple[int, int], seed: int = 0):

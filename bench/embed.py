@@ -8,7 +8,7 @@ Runs, in one process on one machine:
 Prints throughput (sentences/s) and p50/p99 latency, and writes bench/results/embed.md. Never a
 test assertion: numbers depend on the machine and its load.
 
-Then the mixed-length workload (issue 17): requests of 56 short texts and 8 of ~230 tokens, each
+Then the mixed-length workload: requests of 56 short texts and 8 of ~230 tokens, each
 embedded in process (a) as one forward padded to its longest text, as a batcher without length
 grouping runs it (the anchor), and (b) through `PoolingEngine.embed`, whose batcher groups by
 length; interleaved over `--rounds`, median seconds per request, rows checked equal. Writes

@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from _decoder_proc import RESULTS, machine  # noqa: E402
-from _flops import ModelShape  # noqa: E402
+import torch
+import torch.nn.functional as F
+from _decoder_proc import RESULTS, machine
+from _flops import ModelShape
 
 
 def step_weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:

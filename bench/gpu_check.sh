@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of the decoder's --device (issue 18, item 2), for a machine with a CUDA device:
+# The GPU checks of the decoder's --device, for a machine with a CUDA device:
 #   1. the device and warm-up tests and a conformance subset (greedy ids = transformers), with the
 #      decoder on CUDA: in-process configs default to --device auto, which is CUDA here;
 #   2. `tessera bench decode|lora|kernels` with the Triton attention and LoRA kernels; every

@@ -1,8 +1,8 @@
 """`tessera bench kernels`: the Triton kernels on a GPU beside the torch paths, in one run.
 
-Prepared for the sessions that are lent a GPU (issue 4 asks for the SGMV crossover measured
-there); on a machine without CUDA it says so and exits, and `--interpret` runs a tiny version in
-Triton's CPU interpreter as a smoke test (its timings mean nothing; no results file).
+For a machine with a GPU, where the SGMV crossover is measured; on a machine without CUDA it says so
+and exits, and `--interpret` runs a tiny version in Triton's CPU interpreter as a smoke test (its
+timings mean nothing; no results file).
 
   1. Multi-LoRA, 8 adapters of rank 16, for each projection shape and m rows per adapter
      (1, 2, 4, ... 256): BGMV (one program per row), SGMV (tiled matmul per BLOCK_M rows of a
@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from _decoder_proc import RESULTS, machine  # noqa: E402
+import torch
+from _decoder_proc import RESULTS, machine
 
 SHAPES = {  # name -> (in_features, out_features)
     "llama-7b q_proj 4096->4096": (4096, 4096),

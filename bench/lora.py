@@ -12,7 +12,7 @@ The machine's speed drifts over minutes, so the three steps run as a round, five
 row (anchor, then base-only and multi-LoRA, which of the two first alternating by round); each
 target ratio is the median of the rounds' own ratios. The decoder runs with the cpu LoRA and
 attention backends (C kernels; `--lora-backend`, `--attention-backend` choose).
-Targets (issue 4): multi-LoRA >= 0.8x base-only and >= 4x PEFT. Prints one table and rewrites
+Targets: multi-LoRA >= 0.8x base-only and >= 4x PEFT. Prints one table and rewrites
 bench/results/lora.md. Never a test assertion.
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from _decoder_proc import REPO, RESULTS, free_port, machine, start_decoder, stop  # noqa: E402
+import torch
+from _decoder_proc import REPO, RESULTS, free_port, machine, start_decoder, stop
 
 from services.common.launch import wait_serving  # noqa: E402
 

@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _decoder_proc import RESULTS, machine, start_decoder, stop  # noqa: E402
-from decode import _grpc_run, fresh_tokens, workload  # noqa: E402
+from _decoder_proc import RESULTS, machine, start_decoder, stop
+from decode import _grpc_run, fresh_tokens, workload
 
 DTYPE_BY_OUTTYPE = {"f32": "float32", "bf16": "bfloat16"}
 CHECK_PROMPTS = [[504, 3575, 282, 4649, 314], [1350, 253, 1345, 30, 378, 1019, 7042], list(range(1000, 1040))]
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# tessera bench peer\n\nMachine: {machine()}\n\nModel: {args.model_dir.name}; llama-server: "
         f"{args.llama_server}; P1 = {args.num_requests} concurrent requests, prompts {args.prompt_range[0]}-"
         f"{args.prompt_range[1]} tokens, outputs {args.tokens_range[0]}-{args.tokens_range[1]}, EOS ignored, "
-        f"greedy; prefix caching off on both; interleaved, {args.rounds} rounds (median). Target (issue 17): "
+        f"greedy; prefix caching off on both; interleaved, {args.rounds} rounds (median). Target: "
         f"tessera >= 1.5x llama-server at each precision.\n\n{table}\n")
     print(f"wrote {args.output}")
     return 0

@@ -5,7 +5,7 @@ In one run on one machine, against `python -m services.decoder` over gRPC:
   2. hit: requests P + a new suffix (TTFT measured to the first streamed token);
   3. miss: requests with a fresh prefix of the same length + suffix (nothing cached);
   4. anchor: the same miss with `--no-prefix-caching` on a second server.
-Target (issue 3): miss TTFT / hit TTFT >= 5. Prints one table and rewrites bench/results/prefix.md.
+Target: miss TTFT / hit TTFT >= 5. Prints one table and rewrites bench/results/prefix.md.
 Never a test assertion.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _decoder_proc import RESULTS, machine, start_decoder, stop  # noqa: E402
+from _decoder_proc import RESULTS, machine, start_decoder, stop
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

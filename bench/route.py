@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _decoder_proc import RESULTS, machine  # noqa: E402
+from _decoder_proc import RESULTS, machine
 
 RESULT_FILE = RESULTS / "route.md"
 POLICIES = ("router", "round_robin", "consistent_hash")

@@ -57,7 +57,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, defaults: Any = None) 
         if "help" not in f.metadata:
             continue
         name = f.metadata.get("flag", flag(f.name))
-        if name in parser._option_string_actions:  # noqa: SLF001 - argparse has no public lookup
+        if name in parser._option_string_actions:  # argparse has no public lookup
             continue
         default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
         parser.add_argument(name, dest=f.name, **_argument(f, hints[f.name], default))

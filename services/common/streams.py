@@ -35,7 +35,7 @@ class RequestPump:
             async for request in requests:
                 if not self._draining:
                     await self._queue.put(request)
-        except Exception as error:  # noqa: BLE001 - a message that did not parse: handed to the reader
+        except Exception as error:  # a message that did not parse: handed to the reader
             if not self._draining:
                 await self._queue.put(error)
         finally:

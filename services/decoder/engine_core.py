@@ -127,14 +127,14 @@ class EngineCore:
             claim_intra_op_threads(num_threads)
             self.parts = build_parts(self.config)
             self.output = OutputProcessor(self.parts.token_texts)
-        except BaseException as error:  # noqa: BLE001 - re-raised by start
+        except BaseException as error:  # re-raised by start
             self._start_error = error
             return
         finally:
             self._ready.set()
         try:
             self._loop()
-        except BaseException as cause:  # noqa: BLE001 - the thread ends here; its callers must hear why
+        except BaseException as cause:  # the thread ends here; its callers must hear why
             log.critical("the decoder engine thread stopped; failing every request", exc_info=cause)
             self._die(cause)
 
@@ -158,7 +158,7 @@ class EngineCore:
                 self._process_aborts()
                 out = scheduler.schedule()
                 self.metrics.on_schedule(out, scheduler)
-        except Exception as error:  # noqa: BLE001 - fail what scheduling was working on, keep serving
+        except Exception as error:  # fail what scheduling was working on, keep serving
             log.exception("engine step failed while scheduling")
             with self.lock:
                 # admission takes waiting requests in order and moves each to running, so the request
@@ -183,7 +183,7 @@ class EngineCore:
                         self._finish(item.request, "abort", error=token)
                     elif token is not None:
                         self._append_token(item.request, token)
-        except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
+        except Exception as error:  # fail this step's requests, keep serving
             log.exception("engine step failed")
             self._fail([item.request for item in out.scheduled], error)
 
@@ -204,7 +204,7 @@ class EngineCore:
             for request in list(self.requests.values()):
                 try:
                     self._retire(request, "abort")  # frees blocks and the adapter lease where it still can
-                except Exception:  # noqa: BLE001 - the state that killed the thread may be broken
+                except Exception:  # the state that killed the thread may be broken
                     log.debug("could not retire %s", request.key, exc_info=True)
             for stream in streams:
                 self.output.emit(stream, error)

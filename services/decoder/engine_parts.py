@@ -117,7 +117,7 @@ def warm_up_parts(config: DecoderConfig, parts: EngineParts) -> None:
     try:
         warm_up(parts.scheduler, parts.runner, parts.bank,
                 min(config.num_blocks * config.block_size, config.max_model_len), config.torch_device)
-    except Exception as error:  # noqa: BLE001 - whatever a backend raises means it cannot serve
+    except Exception as error:  # whatever a backend raises means it cannot serve
         log.error("the decoder's warm-up step failed", exc_info=error)
         cause = next(iter(str(error).strip().splitlines()), "")
         backends = parts.backends

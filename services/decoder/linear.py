@@ -14,7 +14,7 @@ AVX-512 CI machine, torch 2.13, float32, SmolLM2-135M shapes, best of 4, ms:
 Between runs 2-4 and 16-32 rows always favoured W @ x.T; 6-12 rows went either way by up to 20%
 (about even on average); past 64 rows F.linear was as fast or faster. So decode steps of up to
 32 rows (the default max_num_seqs) take W @ x.T on CPU in float32; prefill chunks, other dtypes
-and devices call `F.linear`, bit for bit as before. Both orientations give bit-identical
+and devices call `F.linear`. Both orientations give bit-identical
 results for 1 and >= 12 rows; for 2..9 rows they differ in summation order (~1e-6 relative).
 
 The "cpu" linear backend (`--linear-backend`) replaces both, for every step, decode and prefill:

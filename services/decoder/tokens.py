@@ -70,7 +70,7 @@ def check_chat_template(tokenizer, timeout_s: float = TEMPLATE_CHECK_S) -> None:
 def _render_quietly(tokenizer, messages: list[dict]) -> None:
     try:
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a refusal is the template's answer to those messages; only a hang is checked
+    except Exception:  # a refusal is the template's answer to those messages; only a hang is checked
         pass
 
 

@@ -171,7 +171,7 @@ class DynamicBatcher:
                 self.liveness.num_steps += 1
         except asyncio.CancelledError:
             raise
-        except BaseException as cause:  # noqa: BLE001 - the drain ends here; its callers must hear why
+        except BaseException as cause:  # the drain ends here; its callers must hear why
             log.critical("%s stopped; failing every queued request", self.liveness.what, exc_info=cause)
             self._die(cause)
 
@@ -191,7 +191,7 @@ class DynamicBatcher:
             for item, row in zip(self._batch, out, strict=True):
                 if not item.future.done():
                     item.future.set_result(row)
-        except Exception as error:  # noqa: BLE001 - handed to every request in the batch
+        except Exception as error:  # handed to every request in the batch
             if not self._batch and self._queue:
                 self._batch = [self._queue.popleft()]
                 self._num_waiting -= 1

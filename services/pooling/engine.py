@@ -99,7 +99,7 @@ class PoolingEngine:
                 rows = served.runner.forward(served.tokenizer.encode_texts(["warm-up"], truncate=True))
                 if not bool(torch.isfinite(rows).all()):
                     raise RuntimeError(f"its output is not finite: {rows.flatten()[:4].tolist()}")
-            except Exception as error:  # noqa: BLE001 - whatever the forward raises means it cannot serve
+            except Exception as error:  # whatever the forward raises means it cannot serve
                 log.error("pooling: the warm-up forward of %s failed", served.name, exc_info=error)
                 cause = next(iter(str(error).strip().splitlines()), "")
                 raise ValueError(f"the warm-up forward of model {served.name!r} failed on --device "
@@ -164,7 +164,7 @@ class PoolingEngine:
             try:
                 async for query in queries:
                     await pending.put(asyncio.ensure_future(self.embed_query(query)))
-            except Exception as error:  # noqa: BLE001 - re-raised to the caller below
+            except Exception as error:  # re-raised to the caller below
                 read_error.append(error)
             finally:
                 await pending.put(None)

@@ -87,7 +87,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class PoolingInfo:
-    """The default model's fields (as before multi-model serving), every model, and the batching limits."""
+    """The default model's fields (what a single-model client reads), every model, and the batching limits."""
 
     model: str
     pooling_mode: str

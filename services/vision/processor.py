@@ -218,7 +218,7 @@ class ImageProcessor:
         except UnidentifiedImageError as error:
             raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): "
                                   "not a recognized image format") from error
-        except Exception as error:  # noqa: BLE001 - see the docstring
+        except Exception as error:  # see the docstring
             raise InvalidArgument(f"image could not be decoded ({len(data)} bytes): "
                                   f"{type(error).__name__}: {error}") from error
 

@@ -75,8 +75,8 @@ def test_version_is_the_package_metadata(capsys):
 
 def _parsers(parser: argparse.ArgumentParser, prog: str = "tessera"):
     yield prog, parser
-    for action in parser._actions:  # noqa: SLF001 - argparse lists subparsers only here
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:  # argparse lists subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
             for name, child in action.choices.items():
                 yield from _parsers(child, f"{prog} {name}")
 
@@ -84,11 +84,11 @@ def _parsers(parser: argparse.ArgumentParser, prog: str = "tessera"):
 def test_every_option_with_a_value_shows_its_default_in_help():
     missing = []
     for prog, parser in _parsers(build_parser()):
-        formatter = parser._get_formatter()  # noqa: SLF001
-        for action in parser._actions:  # noqa: SLF001
+        formatter = parser._get_formatter()
+        for action in parser._actions:
             if not action.option_strings or action.nargs == 0 or action.help == argparse.SUPPRESS:
                 continue
-            if "default" not in formatter._get_help_string(action):  # noqa: SLF001
+            if "default" not in formatter._get_help_string(action):
                 missing.append(f"{prog} {action.option_strings[0]}")
     assert missing == []
     help_text = " ".join(_run("adapters", "load", "--help").stdout.split())  # a parser two levels down

@@ -20,7 +20,7 @@ from tests.deploy.prom import Samples
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tessera.json"
 METRIC = re.compile(r"\b(?:vllm:|tessera_)[a-zA-Z0-9_:]+")
-REQUIRED = {  # what the issue asks the dashboard to show
+REQUIRED = {  # what the dashboard must show
     "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
     "vllm:generation_tokens_total", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total",
