@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _decoder_proc import REPO, RESULTS, machine  # noqa: E402
+from _decoder_proc import REPO, RESULTS, machine
 
 BLOCK = 20  # chats per turn before the other cluster's
 

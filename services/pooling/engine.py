@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -302,6 +303,12 @@ class PoolingEngine:
             dimension=default.dimension, max_input_length=default.max_input_length, max_batch_size=c.max_batch_size,
             rerank_method=rerank_default.runner.method, models=models, max_batch_tokens=c.max_batch_tokens,
             max_queue_size=c.max_queue_size, max_wait_ms=c.max_wait_ms, dynamic_batching=c.dynamic_batching)
+
+    @property
+    def models(self) -> Mapping[str, ServedModel]:
+        """The loaded models by name (empty before `load()`), each with its config, tokenizer, runner
+        and batcher; a read-only view."""
+        return MappingProxyType(self._models)
 
     def queue_sizes(self) -> dict[str, int]:
         """Sequences accepted and not yet in a forward, by model name (empty before `load()`)."""

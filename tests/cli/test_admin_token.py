@@ -47,6 +47,6 @@ def test_up_gives_the_token_to_the_registry_alone_and_never_in_argv(tmp_path, mo
     cluster = Cluster(ClusterSpec(admin_token="s3cret", log_dir=tmp_path, adapter_root=tmp_path))
     for service in cluster.spec.services():
         assert "s3cret" not in " ".join(cluster.spec.command(service))
-        env = cluster._environment(service)  # the whole environment a process is started with
+        env = cluster.process_environment(service)
         assert env.get("TESSERA_ADMIN_TOKEN") == ("s3cret" if service == "adapters" else None), service
         assert "TESSERA_ADMIN_TOKEN_FILE" not in env

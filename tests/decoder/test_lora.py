@@ -144,7 +144,7 @@ def test_bank_leases_lru_and_slot_rewrite():
     assert bank.load(w("d", "m.q", 4.0)) is None  # every slot leased
     bank.release(0)
     assert bank.load(w("d", "m.v", 5.0)) == 0
-    assert float(bank._a["m.q"][0].abs().sum()) == 0.0  # reusing a slot rewrote every target
+    assert float(bank.factors("m.q")[0][0].abs().sum()) == 0.0  # reusing a slot rewrote every target
     with pytest.raises(InvalidArgument, match="exceeds max_lora_rank 4"):
         bank.load(LoRAWeights("e", {"m.q": (torch.zeros(8, 4), torch.zeros(4, 8))}))
 

@@ -23,7 +23,7 @@ def _service(minilm_model_config, minilm_loaded, **limits):
 
 
 def _batcher(service):
-    return service._models["all-minilm-l6-v2"].batcher
+    return service.models["all-minilm-l6-v2"].batcher
 
 
 async def _concurrently(service, requests):
@@ -159,7 +159,7 @@ def test_the_oldest_request_is_served_first_when_the_queue_holds_more_than_one_f
 
     async def long_then_shorts():  # tokenizing runs in threads: queue LONG before the shorts arrive
         first = asyncio.ensure_future(service.embed([LONG]))
-        while not _batcher(service)._queue:
+        while not _batcher(service).num_waiting:
             await asyncio.sleep(0.001)
         shorts = asyncio.ensure_future(_concurrently(service, [[t] for t in SINGLES]))
         return [await first, *await shorts]

@@ -37,7 +37,7 @@ def test_load_warms_every_model_up_and_refuses_one_that_cannot_compute(tmp_path,
     healthy = ModelConfig(model_dir=_tiny_encoder(tmp_path / "healthy", minilm_dir))
     engine = PoolingEngine(PoolingConfig(models=[healthy], device="cpu"))
     engine.load()
-    assert next(iter(engine._models.values())).runner.model.device == torch.device("cpu")
+    assert next(iter(engine.models.values())).runner.model.device == torch.device("cpu")
     poisoned = ModelConfig(model_dir=_tiny_encoder(tmp_path / "poisoned", minilm_dir, poison=True))
     with pytest.raises(ValueError, match="the warm-up forward of model 'poisoned' failed on --device cpu .*not finite"):
         PoolingEngine(PoolingConfig(models=[healthy, poisoned], device="cpu")).load()

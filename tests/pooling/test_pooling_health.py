@@ -25,7 +25,7 @@ class BatcherKilled(BaseException):
 
 
 def _batcher(service: PoolingEngine, name: str):
-    return service._models[name].batcher
+    return service.models[name].batcher
 
 
 def test_a_failing_forward_fails_only_its_batch(minilm_config, minilm_loaded):

@@ -82,11 +82,11 @@ class Cluster:
             log = self.logs[service] = ServiceLog(self.spec.log_dir / f"{service}.log", self.spec.log_max_bytes,
                                                   self.spec.log_backups)
         process = subprocess.Popen(self.spec.command(service), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=self._environment(service))
+                                   stdin=subprocess.DEVNULL, env=self.process_environment(service))
         log.follow(process.stdout)
         self.processes[service] = process
 
-    def _environment(self, service: str) -> dict[str, str]:
+    def process_environment(self, service: str) -> dict[str, str]:
         """The process's whole environment; secrets a service has no use for are left out, also when
         the caller's shell exports them."""
         env = service_env(self._env(service))
