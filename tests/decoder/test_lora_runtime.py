@@ -47,7 +47,7 @@ def test_the_cpu_kernel_is_built_by_its_backend_not_by_config(tiny_llama, monkey
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert DecoderConfig(model_dir=str(tiny_llama), lora_backend="cpu").lora_backend == "cpu"
-    assert native._library is None
+    assert not native.is_loaded()
     with pytest.raises(ValueError, match="lora_backend 'cpu' cannot run here: .*need a C compiler"):
         make_backend("cpu")
 

@@ -120,6 +120,11 @@ def load() -> ctypes.CDLL:
         return _library
 
 
+def is_loaded() -> bool:
+    """Whether this process has built and loaded its kernel library (`load`) yet."""
+    return _library is not None
+
+
 def gemm_variant(library: ctypes.CDLL | None = None) -> str:
     """Which GEMM `library` (default: the process's, built if needed) runs: "avx2" (AVX2 + FMA
     micro-kernel) or "portable" (scalar; also under TESSERA_CPU_KERNELS=portable). Raises RuntimeError as `load`."""
