@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _decoder_proc import REPO, RESULTS, free_port, machine
 from lora import _grpc_run, _load, make_adapters
 
-from services.common.launch import wait_serving  # noqa: E402
+from services.common.launch import wait_serving
 
 
 def _start(checkout: Path, module: str, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from _decoder_proc import REPO, RESULTS, free_port, machine, start_decoder, stop
 
-from services.common.launch import wait_serving  # noqa: E402
+from services.common.launch import wait_serving
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ROUNDS = 5

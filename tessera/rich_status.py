@@ -47,7 +47,7 @@ def error_info(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> E
             continue
         try:
             status = status_pb2.Status.FromString(value)
-        except Exception:  # noqa: BLE001 - a peer's undecodable details are no reason
+        except Exception:  # a peer's undecodable details are no reason
             return None
         for detail in status.details:
             info = error_details_pb2.ErrorInfo()

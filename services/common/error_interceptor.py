@@ -97,7 +97,7 @@ def _wrap_single(inner, method: str, streams_in: bool):
             return await inner(_checked(request, streams_in), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception as error:  # noqa: BLE001 - this is the backstop
+        except Exception as error:  # this is the backstop
             status = _status_logged(method, error)
         del request  # see _end_with_status
         _end_with_status(context, *status)
@@ -112,7 +112,7 @@ def _wrap_streaming(inner, method: str, streams_in: bool):
                 yield response
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             status = _status_logged(method, error)
         else:
             return

@@ -434,7 +434,7 @@ class _RequestRelay:
         try:
             async for request in self._requests:
                 yield request
-        except Exception as error:  # noqa: BLE001 - re-raised by raise_failure on the handler's side
+        except Exception as error:  # re-raised by raise_failure on the handler's side
             self._failure = error
 
     def raise_failure(self) -> None:

@@ -90,7 +90,7 @@ class VisionEngine:
         except Exception:  # this request only; the encoder finished a step
             self.liveness.num_steps += 1
             raise
-        except BaseException as cause:  # noqa: BLE001 - fatal: the encoder stops serving
+        except BaseException as cause:  # fatal: the encoder stops serving
             log.critical("the vision encoder stopped", exc_info=cause)
             self.liveness.die(cause)
             raise self.liveness.dead_error() from cause
