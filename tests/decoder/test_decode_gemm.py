@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.config import DecoderConfig
+from services.decoder.engine_parts import resolve_backends
 from services.decoder.kernels import native
 from services.decoder.linear import BF16_PANEL_ORDER, PANEL_WIDTH, CpuGemm, Linear, attach_gemm, linear
 
@@ -192,9 +193,12 @@ def test_linears_sharing_a_weight_share_its_packed_copy():
 def test_the_linear_backend_auto_choice_and_refusals(tiny_llama):
     decoder_dir = str(tiny_llama)
     expected = "torch" if "avx512f" in native.cpu_flags() else "cpu"  # the AVX2 kernel, measured where it wins
-    assert DecoderConfig(model_dir=decoder_dir, dtype="float32").linear_backend == expected
-    assert DecoderConfig(model_dir=decoder_dir, dtype="float32", linear_backend="torch").linear_backend == "torch"
-    assert DecoderConfig(model_dir=decoder_dir, dtype="float32", linear_backend="cpu").linear_backend == "cpu"
+    auto = DecoderConfig(model_dir=decoder_dir, dtype="float32")
+    assert auto.linear_backend == "auto"  # building the config builds nothing; the engine resolves it at start
+    assert resolve_backends(auto).linear == expected
+    for chosen in ("torch", "cpu"):
+        config = DecoderConfig(model_dir=decoder_dir, dtype="float32", linear_backend=chosen)
+        assert resolve_backends(config).linear == chosen
     with pytest.raises(ValueError, match="cpu linear backend computes float32 and bfloat16 only, got dtype 'float16'"):
         DecoderConfig(model_dir=decoder_dir, dtype="float16", linear_backend="cpu")
     with pytest.raises(ValueError, match="linear_backend must be one of"):
