@@ -69,6 +69,23 @@ def test_the_layout_is_the_designs():
     assert packages == {"cli", "client", "v1"}
 
 
+HTTP_FAMILIES = ("chat", "pooling", "tokenize", "models", "tei")
+
+
+def test_http_routes_are_split_by_family():
+    """Each family of the gateway's HTTP routes is one package of router / protocol / serving (as
+    vLLM's entrypoints); a family's protocol imports no other family's serving or router, and only
+    app.py gathers the routers."""
+    http = REPO / "services" / "gateway" / "http"
+    for family in HTTP_FAMILIES:
+        assert {"router.py", "protocol.py", "serving.py"} <= {p.name for p in (http / family).iterdir()}, family
+        protocol = GRAPH[f"services.gateway.http.{family}.protocol"]
+        assert not {m for m in protocol if m.endswith((".serving", ".router"))}, (family, protocol)
+    gatherers = {m for m, imports in GRAPH.items() for i in imports if i.endswith(".router")
+                 and i.startswith("services.gateway.http.")}
+    assert gatherers == {"services.gateway.http.app"}
+
+
 def test_no_import_cycle():
     """Depth-first search; a back edge is a cycle, reported as the loop of module names."""
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done

@@ -118,10 +118,13 @@ def test_a_body_of_many_bad_list_items_stops_at_the_first(model, body):
     gigabytes of errors in the gateway's event loop, long enough for its supervisor to restart it."""
     from pydantic import ValidationError
 
-    from services.gateway.http import models
+    from services.gateway.http.chat import protocol as chat
+    from services.gateway.http.pooling import protocol as pooling
+    from services.gateway.http.tokenize import protocol as tokenize
 
+    family = next(f for f in (chat, pooling, tokenize) if hasattr(f, model))
     with pytest.raises(ValidationError) as error:
-        getattr(models, model).model_validate(body)
+        getattr(family, model).model_validate(body)
     assert error.value.error_count() <= 8, error.value.error_count()  # a few per union branch
 
 
@@ -154,11 +157,12 @@ def test_openai_fields_tessera_does_not_honour_are_refused_not_ignored(app, fiel
 
 
 def test_a_developer_message_is_sent_as_the_system_message():
-    from services.gateway.http import convert, models
+    from services.gateway.http.chat.protocol import ChatCompletionRequest
+    from services.gateway.http.chat.serving import chat_request
 
-    body = models.ChatCompletionRequest(model="m", messages=[{"role": "developer", "content": "be brief"},
-                                                             {"role": "user", "content": "hi"}])
-    assert [m.role for m in convert.chat_request(body).messages] == ["system", "user"]
+    body = ChatCompletionRequest(model="m", messages=[{"role": "developer", "content": "be brief"},
+                                                      {"role": "user", "content": "hi"}])
+    assert [m.role for m in chat_request(body).messages] == ["system", "user"]
 
 
 def test_best_of_other_than_n_is_refused(app):
@@ -196,7 +200,7 @@ def test_text_routes_have_their_own_smaller_byte_limit():
 
 
 def test_a_body_of_more_json_values_than_any_request_needs_is_413_before_parsing():
-    from services.gateway.http.app import MAX_JSON_VALUES
+    from services.gateway.http.body_limit import MAX_JSON_VALUES
 
     app = App(max_body_bytes=1 << 30)
     try:

@@ -13,8 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
-from services.gateway.http import models
+from services.gateway.http.app import REQUEST_BODIES
+from services.gateway.http.chat import protocol as chat_protocol
 from services.gateway.http.fields import Strict, is_accepted
+from services.gateway.http.models import protocol as models_protocol
+from services.gateway.http.pooling import protocol as pooling_protocol
+from services.gateway.http.tei import protocol as tei_protocol
+from services.gateway.http.tokenize import protocol as tokenize_protocol
 from tessera.v1 import pooling_pb2
 
 from .http_gateway import ALIASES, BASE, EMBEDDER, EMBEDDER_ALIAS, GENERATED_TEXT, GENERATION_DEFAULTS, Harness
@@ -28,25 +33,25 @@ MESSAGE = {"role": "user", "content": [{"type": "text", "text": "hi", "prompt_ca
 ROUTES = {
     "/v1/chat/completions": ({"model": "m", "messages": [MESSAGE], "stream": True,
                               "stream_options": {"include_usage": True}},
-                             {(): models.ChatCompletionRequest, ("messages", 0): models.ChatMessage,
-                              ("messages", 0, "content", 0): models.TextPart,
-                              ("messages", 0, "content", 1): models.ImagePart,
-                              ("messages", 0, "content", 1, "image_url"): models.ImageURL,
-                              ("stream_options",): models.StreamOptions}),
+                             {(): chat_protocol.ChatCompletionRequest, ("messages", 0): chat_protocol.ChatMessage,
+                              ("messages", 0, "content", 0): chat_protocol.TextPart,
+                              ("messages", 0, "content", 1): chat_protocol.ImagePart,
+                              ("messages", 0, "content", 1, "image_url"): chat_protocol.ImageURL,
+                              ("stream_options",): chat_protocol.StreamOptions}),
     "/v1/completions": ({"model": "m", "prompt": "x", "stream": True, "stream_options": {}},
-                        {(): models.CompletionRequest, ("stream_options",): models.StreamOptions}),
-    "/v1/embeddings": ({"model": "m", "input": "x"}, {(): models.EmbeddingRequest}),
+                        {(): chat_protocol.CompletionRequest, ("stream_options",): chat_protocol.StreamOptions}),
+    "/v1/embeddings": ({"model": "m", "input": "x"}, {(): pooling_protocol.EmbeddingRequest}),
     "/v1/rerank": ({"query": "q", "documents": [{"text": "d"}]},
-                   {(): models.RerankRequest, ("documents", 0): models.RerankRequestDocument}),
-    "/v1/score": ({"text_1": "a", "text_2": "b"}, {(): models.ScoreRequest}),
-    "/tokenize": ({"messages": [MESSAGE]}, {(): models.TokenizeRequest, ("messages", 0): models.ChatMessage,
-                                            ("messages", 0, "content", 0): models.TextPart,
-                                            ("messages", 0, "content", 1): models.ImagePart,
-                                            ("messages", 0, "content", 1, "image_url"): models.ImageURL}),
-    "/detokenize": ({"tokens": [1]}, {(): models.DetokenizeRequest}),
-    "/embed": ({"inputs": "x"}, {(): models.TeiEmbedRequest}),
-    "/v1/load_lora_adapter": ({"lora_name": "a", "lora_path": "p"}, {(): models.LoadLoraAdapterRequest}),
-    "/v1/unload_lora_adapter": ({"lora_name": "a"}, {(): models.UnloadLoraAdapterRequest}),
+                   {(): pooling_protocol.RerankRequest, ("documents", 0): pooling_protocol.RerankRequestDocument}),
+    "/v1/score": ({"text_1": "a", "text_2": "b"}, {(): pooling_protocol.ScoreRequest}),
+    "/tokenize": ({"messages": [MESSAGE]}, {(): tokenize_protocol.TokenizeRequest, ("messages", 0): chat_protocol.ChatMessage,
+                                            ("messages", 0, "content", 0): chat_protocol.TextPart,
+                                            ("messages", 0, "content", 1): chat_protocol.ImagePart,
+                                            ("messages", 0, "content", 1, "image_url"): chat_protocol.ImageURL}),
+    "/detokenize": ({"tokens": [1]}, {(): tokenize_protocol.DetokenizeRequest}),
+    "/embed": ({"inputs": "x"}, {(): tei_protocol.TeiEmbedRequest}),
+    "/v1/load_lora_adapter": ({"lora_name": "a", "lora_path": "p"}, {(): models_protocol.LoadLoraAdapterRequest}),
+    "/v1/unload_lora_adapter": ({"lora_name": "a"}, {(): models_protocol.UnloadLoraAdapterRequest}),
 }
 TEI_ROUTES = {"/embed"}
 
@@ -80,7 +85,7 @@ def app():
 
 
 def test_the_routes_cover_every_request_body():
-    assert set(models.REQUEST_BODIES.values()) <= _strict_models()
+    assert set(REQUEST_BODIES.values()) <= _strict_models()
     for model in _strict_models():
         assert model.model_config.get("extra") == "forbid", model
 
@@ -169,7 +174,7 @@ CHAT_EXAMPLES = {
     "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False},
     "documents": [{"title": "t", "text": "x"}]}
 COMPLETION_EXAMPLES = {
-    **{k: v for k, v in CHAT_EXAMPLES.items() if k in models.SamplingFields.model_fields},
+    **{k: v for k, v in CHAT_EXAMPLES.items() if k in chat_protocol.SamplingFields.model_fields},
     "prompt": ["a", "b"], "max_tokens": 0, "logprobs": 2, "echo": True}
 
 
@@ -184,8 +189,8 @@ def _compatible(body: dict) -> dict:
     return body
 
 
-@pytest.mark.parametrize("model, examples", [(models.ChatCompletionRequest, CHAT_EXAMPLES),
-                                             (models.CompletionRequest, COMPLETION_EXAMPLES)])
+@pytest.mark.parametrize("model, examples", [(chat_protocol.ChatCompletionRequest, CHAT_EXAMPLES),
+                                             (chat_protocol.CompletionRequest, COMPLETION_EXAMPLES)])
 def test_every_declared_field_has_an_example(model, examples):
     assert set(examples) == set(model.model_fields)
 
@@ -236,7 +241,7 @@ def test_absent_sampling_fields_stay_unset_so_the_models_defaults_apply(harness)
                  "spaces_between_special_tokens", "prompt_logprobs"):
         assert not sampling.HasField(name), name
     assert sampling.HasField("default_temperature") and sampling.default_temperature == 1.0
-    assert sampling.max_tokens == models.DEFAULT_COMPLETION_MAX_TOKENS
+    assert sampling.max_tokens == chat_protocol.DEFAULT_COMPLETION_MAX_TOKENS
 
 
 def test_chat_template_fields_reach_generate_and_tokenize(harness):

@@ -11,6 +11,7 @@ API answers for the same refusal decides the HTTP status either way; a request b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Mapping
@@ -154,7 +155,7 @@ _FIRST = {NOT_UNICODE_ERROR: 0, REFUSED_ERROR: 1, "extra_forbidden": 2}
 
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     """Pydantic's errors as one 400 whose `param` is the dotted path of the first problem: a
-    refused field (models.py's tables) or an unknown one before any other."""
+    refused field (the bodies' tables in each family's protocol.py) or an unknown one before any other."""
     problems = sorted(error.errors(), key=lambda e: _FIRST.get(e.get("type"), len(_FIRST)))
     first = problems[0] if problems else {}
     if first.get("type") == "json_invalid":  # FastAPI's loc is the byte offset, its ctx json's reason
@@ -198,3 +199,13 @@ HANDLERS = {
     RequestValidationError: validation_error_handler,
     HTTPException: http_error_handler,
 }
+
+
+@contextlib.contextmanager
+def naming(fields: dict[str, str]):
+    """A refusal of the core's that names a protobuf field names the body's (`fields`: the route's
+    table in its family's serving.py) in `param` and its message."""
+    try:
+        yield
+    except TesseraError as error:
+        raise from_error(error, fields) from error

@@ -1,7 +1,7 @@
 """The one rule of every HTTP request body: each field a client sends is honoured, accepted, or
 refused by name; none is dropped.
 
-- honoured: declared on the body's model (models.py) and carried into the gRPC request;
+- honoured: declared on the body's model (each route family's protocol.py) and carried into the gRPC request;
 - accepted: declared with `accepted(why)`: it cannot change the answer (`user`, `metadata`, ...);
 - refused: named in the model's `refused` table with the reason: 400 with `param` naming it.
   A refused field sent as null, or with one of the values its `Refusal` allows (those that ask
@@ -20,7 +20,7 @@ accepted fields (accepted ones carry `x-tessera: accepted`; every optional one i
 and its refused fields are absent from `properties`, listed with their reasons under the
 schema's `x-refused`. docs/http.md's field lists are rendered from them (docs/render_http.py).
 A refusal that depends on two fields (`top_logprobs` without `logprobs`) is the route's
-(convert.py), with the same 400 shape.
+(each family's serving.py), with the same 400 shape.
 """
 
 from __future__ import annotations

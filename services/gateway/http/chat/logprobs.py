@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import codecs
 
-from services.gateway.http import responses
+from services.gateway.http.chat.protocol import (
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 from tessera.v1 import decoder_pb2
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's (and vLLM's) stand-in for -inf, which JSON cannot carry
@@ -34,16 +41,16 @@ def _logprob(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
-def chat_logprobs(entries, as_ids: bool) -> responses.ChoiceLogprobs:
+def chat_logprobs(entries, as_ids: bool) -> ChoiceLogprobs:
     """OpenAI's chat logprobs: per token its text, logprob, bytes and `top_logprobs` alternatives."""
-    return responses.ChoiceLogprobs(content=[
-        responses.TokenLogprob(token=_text(e, as_ids), logprob=_logprob(e.logprob), bytes=list(_bytes(e)),
-                               top_logprobs=[responses.TopLogprob(token=_text(t, as_ids), logprob=_logprob(t.logprob),
+    return ChoiceLogprobs(content=[
+        TokenLogprob(token=_text(e, as_ids), logprob=_logprob(e.logprob), bytes=list(_bytes(e)),
+                               top_logprobs=[TopLogprob(token=_text(t, as_ids), logprob=_logprob(t.logprob),
                                                                   bytes=list(_bytes(t))) for t in e.top])
         for e in entries])
 
 
-class CompletionLogprobs:
+class LegacyLogprobs:
     """One choice's legacy logprobs, built as its tokens arrive (with echo, the prompt's first).
 
     `text_offset` is each token's character offset in the returned text: the characters its
@@ -54,7 +61,7 @@ class CompletionLogprobs:
 
     def __init__(self, as_ids: bool):
         self.as_ids = as_ids
-        self.answer = responses.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        self.answer = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0
 
@@ -89,29 +96,29 @@ class CompletionLogprobs:
         for entry in message.prompt_logprobs:
             self.add(entry)
 
-    def since(self, start: int) -> responses.CompletionLogprobs:
+    def since(self, start: int) -> CompletionLogprobs:
         """The entries from the `start`-th (a stream event's share)."""
         a = self.answer
-        return responses.CompletionLogprobs(text_offset=a.text_offset[start:], token_logprobs=a.token_logprobs[start:],
+        return CompletionLogprobs(text_offset=a.text_offset[start:], token_logprobs=a.token_logprobs[start:],
                                             tokens=a.tokens[start:], top_logprobs=a.top_logprobs[start:])
 
     def __len__(self) -> int:
         return len(self.answer.tokens)
 
 
-def prompt_logprobs(message: decoder_pb2.GenerateResponse) -> responses.PromptLogprobs:
+def prompt_logprobs(message: decoder_pb2.GenerateResponse) -> PromptLogprobs:
     """vLLM's prompt_logprobs from a choice's first message: null for the first prompt token, then
     per token {id: {logprob, rank, decoded_token}}, the prompt's token first (rank: its place in
     the whole distribution, the decoder's), then the alternatives (rank = place among them, 1 =
     most likely)."""
-    out: responses.PromptLogprobs = [None]
+    out: PromptLogprobs = [None]
     for entry in message.prompt_logprobs:
         ranks = {t.token_id: i + 1 for i, t in enumerate(entry.top)}
-        position = {str(entry.token_id): responses.PromptLogprob(logprob=_logprob(entry.logprob),
+        position = {str(entry.token_id): PromptLogprob(logprob=_logprob(entry.logprob),
                                                                  rank=entry.rank or ranks.get(entry.token_id),
                                                                  decoded_token=_text(entry, False))}
         for t in entry.top:
-            position.setdefault(str(t.token_id), responses.PromptLogprob(
+            position.setdefault(str(t.token_id), PromptLogprob(
                 logprob=_logprob(t.logprob), rank=ranks[t.token_id], decoded_token=_text(t, False)))
         out.append(position)
     return out

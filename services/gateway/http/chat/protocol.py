@@ -1,43 +1,33 @@
-"""Request bodies of the HTTP API, in OpenAI's (and vLLM's, TEI's, Jina's, Cohere's) shapes: the
-table of fields every route honours, accepts or refuses (the rule: fields.py).
+"""Request bodies and answers of /v1/chat/completions and /v1/completions, in OpenAI's (and
+vLLM's) shapes: the table of fields each honours, accepts or refuses (the rule: ../fields.py).
 
 Bounds that the gRPC side already enforces (the gateway's caps, the sampler's ranges) are left to
-it, so one place states each limit. Answers: responses.py.
+it, so one place states each limit.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
 from services.gateway.http.fields import VLLM_GENERATION, Body, Refusal, Strict, accepted, refusal
-
-# protobuf's int32 fields: a larger number is refused here (400), not by the message setter
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
-Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
-NonNegativeInt32 = Annotated[int, Field(ge=0, le=2**31 - 1)]  # a bound beside Int32's would be overridden by it
-# Lists stop at their first bad item (pydantic's fail_fast): a body of millions of bad items would
-# otherwise build an error for each, gigabytes and seconds of the gateway's one event loop.
-TokenIds = Annotated[list[Int32], Field(fail_fast=True)]
-TokenIdLists = Annotated[list[TokenIds], Field(fail_fast=True)]
-Texts = Annotated[list[str], Field(fail_fast=True)]
-# TEI's bodies as its router (serde) takes them: no `true` for 1 or "yes" for true
-StrictInt32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, strict=True)]
-StrictTokenIds = Annotated[list[StrictInt32], Field(fail_fast=True)]
-StrictTokenIdLists = Annotated[list[StrictTokenIds], Field(fail_fast=True)]
-Direction = Literal["right", "left", "Right", "Left"]  # TEI's truncation_direction (it takes both spellings)
-Logprobs = Annotated[int, Field(ge=0, le=20)]
+from services.gateway.http.protocol import (
+    CACHE_HINT,
+    Count,
+    Int32,
+    Logprobs,
+    NonNegativeInt32,
+    Texts,
+    TokenIdLists,
+    TokenIds,
+    Usage,
+)
 
 # OpenAI's documented default for /v1/completions; chat's is the rest of the context, as in
 # OpenAI's API and vLLM: 0 on the wire, resolved by the decoder once the prompt is tokenized.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 0
-
-_CACHE_HINT = "the decoder's prefix cache finds shared prefixes by itself"
-
-
-# -- chat messages -------------------------------------------------------------------------------
 
 
 class ImageURL(Strict):
@@ -49,13 +39,13 @@ class ImageURL(Strict):
 class TextPart(Strict):
     type: Literal["text"]
     text: str
-    prompt_cache_breakpoint: dict | None = accepted(_CACHE_HINT)
+    prompt_cache_breakpoint: dict | None = accepted(CACHE_HINT)
 
 
 class ImagePart(Strict):
     type: Literal["image_url"]
     image_url: ImageURL
-    prompt_cache_breakpoint: dict | None = accepted(_CACHE_HINT)
+    prompt_cache_breakpoint: dict | None = accepted(CACHE_HINT)
 
 
 # Content parts the decoder cannot take, by their `type` (OpenAI's, vLLM's), and why.
@@ -78,12 +68,13 @@ def _part_tag(value: Any) -> str | None:
 
 Part = Annotated[Annotated[TextPart, Tag("<text>")] | Annotated[ImagePart, Tag("<image_url>")],
                  Discriminator(_part_tag)]
+
 # The content's own branches are tagged so a validation error's location names the body's path only
 # (errors.clean_location drops "<...>" tags).
 Content = Annotated[Annotated[str, Tag("<str>")] | Annotated[Annotated[list[Part], Field(fail_fast=True)],
                                                               Tag("<parts>")],
                     Discriminator(lambda v: "<str>" if isinstance(v, str) else "<parts>")]
-_TEMPLATE_FIELDS = "the chat template is given each message's role, content and name only"
+TEMPLATE_FIELDS = "the chat template is given each message's role, content and name only"
 
 
 class ChatMessage(Strict):
@@ -97,9 +88,9 @@ class ChatMessage(Strict):
         "tool_call_id": Refusal("the gateway does not call tools"),
         "function_call": Refusal("the gateway does not call tools"),
         "audio": Refusal("audio is not supported: the decoder reads text and images"),
-        "refusal": Refusal(_TEMPLATE_FIELDS),
-        "reasoning_content": Refusal(_TEMPLATE_FIELDS),
-        "reasoning": Refusal(_TEMPLATE_FIELDS),
+        "refusal": Refusal(TEMPLATE_FIELDS),
+        "reasoning_content": Refusal(TEMPLATE_FIELDS),
+        "reasoning": Refusal(TEMPLATE_FIELDS),
     }
     # values refused by name, with why (docs/http.md lists them): roles, and content parts' types
     refused_values: ClassVar[dict[str, dict[str, str]]] = {
@@ -127,9 +118,6 @@ class StreamOptions(Strict):
                                 "event before it carries `usage: null`)")
     continuous_usage_stats: bool = Field(default=False, description="vLLM's: every event carries the usage so far")
     include_obfuscation: bool | None = accepted("events carry no obfuscation padding; their content is the same")
-
-
-# -- chat and completions ----------------------------------------------------------------------
 
 
 class SamplingFields(Body):
@@ -180,7 +168,7 @@ class SamplingFields(Body):
                                    "(completions: `cmpl-<request_id>`)")
 
 
-_TOOLS = "the gateway does not call tools"
+TOOLS = "the gateway does not call tools"
 _GENERATION_REFUSED = {
     **VLLM_GENERATION,
     "logit_bias": Refusal("token biases are not supported by the sampler", ({},)),
@@ -200,9 +188,9 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = accepted("not stored")
     parallel_tool_calls: bool | None = accepted("no tools are called")
     safety_identifier: str | None = accepted("not recorded")
-    prompt_cache_key: str | None = accepted(_CACHE_HINT)
-    prompt_cache_retention: str | None = accepted(_CACHE_HINT)
-    prompt_cache_options: dict | None = accepted(_CACHE_HINT)
+    prompt_cache_key: str | None = accepted(CACHE_HINT)
+    prompt_cache_retention: str | None = accepted(CACHE_HINT)
+    prompt_cache_options: dict | None = accepted(CACHE_HINT)
     # vLLM's chat extras
     echo: bool = Field(default=False, description="vLLM's: when the last message is the assistant's, the answer "
                        "starts with its content")
@@ -227,10 +215,10 @@ class ChatCompletionRequest(SamplingFields):
         "moderation": Refusal("no moderation model runs on requests or answers"),
         "store": Refusal("the gateway stores no answers", (False,)),
         "service_tier": Refusal('one tier serves every request: only "auto" or "default"', ("auto", "default")),
-        "tools": Refusal(_TOOLS, ([],)),
-        "tool_choice": Refusal(_TOOLS, ("none", "auto")),
-        "functions": Refusal(_TOOLS, ([],)),
-        "function_call": Refusal(_TOOLS, ("none", "auto")),
+        "tools": Refusal(TOOLS, ([],)),
+        "tool_choice": Refusal(TOOLS, ("none", "auto")),
+        "functions": Refusal(TOOLS, ([],)),
+        "function_call": Refusal(TOOLS, ("none", "auto")),
         "include_reasoning": Refusal("no reasoning parser runs: the answer holds the model's whole text", (True,)),
         "chat_template": Refusal("the served model's own chat template renders every chat"),
         "add_special_tokens": Refusal("the chat template holds the special tokens; none are added", (False,)),
@@ -254,172 +242,80 @@ class CompletionRequest(SamplingFields):
     }
 
 
-# -- pooling, tokenizer ---------------------------------------------------------------------------
-
-_TRUNCATE_PROMPT_TOKENS = Field(default=None, description="vLLM's: -1 cuts an input past the model's maximum "
-                                "input length to its last tokens; other values are refused (see truncate)")
-_ACTIVATION = "vLLM's: false gives the raw logit (TEI's raw_scores)"
-_POOLING_REFUSED = {
-    "priority": Refusal("the pooling service batches requests first come, first served", (0,)),
-    "mm_processor_kwargs": Refusal("the pooling models take text only", ({},)),
-}
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text (tokenizer.decode([id]); U+FFFD for part of a character), "
+                       "or `token_id:<id>` with return_tokens_as_token_ids")
+    logprob: float
+    bytes: list[int] | None = Field(default=None, description="the token's exact UTF-8 bytes (OpenAI's)")
 
 
-class EmbeddingRequest(Body):
-    model: str | None = Field(default=None, description="an embedding model's name or alias (absent: the pooling "
-                              "service's default embedding model)")
-    truncate_prompt_tokens: int | None = _TRUNCATE_PROMPT_TOKENS
-    input: str | Texts | TokenIds | TokenIdLists
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Count | None = None
-    normalize: bool | None = Field(default=None, description="vLLM's: unit vectors (absent: the model's "
-                                   "sentence-transformers config)")
-    user: str | None = accepted("not recorded")
-    truncate: bool | None = Field(default=None, strict=True, description="TEI's: an input past the model's "
-                                  "maximum input length is cut to it instead of refused with 400 (null: false)")
-    truncation_direction: Direction | None = Field(
-        default=None, description="TEI's: which end `truncate` keeps the tokens of (right, the default: the first ones)")
-    refused: ClassVar[dict[str, Refusal]] = {
-        **_POOLING_REFUSED,
-        "add_special_tokens": Refusal("inputs are tokenized with the model's special tokens", (True,)),
-        "request_id": Refusal("the embeddings answer carries no id"),
-        "embed_dtype": Refusal("embeddings are float32", ("float32",)),
-        "endianness": Refusal("base64 embeddings are little-endian float32", ("little",)),
-        "messages": Refusal("embeddings take text or token ids in `input`, not chat messages"),
-        "chat_template": Refusal("embeddings take text or token ids in `input`, not chat messages"),
-        "chat_template_kwargs": Refusal("embeddings take text or token ids in `input`, not chat messages"),
-        "add_generation_prompt": Refusal("embeddings take text or token ids in `input`, not chat messages"),
-        "continue_final_message": Refusal("embeddings take text or token ids in `input`, not chat messages"),
-    }
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
 
 
-class RerankRequestDocument(Strict):
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one prompt position's token or alternative."""
+
+    logprob: float
+    rank: int | None = Field(default=None, description="1 = most likely: the prompt's token's place in the whole "
+                             "distribution, an alternative's among the alternatives (vLLM's)")
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs answer: per prompt token, null for the first (it has no context), then
+# {token id: PromptLogprob} holding the prompt's own token and the alternatives asked for.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="vLLM's, with prompt_logprobs")
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: one entry per token of the returned text (with echo, the prompt's
+    first: its first token's logprob and alternatives null)."""
+
+    text_offset: list[int] = Field(description="each token's character offset in the returned text")
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None] = Field(description="the chosen token and the `logprobs` most "
+                                                        "likely alternatives, by their text")
+
+
+class CompletionChoice(BaseModel):
+    index: int
     text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="vLLM's, with prompt_logprobs")
 
 
-class RerankRequest(Body):
-    """Jina's and Cohere's rerank body (documents: texts or `{"text": ...}` objects), or on POST /rerank
-    also TEI's (`texts`, answered as TEI's list of ranks): exactly one of `documents` and `texts`."""
-
-    model: str | None = None
-    query: str
-    documents: Annotated[list[str | RerankRequestDocument], Field(fail_fast=True)] | None = None
-    top_n: Count | None = None
-    return_documents: bool = Field(default=True, description="Jina's default (and vLLM's answer): each result "
-                                   "carries its document; false leaves it null")
-    truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: -1 as truncate with "
-                                               "truncation_direction left; other values are refused")
-    activation: bool | None = Field(default=None, description=_ACTIVATION)
-    use_activation: bool | None = Field(default=None, description=_ACTIVATION + " (vLLM's newer name)")
-    texts: Texts | None = Field(default=None, description="TEI's name for the documents (POST /rerank only); the "
-                                "answer is then TEI's: a list of {index, score, text?}, highest score first")
-    return_text: bool = Field(default=False, strict=True, description="TEI's name for return_documents")
-    raw_scores: bool = Field(default=False, strict=True,
-                             description="TEI's: the cross-encoder's logit instead of its sigmoid")
-    truncate: bool | None = Field(default=None, strict=True, description="TEI's: a (query, document) pair past the "
-                                  "model's maximum input length is cut to it, the longer side first, instead of "
-                                  "refused with 400 (null: false)")
-    truncation_direction: Direction = "right"
-    refused: ClassVar[dict[str, Refusal]] = {
-        **_POOLING_REFUSED,
-        "rank_fields": Refusal("documents are texts: there are no fields to rank by"),
-        "max_chunks_per_doc": Refusal("documents are not chunked: a long one is refused, or cut with truncate"),
-        "max_tokens_per_doc": Refusal("documents are cut only to the model's maximum input length (truncate)"),
-    }
-
-
-class ScoreRequest(Body):
-    """vLLM's /score body: `text_1` one text scored against each of `text_2`, or two lists of equal
-    length scored pairwise (a list of one text counts as one text)."""
-
-    model: str | None = None
-    text_1: str | Texts
-    text_2: str | Texts
-    truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: -1 as truncate with "
-                                               "truncation_direction left; other values are refused")
-    truncate: bool | None = Field(default=None, strict=True, description="tessera's (TEI's): a pair past the "
-                                  "model's maximum input length is cut to it, the longer side first, instead of "
-                                  "refused (null: false)")
-    activation: bool | None = Field(default=None, description=_ACTIVATION)
-    use_activation: bool | None = Field(default=None, description=_ACTIVATION + " (vLLM's newer name)")
-    refused: ClassVar[dict[str, Refusal]] = dict(_POOLING_REFUSED)
-
-
-class TokenizeRequest(Body):
-    """vLLM's /tokenize: exactly one of `prompt` and `messages` (chat: decoder models only)."""
-
-    model: str | None = Field(default=None, description="absent: the decoder's tokenizer when a decoder is served "
-                              "(as vLLM), else the default pooling model's; a pooling model's name or alias: that "
-                              "model's; the decoder's name, alias or a loaded adapter's name: the decoder's")
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(fail_fast=True)] | None = Field(
-        default=None, description="rendered with the decoder's chat template")
-    add_special_tokens: bool | None = Field(default=None, description="default true for prompt, false for messages")
-    add_generation_prompt: bool | None = Field(default=None, description="messages only (absent: true, false with "
-                                               "continue_final_message)")
-    continue_final_message: bool = Field(default=False, description="messages only, as chat's")
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="messages only, as chat's")
-    return_token_strs: bool | None = accepted("token_strs are always returned")
-    refused: ClassVar[dict[str, Refusal]] = {
-        "chat_template": Refusal("the served model's own chat template renders every chat"),
-        "tools": Refusal(_TOOLS, ([],)),
-        "mm_processor_kwargs": Refusal("the vision service's processor takes no per-request arguments", ({},)),
-        "media_io_kwargs": Refusal("images are decoded with fixed settings", ({},)),
-    }
-
-
-class DetokenizeRequest(Body):
-    """vLLM's /detokenize (decoder models only)."""
-
-    model: str | None = Field(default=None, description="the decoder's model, an alias or a loaded adapter's name "
-                              "(absent: the decoder's model, as vLLM)")
-    tokens: TokenIds
-
-
-class LoadLoraAdapterRequest(Body):
-    lora_name: str
-    lora_path: str
-    replace: bool = Field(default=False, strict=True, description="tessera: load new weights under a name already loaded")
-    drain: bool = Field(default=False, strict=True, description="tessera: with replace, wait for running requests on the old "
-                                                   "weights to end (else 400 while any runs)")
-
-
-class UnloadLoraAdapterRequest(Body):
-    lora_name: str
-    drain: bool = Field(default=False, strict=True, description="tessera: refuse new requests and wait for running ones to "
-                                                   "end (else 400 while any runs)")
-    refused: ClassVar[dict[str, Refusal]] = {"lora_int_id": Refusal("adapters are named, not numbered: send lora_name")}
-
-
-# -- text-embeddings-inference's native routes (its router's http/types.rs) -----------------------
-
-
-class TeiEmbedRequest(Body):
-    """TEI's /embed body (also POST /, where huggingface_hub's InferenceClient.feature_extraction sends it)."""
-
-    inputs: str | Texts | StrictTokenIds | StrictTokenIdLists = Field(
-        description="a text, texts, a token id list or token id lists (special tokens are the client's)")
-    normalize: bool = Field(default=True, strict=True, description="TEI's default: unit vectors")
-    truncate: bool | None = Field(default=None, strict=True, description="an input past the model's maximum input "
-                                  "length is cut to it instead of refused (null: false)")
-    truncation_direction: Direction = "right"
-    prompt_name: str | None = Field(default=None, description="a key of the model's sentence-transformers prompts")
-    dimensions: Annotated[int, Field(ge=1, le=2**31 - 1, strict=True)] | None = Field(
-        default=None, description="Matryoshka models only: the first `dimensions`")
-    model: str | None = Field(default=None, description="tessera's, not TEI's: which pooling model (TEI serves one; "
-                              "default: the pooling service's default embedding model)")
-
-
-# Every request body, by the routes that take it (docs/render_http.py lists their fields).
-REQUEST_BODIES: dict[str, type[Body]] = {
-    "POST /v1/chat/completions": ChatCompletionRequest,
-    "POST /v1/completions": CompletionRequest,
-    "POST /v1/embeddings": EmbeddingRequest,
-    "POST /v1/rerank, /rerank": RerankRequest,
-    "POST /v1/score, /score": ScoreRequest,
-    "POST /tokenize": TokenizeRequest,
-    "POST /detokenize": DetokenizeRequest,
-    "POST /embed, / (TEI)": TeiEmbedRequest,
-    "POST /v1/load_lora_adapter": LoadLoraAdapterRequest,
-    "POST /v1/unload_lora_adapter": UnloadLoraAdapterRequest,
-}
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage

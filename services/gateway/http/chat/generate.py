@@ -22,9 +22,17 @@ from dataclasses import dataclass, field
 
 from services.common.errors import TesseraError
 from services.gateway.core import Call
-from services.gateway.http import logprobs as lp
-from services.gateway.http import responses
+from services.gateway.http.chat import logprobs as lp
+from services.gateway.http.chat.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    Completion,
+    CompletionChoice,
+    PromptLogprobs,
+)
 from services.gateway.http.errors import from_error
+from services.gateway.http.protocol import Usage
 from tessera.v1 import decoder_pb2
 
 log = logging.getLogger(__name__)
@@ -58,8 +66,8 @@ class Shape:
 class _Choice:
     text: list[str] = field(default_factory=list)
     entries: list = field(default_factory=list)             # chat: the decoder's TokenLogprob entries
-    legacy: lp.CompletionLogprobs | None = None             # completions: legacy logprobs
-    prompt_logprobs: responses.PromptLogprobs | None = None
+    legacy: lp.LegacyLogprobs | None = None             # completions: legacy logprobs
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -97,7 +105,7 @@ class Tally:
             choice.prompt_tokens = len(response.prompt_token_ids)
             head = response.prompt_text if shape.echo_prompt else shape.echo_text
             if shape.logprobs and not shape.chat:
-                choice.legacy = lp.CompletionLogprobs(shape.as_ids)
+                choice.legacy = lp.LegacyLogprobs(shape.as_ids)
                 if shape.echo_prompt:
                     choice.legacy.add_prompt(response)
             if shape.prompt_logprobs:
@@ -121,9 +129,9 @@ class Tally:
             choice.completion_tokens = counted
         return _Delta(index, first, head, generated, entries, legacy_from)
 
-    def usage(self) -> responses.Usage:
+    def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens.values())
-        return responses.Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+        return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                                total_tokens=prompt + self.completion_tokens)
 
 
@@ -182,24 +190,24 @@ async def collect(streams: list[Stream], n: int, shape: Shape) -> Tally:
     return tally
 
 
-def chat_completion(tally: Tally) -> responses.ChatCompletion:
+def chat_completion(tally: Tally) -> ChatCompletion:
     shape = tally.shape
-    choices = [responses.ChatChoice(index=i, message=responses.AssistantMessage(content="".join(c.text)),
+    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
                                     finish_reason=c.finish_reason,
                                     logprobs=lp.chat_logprobs(c.entries, shape.as_ids) if shape.logprobs else None)
                for i, c in sorted(tally.choices.items())]
     first = tally.choices.get(0)
-    return responses.ChatCompletion(id=shape.ident, created=int(time.time()), model=shape.model, choices=choices,
+    return ChatCompletion(id=shape.ident, created=int(time.time()), model=shape.model, choices=choices,
                                     usage=tally.usage(), prompt_logprobs=first.prompt_logprobs if first else None)
 
 
-def completion(tally: Tally) -> responses.Completion:
+def completion(tally: Tally) -> Completion:
     shape = tally.shape
-    choices = [responses.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+    choices = [CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                           logprobs=c.legacy.answer if c.legacy is not None else None,
                                           prompt_logprobs=c.prompt_logprobs)
                for i, c in sorted(tally.choices.items())]
-    return responses.Completion(id=shape.ident, created=int(time.time()), model=shape.model, choices=choices,
+    return Completion(id=shape.ident, created=int(time.time()), model=shape.model, choices=choices,
                                 usage=tally.usage())
 
 
@@ -223,7 +231,7 @@ class _Events:
         if shape.continuous_usage:
             c = self.tally.choices[index]
             completion = c.completion_tokens if generated else 0
-            payload["usage"] = responses.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=completion,
+            payload["usage"] = Usage(prompt_tokens=c.prompt_tokens, completion_tokens=completion,
                                                total_tokens=c.prompt_tokens + completion).model_dump()
         elif shape.include_usage:
             payload["usage"] = None

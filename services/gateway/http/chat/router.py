@@ -1,0 +1,34 @@
+"""POST /v1/chat/completions and /v1/completions (OpenAI's; vLLM's extra sampling fields)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from services.gateway.http.backend import Backend
+from services.gateway.http.chat import protocol, serving
+
+
+def router(backend: Backend, as_ids: bool) -> APIRouter:
+    """The routes over `backend`; `as_ids`: logprob tokens as `token_id:<id>` unless a request says
+    otherwise (vLLM's --return-tokens-as-token-ids)."""
+    routes = APIRouter()
+
+    @routes.post("/v1/chat/completions", response_model=protocol.ChatCompletion)
+    async def chat_completions(body: protocol.ChatCompletionRequest, http: Request):
+        request = serving.chat_request(body)  # bad input refused before any call
+        model = body.model or await backend.base_model()  # absent: the base model, as vLLM
+        request.lora = await backend.lora_for(model)
+        shape = serving.chat_shape(body, await serving.answer_model(backend, model, request.lora), as_ids)
+        return await serving.answer(backend, [request], body, http, shape)
+
+    @routes.post("/v1/completions", response_model=protocol.Completion)
+    async def completions(body: protocol.CompletionRequest, http: Request):
+        requests = serving.completion_requests(body)
+        model = body.model or await backend.base_model()
+        lora = await backend.lora_for(model)
+        for request in requests:
+            request.lora = lora
+        shape = serving.completion_shape(body, await serving.answer_model(backend, model, lora), as_ids)
+        return await serving.answer(backend, requests, body, http, shape)
+
+    return routes

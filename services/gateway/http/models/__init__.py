@@ -1,0 +1,1 @@
+"""Models, adapters, health and version: router.py, protocol.py, serving.py."""

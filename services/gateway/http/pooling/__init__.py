@@ -1,0 +1,1 @@
+"""Embeddings, rerank and score: router.py, protocol.py, serving.py."""

@@ -1,0 +1,1 @@
+"""text-embeddings-inference's native routes: router.py, protocol.py, serving.py."""

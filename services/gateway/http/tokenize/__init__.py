@@ -1,0 +1,1 @@
+"""Tokenize and detokenize: router.py, protocol.py, serving.py."""
