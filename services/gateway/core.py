@@ -202,9 +202,11 @@ class GatewayCore:
     # -- pooling ------------------------------------------------------------------------------
 
     async def embed(self, request: pooling_pb2.EmbedRequest, call: Call) -> pooling_pb2.EmbedResponse:
+        self.limits.embed(request)
         return await self._pooled("Embed", request, call)
 
     async def rerank(self, request: pooling_pb2.RerankRequest, call: Call) -> pooling_pb2.RerankResponse:
+        self.limits.rerank(request)
         return await self._pooled("Rerank", request, call)
 
     async def embed_stream(self, requests: AsyncIterator[pooling_pb2.EmbedRequest],

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.limits import PoolingLimits
 from services.common.server import create_server
 from services.gateway import pools
 from services.gateway.config import GatewayConfig
@@ -51,6 +52,15 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
 class FakePooling(pooling_pb2_grpc.PoolingServicer):
     def __init__(self):
         self.tokenized: list[pooling_pb2.TokenizeRequest] = []
+        self.pooled: list = []  # every Embed and Rerank that reached it
+
+    async def Embed(self, request, context):
+        self.pooled.append(request)
+        return pooling_pb2.EmbedResponse(model="org/p")
+
+    async def Rerank(self, request, context):
+        self.pooled.append(request)
+        return pooling_pb2.RerankResponse(model="org/p")
 
     async def GetInfo(self, request, context):
         return pooling_pb2.PoolingInfo(model="org/p", models=[
@@ -187,3 +197,24 @@ def test_no_model_is_the_default_pooling_model_in_a_cluster_without_a_decoder(mo
         assert reply.model == "org/p" and [r.model for r in pooling.tokenized] == [""]
 
     _run(scenario, ["org/m"], with_decoder=False)
+
+
+def test_embed_and_rerank_past_the_gateways_caps_are_refused_before_any_pooler_call():
+    """The gateway checks every public RPC against its own caps (--max-batch-size, ...), as the
+    pooling service would, so a request over them costs no downstream call."""
+    cap = PoolingLimits().max_batch_size
+
+    async def scenario(stub, decoder, pooling):
+        refusals = [
+            await _refused(stub.Embed(pooling_pb2.EmbedRequest(inputs=["a"] * (cap + 1)), timeout=10),
+                           grpc.StatusCode.INVALID_ARGUMENT),
+            await _refused(stub.Rerank(pooling_pb2.RerankRequest(query="q", documents=["d"] * (cap + 1)), timeout=10),
+                           grpc.StatusCode.INVALID_ARGUMENT)]
+        assert pooling.pooled == []
+        assert all(f"{cap + 1}" in r and f"{cap}" in r and "--max-batch-size" in r for r in refusals), refusals
+        assert refusals[0].startswith("inputs") and refusals[1].startswith("documents"), refusals
+        await stub.Embed(pooling_pb2.EmbedRequest(inputs=["a"] * cap), timeout=10)
+        await stub.Rerank(pooling_pb2.RerankRequest(query="q", documents=["d"] * cap), timeout=10)
+        assert len(pooling.pooled) == 2
+
+    _run(scenario, [])
