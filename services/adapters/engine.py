@@ -15,8 +15,8 @@ from services.adapters.base_model import BaseModelShapes
 from services.adapters.catalog import READY, AdapterRecord, Catalog
 from services.adapters.config import RegistryConfig
 from services.adapters.leases import AdapterRef, LeaseTable
-from services.adapters.paths import relative_to_root, resolve_in_root
-from services.adapters.peft_format import read_peft_adapter
+from services.adapters.paths import open_in_root
+from services.adapters.peft_format import read_peft_dir
 from services.adapters.types import BASE_MISMATCH, BASE_UNKNOWN, AdapterStatus, LoRAAdapter
 from services.common.checkpoint import CheckpointConfig, base_model_digest, base_model_name
 from services.common.errors import (
@@ -67,8 +67,7 @@ class AdapterRegistry:
         """
         check_adapter_name(name)
         self._refuse_existing(name, replace)
-        directory = resolve_in_root(self.root, path)
-        adapter = self._read(name, directory)
+        directory, adapter = self._read(name, path)
         previous = self._refuse_existing(name, replace)
         if previous is not None and previous.state == READY and previous.digest != adapter.digest:
             self._refuse_leased(previous)
@@ -81,8 +80,7 @@ class AdapterRegistry:
         """
         check_adapter_name(name)
         self._refuse_existing(name, replace)
-        directory = resolve_in_root(self.root, path)
-        adapter = await asyncio.to_thread(self._read, name, directory)  # validate before touching anything
+        directory, adapter = await asyncio.to_thread(self._read, name, path)  # validate before touching anything
         previous = self._refuse_existing(name, replace)
         if previous is None or previous.state != READY or previous.digest == adapter.digest:
             return self._put(name, directory, adapter, replace)
@@ -161,12 +159,12 @@ class AdapterRegistry:
             raise FailedPrecondition(f"adapter {record.name!r} is leased by {leases} running request(s) ({where}); "
                                      "pass drain=true to refuse new requests and wait for these to finish")
 
-    def _put(self, name: str, directory, adapter: LoRAAdapter, replace: bool) -> AdapterRecord:
+    def _put(self, name: str, directory: str, adapter: LoRAAdapter, replace: bool) -> AdapterRecord:
         digest = adapter.digest
         while True:
             previous = self._refuse_existing(name, replace)
             record = self.catalog.put_ready(
-                name=name, path=relative_to_root(self.root, directory), digest=digest, rank=adapter.rank,
+                name=name, path=directory, digest=digest, rank=adapter.rank,
                 alpha=adapter.alpha, use_rslora=adapter.use_rslora, targets=adapter.target_modules,
                 expected_generation=previous.generation if previous else 0,
                 base_model=self.base_model, base_model_name=self.base_model_name)
@@ -214,7 +212,7 @@ class AdapterRegistry:
         """
         record = self.get_admissible(name)
         try:
-            adapter = self._read(name, resolve_in_root(self.root, record.path))
+            _, adapter = self._read(name, record.path)
         except TesseraError as error:
             raise FailedPrecondition(f"adapter {name!r} can no longer be read from {record.path!r} ({error}); "
                                      "reload it") from None
@@ -234,8 +232,11 @@ class AdapterRegistry:
                                 "pass replace=true to load new weights under this name")
         return previous
 
-    def _read(self, name: str, directory) -> LoRAAdapter:
-        return read_peft_adapter(directory, self.root, name, self.config.max_rank, self.base)
+    def _read(self, name: str, path: str) -> tuple[str, LoRAAdapter]:
+        """(the catalog form of `path`, its adapter): the directory opened inside the root and its
+        files read through its descriptor (paths.py), so no swapped symlink leads the read outside."""
+        with open_in_root(self.root, path) as directory:
+            return directory.path, read_peft_dir(directory, name, self.config.max_rank, self.base)
 
 
 def _ref(record: AdapterRecord) -> AdapterRef:

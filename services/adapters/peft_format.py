@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from services.adapters.base_model import BaseModelShapes
-from services.adapters.paths import file_in_root
+from services.adapters.paths import AdapterDir, open_in_root
 from services.adapters.targets import TargetModules, match_module
 from services.adapters.types import LoRAAdapter, LoRATarget
 from services.common.errors import InvalidArgument
@@ -81,9 +81,18 @@ def _pattern_regex(key: str) -> str:
     return rf"(.*\.)?({key})$"
 
 
-def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
+def read_peft_adapter(directory: Path | str, root: Path, name: str, max_rank: int,
                       base: BaseModelShapes | None = None) -> LoRAAdapter:
-    """Parse and validate the PEFT LoRA adapter in `directory` (already resolved inside `root`).
+    """`read_peft_dir` of `directory` (a path inside `root`, relative or absolute) opened with
+    `paths.open_in_root`; raises what both raise."""
+    with open_in_root(root, str(directory)) as opened:
+        return read_peft_dir(opened, name, max_rank, base)
+
+
+def read_peft_dir(directory: AdapterDir, name: str, max_rank: int,
+                  base: BaseModelShapes | None = None) -> LoRAAdapter:
+    """Parse and validate the PEFT LoRA adapter in `directory`, its files read only through the
+    directory's descriptor (paths.py: nothing outside the adapter root is ever read).
 
     Returns:
         A `LoRAAdapter` whose targets hold A [r, in] and scaled B [out, r], float32.
@@ -95,28 +104,29 @@ def read_peft_adapter(directory: Path, root: Path, name: str, max_rank: int,
             bound (module docstring), or (with `base`) a target entry matching no base-model
             linear, or a pair that is not a base-model linear or does not fit it.
     """
-    settings = read_lora_settings(file_in_root(root, directory, CONFIG_FILE))
+    settings = read_lora_settings(directory.read_file(CONFIG_FILE))
     if base is not None:
         settings.targets.check_against(base.modules)
-    tensors = _load_tensors(file_in_root(root, directory, WEIGHTS_FILE))
+    tensors = _load_tensors(directory.read_file(WEIGHTS_FILE))
     pairs = _pair_tensors(tensors)
     for module in sorted(pairs):
         if not settings.targets.matches(module):
             raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
                                   "does not name")
-    targets = {module: _build_target(module, a, b, settings, max_rank, base) for module, (a, b) in pairs.items()}
+    targets = {module: _build_target(module, a, b, settings, max_rank, base)
+               for module, (a, b) in sorted(pairs.items())}  # the first refusal named does not depend on file order
     return LoRAAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
                        use_rslora=settings.use_rslora, targets=targets)
 
 
-def read_lora_settings(config_path: Path) -> LoRASettings:
-    """Parse adapter_config.json, refusing every PEFT feature the decoder cannot reproduce."""
+def read_lora_settings(config: bytes) -> LoRASettings:
+    """Parse the bytes of adapter_config.json, refusing every PEFT feature the decoder cannot reproduce."""
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InvalidArgument(f"{config_path.name} is not readable JSON: {error}") from None
+        config = json.loads(config)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidArgument(f"{CONFIG_FILE} is not readable JSON: {error}") from None
     if not isinstance(config, dict):
-        raise InvalidArgument(f"{config_path.name} must hold a JSON object")
+        raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
     _refuse_unsupported(config)
     targets = TargetModules.from_config(config)
     _refuse_embedding_targets(targets)
@@ -188,11 +198,11 @@ def _refuse_embedding_targets(targets: TargetModules) -> None:
                               "targets are not supported")
 
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_tensors(data: bytes) -> dict[str, torch.Tensor]:
     try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as error:
-        raise InvalidArgument(f"{path.name} is not a readable safetensors file: {error}") from None
+        return load(data)
+    except (SafetensorError, ValueError) as error:
+        raise InvalidArgument(f"{WEIGHTS_FILE} is not a readable safetensors file: {error}") from None
 
 
 def _pair_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
