@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from grpc_health.v1 import health as grpc_health
 
@@ -15,6 +16,7 @@ from services.common.metrics import record_downstream, start_metrics_server
 from services.common.run import parse_config, run_service, service_parser
 from services.common.server import Hooks, Listen, serve
 from services.gateway import metrics as gateway_metrics
+from services.gateway import readiness
 from services.gateway.api_keys import ApiKeyInterceptor, read_api_keys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
@@ -52,12 +54,17 @@ async def serve_gateway(config: GatewayConfig, security: Security) -> None:
                         extra_routes={"/metrics": gateway_metrics.asgi_app(core)})
             if config.http_port else None)
 
+    followers: list[asyncio.Task] = []
+
     async def start() -> None:
         await core.start()
+        followers.append(asyncio.get_running_loop().create_task(readiness.follow(core, health)))
         if http is not None:
             await http.start()
 
     async def stop() -> None:
+        for follower in followers:
+            follower.cancel()
         if http is not None:
             await http.stop()
         await core.close()
@@ -71,6 +78,7 @@ async def serve_gateway(config: GatewayConfig, security: Security) -> None:
     # The public port: no internal-token check; the core's channels send the token.
     listen = Listen(config.address, max_receive_bytes, interceptors=[ApiKeyInterceptor(keys)] if keys else [],
                     public=True, credentials=security.server_credentials())
+    await readiness.register(health)  # the capability verdicts: NOT_SERVING until `follow` sets them
     await serve("gateway", listen, register, Hooks(start, stop), health_servicer=health)
 
 

@@ -156,6 +156,7 @@ class ReplicaSet:
         self.info_interval_s = info_interval_s
         self.resolver = resolver
         self.replicas: dict[str, Replica] = {}
+        self.ever_ready = False  # some replica has been ready since the set was made
         self._tasks: list[asyncio.Task] = []
         self._closing: set[asyncio.Task] = set()  # channels of replicas that left, in their grace period
         self._add(resolver(self.target))
@@ -205,6 +206,7 @@ class ReplicaSet:
             replica.was_ready = ready
             if ready:
                 out.append(replica)
+        self.ever_ready = self.ever_ready or bool(out)
         return out
 
     async def wait_ready(self, timeout_s: float) -> list[Replica]:

@@ -1,6 +1,6 @@
 """Two decoders and two poolers behind one gateway, started by `tessera up`'s code (--decoders 2
---poolers 2): balancing, conversation and adapter affinity, greedy equality, and a decoder killed
-mid-stream and restarted."""
+--poolers 2): balancing, conversation and adapter affinity, greedy equality, a decoder killed
+mid-stream and restarted, and the gateway's health while the registry is frozen and decoders die."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.auth import INTERNAL_TOKEN_METADATA
@@ -23,7 +24,7 @@ from tessera.cli.up.launch import Cluster
 from tessera.cli.up.spec import ClusterSpec
 from tessera.v1 import adapters_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, pooling_pb2
 
-from .conftest import internal_token, run_cli
+from .conftest import free_port, internal_token, run_cli
 from .test_generate import CHAT_PROMPTS, chat_request, hf_greedy
 from .test_lora import peft_adapter  # noqa: F401 - the session's PEFT adapter under adapter_root
 
@@ -58,7 +59,8 @@ def replicated(tmp_path_factory, adapter_root, peft_adapter):  # noqa: F811 - th
                        log_dir=tmp_path_factory.mktemp("replica-logs"), num_decoders=2, num_poolers=2,
                        extra_args={"decoder": ["--max-model-len", "2048", "--max-num-seqs", "2",
                                                "--num-blocks", "512"],
-                                   "adapters": ["--db", str(tmp_path_factory.mktemp("registry") / "catalog.sqlite3")]})
+                                   "adapters": ["--db", str(tmp_path_factory.mktemp("registry") / "catalog.sqlite3")]},
+                       http_port=free_port())
     assert spec.target("decoder").startswith("ipv4:")
     with Cluster(spec) as cluster:
         yield cluster
@@ -226,3 +228,78 @@ def test_killed_decoder_fails_fast_retries_and_rejoins(replicated, stub):
     with grpc.insecure_channel(victim_address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _health(spec: ClusterSpec, path: str = "/health") -> tuple[int, dict]:
+    response = requests.get(f"http://{spec.host}:{spec.http_port}{path}", timeout=30)
+    return response.status_code, response.json()
+
+
+def _health_until(spec: ClusterSpec, done, what: str, timeout_s: float = 30.0) -> tuple[int, dict]:
+    """/health's (status, body) once `done(status, body)`; fails naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = _health(spec)
+        if done(status, body):
+            return status, body
+        assert time.monotonic() < deadline, f"/health not {what} within {timeout_s} s: {status} {body}"
+        time.sleep(0.25)
+
+
+def _gateway_health(spec: ClusterSpec, service: str) -> int:
+    with grpc.insecure_channel(spec.address("gateway")) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=10).status
+
+
+def test_health_stays_200_with_the_registry_frozen(replicated, stub):
+    """A frozen registry costs adapter loads, not chat or embeddings: /health 200, naming it."""
+    spec = replicated.spec
+    registry = replicated.processes["adapters"]
+    registry.send_signal(signal.SIGSTOP)
+    try:
+        status, body = _health_until(spec, lambda _, b: any(p.startswith("adapters:") for p in b["not_serving"]),
+                                     "naming the frozen registry")
+        assert (status, body["status"], body["serving"]) == (200, "degraded", {"generate": True, "embed": True}), body
+        assert spec.address("adapters") in body["not_serving"][0]
+        assert _health(spec, "/health/generate")[0] == _health(spec, "/health/embed")[0] == 200
+        assert _gateway_health(spec, "tessera.v1.Gateway/ready") == health_pb2.HealthCheckResponse.SERVING
+        assert len(generate(stub, chat_request(CHAT_PROMPTS[0], 2))[1]) == 2  # chat on the base model still answers
+    finally:
+        registry.send_signal(signal.SIGCONT)
+    _health_until(spec, lambda s, b: b["status"] == "ok", "ok again after SIGCONT")
+
+
+def test_health_names_a_dead_decoder_and_is_503_with_none_left(replicated):
+    """One of two decoders killed: 200, `degraded` names it; both: 503 (this deployment's core is
+    generation), while /health/embed stays 200 and the gateway's own health SERVING (no restart).
+    The decoders are restarted afterwards."""
+    spec = replicated.spec
+    first, second = spec.replicas("decoder")
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        replicated.processes[second].kill()
+        replicated.processes[second].wait(30)
+        status, body = _health_until(spec, lambda _, b: b["degraded"], "naming the dead decoder")
+        assert (status, body["status"]) == (200, "degraded"), body
+        assert [d.split(": ")[0] for d in body["degraded"]] == [f"decoder replica {spec.address(second)}"], body
+        assert not any(p.startswith("decoder") for p in body["not_serving"]), body
+        replicated.processes[first].kill()
+        replicated.processes[first].wait(30)
+        status, body = _health_until(spec, lambda s, _: s == 503, "503 with no decoder left")
+        assert body["status"] == "unavailable" and body["serving"] == {"generate": False, "embed": True}, body
+        assert any(p.startswith("decoder: ") for p in body["not_serving"]), body
+        assert _health(spec, "/health/generate")[0] == 503
+        assert _health(spec, "/health/embed")[0] == 200
+        assert _health(spec, "/health/live")[0] == 200
+        deadline = time.monotonic() + 10  # the gRPC statuses follow the replica channels every 0.5 s
+        while _gateway_health(spec, "tessera.v1.Gateway/generate") != NOT_SERVING and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [_gateway_health(spec, name) for name in ("tessera.v1.Gateway/generate", "tessera.v1.Gateway/ready",
+                                                          "tessera.v1.Gateway/embed", "tessera.v1.Gateway", "")] == \
+            [NOT_SERVING, NOT_SERVING, SERVING, SERVING, SERVING]
+    finally:
+        for name in (first, second):
+            if replicated.processes[name].poll() is not None:
+                replicated.restart(name)
+    _health_until(spec, lambda s, b: s == 200 and not b["degraded"], "back to both decoders")

@@ -38,6 +38,7 @@ def http_server(config: GatewayConfig, core, max_grpc_bytes: int,
     services = {"adapters": config.adapters, **({"vision": config.vision} if config.vision else {}),
                 "decoder": config.decoder, "pooling": config.pooling}
     backend = Backend(core, services, keys, max_request_bytes=max_grpc_bytes,
+                      has_decoders=lambda: core.decoders.replicas.ever_ready,
                       **({"gateway_health": gateway_health} if gateway_health else {}))
     app = create_app(backend, max_grpc_bytes * BODY_BYTES_PER_GRPC_BYTE, extra_routes,
                      return_tokens_as_token_ids=config.return_tokens_as_token_ids)

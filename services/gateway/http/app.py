@@ -6,7 +6,8 @@ One package per route family, each `router.py` (the routes), `protocol.py` (bodi
 - pooling/: POST /v1/embeddings, /v1/rerank (and /rerank), /v1/score (and /score);
 - tokenize/: POST /tokenize, /detokenize;
 - tei/: text-embeddings-inference's POST /embed (and /), GET /info (TEI's /rerank body: pooling/);
-- models/: GET /v1/models, /v1/models/{model}, /health (also /ping and GET /), /version; POST
+- models/: GET /v1/models, /v1/models/{model}, /health (also /ping and GET /), /health/generate,
+  /health/embed, /health/live, /version; POST
   /v1/load_lora_adapter, /v1/unload_lora_adapter (admin: the `Authorization` header goes to the
   adapter registry, which checks its admin token, as the gRPC API's admin metadata does).
 With API keys configured, every inference route and /v1/models needs `Authorization: Bearer <key>`.

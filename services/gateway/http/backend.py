@@ -1,5 +1,5 @@
 """What the HTTP routes call: the gateway's in-process core (services/gateway/core.py), the served
-models' names, API keys, and the health of every required service.
+models' names, API keys, and the health of every dependency (services/gateway/readiness.py).
 
 The HTTP door is a second adapter over the same core as the gRPC servicer: routing, caps, image
 encoding and adapter auth happen there exactly as for gRPC clients, and every refusal is the same
@@ -21,12 +21,32 @@ from services.common.errors import ResourceExhausted, TesseraError
 from services.common.healthcheck import not_serving, probe
 from services.gateway.core import Call
 from services.gateway.http.errors import ApiError
+from services.gateway.readiness import Readiness
 from tessera.protocol import MESSAGE_TOO_LARGE
 from tessera.v1 import gateway_pb2
 
 INFO_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
 ALIAS_REFRESH_S = 5.0  # the shortest wait before the pooling models' names are asked again for an unknown one
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """What /health answers: `readiness` (what can be served now), `not_serving` (each dependency
+    with nothing serving, "service: why"; the gateway's own status as "gateway: ...") and
+    `degraded` (each replica down beside others of its service that serve, "service replica
+    address: why")."""
+
+    readiness: Readiness
+    not_serving: list[str]
+    degraded: list[str]
+
+    def status(self, capability: str | None = None) -> str:
+        """"unavailable" when `capability` (None: the core traffic) cannot be served, else "ok" with
+        nothing listed, "degraded" with something (ValueError for an unknown capability)."""
+        if not self.readiness.ready(capability):
+            return "unavailable"
+        return "degraded" if self.not_serving or self.degraded else "ok"
 
 
 @dataclass(frozen=True)
@@ -49,6 +69,10 @@ async def _always_serving() -> str | None:
     return None
 
 
+def _has_decoders() -> bool:
+    return True
+
+
 class Backend:
     """The core, the served models' names, and the health of every required service.
 
@@ -57,15 +81,19 @@ class Backend:
     configured); decoder and pooling replicas are the ones the core's info lists. `gateway_health`:
     the gateway's own grpc.health.v1 verdict (None = SERVING, else why), as its gRPC port answers it.
     `max_request_bytes`: the largest request the gateway's gRPC port accepts; a route's request
-    past it is refused as that port refuses it (0: no limit).
+    past it is refused as that port refuses it (0: no limit). `has_decoders`: whether a decoder
+    replica has served since the gateway started (readiness.Readiness.has_decoders; default: a
+    deployment with decoders).
     """
 
     def __init__(self, core, services: dict[str, str], api_keys: frozenset[str] = frozenset(),
-                 gateway_health: Callable[[], Awaitable[str | None]] = _always_serving, max_request_bytes: int = 0):
+                 gateway_health: Callable[[], Awaitable[str | None]] = _always_serving, max_request_bytes: int = 0,
+                 has_decoders: Callable[[], bool] = _has_decoders):
         self.core = core
         self.services = services
         self.api_keys = api_keys
         self.gateway_health = gateway_health
+        self.has_decoders = has_decoders
         self.max_request_bytes = max_request_bytes
         self._health_channels: dict[str, grpc.aio.Channel] = {}
         self._decoder_names: DecoderNames | None = None
@@ -153,18 +181,17 @@ class Backend:
             return names.grpc
         return await self.pooling_model(model)
 
-    async def not_serving(self) -> tuple[list[str], list[str]]:
-        """(down, degraded): each required service whose health is not SERVING, with why ([] = all
-        serve), and each replica not SERVING beside replicas of its service that do, as
-        `decoder replica host:port: why` (the service still serves: no failure alone).
-        """
+    async def health(self) -> HealthReport:
+        """One probe of every dependency (each health Check bounded by HEALTH_TIMEOUT_S): what can be
+        served (readiness.Readiness), each dependency with nothing serving, and each replica down
+        beside replicas of its service that serve."""
         checks = {name: address for name, address in self.services.items() if name not in ("decoder", "pooling")}
-        problems: list[str] = []
         try:
             info = await self.info(HEALTH_TIMEOUT_S * 2)
             replicas = [(r.service, r.address) for r in info.replicas]
         except TesseraError as error:
-            return [f"gateway: {error.code.name} {error}"], []
+            why = f"{error.code.name} {error}"
+            return HealthReport(Readiness(why, False, False, self.has_decoders()), [f"gateway: {why}"], [])
         names = ["gateway", *checks, *(f"{s}@{a}" for s, a in replicas)]
         verdicts = await asyncio.gather(self._gateway(),
                                         *(self._check(a) for a in checks.values()),
@@ -174,13 +201,13 @@ class Backend:
             by_service.setdefault(name.split("@")[0], []).append(verdict)
         for service in ("decoder", "pooling"):
             by_service.setdefault(service, ["no replica known"])
-        for service, results in by_service.items():
-            if all(results):
-                problems.append(f"{service}: {results[0]}")
+        problems = [f"{service}: {results[0]}" for service, results in by_service.items() if all(results)]
         degraded = [f"{service} replica {address}: {verdict}"
                     for (service, address), verdict in zip(replicas, verdicts[1 + len(checks):])
                     if verdict and not all(by_service[service])]
-        return problems, degraded
+        generate, embed = not all(by_service["decoder"]), not all(by_service["pooling"])
+        readiness = Readiness(verdicts[0], generate, embed, self.has_decoders() or generate)
+        return HealthReport(readiness, problems, degraded)
 
     async def _gateway(self) -> str | None:
         reason = await self.gateway_health()

@@ -51,9 +51,13 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    """status "ok" (200) while every service has a SERVING replica; `degraded` lists the replicas
-    that are not (killed, stopped, wedged), which the gateway routes around meanwhile."""
+    """The answer of /health, /health/generate and /health/embed (docs/operations.md#health): 200 with
+    status "ok" (everything serves) or "degraded" (something does not, and what the route checks
+    still can be served), 503 with "unavailable"; the lists name what is down either way."""
 
-    status: Literal["ok", "unavailable"]
-    not_serving: list[str] = []
-    degraded: list[str] = []
+    status: Literal["ok", "degraded", "unavailable"]
+    not_serving: list[str] = Field(default=[], description="each dependency with nothing serving: \"service: why\"")
+    degraded: list[str] = Field(default=[], description="each replica down beside others of its service that serve: "
+                                "\"service replica host:port: why\"")
+    serving: dict[str, bool] = Field(default={}, description="tessera's: whether each capability (generate: a decoder "
+                                     "replica serves; embed: a pooler does) can be served now")

@@ -1,7 +1,8 @@
 """GET /v1/models and /v1/models/{model} (an inference route: API key), POST /v1/load_lora_adapter
 and /v1/unload_lora_adapter (admin: the `Authorization` header goes to the adapter registry, which
 checks its admin token, as the `authorization` metadata of the gRPC API's admin calls does),
-/health (also /ping and GET /) and /version (open)."""
+/health (also /ping and GET /), /health/generate, /health/embed, /health/live and /version (open;
+services/gateway/readiness.py says what each health route follows)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from services.gateway.core import Call
 from services.gateway.http.backend import Backend
 from services.gateway.http.errors import ApiError
 from services.gateway.http.models import protocol, serving
+from services.gateway.readiness import CAPABILITIES, EMBED, GENERATE
 from tessera import package_version
 from tessera.v1 import adapters_pb2
 
@@ -65,13 +67,29 @@ def router(backend: Backend, inference) -> APIRouter:
         reply = await backend.core.unload_adapter(unload, admin(request))
         return JSONResponse(serving.model_entry(protocol.Model(id=reply.name)))
 
+    _health_routes(routes, backend)
+
+    @routes.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's /version: the installed tessera's version."""
+        return {"version": package_version()}
+
+    return routes
+
+
+def _health_routes(routes: APIRouter, backend: Backend) -> None:
+    """/health (also /ping and GET /), /health/generate, /health/embed, /health/live on `routes`."""
+
+    def answer(report, capability: str | None):
+        body = protocol.Health(status=report.status(capability), not_serving=report.not_serving,
+                               degraded=report.degraded,
+                               serving={c: report.readiness.ready(c) for c in CAPABILITIES})
+        return JSONResponse(body.model_dump(), status_code=200 if body.status != "unavailable" else 503)
+
     async def health():
-        """200 while every required service serves, else 503 naming those that do not."""
-        problems, degraded = await backend.not_serving()
-        if problems:
-            return JSONResponse(protocol.Health(status="unavailable", not_serving=problems,
-                                                degraded=degraded).model_dump(), status_code=503)
-        return protocol.Health(status="ok", degraded=degraded)
+        """Readiness for the core traffic: 200 while the gateway can serve it (a decoder replica
+        serves; in a deployment without decoders, a pooler), naming every dependency down; else 503."""
+        return answer(await backend.health(), None)
 
     health_answers = {503: {"model": protocol.Health}}
     routes.get("/health", response_model=protocol.Health, responses=health_answers)(health)
@@ -81,9 +99,21 @@ def router(backend: Backend, inference) -> APIRouter:
                 summary="Health (POST /ping)")(health)
     routes.get("/", response_model=protocol.Health, responses=health_answers, summary="Health (TEI's GET /)")(health)
 
-    @routes.get("/version")
-    async def version() -> dict[str, str]:
-        """vLLM's /version: the installed tessera's version."""
-        return {"version": package_version()}
+    @routes.get("/health/generate", response_model=protocol.Health, responses=health_answers)
+    async def health_generate():
+        """Readiness for chat and completions: 200 while a decoder replica serves, else 503."""
+        return answer(await backend.health(), GENERATE)
 
-    return routes
+    @routes.get("/health/embed", response_model=protocol.Health, responses=health_answers)
+    async def health_embed():
+        """Readiness for embeddings, rerank and score: 200 while a pooler replica serves, else 503."""
+        return answer(await backend.health(), EMBED)
+
+    @routes.get("/health/live", responses={503: {"description": "the gateway is starting or draining"}})
+    async def health_live():
+        """Liveness: 200 while the gateway itself serves (its gRPC health), whatever its dependencies do."""
+        reason = await backend.gateway_health()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "not_serving": [f"gateway: gateway {reason}"]},
+                                status_code=503)
+        return {"status": "ok"}
