@@ -18,7 +18,7 @@ metadata, keeps it for the call in a context variable, stamps it on every log re
 (method, status, latency, prompt/completion tokens from the responses' `usage`). Every channel
 a service opens to another (`services.common.server.insecure_channel`) sends that id on as
 `x-request-id`, so one request's id is on its lines in the gateway and in the decoder. Polls
-(health, reflection, GetInfo, residency reports) are logged at DEBUG.
+(health, reflection, GetInfo, GetMetrics, residency reports) are logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 REQUEST_LOGGER = "tessera.requests"
 # Calls that pollers make every second or so; their lines would bury the requests.
-POLL_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/GetInfo", "/ReportResidency")
+POLL_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/GetInfo", "/GetMetrics", "/ReportResidency")
 
 # LogRecord's own attributes; everything else on a record is an extra field of the line.
 _RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -77,12 +77,16 @@ class MergedCollector(Collector):
 
 
 def make_registry(*collectors: Collector) -> CollectorRegistry:
-    """A registry of `collectors` and the process's CPU/memory gauges (not the global registry, so
-    in-process tests and several services in one process never share samples)."""
+    """A registry of `collectors` and the process's own series, as prometheus_client's default
+    registry holds them: CPU, memory and file descriptors (`process_*`), the interpreter
+    (`python_info`) and its garbage collector (`python_gc_*`). Not the global registry, so
+    in-process tests and several services in one process never share samples."""
     registry = CollectorRegistry()
     for collector in collectors:
         registry.register(collector)
     ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
     return registry
 
 

@@ -45,7 +45,7 @@ class EngineCore:
         self._aborts: set[str] = set()
         self._stopped = False
         self.liveness = Liveness("the decoder engine", config.wedged_after_s)
-        self.metrics = DecoderStats(config.served_model_names[0])
+        self.metrics = DecoderStats(config.served_model_names[0], max_model_len=config.max_model_len)
         self.parts: EngineParts | None = None  # built by `start`
         self.output: OutputProcessor | None = None
         self._ready = threading.Event()

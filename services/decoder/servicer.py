@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
+from prometheus_client import generate_latest
+
+from services.common.metrics import make_registry
 from services.decoder.convert import (
     detokenize_from_pb,
     generate_from_pb,
@@ -19,6 +24,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self._metrics = make_registry(engine.collector())  # what --metrics-port serves
 
     async def Generate(self, request, context):
         config = self.engine.config
@@ -29,6 +35,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
     async def GetInfo(self, request, context):
         return info_to_pb(self.engine.info())
+
+    async def GetMetrics(self, request, context):
+        # off the loop: the snapshot waits for the engine's lock, which a step holds
+        text = await asyncio.to_thread(generate_latest, self._metrics)
+        return decoder_pb2.MetricsResponse(text=text.decode())
 
     async def Tokenize(self, request, context):
         config = self.engine.config

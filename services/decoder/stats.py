@@ -5,12 +5,21 @@ prometheus-client counters and histograms (thread-safe), which `services.common.
 
     arrival --queue time--> first scheduled --> first token (TTFT) --ITL--> ... --> finish (e2e)
 
-As in vLLM: TTFT is arrival to first generated token; inter-token latency is the gap between a
-request's consecutive tokens; e2e latency is arrival to finish; queue time is arrival to first
-scheduled; prompt tokens are counted once a request's prefill completes (its first token), so a
-request aborted while waiting adds none; every finished request counts once in
-`vllm:request_success_total{finished_reason}` (stop, length or abort). Choices of an n > 1
-request are requests of their own here. Bucket bounds are vLLM's.
+    arrival --queue--> first scheduled --prefill--> first token --decode--> last token --> finish
+                       |<------------------- inference --------------------->|
+
+As in vLLM (v1/metrics/loggers.py): TTFT is arrival to first generated token; inter-token latency
+is the gap between a request's consecutive tokens; e2e latency is arrival to finish; queue time is
+arrival to first scheduled; prompt tokens are counted once a request's prefill completes (its
+first token), so a request aborted while waiting adds none; every finished request counts once in
+`vllm:request_success_total{finished_reason}` (stop, length or abort). At finish each request is
+observed once in the per-request histograms: `vllm:request_prompt_tokens` and
+`vllm:request_generation_tokens` (its tokens), `vllm:request_max_num_generation_tokens` (the
+max_tokens it asked, or was given), and, for the phases it reached, `vllm:request_prefill_time_seconds`,
+`vllm:request_decode_time_seconds`, `vllm:request_inference_time_seconds` and
+`vllm:request_time_per_output_token_seconds` (decode time over the tokens after the first). Choices
+of an n > 1 request are requests of their own here. Bucket bounds are vLLM's: token counts on 1, 2,
+5, 10, ... up to the context (`build_1_2_5_buckets(max_model_len)`).
 """
 
 from __future__ import annotations
@@ -35,11 +44,27 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+
+
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's build_1_2_5_buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
 @dataclass
 class _Timing:
     arrival_s: float
     scheduled_s: float | None = None
+    first_token_s: float | None = None
     last_token_s: float | None = None
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,11 +79,12 @@ class LoraSnapshot:
 class DecoderStats(Collector):
     """Counters and histograms of one decoder's requests, labelled with `model_name`.
 
-    Hooks take engine `Request`s (key, num_prompt_tokens, lora_name) and a `SchedulerOutput`
-    (scheduled items, preempted requests); `clock` is monotonic seconds.
+    Hooks take engine `Request`s (key, num_prompt_tokens, lora_name, sampling.max_tokens) and a
+    `SchedulerOutput` (scheduled items, preempted requests); `clock` is monotonic seconds;
+    `max_model_len` (tokens) bounds the token-count buckets.
     """
 
-    def __init__(self, model_name: str, clock=time.monotonic) -> None:
+    def __init__(self, model_name: str, clock=time.monotonic, max_model_len: int = 8192) -> None:
         self.model_name, self.clock = model_name, clock
         self._timings: dict[str, _Timing] = {}
         self.lora = LoraSnapshot()
@@ -83,10 +109,27 @@ class DecoderStats(Collector):
                              "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
+                                               "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        tokens = token_buckets(max(1, max_model_len))
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               tokens)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", tokens)
+        self.request_max_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                            "Histogram of maximum number of requested generation tokens.", tokens)
+        self._per_request = (self.prefill_time, self.decode_time, self.inference_time, self.time_per_output_token,
+                             self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens)
         for reason in FINISH_REASONS:  # present at zero from the start, as vLLM's are
             self.request_success.labels(model_name, reason)
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
-                       self.e2e, self.queue_time):
+                       self.e2e, self.queue_time, *self._per_request):
             metric.labels(model_name)
 
     # ---- hooks (engine thread) -------------------------------------------------------------
@@ -118,9 +161,11 @@ class DecoderStats(Collector):
         if timing.last_token_s is None:
             self.ttft.labels(self.model_name).observe(now - timing.arrival_s)
             self.prompt_tokens.labels(self.model_name).inc(request.num_prompt_tokens)
+            timing.first_token_s = now
         else:
             self.itl.labels(self.model_name).observe(now - timing.last_token_s)
         timing.last_token_s = now
+        timing.num_tokens += 1
 
     def on_finish(self, request, reason: str) -> None:
         """`request` left the engine with `reason` (stop, length, abort)."""
@@ -130,11 +175,30 @@ class DecoderStats(Collector):
             self.lora = LoraSnapshot(updated_s=time.time())
         if timing is not None:
             self.e2e.labels(self.model_name).observe(self.clock() - timing.arrival_s)
+            self._observe_request(request, timing)
+
+    def _observe_request(self, request, timing: _Timing) -> None:
+        """The per-request histograms of a finished request (the module docstring)."""
+        def observe(histogram: Histogram, value: float) -> None:
+            histogram.labels(self.model_name).observe(value)
+
+        observe(self.request_prompt_tokens, request.num_prompt_tokens)
+        observe(self.request_generation_tokens, timing.num_tokens)
+        if request.sampling.max_tokens is not None:
+            observe(self.request_max_tokens, request.sampling.max_tokens)
+        if timing.scheduled_s is not None and timing.first_token_s is not None:
+            observe(self.prefill_time, timing.first_token_s - timing.scheduled_s)
+            observe(self.inference_time, timing.last_token_s - timing.scheduled_s)
+        if timing.first_token_s is not None:
+            decode_s = timing.last_token_s - timing.first_token_s
+            observe(self.decode_time, decode_s)
+            if timing.num_tokens > 1:
+                observe(self.time_per_output_token, decode_s / (timing.num_tokens - 1))
 
     # ---- prometheus ------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.request_success,
-                       self.ttft, self.itl, self.e2e, self.queue_time):
+                       self.ttft, self.itl, self.e2e, self.queue_time, *self._per_request):
             yield from metric.collect()
 
 

@@ -154,6 +154,16 @@ class DecoderInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class DecoderInfo(_message.Message):
     __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "hidden_size", "block_size", "num_blocks", "num_free_blocks", "mrope_section", "image_token_id", "num_running", "num_waiting", "dtype", "num_cached_blocks", "prefix_cache_hits", "prefix_cache_hit_tokens", "resident_adapters", "served_model_names", "generation_config", "generation_defaults")
     class GenerationDefaultsEntry(_message.Message):

@@ -55,6 +55,11 @@ class DecoderStub:
                 request_serializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/tessera.v1.Decoder/GetMetrics',
+                request_serializer=tessera_dot_v1_dot_decoder__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_decoder__pb2.MetricsResponse.FromString,
+                _registered_method=True)
 
 
 class DecoderServicer:
@@ -86,6 +91,14 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMetrics(self, request, context):
+        """The decoder's Prometheus metrics (vLLM's names), as its --metrics-port serves them; the
+        gateway's HTTP /metrics asks every replica on each scrape and relays its vllm:* series.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=tessera_dot_v1_dot_decoder__pb2.MetricsRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_decoder__pb2.MetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class Decoder:
             '/tessera.v1.Decoder/Detokenize',
             tessera_dot_v1_dot_decoder__pb2.DetokenizeRequest.SerializeToString,
             tessera_dot_v1_dot_decoder__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Decoder/GetMetrics',
+            tessera_dot_v1_dot_decoder__pb2.MetricsRequest.SerializeToString,
+            tessera_dot_v1_dot_decoder__pb2.MetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tessera.cli.endpoints import metrics_table
 from tessera.cli.up.launch import write_endpoints
 from tessera.cli.up.spec import METRICS_PORT_OFFSET, ClusterSpec
+from tessera.paths import HOME_ENV, default_decoder_dir, default_embedding_dir
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -31,3 +32,17 @@ def test_info_lists_the_metrics_urls_of_the_cluster_up_started(tmp_path):
     assert [line.split()[1:] for line in table] == [[name, spec.metrics_url(name)] for name in spec.services()]
     assert metrics_table("127.0.0.1:1", tmp_path) == ""  # another gateway: this machine's `up` says nothing of it
     assert metrics_table(spec.address("gateway"), tmp_path / "none") == ""
+
+
+def test_info_finds_a_cluster_started_with_a_name(tmp_path, monkeypatch):
+    """`up --cluster NAME` writes under $TESSERA_HOME/clusters/NAME, not under the gateway's port."""
+    models = {"decoder_model_dir": default_decoder_dir(), "embedding_model_dir": default_embedding_dir()}
+    monkeypatch.setenv(HOME_ENV, str(tmp_path))
+    spec = ClusterSpec(base_port=40000, cluster="staging", vision=False, http_port=48000, **models)
+    assert spec.log_dir == tmp_path / "clusters" / "staging" / "logs"
+    spec.log_dir.mkdir(parents=True)
+    write_endpoints(spec)
+    table = metrics_table(spec.address("gateway")).splitlines()
+    assert [line.split()[1:] for line in table[:-1]] == [[name, spec.metrics_url(name)] for name in spec.services()]
+    assert table[-1].split()[1:4] == ["http", "api", "http://127.0.0.1:48000/metrics"]
+    assert metrics_table("127.0.0.1:1") == ""

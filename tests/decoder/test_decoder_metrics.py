@@ -21,8 +21,9 @@ def _values(collector) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def _request(key: str, lora_name: str = "", num_prompt_tokens: int = 7):
-    return SimpleNamespace(key=key, lora_name=lora_name, num_prompt_tokens=num_prompt_tokens)
+def _request(key: str, lora_name: str = "", num_prompt_tokens: int = 7, max_tokens: int = 16):
+    return SimpleNamespace(key=key, lora_name=lora_name, num_prompt_tokens=num_prompt_tokens,
+                           sampling=SimpleNamespace(max_tokens=max_tokens))
 
 
 def test_hooks_time_each_phase_of_a_request_on_the_engine_clock():
@@ -56,6 +57,16 @@ def test_hooks_time_each_phase_of_a_request_on_the_engine_clock():
     assert values[("vllm:request_success_total", (("finished_reason", "length"),))] == 1
     assert values[("vllm:request_success_total", (("finished_reason", "abort"),))] == 1
     assert values[("vllm:e2e_request_latency_seconds_count", ())] == 2
+    # per finished request (vLLM's panels "Request Prompt Length", "Requests Prefill and Decode Time", ...)
+    assert values[("vllm:request_prompt_tokens_count", ())] == 2 and values[("vllm:request_prompt_tokens_sum", ())] == 14
+    assert values[("vllm:request_generation_tokens_sum", ())] == 3  # b was aborted before its first token
+    assert values[("vllm:request_generation_tokens_bucket", (("le", "2.0"),))] == 1  # b's 0 tokens
+    assert values[("vllm:request_max_num_generation_tokens_sum", ())] == 32
+    assert values[("vllm:request_prefill_time_seconds_count", ())] == 1  # b never reached the prefill
+    assert values[("vllm:request_prefill_time_seconds_sum", ())] == 1.0  # scheduled at 1 s, first token at 2 s
+    assert values[("vllm:request_decode_time_seconds_sum", ())] == 1.25  # first token at 2 s, last at 3.25 s
+    assert values[("vllm:request_inference_time_seconds_sum", ())] == 2.25
+    assert values[("vllm:request_time_per_output_token_seconds_sum", ())] == 0.625  # 1.25 s over 2 tokens
 
 
 def test_adapter_swaps_and_host_tier_hits_on_one_slot(tiny_llama, tmp_path):

@@ -23,6 +23,7 @@ from services.gateway.servicer import REPLICA_METADATA
 from tessera.cli.up.launch import Cluster
 from tessera.cli.up.spec import ClusterSpec
 from tessera.v1 import adapters_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, pooling_pb2
+from tests.deploy.prom import Samples
 
 from .conftest import free_port, internal_token, run_cli
 from .test_generate import CHAT_PROMPTS, chat_request, hf_greedy
@@ -284,6 +285,12 @@ def test_health_names_a_dead_decoder_and_is_503_with_none_left(replicated):
         assert (status, body["status"]) == (200, "degraded"), body
         assert [d.split(": ")[0] for d in body["degraded"]] == [f"decoder replica {spec.address(second)}"], body
         assert not any(p.startswith("decoder") for p in body["not_serving"]), body
+        # the API port's /metrics relays the survivor's vLLM series; the dead one is skipped and counted
+        scrape = Samples.parse(requests.get(f"http://{spec.host}:{spec.http_port}/metrics", timeout=30).text)
+        assert {labels["replica"] for labels in scrape.labels("vllm:num_requests_running")} == {spec.address(first)}
+        assert scrape.get("tessera_gateway_replica_metrics_up", replica=spec.address(first)) == 1
+        assert scrape.get("tessera_gateway_replica_metrics_up", replica=spec.address(second)) == 0
+        assert scrape.get("tessera_gateway_replica_metrics_skipped_total", replica=spec.address(second)) >= 1
         replicated.processes[first].kill()
         replicated.processes[first].wait(30)
         status, body = _health_until(spec, lambda s, _: s == 503, "503 with no decoder left")

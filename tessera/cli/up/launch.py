@@ -182,11 +182,13 @@ class StartInterrupted(Exception):
 
 
 def write_endpoints(spec: ClusterSpec) -> str:
-    """Write `<log dir>/endpoints.json`: the gateway's address and each process's gRPC address and
-    metrics URL. Returns the text written."""
+    """Write `<log dir>/endpoints.json`: the gateway's address, each process's gRPC address and
+    metrics URL, and with an HTTP port the API's /metrics. Returns the text written."""
     endpoints = {"gateway": spec.address("gateway"),
                  "services": {name: {"address": spec.address(name), "metrics": spec.metrics_url(name)}
                               for name in spec.services()}}
+    if spec.http_port:
+        endpoints["http_metrics"] = f"http://{spec.host}:{spec.http_port}/metrics"
     text = json.dumps(endpoints, indent=2) + "\n"
     (spec.log_dir / ENDPOINTS_FILE).write_text(text)
     return text
