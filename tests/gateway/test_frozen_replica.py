@@ -200,7 +200,7 @@ def test_stream_on_a_stopped_replica_ends_unavailable_and_others_move_on(cluster
 
 def test_idle_stopped_replica_leaves_rotation_and_returns(cluster):
     """No Generate in flight there: only the health Watch, the gateway's GetInfo polls and pings.
-    /health lists it as degraded (the pooler and registry are absent here: 503 throughout)."""
+    /health lists it as degraded (the pooler and registry are absent here: named in not_serving)."""
     stub, decoders, url = cluster
     assert {_generate(stub)[0] for _ in range(4)} == set(decoders)
     victim_address = next(iter(decoders))
