@@ -97,12 +97,17 @@ def start_metrics_server(port: int, address: str, *collectors: Collector) -> WSG
     The server runs on a daemon thread; `shutdown()` on the returned server stops it.
 
     Raises:
-        OSError: the port cannot be bound.
+        OSError: the port cannot be bound; its message names the address and the flag.
     """
     if port == 0:
         return None
     host = address.rpartition(":")[0].strip("[]") or "0.0.0.0"
-    server, _ = start_http_server(port, addr=host, registry=make_registry(*collectors))
+    try:
+        server, _ = start_http_server(port, addr=host, registry=make_registry(*collectors))
+    except OSError as error:
+        refused = OSError(f"cannot serve /metrics on {host}:{port} (--metrics-port): {error.strerror or error}")
+        refused.errno = error.errno
+        raise refused from None
     return server
 
 

@@ -51,3 +51,19 @@ def test_a_failure_at_start_exits_1_in_one_line(tmp_path):
     for name, result in results.items():
         assert result.returncode == 1, (name, result.stderr)
         assert result.stderr.strip().splitlines()[-1].startswith(f"{name}: cannot listen on {address}"), result.stderr
+
+
+def test_a_metrics_port_in_use_exits_1_in_one_line_naming_it(tmp_path):
+    """The registry as every other service: the busy /metrics port named, its flag, no traceback."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        results = _start_all({"adapters": ["--address", f"127.0.0.1:{free_port()}", "--root", str(tmp_path),
+                                           "--db", str(tmp_path / "catalog.sqlite3"), "--metrics-port", str(port)],
+                              "gateway": ["--address", f"127.0.0.1:{free_port()}", "--metrics-port", str(port)]})
+    for name, result in results.items():
+        assert result.returncode == 1, (name, result.stderr)
+        assert "Traceback" not in result.stderr, (name, result.stderr)
+        assert result.stderr.splitlines()[-1] == (f"{name}: cannot serve /metrics on 127.0.0.1:{port} "
+                                                  "(--metrics-port): Address already in use"), (name, result.stderr)

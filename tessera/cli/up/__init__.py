@@ -1,10 +1,11 @@
 """`tessera up`: start the five services on loopback, wait for health, keep them running, stop them
 together on Ctrl-C / SIGTERM.
 
-Three modules, one job each: `spec` (the cluster: processes, ports, command lines, checked before
-any process starts), `launch` (process control: start, wait for health, stop) and `supervise`
-(restart policy and backoff once the cluster is up). `run_until_signalled` is the command's loop
-over the three.
+Four modules, one job each: `spec` (the cluster: processes, ports, command lines, checked before
+any process starts), `claim` (the cluster's name and ports, taken before anything is written: a
+second `up` of a running cluster's name or ports exits 1), `launch` (process control: start, wait
+for health, stop) and `supervise` (restart policy and backoff once the cluster is up).
+`run_until_signalled` is the command's loop over them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import time
 
 from tessera.cli.logfiles import StartupError
+from tessera.cli.up.claim import ClusterBusy
 from tessera.cli.up.launch import Cluster, StartInterrupted
 from tessera.cli.up.spec import ClusterSpec
 from tessera.cli.up.supervise import Supervisor
@@ -21,14 +23,19 @@ from tessera.cli.up.supervise import Supervisor
 
 def run_until_signalled(spec: ClusterSpec) -> int:
     """Start, print endpoints, keep every process running (`Supervisor`) and stop all on Ctrl-C /
-    SIGTERM. Returns 0 (stopped by a signal), 1 (a service failed to start) or 130 (interrupted
-    while starting)."""
+    SIGTERM. Returns 0 (stopped by a signal), 1 (the cluster runs already, a port it needs is in
+    use, or a service failed to start) or 130 (interrupted while starting)."""
     cluster = Cluster(spec)
     stop = {"signalled": False}
 
     def on_signal(signum, frame):
         stop["signalled"] = True
 
+    try:
+        cluster.claim()
+    except ClusterBusy as busy:
+        print(f"error: {busy}", file=sys.stderr, flush=True)
+        return 1
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)

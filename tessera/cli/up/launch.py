@@ -10,6 +10,10 @@ lines, and the others are stopped. Only this first start is all-or-nothing (a cl
 came up has served nothing, and the cause is most often its configuration). `stop` sends SIGTERM
 to all (each drains), then SIGKILL after a grace period.
 
+Before it writes or starts anything, `start` takes the cluster's name and checks its ports
+(`claim`, tessera/cli/up/claim.py): a cluster of that name running, or a port in use, raises
+`ClusterBusy` and leaves the running cluster's files alone. `stop` gives the name back.
+
 Once all are SERVING, `start` writes `<log dir>/endpoints.json`, which `tessera info` lists, and
 `stop` removes it.
 
@@ -33,6 +37,7 @@ from services.common.healthcheck import check as check_health
 from services.common.launch import service_env
 from tessera.cli.endpoints import ENDPOINTS_FILE
 from tessera.cli.logfiles import ServiceLog, StartupError, failure_cause
+from tessera.cli.up.claim import Claim, claim
 from tessera.cli.up.spec import ClusterSpec, service_of
 
 START_TIMEOUT_S = 300.0  # a process not SERVING this long after it was started failed to start
@@ -48,16 +53,29 @@ class Cluster:
         self.logs: dict[str, ServiceLog] = {}  # each process's rotated log file
         self.token_file: Path | None = None  # the cluster's internal token, written by `start`
         self._endpoints: str | None = None  # endpoints.json as `start` wrote it; `stop` removes it
+        self._claim: Claim | None = None  # the cluster's name, held from `claim` to `stop`
+
+    def claim(self) -> None:
+        """Take the cluster's name and check its ports, before anything is written (claim.py); `start`
+        does it when not done yet. Idempotent.
+
+        Raises:
+            ClusterBusy: the cluster runs already, or a port it needs is in use.
+        """
+        if self._claim is None:
+            self._claim = claim(self.spec)
 
     def start(self, timeout_s: float = START_TIMEOUT_S, interrupted: Callable[[], bool] = lambda: False) -> None:
         """Start every process and wait until all are SERVING, or until `interrupted()` says so;
         then write endpoints.json.
 
         Raises:
+            ClusterBusy: the cluster runs already, or a port it needs is in use (nothing written).
             StartupError: a process exited or was not SERVING within `timeout_s` seconds (all are
                 stopped first).
             StartInterrupted: `interrupted()` turned true first (all are stopped first).
         """
+        self.claim()
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         self.spec.adapter_root.mkdir(parents=True, exist_ok=True)
         if self.spec.internal_auth:
@@ -168,6 +186,9 @@ class Cluster:
         if self._endpoints is not None and path.is_file() and path.read_text() == self._endpoints:
             path.unlink()  # only as written here: another `up` of this cluster's name may have rewritten it
         self._endpoints = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     def __enter__(self) -> Cluster:
         self.start()

@@ -148,6 +148,27 @@ class ClusterSpec:
         host, _, port = self.address(instance).rpartition(":")
         return f"http://{host}:{int(port) + METRICS_PORT_OFFSET}/metrics"
 
+    def ports(self) -> list[PortUse]:
+        """Every TCP port the cluster's processes will listen on (gRPC, metrics, the gateway's HTTP),
+        each with the flag that sets it, in start order: what `tessera up` checks is free before it
+        writes or starts anything (tessera/cli/up/claim.py)."""
+        out = []
+        for instance in self.services():
+            service = service_of(instance)
+            host, _, port = self.address(instance).rpartition(":")
+            out.append(PortUse(instance, "gRPC", host, int(port), "--base-port"))
+            out.append(PortUse(instance, "metrics", host, int(port) + METRICS_PORT_OFFSET, "--base-port"))
+            if service == "gateway" and self.http_port:
+                out.append(PortUse(instance, "HTTP", host, self.http_port, "--http-port"))
+            given = self.extra_args.get(service, [])
+            for what, flag in (("metrics", "--metrics-port"), ("HTTP", "--http-port")):
+                value = _last_flag_value(given, flag)  # a --service-args flag wins over up's own (argparse: last)
+                if value is not None:
+                    out = [u for u in out if (u.instance, u.what) != (instance, what)]
+                    if value.isdigit() and int(value):
+                        out.append(PortUse(instance, what, host, int(value), f"--service-args {service}={flag}"))
+        return out
+
     def target(self, service: str) -> str:
         """The gateway's target for every replica of `service` (one address, or an ipv4:/ipv6: list)."""
         addresses = [self.address(r) for r in self.replicas(service)]
@@ -213,6 +234,32 @@ class ClusterSpec:
     def services(self) -> list[str]:
         """Every process to run, replicas included, in start order."""
         return [r for s in SERVICES if self.encoder or s != "vision" for r in self.replicas(s)]
+
+
+@dataclass(frozen=True)
+class PortUse:
+    """One port a process of the cluster listens on: `what` is "gRPC", "metrics" or "HTTP"; `flag`
+    the `tessera up` flag that sets it."""
+
+    instance: str
+    what: str
+    host: str
+    port: int
+    flag: str
+
+    def __str__(self) -> str:
+        return f"{self.instance} {self.what} port {self.host}:{self.port}"
+
+
+def _last_flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in `argv`, or None."""
+    value = None
+    for index, word in enumerate(argv):
+        if word == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif word.startswith(flag + "="):
+            value = word.partition("=")[2]
+    return value
 
 
 def _names_flag(names: tuple[str, ...]) -> list[str]:
