@@ -49,8 +49,9 @@ def report_from_pb(report: adapters_pb2.ResidencyReport, config: RegistryConfig 
     return resident, leases, {(ref.name, ref.digest) for ref in report.draining_acked}
 
 
-def draining_to_pb(refs: list[AdapterRef]) -> adapters_pb2.ResidencyAck:
-    return adapters_pb2.ResidencyAck(draining=[adapters_pb2.AdapterRef(name=n, digest=d) for n, d in refs])
+def ack_to_pb(draining: list[AdapterRef], registered: list[AdapterRef]) -> adapters_pb2.ResidencyAck:
+    return adapters_pb2.ResidencyAck(draining=[adapters_pb2.AdapterRef(name=n, digest=d) for n, d in draining],
+                                     registered=[adapters_pb2.AdapterRef(name=n, digest=d) for n, d in registered])
 
 
 def weights_to_pb(record: AdapterRecord, adapter: LoRAAdapter | None) -> adapters_pb2.AdapterWeights:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from contextlib import asynccontextmanager
 
 from services.adapters.base_model import BaseModelShapes
@@ -98,6 +99,12 @@ class AdapterRegistry:
         """A decoder's residency report ({digest: leases}, {(name, digest): leases}, acknowledged
         drains); returns the (name, digest) pairs whose admissions it must refuse."""
         return self.leases.report(decoder_id, resident, leases, draining_acked)
+
+    def registered(self, digests: Collection[str]) -> list[AdapterRef]:
+        """(name, digest) of every ready adapter servable on this base whose weights are one of
+        `digests`, sorted: the names a decoder holding those weights serves without a fetch."""
+        wanted = set(digests)
+        return sorted(_ref(r) for r in self.list() if r.digest in wanted and self._base_state(r) is None)
 
     def list_status(self) -> list[AdapterStatus]:
         """Every ready adapter with its per-decoder residency and lease counts."""

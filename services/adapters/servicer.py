@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from services.adapters.convert import (
+    ack_to_pb,
     check_request,
-    draining_to_pb,
     info_to_pb,
     report_from_pb,
     status_to_pb,
@@ -46,7 +46,9 @@ class AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
 
     async def ReportResidency(self, request, context):
         resident, leases, acked = report_from_pb(request, self.registry.config)
-        return draining_to_pb(self.registry.report_residency(request.decoder_id, resident, leases, acked))
+        draining = self.registry.report_residency(request.decoder_id, resident, leases, acked)
+        registered = await asyncio.to_thread(self.registry.registered, resident) if resident else []
+        return ack_to_pb(draining, registered)
 
 
 def register(server, registry: AdapterRegistry) -> list[str]:

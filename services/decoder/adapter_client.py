@@ -11,7 +11,9 @@ A background task reports `{digest: leases}`, split by the name each request was
 under, to the registry every `report_interval_s` (the lease protocol of ARCHITECTURE.md). The
 answer lists the (name, digest) pairs being drained; admissions of such a name resolving to such
 weights are refused from then on, and the next report acknowledges them, which lets the registry
-finish an unload or replace once every decoder reports zero leases for that pair. Two names
+finish an unload or replace once every decoder reports zero leases for that pair; it also lists
+the names it registers for the digests reported resident, which are the decoder's
+`resident_names` (DecoderInfo.resident_adapters, read by the gateway's adapter affinity). Two names
 loaded from the same files share a slot but never each other's drains. While the registry is
 unreachable, names resolved before keep working if their weights are still resident; a name the
 registry answered NOT_FOUND for (unloaded) is forgotten, so it is not served from memory then.
@@ -64,6 +66,7 @@ class RegistryAdapterSource(AdapterSource):
         self.report_interval_s = report_interval_s
         self.draining: set[tuple[str, str]] = set()  # (name, digest) whose admissions are refused
         self._name_to_digest: dict[str, str] = {}  # last resolution, used while the registry is down
+        self._registered: set[tuple[str, str]] = set()  # the last report's answer: (name, digest) held here
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
         self._reporter: asyncio.Task | None = None
@@ -175,10 +178,16 @@ class RegistryAdapterSource(AdapterSource):
         return self.slots.acquire(digest, name)
 
     def resident_names(self) -> list[str]:
-        """Adapter names whose last known weights sit in a device slot now (sorted)."""
+        """Adapter names whose weights sit in a device slot now, draining ones left out (sorted).
+
+        The names resolved here and those the registry's last answer to a report registers for the
+        digests reported resident (`ResidencyAck.registered`, which also names another adapter
+        loaded from the same files); each answer forgets the resolutions it no longer registers, so
+        an unloaded or replaced name leaves the list with the next report."""
         with self.slots.lock:
             resident = set(self.slots.residency())
-        return sorted(name for name, digest in list(self._name_to_digest.items()) if digest in resident)
+        refs = self._registered | set(self._name_to_digest.items())
+        return sorted({name for name, digest in refs if digest in resident and (name, digest) not in self.draining})
 
     def start_reporting(self) -> None:
         """Start the periodic residency report on the running loop (idempotent)."""
@@ -197,6 +206,11 @@ class RegistryAdapterSource(AdapterSource):
             decoder_id=self.decoder_id, resident=resident,
             draining_acked=[adapters_pb2.AdapterRef(name=n, digest=d) for n, d in acked]))
         self.draining = {(ref.name, ref.digest) for ref in ack.draining}
+        self._registered = {(ref.name, ref.digest) for ref in ack.registered}
+        for digest in residency:  # a name the registry no longer binds to weights held here: unloaded, replaced
+            for name in [n for n, d in self._name_to_digest.items() if d == digest]:
+                if (name, digest) not in self._registered:
+                    del self._name_to_digest[name]  # not served from memory while the registry is down either
 
     async def _report_loop(self) -> None:
         while True:

@@ -144,7 +144,9 @@ class ResidencyReport(_message.Message):
     def __init__(self, decoder_id: _Optional[str] = ..., resident: _Optional[_Iterable[_Union[ResidentDigest, _Mapping]]] = ..., draining_acked: _Optional[_Iterable[_Union[AdapterRef, _Mapping]]] = ...) -> None: ...
 
 class ResidencyAck(_message.Message):
-    __slots__ = ("draining",)
+    __slots__ = ("draining", "registered")
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
     draining: _containers.RepeatedCompositeFieldContainer[AdapterRef]
-    def __init__(self, draining: _Optional[_Iterable[_Union[AdapterRef, _Mapping]]] = ...) -> None: ...
+    registered: _containers.RepeatedCompositeFieldContainer[AdapterRef]
+    def __init__(self, draining: _Optional[_Iterable[_Union[AdapterRef, _Mapping]]] = ..., registered: _Optional[_Iterable[_Union[AdapterRef, _Mapping]]] = ...) -> None: ...

@@ -166,3 +166,37 @@ def test_names_sharing_weights_do_not_share_leases_or_drains(tiny_llama, registr
         assert set(engine.parts.bank.residency().values()) <= {0}
     finally:
         engine.shutdown()
+
+
+def test_an_unloaded_adapter_leaves_resident_adapters(tiny_llama, registry):
+    """DecoderInfo.resident_adapters (the gateway's adapter affinity reads it) follows the registry:
+    a name unloaded there leaves it with the next report although its weights stay in the slot, a
+    name loaded from the same files joins it without a request of its own."""
+    address, _ = registry
+    engine = _engine(tiny_llama, address)
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = adapters_pb2_grpc.AdaptersStub(channel)
+            await stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name="kept", path="plain4"))
+            await _generate(engine, "kept")
+            await engine.adapters.report_once()
+            assert engine.info().resident_adapters == ["kept"]
+            await stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(name="twin", path="plain4"))
+            await engine.adapters.report_once()
+            assert engine.info().resident_adapters == ["kept", "twin"]  # its weights are held already
+            await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="kept"))
+            await engine.adapters.report_once()
+            assert engine.info().resident_adapters == ["twin"]
+            assert set(engine.parts.bank.residency()) != set()  # the weights stay resident, for "twin"
+            await stub.UnloadAdapter(adapters_pb2.UnloadAdapterRequest(name="twin"))
+            await engine.adapters.report_once()
+            assert engine.info().resident_adapters == []
+            with pytest.raises(Exception, match="unknown adapter 'kept'"):
+                await _generate(engine, "kept")
+        await engine.adapters.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
