@@ -113,7 +113,9 @@ def test_embed_spreads_over_both_poolers(replicated, stub):
     assert all(list(r.embeddings.shape)[0] == 1 for r in replies)
     after = replica_counts(stub, "pooling")
     served = {address: after[address] - before[address] for address in after}
-    assert sum(served.values()) == 40 and all(15 <= n <= 25 for n in served.values()), served
+    # how many each gets depends on their speeds on this machine now: the split the policy makes
+    # under controlled service times is tests/gateway/test_router.py's
+    assert sum(served.values()) == 40 and all(n >= 1 for n in served.values()), served
 
 
 def test_conversation_turns_land_where_their_prefix_is(replicated, stub):
