@@ -16,6 +16,7 @@ from services.decoder.types import (
     GenerationDefaults,
     ImagePart,
     Part,
+    PromptTokenCount,
     RawImagePart,
     RequestOutput,
     Sample,
@@ -144,6 +145,11 @@ def tokenize_from_pb(request: decoder_pb2.DecoderTokenizeRequest, limits: Genera
         text=request.text, messages=_messages_from_pb(request.messages),
         add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
         chat=chat_options_from_pb(request))
+
+
+def prompt_count_to_pb(count: PromptTokenCount) -> decoder_pb2.PromptTokenCount:
+    return decoder_pb2.PromptTokenCount(num_text_tokens=count.num_text_tokens, num_images=count.num_images,
+                                        max_model_len=count.max_model_len)
 
 
 def tokenization_to_pb(result: Tokenization) -> decoder_pb2.DecoderTokenizeResponse:

@@ -39,8 +39,10 @@ from services.decoder.types import (
     DecoderInfo,
     EngineStats,
     GenerateInput,
+    PromptTokenCount,
     RequestOutput,
     SamplingParams,
+    TextPart,
     Tokenization,
     TokenizeInput,
 )
@@ -181,6 +183,16 @@ class LLMEngine:
                            stats=self.stats(), resident_adapters=self.adapters.resident_names(),
                            served_model_names=names, generation_config=config.generation_config,
                            generation_defaults=config.generation_defaults.as_dict())
+
+    async def count_prompt_tokens(self, request_input: GenerateInput) -> PromptTokenCount:
+        """The tokens `generate` would build for `request_input`'s prompt besides its images'
+        placeholders (`PromptBuilder.count_text_tokens`), its images not encoded. Raises
+        InvalidArgument as `generate` refuses the prompt, Unavailable while still loading."""
+        self._check_serving(dead_ok=True)
+        num_text = await asyncio.to_thread(self.parts.prompts.count_text_tokens, request_input)
+        num_images = sum(not isinstance(part, TextPart) for part in request_input.prompt) + sum(
+            not isinstance(part, TextPart) for message in request_input.messages for part in message.content)
+        return PromptTokenCount(num_text, num_images, self.config.max_model_len)
 
     async def tokenize(self, request: TokenizeInput) -> Tokenization:
         """`request` tokenized by the model's tokenizer (services/decoder/tokens.py). Raises

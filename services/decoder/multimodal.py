@@ -132,18 +132,41 @@ class PromptBuilder:
 
     def build(self, request: GenerateInput) -> PromptInputs:
         """Raises InvalidArgument for an empty or ambiguous prompt, bad images or bad token ids."""
+        if request.prompt_token_ids:
+            self._check_given(request)
+            return self._from_token_ids(list(request.prompt_token_ids))
+        pieces, images = self._pieces(request, self._check_image)
+        return self._expand(pieces, images)
+
+    def count_text_tokens(self, request: GenerateInput) -> int:
+        """The tokens `build` makes of `request` besides its images' placeholder tokens (text, chat
+        template, vision start/end), its images not encoded yet (RawImagePart or ImagePart: only
+        counted). Raises InvalidArgument as `build`, but for the images' rows."""
+        if request.prompt_token_ids:
+            self._check_given(request)
+            return len(self._from_token_ids(list(request.prompt_token_ids)).token_ids)
+        pieces, images = self._pieces(request, self._check_image_place)
+        wrap = (self.vision_start_id is not None) + (self.vision_end_id is not None)
+        if not images and not any(pieces):
+            raise InvalidArgument("the prompt is empty")
+        return sum(len(piece) for piece in pieces) + wrap * len(images)
+
+    def _check_given(self, request: GenerateInput) -> None:
         given = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
         if sum(given) != 1:
             raise InvalidArgument("exactly one of prompt, messages or prompt_token_ids must be set "
                                   f"(got {sum(given)}); an empty prompt is not accepted")
         check_chat_options(bool(request.messages), request.chat)
-        if request.prompt_token_ids:
-            return self._from_token_ids(list(request.prompt_token_ids))
+
+    def _pieces(self, request: GenerateInput, check_image) -> tuple[list[list[int]], list]:
+        """Token ids of the text between images (rendered with the chat template for messages) and
+        the images, each checked by `check_image`."""
+        self._check_given(request)
         if request.messages:
-            pieces, images = self._render_chat(request.messages, request.chat)
-            return self._expand(self._tokenize(pieces, specials=False), images)
-        pieces, images = self._split_parts(request.prompt)
-        return self._expand(self._tokenize(pieces, specials=True), images)
+            pieces, images = self._render_chat(request.messages, request.chat, check_image)
+            return self._tokenize(pieces, specials=False), images
+        pieces, images = self._split_parts(request.prompt, check_image=check_image)
+        return self._tokenize(pieces, specials=True), images
 
     def _check_tokenized(self, pieces: list[list[int]]) -> list[list[int]]:
         """A tokenizer whose added tokens lie past the model's embedding rows (special tokens added
@@ -167,28 +190,30 @@ class PromptBuilder:
             raise InvalidArgument(f"prompt_token_ids contain the image placeholder token {reserved[0]}; send images as parts")
         return self._expand([ids], [])
 
-    def _split_parts(self, parts: tuple[Part, ...], joiner: str = "") -> tuple[list[str], list[ImagePart]]:
+    def _split_parts(self, parts: tuple[Part, ...], joiner: str = "",
+                     check_image=None) -> tuple[list[str], list[ImagePart]]:
         """Text between images (len(images) + 1 pieces, consecutive text parts joined by `joiner`)
-        and the images in order."""
+        and the images in order, each checked by `check_image` (default `_check_image`)."""
+        check_image = check_image or self._check_image
         pieces, images, current = [], [], []
         for part in parts:
             if isinstance(part, TextPart):
                 self._check_text(part.text)
                 current.append(part.text)
             else:
-                images.append(self._check_image(part))
+                images.append(check_image(part))
                 pieces.append(joiner.join(current))
                 current = []
         pieces.append(joiner.join(current))
         return pieces, images
 
-    def _render_chat(self, messages: tuple[ChatMessage, ...],
-                     options: ChatTemplateOptions) -> tuple[list[str], list[ImagePart]]:
+    def _render_chat(self, messages: tuple[ChatMessage, ...], options: ChatTemplateOptions,
+                     check_image=None) -> tuple[list[str], list[ImagePart]]:
         rendered, images = [], []
         for message in messages:
             if message.role not in ROLES:
                 raise InvalidArgument(f"unknown chat role {message.role!r}; expected one of {ROLES}")
-            pieces, message_images = self._split_parts(message.content, self.text_joiner)
+            pieces, message_images = self._split_parts(message.content, self.text_joiner, check_image)
             images.extend(message_images)
             rendered.append(template_message(message, SENTINEL.join(pieces)))
         pieces = render_chat(self.tokenizer, rendered, options).split(SENTINEL)
@@ -220,6 +245,12 @@ class PromptBuilder:
             if token and token in text:
                 what = "the image token" if token == self.image_token else "the image placeholder token"
                 raise InvalidArgument(f"text must not contain {what} {token!r}; send images as parts")
+
+    def _check_image_place(self, part: Part) -> Part:
+        """An image counted before it is encoded: only this decoder's taking images is checked."""
+        if self.mrope_section is None:
+            raise InvalidArgument("this decoder is text-only; image parts are not accepted")
+        return part
 
     def _check_image(self, part: Part) -> ImagePart:
         if isinstance(part, RawImagePart):

@@ -12,6 +12,7 @@ from services.decoder.convert import (
     generate_from_pb,
     info_to_pb,
     output_to_pb,
+    prompt_count_to_pb,
     tokenization_to_pb,
     tokenize_from_pb,
 )
@@ -32,6 +33,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         # Leaving this generator (cancel, deadline, disconnect) closes the engine stream, which aborts it.
         async for output in self.engine.generate(request_input):
             yield output_to_pb(output)
+
+    async def CountPromptTokens(self, request, context):
+        config = self.engine.config
+        request_input = generate_from_pb(request, config.limits, config.max_model_len, config.generation_defaults)
+        return prompt_count_to_pb(await self.engine.count_prompt_tokens(request_input))
 
     async def GetInfo(self, request, context):
         return info_to_pb(self.engine.info())

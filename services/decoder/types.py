@@ -300,6 +300,16 @@ class TokenizeInput:
 
 
 @dataclass(frozen=True)
+class PromptTokenCount:
+    """A prompt's tokens before its images are encoded: `num_text_tokens` counts every token but the
+    images' placeholder tokens (text, chat template, vision start/end); `max_model_len` the context."""
+
+    num_text_tokens: int
+    num_images: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
 class Tokenization:
     """Token ids of one TokenizeInput with their vocabulary entries and special flags, and the
     model's context."""

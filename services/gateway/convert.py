@@ -7,7 +7,7 @@ import struct
 
 from services.common.errors import InvalidArgument
 from services.gateway.routing import RoutingKey
-from tessera.v1 import decoder_pb2, pooling_pb2
+from tessera.v1 import decoder_pb2, pooling_pb2, vision_pb2
 
 # Separators that cannot occur in UTF-8 text a chat template would distinguish from content
 _ROLE_END, _MESSAGE_END, _IMAGE = b"\x1f", b"\x1e", b"\x1d"
@@ -83,3 +83,28 @@ def tokenize_response(model: str, reply: decoder_pb2.DecoderTokenizeResponse) ->
               for i, t, s in zip(reply.token_ids, reply.tokens, reply.special, strict=True)]
     return pooling_pb2.TokenizeResponse(model=model, results=[pooling_pb2.TokenizedInput(tokens=tokens)],
                                         max_model_len=reply.max_model_len)
+
+
+def without_image_bytes(request: decoder_pb2.GenerateRequest) -> decoder_pb2.GenerateRequest:
+    """`request` with every image part's bytes left out (an empty ImageInput keeps its place): what
+    the decoder's CountPromptTokens needs, without copying the images."""
+    out = decoder_pb2.GenerateRequest()
+    for field, value in request.ListFields():
+        if field.name in ("prompt", "messages"):
+            continue
+        if field.is_repeated:
+            getattr(out, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(out, field.name).CopyFrom(value)
+        else:
+            setattr(out, field.name, value)
+
+    def bare(part: decoder_pb2.ContentPart) -> decoder_pb2.ContentPart:
+        if part.WhichOneof("part") == "image":
+            return decoder_pb2.ContentPart(image=vision_pb2.ImageInput())
+        return part
+
+    out.prompt.extend(bare(part) for part in request.prompt)
+    for message in request.messages:
+        out.messages.add(role=message.role, name=message.name, content=[bare(part) for part in message.content])
+    return out

@@ -44,7 +44,13 @@ from services.common.errors import (
 )
 from services.common.server import insecure_channel
 from services.gateway.config import GatewayConfig
-from services.gateway.convert import decoder_tokenize_request, routing_key, served_names, tokenize_response
+from services.gateway.convert import (
+    decoder_tokenize_request,
+    routing_key,
+    served_names,
+    tokenize_response,
+    without_image_bytes,
+)
 from services.gateway.limits import GatewayLimits
 from services.gateway.pools import DecoderPool, PoolerPool
 from tessera.protocol import MESSAGE_TOO_LARGE
@@ -176,7 +182,9 @@ class GatewayCore:
     async def _encode_images(self, request: decoder_pb2.GenerateRequest, call: Call,
                              max_image_tokens: int) -> decoder_pb2.GenerateRequest:
         """Replace every `image` part with the vision service's `encoded_image`, in order; vision
-        refuses images that expand past `max_image_tokens` (0 = no budget) before encoding any."""
+        refuses images that expand past `max_image_tokens` (0 = no budget: the context is not known
+        yet), or that overflow the context with the rest of the prompt (`_prompt_budget`), before
+        encoding any."""
         parts = [*request.prompt, *(p for m in request.messages for p in m.content)]
         images = [p for p in parts if p.WhichOneof("part") == "image"]
         if any(p.WhichOneof("part") == "encoded_image" for p in parts):
@@ -185,9 +193,11 @@ class GatewayCore:
             return request
         if self.vision is None:
             raise InvalidArgument(f"image parts are not accepted: {self._no_vision_reason()}")
+        prompt = await self._prompt_budget(request, call) if max_image_tokens else None
         try:
             encoded = await self.vision.EncodeImages(
-                vision_pb2.EncodeImagesRequest(images=[p.image for p in images], max_image_tokens=max_image_tokens),
+                vision_pb2.EncodeImagesRequest(images=[p.image for p in images], max_image_tokens=max_image_tokens,
+                                               prompt=prompt),
                 timeout=call.time_remaining())
         except grpc.aio.AioRpcError as error:
             raise self._downstream("vision", self.config.vision, error) from error
@@ -198,6 +208,15 @@ class GatewayCore:
         for part, image in zip(rewritten, encoded.images, strict=True):
             part.encoded_image.CopyFrom(image)  # setting the oneof clears `image`
         return out
+
+    async def _prompt_budget(self, request: decoder_pb2.GenerateRequest, call: Call) -> vision_pb2.PromptBudget:
+        """What a request's images share the context with: the rest of its prompt as a decoder
+        counts it (CountPromptTokens: text, chat template, vision start/end tokens; the images' bytes
+        are not sent) and max_tokens. Raises the decoder's refusal of the prompt (InvalidArgument),
+        Unavailable when no decoder answers."""
+        count = await self._decoded("CountPromptTokens", without_image_bytes(request), call)
+        return vision_pb2.PromptBudget(num_text_tokens=count.num_text_tokens, max_tokens=request.sampling.max_tokens,
+                                       max_model_len=count.max_model_len)
 
     # -- pooling ------------------------------------------------------------------------------
 

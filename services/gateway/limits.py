@@ -6,10 +6,12 @@ images encoded. The context comes from the decoder replicas' GetInfo reports, wh
 polls anyway for routing; until the first report, the checks that need it are left to the decoder.
 
 Image token budget: what the vision service may expand a request's images to is the context less
-max_tokens (`EncodeImagesRequest.max_image_tokens`). It is an upper bound: the text's tokens
-(known only after the decoder tokenizes) and any vision start/end tokens come on top, and the
-decoder's exact context check still applies. With it, vision refuses from the image headers
-(each image's size through the processor's resize rule), before decoding or encoding anything.
+max_tokens (`EncodeImagesRequest.max_image_tokens`). With the context known, the core also asks a
+decoder for the rest of the prompt's tokens (text, chat template, vision start/end: Decoder.
+CountPromptTokens, before any image is encoded), and vision refuses a prompt whose text, images
+and max_tokens overflow the context (`EncodeImagesRequest.prompt`). Both are checked from the
+image headers (each image's size through the processor's resize rule), before decoding or
+encoding anything; the decoder's own context check still applies to what it builds.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.common.errors import InvalidArgument
 from services.common.tensor import to_pb
 from services.vision.processor import ImageSource
-from services.vision.types import EncodedImage, VisionInfo
+from services.vision.types import EncodedImage, PromptBudget, VisionInfo
 from tessera.v1 import vision_pb2
 
 
@@ -17,6 +17,14 @@ def image_source_from_pb(message: vision_pb2.ImageInput) -> ImageSource:
     if which == "data_uri":
         return ImageSource(data_uri=message.data_uri)
     raise InvalidArgument("ImageInput has neither data nor data_uri set")
+
+
+def prompt_budget_from_pb(request: vision_pb2.EncodeImagesRequest) -> PromptBudget | None:
+    """The request's PromptBudget, None when unset. Raises InvalidArgument for a negative count or no context."""
+    if not request.HasField("prompt"):
+        return None
+    prompt = request.prompt
+    return PromptBudget(prompt.num_text_tokens, prompt.max_tokens, prompt.max_model_len)
 
 
 def encoded_image_to_pb(image: EncodedImage) -> vision_pb2.EncodedImage:

@@ -4,15 +4,19 @@ threads of its own (engine.py runs it: decoding in worker threads, the encoder o
     sources --byte caps--> content hash (bytes + recipe + encoder revision)
             --cache hit?--> cached rows and grid (no decoding, no encoder)
             --miss--> header only: pixel and frame caps, grid from the resize rule
-            --every image inspected--> request pixel budget (misses), token budget (all)
+            --every image inspected--> request pixel budget (misses), token budget (all), the
+                                       prompt's context (its other tokens + images + max_tokens)
+            --admitted--> cache hits and misses counted
             --misses--> decode + preprocess (processor) --> encoder (misses only, duplicates once)
             --> cache.put --> EncodedImage per source, in order
 
 The grid an image will have is known from its header size: the demo encoder's is fixed
 (image_size / patch_size per side); Qwen2-VL's is smart_resize(height, width) / (patch * merge),
 the processor's own rule (`qwen2_vl_pixels.smart_resize`), which is symmetric in the two sides, so
-EXIF orientation does not change it. A request whose images expand past its token budget is
-refused before a single image is decoded.
+EXIF orientation does not change it. A request whose images expand past its token budget, or
+overflow the context with the rest of its prompt (`PromptBudget`: the prompt's other tokens as the
+decoder counts them, and max_tokens), is refused before a single image is decoded, and its
+lookups count as neither cache hits nor misses.
 
 `process` (lookups and PIL decoding) is safe to run concurrently; `encode` touches the model and
 must be serialized by the caller (the engine runs it on its one compute thread).
@@ -28,7 +32,7 @@ from services.vision.processor import ImageProcessor, ImageSource, content_hash
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoder, Qwen2VLEncoderConfig
 from services.vision.qwen2_vl_pixels import smart_resize
 from services.vision.stats import VisionStats
-from services.vision.types import EncodedImage, InspectedImage, PreparedImage, VisionInfo
+from services.vision.types import EncodedImage, InspectedImage, PreparedImage, PromptBudget, VisionInfo
 
 
 def build_encoder(config: VisionConfig) -> ImageEncoder:
@@ -48,10 +52,11 @@ class VisionCore:
         self.images_encoded = 0
         self.stats = VisionStats(self.encoder.name)
 
-    def process(self, sources: list[ImageSource], max_image_tokens: int = 0) -> list[PreparedImage]:
+    def process(self, sources: list[ImageSource], max_image_tokens: int = 0,
+                prompt: PromptBudget | None = None) -> list[PreparedImage]:
         """Count cap first, then every image's byte and header caps, then the request's budgets
-        (pixels of the images to decode; `max_image_tokens` over all, 0 = none), then decoding of
-        cache misses only.
+        (pixels of the images to decode; `max_image_tokens` over all, 0 = none; the context the
+        images share with the rest of `prompt`, None = not known), then decoding of cache misses only.
 
         Raises InvalidArgument (naming the image index when a request has several images).
         """
@@ -59,13 +64,18 @@ class VisionCore:
         inspected = [_indexed(i, len(sources), self.inspect, source) for i, source in enumerate(sources)]
         self.processor.check_request_pixels([item.size for item in inspected if item.size is not None])
         check_image_tokens(inspected, max_image_tokens)
+        if prompt is not None:
+            check_prompt_context(inspected, prompt)
+        for item in inspected:
+            self.cache.count(item.content_hash, hit=item.cached is not None)
         return [_indexed(i, len(sources), self._decode, item) for i, item in enumerate(inspected)]
 
     def inspect(self, source: ImageSource) -> InspectedImage:
-        """Byte cap, content hash, cache lookup; for a miss the header checks and the grid to come."""
+        """Byte cap, content hash, cache lookup (not counted: `process` counts admitted requests'); for
+        a miss the header checks and the grid to come."""
         data = self.processor.image_bytes(source)  # byte cap, base64 decoding
         key = content_hash(data, self.config.processor, self.encoder.revision)
-        cached = self.cache.get(key)
+        cached = self.cache.peek(key)
         if cached is not None:  # same bytes + recipe + weights: already validated and encoded
             return InspectedImage(data=data, content_hash=key, grid_thw=tuple(cached.grid_thw), cached=cached)
         width, height = self.processor.header_size(data)
@@ -121,6 +131,22 @@ def check_image_tokens(images: list[InspectedImage], max_image_tokens: int) -> N
         more = ", ..." if len(images) > 8 else ""
         raise InvalidArgument(f"{len(images)} images expand to {total} tokens (grids {shown}{more}); the budget is "
                               f"{max_image_tokens} (max_image_tokens: the decoder's context less max_tokens)")
+
+
+def check_prompt_context(images: list[InspectedImage], prompt: PromptBudget) -> None:
+    """Raises InvalidArgument when the prompt's other tokens, the images' and max_tokens (at least
+    one generated token when unset) pass the context, with the decoder's own wording."""
+    num_image_tokens = sum(image.num_tokens for image in images)
+    num_prompt = prompt.num_text_tokens + num_image_tokens
+    if num_prompt + max(prompt.max_tokens, 1) <= prompt.max_model_len:
+        return
+    shown = ", ".join("x".join(map(str, image.grid_thw)) for image in images[:8]) + (", ..." if len(images) > 8 else "")
+    parts = (f"prompt has {num_prompt} tokens after image expansion ({prompt.num_text_tokens} of text and template, "
+             f"{num_image_tokens} for {len(images)} images of grids {shown})")
+    if prompt.max_tokens:
+        raise InvalidArgument(f"{parts} and max_tokens {prompt.max_tokens}; the model's context is {prompt.max_model_len}")
+    raise InvalidArgument(f"{parts}; the model's context is {prompt.max_model_len}, which leaves no room to "
+                          "generate a token")
 
 
 def _indexed(index: int, count: int, step, item):

@@ -47,6 +47,22 @@ class EncoderCache:
         self._hits = self._misses = self._evictions = 0
         self._lock = threading.Lock()
 
+    def peek(self, key: str) -> EncoderOutput | None:
+        """The cached output or None, counting nothing and leaving the LRU order: a request's checks
+        look before it is admitted, and `count` records the lookup once it is."""
+        with self._lock:
+            return self._entries.get(key)
+
+    def count(self, key: str, hit: bool) -> None:
+        """Record one lookup of `key` (a hit marks the entry most recently used)."""
+        with self._lock:
+            if hit:
+                self._hits += 1
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+            else:
+                self._misses += 1
+
     def get(self, key: str) -> EncoderOutput | None:
         """The cached output (marked most recently used) or None; counts a hit or a miss."""
         with self._lock:

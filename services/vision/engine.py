@@ -22,7 +22,7 @@ from services.common.liveness import Liveness
 from services.vision.config import VisionConfig
 from services.vision.core import VisionCore
 from services.vision.processor import ImageSource
-from services.vision.types import EncodedImage, VisionInfo
+from services.vision.types import EncodedImage, PromptBudget, VisionInfo
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +69,20 @@ class VisionEngine:
         """
         self._loaded().processor.check_count(num_images)
 
-    async def encode(self, sources: list[ImageSource], max_image_tokens: int = 0) -> list[EncodedImage]:
+    async def encode(self, sources: list[ImageSource], max_image_tokens: int = 0,
+                     prompt: PromptBudget | None = None) -> list[EncodedImage]:
         """Rows for every image, in order (core.py `process`, then `encode` on the compute thread).
 
         Raises:
-            InvalidArgument: past a cap or the token budget (`max_image_tokens`: 0 = none), or not an image.
+            InvalidArgument: past a cap, the token budget (`max_image_tokens`: 0 = none) or the
+                context the images share with the rest of `prompt` (None: not known), or not an image.
             Unavailable: still loading, or the encoder has stopped.
         """
         core = self._loaded()
         if max_image_tokens < 0:
             raise InvalidArgument(f"max_image_tokens must be >= 0 (0 = no budget), got {max_image_tokens}")
         # headers and budgets before any decoding; encoder-cache hits skip decoding
-        prepared = await asyncio.to_thread(core.process, sources, max_image_tokens)
+        prepared = await asyncio.to_thread(core.process, sources, max_image_tokens, prompt)
         self.liveness.raise_if_dead()
         self._num_encoding += 1
         try:

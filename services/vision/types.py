@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.errors import InvalidArgument
 from services.vision.encoder import EncoderOutput
 from services.vision.encoder_cache import EncoderCacheStats
 from services.vision.processor import ProcessedImage
@@ -24,6 +25,23 @@ class EncodedImage:
     grid_thw: tuple[int, int, int]
     mrope_section: tuple[int, int, int]
     content_hash: str
+
+
+@dataclass(frozen=True)
+class PromptBudget:
+    """What a request's images share the decoder's context with: the prompt's other tokens (text,
+    chat template, vision start/end, as the decoder counts them), `max_tokens` (0 = unset: room for
+    one generated token) and the context `max_model_len`, all in tokens."""
+
+    num_text_tokens: int
+    max_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.num_text_tokens < 0 or self.max_tokens < 0 or self.max_model_len < 1:
+            raise InvalidArgument(f"prompt budget needs num_text_tokens >= 0, max_tokens >= 0 and max_model_len >= 1, "
+                                  f"got {self.num_text_tokens}, {self.max_tokens} and {self.max_model_len}",
+                                  field="prompt")
 
 
 @dataclass(frozen=True)

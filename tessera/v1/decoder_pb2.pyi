@@ -215,6 +215,16 @@ class DecoderInfo(_message.Message):
     generation_defaults: _containers.ScalarMap[str, float]
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ..., image_token_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., served_model_names: _Optional[_Iterable[str]] = ..., generation_config: _Optional[str] = ..., generation_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
+class PromptTokenCount(_message.Message):
+    __slots__ = ("num_text_tokens", "num_images", "max_model_len")
+    NUM_TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    num_text_tokens: int
+    num_images: int
+    max_model_len: int
+    def __init__(self, num_text_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
 class DecoderTokenizeRequest(_message.Message):
     __slots__ = ("text", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
     TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class DecoderStub:
                 request_serializer=tessera_dot_v1_dot_decoder__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_decoder__pb2.MetricsResponse.FromString,
                 _registered_method=True)
+        self.CountPromptTokens = channel.unary_unary(
+                '/tessera.v1.Decoder/CountPromptTokens',
+                request_serializer=tessera_dot_v1_dot_decoder__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_decoder__pb2.PromptTokenCount.FromString,
+                _registered_method=True)
 
 
 class DecoderServicer:
@@ -99,6 +104,18 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountPromptTokens(self, request, context):
+        """The tokens Generate would build for this request's prompt besides its images' own placeholder
+        tokens (text, chat template, vision start/end tokens), with `image` parts counted as images,
+        none encoded (their bytes may be left out: an empty ImageInput keeps an image's place). The
+        gateway asks it before vision encodes anything: vision then refuses a prompt whose text and
+        images overflow the context from the images' headers (EncodeImagesRequest.prompt). Refused as
+        Generate refuses the same prompt (INVALID_ARGUMENT).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +143,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=tessera_dot_v1_dot_decoder__pb2.MetricsRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_decoder__pb2.MetricsResponse.SerializeToString,
+            ),
+            'CountPromptTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountPromptTokens,
+                    request_deserializer=tessera_dot_v1_dot_decoder__pb2.GenerateRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_decoder__pb2.PromptTokenCount.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +286,33 @@ class Decoder:
             '/tessera.v1.Decoder/GetMetrics',
             tessera_dot_v1_dot_decoder__pb2.MetricsRequest.SerializeToString,
             tessera_dot_v1_dot_decoder__pb2.MetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountPromptTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Decoder/CountPromptTokens',
+            tessera_dot_v1_dot_decoder__pb2.GenerateRequest.SerializeToString,
+            tessera_dot_v1_dot_decoder__pb2.PromptTokenCount.FromString,
             options,
             channel_credentials,
             insecure,

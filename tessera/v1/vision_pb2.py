@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import tensor_pb2 as tessera_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/vision.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\":\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x12\n\x08\x64\x61ta_uri\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"o\n\x0c\x45ncodedImage\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x10\n\x08grid_thw\x18\x02 \x03(\x05\x12\x15\n\rmrope_section\x18\x03 \x03(\x05\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\t\"W\n\x13\x45ncodeImagesRequest\x12&\n\x06images\x18\x01 \x03(\x0b\x32\x16.tessera.v1.ImageInput\x12\x18\n\x10max_image_tokens\x18\x02 \x01(\x03\"@\n\x14\x45ncodeImagesResponse\x12(\n\x06images\x18\x01 \x03(\x0b\x32\x18.tessera.v1.EncodedImage\"\x13\n\x11VisionInfoRequest\"\xcd\x02\n\nVisionInfo\x12\x0f\n\x07\x65ncoder\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x14\n\x0coutput_width\x18\x03 \x01(\x05\x12\x12\n\nimage_size\x18\x04 \x01(\x05\x12\x12\n\npatch_size\x18\x05 \x01(\x05\x12\x17\n\x0fmax_image_bytes\x18\x06 \x01(\x03\x12\x18\n\x10max_image_pixels\x18\x07 \x01(\x03\x12\x1e\n\x16max_images_per_request\x18\x08 \x01(\x05\x12\x15\n\rmrope_section\x18\t \x03(\x05\x12\x12\n\nmin_pixels\x18\n \x01(\x03\x12\x12\n\nmax_pixels\x18\x0b \x01(\x03\x12\x34\n\rencoder_cache\x18\x0c \x01(\x0b\x32\x1d.tessera.v1.EncoderCacheStats\x12\x16\n\x0eimages_encoded\x18\r \x01(\x03\"|\n\x11\x45ncoderCacheStats\x12\x0c\n\x04hits\x18\x01 \x01(\x03\x12\x0e\n\x06misses\x18\x02 \x01(\x03\x12\x11\n\tevictions\x18\x03 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x32\x9d\x01\n\x06Vision\x12Q\n\x0c\x45ncodeImages\x12\x1f.tessera.v1.EncodeImagesRequest\x1a .tessera.v1.EncodeImagesResponse\x12@\n\x07GetInfo\x12\x1d.tessera.v1.VisionInfoRequest\x1a\x16.tessera.v1.VisionInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/vision.proto\x12\ntessera.v1\x1a\x17tessera/v1/tensor.proto\":\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x12\n\x08\x64\x61ta_uri\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"o\n\x0c\x45ncodedImage\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x10\n\x08grid_thw\x18\x02 \x03(\x05\x12\x15\n\rmrope_section\x18\x03 \x03(\x05\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\t\"\x81\x01\n\x13\x45ncodeImagesRequest\x12&\n\x06images\x18\x01 \x03(\x0b\x32\x16.tessera.v1.ImageInput\x12\x18\n\x10max_image_tokens\x18\x02 \x01(\x03\x12(\n\x06prompt\x18\x03 \x01(\x0b\x32\x18.tessera.v1.PromptBudget\"R\n\x0cPromptBudget\x12\x17\n\x0fnum_text_tokens\x18\x01 \x01(\x03\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x15\n\rmax_model_len\x18\x03 \x01(\x03\"@\n\x14\x45ncodeImagesResponse\x12(\n\x06images\x18\x01 \x03(\x0b\x32\x18.tessera.v1.EncodedImage\"\x13\n\x11VisionInfoRequest\"\xcd\x02\n\nVisionInfo\x12\x0f\n\x07\x65ncoder\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x14\n\x0coutput_width\x18\x03 \x01(\x05\x12\x12\n\nimage_size\x18\x04 \x01(\x05\x12\x12\n\npatch_size\x18\x05 \x01(\x05\x12\x17\n\x0fmax_image_bytes\x18\x06 \x01(\x03\x12\x18\n\x10max_image_pixels\x18\x07 \x01(\x03\x12\x1e\n\x16max_images_per_request\x18\x08 \x01(\x05\x12\x15\n\rmrope_section\x18\t \x03(\x05\x12\x12\n\nmin_pixels\x18\n \x01(\x03\x12\x12\n\nmax_pixels\x18\x0b \x01(\x03\x12\x34\n\rencoder_cache\x18\x0c \x01(\x0b\x32\x1d.tessera.v1.EncoderCacheStats\x12\x16\n\x0eimages_encoded\x18\r \x01(\x03\"|\n\x11\x45ncoderCacheStats\x12\x0c\n\x04hits\x18\x01 \x01(\x03\x12\x0e\n\x06misses\x18\x02 \x01(\x03\x12\x11\n\tevictions\x18\x03 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x32\x9d\x01\n\x06Vision\x12Q\n\x0c\x45ncodeImages\x12\x1f.tessera.v1.EncodeImagesRequest\x1a .tessera.v1.EncodeImagesResponse\x12@\n\x07GetInfo\x12\x1d.tessera.v1.VisionInfoRequest\x1a\x16.tessera.v1.VisionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,16 +36,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGEINPUT']._serialized_end=122
   _globals['_ENCODEDIMAGE']._serialized_start=124
   _globals['_ENCODEDIMAGE']._serialized_end=235
-  _globals['_ENCODEIMAGESREQUEST']._serialized_start=237
-  _globals['_ENCODEIMAGESREQUEST']._serialized_end=324
-  _globals['_ENCODEIMAGESRESPONSE']._serialized_start=326
-  _globals['_ENCODEIMAGESRESPONSE']._serialized_end=390
-  _globals['_VISIONINFOREQUEST']._serialized_start=392
-  _globals['_VISIONINFOREQUEST']._serialized_end=411
-  _globals['_VISIONINFO']._serialized_start=414
-  _globals['_VISIONINFO']._serialized_end=747
-  _globals['_ENCODERCACHESTATS']._serialized_start=749
-  _globals['_ENCODERCACHESTATS']._serialized_end=873
-  _globals['_VISION']._serialized_start=876
-  _globals['_VISION']._serialized_end=1033
+  _globals['_ENCODEIMAGESREQUEST']._serialized_start=238
+  _globals['_ENCODEIMAGESREQUEST']._serialized_end=367
+  _globals['_PROMPTBUDGET']._serialized_start=369
+  _globals['_PROMPTBUDGET']._serialized_end=451
+  _globals['_ENCODEIMAGESRESPONSE']._serialized_start=453
+  _globals['_ENCODEIMAGESRESPONSE']._serialized_end=517
+  _globals['_VISIONINFOREQUEST']._serialized_start=519
+  _globals['_VISIONINFOREQUEST']._serialized_end=538
+  _globals['_VISIONINFO']._serialized_start=541
+  _globals['_VISIONINFO']._serialized_end=874
+  _globals['_ENCODERCACHESTATS']._serialized_start=876
+  _globals['_ENCODERCACHESTATS']._serialized_end=1000
+  _globals['_VISION']._serialized_start=1003
+  _globals['_VISION']._serialized_end=1160
 # @@protoc_insertion_point(module_scope)

@@ -28,12 +28,24 @@ class EncodedImage(_message.Message):
     def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., mrope_section: _Optional[_Iterable[int]] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class EncodeImagesRequest(_message.Message):
-    __slots__ = ("images", "max_image_tokens")
+    __slots__ = ("images", "max_image_tokens", "prompt")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageInput]
     max_image_tokens: int
-    def __init__(self, images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., max_image_tokens: _Optional[int] = ...) -> None: ...
+    prompt: PromptBudget
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., max_image_tokens: _Optional[int] = ..., prompt: _Optional[_Union[PromptBudget, _Mapping]] = ...) -> None: ...
+
+class PromptBudget(_message.Message):
+    __slots__ = ("num_text_tokens", "max_tokens", "max_model_len")
+    NUM_TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    num_text_tokens: int
+    max_tokens: int
+    max_model_len: int
+    def __init__(self, num_text_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class EncodeImagesResponse(_message.Message):
     __slots__ = ("images",)

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
-from services.decoder.types import ChatMessage, GenerateInput, ImagePart, SamplingParams, TextPart
+from services.decoder.types import ChatMessage, GenerateInput, ImagePart, RawImagePart, SamplingParams, TextPart
 from services.vision.config import VisionConfig
 from services.vision.core import VisionCore
 from services.vision.processor import ImageSource
@@ -143,6 +143,21 @@ def test_ids_and_positions_equal_processor_and_get_rope_index(tiny, engine, cont
     assert prompt.rope_delta == int(delta[0, 0])
     if content is TWO:
         assert prompt.rope_delta < 0 and len(prompt.image_spans) == 2
+
+
+@pytest.mark.parametrize("content", [ONE, TWO, TEXT, PARTS], ids=["one-image", "two-images", "text-only", "text-parts"])
+def test_text_tokens_counted_before_encoding_are_the_prompts_less_its_image_pads(tiny, engine, content):
+    """What the gateway's context check asks before vision encodes anything (CountPromptTokens):
+    the built prompt's tokens less the images' <|image_pad|> copies, its vision start/end tokens
+    included, from a request whose images are not encoded (RawImagePart)."""
+    _, _, vision, _ = tiny
+    built = engine.parts.prompts.build(_ours(vision, content, "built"))
+    raw = GenerateInput(SamplingParams(max_tokens=NEW_TOKENS), messages=(ChatMessage("user", tuple(
+        RawImagePart() if isinstance(item, bytes) else TextPart(item) for item in content)),))
+    count = asyncio.run(engine.count_prompt_tokens(raw))
+    pads = sum(len(span.rows) for span in built.image_spans)
+    assert count.num_text_tokens == len(built.token_ids) - pads
+    assert count.num_images == len(built.image_spans) and count.max_model_len == 512
 
 
 @pytest.fixture(scope="module")

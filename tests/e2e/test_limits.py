@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import time
 
 import grpc
@@ -118,6 +119,40 @@ def test_images_past_the_context_are_refused_before_any_is_encoded(gateway, asse
     after = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).vision
     assert after.images_encoded == info.images_encoded
     assert after.encoder_cache.entries == info.encoder_cache.entries
+    assert_healthy()
+
+
+def test_text_and_images_past_the_context_are_refused_before_any_image_is_encoded(gateway, assert_healthy):
+    """7 images well within the image budget, with text that overflows the context beside them: the
+    gateway counts the text (a decoder's CountPromptTokens) and vision the images from their
+    headers, so the refusal comes before any image is decoded, encoded or looked up in the cache."""
+    info = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).vision
+    per_image = (info.image_size // info.patch_size) ** 2
+    assert 7 * per_image < DECODER_MAX_MODEL_LEN // 2
+
+    def request(text: str, max_tokens: int):
+        return decoder_pb2.GenerateRequest(
+            messages=[decoder_pb2.ChatMessage(role="user", content=[
+                *(decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data=_png(100 + i))) for i in range(7)),
+                decoder_pb2.ContentPart(text=text)])],
+            sampling=decoder_pb2.SamplingParams(max_tokens=max_tokens))
+
+    error, seconds = refusal(gateway.Generate, request("word " * DECODER_MAX_MODEL_LEN, 16), streaming=True)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    found = re.fullmatch(rf"prompt has (\d+) tokens after image expansion \((\d+) of text and template, "
+                         rf"{7 * per_image} for 7 images of grids [\dx, ]+\) and max_tokens 16; the model's context "
+                         rf"is {DECODER_MAX_MODEL_LEN}", error.details())
+    assert found, error.details()
+    assert int(found[1]) == int(found[2]) + 7 * per_image and int(found[2]) >= DECODER_MAX_MODEL_LEN
+    assert seconds < BOUND_S
+    after = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).vision
+    assert after.images_encoded == info.images_encoded
+    assert (after.encoder_cache.misses, after.encoder_cache.hits) == (info.encoder_cache.misses,
+                                                                      info.encoder_cache.hits)
+    served = list(gateway.Generate(request("Compare these.", 1), timeout=300))  # the same images, short text
+    assert served[-1].finish_reason == "length"
+    admitted = gateway.GetInfo(gateway_pb2.ClusterInfoRequest(), timeout=30).vision
+    assert admitted.encoder_cache.misses == info.encoder_cache.misses + 7
     assert_healthy()
 
 

@@ -19,6 +19,7 @@ from services.vision.core import VisionCore
 from services.vision.encoder import DemoEncoderConfig
 from services.vision.processor import ImageSource, ProcessorConfig
 from services.vision.qwen2_vl_encoder import Qwen2VLEncoderConfig
+from services.vision.types import PromptBudget
 
 WIDTH = 32
 DEMO_TOKENS = (64 // 8) ** 2  # demo encoder: image_size 64, patch 8
@@ -39,6 +40,26 @@ def test_token_budget_is_checked_from_headers_before_decoding():
     assert engine.images_encoded == 0
     with pytest.raises(InvalidArgument, match="could not be decoded"):  # within budget: decoding is reached
         engine.process(sources, max_image_tokens=8 * DEMO_TOKENS)
+
+
+def test_the_prompts_context_is_checked_from_headers_before_decoding_or_counting_the_cache():
+    """7 images within the image budget whose prompt's text overflows the context with them: refused
+    in the decoder's words, nothing decoded or encoded, no cache lookup counted."""
+    engine = _demo()
+    sources = [ImageSource(data=png_header_claiming(40 + i, 30)) for i in range(7)]
+    text = 512 - 7 * DEMO_TOKENS - 16 + 1  # one token too many with max_tokens 16
+    with pytest.raises(InvalidArgument) as error:
+        engine.process(sources, max_image_tokens=512 - 16, prompt=PromptBudget(text, 16, 512))
+    assert str(error.value) == (f"prompt has {text + 7 * DEMO_TOKENS} tokens after image expansion ({text} of text "
+                                f"and template, {7 * DEMO_TOKENS} for 7 images of grids {', '.join(['1x8x8'] * 7)}) "
+                                "and max_tokens 16; the model's context is 512")
+    with pytest.raises(InvalidArgument, match="; the model's context is 512, which leaves no room to generate a token"):
+        engine.process(sources, prompt=PromptBudget(512 - 7 * DEMO_TOKENS, 0, 512))
+    stats = engine.cache.stats()
+    assert (engine.images_encoded, stats.hits, stats.misses) == (0, 0, 0)
+    with pytest.raises(InvalidArgument, match="could not be decoded"):  # fits: admitted, decoding is reached
+        engine.process(sources, prompt=PromptBudget(text - 1, 16, 512))
+    assert engine.cache.stats().misses == 7
 
 
 def test_cached_images_count_their_grid_against_the_budget():
