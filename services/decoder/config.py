@@ -18,8 +18,10 @@ from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_
 from services.common.metrics import check_metrics_port
 from services.common.mrope import check_checkpoint_section, check_mrope_section, parse_mrope_section
 from services.common.server import default_address
+from services.common.sizes import format_bytes, parse_bytes
 from services.decoder.attention import ATTENTION_BACKENDS
 from services.decoder.kernels import native
+from services.decoder.kv_cache import KVBlockLayout
 from services.decoder.linear import LINEAR_BACKENDS
 from services.decoder.lora.registry import LORA_BACKENDS, check_dtype
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
@@ -46,7 +48,12 @@ class DecoderConfig:
 
     `num_blocks` and `max_model_len` default from the model (0 = derive): max_model_len is
     min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
-    capped at 2048 blocks. `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
+    capped at 2048 blocks. `kv_cache_memory` (bytes; the flag takes "2GiB", "512MB": services/common/sizes.py)
+    sizes the KV cache from a memory budget instead, as vLLM's `--kv-cache-memory`: num_blocks =
+    budget // bytes per block (num_layers x 2 x block_size x num_kv_heads x head_dim x the dtype's size,
+    `KVBlockLayout`), pure arithmetic on config.json and the resolved dtype; a budget that cannot hold
+    one sequence of max_model_len tokens is refused naming the bytes it needs, and giving it with
+    `num_blocks` is refused (one of the two sizes the cache). `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
     image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
 `enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
 `dtype`: "auto" (default) follows the checkpoint's config.json (`resolve_dtype`); resolved here.
@@ -79,7 +86,12 @@ generation_config.json (none when it has none), a directory holding a generation
 
     model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
     block_size: int = _flag(16, "tokens per KV-cache block")
-    num_blocks: int = _flag(0, "KV-cache blocks; 0 = enough for max_num_seqs * max_model_len / 4 tokens, at most 2048")
+    num_blocks: int = _flag(0, "KV-cache blocks; 0 = from --kv-cache-memory when given, else enough for "
+                               "max_num_seqs * max_model_len / 4 tokens, at most 2048")
+    kv_cache_memory: int = _flag(0, "KV-cache budget in bytes (suffixes KiB, MiB, GiB or KB, MB, GB: 2GiB): "
+                                    "num_blocks = budget // bytes per block (layers x K,V x block_size x kv heads "
+                                    "x head_dim x dtype size); 0 = --num-blocks decides", type=parse_bytes,
+                                 metavar="BYTES")
     max_num_seqs: int = _flag(32, "most sequences in one step")
     max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
     max_model_len: int = _flag(0, "context length in tokens; 0 = min(max_position_embeddings, 8192)")
@@ -136,6 +148,8 @@ generation_config.json (none when it has none), a directory holding a generation
         self._derive_from_checkpoint()
         self.generation_defaults = self._read_generation_defaults()
         self._resolve_dtype(self.torch_device)
+        if self.kv_cache_memory:
+            self.num_blocks = self._blocks_for_budget()
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -200,6 +214,12 @@ generation_config.json (none when it has none), a directory holding a generation
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        if self.kv_cache_memory < 0:
+            raise ValueError(f"--kv-cache-memory must be >= 0 bytes (0 = --num-blocks decides), got "
+                             f"{self.kv_cache_memory}")
+        if self.kv_cache_memory and self.num_blocks:
+            raise ValueError(f"--num-blocks {self.num_blocks} and --kv-cache-memory {self.kv_cache_memory} both "
+                             "size the KV cache; give one of them")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError(f"num_blocks and max_model_len must be >= 0 (0 = derive), got "
                              f"{self.num_blocks} and {self.max_model_len}")
@@ -248,11 +268,34 @@ generation_config.json (none when it has none), a directory holding a generation
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}")
-        if self.num_blocks == 0:
+        if self.num_blocks == 0 and not self.kv_cache_memory:
             tokens = self.max_num_seqs * self.max_model_len // 4
             self.num_blocks = max(1, min(2048, -(-tokens // self.block_size)))
         if self.mrope_section is not None:
             self._check_mrope(model)
+
+    def kv_block_layout(self) -> KVBlockLayout:
+        """One KV block's shape and dtype for this checkpoint (its language model's config.json)."""
+        checkpoint = self.checkpoint
+        return KVBlockLayout(checkpoint.num_hidden_layers, self.block_size, checkpoint.num_key_value_heads,
+                             checkpoint.head_dim, getattr(torch, self.dtype))
+
+    def _blocks_for_budget(self) -> int:
+        """num_blocks for `kv_cache_memory` bytes. Raises ValueError: the budget holds fewer blocks
+        than one sequence of max_model_len tokens needs (naming both sizes)."""
+        layout = self.kv_block_layout()
+        per_block = layout.bytes_per_block
+        num_blocks = self.kv_cache_memory // per_block
+        needed_blocks = -(-self.max_model_len // self.block_size)
+        if num_blocks < needed_blocks:
+            raise ValueError(f"--kv-cache-memory {format_bytes(self.kv_cache_memory)} holds {num_blocks} KV blocks "
+                             f"of {per_block} bytes ({layout.describe()}); one sequence of max_model_len "
+                             f"{self.max_model_len} tokens needs {needed_blocks} blocks, "
+                             f"{format_bytes(needed_blocks * per_block)}: raise --kv-cache-memory or lower "
+                             "--max-model-len")
+        log.info("KV cache: --kv-cache-memory %s holds %d blocks of %d bytes (%s)", format_bytes(self.kv_cache_memory),
+                 num_blocks, per_block, layout.describe())
+        return num_blocks
 
     def _check_mrope(self, model: dict) -> None:
         head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]

@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class KVBlockLayout:
+    """What one KV-cache block holds, for sizing the cache from a memory budget.
+
+    One block is `block_size` token slots of K and of V in every layer: num_layers x 2 x
+    block_size x num_kv_heads x head_dim elements of `dtype` (the `KVCache` pools below, whose
+    dtype is the model's).
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def describe(self) -> str:
+        """"30 layers x K,V x 16 tokens x 3 kv heads x 64 x 4 bytes (float32)"."""
+        return (f"{self.num_layers} layers x K,V x {self.block_size} tokens x {self.num_kv_heads} kv heads x "
+                f"{self.head_dim} x {self.dtype.itemsize} bytes ({str(self.dtype).removeprefix('torch.')})")
 
 
 class KVCache:
