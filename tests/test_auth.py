@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import os
 import subprocess
 import sys
 import time
@@ -284,3 +285,43 @@ async def _code(call) -> tuple[grpc.StatusCode, str]:
         info = error_info_of(error)
         return error.code(), info.reason if info else ""
     return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize("placeholder", ["replace-me-in-an-overlay", "REPLACE-ME-IN-AN-OVERLAY\n", "changeme"])
+def test_a_placeholder_token_is_refused(tmp_path, placeholder, process_token):
+    path = tmp_path / "token"
+    path.write_text(placeholder)
+    with pytest.raises(SystemExit) as error:
+        auth.configure_security(["--internal-token-file", str(path)])
+    message = str(error.value)
+    assert str(path) in message and "placeholder" in message and "\n" not in message
+
+
+def test_a_service_with_the_deploy_placeholder_token_exits_1_in_one_line(tmp_path):
+    """The value the Kubernetes base once shipped (`token: replace-me-in-an-overlay`)."""
+    path = tmp_path / "internal-token"
+    path.write_text("replace-me-in-an-overlay\n")
+    result = subprocess.run([sys.executable, "-m", "services.gateway", "--address", f"127.0.0.1:{free_port()}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, auth.INTERNAL_TOKEN_FILE_ENV: str(path)})
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"internal token file {path} holds the placeholder 'replace-me-in-an-overlay'"), line
+
+
+def test_placeholder_api_keys_and_admin_tokens_are_refused(tmp_path, monkeypatch):
+    from services.adapters.config import RegistryConfig
+    from services.gateway.api_keys import read_api_keys
+
+    keys = tmp_path / "api-keys"
+    keys.write_text("# one key a line\nreal-key-0123456789\nreplace-me\n")
+    with pytest.raises(ValueError, match=f"api key file {keys} holds the placeholder 'replace-me'"):
+        read_api_keys(str(keys))
+    admin = tmp_path / "admin-token"
+    admin.write_text("changeme\n")
+    monkeypatch.delenv(protocol.ADMIN_TOKEN_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"admin token file {admin} holds the placeholder 'changeme'"):
+        RegistryConfig(root=tmp_path / "adapters", admin_token_file=admin)
+    monkeypatch.setenv(protocol.ADMIN_TOKEN_ENV, "replace-me-in-an-overlay")
+    with pytest.raises(ValueError, match=r"\$TESSERA_ADMIN_TOKEN holds the placeholder"):
+        RegistryConfig(root=tmp_path / "adapters")

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.auth import refuse_placeholder
 from services.common.metrics import check_metrics_port
 from services.common.server import default_address
 from tessera.paths import default_adapter_root
@@ -97,10 +98,14 @@ class RegistryConfig:
         """The token of `admin_token_file`, else of $TESSERA_ADMIN_TOKEN, else "" (no auth).
 
         Raises:
-            ValueError: the file is unreadable or empty, or the environment holds a token too.
+            ValueError: the file is unreadable or empty, or the environment holds a token too, or the
+                token is a placeholder (`services.common.auth.refuse_placeholder`).
         """
         if self.admin_token_file is None:
-            return os.environ.get(ADMIN_TOKEN_ENV, "")
+            token = os.environ.get(ADMIN_TOKEN_ENV, "")
+            if token:
+                refuse_placeholder(f"${ADMIN_TOKEN_ENV}", token)
+            return token
         if os.environ.get(ADMIN_TOKEN_ENV):
             raise ValueError(f"admin token given twice: --admin-token-file and ${ADMIN_TOKEN_ENV}; keep one")
         path = Path(self.admin_token_file).expanduser()
@@ -110,4 +115,5 @@ class RegistryConfig:
             raise ValueError(f"admin token file {path}: {error.strerror or error}") from None
         if not token:
             raise ValueError(f"admin token file {path} is empty")
+        refuse_placeholder(f"admin token file {path}", token)
         return token

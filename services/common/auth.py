@@ -38,6 +38,11 @@ from tessera.protocol import (
     INTERNAL_TOKEN_WRONG,
 )
 
+# Values the deploy files and docs have shown in place of a secret; a service refuses to start with
+# one as its internal token, admin token or API key (`refuse_placeholder`).
+PLACEHOLDER_SECRETS = frozenset({"replace-me-in-an-overlay", "replace-me", "replace_me", "changeme", "change-me",
+                                 "change_me", "secret", "token", "password", "example", "xxx"})
+
 # Probes and tooling reach these without credentials; they reveal no content.
 UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                             "/grpc.reflection.v1.ServerReflection/")
@@ -105,7 +110,19 @@ def _read_token(path: str) -> str:
         raise SystemExit(f"internal token file {path}: {error.strerror or error}") from None
     if not token:
         raise SystemExit(f"internal token file {path} is empty; refusing to start without a token")
+    try:
+        refuse_placeholder(f"internal token file {path}", token)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     return token
+
+
+def refuse_placeholder(source: str, secret: str) -> None:
+    """Raises ValueError (one line naming `source`) when `secret` is a placeholder
+    (`PLACEHOLDER_SECRETS`, any case): a deploy file's stand-in that an operator never replaced."""
+    if secret.strip().lower() in PLACEHOLDER_SECRETS:
+        raise ValueError(f"{source} holds the placeholder {secret.strip()!r}, not a secret; write a random one "
+                         "there (python3 -c \"import secrets; print(secrets.token_hex(32))\")")
 
 
 _process_token: str | None = None

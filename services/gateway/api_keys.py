@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.auth import UNAUTHENTICATED_SERVICES, refusal_handler
+from services.common.auth import UNAUTHENTICATED_SERVICES, refusal_handler, refuse_placeholder
 from services.common.errors import Unauthenticated
 from tessera.protocol import API_KEY_INVALID, API_KEY_MISSING, AUTHORIZATION_METADATA
 
@@ -24,7 +24,7 @@ def read_api_keys(path: str) -> frozenset[str]:
     """One key per line (blank lines and `#` comments skipped).
 
     Raises:
-        ValueError: the file cannot be read or holds no key.
+        ValueError: the file cannot be read, holds no key or a placeholder (`refuse_placeholder`).
     """
     try:
         lines = Path(path).read_text().splitlines()
@@ -33,6 +33,8 @@ def read_api_keys(path: str) -> frozenset[str]:
     keys = frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
     if not keys:
         raise ValueError(f"api key file {path} holds no key")
+    for key in keys:
+        refuse_placeholder(f"api key file {path}", key)
     return keys
 
 
