@@ -254,15 +254,15 @@ def _models_prepare(args) -> int:
 
 
 def _add_models_import_list(models_sub) -> None:
-    """`tessera models import PATH.gguf` and `tessera models list` (tessera/cli/models.py)."""
-    imp = models_sub.add_parser("import", help="write a servable checkpoint from a GGUF file (llama.cpp, Ollama), "
-                                "for --decoder-model-dir")
-    imp.add_argument("path", type=Path, help="the .gguf file")
+    """`tessera models import PATH.gguf|DIR` and `tessera models list` (tessera/cli/models.py)."""
+    imp = models_sub.add_parser("import", help="write a servable checkpoint from a GGUF file (llama.cpp, Ollama) "
+                                "or copy a Hugging Face checkpoint directory, for --decoder-model-dir")
+    imp.add_argument("path", type=Path, help="the .gguf file, or a directory with config.json and safetensors")
     imp.add_argument("--name", default=None, help="directory name under the models directory "
-                     "(default: the file's name without .gguf, lower-cased)")
+                     "(default: the file's name without .gguf, or the directory's, lower-cased)")
     imp.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
     imp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                     help="dtype of the dequantized weights (default %(default)s)")
+                     help="dtype of a GGUF's dequantized weights (default %(default)s)")
     imp.add_argument("--force", action="store_true", help="replace an existing directory of that name")
     imp.set_defaults(func=_models_import)
     listing = models_sub.add_parser("list", help="show the prepared models: name, kind, architecture, "
@@ -272,9 +272,9 @@ def _add_models_import_list(models_sub) -> None:
 
 
 def _models_import(args) -> int:
-    from tessera.cli.models import import_gguf
+    from tessera.cli.models import import_model
 
-    path = import_gguf(args.path, name=args.name, root=args.dir, dtype=args.dtype, force=args.force)
+    path = import_model(args.path, name=args.name, root=args.dir, dtype=args.dtype, force=args.force)
     print(f"serve it with: tessera up --decoder-model-dir {path}")
     return 0
 

@@ -11,7 +11,9 @@ Idempotent: a finished model directory holds `.tessera-complete` and is left alo
 
 `tessera models import PATH.gguf` writes a user's GGUF (llama.cpp, Ollama) the same way, under
 `$TESSERA_HOME/models/NAME`, and refuses it unless the result is a decoder tessera serves
-(`check_decoder_dir`); `tessera models list` shows the prepared directories.
+(`check_decoder_dir`); `tessera models import DIR` copies a Hugging Face checkpoint directory
+(config.json, safetensors, tokenizer files) there under the same check; `tessera models list`
+shows the prepared directories.
 """
 
 from __future__ import annotations
@@ -170,17 +172,9 @@ def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | Non
     with open(source, "rb") as file:
         if file.read(4) != b"GGUF":
             raise InvalidArgument(f"{str(source)!r} is not a GGUF file (its first bytes are not 'GGUF')")
-    name = name or re.sub(r"[^a-z0-9._-]+", "-", source.stem.lower()).strip("-.")
-    if not MODEL_NAME.fullmatch(name):
-        raise InvalidArgument(f"model name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
-                              "starting with a letter or digit")
     if dtype not in IMPORT_DTYPES:
         raise InvalidArgument(f"dtype must be one of {IMPORT_DTYPES}, got {dtype!r}")
-    root = Path(root or models_dir()).expanduser()
-    target = root / name
-    if target.exists() and not force:
-        raise FileExistsError(f"{target} already exists; pass --force to replace it")
-    root.mkdir(parents=True, exist_ok=True)
+    target = _import_target(source, name, root, force)
 
     def build(staging: Path, scratch: Path) -> None:
         gguf_to_checkpoint(source, staging, source=source.name, dtype=dtype)
@@ -191,6 +185,61 @@ def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | Non
                                                      f"GGUF {str(source)!r}")) from None
 
     return _prepare_once(target, build, force=True)
+
+
+def import_directory(source_dir: str | Path, name: str | None = None, root: Path | None = None,
+                     force: bool = False) -> Path:
+    """Copy a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files) to
+    `root/name` (defaults as `import_gguf`, the name from the directory's) and return its path.
+
+    Copied into a staging directory, checked with `check_decoder_dir` and renamed into place, as
+    `import_gguf`; symlinks are followed (a hub cache's snapshot links to its blobs).
+
+    Raises:
+        InvalidArgument: no such directory, a bad name, or a directory tessera's decoder does not
+            serve (no config.json, no safetensors weights, an architecture it does not serve).
+        FileExistsError: `root/name` exists and `force` is False.
+    """
+    source = Path(source_dir).expanduser()
+    if not source.is_dir():
+        raise InvalidArgument(f"checkpoint directory {str(source)!r} does not exist")
+    target = _import_target(source, name, root, force)
+
+    def build(staging: Path, scratch: Path) -> None:
+        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", MARKER))
+        if not any(staging.glob("*.safetensors")):
+            raise InvalidArgument(f"checkpoint directory {str(source)!r} holds no *.safetensors weights")
+        try:
+            check_decoder_dir(staging)
+        except InvalidArgument as error:
+            raise InvalidArgument(str(error).replace(f"decoder model dir {str(staging)!r}",
+                                                     f"checkpoint directory {str(source)!r}")) from None
+
+    return _prepare_once(target, build, force=True)
+
+
+def import_model(source: str | Path, name: str | None = None, root: Path | None = None, dtype: str = "float32",
+                 force: bool = False) -> Path:
+    """`import_directory` for a directory, else `import_gguf` (`dtype` applies to a GGUF only)."""
+    if Path(source).expanduser().is_dir():
+        return import_directory(source, name, root, force)
+    return import_gguf(source, name, root, dtype, force)
+
+
+def _import_target(source: Path, name: str | None, root: Path | None, force: bool) -> Path:
+    """`root/name` for an import of `source` (name default: its stem, lower-cased).
+
+    Raises InvalidArgument for a bad name, FileExistsError for an existing target without `force`."""
+    name = name or re.sub(r"[^a-z0-9._-]+", "-", source.stem.lower()).strip("-.")
+    if not MODEL_NAME.fullmatch(name):
+        raise InvalidArgument(f"model name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+                              "starting with a letter or digit")
+    root = Path(root or models_dir()).expanduser()
+    target = root / name
+    if target.exists() and not force:
+        raise FileExistsError(f"{target} already exists; pass --force to replace it")
+    root.mkdir(parents=True, exist_ok=True)
+    return target
 
 
 @dataclass(frozen=True)

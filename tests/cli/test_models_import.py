@@ -71,3 +71,26 @@ def test_import_refuses_bad_input_in_one_line(imported, tmp_path, capsys):
         assert capsys.readouterr().err.splitlines() == [line]
     assert main(["models", "import", str(gguf), "--name", "smol-gguf", "--dir", str(root)]) == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {directory} already exists; pass --force to replace it"]
+
+
+def test_import_copies_a_hugging_face_directory(tmp_path, capsys):
+    """`tessera models import DIR`: a checkpoint directory (an `hf`-layout source on a volume) is copied
+    under the models directory, checked and marked complete; the copy is what the decoder serves."""
+    from tests.decoder.decoder_testing import make_tiny_llama
+
+    source = make_tiny_llama(tmp_path / "My-Model")
+    root = tmp_path / "models"
+    assert main(["models", "import", str(source), "--dir", str(root)]) == 0
+    target = root / "my-model"
+    assert (target / ".tessera-complete").is_file() and (target / "model.safetensors").is_file()
+    assert "tessera up --decoder-model-dir" in capsys.readouterr().out
+    assert DecoderConfig(model_dir=str(target), num_blocks=8).checkpoint.num_hidden_layers == 2
+    assert main(["models", "import", str(source), "--dir", str(root)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {target} already exists; pass --force to replace it"]
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text((source / "config.json").read_text())
+    assert main(["models", "import", str(weightless), "--dir", str(root)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: checkpoint directory {str(weightless)!r} holds no *.safetensors weights"]
+    assert not (root / "weightless").exists() and sorted(p.name for p in root.iterdir()) == ["my-model"]
