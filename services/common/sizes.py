@@ -1,7 +1,7 @@
 """Byte sizes on the command line: "1073741824", "2GiB", "512MB", "1.5GiB".
 
 Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of
-1000, as Kubernetes' quantities (`Gi`, `G`) and vLLM's `--kv-cache-memory` read them; a bare
+1000, as Kubernetes' quantities (`Gi`, `G`) and vLLM's `--kv-cache-memory-bytes` read them; a bare
 number is bytes. Case and a space before the suffix do not matter; `Ki`/`Mi`/`Gi`/`Ti` (Kubernetes'
 spelling) are accepted too.
 """

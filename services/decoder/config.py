@@ -48,8 +48,8 @@ class DecoderConfig:
 
     `num_blocks` and `max_model_len` default from the model (0 = derive): max_model_len is
     min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
-    capped at 2048 blocks. `kv_cache_memory` (bytes; the flag takes "2GiB", "512MB": services/common/sizes.py)
-    sizes the KV cache from a memory budget instead, as vLLM's `--kv-cache-memory`: num_blocks =
+    capped at 2048 blocks. `kv_cache_memory_bytes` (bytes; the flag takes "2GiB", "512MB": services/common/sizes.py)
+    sizes the KV cache from a memory budget instead, as vLLM's `--kv-cache-memory-bytes`: num_blocks =
     budget // bytes per block (num_layers x 2 x block_size x num_kv_heads x head_dim x the dtype's size,
     `KVBlockLayout`), pure arithmetic on config.json and the resolved dtype; a budget that cannot hold
     one sequence of max_model_len tokens is refused naming the bytes it needs, and giving it with
@@ -86,9 +86,9 @@ generation_config.json (none when it has none), a directory holding a generation
 
     model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
     block_size: int = _flag(16, "tokens per KV-cache block")
-    num_blocks: int = _flag(0, "KV-cache blocks; 0 = from --kv-cache-memory when given, else enough for "
+    num_blocks: int = _flag(0, "KV-cache blocks; 0 = from --kv-cache-memory-bytes when given, else enough for "
                                "max_num_seqs * max_model_len / 4 tokens, at most 2048")
-    kv_cache_memory: int = _flag(0, "KV-cache budget in bytes (suffixes KiB, MiB, GiB or KB, MB, GB: 2GiB): "
+    kv_cache_memory_bytes: int = _flag(0, "KV-cache budget in bytes (suffixes KiB, MiB, GiB or KB, MB, GB: 2GiB): "
                                     "num_blocks = budget // bytes per block (layers x K,V x block_size x kv heads "
                                     "x head_dim x dtype size); 0 = --num-blocks decides", type=parse_bytes,
                                  metavar="BYTES")
@@ -148,7 +148,7 @@ generation_config.json (none when it has none), a directory holding a generation
         self._derive_from_checkpoint()
         self.generation_defaults = self._read_generation_defaults()
         self._resolve_dtype(self.torch_device)
-        if self.kv_cache_memory:
+        if self.kv_cache_memory_bytes:
             self.num_blocks = self._blocks_for_budget()
 
     @property
@@ -214,11 +214,11 @@ generation_config.json (none when it has none), a directory holding a generation
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
-        if self.kv_cache_memory < 0:
-            raise ValueError(f"--kv-cache-memory must be >= 0 bytes (0 = --num-blocks decides), got "
-                             f"{self.kv_cache_memory}")
-        if self.kv_cache_memory and self.num_blocks:
-            raise ValueError(f"--num-blocks {self.num_blocks} and --kv-cache-memory {self.kv_cache_memory} both "
+        if self.kv_cache_memory_bytes < 0:
+            raise ValueError(f"--kv-cache-memory-bytes must be >= 0 bytes (0 = --num-blocks decides), got "
+                             f"{self.kv_cache_memory_bytes}")
+        if self.kv_cache_memory_bytes and self.num_blocks:
+            raise ValueError(f"--num-blocks {self.num_blocks} and --kv-cache-memory-bytes {self.kv_cache_memory_bytes} both "
                              "size the KV cache; give one of them")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError(f"num_blocks and max_model_len must be >= 0 (0 = derive), got "
@@ -268,7 +268,7 @@ generation_config.json (none when it has none), a directory holding a generation
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}")
-        if self.num_blocks == 0 and not self.kv_cache_memory:
+        if self.num_blocks == 0 and not self.kv_cache_memory_bytes:
             tokens = self.max_num_seqs * self.max_model_len // 4
             self.num_blocks = max(1, min(2048, -(-tokens // self.block_size)))
         if self.mrope_section is not None:
@@ -281,19 +281,19 @@ generation_config.json (none when it has none), a directory holding a generation
                              checkpoint.head_dim, getattr(torch, self.dtype))
 
     def _blocks_for_budget(self) -> int:
-        """num_blocks for `kv_cache_memory` bytes. Raises ValueError: the budget holds fewer blocks
+        """num_blocks for `kv_cache_memory_bytes` bytes. Raises ValueError: the budget holds fewer blocks
         than one sequence of max_model_len tokens needs (naming both sizes)."""
         layout = self.kv_block_layout()
         per_block = layout.bytes_per_block
-        num_blocks = self.kv_cache_memory // per_block
+        num_blocks = self.kv_cache_memory_bytes // per_block
         needed_blocks = -(-self.max_model_len // self.block_size)
         if num_blocks < needed_blocks:
-            raise ValueError(f"--kv-cache-memory {format_bytes(self.kv_cache_memory)} holds {num_blocks} KV blocks "
+            raise ValueError(f"--kv-cache-memory-bytes {format_bytes(self.kv_cache_memory_bytes)} holds {num_blocks} KV blocks "
                              f"of {per_block} bytes ({layout.describe()}); one sequence of max_model_len "
                              f"{self.max_model_len} tokens needs {needed_blocks} blocks, "
-                             f"{format_bytes(needed_blocks * per_block)}: raise --kv-cache-memory or lower "
+                             f"{format_bytes(needed_blocks * per_block)}: raise --kv-cache-memory-bytes or lower "
                              "--max-model-len")
-        log.info("KV cache: --kv-cache-memory %s holds %d blocks of %d bytes (%s)", format_bytes(self.kv_cache_memory),
+        log.info("KV cache: --kv-cache-memory-bytes %s holds %d blocks of %d bytes (%s)", format_bytes(self.kv_cache_memory_bytes),
                  num_blocks, per_block, layout.describe())
         return num_blocks
 

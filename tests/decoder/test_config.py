@@ -47,36 +47,36 @@ def test_generation_config_is_read_once_and_checked(tiny_llama, tmp_path, conten
 def test_a_kv_cache_memory_budget_sizes_the_cache(tiny_llama):
     """tiny_llama: 2 layers, 2 kv heads, head_dim 16, float32; a 16-token block is
     2 x 2 (K, V) x 16 x 2 x 16 x 4 = 8192 bytes."""
-    config = DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory=parse_bytes("1MiB"), dtype="float32")
+    config = DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory_bytes=parse_bytes("1MiB"), dtype="float32")
     assert config.kv_block_layout().bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4 == 8192
     assert config.num_blocks == 2**20 // 8192 == 128
-    half = DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory=2**20, dtype="bfloat16")
+    half = DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory_bytes=2**20, dtype="bfloat16")
     assert half.num_blocks == 256   # 2-byte elements: twice the blocks
-    assert DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory=2**20 + 8191, dtype="float32").num_blocks == 128
+    assert DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory_bytes=2**20 + 8191, dtype="float32").num_blocks == 128
 
 
 def test_a_kv_cache_memory_budget_too_small_for_one_sequence_is_refused(tiny_llama):
     # max_model_len 512 = 32 blocks of 8192 bytes = 262144 bytes; 31 blocks' worth is refused
-    with pytest.raises(ValueError, match=r"--kv-cache-memory 253952 bytes \(248.0 KiB\) holds 31 KV blocks of 8192 "
+    with pytest.raises(ValueError, match=r"--kv-cache-memory-bytes 253952 bytes \(248.0 KiB\) holds 31 KV blocks of 8192 "
                                          r"bytes .*max_model_len 512 tokens needs 32 blocks, 262144 bytes"):
-        DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory=31 * 8192, dtype="float32")
-    assert DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory=32 * 8192, dtype="float32").num_blocks == 32
+        DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory_bytes=31 * 8192, dtype="float32")
+    assert DecoderConfig(model_dir=str(tiny_llama), kv_cache_memory_bytes=32 * 8192, dtype="float32").num_blocks == 32
 
 
 def test_num_blocks_and_kv_cache_memory_together_are_refused(tiny_llama):
-    with pytest.raises(ValueError, match="--num-blocks 64 and --kv-cache-memory 1048576 both size the KV cache"):
-        DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, kv_cache_memory=2**20)
+    with pytest.raises(ValueError, match="--num-blocks 64 and --kv-cache-memory-bytes 1048576 both size the KV cache"):
+        DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, kv_cache_memory_bytes=2**20)
 
 
 def test_the_kv_cache_memory_flag_takes_sizes_and_refuses_a_bad_one(tiny_llama, capsys):
     from services.decoder.__main__ import parse_args
 
-    assert parse_args(["--model-dir", str(tiny_llama), "--kv-cache-memory", "1MiB", "--dtype", "float32"]).num_blocks == 128
+    assert parse_args(["--model-dir", str(tiny_llama), "--kv-cache-memory-bytes", "1MiB", "--dtype", "float32"]).num_blocks == 128
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(["--model-dir", str(tiny_llama), "--kv-cache-memory", "1 parsec"])
-    assert exit_info.value.code == 2 and "--kv-cache-memory" in capsys.readouterr().err
+        parse_args(["--model-dir", str(tiny_llama), "--kv-cache-memory-bytes", "1 parsec"])
+    assert exit_info.value.code == 2 and "--kv-cache-memory-bytes" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(["--model-dir", str(tiny_llama), "--kv-cache-memory", "8KiB", "--dtype", "float32"])
+        parse_args(["--model-dir", str(tiny_llama), "--kv-cache-memory-bytes", "8KiB", "--dtype", "float32"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "needs 32 blocks, 262144 bytes" in err and len(err.strip().splitlines()) == 1
 
