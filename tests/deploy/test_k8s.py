@@ -58,6 +58,8 @@ def write_secrets(k8s: Path, token: str = "") -> None:
     """Every secret file, as an operator writes them: random tokens and a self-signed certificate."""
     import secrets
 
+    from tests.test_auth import _self_signed
+
     for directory, names in SECRET_FILES.items():
         folder = k8s / directory / "secrets"
         folder.mkdir()
@@ -65,9 +67,9 @@ def write_secrets(k8s: Path, token: str = "") -> None:
             if name in ("internal-token", "admin-token", "api-keys"):
                 (folder / name).write_text((token or secrets.token_hex(32)) + "\n")
         if "tls.crt" in names:
-            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                            "/CN=tessera.example.com", "-keyout", str(folder / "tls.key"), "-out",
-                            str(folder / "tls.crt")], check=True, capture_output=True, timeout=60)
+            cert, key = _self_signed(folder, ("tessera.example.com",))
+            cert.rename(folder / "tls.crt")
+            key.rename(folder / "tls.key")
 
 
 @pytest.fixture(scope="module")
