@@ -35,6 +35,7 @@ REQUEST_ID_METADATA = "x-request-id"                  # taken or made per call, 
 REPLICA_METADATA = "tessera-replica"                  # a Generate's initial metadata: the decoder replica serving it
 INTERNAL_TOKEN_METADATA = "x-tessera-internal-token"  # the cluster's internal token on internal hops
 AUTHORIZATION_METADATA = "authorization"              # "Bearer <key>": API keys, the registry's admin token
+API_KEYS_METADATA = "x-tessera-api-keys"              # "on": an admin call relayed by a gateway that has API keys
 
 # ---- message limits -----------------------------------------------------------------------------
 
@@ -67,6 +68,9 @@ API_KEY_MISSING = "API_KEY_MISSING"              # the gateway needs an API key 
 API_KEY_INVALID = "API_KEY_INVALID"
 ADMIN_TOKEN_MISSING = "ADMIN_TOKEN_MISSING"      # the registry's admin RPCs
 ADMIN_TOKEN_INVALID = "ADMIN_TOKEN_INVALID"
+ADMIN_TOKEN_UNSET = "ADMIN_TOKEN_UNSET"          # an admin call from a keyed gateway to a registry with no admin token
+CATALOG_FULL = "CATALOG_FULL"                    # the registry's SQLite catalog: database or disk is full
+CATALOG_UNAVAILABLE = "CATALOG_UNAVAILABLE"      # the catalog cannot be read or written (I/O error, read-only, locked)
 
 FIELD_METADATA = "field"  # ErrorInfo.metadata key: the request field a refusal is about ("lora", "sampling.n")
 
@@ -81,6 +85,9 @@ REASON_TO_STATUS: dict[str, str] = {
     API_KEY_INVALID: "UNAUTHENTICATED",
     ADMIN_TOKEN_MISSING: "UNAUTHENTICATED",
     ADMIN_TOKEN_INVALID: "PERMISSION_DENIED",
+    ADMIN_TOKEN_UNSET: "PERMISSION_DENIED",
+    CATALOG_FULL: "RESOURCE_EXHAUSTED",
+    CATALOG_UNAVAILABLE: "UNAVAILABLE",
 }
 
 # gRPC status -> (HTTP status, OpenAI error type); a status not listed is a 500 server_error.
@@ -100,6 +107,7 @@ STATUS_TO_HTTP: dict[str, tuple[int, str]] = {
 # reasons whose HTTP answer is not their status's: a message too large is no rate limit
 REASON_TO_HTTP: dict[str, tuple[int, str]] = {
     MESSAGE_TOO_LARGE: (413, "invalid_request_error"),
+    CATALOG_FULL: (507, "server_error"),  # WebDAV's Insufficient Storage: the server's disk, not the caller's rate
 }
 SERVER_ERROR = (500, "server_error")
 

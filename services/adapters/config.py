@@ -10,7 +10,7 @@ from services.common.auth import refuse_placeholder
 from services.common.metrics import check_metrics_port
 from services.common.server import default_address
 from tessera.paths import default_adapter_root
-from tessera.protocol import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, METRICS_PORT_ENV
+from tessera.protocol import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, API_KEY_FILE_ENV, METRICS_PORT_ENV
 
 RANK_LIMIT = 1024  # a sanity bound on max_rank itself
 
@@ -25,7 +25,9 @@ class RegistryConfig:
             cluster its own, `cluster_home(NAME)/registry/catalog.sqlite3`).
         admin_token: bearer token for LoadAdapter/UnloadAdapter; "" disables auth. `None` reads
             `admin_token_file`, else `$TESSERA_ADMIN_TOKEN` (default ""). It has no flag: a secret in
-            argv is readable by every local user in `ps`.
+            argv is readable by every local user in `ps`. In an environment that gives the gateway
+            API keys (`$TESSERA_API_KEY_FILE` set) "" is refused (ValueError): the cluster's admin
+            calls would be open to anonymous callers.
         admin_token_file: a file holding the admin token (surrounding whitespace stripped); default
             `$TESSERA_ADMIN_TOKEN_FILE`. Giving it and `$TESSERA_ADMIN_TOKEN` both is refused.
         base_model_dir: optional HF model dir; when set, target modules and LoRA shapes are
@@ -80,6 +82,10 @@ class RegistryConfig:
             self.admin_token = self._read_admin_token()
         if self.admin_token != self.admin_token.strip():
             raise ValueError("admin_token has leading or trailing whitespace; it could never match a header")
+        if not self.admin_token and os.environ.get(API_KEY_FILE_ENV):
+            raise ValueError(f"${API_KEY_FILE_ENV} is set (the gateway has API keys) but the registry has no admin "
+                             f"token: adapter load/unload would be open to anonymous callers; give one with "
+                             f"--admin-token-file PATH or ${ADMIN_TOKEN_ENV}")
         if self.base_model_dir is not None:
             self.base_model_dir = Path(self.base_model_dir).expanduser()
             if not (self.base_model_dir / "config.json").is_file():

@@ -53,7 +53,7 @@ from services.gateway.convert import (
 )
 from services.gateway.limits import GatewayLimits
 from services.gateway.pools import DecoderPool, PoolerPool
-from tessera.protocol import MESSAGE_TOO_LARGE
+from tessera.protocol import API_KEYS_METADATA, AUTHORIZATION_METADATA, MESSAGE_TOO_LARGE
 from tessera.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -92,7 +92,7 @@ class Call:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def metadata(self) -> list[tuple[str, str]]:
-        return [("authorization", self.authorization)] if self.authorization else []
+        return [(AUTHORIZATION_METADATA, self.authorization)] if self.authorization else []
 
 
 class GatewayCore:
@@ -377,15 +377,23 @@ class GatewayCore:
     # -- adapters -----------------------------------------------------------------------------
 
     async def load_adapter(self, request: adapters_pb2.LoadAdapterRequest, call: Call) -> adapters_pb2.AdapterInfo:
-        """An admin call: the registry checks `call.authorization` against its admin token."""
+        """An admin call: the registry checks `call.authorization` against its admin token (a gateway
+        with API keys says so, and a registry without an admin token refuses it: services/adapters/auth.py)."""
         self.limits.adapter_request(request)
-        return await self._unary("adapters", self.config.adapters, self.adapters.LoadAdapter, request, call)
+        return await self._admin(self.adapters.LoadAdapter, request, call)
 
     async def unload_adapter(self, request: adapters_pb2.UnloadAdapterRequest,
                              call: Call) -> adapters_pb2.UnloadAdapterResponse:
         """An admin call, as `load_adapter`."""
         self.limits.adapter_request(request)
-        return await self._unary("adapters", self.config.adapters, self.adapters.UnloadAdapter, request, call)
+        return await self._admin(self.adapters.UnloadAdapter, request, call)
+
+    async def _admin(self, method, request, call: Call):
+        metadata = [*call.metadata(), *([(API_KEYS_METADATA, "on")] if self.config.api_key_file else [])]
+        try:
+            return await method(request, timeout=call.time_remaining(), metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            raise self._downstream("adapters", self.config.adapters, error) from error
 
     async def list_adapters(self, request: adapters_pb2.ListAdaptersRequest,
                             call: Call) -> adapters_pb2.ListAdaptersResponse:

@@ -50,3 +50,15 @@ def test_up_gives_the_token_to_the_registry_alone_and_never_in_argv(tmp_path, mo
         env = cluster.process_environment(service)
         assert env.get("TESSERA_ADMIN_TOKEN") == ("s3cret" if service == "adapters" else None), service
         assert "TESSERA_ADMIN_TOKEN_FILE" not in env
+
+
+def test_the_registry_refuses_to_start_without_a_token_where_the_gateway_has_api_keys(tmp_path, monkeypatch):
+    monkeypatch.delenv("TESSERA_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("TESSERA_API_KEY_FILE", str(tmp_path / "keys"))
+    with pytest.raises(ValueError, match=r"^\$TESSERA_API_KEY_FILE is set \(the gateway has API keys\) but the "
+                                         r"registry has no admin token: adapter load/unload would be open to "
+                                         r"anonymous callers; give one with --admin-token-file PATH or "
+                                         r"\$TESSERA_ADMIN_TOKEN$"):
+        RegistryConfig(root=tmp_path)
+    monkeypatch.setenv("TESSERA_ADMIN_TOKEN", "s3cret")
+    assert RegistryConfig(root=tmp_path).admin_token == "s3cret"

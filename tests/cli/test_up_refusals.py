@@ -100,3 +100,26 @@ def test_served_names_and_generation_config_reach_the_decoder_and_pooling(up, ca
     code, started = up()
     assert code == 0 and "--served-model-name" not in started[-1].command("decoder")
     assert "--generation-config" not in started[-1].command("decoder") and not started[-1].services_given_flags()
+
+
+def test_api_keys_without_an_admin_token_are_refused(up, tmp_path, monkeypatch, capsys):
+    """Keys for the gateway (its flag through --service-args, or the environment every service
+    inherits) and no admin token: adapter load/unload would be open to anyone; refused first."""
+    monkeypatch.delenv("TESSERA_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("TESSERA_ADMIN_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("TESSERA_API_KEY_FILE", raising=False)
+    keys, token = tmp_path / "keys", tmp_path / "admin-token"
+    keys.write_text("key-1\n")
+    token.write_text("admin-1\n")
+    refused = ("error: the gateway has API keys ({}) but the registry has no admin token: adapter load/unload "
+               "would be open to anonymous callers; pass --admin-token-file PATH (or set $TESSERA_ADMIN_TOKEN)\n")
+    code, started = up("--service-args", f"gateway=--api-key-file {keys}")
+    assert (code, started) == (2, [])
+    assert capsys.readouterr().err == refused.format(keys)
+    monkeypatch.setenv("TESSERA_API_KEY_FILE", str(keys))
+    code, started = up()
+    assert (code, started) == (2, [])
+    assert capsys.readouterr().err == refused.format(keys)
+    assert _written(tmp_path) == [token, keys]  # nothing else written
+    code, started = up("--admin-token-file", str(token))
+    assert code == 0 and started[0].admin_token == "admin-1"

@@ -74,3 +74,43 @@ def test_admin_routes_answer_the_registrys_verdict_on_the_callers_own_credential
     assert missing == 401 and missing_answer["error"]["type"] == "authentication_error", missing_answer
     assert wrong == 403 and wrong_answer["error"]["type"] == "permission_error", wrong_answer
     assert right == 200 and right_answer["id"] == "a", right_answer
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_keyed_gateway_never_relays_an_anonymous_admin_call_to_a_registry_without_a_token(tmp_path, keyed):
+    """A registry without an admin token (development) is open, except to what a gateway with API
+    keys relays: that is refused PERMISSION_DENIED (403) naming the missing token, whatever was sent."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\n")
+
+    async def scenario():
+        server = grpc.aio.server(interceptors=[AdminAuthInterceptor("")])
+        adapters_pb2_grpc.add_AdaptersServicer_to_server(Registry(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        core = GatewayCore(GatewayConfig(address="127.0.0.1:1", decoder=NOTHING, pooling=NOTHING,
+                                         adapters=f"127.0.0.1:{port}", vision="",
+                                         api_key_file=str(keys) if keyed else ""))
+        app = create_app(Backend(core, {}, frozenset({"key-a"}) if keyed else frozenset()), max_body_bytes=1 << 20)
+        try:
+            answers = [await _post(app, "/v1/unload_lora_adapter", {"lora_name": "a"}, authorization)
+                       for authorization in (None, "Bearer key-a", "Bearer anything")]
+            try:
+                await core.unload_adapter(adapters_pb2.UnloadAdapterRequest(name="a"), Call())
+                grpc_answer = None
+            except PermissionDenied as error:
+                grpc_answer = error
+            return answers, grpc_answer
+        finally:
+            await core.close()
+            await server.stop(None)
+
+    answers, grpc_answer = asyncio.run(scenario())
+    if not keyed:
+        assert [status for status, _ in answers] == [200, 200, 200] and grpc_answer is None
+        return
+    for status, answer in answers:
+        assert status == 403 and answer["error"]["type"] == "permission_error", answer
+        assert answer["error"]["message"].startswith("the gateway has API keys but the adapter registry has no "
+                                                     "admin token: adapter load/unload are refused"), answer
+    assert isinstance(grpc_answer, PermissionDenied) and grpc_answer.reason == "ADMIN_TOKEN_UNSET"

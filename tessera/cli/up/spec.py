@@ -13,7 +13,9 @@ Which vision encoder, if any, the decoder gets is decided once from its checkpoi
 text-only, with no vision service. A directory that is not a decoder checkpoint is refused before
 any process starts (`check_model_dirs`). `--cluster` and the ports are checked by `ClusterSpec`,
 the flags of `--service-args` and of the models' served names and sampling defaults by
-`check_service_args`.
+`check_service_args`. API keys for the gateway (`--service-args gateway=--api-key-file PATH`, or
+`$TESSERA_API_KEY_FILE`, which every service inherits) without an admin token are refused: adapter
+load/unload would be open to anyone who reaches the gateway.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tessera.paths import (
     default_decoder_dir,
     default_embedding_dir,
 )
+from tessera.protocol import ADMIN_TOKEN_ENV, API_KEY_FILE_ENV
 
 SERVICES = ("adapters", "vision", "pooling", "decoder", "gateway")
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a directory of its own under $TESSERA_HOME/clusters
@@ -101,6 +104,7 @@ class ClusterSpec:
             raise ValueError(f"base_port must leave room for {self.num_ports} ports and their metrics ports "
                              f"(+{METRICS_PORT_OFFSET}) below 65536, got {self.base_port}")
         self._check_http_port()
+        self._check_admin_token()
         if self.num_decoders + self.num_poolers > 2:
             try:
                 ipaddress.ip_address(self.host)
@@ -120,6 +124,15 @@ class ClusterSpec:
             raise ValueError(f"http_port {self.http_port} is taken by the cluster's gRPC ports "
                              f"{grpc_ports.start}..{grpc_ports.stop - 1} or their metrics ports "
                              f"(+{METRICS_PORT_OFFSET})")
+
+    def _check_admin_token(self) -> None:
+        """API keys on the gateway need an admin token on the registry (never anonymous admin)."""
+        keys = _last_flag_value(self.extra_args.get("gateway", []), "--api-key-file") or os.environ.get(API_KEY_FILE_ENV)
+        token = self.admin_token or _last_flag_value(self.extra_args.get("adapters", []), "--admin-token-file")
+        if keys and not token:
+            raise ValueError(f"the gateway has API keys ({keys}) but the registry has no admin token: adapter "
+                             f"load/unload would be open to anonymous callers; pass --admin-token-file PATH "
+                             f"(or set ${ADMIN_TOKEN_ENV})")
 
     @property
     def catalog_path(self) -> Path:
