@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 
 import grpc
 
+from services.common import log_handlers
 from services.common.config_cli import add_flags, from_flags
 from services.common.interceptors import metadata_interceptors
 from tessera.protocol import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REQUEST_ID_METADATA
@@ -96,7 +97,7 @@ def configure_logging(service: str, argv: Sequence[str] | None = None) -> LogCon
         config = from_flags(LogConfig, args)
     except ValueError as error:  # a bad $TESSERA_LOG_FORMAT / $TESSERA_LOG_LEVEL (argparse checks flags)
         raise SystemExit(str(error)) from None
-    handler = logging.StreamHandler(sys.stderr)
+    handler = log_handlers.StreamHandler(sys.stderr)  # a stderr that cannot be written: one warning, not a traceback a line
     handler.setFormatter(JsonFormatter(service) if config.log_format == "json" else TextFormatter())
     handler.addFilter(_stamp_request_id)
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)

@@ -8,7 +8,9 @@ rather than in the services keeps every byte a process writes in one rotated fil
 comes before its logging is configured (a flag refused by argparse, an import error, a
 traceback), what C libraries write to the stderr descriptor, and a crash's last words — and
 keeps the services free of file handling (in a container they log to stderr as they do here).
-The reader drains the pipe as fast as lines come, so a service never blocks on a full pipe.
+The reader drains the pipe as fast as lines come, so a service never blocks on a full pipe. A
+file that cannot be written (a full disk) is one line on `up`'s stderr, not a traceback per line
+(services/common/log_handlers.py); the lines are dropped until the file takes them again.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import logging.handlers
 import re
 import threading
 from pathlib import Path
 from typing import BinaryIO
+
+from services.common import log_handlers
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 DEFAULT_BACKUPS = 3
@@ -48,7 +51,7 @@ class ServiceLog:
             raise ValueError(f"log rotation needs max_bytes >= 1 and backups >= 0, got {max_bytes} and {backups}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
+        self._handler = log_handlers.RotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
                                                              encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._recent: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import io
 import json
 import logging
+import os
 import subprocess
 import sys
 
 import grpc
 import pytest
 
-from services.common import logs
+from services.common import log_handlers, logs
 from services.common.launch import free_port
 from services.common.server import insecure_channel
 from tessera.cli.logfiles import ServiceLog, failure_cause
@@ -176,6 +179,57 @@ def test_a_followed_process_writes_its_output_to_the_file(tmp_path):
     assert log.recent() == ["out", "config is wrong"]
     log.close()
     assert (tmp_path / "x.log").read_text() == "out\nconfig is wrong\n"
+
+
+def test_a_log_file_on_a_full_disk_is_one_warning_not_a_traceback_per_line(tmp_path, capfd):
+    """/dev/full answers every write ENOSPC, as a full disk does."""
+    path = tmp_path / "decoder.log"
+    path.symlink_to("/dev/full")
+    log = ServiceLog(path, max_bytes=10_000_000, backups=1)
+    for index in range(241):
+        log.write(f"line {index}")
+    log.close()
+    err = capfd.readouterr().err
+    assert err == (f"logging: cannot write to {path}: [Errno 28] No space left on device; dropping log records "
+                   "until it can be written again\n"), err
+    assert log._handler.num_dropped == 241
+
+
+class _Disk(io.StringIO):
+    """A stream that answers ENOSPC while `full`."""
+
+    full = False
+
+    def write(self, text: str) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(text)
+
+
+def test_a_stream_that_is_written_again_takes_the_next_records_and_says_how_many_were_lost(capfd):
+    disk = _Disk()
+    disk.name = "<disk>"
+    handler = log_handlers.StreamHandler(disk)
+    logger = logging.getLogger("tests.fail_soft")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("before")
+        disk.full = True
+        for index in range(3):
+            logger.warning("lost %d", index)
+        disk.full = False
+        logger.warning("after")
+        logger.warning("bad format %d", "not a number")  # not the disk's fault: logging's own report stays
+    finally:
+        logger.removeHandler(handler)
+    assert disk.getvalue() == "before\nafter\n"
+    err = capfd.readouterr().err
+    assert err.startswith("logging: cannot write to <disk>: [Errno 28] No space left on device; dropping log "
+                          "records until it can be written again\n"
+                          "logging: <disk> is written again; 3 log record(s) were dropped\n"
+                          "--- Logging error ---\n"), err
+    assert err.count("--- Logging error ---") == 1
 
 
 TRACEBACK = """\
