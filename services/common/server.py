@@ -6,7 +6,7 @@ engine's `Lifecycle` (start, stop, health); health starts NOT_SERVING, flips to 
 configuration that cannot compute never reports SERVING), follows `health()` afterwards
 (NOT_SERVING while its engine loop has died or is wedged, services/common/liveness.py), and goes
 NOT_SERVING on SIGTERM before the drain (`server.stop(grace)`), as in grpc's python examples and
-TGI's server. A start that fails closes the port and raises; `exit_refused` turns it into the one
+TGI's server; open health Watch streams end there (services/common/health.py). A start that fails closes the port and raises; `exit_refused` turns it into the one
 line on stderr that `python -m services.<name>` exits 1 with (services/common/run.py).
 
 With `$TESSERA_EXIT_UNHEALTHY_AFTER_S` set, a service whose own check has said NOT_SERVING for
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 import grpc
-from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import auth, logs, metrics
 from services.common.error_interceptor import ErrorInterceptor
+from services.common.health import HealthServicer
 from tessera.protocol import CHANNEL_OPTIONS, EXIT_UNHEALTHY_ENV, MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class Listen:
 
 
 async def serve(name: str, listen: Listen | str, register: Callable[[grpc.aio.Server], Iterable[str]],
-                lifecycle: Lifecycle | None = None, *, health_servicer: grpc_health.aio.HealthServicer | None = None,
+                lifecycle: Lifecycle | None = None, *, health_servicer: HealthServicer | None = None,
                 grace_s: float = 5.0, exit_process: Callable[[int], object] = os._exit) -> None:
     """Run one service until SIGTERM/SIGINT (the module's docstring).
 
@@ -244,7 +244,7 @@ async def serve(name: str, listen: Listen | str, register: Callable[[grpc.aio.Se
     give_up_after_s = exit_unhealthy_after_s()
     listen = Listen(listen) if isinstance(listen, str) else listen
     lifecycle = lifecycle or Hooks()
-    health_servicer = health_servicer or grpc_health.aio.HealthServicer()
+    health_servicer = health_servicer or HealthServicer()
     server, services = _build(name, listen, register, health_servicer)
     await server.start()
     await _start(name, listen.address, server, lifecycle, health_servicer, services)
@@ -276,7 +276,7 @@ async def serve(name: str, listen: Listen | str, register: Callable[[grpc.aio.Se
 
 
 def _build(name: str, listen: Listen, register: Callable[[grpc.aio.Server], Iterable[str]],
-           health_servicer: grpc_health.aio.HealthServicer) -> tuple[grpc.aio.Server, list[str]]:
+           health_servicer: HealthServicer) -> tuple[grpc.aio.Server, list[str]]:
     """The bound server with the service's servicers, health and reflection; the names health is
     set for ("" = the whole server, then each service's)."""
     server = create_server(listen.interceptors, public=listen.public, max_receive_bytes=listen.max_receive_bytes)
@@ -289,7 +289,7 @@ def _build(name: str, listen: Listen, register: Callable[[grpc.aio.Server], Iter
 
 
 async def _start(name: str, address: str, server: grpc.aio.Server, lifecycle: Lifecycle,
-                 health_servicer: grpc_health.aio.HealthServicer, services: list[str]) -> None:
+                 health_servicer: HealthServicer, services: list[str]) -> None:
     """NOT_SERVING while `lifecycle.start()` runs, SERVING once it returned; a start that raises
     closes the port and raises."""
     for service in services:
@@ -308,7 +308,7 @@ async def _start(name: str, address: str, server: grpc.aio.Server, lifecycle: Li
     log.info("%s serving on %s", name, address)
 
 
-async def _follow_health(name: str, check: Callable[[], str | None], health_servicer: grpc_health.aio.HealthServicer,
+async def _follow_health(name: str, check: Callable[[], str | None], health_servicer: HealthServicer,
                          services: list[str], give_up_after_s: float | None = None,
                          give_up: Callable[[str], None] = lambda reason: None) -> None:
     """Set every status from `check()` each HEALTH_POLL_S; log each change of verdict once; call

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from grpc_health.v1 import health as grpc_health
-
 from services.common.auth import Security
 from services.common.config_cli import from_flags
+from services.common.health import HealthServicer
 from services.common.limits import GenerateLimits, PoolingLimits
 from services.common.memory import unmap_large_buffers
 from services.common.message_limits import gateway_bytes, pooling_bytes
@@ -48,7 +47,7 @@ async def serve_gateway(config: GatewayConfig, security: Security) -> None:
                             pooling_bytes(config.pooling_limits.max_request_chars,
                                           config.pooling_limits.max_request_token_ids))
     keys = read_api_keys(config.api_key_file) if config.api_key_file else frozenset()  # ValueError: exits 1
-    health = grpc_health.aio.HealthServicer()  # the HTTP /health reads the gateway's own status from it
+    health = HealthServicer()  # the HTTP /health reads the gateway's own status from it
     http = (http_server(config, core, max_receive_bytes, gateway_health=health_of(health),
                         tls=(security.tls_cert_file, security.tls_key_file) if security.tls_cert_file else None,
                         extra_routes={"/metrics": gateway_metrics.asgi_app(core)})

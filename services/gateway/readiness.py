@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2
+
+from services.common.health import HealthServicer
 
 GENERATE = "generate"
 EMBED = "embed"
@@ -76,7 +77,7 @@ def of_pools(core, gateway: str | None = None) -> Readiness:
                      core.decoders.replicas.ever_ready or generate)
 
 
-async def follow(core, servicer: grpc_health.aio.HealthServicer, poll_s: float = POLL_S) -> None:
+async def follow(core, servicer: HealthServicer, poll_s: float = POLL_S) -> None:
     """Set the statuses of HEALTH_SERVICES on `servicer` from `of_pools(core)` every `poll_s`
     seconds until cancelled (after SIGTERM's `enter_graceful_shutdown` they stay NOT_SERVING)."""
     while True:
@@ -90,7 +91,7 @@ async def follow(core, servicer: grpc_health.aio.HealthServicer, poll_s: float =
         await asyncio.sleep(poll_s)
 
 
-async def register(servicer: grpc_health.aio.HealthServicer) -> None:
+async def register(servicer: HealthServicer) -> None:
     """Make the verdicts' names known (NOT_SERVING) before the port answers, so a probe of one never
     gets NOT_FOUND while the gateway starts."""
     for service in HEALTH_SERVICES.values():
