@@ -54,6 +54,21 @@ class GatewayConfig:
     return_tokens_as_token_ids: bool = field(default=False, metadata={
         "help": "HTTP logprobs name each token `token_id:<id>` instead of its text (vLLM's flag; a request's "
                 "return_tokens_as_token_ids overrides it)"})
+    timeout_keep_alive: float = field(default=5.0, metadata={
+        "help": "HTTP: close a keep-alive connection idle this long after an answer (seconds; uvicorn's and "
+                "vLLM's --timeout-keep-alive)"})
+    http_header_timeout: float = field(default=20.0, metadata={
+        "help": "HTTP: close a connection whose request head (request line and headers) is not in this long "
+                "after the connection opened or its next request began (seconds; a slowloris client)"})
+    limit_concurrency: int = field(default=0, metadata={
+        "help": "HTTP: answer 503 past this many open connections or requests in flight (uvicorn's "
+                "--limit-concurrency; 0 = half the process's open-file limit, the rest left to gRPC)"})
+    h11_max_incomplete_event_size: int = field(default=64 * 1024, metadata={
+        "help": "HTTP: bytes of a request head (request line and headers) before it is refused with 400 "
+                "(uvicorn's and vLLM's --h11-max-incomplete-event-size)"})
+    max_body_bytes_in_flight: int = field(default=0, metadata={
+        "help": "HTTP: bytes of request bodies read or held at once over all requests; a body past it is "
+                "refused with 503 and Retry-After before it is read (0 = twice the chat route's body limit)"})
     metrics_port: int = field(default=0, metadata={
         "help": "also serve Prometheus /metrics on this port, same host as --address (0: off; the HTTP port "
                 "serves them at /metrics)", "env": METRICS_PORT_ENV})
@@ -71,5 +86,14 @@ class GatewayConfig:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in 0..65535 (0 = off), got {self.http_port}")
         check_metrics_port(self.metrics_port)
+        for name in ("timeout_keep_alive", "http_header_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        for name in ("limit_concurrency", "max_body_bytes_in_flight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = the default), got {getattr(self, name)}")
+        if self.h11_max_incomplete_event_size < 1024:
+            raise ValueError(f"h11_max_incomplete_event_size must be >= 1024 bytes, got "
+                             f"{self.h11_max_incomplete_event_size}")
         if self.max_path_chars < 1:
             raise ValueError(f"max_path_chars must be >= 1, got {self.max_path_chars}")

@@ -14,7 +14,8 @@ With API keys configured, every inference route and /v1/models needs `Authorizat
 `extra_routes` mounts more ASGI apps (e.g. `{"/metrics": prometheus_client.make_asgi_app()}`).
 Bodies past `max_body_bytes` (chat, which may carry images) or `max_text_body_bytes` (every other
 route), or holding more than body_limit.MAX_JSON_VALUES values, are refused with 413 before they
-are parsed.
+are parsed; past `body_budget` (bytes of bodies in flight) with 503 and Retry-After. JSON bodies
+past 1 MiB are parsed in a worker thread (json_body.py), off the loop that serves gRPC too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from collections.abc import Mapping
 from fastapi import Depends, FastAPI, Header
 
 from services.gateway.http.backend import Backend
-from services.gateway.http.body_limit import BODY_READ_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S, TEXT_BODY_BYTES, BodyLimit
+from services.gateway.http.body_limit import (
+    BODY_READ_TIMEOUT_S,
+    BODY_TOTAL_TIMEOUT_S,
+    TEXT_BODY_BYTES,
+    BodyBudget,
+    BodyLimit,
+)
 from services.gateway.http.chat import router as chat
 from services.gateway.http.chat.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.http.errors import HANDLERS
@@ -43,9 +50,11 @@ from services.gateway.http.tokenize.protocol import DetokenizeRequest, TokenizeR
 
 def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str, object] = (),
                max_text_body_bytes: int = TEXT_BODY_BYTES, body_read_timeout_s: float = BODY_READ_TIMEOUT_S,
-               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S, return_tokens_as_token_ids: bool = False) -> FastAPI:
+               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S, return_tokens_as_token_ids: bool = False,
+               body_budget: BodyBudget | None = None) -> FastAPI:
     """The app over `backend`; `return_tokens_as_token_ids`: logprob tokens as `token_id:<id>` unless a
-    request says otherwise (vLLM's --return-tokens-as-token-ids)."""
+    request says otherwise (vLLM's --return-tokens-as-token-ids); `body_budget`: the bytes of bodies
+    in flight over all requests (None: no budget)."""
     app = FastAPI(title="tessera", summary="OpenAI-compatible HTTP API of the tessera gateway",
                   responses=ERROR_RESPONSES)
     for error, handler in HANDLERS.items():
@@ -63,7 +72,7 @@ def create_app(backend: Backend, max_body_bytes: int, extra_routes: Mapping[str,
     for path, asgi in dict(extra_routes).items():
         app.add_route(path, _AsgiEndpoint(asgi), include_in_schema=False)  # exactly `path`: no 307 to `path/`
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, max_text_bytes=max_text_body_bytes,
-                       read_timeout_s=body_read_timeout_s, total_timeout_s=body_total_timeout_s)
+                       read_timeout_s=body_read_timeout_s, total_timeout_s=body_total_timeout_s, budget=body_budget)
     app.add_middleware(RequestLog)  # outermost: logs the 413s too
     app.openapi = lambda: _openapi(app)
     return app

@@ -115,6 +115,16 @@ class Backend:
         if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in self.api_keys):
             raise ApiError(401, "the API key is not valid", "authentication_error")
 
+    def check_generate(self, request) -> None:
+        """The core's caps on a GenerateRequest (counts, names, text; services/common/limits.py).
+
+        Raises:
+            InvalidArgument: the first cap passed, naming it.
+        """
+        limits = getattr(self.core, "limits", None)  # a core without caps (tests) checks none
+        if limits is not None:
+            limits.generate(request)
+
     def check_size(self, request) -> None:
         """Raises ResourceExhausted (413) for a request larger than the gRPC port would take."""
         if self.max_request_bytes and (size := request.ByteSize()) > self.max_request_bytes:

@@ -37,8 +37,10 @@ class ApiError(HTTPException):
     """A refusal with its HTTP status, OpenAI error type, and the offending parameter if known (an
     HTTPException, so FastAPI re-raises it as it is from wherever it is raised, body reading included)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(status, message)
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        """`headers`: sent with the answer (e.g. Retry-After)."""
+        super().__init__(status, message, dict(headers) if headers else None)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
     def response(self, tei: bool = False) -> JSONResponse:
@@ -46,8 +48,9 @@ class ApiError(HTTPException):
         if tei:
             kind = _TEI_ERROR_TYPES.get(self.status, "validation" if self.status < 500 else "backend")
             body = {"error": clip_message(self.message), "error_type": kind}
-            return JSONResponse(body, status_code=self.status)
-        return JSONResponse(error_body(self.message, self.type, self.param, self.status), status_code=self.status)
+            return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(error_body(self.message, self.type, self.param, self.status), status_code=self.status,
+                            headers=self.headers)
 
 
 def tei_shaped(scope, body: object = None) -> bool:

@@ -6,16 +6,17 @@ from fastapi import APIRouter, Request
 
 from services.gateway.http.backend import Backend
 from services.gateway.http.chat import protocol, serving
+from services.gateway.http.json_body import OffLoopJsonRoute
 
 
 def router(backend: Backend, as_ids: bool) -> APIRouter:
     """The routes over `backend`; `as_ids`: logprob tokens as `token_id:<id>` unless a request says
     otherwise (vLLM's --return-tokens-as-token-ids)."""
-    routes = APIRouter()
+    routes = APIRouter(route_class=OffLoopJsonRoute)  # bodies past 1 MiB parse off the loop
 
     @routes.post("/v1/chat/completions", response_model=protocol.ChatCompletion)
     async def chat_completions(body: protocol.ChatCompletionRequest, http: Request):
-        request = serving.chat_request(body)  # bad input refused before any call
+        request = serving.chat_request(body, backend.check_generate)  # refused before any call or image copy
         model = body.model or await backend.base_model()  # absent: the base model, as vLLM
         request.lora = await backend.lora_for(model)
         shape = serving.chat_shape(body, await serving.answer_model(backend, model, request.lora), as_ids)

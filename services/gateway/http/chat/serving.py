@@ -27,7 +27,7 @@ from services.gateway.http.chat.protocol import (
 from services.gateway.http.errors import ApiError, from_error
 from services.gateway.http.tokenize.protocol import TokenizeRequest
 from tessera.protocol import UNKNOWN_ADAPTER
-from tessera.v1 import decoder_pb2, vision_pb2
+from tessera.v1 import decoder_pb2
 
 _DATA_URI_PREFIX = "data:"
 
@@ -38,32 +38,50 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_pena
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, when neither the request nor the model's generation config sets one
 
 
-def _image(url: str, where: str) -> decoder_pb2.ContentPart:
+def _check_image_url(url: str, where: str) -> None:
     if not url.startswith(_DATA_URI_PREFIX) or ";base64," not in url[:256]:
         raise ApiError(400, f"{where}.image_url.url must be a base64 data URI (data:image/png;base64,...); "
                             f"remote URLs are not fetched by the gateway (got {url[:40]!r})", param=f"{where}.image_url")
-    return decoder_pb2.ContentPart(image=vision_pb2.ImageInput(data_uri=url))
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[decoder_pb2.ChatMessage]:
+def chat_messages(messages: list[ChatMessage], into=None, images: list | None = None) -> list[decoder_pb2.ChatMessage]:
     """OpenAI messages -> ChatMessage protos; each `image_url` part becomes an `image` part.
+
+    Built in place, so an image's data URI is copied once (a proto passed to a constructor is
+    copied whole): into `into` (a repeated ChatMessage field; default a new list's worth); with
+    `images` given, image parts are left empty and `(part, url)` pairs appended to it for the caller
+    to fill (`fill_images`) once the request's caps have been checked.
 
     Raises:
         ApiError: 400 for an image that is not a base64 data URI (remote URLs are never fetched).
     """
-    out = []
+    holder = decoder_pb2.GenerateRequest() if into is None else None
+    into = holder.messages if into is None else into
     for i, message in enumerate(messages):
-        content = message.content
-        if content is None:
-            parts = []
-        elif isinstance(content, str):
-            parts = [decoder_pb2.ContentPart(text=content)]
-        else:
-            parts = [decoder_pb2.ContentPart(text=p.text) if isinstance(p, TextPart)
-                     else _image(p.image_url.url, f"messages.{i}.content.{j}") for j, p in enumerate(content)]
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
-        out.append(decoder_pb2.ChatMessage(role=role, content=parts, name=message.name or ""))
-    return out
+        out = into.add(role=role, name=message.name or "")
+        content = message.content
+        if isinstance(content, str):
+            out.content.add(text=content)
+        elif content is not None:
+            for j, p in enumerate(content):
+                if isinstance(p, TextPart):
+                    out.content.add(text=p.text)
+                    continue
+                _check_image_url(p.image_url.url, f"messages.{i}.content.{j}")
+                image = out.content.add().image
+                if images is None:
+                    image.data_uri = p.image_url.url
+                else:
+                    image.SetInParent()  # an image part; its bytes come in fill_images
+                    images.append((image, p.image_url.url))
+    return list(into) if holder is not None else into
+
+
+def fill_images(images: list) -> None:
+    """The data URIs `chat_messages` left out, each copied once into its part."""
+    for image, url in images:
+        image.data_uri = url
 
 
 def _stream_fields(body: SamplingFields) -> None:
@@ -125,21 +143,32 @@ def template_fields(body: ChatCompletionRequest | TokenizeRequest, documents=Non
     return fields
 
 
-def chat_request(body: ChatCompletionRequest) -> decoder_pb2.GenerateRequest:
+def chat_request(body: ChatCompletionRequest, check=None) -> decoder_pb2.GenerateRequest:
     """The chat's Generate request, base model (the caller sets `lora`).
+
+    `check(request)`: called on the request before its images' bytes are copied in (the caps on
+    counts and text: a refused request costs no image copy).
 
     Raises:
         ApiError: 400 for top_logprobs without logprobs (as OpenAI), the refusals of `_stream_fields`
-            and `template_fields`, or a bad image (`chat_messages`).
+            and `template_fields`, or a bad image (`chat_messages`); whatever `check` raises.
     """
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     _stream_fields(body)
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    return decoder_pb2.GenerateRequest(
-        messages=chat_messages(body.messages),
+    request = decoder_pb2.GenerateRequest(
         sampling=sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0, body.prompt_logprobs),
         return_prompt=_continuous_usage(body), **template_fields(body, body.documents))
+    images: list = []
+    chat_messages(body.messages, request.messages, images)
+    if check is not None:
+        try:
+            check(request)
+        except TesseraError as error:
+            raise from_error(error, chat_fields(body)) from None
+    fill_images(images)
+    return request
 
 
 def _continuous_usage(body: SamplingFields) -> bool:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from services.gateway.core import Call
 from services.gateway.http.backend import Backend
 from services.gateway.http.errors import ApiError
+from services.gateway.http.json_body import OffLoopJsonRoute
 from services.gateway.http.models import protocol, serving
 from services.gateway.readiness import CAPABILITIES, EMBED, GENERATE
 from tessera import package_version
@@ -20,7 +21,7 @@ from tessera.v1 import adapters_pb2
 
 def router(backend: Backend, inference) -> APIRouter:
     """The routes over `backend`; `inference`: the dependencies of an inference route (the API key)."""
-    routes = APIRouter()
+    routes = APIRouter(route_class=OffLoopJsonRoute)  # bodies past 1 MiB parse off the loop
 
     def admin(request: Request) -> Call:
         """The registry checks the caller's own credentials (none sent: UNAUTHENTICATED, 401)."""

@@ -9,13 +9,14 @@ from fastapi.responses import JSONResponse
 
 from services.gateway.http.backend import Backend
 from services.gateway.http.errors import TEI_SHAPED, ApiError, naming
+from services.gateway.http.json_body import OffLoopJsonRoute
 from services.gateway.http.pooling import protocol, serving
 from services.gateway.http.tei import protocol as tei_protocol
 from services.gateway.http.tei import serving as tei_serving
 
 
 def router(backend: Backend) -> APIRouter:
-    routes = APIRouter()
+    routes = APIRouter(route_class=OffLoopJsonRoute)  # bodies past 1 MiB parse off the loop
 
     @routes.post("/v1/embeddings", response_model=protocol.EmbeddingList)
     async def embeddings(body: protocol.EmbeddingRequest):

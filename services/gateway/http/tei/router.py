@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from services.gateway.http.backend import Backend
 from services.gateway.http.errors import ApiError, naming
+from services.gateway.http.json_body import OffLoopJsonRoute
 from services.gateway.http.pooling import serving as pooling
 from services.gateway.http.protocol import ERROR_RESPONSES
 from services.gateway.http.tei import protocol, serving
@@ -17,7 +18,8 @@ from tessera import package_version
 
 
 def router(backend: Backend) -> APIRouter:
-    routes = APIRouter(responses={status: {"model": protocol.TeiErrorResponse} for status in ERROR_RESPONSES})
+    routes = APIRouter(route_class=OffLoopJsonRoute,  # bodies past 1 MiB parse off the loop
+                       responses={status: {"model": protocol.TeiErrorResponse} for status in ERROR_RESPONSES})
 
     async def embed(body: protocol.TeiEmbedRequest):
         """TEI's embed: one vector per input, in input order (normalized unless `normalize` is false)."""

@@ -7,12 +7,13 @@ from fastapi import APIRouter
 from services.gateway.core import Call
 from services.gateway.http.backend import Backend
 from services.gateway.http.errors import naming
+from services.gateway.http.json_body import OffLoopJsonRoute
 from services.gateway.http.tokenize import protocol, serving
 from tessera.v1 import decoder_pb2
 
 
 def router(backend: Backend) -> APIRouter:
-    routes = APIRouter()
+    routes = APIRouter(route_class=OffLoopJsonRoute)  # bodies past 1 MiB parse off the loop
 
     @routes.post("/tokenize", response_model=protocol.TokenizeResponse)
     async def tokenize(body: protocol.TokenizeRequest):
