@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from services.gateway.http.backend import Backend
@@ -16,7 +18,8 @@ def router(backend: Backend, as_ids: bool) -> APIRouter:
 
     @routes.post("/v1/chat/completions", response_model=protocol.ChatCompletion)
     async def chat_completions(body: protocol.ChatCompletionRequest, http: Request):
-        request = serving.chat_request(body, backend.check_generate)  # refused before any call or image copy
+        # refused before any call or image copy; built in a worker thread (its images are copied there)
+        request = await asyncio.to_thread(serving.chat_request, body, backend.check_generate)
         model = body.model or await backend.base_model()  # absent: the base model, as vLLM
         request.lora = await backend.lora_for(model)
         shape = serving.chat_shape(body, await serving.answer_model(backend, model, request.lora), as_ids)
