@@ -239,9 +239,8 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(sm
 
 
 MUST_SHOW_BODIES = 8
-RSS_BOUND = 2 * 1024 * MIB  # the gateway's growth with 8 x 200 MiB sent at once (measured: see bench/results)
-GRPC_BOUND_S = 1.0  # most probes (p90) answer within it
-GRPC_MAX_S = 5.0  # and every one within this, on a loaded shared host (a parse on the loop stalled it ~10 s)
+RSS_BOUND = 2 * 1024 * MIB  # the gateway's growth with 8 x 200 MiB sent at once (measured ~800 MiB)
+GRPC_BOUND_S = 1.0  # every probe answers within it (measured 0.16 s; a parse holding the GIL: 0.4-1.3 s)
 
 
 def test_eight_concurrent_200_mib_chat_bodies_keep_memory_bounded_and_grpc_answering(tmp_path):
@@ -298,8 +297,7 @@ def test_eight_concurrent_200_mib_chat_bodies_keep_memory_bounded_and_grpc_answe
         print(f"rss growth {(peak[0] - before) / MIB:.0f} MiB, grpc max {max(latencies):.3f} s")
         assert peak[0] - before < RSS_BOUND, f"grew {(peak[0] - before) / MIB:.0f} MiB"
         latencies.sort()
-        assert latencies and latencies[int(0.9 * len(latencies))] < GRPC_BOUND_S, latencies
-        assert latencies[-1] < GRPC_MAX_S, f"gRPC health p100 {latencies[-1]:.2f} s"
+        assert latencies and latencies[-1] < GRPC_BOUND_S, f"gRPC health p100 {latencies[-1]:.2f} s"
     finally:
         gateway.process.kill()
         gateway.process.wait(10)
