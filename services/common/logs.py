@@ -41,9 +41,9 @@ from datetime import UTC, datetime
 
 import grpc
 
-from services.common import log_handlers
 from services.common.config_cli import add_flags, from_flags
 from services.common.interceptors import metadata_interceptors
+from tessera import log_handlers
 from tessera.protocol import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REQUEST_ID_METADATA
 
 MAX_REQUEST_ID_CHARS = 128  # a longer caller id is cut (it is only ever logged and passed on)

@@ -10,7 +10,7 @@ traceback), what C libraries write to the stderr descriptor, and a crash's last 
 keeps the services free of file handling (in a container they log to stderr as they do here).
 The reader drains the pipe as fast as lines come, so a service never blocks on a full pipe. A
 file that cannot be written (a full disk) is one line on `up`'s stderr, not a traceback per line
-(services/common/log_handlers.py); the lines are dropped until the file takes them again.
+(tessera/log_handlers.py); the lines are dropped until the file takes them again.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from services.common import log_handlers
+from tessera import log_handlers
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 DEFAULT_BACKUPS = 3

@@ -15,9 +15,10 @@ import sys
 import grpc
 import pytest
 
-from services.common import log_handlers, logs
+from services.common import logs
 from services.common.launch import free_port
 from services.common.server import insecure_channel
+from tessera import log_handlers
 from tessera.cli.logfiles import ServiceLog, failure_cause
 from tessera.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 
