@@ -22,6 +22,13 @@ from tessera.protocol import OVER_LIMIT
 # Sampling bounds the sampler is built and tested for; a flag may lower them, never raise them.
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# Token controls (SamplingParams.logit_bias, allowed_token_ids, bad_words): entries per request.
+# OpenAI documents no count for logit_bias, vLLM none for any of them; these bound the Python work
+# per step (bad_words: each word gives up to two token sequences, compared with the output's tail).
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 262144  # above any served vocabulary (Gemma's is 262144)
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 # A BPE token of real text spans a few characters (~4 in English; runs of spaces or symbols merge
 # into longer ones). A prompt with more characters than this many per context token cannot fit the
 # context, so it is refused before the tokenizer spends time on it (bench/results/settings.md).
@@ -70,13 +77,16 @@ class GenerateLimits:
         max_images: image parts (raw or encoded) per request.
         max_stop: stop strings; max_stop_chars: characters of each one.
         max_stop_token_ids: entries of stop_token_ids.
+        max_logit_bias: entries of logit_bias (at most MAX_LOGIT_BIAS); max_allowed_token_ids:
+            entries of allowed_token_ids (at most MAX_ALLOWED_TOKEN_IDS); max_bad_words: bad_words
+            (at most MAX_BAD_WORDS); max_bad_word_chars: characters of each (at most MAX_BAD_WORD_CHARS).
         max_n: choices per request (1..MAX_N); max_logprobs: top_logprobs and prompt_logprobs
             (0..MAX_TOP_LOGPROBS; vLLM's --max-logprobs caps both).
     prompt_token_ids and the images' expanded tokens are capped by the decoder's context itself.
 
     Raises:
         ValueError: a cap below 1 (max_prompt_chars below 0), or max_n / max_logprobs past the
-            sampler's bounds.
+            sampler's bounds (MAX_N, MAX_TOP_LOGPROBS and the token controls' MAX_*).
     """
 
     max_name_chars: int = _cap(256, "characters of request_id, lora and each message's role")
@@ -88,12 +98,22 @@ class GenerateLimits:
     max_stop: int = _cap(16, "stop strings per request")
     max_stop_chars: int = _cap(1024, "characters of each stop string")
     max_stop_token_ids: int = _cap(256, "entries of stop_token_ids")
+    max_logit_bias: int = _cap(MAX_LOGIT_BIAS, f"entries of logit_bias (at most {MAX_LOGIT_BIAS})")
+    max_allowed_token_ids: int = _cap(MAX_ALLOWED_TOKEN_IDS,
+                                      f"entries of allowed_token_ids (at most {MAX_ALLOWED_TOKEN_IDS})")
+    max_bad_words: int = _cap(MAX_BAD_WORDS, f"bad_words per request (at most {MAX_BAD_WORDS})")
+    max_bad_word_chars: int = _cap(MAX_BAD_WORD_CHARS, f"characters of each bad word (at most {MAX_BAD_WORD_CHARS})")
     max_n: int = _cap(MAX_N, f"choices per request (at most {MAX_N})")
     max_logprobs: int = _cap(MAX_TOP_LOGPROBS, f"top_logprobs and prompt_logprobs per token (at most {MAX_TOP_LOGPROBS})")
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_name_chars", "max_messages", "max_content_parts", "max_images", "max_stop",
-                              "max_stop_chars", "max_stop_token_ids", "max_n"))
+                              "max_stop_chars", "max_stop_token_ids", "max_logit_bias", "max_allowed_token_ids",
+                              "max_bad_words", "max_bad_word_chars", "max_n"))
+        for name, ceiling in (("max_logit_bias", MAX_LOGIT_BIAS), ("max_allowed_token_ids", MAX_ALLOWED_TOKEN_IDS),
+                              ("max_bad_words", MAX_BAD_WORDS), ("max_bad_word_chars", MAX_BAD_WORD_CHARS)):
+            if getattr(self, name) > ceiling:
+                raise ValueError(f"{name} must be in 1..{ceiling}, got {getattr(self, name)}")
         if self.max_prompt_chars < 0:
             raise ValueError(f"max_prompt_chars must be >= 0 (0 = {CHARS_PER_CONTEXT_TOKEN} x the context), "
                              f"got {self.max_prompt_chars}")
@@ -146,6 +166,12 @@ def _check_sampling(sampling, limits: GenerateLimits, max_model_len: int | None)
         check_chars(f"sampling.stop[{index}]", stop, limits.max_stop_chars, "max_stop_chars")
     check_count("sampling.stop_token_ids", len(sampling.stop_token_ids), limits.max_stop_token_ids,
                 "max_stop_token_ids", "ids")
+    check_count("sampling.logit_bias", len(sampling.logit_bias), limits.max_logit_bias, "max_logit_bias")
+    check_count("sampling.allowed_token_ids", len(sampling.allowed_token_ids), limits.max_allowed_token_ids,
+                "max_allowed_token_ids", "ids")
+    check_count("sampling.bad_words", len(sampling.bad_words), limits.max_bad_words, "max_bad_words", "words")
+    for index, word in enumerate(sampling.bad_words):
+        check_chars(f"sampling.bad_words[{index}]", word, limits.max_bad_word_chars, "max_bad_word_chars")
     if sampling.n > limits.max_n:
         raise InvalidArgument(f"sampling.n is {sampling.n}; the limit is {limits.max_n} ({flag('max_n')})",
                               field="sampling.n")

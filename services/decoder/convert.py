@@ -52,7 +52,8 @@ def sampling_from_pb(sampling: decoder_pb2.SamplingParams,
     (`defaults`, from --generation-config), else its neutral value: temperature
     `default_temperature` when set, else 0 (greedy); top_p 1, top_k 0, min_p 0, repetition_penalty
     1. A field the request sets always wins. max_tokens 0 (unset) -> None: the engine resolves it
-    (the default's max_tokens, else the rest of the context). Raises InvalidArgument on
+    (the default's max_tokens, else the rest of the context). An empty allowed_token_ids -> None
+    (every id). Raises InvalidArgument on
     out-of-range values (max_tokens < 0, negative temperature...)."""
     defaults = defaults or GenerationDefaults()
 
@@ -76,7 +77,9 @@ def sampling_from_pb(sampling: decoder_pb2.SamplingParams,
             skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
             spaces_between_special_tokens=(sampling.spaces_between_special_tokens
                                            if sampling.HasField("spaces_between_special_tokens") else True),
-            prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None)
+            prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
+            logit_bias=dict(sampling.logit_bias), allowed_token_ids=tuple(sampling.allowed_token_ids) or None,
+            bad_words=tuple(sampling.bad_words))
     except InvalidArgument as error:
         raise prefixed(error, "sampling") from None
 

@@ -34,7 +34,7 @@ from services.decoder.prefix_cache import BlockHasher
 from services.decoder.request import PromptLogprobs, Request
 from services.decoder.sampler import make_generator
 from services.decoder.stats import CacheInfo, DecoderCollector
-from services.decoder.tokens import detokenize, tokenize
+from services.decoder.tokens import bad_words_token_ids, detokenize, tokenize
 from services.decoder.types import (
     DecoderInfo,
     EngineStats,
@@ -91,22 +91,34 @@ class LLMEngine:
         """Submit a request and stream its outputs; the last one carries finish_reason and usage.
 
         `request_input.lora` names an adapter, leased from the adapter source for the request's
-        life. Raises (before the first output): InvalidArgument (bad prompt, too long, a stop token
-        id outside the vocabulary, min_tokens past what an unset max_tokens allows), NotFound /
+        life. Raises (before the first output): InvalidArgument (bad prompt, too long, a
+        stop_token_ids, logit_bias or allowed_token_ids id outside the vocabulary, a bad word whose
+        tokens are, min_tokens past what an unset max_tokens allows), NotFound /
         FailedPrecondition / Unavailable (adapter), ResourceExhausted (waiting queue full),
         Unavailable (still loading, or the engine thread has stopped; also raised mid-stream when
         it stops). With every adapter slot leased the admission waits for one to free.
         """
         self._check_serving()
         parts = self.parts
+        sampling = request_input.sampling
         vocab_size = parts.prompts.vocab_size
-        bad = [t for t in request_input.sampling.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:  # a stop that can never be sampled is a caller's mistake, as a prompt id past the vocabulary is
-            raise InvalidArgument(f"sampling.stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})",
-                                  field="sampling.stop_token_ids")
+        # an id that can never be sampled is a caller's mistake, as a prompt id past the vocabulary is
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", sampling.logit_bias),
+                          ("allowed_token_ids", sampling.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidArgument(f"sampling.{name} holds {bad[0]}, outside the vocabulary [0, {vocab_size})",
+                                      field=f"sampling.{name}")
+        bad_words_ids = ()
+        if sampling.bad_words:  # tokenized once, off the loop as the prompt is
+            bad_words_ids = await asyncio.to_thread(bad_words_token_ids, parts.tokenizer, sampling.bad_words)
+            bad = [t for ids in bad_words_ids for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidArgument(f"sampling.bad_words tokenize to id {bad[0]}, outside the model's vocabulary "
+                                      f"[0, {vocab_size})", field="sampling.bad_words")
         prompt = await asyncio.to_thread(parts.prompts.build, request_input)
-        request_input = replace(request_input, sampling=self._resolve_sampling(len(prompt.token_ids),
-                                                                               request_input.sampling))
+        request_input = replace(request_input, sampling=self._resolve_sampling(len(prompt.token_ids), sampling,
+                                                                               bad_words_ids))
         prompt_text = None
         if request_input.return_prompt:  # as vLLM's echo of token prompts: special tokens kept
             prompt_text = await asyncio.to_thread(parts.tokenizer.decode, prompt.token_ids, skip_special_tokens=False)
@@ -237,9 +249,11 @@ class LLMEngine:
         digest = None if lora_slot is None else self.parts.bank.digest_of(lora_slot)
         return BlockHasher.for_prompt(self.config.block_size, prompt, digest, self.config.mrope_section)
 
-    def _resolve_sampling(self, num_prompt: int, sampling: SamplingParams) -> SamplingParams:
-        """`sampling` with max_tokens resolved (`_max_tokens`) and the model's EOS ids (those in the
-        vocabulary, for the min_tokens mask and the stop check). Raises InvalidArgument as
+    def _resolve_sampling(self, num_prompt: int, sampling: SamplingParams,
+                          bad_words_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+        """`sampling` with max_tokens resolved (`_max_tokens`), the model's EOS ids (those in the
+        vocabulary, for the min_tokens mask and the stop check) and its bad words' token sequences
+        (`bad_words_ids`). Raises InvalidArgument as
         `_max_tokens`, or when min_tokens exceeds an unset max_tokens' resolved value."""
         max_tokens = self._max_tokens(num_prompt, sampling.max_tokens)
         if sampling.min_tokens > max_tokens:
@@ -248,7 +262,7 @@ class LLMEngine:
                                   "its context)", field="sampling.min_tokens")
         vocab_size = self.parts.prompts.vocab_size
         eos_ids = tuple(sorted(t for t in self.parts.eos_token_ids if 0 <= t < vocab_size))
-        return replace(sampling, max_tokens=max_tokens, eos_token_ids=eos_ids)
+        return replace(sampling, max_tokens=max_tokens, eos_token_ids=eos_ids, bad_words_token_ids=bad_words_ids)
 
     def _max_tokens(self, num_prompt: int, max_tokens: int | None) -> int:
         """`max_tokens`, or when None the served model's default (generation_config.json's

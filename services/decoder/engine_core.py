@@ -179,7 +179,7 @@ class EngineCore:
                     if chunk is not None:
                         item.request.prompt_logprobs.record(chunk.start, chunk.entries)
                     token = result.samples.get(item.request.key)
-                    if isinstance(token, Exception):  # its logits were not finite
+                    if isinstance(token, Exception):  # non-finite logits, or its controls left no token
                         self._finish(item.request, "abort", error=token)
                     elif token is not None:
                         self._append_token(item.request, token)

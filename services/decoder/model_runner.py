@@ -221,7 +221,8 @@ class ModelRunner:
         A request whose hidden state or logits are not all finite (NaN/inf, or past float32's
         range: an adapter with absurd weights, image rows of absurd magnitude) gets an error instead
         of a sample: no token is drawn from meaningless scores, and its NaNs never reach the sampling
-        of its neighbours (multinomial would fail the whole step).
+        of its neighbours (multinomial would fail the whole step). So does a request whose token
+        controls mask every token (sampler.sample).
         """
         inputs = self.prepare(out)
         hidden = self.hidden(inputs)

@@ -1,11 +1,15 @@
-"""Token selection: penalties and the min_tokens mask, then greedy or temperature / min-p / top-k /
-top-p with a per-request generator.
+"""Token selection: the token controls (allowed_token_ids, bad_words, min_tokens, logit_bias) on
+the whole batch, then per row penalties and greedy or temperature / min-p / top-k / top-p with a
+per-request generator.
 
-Each sampled request draws from its own `torch.Generator`, so a seeded request gets the same
-tokens whatever else shares its batch. Log-probabilities describe the raw model distribution
-(log_softmax of the logits before penalties, masks, temperature and filters), as vLLM reports by
-default. A row that asks for none of penalties, min_tokens or filters costs no per-row tensor work
-beyond its draw (greedy rows: none at all, the batch's argmax).
+Order, as vLLM v1's sampler: the allowed_token_ids mask, the bad_words mask, the min_tokens mask
+and logit_bias (`adjusted_scores`), then penalties, then greedy argmax or temperature and the
+filters. Each sampled request draws from its own `torch.Generator`, so a seeded request gets the
+same tokens whatever else shares its batch. Log-probabilities describe the raw model
+distribution (log_softmax of the logits before every control, penalty, temperature and filter),
+as vLLM reports by default. A row that asks for none of the controls, penalties or filters costs
+no per-row tensor work beyond its draw (greedy rows: none at all, the batch's argmax); a batch in
+which no row asks for a control is not copied.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.errors import InvalidArgument
 from services.decoder.types import Sample, SamplingParams
 
 
@@ -63,23 +68,100 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
-    """Pick one token per row of float32 `logits` [rows, vocab]."""
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    samples = []
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample | InvalidArgument]:
+    """Pick one token per row of float32 `logits` [rows, vocab] (finite: model_runner drops the rest).
+
+    A row whose controls leave no token to sample (allowed_token_ids all banned by bad_words or
+    held back by min_tokens) gets an InvalidArgument instead of a sample; the other rows are
+    unaffected.
+    """
+    scores = adjusted_scores(logits, rows)  # [rows, vocab]; `logits` itself when no row asks for a control
+    greedy_ids = scores.argmax(dim=-1).tolist()
+    exhausted = set()
+    if scores is not logits:
+        exhausted = {i for i, ok in enumerate((scores > float("-inf")).any(dim=-1).tolist()) if not ok}
+    samples: list[Sample | InvalidArgument] = []
     for index, row in enumerate(rows):
         p = row.params
-        scores = apply_penalties(logits[index], row) if p.penalized else logits[index]
-        masked = _min_tokens_mask(row)
-        if masked:
-            scores = scores.index_fill(0, torch.tensor(masked, dtype=torch.long, device=scores.device),
-                                       float("-inf"))
+        if index in exhausted:
+            samples.append(InvalidArgument("allowed_token_ids, bad_words and min_tokens together mask every token "
+                                           "of the vocabulary here: no token can be sampled",
+                                           field="sampling.allowed_token_ids"))
+            continue
+        row_scores = apply_penalties(scores[index], row) if p.penalized else scores[index]
         if p.greedy:
-            token = int(scores.argmax()) if p.penalized or masked else greedy_ids[index]
+            token = int(row_scores.argmax()) if p.penalized else greedy_ids[index]
         else:
-            token = _sample_row(scores, p, row.generator)
+            token = _sample_row(row_scores, p, row.generator)
         samples.append(_with_logprobs(logits[index], token, p) if p.logprobs else Sample(token))
     return samples
+
+
+def adjusted_scores(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`logits` [rows, vocab] float32 with every row's token controls applied, before penalties
+    and temperature (vLLM v1's order): ids outside a row's `allowed_token_ids` get -inf; so does the
+    last token of each `bad_words_token_ids` sequence whose other tokens end the row's output
+    (vLLM's bad words rule: a one-token word always); so do the min_tokens ids (stop_token_ids and
+    EOS) while the row has fewer than `min_tokens` tokens (vLLM's MinTokensLogitsProcessor); then
+    `logit_bias` values are added (OpenAI's; -inf stays -inf).
+
+    Returns `logits` itself when no row asks for any of them, else a copy changed by one
+    masked_fill per kind, each over flat (row, token) index tensors gathered from the asking rows:
+    no Python loop over the vocabulary, none at all over rows that ask nothing.
+
+        rows:     0 1 2 3      row 1 allows {5, 9}; rows 0 and 3 ban 7; row 2 biases 4 by +3
+        allowed:  . X . .  ->  blocked [1 row, vocab] = True but (0, 5), (0, 9); scores[[1]] masked
+        banned:   X . . X  ->  index (rows [0, 3], tokens [7, 7]) <- -inf
+        bias:     . . X .  ->  index (rows [2], tokens [4]) += [3.0]
+    """
+    allowed_rows, allowed_ids, allowed_local = [], [], []
+    banned_rows, banned_ids = [], []
+    bias_rows, bias_ids, bias_values = [], [], []
+    for index, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids is not None:
+            allowed_local.extend([len(allowed_rows)] * len(p.allowed_token_ids))
+            allowed_rows.append(index)
+            allowed_ids.extend(p.allowed_token_ids)
+        banned = _bad_words_mask(row) + _min_tokens_mask(row)
+        banned_rows.extend([index] * len(banned))
+        banned_ids.extend(banned)
+        if p.logit_bias:
+            bias_rows.extend([index] * len(p.logit_bias))
+            bias_ids.extend(p.logit_bias)
+            bias_values.extend(p.logit_bias.values())
+    if not (allowed_rows or banned_rows or bias_rows):
+        return logits
+    device = logits.device
+    scores = logits.clone()  # [rows, vocab]
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    if allowed_rows:
+        blocked = torch.ones(len(allowed_rows), scores.shape[1], dtype=torch.bool, device=device)  # [asking, vocab]
+        blocked[index(allowed_local), index(allowed_ids)] = False
+        picked = index(allowed_rows)
+        scores[picked] = scores[picked].masked_fill(blocked, float("-inf"))
+    if banned_rows:
+        scores[index(banned_rows), index(banned_ids)] = float("-inf")
+    if bias_rows:
+        scores.index_put_((index(bias_rows), index(bias_ids)),
+                          torch.tensor(bias_values, dtype=scores.dtype, device=device), accumulate=True)
+    return scores
+
+
+def _bad_words_mask(row: SamplingRow) -> tuple[int, ...]:
+    """The last token of each of the row's bad-word sequences whose other tokens are the last ones
+    of its output (vLLM v1's apply_bad_words: generated tokens only, the prompt not counted)."""
+    output, banned = row.output_ids, []
+    for sequence in row.params.bad_words_token_ids:
+        prefix = len(sequence) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or tuple(output[len(output) - prefix:]) == sequence[:-1]:
+            banned.append(sequence[-1])
+    return tuple(banned)
 
 
 def _min_tokens_mask(row: SamplingRow) -> tuple[int, ...]:

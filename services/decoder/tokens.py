@@ -86,3 +86,19 @@ def detokenize(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = 
             raise InvalidArgument(f"token_ids[{index}] is {token_id}, outside the vocabulary [0, {vocab_size})",
                                   field=f"token_ids[{index}]")
     return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences the sampler bans for `bad_words`, as vLLM's
+    SamplingParams.update_from_tokenizer: each word, its leading spaces stripped, tokenized without
+    special tokens; then with one leading space, kept where that gives a different first token and
+    as many tokens (the word inside a text rather than at its start)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in bad_words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if bare:  # a tokenizer that drops the whole word bans nothing for it
+            sequences.append(bare)
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(sequences)

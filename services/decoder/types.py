@@ -12,10 +12,19 @@ from typing import Any
 import torch
 
 from services.common.errors import InvalidArgument
-from services.common.limits import MAX_N, MAX_TOP_LOGPROBS
+from services.common.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+)
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+# OpenAI's range of a logit_bias value.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,15 @@ class SamplingParams:
     context (max_model_len less the prompt's tokens, as vLLM's OpenAI server), either capped by the
     context; the engine resolves it once the prompt is tokenized.
 
+    Token controls (applied to the logits before penalties and temperature, greedy included, in
+    vLLM v1's order: sampler.adjusted_scores): `allowed_token_ids` (vLLM's; None = every id, else a
+    non-empty set) masks every other id; `bad_words` (vLLM's) are never generated: the engine
+    tokenizes each at submission into `bad_words_token_ids` (tokens.bad_words_token_ids), and a
+    sequence's last token is masked wherever the output ends with the rest of it; `logit_bias`
+    (OpenAI's: token id -> a value in [-100, 100]) is added to those ids' logits. At most
+    MAX_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS and MAX_BAD_WORDS entries, MAX_BAD_WORD_CHARS characters a
+    word (services/common/limits.py); ids past the vocabulary are refused by the engine.
+
     Text: a matched stop string is cut from `text` with all that follows, or kept when
     `include_stop_str_in_output` (the ending stop token's text is kept then too). Special tokens are
     left out of `text` unless `skip_special_tokens` is False; `spaces_between_special_tokens` is
@@ -106,7 +124,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -128,6 +150,7 @@ class SamplingParams:
             raise InvalidArgument(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
                                   field="min_tokens")
         self._check_penalties_and_choices()
+        self._check_token_controls()
 
     def _check_filters(self) -> None:
         if not (math.isfinite(self.top_p) and 0 <= self.top_p <= 1):
@@ -160,6 +183,46 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or unset), "
                                   f"got {self.prompt_logprobs}", field="prompt_logprobs")
+
+    def _check_token_controls(self) -> None:
+        self.logit_bias = {int(token): float(value) for token, value in self.logit_bias.items()}
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias has {len(self.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS}",
+                                  field="logit_bias")
+        for token, value in self.logit_bias.items():
+            if token < 0:
+                raise InvalidArgument(f"logit_bias holds token id {token}; token ids are >= 0", field="logit_bias")
+            if not (math.isfinite(value) and -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS):
+                raise InvalidArgument(f"logit_bias[{token}] must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                                      f"{MAX_ABS_LOGIT_BIAS:g}], got {value}", field="logit_bias")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = tuple(self.allowed_token_ids)
+            if not self.allowed_token_ids:  # vLLM refuses an empty list too: nothing could be sampled
+                raise InvalidArgument("allowed_token_ids must not be empty (leave it unset to allow every token)",
+                                      field="allowed_token_ids")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise InvalidArgument(f"allowed_token_ids has {len(self.allowed_token_ids)} ids; the limit is "
+                                      f"{MAX_ALLOWED_TOKEN_IDS}", field="allowed_token_ids")
+            if min(self.allowed_token_ids) < 0:
+                raise InvalidArgument(f"allowed_token_ids holds {min(self.allowed_token_ids)}; token ids are >= 0",
+                                      field="allowed_token_ids")
+        self.bad_words = tuple(self.bad_words)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidArgument(f"bad_words has {len(self.bad_words)} words; the limit is {MAX_BAD_WORDS}",
+                                  field="bad_words")
+        for index, word in enumerate(self.bad_words):
+            if not word.strip():  # vLLM strips the leading space before tokenizing: nothing would be left
+                raise InvalidArgument(f"bad_words[{index}] is {word!r}; a bad word must hold a non-space character",
+                                      field="bad_words")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise InvalidArgument(f"bad_words[{index}] has {len(word)} characters; the limit is "
+                                      f"{MAX_BAD_WORD_CHARS}", field="bad_words")
+        self.bad_words_token_ids = tuple(tuple(ids) for ids in self.bad_words_token_ids)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a token control asks for a change of this request's logits (min_tokens aside)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def penalized(self) -> bool:

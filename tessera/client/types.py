@@ -6,7 +6,7 @@ Counts are tokens unless named otherwise; embeddings are numpy float32 arrays.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,9 @@ class SamplingParams:
     transformers (repetition, 1 = off). vLLM's extras: `min_p` (0 = off) drops tokens less likely
     than min_p times the likeliest; the first `min_tokens` tokens never end a choice (EOS, stop ids
     and strings); `include_stop_str_in_output` keeps a matched stop string; `skip_special_tokens`
-    False keeps special tokens in the text. Every field is sent as set here, so the model's
+    False keeps special tokens in the text. Token controls: `logit_bias` (OpenAI's: token id -> a
+    value in [-100, 100] added to its logit), `allowed_token_ids` (vLLM's: only these ids are
+    sampled; empty = all) and `bad_words` (vLLM's: words never generated). Every field is sent as set here, so the model's
     generation-config defaults (which apply to fields a request leaves unset) do not apply to this
     client's requests."""
 
@@ -63,6 +65,9 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: Sequence[int] = ()
+    bad_words: Sequence[str] = ()
 
 
 @dataclass(frozen=True)

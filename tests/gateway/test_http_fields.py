@@ -170,6 +170,7 @@ CHAT_EXAMPLES = {
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"},
     "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 1, "stop_token_ids": [2],
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "logit_bias": {"7": -100, "42": 2.5}, "allowed_token_ids": [7, 8, 9], "bad_words": ["cat", "big dog"],
     "prompt_logprobs": 1, "return_tokens_as_token_ids": True, "request_id": "r1", "echo": True,
     "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False},
     "documents": [{"title": "t", "text": "x"}]}
@@ -232,6 +233,25 @@ def test_every_honoured_sampling_field_reaches_the_protobuf(harness):
     assert sampling.HasField("spaces_between_special_tokens") and not sampling.spaces_between_special_tokens
     assert (sampling.logprobs, sampling.top_logprobs, sampling.prompt_logprobs, sampling.max_tokens) == (True, 3, 2, 3)
     assert sampling.default_temperature == 1.0
+
+
+def test_token_controls_reach_the_protobuf_and_bad_ones_are_refused_by_name(harness):
+    controls = {"logit_bias": {"7": -100, "42": 2.5}, "allowed_token_ids": [7, 8, 9], "bad_words": ["cat", "big dog"]}
+    for route, base in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "x"})):
+        assert harness.post(route, {**base, **controls})[0] == 200
+        sampling = harness.gateway.last("Generate").sampling
+        assert dict(sampling.logit_bias) == {7: -100.0, 42: 2.5}
+        assert (list(sampling.allowed_token_ids), list(sampling.bad_words)) == ([7, 8, 9], ["cat", "big dog"])
+        assert harness.post(route, {**base, "bad_words": []})[0] == 200  # no words: nothing banned
+        received = len(harness.gateway.received["Generate"])
+        for bad, param in [({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1.5": 1}}, "logit_bias"),
+                           ({"logit_bias": {"-3": 1}}, "logit_bias"), ({"logit_bias": {str(2**31): 1}}, "logit_bias"),
+                           ({"logit_bias": {"7": "high"}}, "logit_bias.7"), ({"allowed_token_ids": []},
+                                                                           "allowed_token_ids"),
+                           ({"allowed_token_ids": [2**31]}, "allowed_token_ids.0"), ({"bad_words": [3]}, "bad_words.0")]:
+            status, answer = harness.post(route, {**base, **bad})
+            assert status == 400 and error_of(answer)["param"] == param, (bad, answer)
+        assert len(harness.gateway.received["Generate"]) == received  # refused before the core
 
 
 def test_absent_sampling_fields_stay_unset_so_the_models_defaults_apply(harness):

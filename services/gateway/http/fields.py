@@ -224,8 +224,6 @@ VLLM_GENERATION: dict[str, Refusal] = {
     "truncate_prompt_tokens": Refusal("a prompt past the model's context is refused; shorten it"),
     "use_beam_search": Refusal("beam search is not supported: choices are sampled", (False,)),
     "length_penalty": Refusal("a beam-search parameter; choices are sampled", (1, 1.0)),
-    "allowed_token_ids": Refusal("the sampler has no allow-list of tokens"),
-    "bad_words": Refusal("the sampler has no list of banned words", ([],)),
     "logits_processors": Refusal("custom logits processors are not loaded into the decoder"),
     "priority": Refusal("the decoder schedules requests first come, first served", (0,)),
     "cache_salt": Refusal("the prefix cache is shared by every request; there is no per-request salt"),

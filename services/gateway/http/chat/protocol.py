@@ -158,6 +158,15 @@ class SamplingFields(Body):
     skip_special_tokens: bool | None = Field(default=None, description="vLLM's: the text leaves special tokens "
                                              "out (absent: true)")
     spaces_between_special_tokens: bool | None = Field(default=None, description="vLLM's (absent: true)")
+    logit_bias: dict[str, float] | None = Field(default=None, description="OpenAI's: token id (a JSON key, so "
+                                                "a string of digits) -> a value in [-100, 100] added to that "
+                                                "token's logit before sampling (-100 all but bans it, 100 all but "
+                                                "forces it)")
+    allowed_token_ids: TokenIds | None = Field(default=None, description="vLLM's: only these token ids are "
+                                               "sampled (not empty)")
+    bad_words: Texts | None = Field(default=None, description="vLLM's: words never generated, each with and "
+                                    "without a leading space (a word's last token is banned where the output ends "
+                                    "with the rest of it)")
     prompt_logprobs: Logprobs | None = Field(default=None, description="vLLM's: each prompt token's log-probability "
                                              "and this many alternatives, as vLLM's `prompt_logprobs` answer "
                                              "(not with stream)")
@@ -171,7 +180,6 @@ class SamplingFields(Body):
 TOOLS = "the gateway does not call tools"
 _GENERATION_REFUSED = {
     **VLLM_GENERATION,
-    "logit_bias": Refusal("token biases are not supported by the sampler", ({},)),
     "response_format": Refusal('structured output is not supported: only {"type": "text"}', ({"type": "text"},)),
     "best_of": Refusal("each choice is one sample: none is ranked out", (1,), same_as=("n", 1)),
 }

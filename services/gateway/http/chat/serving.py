@@ -96,13 +96,22 @@ def _stream_fields(body: SamplingFields) -> None:
 def sampling(body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int,
              prompt_logprobs: int | None) -> decoder_pb2.SamplingParams:
     """The body's sampling fields as SamplingParams; a field the body leaves out stays unset (the
-    model's generation-config default applies), and `default_temperature` is OpenAI's 1."""
+    model's generation-config default applies), and `default_temperature` is OpenAI's 1.
+
+    Raises:
+        ApiError: 400 for a logit_bias key that is not a token id, or an empty allowed_token_ids."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = decoder_pb2.SamplingParams(
         max_tokens=max_tokens, stop=stop, n=body.n, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logprobs=logprobs, top_logprobs=top_logprobs,
         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output, default_temperature=DEFAULT_TEMPERATURE)
+        include_stop_str_in_output=body.include_stop_str_in_output, default_temperature=DEFAULT_TEMPERATURE,
+        logit_bias=_logit_bias(body.logit_bias), bad_words=body.bad_words or [])
+    if body.allowed_token_ids is not None:
+        if not body.allowed_token_ids:  # empty on the wire means "every id": refused, as vLLM refuses it
+            raise ApiError(400, "allowed_token_ids must not be empty (leave it out to allow every token)",
+                           param="allowed_token_ids")
+        params.allowed_token_ids.extend(body.allowed_token_ids)
     for name in _OPTIONAL_SAMPLING:
         value = getattr(body, name)
         if value is not None:
@@ -110,6 +119,24 @@ def sampling(body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs
     if prompt_logprobs is not None:
         params.prompt_logprobs = prompt_logprobs
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (JSON keys: token ids as strings of digits) by token id; the values'
+    range is the decoder's check.
+
+    Raises:
+        ApiError: 400 naming logit_bias for a key that is not a token id (not an integer in
+            [0, 2^31)).
+    """
+    out = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdecimal() else None
+        if token is None or token >= 2**31:
+            raise ApiError(400, f"logit_bias keys must be token ids (integers >= 0, as strings), got {key!r}",
+                           param="logit_bias")
+        out[token] = value
+    return out
 
 
 def template_fields(body: ChatCompletionRequest | TokenizeRequest, documents=None) -> dict:
