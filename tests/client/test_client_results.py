@@ -82,6 +82,15 @@ def test_vllm_sampling_extras_reach_the_wire():
     assert sampling.include_stop_str_in_output and not sampling.skip_special_tokens
 
 
+def test_token_controls_reach_the_wire():
+    sampling = convert.sampling_params(SamplingParams(logit_bias={7: -100.0, 9: 2.5}, allowed_token_ids=(7, 8, 9),
+                                                      bad_words=("cat", "big dog")))
+    assert dict(sampling.logit_bias) == {7: -100.0, 9: 2.5}
+    assert (list(sampling.allowed_token_ids), list(sampling.bad_words)) == ([7, 8, 9], ["cat", "big dog"])
+    plain = convert.sampling_params(SamplingParams())
+    assert (dict(plain.logit_bias), list(plain.allowed_token_ids), list(plain.bad_words)) == ({}, [], [])
+
+
 PNG_URI = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
 
 
