@@ -77,9 +77,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample | Inval
     """
     scores = adjusted_scores(logits, rows)  # [rows, vocab]; `logits` itself when no row asks for a control
     greedy_ids = scores.argmax(dim=-1).tolist()
+    # only an allow-list can mask a whole row (bad words and min_tokens ban a few ids each)
+    allowing = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
     exhausted = set()
-    if scores is not logits:
-        exhausted = {i for i, ok in enumerate((scores > float("-inf")).any(dim=-1).tolist()) if not ok}
+    if allowing:
+        alive = (scores[allowing] > float("-inf")).any(dim=-1).tolist()  # [num_allowing]
+        exhausted = {i for i, ok in zip(allowing, alive) if not ok}
     samples: list[Sample | InvalidArgument] = []
     for index, row in enumerate(rows):
         p = row.params
@@ -105,9 +108,10 @@ def adjusted_scores(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     EOS) while the row has fewer than `min_tokens` tokens (vLLM's MinTokensLogitsProcessor); then
     `logit_bias` values are added (OpenAI's; -inf stays -inf).
 
-    Returns `logits` itself when no row asks for any of them, else a copy changed by one
-    masked_fill per kind, each over flat (row, token) index tensors gathered from the asking rows:
-    no Python loop over the vocabulary, none at all over rows that ask nothing.
+    Returns `logits` itself when no row asks for any of them, else a copy changed by one indexed
+    write per kind (a masked_fill of the allow-lists' rows, an index_put_ of the bans, one of the
+    biases), each over flat (row, token) index tensors gathered from the asking rows: no Python
+    loop over the vocabulary, no tensor work for rows that ask nothing.
 
         rows:     0 1 2 3      row 1 allows {5, 9}; rows 0 and 3 ban 7; row 2 biases 4 by +3
         allowed:  . X . .  ->  blocked [1 row, vocab] = True but (0, 5), (0, 9); scores[[1]] masked
