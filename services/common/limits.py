@@ -70,7 +70,8 @@ class GenerateLimits:
 
     Attributes:
         max_name_chars: request_id, lora (adapter name) and each chat message's role.
-        max_prompt_chars: characters of text over every prompt part and chat message together;
+        max_prompt_chars: characters of text over every prompt part and chat message together
+            (tool calls and the tools' JSON included: the template renders them);
             0 = CHARS_PER_CONTEXT_TOKEN x the decoder's context (262144 for 8192 tokens).
         max_messages: chat messages.
         max_content_parts: content parts over the prompt and every message together.
@@ -152,7 +153,8 @@ def check_generate(request, limits: GenerateLimits, max_model_len: int | None) -
     check_count("prompt and messages", num_images, limits.max_images, "max_images", "images", one_field=False)
     cap = limits.prompt_chars(max_model_len)
     if cap is not None:
-        chars = sum(len(part.text) for part in parts if part.WhichOneof("part") == "text")
+        chars = sum(len(part.text) for part in request.prompt if part.WhichOneof("part") == "text")
+        chars += len(request.tools) + sum(message_chars(message) for message in request.messages)
         if chars > cap:
             raise InvalidArgument(f"prompt text has {chars} characters; the limit is {cap} "
                                   f"({flag('max_prompt_chars')}; default {CHARS_PER_CONTEXT_TOKEN} per context token)")
@@ -215,6 +217,14 @@ def _check_context(request, parts: list, max_model_len: int) -> None:
                               f"the model's context is {max_model_len}")
 
 
+def message_chars(message) -> int:
+    """The characters a `tessera.v1.ChatMessage` puts into the prompt's text: its text parts, the
+    id of the call it answers and its tool calls' names, ids and arguments (the template renders them)."""
+    chars = sum(len(part.text) for part in message.content if part.WhichOneof("part") == "text")
+    chars += len(message.tool_call_id)
+    return chars + sum(len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
+
+
 def check_decoder_tokenize(field: str, texts, messages, limits: GenerateLimits, max_model_len: int | None) -> None:
     """Caps of a tokenize by the decoder's tokenizer: `texts` (the strings of `field`) and chat
     `messages` (`tessera.v1.ChatMessage`s) under Generate's message, part, role and prompt-text
@@ -225,7 +235,7 @@ def check_decoder_tokenize(field: str, texts, messages, limits: GenerateLimits, 
     chars = sum(len(text) for text in texts)
     for index, message in enumerate(messages):
         check_chars(f"messages[{index}].role", message.role, limits.max_name_chars, "max_name_chars")
-        chars += sum(len(part.text) for part in message.content if part.WhichOneof("part") == "text")
+        chars += message_chars(message)
     cap = limits.prompt_chars(max_model_len)
     if cap is not None and chars > cap:
         raise InvalidArgument(f"{field} has {chars} characters of text; the limit is {cap} "

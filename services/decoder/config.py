@@ -26,6 +26,7 @@ from services.decoder.linear import LINEAR_BACKENDS
 from services.decoder.lora.registry import LORA_BACKENDS, check_dtype
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
+from services.decoder.tools import PARSER_AUTO, PARSER_NONE, TOOL_CALL_PARSERS
 from services.decoder.types import GenerationDefaults
 from tessera.paths import default_decoder_dir
 from tessera.protocol import DECODER_DEVICE_ENV
@@ -82,6 +83,10 @@ empty = the checkpoint directory's name (`served_model_names`).
 come from, read once here into `generation_defaults`: "auto" the checkpoint's
 generation_config.json (none when it has none), a directory holding a generation_config.json, or
 "vllm" none (every unset field neutral). The model's EOS ids come from the checkpoint either way.
+`tool_call_parser` (vLLM's flag): the format the model's tool calls are parsed from, which
+DecoderInfo reports for the gateway's `tool_choice: "auto"`: "auto" (default) "hermes" when the
+chat template mentions `<tool_call>` (Hermes, Qwen2.5, Qwen3, SmolLM3), else none;
+"hermes"; or "none" (services/decoder/tools.py).
     """
 
     model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
@@ -137,6 +142,10 @@ generation_config.json (none when it has none), a directory holding a generation
                                    "unset (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
                                    "auto (the checkpoint's generation_config.json), vllm (none: neutral values) or "
                                    "a directory holding a generation_config.json")
+    tool_call_parser: str = _flag(PARSER_AUTO, "the format tool calls are parsed from for tool_choice auto: auto "
+                                  "(hermes when the chat template mentions <tool_call>, else none), hermes "
+                                  "(<tool_call>{json}</tool_call>) or none",
+                                  choices=(PARSER_AUTO, *TOOL_CALL_PARSERS, PARSER_NONE))
     torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device` resolved, once
     checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
     generation_defaults: GenerationDefaults = field(init=False, repr=False, compare=False)  # read once
@@ -214,6 +223,9 @@ generation_config.json (none when it has none), a directory holding a generation
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        parsers = (PARSER_AUTO, *TOOL_CALL_PARSERS, PARSER_NONE)
+        if self.tool_call_parser not in parsers:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(parsers)}, got {self.tool_call_parser!r}")
         if self.kv_cache_memory_bytes < 0:
             raise ValueError(f"--kv-cache-memory-bytes must be >= 0 bytes (0 = --num-blocks decides), got "
                              f"{self.kv_cache_memory_bytes}")

@@ -8,6 +8,7 @@ import json
 from services.common.errors import InvalidArgument, prefixed
 from services.common.limits import GenerateLimits, check_decoder_tokenize, check_detokenize, check_generate
 from services.common.tensor import FLOAT_DTYPES, from_pb
+from services.decoder.tools import parse_tools, tool_call_from_parts
 from services.decoder.types import (
     ChatMessage,
     ChatTemplateOptions,
@@ -88,11 +89,11 @@ def chat_options_from_pb(request: decoder_pb2.GenerateRequest | decoder_pb2.Deco
                          ) -> ChatTemplateOptions:
     """The chat template options of a Generate or Tokenize request: add_generation_prompt unset =
     not continue_final_message (true by default, false when continuing); chat_template_kwargs a
-    JSON object ("" = none).
+    JSON object ("" = none); tools a JSON array of OpenAI tools ("" = none; tools.parse_tools).
 
     Raises:
-        InvalidArgument: chat_template_kwargs that is not JSON or not an object, or a refused
-            combination or key (ChatTemplateOptions).
+        InvalidArgument: chat_template_kwargs that is not JSON or not an object, tools that are not
+            a valid tool array (naming the entry), or a refused combination or key (ChatTemplateOptions).
     """
     continue_final = request.continue_final_message
     add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else not continue_final
@@ -105,7 +106,7 @@ def chat_options_from_pb(request: decoder_pb2.GenerateRequest | decoder_pb2.Deco
         if not isinstance(kwargs, dict):
             raise InvalidArgument(f"chat_template_kwargs must be a JSON object, got a JSON {type(kwargs).__name__}",
                                   field="chat_template_kwargs")
-    return ChatTemplateOptions(add_prompt, continue_final, kwargs)
+    return ChatTemplateOptions(add_prompt, continue_final, kwargs, parse_tools(request.tools))
 
 
 def _not_json(constant: str):
@@ -135,15 +136,20 @@ def generate_from_pb(request: decoder_pb2.GenerateRequest, limits: GenerateLimit
 
 
 def _messages_from_pb(messages) -> tuple[ChatMessage, ...]:
+    """Raises InvalidArgument: a bad part, or a tool call without a name or whose arguments are not
+    a JSON object (naming messages[i].tool_calls[j])."""
     return tuple(ChatMessage(m.role, tuple(part_from_pb(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)),
-                             m.name)
+                             m.name, m.tool_call_id,
+                             tuple(tool_call_from_parts(c.id, c.name, c.arguments, f"messages[{i}].tool_calls[{j}]")
+                                   for j, c in enumerate(m.tool_calls)))
                  for i, m in enumerate(messages))
 
 
 def tokenize_from_pb(request: decoder_pb2.DecoderTokenizeRequest, limits: GenerateLimits,
                      max_model_len: int) -> TokenizeInput:
     """Raises InvalidArgument: a cap of `limits` passed (checked first), a bad part or chat template option."""
-    check_decoder_tokenize("text and messages", [request.text], request.messages, limits, max_model_len)
+    check_decoder_tokenize("text and messages", [request.text, request.tools], request.messages, limits,
+                           max_model_len)
     return TokenizeInput(
         text=request.text, messages=_messages_from_pb(request.messages),
         add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
@@ -209,4 +215,5 @@ def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:
         dtype=info.dtype, num_cached_blocks=stats.num_cached_blocks, prefix_cache_hits=stats.prefix_cache_hits,
         prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens, resident_adapters=info.resident_adapters,
         served_model_names=list(info.served_model_names), generation_config=info.generation_config,
-        generation_defaults=info.generation_defaults)
+        generation_defaults=info.generation_defaults, chat_template_takes_tools=info.chat_template_takes_tools,
+        tool_call_parser=info.tool_call_parser)

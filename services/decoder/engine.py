@@ -35,6 +35,7 @@ from services.decoder.request import PromptLogprobs, Request
 from services.decoder.sampler import make_generator
 from services.decoder.stats import CacheInfo, DecoderCollector
 from services.decoder.tokens import bad_words_token_ids, detokenize, tokenize
+from services.decoder.tools import choose_tool_call_parser, template_takes_tools
 from services.decoder.types import (
     DecoderInfo,
     EngineStats,
@@ -188,13 +189,16 @@ class LLMEngine:
         self._check_serving(dead_ok=True)
         spec, config = self.parts.model.spec, self.config
         names = config.served_model_names
+        template = getattr(self.parts.tokenizer, "chat_template", None)
         return DecoderInfo(model=names[0], architecture=spec.architecture,
                            dtype=config.dtype, max_model_len=config.max_model_len,
                            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, block_size=config.block_size,
                            mrope_section=tuple(config.mrope_section or ()), image_token_id=self.parts.image_token_id,
                            stats=self.stats(), resident_adapters=self.adapters.resident_names(),
                            served_model_names=names, generation_config=config.generation_config,
-                           generation_defaults=config.generation_defaults.as_dict())
+                           generation_defaults=config.generation_defaults.as_dict(),
+                           chat_template_takes_tools=template_takes_tools(template),
+                           tool_call_parser=choose_tool_call_parser(template, config.tool_call_parser))
 
     async def count_prompt_tokens(self, request_input: GenerateInput) -> PromptTokenCount:
         """The tokens `generate` would build for `request_input`'s prompt besides its images'

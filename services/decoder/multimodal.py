@@ -22,6 +22,7 @@ from jinja2.exceptions import TemplateError
 
 from services.common.errors import InvalidArgument
 from services.decoder.prefix_cache import rows_digest
+from services.decoder.tools import template_tool_calls
 from services.decoder.types import (
     ChatMessage,
     ChatTemplateOptions,
@@ -34,7 +35,7 @@ from services.decoder.types import (
     TextPart,
 )
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SENTINEL = "\u2063tessera-image\u2063"
 
 
@@ -70,18 +71,33 @@ def _loops_over_content(template: str | None) -> bool:
 
 def template_message(message: ChatMessage, content: str) -> dict:
     """The dict a chat template sees for `message` with its text `content`: role and content, and
-    `name` when the message has one (as vLLM's conversation entries)."""
+    `name`, `tool_call_id` and `tool_calls` (transformers' form: services/decoder/tools.py) when
+    the message has them (as vLLM's conversation entries).
+
+    Raises:
+        InvalidArgument: tool_calls on a message that is not the assistant's, or tool_call_id on
+            one that is not a tool's.
+    """
     entry = {"role": message.role, "content": content}
     if message.name:
         entry["name"] = message.name
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise InvalidArgument(f"tool_calls are the assistant's; this message's role is {message.role!r}")
+        entry["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id:
+        if message.role != "tool":
+            raise InvalidArgument(f"tool_call_id belongs to a message of role 'tool'; this one is {message.role!r}")
+        entry["tool_call_id"] = message.tool_call_id
     return entry
 
 
 def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions) -> str:
     """`messages` ({"role", "content"} dicts) rendered with the tokenizer's chat template as
-    `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=...,
-    continue_final_message=..., **template_kwargs)`; tokenized without adding special tokens again,
-    the ids equal apply_chat_template's with tokenize=True.
+    `tokenizer.apply_chat_template(messages, tools=..., tokenize=False, add_generation_prompt=...,
+    continue_final_message=..., **template_kwargs)` (tools None when the options have none);
+    tokenized without adding special tokens again, the ids equal apply_chat_template's with
+    tokenize=True.
 
     Raises:
         InvalidArgument: continue_final_message with a last message that is not the assistant's, or
@@ -92,7 +108,8 @@ def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions) -
         raise InvalidArgument(f"continue_final_message continues the last message, which must be the "
                               f"assistant's; it is {messages[-1]['role']!r}")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+        return tokenizer.apply_chat_template(messages, tools=[dict(tool) for tool in options.tools] or None,
+                                             tokenize=False, add_generation_prompt=options.add_generation_prompt,
                                              continue_final_message=options.continue_final_message,
                                              **options.template_kwargs)
     except (TemplateError, ValueError, TypeError) as error:  # the template's (or transformers') answer to this input
@@ -106,8 +123,8 @@ def check_chat_options(has_messages: bool, options: ChatTemplateOptions) -> None
         InvalidArgument: a prompt that is not messages with options that are not the default.
     """
     if not has_messages and not options.is_default:
-        raise InvalidArgument("add_generation_prompt, continue_final_message and chat_template_kwargs apply to "
-                              "messages only (the chat template); this prompt is not messages")
+        raise InvalidArgument("add_generation_prompt, continue_final_message, chat_template_kwargs and tools apply "
+                              "to messages only (the chat template); this prompt is not messages")
 
 
 class PromptBuilder:

@@ -55,12 +55,27 @@ Part = TextPart | ImagePart | RawImagePart
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call an assistant message made (OpenAI's tool_calls entry, type "function").
+    `arguments`: the call's arguments as a JSON object; the chat template gets them as a dict
+    (transformers' tool-use convention; vLLM json.loads OpenAI's string the same way)."""
+
+    id: str
+    name: str
+    arguments: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    """One chat turn; `name` (the participant's, "" = none) reaches the template as message["name"], as vLLM."""
+    """One chat turn; `name` (the participant's, "" = none) reaches the template as message["name"], as vLLM.
+    `tool_call_id` (role "tool": the call it answers) and `tool_calls` (role "assistant": the calls
+    it made) reach it as message["tool_call_id"] and message["tool_calls"], when set."""
 
     role: str
     content: tuple[Part, ...]
     name: str = ""
+    tool_call_id: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass
@@ -302,16 +317,19 @@ class ChatTemplateOptions:
     """How chat messages are rendered: transformers' apply_chat_template arguments, as vLLM's chat
     request takes them. `continue_final_message` leaves the last message (the assistant's) open for
     the model to go on, and needs add_generation_prompt False (as transformers). `template_kwargs`:
-    further template variables (e.g. `documents`, `enable_thinking`).
+    further template variables (e.g. `documents`, `enable_thinking`). `tools`: OpenAI tool objects
+    ({"type": "function", "function": {name, description, parameters}}, checked by
+    services/decoder/tools.py), given to the template as apply_chat_template's `tools`; () = none.
 
     Raises InvalidArgument: both add_generation_prompt and continue_final_message, or a
-    template_kwargs key that is one of apply_chat_template's own arguments (`tools`: function
-    calling is not served).
+    template_kwargs key that is one of apply_chat_template's own arguments (`tools` is the
+    request's own field).
     """
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tools: tuple[Mapping[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -320,8 +338,8 @@ class ChatTemplateOptions:
                                   field="add_generation_prompt")
         for key in self.template_kwargs:
             if key == "tools":
-                raise InvalidArgument("chat_template_kwargs key 'tools' is refused: this server does not "
-                                      "serve function calling", field="chat_template_kwargs")
+                raise InvalidArgument("chat_template_kwargs key 'tools' is refused: send the tools as the "
+                                      "request's own `tools` field", field="chat_template_kwargs")
             if key in CHAT_TEMPLATE_ARGUMENTS:
                 raise InvalidArgument(f"chat_template_kwargs key {key!r} is refused: it is an argument of "
                                       "apply_chat_template, not a template variable", field="chat_template_kwargs")
@@ -505,6 +523,8 @@ class DecoderInfo:
     is None then. `resident_adapters`: adapter names whose weights sit in a device slot (sorted).
     `model` is the first of `served_model_names` (--served-model-name); `generation_config` the
     --generation-config value and `generation_defaults` the defaults in force (GenerationDefaults.as_dict).
+    `chat_template_takes_tools`: the chat template renders a `tools` list; `tool_call_parser`: the
+    format the model's tool calls are parsed from ("hermes"; "" = none), services/decoder/tools.py.
     """
 
     model: str
@@ -521,3 +541,5 @@ class DecoderInfo:
     served_model_names: tuple[str, ...] = ()
     generation_config: str = ""
     generation_defaults: dict[str, float] = field(default_factory=dict)
+    chat_template_takes_tools: bool = False
+    tool_call_parser: str = ""

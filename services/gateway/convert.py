@@ -68,7 +68,7 @@ def decoder_tokenize_request(request: pooling_pb2.TokenizeRequest,
     out = decoder_pb2.DecoderTokenizeRequest(text=request.inputs[0] if request.inputs else "",
                                              messages=request.messages,
                                              continue_final_message=request.continue_final_message,
-                                             chat_template_kwargs=request.chat_template_kwargs)
+                                             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools)
     if request.HasField("add_special_tokens"):
         out.add_special_tokens = request.add_special_tokens
     if request.HasField("add_generation_prompt"):

@@ -284,8 +284,8 @@ class GatewayCore:
             self.limits.decoder_tokenize(request)
             reply = await self._decoded("Tokenize", decoder_tokenize_request(request, named), call)
             return tokenize_response(named, reply)
-        if request.messages:
-            raise InvalidArgument("messages are tokenized by decoder models only; "
+        if request.messages or request.tools:
+            raise InvalidArgument("messages (and their tools) are tokenized by decoder models only; "
                                   f"{await self._which_decoder(call)}")
         try:
             return await self._pooled("Tokenize", request, call)

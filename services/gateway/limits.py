@@ -79,7 +79,7 @@ class GatewayLimits:
 
     def decoder_tokenize(self, request) -> None:
         """A TokenizeRequest for the decoder's tokenizer: Generate's prompt caps over its inputs and messages."""
-        check_decoder_tokenize("inputs and messages", request.inputs, request.messages, self.config.limits,
+        check_decoder_tokenize("inputs and messages", [*request.inputs, request.tools], request.messages, self.config.limits,
                                self.max_model_len())
 
     def detokenize(self, request) -> None:

@@ -277,20 +277,22 @@ class PromptTokenCount(_message.Message):
     def __init__(self, num_text_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class DecoderTokenizeRequest(_message.Message):
-    __slots__ = ("text", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+    __slots__ = ("text", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_special_tokens: bool
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: str
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
+    tools: str
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., tools: _Optional[str] = ...) -> None: ...
 
 class DecoderTokenizeResponse(_message.Message):
     __slots__ = ("model", "token_ids", "count", "max_model_len", "tokens", "special")

@@ -173,7 +173,7 @@ class PoolingModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., pooling_mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimension: _Optional[int] = ..., max_input_length: _Optional[int] = ..., rerank_method: _Optional[str] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "inputs", "add_special_tokens", "prompt_name", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+    __slots__ = ("model", "inputs", "add_special_tokens", "prompt_name", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class TokenizeRequest(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     add_special_tokens: bool
@@ -190,7 +191,8 @@ class TokenizeRequest(_message.Message):
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: str
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_decoder_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
+    tools: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_decoder_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., tools: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "special", "start", "stop")

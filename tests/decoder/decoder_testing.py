@@ -18,6 +18,38 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
+# A Hermes-style template (the <tool_call> format of Hermes, Qwen2.5, SmolLM3), tools listed in the
+# system turn, assistant calls and tool answers rendered.
+HERMES_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call functions. Their signatures:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- if message.content %}
+{{ message.content }}{% endif %}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 
 def make_tiny_llama(path: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
     """Save a random 2-layer model of `family` (hidden 64, 4 heads, 2 kv heads, head_dim 16) with

@@ -356,7 +356,7 @@ def test_chat_options_from_the_wire_and_their_refusals(tokenizer):
         (dict(chat_template_kwargs='{"a": NaN}'), "NaN is not a JSON value"),  # Python's json reads it; JSON does not
         (dict(chat_template_kwargs='{"a": [-Infinity]}'), "-Infinity is not a JSON value"),
         (dict(chat_template_kwargs='{"tokenize": false}'), "'tokenize' is refused"),
-        (dict(chat_template_kwargs='{"tools": []}'), "function calling"),
+        (dict(chat_template_kwargs='{"tools": []}'), "own .tools. field"),
     ]:
         with pytest.raises(InvalidArgument, match=words) as refused:
             chat_options_from_pb(_chat_request(**fields))

@@ -143,7 +143,7 @@ def test_token_ids_past_int32_are_refused(app):
 
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"), ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"top_logprobs": 5}, "top_logprobs"), ({"stream_options": {"include_usage": True}}, "stream_options")])

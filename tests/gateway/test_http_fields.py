@@ -173,13 +173,17 @@ CHAT_EXAMPLES = {
     "logit_bias": {"7": -100, "42": 2.5}, "allowed_token_ids": [7, 8, 9], "bad_words": ["cat", "big dog"],
     "prompt_logprobs": 1, "return_tokens_as_token_ids": True, "request_id": "r1", "echo": True,
     "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False},
-    "documents": [{"title": "t", "text": "x"}]}
+    "documents": [{"title": "t", "text": "x"}],
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}}}
 COMPLETION_EXAMPLES = {
     **{k: v for k, v in CHAT_EXAMPLES.items() if k in chat_protocol.SamplingFields.model_fields},
     "prompt": ["a", "b"], "max_tokens": 0, "logprobs": 2, "echo": True}
 
 
 def _compatible(body: dict) -> dict:
+    if "tool_choice" in body:
+        body["tools"] = CHAT_EXAMPLES["tools"]
     if "stream_options" in body:
         body["stream"] = True
         body.pop("prompt_logprobs", None)

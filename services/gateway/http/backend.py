@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 from services.common.errors import ResourceExhausted, TesseraError
 from services.common.healthcheck import not_serving, probe
 from services.gateway.core import Call
+from services.gateway.http.chat.tools import DecoderTools
 from services.gateway.http.errors import ApiError
 from services.gateway.readiness import Readiness
 from tessera.protocol import MESSAGE_TOO_LARGE
@@ -97,6 +98,7 @@ class Backend:
         self.max_request_bytes = max_request_bytes
         self._health_channels: dict[str, grpc.aio.Channel] = {}
         self._decoder_names: DecoderNames | None = None
+        self._decoder_tools = DecoderTools(False, "")
         self._pooling_names: dict[str, str] = {}  # every pooling model's name and alias -> its name
         self._pooling_asked = float("-inf")
 
@@ -147,7 +149,14 @@ class Backend:
                 raise ApiError(503, "the decoder has not answered yet: " + "; ".join(info.unavailable),
                                "service_unavailable")
             self._decoder_names = DecoderNames.of(info.decoder)
+            self._decoder_tools = DecoderTools.of(info.decoder)
         return self._decoder_names
+
+    async def decoder_tools(self) -> DecoderTools:
+        """What the served model's chat template does with tools and the decoder's tool-call parser
+        (asked once, with the names; raises ApiError 503 as `decoder_names`)."""
+        await self.decoder_names()
+        return self._decoder_tools
 
     async def base_model(self) -> str:
         """The base model's name in answers (raises ApiError 503 as `decoder_names`)."""

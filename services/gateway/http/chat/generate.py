@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from services.common.errors import TesseraError
 from services.gateway.core import Call
 from services.gateway.http.chat import logprobs as lp
 from services.gateway.http.chat.protocol import (
+    AnswerFunction,
+    AnswerToolCall,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -31,6 +34,8 @@ from services.gateway.http.chat.protocol import (
     CompletionChoice,
     PromptLogprobs,
 )
+from services.gateway.http.chat.tool_parsers import CallName, Content, Event, ToolCallParser
+from services.gateway.http.chat.tools import NONE, ToolPlan
 from services.gateway.http.errors import from_error
 from services.gateway.http.protocol import Usage
 from tessera.v1 import decoder_pb2
@@ -60,10 +65,25 @@ class Shape:
     prompt_logprobs: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    tools: ToolPlan | None = None
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether each choice's text is read for tool calls (tool_choice other than "none")."""
+        return self.tools is not None and self.tools.mode != NONE
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    arguments: str = ""
 
 
 @dataclass
 class _Choice:
+    parser: ToolCallParser | None = None
+    calls: dict[int, _Call] = field(default_factory=dict)  # by the parser's call index
     text: list[str] = field(default_factory=list)
     entries: list = field(default_factory=list)             # chat: the decoder's TokenLogprob entries
     legacy: lp.LegacyLogprobs | None = None             # completions: legacy logprobs
@@ -84,6 +104,7 @@ class _Delta:
     text: str
     entries: list
     legacy_from: int
+    calls: list[Event] = field(default_factory=list)  # tool-call events (CallName, CallArguments), in order
 
 
 @dataclass
@@ -112,6 +133,11 @@ class Tally:
                 choice.prompt_logprobs = lp.prompt_logprobs(response)
         legacy_from = len(choice.legacy) if choice.legacy is not None and not first else 0
         generated, entries = ("", []) if shape.drop_generated else (response.text, list(response.logprobs))
+        calls: list[Event] = []
+        if first and shape.parses_tools:
+            choice.parser = shape.tools.new_parser()
+        if choice.parser is not None:
+            generated, calls = self._parse(choice, generated, bool(response.finish_reason))
         choice.text.append(head + generated)
         if shape.logprobs and shape.chat:
             choice.entries.extend(entries)
@@ -121,13 +147,32 @@ class Tally:
         if not shape.drop_generated:
             choice.completion_tokens += len(response.token_ids)
         if response.finish_reason:
-            choice.finish_reason = response.finish_reason
+            stopped_with_calls = response.finish_reason == "stop" and choice.calls
+            choice.finish_reason = "tool_calls" if stopped_with_calls else response.finish_reason
         if response.HasField("usage"):  # each choice's final message
             self.prompt_tokens[prompt] = choice.prompt_tokens = response.usage.prompt_tokens
             counted = 0 if shape.drop_generated else response.usage.completion_tokens
             self.completion_tokens += counted
             choice.completion_tokens = counted
-        return _Delta(index, first, head, generated, entries, legacy_from)
+        return _Delta(index, first, head, generated, entries, legacy_from, calls)
+
+    def _parse(self, choice: _Choice, text: str, last: bool) -> tuple[str, list[Event]]:
+        """`text` through the choice's tool-call parser (finished on its last message): the content
+        it lets through and its call events, past the first call dropped unless parallel calls."""
+        events = choice.parser.feed(text) + (choice.parser.finish() if last else [])
+        content, calls = [], []
+        for event in events:
+            if isinstance(event, Content):
+                content.append(event.text)
+                continue
+            if event.index > 0 and not self.shape.tools.parallel:
+                continue
+            if isinstance(event, CallName):
+                choice.calls[event.index] = _Call(f"chatcmpl-tool-{uuid.uuid4().hex}", event.name)
+            else:
+                choice.calls[event.index].arguments += event.text
+            calls.append(event)
+        return "".join(content), calls
 
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens.values())
@@ -190,10 +235,19 @@ async def collect(streams: list[Stream], n: int, shape: Shape) -> Tally:
     return tally
 
 
+def _message(choice: _Choice, shape: Shape) -> AssistantMessage:
+    """A choice's message; with tool calls parsed, its calls and content null when it has no text."""
+    content = "".join(choice.text)
+    if not shape.parses_tools:
+        return AssistantMessage(content=content)
+    calls = [AnswerToolCall(id=call.id, function=AnswerFunction(name=call.name, arguments=call.arguments))
+             for _, call in sorted(choice.calls.items())]
+    return AssistantMessage(content=content or None, tool_calls=calls)
+
+
 def chat_completion(tally: Tally) -> ChatCompletion:
     shape = tally.shape
-    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                                    finish_reason=c.finish_reason,
+    choices = [ChatChoice(index=i, message=_message(c, shape), finish_reason=c.finish_reason,
                                     logprobs=lp.chat_logprobs(c.entries, shape.as_ids) if shape.logprobs else None)
                for i, c in sorted(tally.choices.items())]
     first = tally.choices.get(0)
@@ -241,19 +295,22 @@ class _Events:
         shape, out = self.tally.shape, []
         choice = self.tally.choices[delta.index]
         if shape.chat:
-            if delta.first:
-                out.append(self.chunk({"index": delta.index, "delta": {"role": "assistant", "content": ""},
+            if delta.first:  # with tool calls read, content stays null unless text comes (OpenAI's stream)
+                role = {"role": "assistant", "content": None if shape.parses_tools else ""}
+                out.append(self.chunk({"index": delta.index, "delta": role,
                                        "logprobs": None, "finish_reason": None}, delta.index, generated=False))
             if delta.head:  # the echoed message in an event of its own, without logprobs (as vLLM)
                 out.append(self.chunk({"index": delta.index, "delta": {"content": delta.head}, "logprobs": None,
                                        "finish_reason": None}, delta.index, generated=False))
             if delta.text or delta.entries:
                 logprobs = lp.chat_logprobs(delta.entries, shape.as_ids).model_dump() if shape.logprobs else None
-                out.append(self.chunk({"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                content = {"content": delta.text} if delta.text or not shape.parses_tools else {}
+                out.append(self.chunk({"index": delta.index, "delta": content, "logprobs": logprobs,
                                        "finish_reason": None}, delta.index))
+            out.extend(self._call_chunk(delta.index, event) for event in delta.calls)
             if finish_reason:
                 out.append(self.chunk({"index": delta.index, "delta": {}, "logprobs": None,
-                                       "finish_reason": finish_reason}, delta.index))
+                                       "finish_reason": choice.finish_reason}, delta.index))
             return out
         shown = choice.legacy is not None and len(choice.legacy) > delta.legacy_from
         text = delta.head + delta.text  # echo: the prompt with its tokens' logprobs, then the generated text
@@ -265,6 +322,19 @@ class _Events:
             out.append(self.chunk({"index": delta.index, "text": "", "logprobs": None,
                                    "finish_reason": finish_reason}, delta.index))
         return out
+
+
+    def _call_chunk(self, index: int, event: Event) -> str:
+        """OpenAI's tool-call delta: a call's first (index, id, type, name, arguments "") or more of
+        its arguments."""
+        call = self.tally.choices[index].calls[event.index]
+        if isinstance(event, CallName):
+            entry = {"index": event.index, "id": call.id, "type": "function",
+                     "function": {"name": event.name, "arguments": ""}}
+        else:
+            entry = {"index": event.index, "function": {"arguments": event.text}}
+        return self.chunk({"index": index, "delta": {"tool_calls": [entry]}, "logprobs": None,
+                           "finish_reason": None}, index)
 
 
 async def events(streams: list[Stream], n: int, shape: Shape) -> AsyncIterator[str]:

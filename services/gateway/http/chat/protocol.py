@@ -7,9 +7,19 @@ it, so one place states each limit.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from services.gateway.http.fields import VLLM_GENERATION, Body, Refusal, Strict, accepted, refusal
 from services.gateway.http.protocol import (
@@ -57,7 +67,7 @@ REFUSED_PARTS = {
     "image_embeds": "image embeddings are not taken: send the image as an image_url part",
     "refusal": "a refusal part cannot be rendered by the chat template: send its text as a text part",
 }
-_TOOL_ROLE = "messages that answer tool calls: the gateway does not call tools"
+_FUNCTION_ROLE = 'OpenAI\'s deprecated function messages: send role "tool" with tool_call_id'
 
 
 def _part_tag(value: Any) -> str | None:
@@ -74,19 +84,47 @@ Part = Annotated[Annotated[TextPart, Tag("<text>")] | Annotated[ImagePart, Tag("
 Content = Annotated[Annotated[str, Tag("<str>")] | Annotated[Annotated[list[Part], Field(fail_fast=True)],
                                                               Tag("<parts>")],
                     Discriminator(lambda v: "<str>" if isinstance(v, str) else "<parts>")]
-TEMPLATE_FIELDS = "the chat template is given each message's role, content and name only"
+TEMPLATE_FIELDS = "the chat template is given each message's role, content, name and tool calls only"
+
+
+class CalledFunction(Strict):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="the arguments as a JSON object (text); the chat template gets the object")
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments) if arguments else {}
+        except ValueError as error:
+            raise ValueError(f"the arguments are not JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"the arguments must be a JSON object, not a JSON {type(value).__name__}")
+        return arguments
+
+
+class MessageToolCall(Strict):
+    """A call an assistant message made, in OpenAI's shape."""
+
+    id: str = Field(description="the call's id; the `tool` message that answers it names it in tool_call_id")
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description='"developer" is OpenAI\'s newer name for "system", and is sent as one')
-    content: Content | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description='"developer" is OpenAI\'s newer name for "system", and is sent as one; "tool" answers a '
+                    "tool call")
+    content: Content | None = Field(default=None, description="null (an assistant message with tool_calls): "
+                                    'rendered as ""')
     name: str | None = Field(default=None, description="the participant's name, given to the chat template as "
                              "the message's `name` (vLLM's)")
+    tool_calls: list[MessageToolCall] | None = Field(default=None, description="assistant messages: the calls it "
+                                                     "made, given to the template as transformers documents them "
+                                                     "(arguments as an object)")
+    tool_call_id: str | None = Field(default=None, description='role "tool": the id of the call it answers')
     refused: ClassVar[dict[str, Refusal]] = {
-        "tool_calls": Refusal("the gateway does not call tools", ([],)),
-        "tool_call_id": Refusal("the gateway does not call tools"),
-        "function_call": Refusal("the gateway does not call tools"),
+        "function_call": Refusal("OpenAI's deprecated function calling: send tool_calls"),
         "audio": Refusal("audio is not supported: the decoder reads text and images"),
         "refusal": Refusal(TEMPLATE_FIELDS),
         "reasoning_content": Refusal(TEMPLATE_FIELDS),
@@ -94,7 +132,7 @@ class ChatMessage(Strict):
     }
     # values refused by name, with why (docs/http.md lists them): roles, and content parts' types
     refused_values: ClassVar[dict[str, dict[str, str]]] = {
-        "role": {"tool": _TOOL_ROLE, "function": _TOOL_ROLE}, "content.N.type": REFUSED_PARTS}
+        "role": {"function": _FUNCTION_ROLE}, "content.N.type": REFUSED_PARTS}
 
     @model_validator(mode="before")
     @classmethod
@@ -111,6 +149,14 @@ class ChatMessage(Strict):
                 raise refusal(f"content.{j}.type", REFUSED_PARTS.get(kind, f"a {kind!r} part: text and image_url "
                                                                              "parts are"))
         return data
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise refusal("tool_calls", f"tool_calls are the assistant's calls; this message's role is {self.role!r}")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise refusal("tool_call_id", f'tool_call_id belongs to a message of role "tool", not {self.role!r}')
+        return self
 
 
 class StreamOptions(Strict):
@@ -177,7 +223,65 @@ class SamplingFields(Body):
                                    "(completions: `cmpl-<request_id>`)")
 
 
-TOOLS = "the gateway does not call tools"
+LEGACY_FUNCTIONS = ("OpenAI's deprecated function calling (its answers carry `function_call`): send `tools` and "
+                    "`tool_choice`")
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON Schema of the arguments (absent: "
+                                              "no arguments, {\"type\": \"object\", \"properties\": {}})")
+    strict: bool | None = Field(default=None, description="given to the template; under tool_choice \"required\" or "
+                                "a named function the arguments always follow `parameters` (a constraint), under "
+                                "\"auto\" they are what the model wrote")
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class WithTools(BaseModel):
+    """A body with `tools`: the tools as the client sent them (their keys' order, null fields
+    dropped) are kept beside the validated ones, for the chat template renders them as they are
+    (`tojson`)."""
+
+    _sent_tools: list[dict] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_sent_tools(cls, data: Any, handler):
+        model = handler(data)
+        tools = data.get("tools") if isinstance(data, dict) else None
+        if isinstance(tools, list):
+            model._sent_tools = [_without_nulls(tool, depth=2) for tool in tools]
+        return model
+
+    @property
+    def sent_tools(self) -> list[dict]:
+        return self._sent_tools
+
+
+def _without_nulls(value: Any, depth: int) -> Any:
+    """`value` less its null fields, `depth` levels of objects down (a tool and its function)."""
+    if not isinstance(value, dict) or depth == 0:
+        return value
+    return {k: _without_nulls(v, depth - 1) for k, v in value.items() if v is not None}
+
+
+ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("<mode>")]
+                       | Annotated[NamedToolChoice, Tag("<named>")],
+                       Discriminator(lambda v: "<mode>" if isinstance(v, str) else "<named>")]
 _GENERATION_REFUSED = {
     **VLLM_GENERATION,
     "response_format": Refusal('structured output is not supported: only {"type": "text"}', ({"type": "text"},)),
@@ -185,7 +289,7 @@ _GENERATION_REFUSED = {
 }
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, WithTools):
     messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_tokens: Count | None = Field(default=None, description="absent: the rest of the context (or the model's "
                                      "generation-config max_new_tokens)")
@@ -194,7 +298,14 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Logprobs | None = Field(default=None, description="alternatives per position; needs "
                                           "logprobs: true")
     metadata: dict[str, str] | None = accepted("not stored")
-    parallel_tool_calls: bool | None = accepted("no tools are called")
+    tools: Annotated[list[Tool], Field(max_length=128, fail_fast=True)] | None = Field(
+        default=None, description="functions the model may call (OpenAI's, at most 128), rendered by the chat "
+        "template when it takes tools")
+    tool_choice: ToolChoice | None = Field(default=None, description='"none", "auto" (the default with tools: '
+                                           'the model\'s text parsed for calls), "required" (at least one call) '
+                                           'or {"type": "function", "function": {"name": ...}} (that call)')
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per choice "
+                                             "(absent: true)")
     safety_identifier: str | None = accepted("not recorded")
     prompt_cache_key: str | None = accepted(CACHE_HINT)
     prompt_cache_retention: str | None = accepted(CACHE_HINT)
@@ -223,10 +334,8 @@ class ChatCompletionRequest(SamplingFields):
         "moderation": Refusal("no moderation model runs on requests or answers"),
         "store": Refusal("the gateway stores no answers", (False,)),
         "service_tier": Refusal('one tier serves every request: only "auto" or "default"', ("auto", "default")),
-        "tools": Refusal(TOOLS, ([],)),
-        "tool_choice": Refusal(TOOLS, ("none", "auto")),
-        "functions": Refusal(TOOLS, ([],)),
-        "function_call": Refusal(TOOLS, ("none", "auto")),
+        "functions": Refusal(LEGACY_FUNCTIONS, ([],)),
+        "function_call": Refusal(LEGACY_FUNCTIONS, ("none",)),
         "include_reasoning": Refusal("no reasoning parser runs: the answer holds the model's whole text", (True,)),
         "chat_template": Refusal("the served model's own chat template renders every chat"),
         "add_special_tokens": Refusal("the chat template holds the special tokens; none are added", (False,)),
@@ -279,9 +388,29 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+class AnswerFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text")
+
+
+class AnswerToolCall(BaseModel):
+    id: str = Field(description="chatcmpl-tool-<hex> (vLLM's)")
+    type: Literal["function"] = "function"
+    function: AnswerFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls alone")
+    tool_calls: list[AnswerToolCall] | None = Field(default=None, description="requests with tools: the calls "
+                                                    "the choice made (absent otherwise)")
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler):
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):

@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from services.gateway.http.backend import Backend
-from services.gateway.http.chat import protocol, serving
+from services.gateway.http.chat import protocol, serving, tools
 from services.gateway.http.json_body import OffLoopJsonRoute
 
 
@@ -18,11 +18,13 @@ def router(backend: Backend, as_ids: bool) -> APIRouter:
 
     @routes.post("/v1/chat/completions", response_model=protocol.ChatCompletion)
     async def chat_completions(body: protocol.ChatCompletionRequest, http: Request):
+        decoder = await backend.decoder_tools() if body.tools else None
+        plan = tools.tool_plan(body, decoder)
         # refused before any call or image copy; built in a worker thread (its images are copied there)
-        request = await asyncio.to_thread(serving.chat_request, body, backend.check_generate)
+        request = await asyncio.to_thread(serving.chat_request, body, backend.check_generate, plan, decoder)
         model = body.model or await backend.base_model()  # absent: the base model, as vLLM
         request.lora = await backend.lora_for(model)
-        shape = serving.chat_shape(body, await serving.answer_model(backend, model, request.lora), as_ids)
+        shape = serving.chat_shape(body, await serving.answer_model(backend, model, request.lora), as_ids, plan)
         return await serving.answer(backend, [request], body, http, shape)
 
     @routes.post("/v1/completions", response_model=protocol.Completion)

@@ -24,6 +24,7 @@ from services.gateway.http.chat.protocol import (
     SamplingFields,
     TextPart,
 )
+from services.gateway.http.chat.tools import DecoderTools, ToolPlan, constraint, tools_text
 from services.gateway.http.errors import ApiError, from_error
 from services.gateway.http.tokenize.protocol import TokenizeRequest
 from tessera.protocol import UNKNOWN_ADAPTER
@@ -59,7 +60,9 @@ def chat_messages(messages: list[ChatMessage], into=None, images: list | None = 
     into = holder.messages if into is None else into
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
-        out = into.add(role=role, name=message.name or "")
+        out = into.add(role=role, name=message.name or "", tool_call_id=message.tool_call_id or "")
+        for call in message.tool_calls or ():
+            out.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
         content = message.content
         if isinstance(content, str):
             out.content.add(text=content)
@@ -170,15 +173,19 @@ def template_fields(body: ChatCompletionRequest | TokenizeRequest, documents=Non
     return fields
 
 
-def chat_request(body: ChatCompletionRequest, check=None) -> decoder_pb2.GenerateRequest:
+def chat_request(body: ChatCompletionRequest, check=None, plan: ToolPlan | None = None,
+                 decoder: DecoderTools | None = None) -> decoder_pb2.GenerateRequest:
     """The chat's Generate request, base model (the caller sets `lora`).
 
     `check(request)`: called on the request before its images' bytes are copied in (the caps on
-    counts and text: a refused request costs no image copy).
+    counts and text: a refused request costs no image copy). `plan` (tools.tool_plan): the body's
+    tools go to the chat template when `decoder` says it takes them, and "required" or a named
+    function constrain the output (SamplingParams.json_schema).
 
     Raises:
-        ApiError: 400 for top_logprobs without logprobs (as OpenAI), the refusals of `_stream_fields`
-            and `template_fields`, or a bad image (`chat_messages`); whatever `check` raises.
+        ApiError: 400 for top_logprobs without logprobs (as OpenAI), the refusals of `_stream_fields`,
+            `template_fields` and `tools.constraint`, or a bad image (`chat_messages`); whatever
+            `check` raises.
     """
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -187,6 +194,12 @@ def chat_request(body: ChatCompletionRequest, check=None) -> decoder_pb2.Generat
     request = decoder_pb2.GenerateRequest(
         sampling=sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0, body.prompt_logprobs),
         return_prompt=_continuous_usage(body), **template_fields(body, body.documents))
+    if plan is not None:
+        if decoder is not None and decoder.takes_tools:
+            request.tools = tools_text(body)
+        schema = constraint(body, plan)
+        if schema is not None:
+            request.sampling.json_schema = schema
     images: list = []
     chat_messages(body.messages, request.messages, images)
     if check is not None:
@@ -222,10 +235,11 @@ def _shape(body: SamplingFields, chat: bool, model: str, as_ids: bool, **fields)
                  continuous_usage=_continuous_usage(body), **fields)
 
 
-def chat_shape(body: ChatCompletionRequest, model: str, as_ids: bool) -> Shape:
+def chat_shape(body: ChatCompletionRequest, model: str, as_ids: bool, plan: ToolPlan | None = None) -> Shape:
     """How the chat's answer is shaped; `model` names it, `as_ids`: the gateway's
-    --return-tokens-as-token-ids (the body's return_tokens_as_token_ids decides when sent)."""
-    return _shape(body, True, model, as_ids, logprobs=body.logprobs, echo_text=_echo_text(body))
+    --return-tokens-as-token-ids (the body's return_tokens_as_token_ids decides when sent);
+    `plan`: how tool calls are read from each choice (tools.py)."""
+    return _shape(body, True, model, as_ids, logprobs=body.logprobs, echo_text=_echo_text(body), tools=plan)
 
 
 def completion_shape(body: CompletionRequest, model: str, as_ids: bool) -> Shape:

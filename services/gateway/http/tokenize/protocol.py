@@ -7,12 +7,12 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, Field
 
-from services.gateway.http.chat.protocol import TOOLS, ChatMessage
+from services.gateway.http.chat.protocol import ChatMessage, Tool, WithTools
 from services.gateway.http.fields import Body, Refusal, accepted
 from services.gateway.http.protocol import TokenIds
 
 
-class TokenizeRequest(Body):
+class TokenizeRequest(Body, WithTools):
     """vLLM's /tokenize: exactly one of `prompt` and `messages` (chat: decoder models only)."""
 
     model: str | None = Field(default=None, description="absent: the decoder's tokenizer when a decoder is served "
@@ -26,10 +26,11 @@ class TokenizeRequest(Body):
                                                "continue_final_message)")
     continue_final_message: bool = Field(default=False, description="messages only, as chat's")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="messages only, as chat's")
+    tools: Annotated[list[Tool], Field(max_length=128, fail_fast=True)] | None = Field(
+        default=None, description="messages only: rendered by the chat template, as chat's")
     return_token_strs: bool | None = accepted("token_strs are always returned")
     refused: ClassVar[dict[str, Refusal]] = {
         "chat_template": Refusal("the served model's own chat template renders every chat"),
-        "tools": Refusal(TOOLS, ([],)),
         "mm_processor_kwargs": Refusal("the vision service's processor takes no per-request arguments", ({},)),
         "media_io_kwargs": Refusal("images are decoded with fixed settings", ({},)),
     }

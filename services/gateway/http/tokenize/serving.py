@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from services.gateway.http.chat.serving import chat_messages, template_fields
+from services.gateway.http.chat.tools import tools_text
 from services.gateway.http.errors import ApiError
 from services.gateway.http.tokenize.protocol import TokenizeRequest
 from tessera.v1 import pooling_pb2
@@ -16,8 +17,8 @@ def tokenize_request(body: TokenizeRequest, model: str) -> pooling_pb2.TokenizeR
     """vLLM's /tokenize as the gateway's Tokenize, for `model` (the body's, canonical).
 
     Raises:
-        ApiError: 400 unless exactly one of prompt and messages is set, for template fields without
-            messages, or the refusals of `template_fields`.
+        ApiError: 400 unless exactly one of prompt and messages is set, for template fields or tools
+            without messages, or the refusals of `template_fields`.
     """
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send exactly one of prompt or messages", param="prompt")
@@ -28,8 +29,9 @@ def tokenize_request(body: TokenizeRequest, model: str) -> pooling_pb2.TokenizeR
     if body.messages is not None:
         for name, value in template_fields(body).items():
             setattr(request, name, value)
+        request.tools = tools_text(body)
     else:
-        for name in ("add_generation_prompt", "chat_template_kwargs"):
+        for name in ("add_generation_prompt", "chat_template_kwargs", "tools"):
             if getattr(body, name) is not None:
                 raise ApiError(400, f"{name} applies to messages (the chat template); a prompt is tokenized as it is",
                                param=name)
