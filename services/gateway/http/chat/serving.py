@@ -199,6 +199,9 @@ def chat_request(body: ChatCompletionRequest, check=None, plan: ToolPlan | None 
             request.tools = tools_text(body)
         schema = constraint(body, plan)
         if schema is not None:
+            if request.sampling.WhichOneof("constraint") is not None:
+                raise ApiError(400, f"tool_choice {plan.mode!r} constrains the output to tool calls; it cannot be "
+                                    "combined with another output constraint (response_format)", param="tool_choice")
             request.sampling.json_schema = schema
     images: list = []
     chat_messages(body.messages, request.messages, images)
