@@ -10,6 +10,12 @@ vLLM's), then one event per decoder message with its text (and logprobs),
 then an event with an empty delta (completions: text "") and the finish_reason, so content and
 finish_reason never share an event; with `stream_options.include_usage` every event carries
 `"usage": null` and a last one carries the usage with `"choices": []`; `data: [DONE]` ends the stream.
+
+With tool calls read (tool_choice other than "none", chat/tools.py), each choice's text goes
+through its own parser (tool_parsers.py): the first event's content is null, content events carry
+the text the parser lets through, and each call is OpenAI's deltas, a first `{index, id, type,
+function: {name, arguments: ""}}` then its arguments; the whole answer's `message.tool_calls` are
+the same calls, and a choice that made calls and stopped ends with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
