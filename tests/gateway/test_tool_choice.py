@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from services.gateway.http.chat.protocol import ChatCompletionRequest
-from services.gateway.http.chat.serving import chat_request
+from services.gateway.http.chat.serving import chat_fields, chat_request
 from services.gateway.http.chat.tools import DecoderTools, constraint, tool_plan
 from services.gateway.http.errors import ApiError
 
@@ -99,3 +99,11 @@ def test_two_tools_defining_one_def_differently_are_refused():
     with pytest.raises(ApiError) as refused:
         constraint(body, tool_plan(body, HERMES))
     assert refused.value.param == "tools.1.function.parameters"
+
+
+def test_a_refusal_of_the_constraint_names_the_tools():
+    named = {"type": "function", "function": {"name": "stop"}}
+    assert chat_fields(_body(tools=[POINT, NOTHING], tool_choice=named))["sampling.json_schema"] == \
+        "tools.1.function.parameters"
+    assert chat_fields(_body(tools=[POINT], tool_choice="required"))["sampling.json_schema"] == "tools"
+    assert "sampling.json_schema" not in chat_fields(_body(tools=[POINT]))

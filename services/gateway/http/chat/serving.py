@@ -24,7 +24,7 @@ from services.gateway.http.chat.protocol import (
     SamplingFields,
     TextPart,
 )
-from services.gateway.http.chat.tools import DecoderTools, ToolPlan, constraint, tools_text
+from services.gateway.http.chat.tools import DecoderTools, ToolPlan, constraint, schema_field, tools_text
 from services.gateway.http.errors import ApiError, from_error
 from services.gateway.http.tokenize.protocol import TokenizeRequest
 from tessera.protocol import UNKNOWN_ADAPTER
@@ -257,9 +257,14 @@ _GENERATE_FIELDS = {"sampling": "", "lora": "model", "prompt_token_ids": "prompt
 
 
 def chat_fields(body: ChatCompletionRequest) -> dict[str, str]:
-    """The chat body's names for Generate's fields (max_tokens as the body sent it)."""
+    """The chat body's names for Generate's fields (max_tokens as the body sent it; the JSON schema
+    of tool_choice "required" or a named function is the tools' parameters, tools.schema_field)."""
     sent = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    return {**_GENERATE_FIELDS, "sampling.max_tokens": sent}
+    fields = {**_GENERATE_FIELDS, "sampling.max_tokens": sent}
+    schema = schema_field(body)
+    if schema is not None:
+        fields["sampling.json_schema"] = schema
+    return fields
 
 
 def completion_fields(body: CompletionRequest) -> dict[str, str]:

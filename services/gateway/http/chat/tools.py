@@ -137,6 +137,18 @@ def constraint(body: ChatCompletionRequest, plan: ToolPlan) -> str | None:
     return json.dumps(schema)
 
 
+def schema_field(body: ChatCompletionRequest) -> str | None:
+    """The body's field a refusal of the constraint names: the named function's parameters, or
+    `tools` for "required" (None: the tools constrain nothing)."""
+    choice = body.tool_choice
+    if not body.tools or choice is None or choice in (NONE, AUTO):
+        return None
+    if choice == REQUIRED:
+        return "tools"
+    index = next((i for i, tool in enumerate(body.tools) if tool.function.name == choice.function.name), None)
+    return None if index is None else f"tools.{index}.function.parameters"
+
+
 def tools_text(body) -> str:
     """The body's tools as the decoder's `tools` field (a JSON array, as sent; "" for none)."""
     return json.dumps(body.sent_tools, ensure_ascii=False) if body.tools else ""
