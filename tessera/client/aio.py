@@ -134,10 +134,10 @@ class AsyncClient:
 
     def chat_stream(self, messages: Iterable[Message | dict], sampling: SamplingParams | None = None, *,
                     lora: str = "", request_id: str | None = None, timeout: float | None = None,
-                    **sampling_fields) -> AsyncGenerateStream:
+                    tools: Sequence[dict] = (), **sampling_fields) -> AsyncGenerateStream:
         """As Client.chat_stream; iterate with `async for`."""
         request = convert.generate_request(messages=messages, lora=lora, request_id=request_id,
-                                           sampling=merge_sampling(sampling, sampling_fields))
+                                           sampling=merge_sampling(sampling, sampling_fields), tools=tools)
         return AsyncGenerateStream(self._stub, request, self.settings.metadata(), self._deadline(timeout),
                                    self.settings.retry)
 

@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import functools
 import io
+import json
 import os
 import typing
 import uuid
@@ -148,36 +149,38 @@ def content_parts(content: Content) -> list[decoder_pb2.ContentPart]:
             else image_part(p) for p in content]
 
 
-_MESSAGE_KEYS = ("role", "content", "name")
-_TOOLS = "the gateway does not call tools"
-_TEMPLATE_FIELDS = "the chat template is given each message's role, content and name only"
-# OpenAI's message keys tessera does not take, and why (as the HTTP API refuses them); None, and
-# an empty tool_calls, ask for nothing and pass.
-_REFUSED_MESSAGE_KEYS = {"tool_calls": _TOOLS, "tool_call_id": _TOOLS, "function_call": _TOOLS,
+_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+_TEMPLATE_FIELDS = "the chat template is given each message's role, content, name and tool calls only"
+# OpenAI's message keys tessera does not take, and why (as the HTTP API refuses them); None asks
+# for nothing and passes.
+_REFUSED_MESSAGE_KEYS = {"function_call": "OpenAI's deprecated function calling: send tool_calls",
                          "audio": "audio is not supported: the decoder reads text and images",
                          "refusal": _TEMPLATE_FIELDS, "reasoning_content": _TEMPLATE_FIELDS,
                          "reasoning": _TEMPLATE_FIELDS}
 
 
 def _message_fields(message: Message | dict, where: str) -> tuple[str, Content, str | None]:
-    """(role, content, name) of a `Message` or an OpenAI-style dict.
+    """(role, content, name) of a `Message` or an OpenAI-style dict (an assistant's content may be
+    null beside tool_calls: "").
 
     Raises:
         ValueError: naming the key: one a message does not have, one tessera does not take
-            (`tool_calls`, ...), a missing or null role or content, a role or name that is not a str.
+            (`function_call`, ...), a missing or null role or content, a role or name that is not a str.
     """
     if isinstance(message, dict):
         for key, value in message.items():
             if key in _REFUSED_MESSAGE_KEYS:
-                if value is not None and value != []:
+                if value is not None:
                     raise ValueError(f"{where}.{key} is not supported: {_REFUSED_MESSAGE_KEYS[key]}")
             elif key not in _MESSAGE_KEYS:
                 raise ValueError(f"{where} has no field {key!r}; a message's fields are {list(_MESSAGE_KEYS)}")
         role, content, name = message.get("role"), message.get("content"), message.get("name")
+        if content is None and message.get("tool_calls"):
+            content = ""
     else:
         role, content, name = message.role, message.content, message.name
     if not isinstance(role, str):
-        raise ValueError(f"{where}.role must be a str (\"system\", \"user\" or \"assistant\"); got "
+        raise ValueError(f"{where}.role must be a str (\"system\", \"user\", \"assistant\" or \"tool\"); got "
                          f"{type(role).__name__}")
     if content is None:
         raise ValueError(f"{where}.content is missing: a message needs its text, or a list of parts")
@@ -186,16 +189,37 @@ def _message_fields(message: Message | dict, where: str) -> tuple[str, Content, 
     return role, content, name
 
 
+def _tool_calls(message: Message | dict, where: str) -> list[decoder_pb2.ToolCall]:
+    """An OpenAI-style message's tool_calls ([{"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}]) as ToolCalls. Raises ValueError naming the entry of another shape."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    out = []
+    for j, call in enumerate(calls or ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments", ""), str) or call.get("type", "function") != "function":
+            raise ValueError(f"{where}.tool_calls[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                             "{\"name\": str, \"arguments\": JSON text}}")
+        out.append(decoder_pb2.ToolCall(id=str(call.get("id") or ""), name=function["name"],
+                                        arguments=function.get("arguments", "")))
+    return out
+
+
 def chat_messages(messages: Iterable[Message | dict]) -> list[decoder_pb2.ChatMessage]:
-    """Messages as `Message`s or OpenAI-style dicts with "role", "content" and optionally "name".
+    """Messages as `Message`s or OpenAI-style dicts with "role", "content" and optionally "name",
+    "tool_calls" (an assistant's) and "tool_call_id" (a "tool" message's).
 
     Raises:
-        ValueError: a message `_message_fields` refuses, or a content part `openai_part` does.
+        ValueError: a message `_message_fields` refuses, a tool call of another shape, or a
+            content part `openai_part` refuses.
     """
     out = []
     for i, message in enumerate(messages):
-        role, content, name = _message_fields(message, f"messages[{i}]")
-        out.append(decoder_pb2.ChatMessage(role=role, content=content_parts(content), name=name or ""))
+        where = f"messages[{i}]"
+        role, content, name = _message_fields(message, where)
+        call_id = message.get("tool_call_id") if isinstance(message, dict) else None
+        out.append(decoder_pb2.ChatMessage(role=role, content=content_parts(content), name=name or "",
+                                           tool_call_id=str(call_id or ""), tool_calls=_tool_calls(message, where)))
     return out
 
 
@@ -212,10 +236,15 @@ def sampling_params(params: SamplingParams) -> decoder_pb2.SamplingParams:
 
 def generate_request(*, prompt: str | Sequence[int] | None = None, messages: Iterable[Message | dict] | None = None,
                      images: Sequence[ImageLike] = (), lora: str = "", request_id: str | None = None,
-                     sampling: SamplingParams) -> decoder_pb2.GenerateRequest:
-    """A raw prompt (text, or token ids), or chat messages. `images` go before a text prompt's text."""
+                     sampling: SamplingParams, tools: Sequence[dict] = ()) -> decoder_pb2.GenerateRequest:
+    """A raw prompt (text, or token ids), or chat messages. `images` go before a text prompt's text;
+    `tools` (OpenAI's tool objects) go to the chat template with messages."""
     request = decoder_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex,
                                           sampling=sampling_params(sampling), lora=lora)
+    if tools:
+        if messages is None:
+            raise ValueError("tools go with chat messages (the chat template renders them)")
+        request.tools = json.dumps(list(tools))
     if messages is not None:
         request.messages.extend(chat_messages(messages))
     elif images and not isinstance(prompt, str):

@@ -152,17 +152,20 @@ class Client:
 
     def chat_stream(self, messages: Iterable[Message | dict], sampling: SamplingParams | None = None, *,
                     lora: str = "", request_id: str | None = None, timeout: float | None = None,
-                    **sampling_fields) -> GenerateStream:
+                    tools: Sequence[dict] = (), **sampling_fields) -> GenerateStream:
         """Stream an answer to chat `messages`, rendered with the model's chat template.
 
         Each message is a Message or a dict with "role" and "content"; content is a str or a list
         of parts: str = text; bytes, a pathlib.Path or a PIL image = an image; or OpenAI's content
         parts, {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url":
-        "data:image/png;base64,..."}}. ValueError (before any call) for another part type, naming
-        it, or an image URL that is not a base64 data URI. Otherwise as generate_stream.
+        "data:image/png;base64,..."}}. A dict may carry OpenAI's "tool_calls" (an assistant's) and
+        "tool_call_id" (a "tool" message's); `tools` (OpenAI's tool objects) go to the chat
+        template, and the answer is the model's text (the HTTP API parses tool calls out of it).
+        ValueError (before any call) for another part type, naming it, or an image URL that is not
+        a base64 data URI. Otherwise as generate_stream.
         """
         request = convert.generate_request(messages=messages, lora=lora, request_id=request_id,
-                                           sampling=merge_sampling(sampling, sampling_fields))
+                                           sampling=merge_sampling(sampling, sampling_fields), tools=tools)
         return GenerateStream(self._stub, request, self.settings.metadata(), self._deadline(timeout),
                               self.settings.retry)
 

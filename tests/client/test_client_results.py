@@ -5,6 +5,7 @@ OpenAI-style chat content parts."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 
 import pytest
@@ -134,11 +135,27 @@ def test_a_messages_name_reaches_the_protobuf():
                                     prompt_name="").messages[0].name == "bob"
 
 
+def test_tool_calls_tool_answers_and_tools_reach_the_protobuf():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    request = convert.generate_request(messages=messages, sampling=SamplingParams(), tools=tools)
+    assert json.loads(request.tools) == tools
+    [call] = request.messages[1].tool_calls
+    assert (call.id, call.name, call.arguments) == ("c1", "f", '{"a": 1}')
+    assert request.messages[1].content[0].text == "" and request.messages[2].tool_call_id == "c1"
+    with pytest.raises(ValueError, match="tools go with chat messages"):
+        convert.generate_request(prompt="x", sampling=SamplingParams(), tools=tools)
+
+
 @pytest.mark.parametrize(("message", "words"), [
     ({"role": "user", "content": "x", "bogus": 1}, "messages[0] has no field 'bogus'"),
     ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1", "type": "function"}]},
-     "messages[0].tool_calls is not supported: the gateway does not call tools"),
-    ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages[0].tool_call_id is not supported"),
+     "messages[0].tool_calls[0] must be"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f"}}, "messages[0].function_call is not "
+                                                                              "supported"),
     ({"role": "assistant", "content": "x", "reasoning_content": "hmm"}, "messages[0].reasoning_content is not supported"),
     ({"role": "user"}, "messages[0].content is missing"),
     ({"role": "user", "content": None}, "messages[0].content is missing"),
