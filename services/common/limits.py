@@ -29,6 +29,10 @@ MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 262144  # above any served vocabulary (Gemma's is 262144)
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
+# Structured output (SamplingParams.constraint): characters of its schema, regex, grammar or choices
+# together. vLLM sets none; llguidance reports schemas of up to 4 MB compiling. A compile is bounded
+# in time as well (the decoder's --structured-outputs-compile-timeout).
+MAX_CONSTRAINT_CHARS = 4 * 1024 * 1024
 # A BPE token of real text spans a few characters (~4 in English; runs of spaces or symbols merge
 # into longer ones). A prompt with more characters than this many per context token cannot fit the
 # context, so it is refused before the tokenizer spends time on it (bench/results/settings.md).
@@ -104,15 +108,18 @@ class GenerateLimits:
                                       f"entries of allowed_token_ids (at most {MAX_ALLOWED_TOKEN_IDS})")
     max_bad_words: int = _cap(MAX_BAD_WORDS, f"bad_words per request (at most {MAX_BAD_WORDS})")
     max_bad_word_chars: int = _cap(MAX_BAD_WORD_CHARS, f"characters of each bad word (at most {MAX_BAD_WORD_CHARS})")
+    max_constraint_chars: int = _cap(1024 * 1024, "characters of a structured-output constraint: its JSON schema, "
+                                     f"regex, grammar or choices together (at most {MAX_CONSTRAINT_CHARS})")
     max_n: int = _cap(MAX_N, f"choices per request (at most {MAX_N})")
     max_logprobs: int = _cap(MAX_TOP_LOGPROBS, f"top_logprobs and prompt_logprobs per token (at most {MAX_TOP_LOGPROBS})")
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_name_chars", "max_messages", "max_content_parts", "max_images", "max_stop",
                               "max_stop_chars", "max_stop_token_ids", "max_logit_bias", "max_allowed_token_ids",
-                              "max_bad_words", "max_bad_word_chars", "max_n"))
+                              "max_bad_words", "max_bad_word_chars", "max_constraint_chars", "max_n"))
         for name, ceiling in (("max_logit_bias", MAX_LOGIT_BIAS), ("max_allowed_token_ids", MAX_ALLOWED_TOKEN_IDS),
-                              ("max_bad_words", MAX_BAD_WORDS), ("max_bad_word_chars", MAX_BAD_WORD_CHARS)):
+                              ("max_bad_words", MAX_BAD_WORDS), ("max_bad_word_chars", MAX_BAD_WORD_CHARS),
+                              ("max_constraint_chars", MAX_CONSTRAINT_CHARS)):
             if getattr(self, name) > ceiling:
                 raise ValueError(f"{name} must be in 1..{ceiling}, got {getattr(self, name)}")
         if self.max_prompt_chars < 0:
@@ -174,6 +181,14 @@ def _check_sampling(sampling, limits: GenerateLimits, max_model_len: int | None)
     check_count("sampling.bad_words", len(sampling.bad_words), limits.max_bad_words, "max_bad_words", "words")
     for index, word in enumerate(sampling.bad_words):
         check_chars(f"sampling.bad_words[{index}]", word, limits.max_bad_word_chars, "max_bad_word_chars")
+    kind = sampling.WhichOneof("constraint")
+    if kind in ("json_schema", "regex", "grammar"):
+        check_chars(f"sampling.{kind}", getattr(sampling, kind), limits.max_constraint_chars, "max_constraint_chars")
+    elif kind == "choice":
+        chars = sum(len(choice) for choice in sampling.choice.choices)
+        if chars > limits.max_constraint_chars:
+            raise InvalidArgument(f"sampling.choice has {chars} characters; the limit is {limits.max_constraint_chars} "
+                                  f"({flag('max_constraint_chars')})", reason=OVER_LIMIT, field="sampling.choice")
     if sampling.n > limits.max_n:
         raise InvalidArgument(f"sampling.n is {sampling.n}; the limit is {limits.max_n} ({flag('max_n')})",
                               field="sampling.n")

@@ -87,6 +87,9 @@ generation_config.json (none when it has none), a directory holding a generation
 DecoderInfo reports for the gateway's `tool_choice: "auto"`: "auto" (default) "hermes" when the
 chat template mentions `<tool_call>` (Hermes, Qwen2.5, Qwen3, SmolLM3), else none;
 "hermes"; or "none" (services/decoder/tools.py).
+Structured output (services/decoder/grammar.py): a constraint's compile taking longer than
+`structured_outputs_compile_timeout` seconds is refused; at most `structured_outputs_cache_size`
+compiled grammars are kept (least recently used first out).
     """
 
     model_dir: str = _flag(str(default_decoder_dir()), "checkpoint directory")
@@ -146,6 +149,10 @@ chat template mentions `<tool_call>` (Hermes, Qwen2.5, Qwen3, SmolLM3), else non
                                   "(hermes when the chat template mentions <tool_call>, else none), hermes "
                                   "(<tool_call>{json}</tool_call>) or none",
                                   choices=(PARSER_AUTO, *TOOL_CALL_PARSERS, PARSER_NONE))
+    structured_outputs_compile_timeout: float = _flag(5.0, "seconds a structured-output constraint may take to "
+                                                      "compile before its request is refused")
+    structured_outputs_cache_size: int = _flag(256, "compiled structured-output grammars kept (least recently "
+                                               "used first out)")
     torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device` resolved, once
     checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
     generation_defaults: GenerationDefaults = field(init=False, repr=False, compare=False)  # read once
@@ -213,6 +220,13 @@ chat template mentions `<tool_call>` (Hermes, Qwen2.5, Qwen3, SmolLM3), else non
                 raise ValueError(f"{flag} cpu computes on the CPU; --device is {self.device} ({self.torch_device}); "
                                  f"use --device cpu or another {flag}")
 
+    def _check_structured_outputs(self) -> None:
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError(f"--structured-outputs-compile-timeout must be > 0 seconds, got "
+                             f"{self.structured_outputs_compile_timeout}")
+        if self.structured_outputs_cache_size < 1:
+            raise ValueError(f"--structured-outputs-cache-size must be >= 1, got {self.structured_outputs_cache_size}")
+
     def _check_values(self) -> None:
         """Checks that need no checkpoint: ranges, registered backends, dtype."""
         check_metrics_port(self.metrics_port)
@@ -223,6 +237,7 @@ chat template mentions `<tool_call>` (Hermes, Qwen2.5, Qwen3, SmolLM3), else non
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        self._check_structured_outputs()
         parsers = (PARSER_AUTO, *TOOL_CALL_PARSERS, PARSER_NONE)
         if self.tool_call_parser not in parsers:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(parsers)}, got {self.tool_call_parser!r}")

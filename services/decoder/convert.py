@@ -8,6 +8,7 @@ import json
 from services.common.errors import InvalidArgument, prefixed
 from services.common.limits import GenerateLimits, check_decoder_tokenize, check_detokenize, check_generate
 from services.common.tensor import FLOAT_DTYPES, from_pb
+from services.decoder.constraints import Constraint
 from services.decoder.tools import parse_tools, tool_call_from_parts
 from services.decoder.types import (
     ChatMessage,
@@ -80,9 +81,26 @@ def sampling_from_pb(sampling: decoder_pb2.SamplingParams,
                                            if sampling.HasField("spaces_between_special_tokens") else True),
             prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
             logit_bias=dict(sampling.logit_bias), allowed_token_ids=tuple(sampling.allowed_token_ids) or None,
-            bad_words=tuple(sampling.bad_words))
+            bad_words=tuple(sampling.bad_words), constraint=constraint_from_pb(sampling))
     except InvalidArgument as error:
         raise prefixed(error, "sampling") from None
+
+
+def constraint_from_pb(sampling: decoder_pb2.SamplingParams) -> Constraint | None:
+    """The `constraint` oneof as a Constraint (None: unset). Raises InvalidArgument (Constraint's
+    checks: a schema or choice list that is not JSON, a schema keyword that cannot be enforced)."""
+    kind = sampling.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not sampling.json_object:
+            return None  # false: no constraint, as unset
+        spec = ""
+    elif kind == "choice":
+        spec = json.dumps(list(sampling.choice.choices), ensure_ascii=False)
+    else:
+        spec = getattr(sampling, kind)
+    return Constraint(kind, spec, sampling.any_whitespace)
 
 
 def chat_options_from_pb(request: decoder_pb2.GenerateRequest | decoder_pb2.DecoderTokenizeRequest

@@ -29,6 +29,7 @@ from services.decoder.config import DecoderConfig
 from services.decoder.detokenizer import IncrementalDetokenizer
 from services.decoder.engine_core import EngineCore
 from services.decoder.engine_parts import EngineParts
+from services.decoder.grammar import GrammarState
 from services.decoder.output_processor import RequestStream
 from services.decoder.prefix_cache import BlockHasher
 from services.decoder.request import PromptLogprobs, Request
@@ -94,7 +95,8 @@ class LLMEngine:
         `request_input.lora` names an adapter, leased from the adapter source for the request's
         life. Raises (before the first output): InvalidArgument (bad prompt, too long, a
         stop_token_ids, logit_bias or allowed_token_ids id outside the vocabulary, a bad word whose
-        tokens are, min_tokens past what an unset max_tokens allows), NotFound /
+        tokens are, min_tokens past what an unset max_tokens allows, a structured-output constraint
+        that does not compile or compiles past --structured-outputs-compile-timeout), NotFound /
         FailedPrecondition / Unavailable (adapter), ResourceExhausted (waiting queue full),
         Unavailable (still loading, or the engine thread has stopped; also raised mid-stream when
         it stops). With every adapter slot leased the admission waits for one to free.
@@ -123,8 +125,12 @@ class LLMEngine:
         prompt_text = None
         if request_input.return_prompt:  # as vLLM's echo of token prompts: special tokens kept
             prompt_text = await asyncio.to_thread(parts.tokenizer.decode, prompt.token_ids, skip_special_tokens=False)
+        compiled = None
+        if sampling.constraint is not None:  # compiled off the loop and the engine thread; the batch never waits
+            compiled = await parts.grammars.get(sampling.constraint)
+            self.metrics.on_constrained(sampling.constraint.kind)
         slot = await self.adapters.acquire(request_input.lora) if request_input.lora else None
-        requests = self._make_requests(request_input, prompt, slot, request_input.lora)
+        requests = self._make_requests(request_input, prompt, slot, request_input.lora, compiled)
         queue: asyncio.Queue = asyncio.Queue()
         self._admit(requests, prompt.token_ids, queue, prompt_text)
         num_finished = 0
@@ -155,11 +161,12 @@ class LLMEngine:
                     self.adapters.release(request.lora_slot, request.lora_name)
             raise
 
-    def _make_requests(self, request_input: GenerateInput, prompt, slot: int | None, lease_name: str) -> list[Request]:
+    def _make_requests(self, request_input: GenerateInput, prompt, slot: int | None, lease_name: str,
+                       compiled=None) -> list[Request]:
         """The n choices: choice i samples with seed + i and holds its own adapter lease on `slot`
         (taken as `lease_name`; the first's by `generate`, the others' shared from it); choices after
         the first wait for it to compute the prompt, then share its blocks and its prompt logprobs
-        (one record for all)."""
+        (one record for all). With a `compiled` grammar each choice has its own matcher."""
         params, requests = request_input.sampling, []
         record = (None if params.prompt_logprobs is None
                   else PromptLogprobs(params.prompt_logprobs, len(prompt.token_ids)))
@@ -170,7 +177,8 @@ class LLMEngine:
             requests.append(Request(key, request_input.request_id or key, prompt, params, lease,
                                     None if params.greedy else make_generator(seed, self.device), self._hasher(prompt, slot),
                                     index=index, parent=requests[0] if requests else None, lora_name=lease_name,
-                                    prompt_logprobs=record))
+                                    prompt_logprobs=record,
+                                    grammar=None if compiled is None else GrammarState(compiled, params.stop_token_ids)))
         return requests
 
     def abort(self, key: str) -> None:

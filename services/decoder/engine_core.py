@@ -21,6 +21,7 @@ import logging
 import threading
 
 from services.common.compute import claim_intra_op_threads
+from services.common.errors import TesseraError
 from services.common.liveness import Liveness
 from services.decoder.adapter_source import AdapterSource
 from services.decoder.config import DecoderConfig
@@ -127,6 +128,7 @@ class EngineCore:
             claim_intra_op_threads(num_threads)
             self.parts = build_parts(self.config)
             self.output = OutputProcessor(self.parts.token_texts)
+            self.parts.grammars.observer = self.metrics
         except BaseException as error:  # re-raised by start
             self._start_error = error
             return
@@ -172,6 +174,8 @@ class EngineCore:
             return
         try:
             result = self.parts.runner.execute(out)
+            if result.mask_seconds is not None:
+                self.metrics.on_grammar_mask(result.mask_seconds)
             with self.lock:
                 scheduler.update(out)
                 for item in out.scheduled:
@@ -233,12 +237,17 @@ class EngineCore:
         stop_token = num_output > params.min_tokens and (
             token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids))
         reason = None
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token):  # the mask allowed only what it accepts
+            self._finish(request, "abort", error=TesseraError(
+                f"token {token} was sampled outside the structured-output grammar of {request.request_id!r}"))
+            return
         if stop_token:
             if params.include_stop_str_in_output:  # vLLM keeps the stop token's text then
                 stream.detokenizer.add(token)
             reason = "stop"
-        elif stream.detokenizer.add(token):
-            reason = "stop"
+        elif stream.detokenizer.add(token) or (grammar is not None and grammar.terminated):
+            reason = "stop"  # a stop string, or the grammar complete with its stop token taken (ignore_eos or not)
         elif num_output >= params.max_tokens:
             reason = "length"
         logprobs = [sample] if params.logprobs else []

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from services.decoder.attention import resolve_attention_backend
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import DecoderConfig
+from services.decoder.grammar import GrammarCompiler
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import resolve_linear_backend
 from services.decoder.lora import AdapterSlots, LoRAContext, target_shapes
@@ -71,6 +72,7 @@ class EngineParts:
     image_token_id: int | None
     prompts: PromptBuilder
     runner: ModelRunner
+    grammars: GrammarCompiler
 
 
 def build_parts(config: DecoderConfig) -> EngineParts:
@@ -100,8 +102,11 @@ def build_parts(config: DecoderConfig) -> EngineParts:
                             vision.start if vision else None, vision.end if vision else None, compute_dtype=dtype)
     runner = ModelRunner(model, cache, block_manager, LoRAContext(bank, make_backend(backends.lora)),
                          config.mrope_section is not None, backends.attention, backends.linear)
-    parts = EngineParts(backends, tokenizer, TokenTexts(tokenizer), _eos_token_ids(config, model_config), model,
-                        cache, block_manager, scheduler, bank, image_token_id, prompts, runner)
+    eos_token_ids = _eos_token_ids(config, model_config)
+    grammars = GrammarCompiler(tokenizer, spec.vocab_size, [t for t in eos_token_ids if 0 <= t < spec.vocab_size],
+                               config.structured_outputs_compile_timeout, config.structured_outputs_cache_size)
+    parts = EngineParts(backends, tokenizer, TokenTexts(tokenizer), eos_token_ids, model,
+                        cache, block_manager, scheduler, bank, image_token_id, prompts, runner, grammars)
     warm_up_parts(config, parts)
     return parts
 

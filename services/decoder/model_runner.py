@@ -17,6 +17,7 @@ device once per step (`on_device`), so no layer copies between host and device.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ import torch
 from services.common.errors import FailedPrecondition, InvalidArgument, TesseraError
 from services.decoder.attention import AttentionMetadata, make_attention_backend
 from services.decoder.block_manager import BlockManager
+from services.decoder.grammar import fill_bitmask
 from services.decoder.kernels.pointwise import CpuPointwise, attach_pointwise
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import attach_gemm, make_linear_backend
@@ -65,6 +67,7 @@ class RunnerOutput:
 
     samples: dict[str, Sample | TesseraError] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    mask_seconds: float | None = None  # filling the structured-output masks (None: no constrained row)
 
 
 @dataclass
@@ -104,6 +107,8 @@ class ModelRunner:
         if lora is not None:
             attach_context(model, lora)
         self.mrope = mrope
+        # one worker fills structured-output masks during the forward (execute)
+        self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         ids, positions, decode_rows, embed_rows, embed_values, token_slots = [], [], [], [], [], []
@@ -225,18 +230,31 @@ class ModelRunner:
         controls mask every token (sampler.sample).
         """
         inputs = self.prepare(out)
+        requests = [item.request for item in inputs.sampled]
+        grammars = [r.grammar for r in requests]
+        # the constrained rows' masks are filled on a worker thread while the forward runs (xgrammar
+        # releases the GIL), as vLLM's and xgrammar's schedulers overlap them
+        masks = (self._mask_pool.submit(fill_bitmask, grammars, self.model.spec.vocab_size)
+                 if any(g is not None for g in grammars) else None)
         hidden = self.hidden(inputs)
         result = RunnerOutput(prompt_logprobs=self.prompt_logprobs(inputs, hidden))
         if not inputs.sampled:
             return result
         logits = self.logits(inputs, hidden)
-        requests = [item.request for item in inputs.sampled]
+        grammar_mask = None
+        if masks is not None:
+            *grammar_mask, result.mask_seconds = masks.result()
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         kept = [r for r, ok in zip(requests, finite) if ok]
         if len(kept) < len(requests):
-            logits = logits[[i for i, ok in enumerate(finite) if ok]]
+            keep = [i for i, ok in enumerate(finite) if ok]
+            logits = logits[keep]
+            if grammar_mask is not None:
+                bitmask, rows_with = grammar_mask
+                position = {old: new for new, old in enumerate(keep)}
+                grammar_mask = (bitmask[keep], [position[i] for i in rows_with if i in position])
         rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in kept]
-        result.samples.update((r.key, s) for r, s in zip(kept, sample(logits, rows)))
+        result.samples.update((r.key, s) for r, s in zip(kept, sample(logits, rows, grammar_mask)))
         result.samples.update((r.key, _non_finite(r)) for r, ok in zip(requests, finite) if not ok)
         return result
 

@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from services.decoder.grammar import GrammarState
 from services.decoder.prefix_cache import BlockHasher
 from services.decoder.types import PromptInputs, Sample, SamplingParams
 
@@ -56,12 +57,14 @@ class Request:
     `num_computed_tokens` counts positions whose K/V are in the cache (reset by preemption);
     `hasher` (None = no prefix caching) hashes its full blocks for the prefix cache;
     `lora_slot` is the adapter bank slot it leases, taken as adapter `lora_name`;
-    `prompt_logprobs` (None = not asked) is the record its choices share."""
+    `prompt_logprobs` (None = not asked) is the record its choices share; `grammar` (None = free
+    text) is its own structured-output matcher, advanced with each token it appends."""
 
     def __init__(self, key: str, request_id: str, prompt: PromptInputs, sampling: SamplingParams,
                  lora_slot: int | None = None, generator: torch.Generator | None = None,
                  hasher: BlockHasher | None = None, index: int = 0, parent: Request | None = None,
-                 lora_name: str = "", prompt_logprobs: PromptLogprobs | None = None) -> None:
+                 lora_name: str = "", prompt_logprobs: PromptLogprobs | None = None,
+                 grammar: GrammarState | None = None) -> None:
         self.key = key
         self.request_id = request_id
         self.prompt = prompt
@@ -79,6 +82,7 @@ class Request:
         self.index = index          # choice index; choices > 0 wait for `parent` to compute the prompt
         self.parent = parent
         self.prompt_logprobs = prompt_logprobs
+        self.grammar = grammar  # the choice's structured-output matcher (grammar.py); None = free text
 
     def waits_for_parent(self) -> bool:
         """True while the first choice has not computed the shared prompt (so its blocks can be reused)."""

@@ -1,15 +1,16 @@
-"""Token selection: the token controls (allowed_token_ids, bad_words, min_tokens, logit_bias) on
-the whole batch, then per row penalties and greedy or temperature / min-p / top-k / top-p with a
-per-request generator.
+"""Token selection: the structured-output grammar's mask and the token controls (allowed_token_ids,
+bad_words, min_tokens, logit_bias) on the whole batch, then per row penalties and greedy or
+temperature / min-p / top-k / top-p with a per-request generator.
 
-Order, as vLLM v1's sampler: the allowed_token_ids mask, the bad_words mask, the min_tokens mask
-and logit_bias (`adjusted_scores`), then penalties, then greedy argmax or temperature and the
-filters. Each sampled request draws from its own `torch.Generator`, so a seeded request gets the
-same tokens whatever else shares its batch. Log-probabilities describe the raw model
-distribution (log_softmax of the logits before every control, penalty, temperature and filter),
-as vLLM reports by default. A row that asks for none of the controls, penalties or filters costs
-no per-row tensor work beyond its draw (greedy rows: none at all, the batch's argmax); a batch in
-which no row asks for a control is not copied.
+Order, as vLLM v1's sampler: the grammar's bitmask (structured output, services/decoder/grammar.py),
+the allowed_token_ids mask, the bad_words mask, the min_tokens mask and logit_bias
+(`adjusted_scores`), then penalties, then greedy argmax or temperature and the filters: sampling is
+from the constrained distribution. Each sampled request draws from its own `torch.Generator`, so a
+seeded request gets the same tokens whatever else shares its batch. Log-probabilities describe the
+raw model distribution (log_softmax of the logits before every mask, control, penalty, temperature
+and filter), as vLLM reports by default. A row that asks for none of the controls, penalties or
+filters costs no per-row tensor work beyond its draw (greedy rows: none at all, the batch's argmax);
+a batch in which no row asks for a grammar or a control is not copied.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import InvalidArgument
+from services.decoder.grammar import apply_bitmask
 from services.decoder.types import Sample, SamplingParams
 
 
@@ -68,17 +70,25 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample | InvalidArgument]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> list[Sample | InvalidArgument]:
     """Pick one token per row of float32 `logits` [rows, vocab] (finite: model_runner drops the rest).
 
-    A row whose controls leave no token to sample (allowed_token_ids all banned by bad_words or
-    held back by min_tokens) gets an InvalidArgument instead of a sample; the other rows are
-    unaffected.
+    `grammar_mask` (bitmask int32 [rows, ceil(vocab / 32)], the constrained rows' indices;
+    services/decoder/grammar.py) sets the tokens a row's grammar does not allow next to -inf first,
+    before the token controls. A row whose grammar and controls together leave no token to sample
+    (allowed_token_ids all banned by bad_words, held back by min_tokens, or outside its grammar)
+    gets an InvalidArgument instead of a sample; the other rows are unaffected.
     """
-    scores = adjusted_scores(logits, rows)  # [rows, vocab]; `logits` itself when no row asks for a control
+    constrained: list[int] = []
+    scores = logits
+    if grammar_mask is not None:
+        bitmask, constrained = grammar_mask
+        scores = apply_bitmask(logits, bitmask, constrained)  # a copy: logprobs stay the raw model's
+    scores = adjusted_scores(scores, rows)  # [rows, vocab]; unchanged when no row asks for a control
     greedy_ids = scores.argmax(dim=-1).tolist()
-    # only an allow-list can mask a whole row (bad words and min_tokens ban a few ids each)
-    allowing = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    # only an allow-list or a grammar can mask a whole row (bad words and min_tokens ban a few ids each)
+    allowing = sorted({i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None} | set(constrained))
     exhausted = set()
     if allowing:
         alive = (scores[allowing] > float("-inf")).any(dim=-1).tolist()  # [num_allowing]
@@ -87,9 +97,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample | Inval
     for index, row in enumerate(rows):
         p = row.params
         if index in exhausted:
-            samples.append(InvalidArgument("allowed_token_ids, bad_words and min_tokens together mask every token "
-                                           "of the vocabulary here: no token can be sampled",
-                                           field="sampling.allowed_token_ids"))
+            field = ("sampling.allowed_token_ids" if p.allowed_token_ids is not None
+                     else f"sampling.{p.constraint.field}")
+            samples.append(InvalidArgument("the structured-output constraint, allowed_token_ids, bad_words and "
+                                           "min_tokens together mask every token of the vocabulary here: no token "
+                                           "can be sampled", field=field))
             continue
         row_scores = apply_penalties(scores[index], row) if p.penalized else scores[index]
         if p.greedy:

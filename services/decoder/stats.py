@@ -40,6 +40,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+GRAMMAR_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -124,6 +125,17 @@ class DecoderStats(Collector):
                                                    "Number of generation tokens processed.", tokens)
         self.request_max_tokens = histogram("vllm:request_max_num_generation_tokens",
                                             "Histogram of maximum number of requested generation tokens.", tokens)
+        # structured output (services/decoder/grammar.py)
+        self.constrained = counter("tessera:structured_output_requests", "Requests with a structured-output "
+                                   "constraint, by kind.", ["kind"])
+        self.grammar_lookups = counter("tessera:structured_output_compile_cache_lookups", "Compiled-grammar cache "
+                                       "lookups, by result (hit or miss).", ["result"])
+        self.grammar_compile = histogram("tessera:structured_output_compile_seconds", "Histogram of structured-output "
+                                         "grammar compile time in seconds (cache misses).", GRAMMAR_BUCKETS)
+        self.grammar_mask = histogram("tessera:structured_output_mask_seconds", "Histogram of the time to fill a "
+                                      "step's structured-output token masks in seconds.", GRAMMAR_BUCKETS)
+        for result in ("hit", "miss"):
+            self.grammar_lookups.labels(model_name, result)
         self._per_request = (self.prefill_time, self.decode_time, self.inference_time, self.time_per_output_token,
                              self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens)
         for reason in FINISH_REASONS:  # present at zero from the start, as vLLM's are
@@ -132,7 +144,19 @@ class DecoderStats(Collector):
                        self.e2e, self.queue_time, *self._per_request):
             metric.labels(model_name)
 
-    # ---- hooks (engine thread) -------------------------------------------------------------
+    # ---- hooks (engine thread; the grammar ones from the loop and compile threads) -------------
+    def on_constrained(self, kind: str) -> None:
+        self.constrained.labels(self.model_name, kind).inc()
+
+    def on_grammar_lookup(self, hit: bool) -> None:
+        self.grammar_lookups.labels(self.model_name, "hit" if hit else "miss").inc()
+
+    def on_grammar_compile(self, seconds: float) -> None:
+        self.grammar_compile.labels(self.model_name).observe(seconds)
+
+    def on_grammar_mask(self, seconds: float) -> None:
+        self.grammar_mask.labels(self.model_name).observe(seconds)
+
     def on_arrival(self, requests: Iterable) -> None:
         """Requests entered the waiting queue."""
         now = self.clock()
@@ -198,7 +222,8 @@ class DecoderStats(Collector):
     # ---- prometheus ------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.request_success,
-                       self.ttft, self.itl, self.e2e, self.queue_time, *self._per_request):
+                       self.ttft, self.itl, self.e2e, self.queue_time, *self._per_request, self.constrained,
+                       self.grammar_lookups, self.grammar_compile, self.grammar_mask):
             yield from metric.collect()
 
 

@@ -20,6 +20,7 @@ from services.common.limits import (
     MAX_N,
     MAX_TOP_LOGPROBS,
 )
+from services.decoder.constraints import Constraint
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -110,6 +111,11 @@ class SamplingParams:
     MAX_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS and MAX_BAD_WORDS entries, MAX_BAD_WORD_CHARS characters a
     word (services/common/limits.py); ids past the vocabulary are refused by the engine.
 
+    Structured output: `constraint` (services/decoder/constraints.py; None = free text) masks,
+    before the token controls, every token its grammar does not allow next (services/decoder/
+    grammar.py); the choice ends with "stop" once the grammar is complete and a stop token taken,
+    ignore_eos or not. A constraint takes no `min_tokens` (the grammar decides where the text ends).
+
     Text: a matched stop string is cut from `text` with all that follows, or kept when
     `include_stop_str_in_output` (the ending stop token's text is kept then too). Special tokens are
     left out of `text` unless `skip_special_tokens` is False; `spaces_between_special_tokens` is
@@ -142,6 +148,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    constraint: Constraint | None = None
     eos_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
@@ -166,6 +173,9 @@ class SamplingParams:
                                   field="min_tokens")
         self._check_penalties_and_choices()
         self._check_token_controls()
+        if self.constraint is not None and self.min_tokens:
+            raise InvalidArgument(f"min_tokens ({self.min_tokens}) cannot be combined with {self.constraint.field}: "
+                                  "the grammar decides where the text ends", field="min_tokens")
 
     def _check_filters(self) -> None:
         if not (math.isfinite(self.top_p) and 0 <= self.top_p <= 1):

@@ -1,0 +1,250 @@
+"""Structured output on xgrammar: compiled grammars cached per constraint, one matcher per choice,
+token bitmasks filled while the forward runs.
+
+Why xgrammar (vLLM's and SGLang's default): on this project's hosts with SmolLM2's 49k vocabulary
+it fills a mask in ~1-2 us median (llguidance: ~10-15 us) and compiles a schema in milliseconds;
+bench/results/grammar_libs.md has the table (`python bench/grammar_libs.py`).
+
+- `GrammarCompiler` owns the tokenizer's `xgrammar.TokenizerInfo` (the model's logits width as the
+  vocabulary, the served EOS ids as stop tokens) and a bounded LRU cache of compiled grammars keyed
+  by `Constraint` (services/decoder/constraints.py). Compiles run on their own threads (xgrammar
+  releases the GIL), never on the engine thread: a request waits for its grammar, the batch does
+  not. A compile past `compile_timeout_s` is refused (InvalidArgument), and so is every later
+  request with the same constraint (the refusal is cached), so a grammar too costly to compile
+  costs its compile thread once. Two requests with one constraint share one compile.
+- `GrammarState` is one choice's matcher: it advances with each accepted token; the engine ends the
+  choice with "stop" once it is terminated (its grammar complete and a stop token taken). Recompute
+  preemption keeps a request's generated tokens, so a preempted matcher keeps its state.
+- `fill_bitmask` fills the int32 bitmask [rows, ceil(vocab / 32)] of a step's constrained rows;
+  `apply_bitmask` sets the logits of disallowed tokens to -inf (xgrammar's kernel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from services.common.errors import InvalidArgument
+from services.decoder.constraints import Constraint, choice_grammar
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_TIMEOUT_S = 5.0
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+COMPILE_THREADS = 2  # concurrent compiles; each compile is single-threaded (xgrammar max_threads=1)
+
+
+@dataclass
+class CompileStats:
+    """Counts of the compile cache (tests and `tessera info` read them)."""
+
+    hits: int = 0
+    misses: int = 0
+    refused: int = 0  # constraints the library refused or that compiled too slowly
+
+
+class _TooSlow(Exception):
+    pass
+
+
+class GrammarCompiler:
+    """Compiled grammars for one tokenizer, cached (module docstring).
+
+    Args:
+        tokenizer: the served model's Hugging Face tokenizer.
+        vocab_size: the model's logits width (>= the tokenizer's size: padded rows are never allowed).
+        stop_token_ids: the served EOS ids, the tokens that end a complete grammar.
+        compile_timeout_s: the longest a compile may take before its request is refused.
+        cache_size / cache_bytes: the most compiled grammars (and their summed memory) kept.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int],
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = DEFAULT_CACHE_SIZE,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                 stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self.compile_timeout_s = compile_timeout_s
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self._cache: collections.OrderedDict[Constraint, concurrent.futures.Future] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self.stats = CompileStats()
+        self.observer = None  # stats.DecoderStats (its on_grammar_lookup and on_grammar_compile), set by the engine
+
+    async def get(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """The compiled grammar of `constraint`, from the cache or compiled off the event loop.
+
+        Raises:
+            InvalidArgument: the library refuses it (a regex that does not parse, a grammar with an
+                undefined rule, an unsatisfiable schema: its message, naming the field), or its
+                compile takes longer than compile_timeout_s.
+        """
+        future, fresh = self._future(constraint)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.compile_timeout_s)
+        except TimeoutError:
+            with self._lock:
+                self.stats.refused += 1
+            future.add_done_callback(lambda _: None)
+            self._mark_too_slow(constraint, future)
+            raise self._too_slow(constraint) from None
+        except _TooSlow:
+            raise self._too_slow(constraint) from None
+        except InvalidArgument:
+            if fresh:
+                with self._lock:
+                    self.stats.refused += 1
+            raise
+
+    def compile_now(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """Compile `constraint` on this thread, uncached (bench and tests). Raises as `get`."""
+        return self._compile(constraint)
+
+    def _too_slow(self, constraint: Constraint) -> InvalidArgument:
+        return InvalidArgument(f"sampling.{constraint.field}: compiling this constraint takes longer than "
+                               f"{self.compile_timeout_s:g} s (--structured-outputs-compile-timeout); "
+                               "simplify it", field=f"sampling.{constraint.field}")
+
+    def _future(self, constraint: Constraint) -> tuple[concurrent.futures.Future, bool]:
+        with self._lock:
+            future = self._cache.get(constraint)
+            if future is not None:
+                self._cache.move_to_end(constraint)
+                self.stats.hits += 1
+                if self.observer is not None:
+                    self.observer.on_grammar_lookup(hit=True)
+                return future, False
+            self.stats.misses += 1
+            if self.observer is not None:
+                self.observer.on_grammar_lookup(hit=False)
+            future = self._pool.submit(self._compile_timed, constraint)
+            self._cache[constraint] = future
+            future.add_done_callback(lambda done: self._settle(constraint, done))
+            return future, True
+
+    def _compile_timed(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            return self._compile(constraint)
+        finally:
+            if self.observer is not None:
+                self.observer.on_grammar_compile(time.perf_counter() - start)
+
+    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        kind, spec = constraint.kind, constraint.spec
+        json_format = {"any_whitespace": constraint.any_whitespace,
+                       "separators": None if constraint.any_whitespace else (",", ":")}
+        try:
+            if kind == "json_schema":
+                return self._compiler.compile_json_schema(spec, strict_mode=True, **json_format)
+            if kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **json_format)
+            if kind == "regex":
+                return self._compiler.compile_regex(spec)
+            if kind == "choice":
+                return self._compiler.compile_grammar(choice_grammar(constraint.choices))
+            return self._compiler.compile_grammar(spec)
+        except (RuntimeError, ValueError) as error:  # xgrammar's parse and conversion errors
+            raise InvalidArgument(f"sampling.{constraint.field} cannot be compiled: {_library_message(error)}",
+                                  field=f"sampling.{constraint.field}") from None
+
+    def _settle(self, constraint: Constraint, future: concurrent.futures.Future) -> None:
+        """A compile ended: keep its grammar within the cache's bounds, or drop its error."""
+        with self._lock:
+            if self._cache.get(constraint) is not future:
+                return
+            if future.exception() is not None:
+                del self._cache[constraint]  # an error is cheap to find again; a slow one is marked
+                return
+            self._bytes += future.result().memory_size_bytes
+            while len(self._cache) > self.cache_size or (self._bytes > self.cache_bytes and len(self._cache) > 1):
+                _, old = self._cache.popitem(last=False)
+                if old.done() and old.exception() is None:
+                    self._bytes -= old.result().memory_size_bytes
+
+    def _mark_too_slow(self, constraint: Constraint, future: concurrent.futures.Future) -> None:
+        marked: concurrent.futures.Future = concurrent.futures.Future()
+        marked.set_exception(_TooSlow())
+        with self._lock:
+            if self._cache.get(constraint) is future:
+                self._cache[constraint] = marked
+
+    def num_cached(self) -> int:
+        with self._lock:
+            return sum(1 for f in self._cache.values() if f.done() and f.exception() is None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _library_message(error: Exception) -> str:
+    """xgrammar's message without its '[hh:mm:ss] /path/file.cc:line: ' prefix."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and ": " in text:
+        text = text.split(": ", 1)[1]
+        if ".cc:" in text.split(": ", 1)[0]:
+            text = text.split(": ", 1)[1] if ": " in text else text
+    return text
+
+
+class GrammarState:
+    """One choice's matcher over a compiled grammar (module docstring).
+
+    `stop_token_ids`: besides the served EOS ids, the request's own stop ids also end a complete
+    grammar (xgrammar's override_stop_tokens).
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int] = ()) -> None:
+        override = sorted(set(compiled.tokenizer_info.stop_token_ids) | set(stop_token_ids)) if stop_token_ids else None
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=override)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by `token_id`; False when the grammar does not allow it (the mask should have)."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask [num_rows, ceil(vocab_size / 32)] (bit j of word w: token 32 w + j allowed)."""
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+
+
+def fill_bitmask(states: Sequence[GrammarState | None],
+                 vocab_size: int) -> tuple[torch.Tensor, list[int], float] | None:
+    """The bitmask of the rows whose state is not None, those rows' indices and the seconds the
+    fill took (None: no row has a state).
+
+    Rows are filled in order into a [len(states), words] tensor whose unconstrained rows stay all
+    ones; xgrammar's fill releases the GIL, so this runs on a worker thread during the forward.
+    """
+    rows = [i for i, state in enumerate(states) if state is not None]
+    if not rows:
+        return None
+    start = time.perf_counter()
+    bitmask = allocate_bitmask(len(states), vocab_size)
+    for i in rows:
+        states[i].matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask, rows, time.perf_counter() - start
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of float32 `logits` [num_rows, vocab] with the disallowed tokens of `rows` at -inf."""
+    logits = logits.clone()
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    return logits
