@@ -173,9 +173,10 @@ def field_lists() -> tuple[list[str], dict[str, int]]:
             if model in shown:
                 continue
             shown.add(model)
-            honoured = [n for n, info in model.model_fields.items() if not is_accepted(info)]
+            fields = {info.alias or n: info for n, info in model.model_fields.items()}  # as a body spells them
+            honoured = [n for n, info in fields.items() if not is_accepted(info)]
             accepted = [(n, info.description.removeprefix("accepted, no effect: "))
-                        for n, info in model.model_fields.items() if is_accepted(info)]
+                        for n, info in fields.items() if is_accepted(info)]
             if body.__name__ in ("ChatCompletionRequest", "CompletionRequest"):
                 counts["honoured"] += len(honoured)
                 counts["accepted"] += len(accepted)

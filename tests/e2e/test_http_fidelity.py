@@ -105,8 +105,8 @@ def test_tokenize_takes_the_chat_template_fields_as_transformers(http_url, info,
 
 def test_unknown_and_refused_fields_are_400_naming_them(sdk, info):  # noqa: F811
     messages = [{"role": "user", "content": "hi"}]
-    for extra, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"guided_json": {}}, "guided_json"),
-                         ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    for extra, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
                          ({"reasoning_effort": "low"}, "reasoning_effort"), ({"topk": 1}, "topk")):
         with pytest.raises(openai.BadRequestError) as refused:
             sdk.chat.completions.create(model=info.decoder.model, messages=messages, max_tokens=2, extra_body=extra)

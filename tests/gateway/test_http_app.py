@@ -142,7 +142,7 @@ def test_token_ids_past_int32_are_refused(app):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
     ({"tools": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"), ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
@@ -151,7 +151,7 @@ def test_openai_fields_tessera_does_not_honour_are_refused_not_ignored(app, fiel
     status, answer = call(app, "/v1/chat/completions", chat(**fields))
     assert status == 400 and error_of(answer)["param"] == param, answer
     # the harmless values pass these checks (and reach the unreachable gateway: 503)
-    harmless = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [],
+    harmless = {"modalities": ["text"], "tools": [], "tool_choice": "none", "functions": [],
                 "function_call": "none", "top_logprobs": 0, "stream_options": None}
     assert call(app, "/v1/chat/completions", chat(**{param: harmless[param]}))[0] == 503
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from services.common.errors import InvalidArgument
 from services.gateway.http.app import REQUEST_BODIES
 from services.gateway.http.chat import protocol as chat_protocol
+from services.gateway.http.chat import structured
 from services.gateway.http.fields import Strict, is_accepted
 from services.gateway.http.models import protocol as models_protocol
 from services.gateway.http.pooling import protocol as pooling_protocol
@@ -32,14 +33,21 @@ MESSAGE = {"role": "user", "content": [{"type": "text", "text": "hi", "prompt_ca
 # Per route: a valid body, and the model of each object inside it (by its path in the body).
 ROUTES = {
     "/v1/chat/completions": ({"model": "m", "messages": [MESSAGE], "stream": True,
-                              "stream_options": {"include_usage": True}},
+                              "stream_options": {"include_usage": True},
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}},
+                              "structured_outputs": {"disable_any_whitespace": False}},
                              {(): chat_protocol.ChatCompletionRequest, ("messages", 0): chat_protocol.ChatMessage,
                               ("messages", 0, "content", 0): chat_protocol.TextPart,
                               ("messages", 0, "content", 1): chat_protocol.ImagePart,
                               ("messages", 0, "content", 1, "image_url"): chat_protocol.ImageURL,
-                              ("stream_options",): chat_protocol.StreamOptions}),
-    "/v1/completions": ({"model": "m", "prompt": "x", "stream": True, "stream_options": {}},
-                        {(): chat_protocol.CompletionRequest, ("stream_options",): chat_protocol.StreamOptions}),
+                              ("stream_options",): chat_protocol.StreamOptions,
+                              ("response_format",): structured.ResponseFormat,
+                              ("response_format", "json_schema"): structured.JsonSchemaFormat,
+                              ("structured_outputs",): structured.StructuredOutputs}),
+    "/v1/completions": ({"model": "m", "prompt": "x", "stream": True, "stream_options": {},
+                         "structured_outputs": {"regex": "a+"}},
+                        {(): chat_protocol.CompletionRequest, ("stream_options",): chat_protocol.StreamOptions,
+                         ("structured_outputs",): structured.StructuredOutputs}),
     "/v1/embeddings": ({"model": "m", "input": "x"}, {(): pooling_protocol.EmbeddingRequest}),
     "/v1/rerank": ({"query": "q", "documents": [{"text": "d"}]},
                    {(): pooling_protocol.RerankRequest, ("documents", 0): pooling_protocol.RerankRequestDocument}),
@@ -60,8 +68,13 @@ def _strict_models() -> set[type[Strict]]:
     return {model for _, objects in ROUTES.values() for model in objects.values()}
 
 
+def _declared(model: type[Strict]) -> dict:
+    """A model's declared fields by the name a body gives them (a field's alias: `schema`, `json`)."""
+    return {info.alias or name: info for name, info in model.model_fields.items()}
+
+
 # Every name any body declares or refuses: a name outside it is unknown at every level.
-KNOWN = {name for model in _strict_models() for name in (*model.model_fields, *model.refused)}
+KNOWN = {name for model in _strict_models() for name in (*_declared(model), *model.refused)}
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4),
                            lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner,
                                                                                        max_size=2), max_leaves=4)
@@ -175,13 +188,25 @@ CHAT_EXAMPLES = {
     "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False},
     "documents": [{"title": "t", "text": "x"}],
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    "tool_choice": {"type": "function", "function": {"name": "f"}},
+    "response_format": {"type": "json_schema", "json_schema": {"name": "n", "description": "d", "strict": True,
+                                                               "schema": {"type": "object"}}},
+    "structured_outputs": {"json": {"type": "array"}, "disable_any_whitespace": False, "disable_fallback": True,
+                           "backend": "xgrammar", "disable_additional_properties": False},
+    "guided_json": '{"type": "string"}', "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"'}
+# the fields that state an output constraint: a body takes one (tool_choice above is one too)
+CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar")
 COMPLETION_EXAMPLES = {
     **{k: v for k, v in CHAT_EXAMPLES.items() if k in chat_protocol.SamplingFields.model_fields},
     "prompt": ["a", "b"], "max_tokens": 0, "logprobs": 2, "echo": True}
 
 
 def _compatible(body: dict) -> dict:
+    stated = [name for name in CONSTRAINTS if name in body]
+    for name in stated[1:] if "tool_choice" not in body else stated:
+        body.pop(name)
     if "tool_choice" in body:
         body["tools"] = CHAT_EXAMPLES["tools"]
     if "stream_options" in body:
@@ -197,7 +222,7 @@ def _compatible(body: dict) -> dict:
 @pytest.mark.parametrize("model, examples", [(chat_protocol.ChatCompletionRequest, CHAT_EXAMPLES),
                                              (chat_protocol.CompletionRequest, COMPLETION_EXAMPLES)])
 def test_every_declared_field_has_an_example(model, examples):
-    assert set(examples) == set(model.model_fields)
+    assert set(examples) == set(_declared(model))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -352,9 +377,9 @@ def test_openapi_lists_the_honoured_and_accepted_fields_and_names_the_refused(ap
     for model in _strict_models():
         schema = schemas[model.__name__]
         assert schema["additionalProperties"] is False
-        assert set(schema["properties"]) == set(model.model_fields), model
+        assert set(schema["properties"]) == set(_declared(model)), model
         assert set(schema.get("x-refused", {})) == set(model.refused), model
-        for name, info in model.model_fields.items():
+        for name, info in _declared(model).items():
             assert (schema["properties"][name].get("x-tessera") == "accepted") == is_accepted(info), name
             options = schema["properties"][name].get("anyOf", [schema["properties"][name]])
             nullable = any(option.get("type") == "null" for option in options)
@@ -405,7 +430,7 @@ def test_a_surrogate_pair_is_text(harness):
 
 
 def _optional_fields(model) -> list[str]:
-    return [name for name, info in model.model_fields.items() if not info.is_required()]
+    return [name for name, info in _declared(model).items() if not info.is_required()]
 
 
 # optional fields that are the template's one input (one of two): null leaves the body without any

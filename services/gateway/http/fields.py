@@ -211,13 +211,6 @@ def refusal(field: str, reason: str) -> PydanticCustomError:
 
 # -- refusals shared by several bodies ------------------------------------------------------------
 
-_STRUCTURED = "structured output (guided decoding) is not supported: the decoder samples without a grammar"
-
-STRUCTURED_OUTPUT: dict[str, Refusal] = {
-    name: Refusal(_STRUCTURED) for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structural_tag", "structured_outputs")}
-
 # vLLM's sampling and extra parameters that the decoder has no counterpart for (vLLM's
 # vllm/entrypoints/openai/protocol.py, ChatCompletionRequest and CompletionRequest).
 VLLM_GENERATION: dict[str, Refusal] = {
@@ -236,5 +229,4 @@ VLLM_GENERATION: dict[str, Refusal] = {
     "mm_processor_kwargs": Refusal("the vision service's processor takes no per-request arguments", ({},)),
     "media_io_kwargs": Refusal("images are decoded with fixed settings", ({},)),
     "thinking_token_budget": Refusal("no reasoning parser runs: the model's whole text is the answer"),
-    **STRUCTURED_OUTPUT,
 }

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from services.gateway.http.chat.structured import GUIDED_REFUSED, ResponseFormat, StructuredOutputs
 from services.gateway.http.fields import VLLM_GENERATION, Body, Refusal, Strict, accepted, refusal
 from services.gateway.http.protocol import (
     CACHE_HINT,
@@ -221,6 +222,17 @@ class SamplingFields(Body):
                                                     "--return-tokens-as-token-ids)")
     request_id: str | None = Field(default=None, description="vLLM's: the answer's id is `chatcmpl-<request_id>` "
                                    "(completions: `cmpl-<request_id>`)")
+    # structured output (chat/structured.py): at most one constraint; JSON is compact unless
+    # structured_outputs.disable_any_whitespace is false
+    response_format: ResponseFormat | None = Field(default=None, description="OpenAI's: json_object or json_schema "
+                                                   "constrain the answer (compact JSON; docs/structured-output.md)")
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM's: one of json, regex, "
+                                                         "choice, grammar, json_object; JSON is compact unless "
+                                                         "disable_any_whitespace is false")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's older structured_outputs.json")
+    guided_regex: str | None = Field(default=None, description="vLLM's older structured_outputs.regex")
+    guided_choice: Texts | None = Field(default=None, description="vLLM's older structured_outputs.choice")
+    guided_grammar: str | None = Field(default=None, description="vLLM's older structured_outputs.grammar")
 
 
 LEGACY_FUNCTIONS = ("OpenAI's deprecated function calling (its answers carry `function_call`): send `tools` and "
@@ -284,7 +296,7 @@ ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("<mode
                        Discriminator(lambda v: "<mode>" if isinstance(v, str) else "<named>")]
 _GENERATION_REFUSED = {
     **VLLM_GENERATION,
-    "response_format": Refusal('structured output is not supported: only {"type": "text"}', ({"type": "text"},)),
+    **GUIDED_REFUSED,
     "best_of": Refusal("each choice is one sample: none is ranked out", (1,), same_as=("n", 1)),
 }
 

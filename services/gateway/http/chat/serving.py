@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from services.common.errors import TesseraError
 from services.gateway.http.backend import Backend
-from services.gateway.http.chat import generate
+from services.gateway.http.chat import generate, structured
 from services.gateway.http.chat.generate import Shape
 from services.gateway.http.chat.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -99,10 +99,12 @@ def _stream_fields(body: SamplingFields) -> None:
 def sampling(body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int,
              prompt_logprobs: int | None) -> decoder_pb2.SamplingParams:
     """The body's sampling fields as SamplingParams; a field the body leaves out stays unset (the
-    model's generation-config default applies), and `default_temperature` is OpenAI's 1.
+    model's generation-config default applies), and `default_temperature` is OpenAI's 1. The body's
+    structured-output constraint fills the `constraint` oneof (structured.py).
 
     Raises:
-        ApiError: 400 for a logit_bias key that is not a token id, or an empty allowed_token_ids."""
+        ApiError: 400 for a logit_bias key that is not a token id, an empty allowed_token_ids, or two
+            output constraints."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = decoder_pb2.SamplingParams(
         max_tokens=max_tokens, stop=stop, n=body.n, presence_penalty=body.presence_penalty,
@@ -121,6 +123,7 @@ def sampling(body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs
             setattr(params, name, value)
     if prompt_logprobs is not None:
         params.prompt_logprobs = prompt_logprobs
+    structured.apply(body, params)
     return params
 
 
@@ -184,7 +187,8 @@ def chat_request(body: ChatCompletionRequest, check=None, plan: ToolPlan | None 
 
     Raises:
         ApiError: 400 for top_logprobs without logprobs (as OpenAI), the refusals of `_stream_fields`,
-            `template_fields` and `tools.constraint`, or a bad image (`chat_messages`); whatever
+            `sampling`, `template_fields`, `tools.constraint` and `structured.check_options`, a tool
+            choice beside another output constraint, or a bad image (`chat_messages`); whatever
             `check` raises.
     """
     if body.top_logprobs and not body.logprobs:
@@ -200,9 +204,11 @@ def chat_request(body: ChatCompletionRequest, check=None, plan: ToolPlan | None 
         schema = constraint(body, plan)
         if schema is not None:
             if request.sampling.WhichOneof("constraint") is not None:
+                other = structured.output_constraint(body).field
                 raise ApiError(400, f"tool_choice {plan.mode!r} constrains the output to tool calls; it cannot be "
-                                    "combined with another output constraint (response_format)", param="tool_choice")
+                                    f"combined with another output constraint ({other})", param="tool_choice")
             request.sampling.json_schema = schema
+    structured.check_options(body, request.sampling)
     images: list = []
     chat_messages(body.messages, request.messages, images)
     if check is not None:
@@ -257,10 +263,11 @@ _GENERATE_FIELDS = {"sampling": "", "lora": "model", "prompt_token_ids": "prompt
 
 
 def chat_fields(body: ChatCompletionRequest) -> dict[str, str]:
-    """The chat body's names for Generate's fields (max_tokens as the body sent it; the JSON schema
-    of tool_choice "required" or a named function is the tools' parameters, tools.schema_field)."""
+    """The chat body's names for Generate's fields (max_tokens as the body sent it; the constraint
+    as the field that stated it, structured.constraint_fields; the JSON schema of tool_choice
+    "required" or a named function is the tools' parameters, tools.schema_field)."""
     sent = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    fields = {**_GENERATE_FIELDS, "sampling.max_tokens": sent}
+    fields = {**_GENERATE_FIELDS, "sampling.max_tokens": sent, **structured.constraint_fields(body)}
     schema = schema_field(body)
     if schema is not None:
         fields["sampling.json_schema"] = schema
@@ -269,8 +276,10 @@ def chat_fields(body: ChatCompletionRequest) -> dict[str, str]:
 
 def completion_fields(body: CompletionRequest) -> dict[str, str]:
     """The completions body's names for Generate's fields: top_logprobs is `logprobs`, and so is
-    prompt_logprobs when echo asked for it through `logprobs`; a prompt's parts are the prompt."""
-    fields = {**_GENERATE_FIELDS, "sampling.top_logprobs": "logprobs", "prompt.0": "prompt"}
+    prompt_logprobs when echo asked for it through `logprobs`; a prompt's parts are the prompt; the
+    constraint is the field that stated it (structured.constraint_fields)."""
+    fields = {**_GENERATE_FIELDS, "sampling.top_logprobs": "logprobs", "prompt.0": "prompt",
+              **structured.constraint_fields(body)}
     if body.prompt_logprobs is None:
         fields["sampling.prompt_logprobs"] = "logprobs"
     return fields
@@ -288,7 +297,8 @@ def completion_requests(body: CompletionRequest) -> list[decoder_pb2.GenerateReq
 
     Raises:
         ApiError: 400 for max_tokens 0 without echo, an empty prompt list (or token id list in one),
-            more than MAX_PROMPTS prompts, or the refusals of `_stream_fields`.
+            more than MAX_PROMPTS prompts, or the refusals of `_stream_fields`, `sampling` and
+            `structured.check_options`.
     """
     _stream_fields(body)
     if body.max_tokens == 0 and not body.echo:
@@ -303,6 +313,7 @@ def completion_requests(body: CompletionRequest) -> list[decoder_pb2.GenerateReq
     if prompt_logprobs is None and body.echo and logprobs:
         prompt_logprobs = body.logprobs
     params = sampling(body, max_tokens, logprobs, body.logprobs or 0, prompt_logprobs)
+    structured.check_options(body, params)
     common = {"sampling": params, "return_prompt": body.echo or _continuous_usage(body)}
     if isinstance(prompt, str):
         prompts = [prompt]
