@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.client.types import (
+    CONSTRAINTS,
     Choice,
     ClusterInfo,
     Content,
@@ -226,12 +227,31 @@ def chat_messages(messages: Iterable[Message | dict]) -> list[decoder_pb2.ChatMe
 def sampling_params(params: SamplingParams) -> decoder_pb2.SamplingParams:
     fields = dataclasses.asdict(params)
     seed = fields.pop("seed")
+    constraint = {name: fields.pop(name) for name in CONSTRAINTS}
     fields["max_tokens"] = fields["max_tokens"] or 0  # 0 on the wire: the rest of the context
     sampling = decoder_pb2.SamplingParams(**{k: list(v) if isinstance(v, tuple | list) else v
                                              for k, v in fields.items()})
     if seed is not None:
         sampling.seed = seed
+    _set_constraint(sampling, **constraint)
     return sampling
+
+
+def _set_constraint(sampling: decoder_pb2.SamplingParams, json_schema, json_object: bool, regex, choice,
+                    grammar) -> None:
+    """SamplingParams' `constraint` oneof from the client's fields (at most one is set: SamplingParams
+    checks it)."""
+    if json_schema is not None:
+        sampling.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        sampling.json_object = True
+    elif regex is not None:
+        sampling.regex = regex
+    elif choice is not None:
+        sampling.choice.SetInParent()  # set even when empty: the decoder refuses an empty list, naming it
+        sampling.choice.choices.extend(choice)
+    elif grammar is not None:
+        sampling.grammar = grammar
 
 
 def generate_request(*, prompt: str | Sequence[int] | None = None, messages: Iterable[Message | dict] | None = None,

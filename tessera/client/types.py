@@ -45,7 +45,17 @@ class SamplingParams:
     value in [-100, 100] added to its logit), `allowed_token_ids` (vLLM's: only these ids are
     sampled; empty = all) and `bad_words` (vLLM's: words never generated). Every field is sent as set here, so the model's
     generation-config defaults (which apply to fields a request leaves unset) do not apply to this
-    client's requests."""
+    client's requests.
+
+    Structured output, at most one of: `json_schema` (a JSON Schema, a dict or its JSON text),
+    `json_object` (any JSON object), `regex` (the whole text matches it), `choice` (the text is one
+    of these strings), `grammar` (xgrammar's EBNF, start rule `root`); JSON is compact unless
+    `any_whitespace`. The decoder refuses (InvalidArgument naming `sampling.<field>`) a schema
+    keyword it cannot enforce or a regex or grammar that does not compile (docs/structured-output.md).
+
+    Raises:
+        ValueError: two constraints, or `choice` given as one string.
+    """
 
     max_tokens: int | None = 64  # None: up to the end of the context (max_model_len - prompt tokens)
     temperature: float = 0.0
@@ -68,6 +78,23 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     allowed_token_ids: Sequence[int] = ()
     bad_words: Sequence[str] = ()
+    json_schema: Mapping[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        stated = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(stated) > 1:
+            raise ValueError(f"one structured-output constraint per request, got {', '.join(stated)}")
+        if isinstance(self.choice, str):
+            raise ValueError(f"choice is a list of strings, got the string {self.choice!r}")
+
+
+# SamplingParams' structured-output fields (the protobuf's `constraint` oneof)
+CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
