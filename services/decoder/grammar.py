@@ -132,8 +132,9 @@ class GrammarCompiler:
                 self.observer.on_grammar_lookup(hit=False)
             future = self._pool.submit(self._compile_timed, constraint)
             self._cache[constraint] = future
-            future.add_done_callback(lambda done: self._settle(constraint, done))
-            return future, True
+        # outside the lock: a compile already done runs the callback here, and _settle takes the lock
+        future.add_done_callback(lambda done: self._settle(constraint, done))
+        return future, True
 
     def _compile_timed(self, constraint: Constraint) -> xgr.CompiledGrammar:
         start = time.perf_counter()
