@@ -143,7 +143,8 @@ def _add_server_commands(sub) -> None:
     up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench",
-                           help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels, route)")
+                           help="run a benchmark from bench/ (decode, prefix, embed, lora, vision, kernels, route, "
+                                "structured)")
     bench.add_argument("name", help="benchmark name: the file bench/NAME.py")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_bench, server_side=True)
