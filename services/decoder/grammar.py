@@ -150,7 +150,7 @@ class GrammarCompiler:
                        "separators": None if constraint.any_whitespace else (",", ":")}
         try:
             if kind == "json_schema":
-                return self._compiler.compile_json_schema(spec, strict_mode=True, **json_format)
+                return self._compiler.compile_grammar(json_schema_grammar(spec, **json_format))
             if kind == "json_object":
                 return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **json_format)
             if kind == "regex":
@@ -189,6 +189,26 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as [^"\\\r\n], which lets a
+# raw control character (a tab) into the text: invalid JSON (RFC 8259 section 7; json.loads and pydantic
+# refuse it). Its unbounded strings exclude \0-\x1f; bounded ones are given the same class.
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool, separators: tuple[str, str] | None) -> xgr.Grammar:
+    """xgrammar's grammar of JSON text valid under `schema` (strict: no properties or items beyond
+    those the schema names), its strings free of raw control characters.
+
+    Raises RuntimeError / ValueError (xgrammar's) for a schema it cannot convert."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, separators=separators,
+                                           strict_mode=True)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHARACTER not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER))
 
 
 def _library_message(error: Exception) -> str:
