@@ -264,8 +264,10 @@ def fill_bitmask(states: Sequence[GrammarState | None],
     return bitmask, rows, time.perf_counter() - start
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """A copy of float32 `logits` [num_rows, vocab] with the disallowed tokens of `rows` at -inf."""
-    logits = logits.clone()
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], copy: bool = True) -> torch.Tensor:
+    """Float32 `logits` [num_rows, vocab] with the disallowed tokens of `rows` at -inf: a copy, or
+    `logits` itself changed in place when not `copy`."""
+    if copy:
+        logits = logits.clone()
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
     return logits

@@ -84,14 +84,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     scores = logits
     if grammar_mask is not None:
         bitmask, constrained = grammar_mask
-        scores = apply_bitmask(logits, bitmask, constrained)  # a copy: logprobs stay the raw model's
+        # masked in place unless a row's logprobs need the raw logits afterwards
+        scores = apply_bitmask(logits, bitmask, constrained, copy=any(row.params.logprobs for row in rows))
     scores = adjusted_scores(scores, rows)  # [rows, vocab]; unchanged when no row asks for a control
-    greedy_ids = scores.argmax(dim=-1).tolist()
-    # only an allow-list or a grammar can mask a whole row (bad words and min_tokens ban a few ids each)
+    best, greedy = scores.max(dim=-1)
+    greedy_ids = greedy.tolist()
+    # only an allow-list or a grammar can mask a whole row (bad words and min_tokens ban a few ids each):
+    # such a row's best score is -inf
     allowing = sorted({i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None} | set(constrained))
     exhausted = set()
     if allowing:
-        alive = (scores[allowing] > float("-inf")).any(dim=-1).tolist()  # [num_allowing]
+        alive = (best[allowing] > float("-inf")).tolist()  # [num_allowing]
         exhausted = {i for i, ok in zip(allowing, alive) if not ok}
     samples: list[Sample | InvalidArgument] = []
     for index, row in enumerate(rows):
