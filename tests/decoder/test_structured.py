@@ -355,11 +355,31 @@ def test_bad_constraints_are_refused_and_leave_nothing_behind(engine):
     assert again == alone
 
 
-def test_compiled_grammars_are_cached_per_constraint(engine):
-    stats = engine.parts.grammars.stats
+def _metric(metric, name: str, **labels) -> float:
+    """The value of `metric`'s sample `name` whose labels include `labels` (0 when there is none)."""
+    return sum(s.value for family in metric.collect() for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_compiled_grammars_are_cached_per_constraint_and_counted(engine):
+    stats, metrics = engine.parts.grammars.stats, engine.metrics
     constraint = Constraint("regex", r"cache-[0-9]{2}")
     hits, misses = stats.hits, stats.misses
+    lookups, requests = ("tessera:structured_output_compile_cache_lookups_total",
+                         "tessera:structured_output_requests_total")
+    compiles, masks = "tessera:structured_output_compile_seconds_count", "tessera:structured_output_mask_seconds_count"
+    before = (_metric(metrics.grammar_lookups, lookups, result="hit"),
+              _metric(metrics.grammar_lookups, lookups, result="miss"),
+              _metric(metrics.constrained, requests, kind="regex"),
+              _metric(metrics.grammar_compile, compiles), _metric(metrics.grammar_mask, masks))
     _run(engine, [_request(constraint, "c1")])
     _run(engine, [_request(constraint, "c2"), _request(constraint, "c3", n=2)])
     assert (stats.misses - misses, stats.hits - hits) == (1, 2)
     assert engine.parts.grammars.num_cached() >= 1
+    after = (_metric(metrics.grammar_lookups, lookups, result="hit"),
+             _metric(metrics.grammar_lookups, lookups, result="miss"),
+             _metric(metrics.constrained, requests, kind="regex"),
+             _metric(metrics.grammar_compile, compiles), _metric(metrics.grammar_mask, masks))
+    hit, miss, constrained, compiled, masked = (a - b for a, b in zip(after, before))
+    assert (hit, miss, constrained, compiled) == (2, 1, 3, 1)
+    assert masked >= 3, "each step with a constrained row observes its mask time"
