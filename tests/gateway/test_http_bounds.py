@@ -2,9 +2,10 @@
 Content-Length or while streaming, before parsing; bodies past the in-flight budget are 503 with
 Retry-After before they are read; eight concurrent 200 MiB chat bodies keep the gateway's memory
 bounded and its gRPC port answering within a second; a connection that sends nothing, dribbles
-its request head or idles after an answer is closed. Real processes on loopback: the gateway
-alone (`python -m services.gateway`, no backend listening: bodies are read, parsed and refused
-downstream), spoken to over raw sockets so a client can stream, stall and watch for the answer."""
+its request head or idles after an answer is closed; a request past the connection cap is 503.
+Real processes on loopback: the gateway alone (`python -m services.gateway`, no backend
+listening: bodies are read, parsed and refused downstream), spoken to over raw sockets so a
+client can stream, stall and watch for the answer."""
 
 from __future__ import annotations
 
@@ -236,6 +237,39 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(sm
             sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert _read_answer(sock)[0] == 200
         _closed_within(sock, TIMEOUT_S + SLACK_S)
+
+
+def test_a_request_past_the_connection_cap_is_503_until_a_connection_closes(tmp_path):
+    """--limit-concurrency (uvicorn's limit_concurrency): with the cap's worth of connections open,
+    kept alive after their answers, a request on one more is 503 and its connection closed; once one
+    of them closes, a new connection is served."""
+    cap = 4
+    gateway = _gateway(tmp_path, "capped", "--limit-concurrency", str(cap), "--timeout-keep-alive", "60",
+                       "--http-header-timeout", "60")
+    held: list[socket.socket] = []
+    health = b"GET /health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    try:
+        for _ in range(cap - 1):  # the cap counts the connection asking too
+            held.append(gateway.connect())
+            held[-1].sendall(health)
+            assert _read_answer(held[-1])[0] == 200
+        with gateway.connect() as sock:
+            sock.sendall(health)
+            status, headers, body = _read_answer(sock)
+            assert (status, headers.get("connection"), body) == (503, "close", b"Service Unavailable")
+        held.pop().close()
+
+        def served() -> bool:
+            with gateway.connect() as sock:
+                sock.sendall(health)
+                return _read_answer(sock)[0] == 200
+
+        _until(served, 30, "a request served once a held connection closed")
+    finally:
+        for sock in held:
+            sock.close()
+        gateway.process.kill()
+        gateway.process.wait(10)
 
 
 MUST_SHOW_BODIES = 8
