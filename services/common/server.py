@@ -320,7 +320,7 @@ async def _follow_health(name: str, check: Callable[[], str | None], health_serv
         await asyncio.sleep(HEALTH_POLL_S)
         try:
             reason = check()
-        except Exception as error:  # noqa: BLE001 - a check that fails is itself a verdict
+        except Exception as error:  # a check that fails is itself a verdict
             reason = f"the health check failed: {type(error).__name__}: {error}"
         if reason is None:
             unhealthy_since = None

@@ -67,7 +67,7 @@ class LiveGateway:
     def _run(self) -> None:
         try:
             self.loop.run_until_complete(self._serve())
-        except BaseException as error:  # noqa: BLE001 - reported to the waiting test
+        except BaseException as error:  # reported to the waiting test
             self._failure = error
         finally:
             self.loop.close()
