@@ -352,7 +352,7 @@ async def events(streams: list[Stream], n: int, shape: Shape) -> AsyncIterator[s
             async for message in stream.messages():
                 for event in shaper.of(tally.add(prompt, message), message.finish_reason):
                     yield event
-    except Exception as error:  # noqa: BLE001 - the answer has started: the failure becomes its last event
+    except Exception as error:  # the answer has started: the failure becomes its last event
         if not isinstance(error, TesseraError):
             log.exception("a streamed answer failed")
         failure = from_error(error)
