@@ -312,6 +312,14 @@ def test_chat_template_fields_reach_generate_and_tokenize(harness):
     assert harness.post("/tokenize", {"messages": messages})[0] == 200
     plain = harness.gateway.last("Tokenize")
     assert not plain.HasField("add_generation_prompt") and not plain.chat_template_kwargs  # the decoder's defaults
+    # add_generation_prompt false alone (no continue_final_message to imply it) reaches Generate and Tokenize
+    for route, rpc in (("/v1/chat/completions", "Generate"), ("/tokenize", "Tokenize")):
+        assert harness.post(route, {"messages": messages[:1], "add_generation_prompt": False})[0] == 200
+        closed = harness.gateway.last(rpc)
+        assert closed.HasField("add_generation_prompt") and not closed.add_generation_prompt, route
+        assert not closed.continue_final_message, route
+    assert harness.post("/v1/chat/completions", {"messages": messages[:1]})[0] == 200
+    assert not harness.gateway.last("Generate").HasField("add_generation_prompt")  # the decoder's default: true
 
 
 @pytest.mark.parametrize("route, body, param", [
@@ -368,6 +376,35 @@ def test_vllms_pooling_extras_reach_the_protobuf(harness):
         assert harness.gateway.last("Rerank").raw_scores, field
     assert harness.post("/v1/rerank", {"query": "q", "documents": ["d"], "activation": True})[0] == 200
     assert not harness.gateway.last("Rerank").raw_scores
+
+
+def test_the_pooling_and_tokenize_bodies_fields_reach_the_protobuf(harness):
+    """OpenAI's and TEI's fields on the embedding routes (dimensions, encoding_format, truncation;
+    TEI's prompt_name and its normalize default, true), vLLM's top_n and return_documents on rerank,
+    add_special_tokens on /tokenize: each reaches the pooling request, absent ones stay unset."""
+    body = {"input": "x", "dimensions": 8, "encoding_format": "base64", "truncate": True, "truncation_direction": "left"}
+    assert harness.post("/v1/embeddings", body)[0] == 200
+    embed = harness.gateway.last("Embed")
+    assert (embed.dimensions, embed.encoding_format, embed.truncate, embed.truncation_direction) == (
+        8, pooling_pb2.ENCODING_FORMAT_BASE64, True, pooling_pb2.TRUNCATION_DIRECTION_LEFT)
+    assert not embed.HasField("normalize") and not embed.prompt_name  # the model's own
+    assert harness.post("/v1/embeddings", {"input": "x"})[0] == 200
+    assert not harness.gateway.last("Embed").HasField("dimensions")
+    assert harness.post("/embed", {"inputs": "x", "prompt_name": "query", "dimensions": 4})[0] == 200
+    tei = harness.gateway.last("Embed")
+    assert (tei.prompt_name, tei.dimensions) == ("query", 4)
+    assert tei.HasField("normalize") and tei.normalize  # TEI's default
+    assert harness.post("/embed", {"inputs": "x", "normalize": False})[0] == 200
+    assert not harness.gateway.last("Embed").normalize
+    assert harness.post("/v1/rerank", {"query": "q", "documents": ["a", "b"], "top_n": 1, "return_documents": True})[0] == 200
+    rerank = harness.gateway.last("Rerank")
+    assert rerank.HasField("top_n") and (rerank.top_n, rerank.return_documents) == (1, True)
+    for value in (False, True):
+        assert harness.post("/tokenize", {"prompt": "x", "add_special_tokens": value})[0] == 200
+        tokenize = harness.gateway.last("Tokenize")
+        assert tokenize.HasField("add_special_tokens") and tokenize.add_special_tokens is value
+    assert harness.post("/tokenize", {"prompt": "x"})[0] == 200
+    assert not harness.gateway.last("Tokenize").HasField("add_special_tokens")  # the tokenizer's default
 
 
 def test_openapi_lists_the_honoured_and_accepted_fields_and_names_the_refused(app):
