@@ -98,6 +98,9 @@ def _field(field: FieldDescriptor) -> st.SearchStrategy:
     override = OVERRIDES.get(field.full_name)
     if override is not None:
         return override
+    if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+        entry = field.message_type.fields_by_name  # a map<K, V> (logit_bias): a dict of its key and value
+        return st.dictionaries(_field(entry["key"]), _field(entry["value"]), max_size=3)
     if field.type == FieldDescriptor.TYPE_MESSAGE:
         value = message_strategy(field.message_type)
     elif field.type == FieldDescriptor.TYPE_ENUM:
