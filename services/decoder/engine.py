@@ -85,8 +85,11 @@ class LLMEngine:
         await asyncio.to_thread(self.shutdown)
 
     def shutdown(self) -> None:
-        """End the engine thread (blocks up to 10 s); the adapter source stays open."""
+        """End the engine thread (blocks up to 10 s) and the grammar compile processes; the adapter
+        source stays open."""
         self.core.shutdown()
+        if self.core.parts is not None:
+            self.core.parts.grammars.close()
 
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, request_input: GenerateInput) -> AsyncIterator[RequestOutput]:

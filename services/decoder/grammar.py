@@ -7,16 +7,18 @@ bench/results/grammar_libs.md has the table (`python bench/grammar_libs.py`).
 
 - `GrammarCompiler` owns the tokenizer's `xgrammar.TokenizerInfo` (the model's logits width as the
   vocabulary, the served EOS ids as stop tokens) and a bounded LRU cache of compiled grammars keyed
-  by `Constraint` (services/decoder/constraints.py). Compiles run on their own threads (xgrammar
-  releases the GIL), never on the engine thread: a request waits for its grammar, the batch does
-  not. A compile past `compile_timeout_s` is refused (InvalidArgument), and so is every later
-  request with the same constraint (the refusal is cached), so a grammar too costly to compile
-  costs its compile thread once. Two requests with one constraint share one compile.
+  by `Constraint` (services/decoder/constraints.py). Compiles run in worker processes
+  (`CompileWorker`, two, spawned on first use), never on the engine thread: a request waits for
+  its grammar, the batch does not. A compile past `compile_timeout_s` (counted from its start, not
+  from its wait for a free worker) ends its process, so a hostile schema's CPU and memory come back
+  at once, and is refused (InvalidArgument), and so is every later request with the same
+  constraint (the refusal is cached), so it costs a worker once. Two requests with one constraint
+  share one compile.
 - `GrammarState` is one choice's matcher: it advances with each accepted token; the engine ends the
   choice with "stop" once it is terminated (its grammar complete and a stop token taken). Recompute
   preemption keeps a request's generated tokens, so a preempted matcher keeps its state.
 - `fill_bitmask` fills the int32 bitmask [rows, ceil(vocab / 32)] of a step's constrained rows;
-  `apply_bitmask` sets the logits of disallowed tokens to -inf (xgrammar's kernel).
+  `apply_bitmask` sets the logits of disallowed tokens to -inf (one masked_fill on the CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import multiprocessing
+import queue
 import sys
 import threading
 import time
@@ -35,7 +39,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.decoder.constraints import Constraint, choice_grammar
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,7 @@ class CompileStats:
     hits: int = 0
     misses: int = 0
     refused: int = 0  # constraints the library refused or that compiled too slowly
+    workers_killed: int = 0  # compile processes ended for running past the timeout
 
 
 class _TooSlow(Exception):
@@ -61,6 +66,11 @@ class _TooSlow(Exception):
 
 class GrammarCompiler:
     """Compiled grammars for one tokenizer, cached (module docstring).
+
+    Compiles run in `COMPILE_THREADS` worker processes (`CompileWorker`, spawned on first use), each
+    driven by one compile thread: a compile past `compile_timeout_s` ends its process, so its CPU
+    and memory come back at once, and the next compile gets a fresh process. The timeout counts the
+    compile alone, not the wait for a free worker.
 
     Args:
         tokenizer: the served model's Hugging Face tokenizer.
@@ -83,6 +93,12 @@ class GrammarCompiler:
         self._bytes = 0
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._tokenizer_json: str | None = None  # the tokenizer info the workers load, serialized once
+        self._workers: queue.Queue[CompileWorker | None] = queue.Queue()
+        for _ in range(COMPILE_THREADS):
+            self._workers.put(None)  # started on first use
+        self._started: list[CompileWorker] = []
+        self._closed = False
         self.stats = CompileStats()
         self.observer = None  # stats.DecoderStats (its on_grammar_lookup and on_grammar_compile), set by the engine
 
@@ -92,18 +108,17 @@ class GrammarCompiler:
         Raises:
             InvalidArgument: the library refuses it (a regex that does not parse, a grammar with an
                 undefined rule, an unsatisfiable schema: its message, naming the field), or its
-                compile takes longer than compile_timeout_s.
+                compile takes longer than compile_timeout_s (remembered: the same constraint is
+                refused at once later).
+            Unavailable: a compile process could not start.
         """
         future, fresh = self._future(constraint)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.compile_timeout_s)
-        except TimeoutError:
-            with self._lock:
-                self.stats.refused += 1
-            future.add_done_callback(lambda _: None)
-            self._mark_too_slow(constraint, future)
-            raise self._too_slow(constraint) from None
+            return await asyncio.shield(asyncio.wrap_future(future))
         except _TooSlow:
+            if fresh:
+                with self._lock:
+                    self.stats.refused += 1
             raise self._too_slow(constraint) from None
         except InvalidArgument:
             if fresh:
@@ -112,8 +127,9 @@ class GrammarCompiler:
             raise
 
     def compile_now(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        """Compile `constraint` on this thread, uncached (bench and tests). Raises as `get`."""
-        return self._compile(constraint)
+        """Compile `constraint` on this thread, uncached and unbounded (bench and tests). Raises
+        InvalidArgument as `get`."""
+        return compile_constraint(self._compiler, constraint)
 
     def _too_slow(self, constraint: Constraint) -> InvalidArgument:
         return InvalidArgument(f"sampling.{constraint.field}: compiling this constraint takes longer than "
@@ -132,45 +148,59 @@ class GrammarCompiler:
             self.stats.misses += 1
             if self.observer is not None:
                 self.observer.on_grammar_lookup(hit=False)
-            future = self._pool.submit(self._compile_timed, constraint)
+            future = self._pool.submit(self._compile_in_worker, constraint)
             self._cache[constraint] = future
         # outside the lock: a compile already done runs the callback here, and _settle takes the lock
         future.add_done_callback(lambda done: self._settle(constraint, done))
         return future, True
 
-    def _compile_timed(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        start = time.perf_counter()
+    def _compile_in_worker(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """On a compile thread: compile in a free worker process (waiting for one), end the process
+        when the compile runs past the timeout (raising _TooSlow)."""
+        worker = self._workers.get()
         try:
-            return self._compile(constraint)
+            if worker is None or not worker.alive():
+                worker = self._new_worker()
+            worker.wait_ready()
+            start = time.perf_counter()
+            try:
+                payload = worker.compile(constraint, self.compile_timeout_s)
+            except _TooSlow:
+                worker.kill()
+                with self._lock:
+                    self.stats.workers_killed += 1
+                worker = None  # the next compile starts a fresh process
+                raise
+            finally:
+                if self.observer is not None:
+                    self.observer.on_grammar_compile(time.perf_counter() - start)
+            return xgr.CompiledGrammar.deserialize_json(payload, self.tokenizer_info)
+        except BaseException:
+            if worker is not None and not worker.alive():
+                worker = None
+            raise
         finally:
-            if self.observer is not None:
-                self.observer.on_grammar_compile(time.perf_counter() - start)
+            self._workers.put(worker)
 
-    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        kind, spec = constraint.kind, constraint.spec
-        json_format = {"any_whitespace": constraint.any_whitespace,
-                       "separators": None if constraint.any_whitespace else (",", ":")}
-        try:
-            if kind == "json_schema":
-                return self._compiler.compile_grammar(json_schema_grammar(spec, **json_format))
-            if kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **json_format)
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
-            if kind == "choice":
-                return self._compiler.compile_grammar(choice_grammar(constraint.choices))
-            return self._compiler.compile_grammar(spec)
-        except (RuntimeError, ValueError) as error:  # xgrammar's parse and conversion errors
-            raise InvalidArgument(f"sampling.{constraint.field} cannot be compiled: {_library_message(error)}",
-                                  field=f"sampling.{constraint.field}") from None
+    def _new_worker(self) -> CompileWorker:
+        if self._closed:
+            raise Unavailable("the structured-output compiler is closed")
+        if self._tokenizer_json is None:
+            self._tokenizer_json = self.tokenizer_info.serialize_json()
+        worker = CompileWorker(self._tokenizer_json)
+        with self._lock:
+            self._started = [w for w in self._started if w.alive()] + [worker]
+        return worker
 
     def _settle(self, constraint: Constraint, future: concurrent.futures.Future) -> None:
-        """A compile ended: keep its grammar within the cache's bounds, or drop its error."""
+        """A compile ended: keep its grammar within the cache's bounds, keep a too-slow refusal (so
+        the same constraint costs a worker once), or drop another error (cheap to find again)."""
         with self._lock:
             if self._cache.get(constraint) is not future:
                 return
             if future.exception() is not None:
-                del self._cache[constraint]  # an error is cheap to find again; a slow one is marked
+                if not isinstance(future.exception(), _TooSlow):
+                    del self._cache[constraint]
                 return
             self._bytes += future.result().memory_size_bytes
             while len(self._cache) > self.cache_size or (self._bytes > self.cache_bytes and len(self._cache) > 1):
@@ -178,19 +208,124 @@ class GrammarCompiler:
                 if old.done() and old.exception() is None:
                     self._bytes -= old.result().memory_size_bytes
 
-    def _mark_too_slow(self, constraint: Constraint, future: concurrent.futures.Future) -> None:
-        marked: concurrent.futures.Future = concurrent.futures.Future()
-        marked.set_exception(_TooSlow())
-        with self._lock:
-            if self._cache.get(constraint) is future:
-                self._cache[constraint] = marked
-
     def num_cached(self) -> int:
         with self._lock:
             return sum(1 for f in self._cache.values() if f.done() and f.exception() is None)
 
+    def num_workers(self) -> int:
+        """Compile processes running now (started on first use, at most COMPILE_THREADS)."""
+        with self._lock:
+            return sum(1 for w in self._started if w.alive())
+
     def close(self) -> None:
+        """End the compile threads' queue and every compile process."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            workers, self._started = self._started, []
+        for worker in workers:
+            worker.kill()
+
+
+def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
+    """`constraint` compiled by `compiler` (JSON kinds compact unless any_whitespace).
+
+    Raises:
+        InvalidArgument: naming sampling.<kind>, with xgrammar's message (a parse or conversion error).
+    """
+    kind, spec = constraint.kind, constraint.spec
+    json_format = {"any_whitespace": constraint.any_whitespace,
+                   "separators": None if constraint.any_whitespace else (",", ":")}
+    try:
+        if kind == "json_schema":
+            return compiler.compile_grammar(json_schema_grammar(spec, **json_format))
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **json_format)
+        if kind == "regex":
+            return compiler.compile_regex(spec)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(constraint.choices))
+        return compiler.compile_grammar(spec)
+    except (RuntimeError, ValueError) as error:  # xgrammar's parse and conversion errors
+        raise InvalidArgument(f"sampling.{constraint.field} cannot be compiled: {_library_message(error)}",
+                              field=f"sampling.{constraint.field}") from None
+
+
+WORKER_START_TIMEOUT_S = 120.0  # a compile process's start (imports, the tokenizer info): not the compile's time
+
+
+class CompileWorker:
+    """One compile process (multiprocessing's spawn: no copy of the decoder's threads or model):
+    xgrammar's compiler over the served tokenizer, compiling one constraint at a time and sending
+    back the compiled grammar serialized (CompiledGrammar.serialize_json). The parent kills it
+    when a compile runs past its timeout; it exits by itself when the parent's end of the pipe
+    closes (the decoder ended, even by kill -9)."""
+
+    def __init__(self, tokenizer_json: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_compiles, args=(child, tokenizer_json),
+                                        name="grammar-compile", daemon=True)
+        self._process.start()
+        child.close()
+        self._ready = False
+
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def wait_ready(self) -> None:
+        """Block until the process has loaded the tokenizer info. Raises Unavailable (and kills it)
+        past WORKER_START_TIMEOUT_S or when it died."""
+        if self._ready:
+            return
+        try:
+            ready = self._conn.poll(WORKER_START_TIMEOUT_S) and self._conn.recv() == ("ready", None)
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self.kill()
+            raise Unavailable("a structured-output compile process did not start; see the decoder's log")
+        self._ready = True
+
+    def compile(self, constraint: Constraint, timeout_s: float) -> str:
+        """The serialized compiled grammar of `constraint`. Raises InvalidArgument (the library's
+        refusal), _TooSlow (no answer within timeout_s: the caller kills the process), Unavailable
+        (the process died)."""
+        try:
+            self._conn.send((constraint.kind, constraint.spec, constraint.any_whitespace))
+            if not self._conn.poll(timeout_s):
+                raise _TooSlow()
+            status, payload = self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self.kill()
+            raise Unavailable("the structured-output compile process ended; see the decoder's log") from None
+        if status == "ok":
+            return payload
+        raise InvalidArgument(payload, field=f"sampling.{constraint.field}")
+
+    def kill(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(timeout=5)
+        self._conn.close()
+
+
+def _serve_compiles(conn, tokenizer_json: str) -> None:
+    """A compile process's loop (CompileWorker): compile each constraint received, answer
+    ("ok", serialized grammar) or ("error", message) until the pipe closes."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_json), max_threads=1,
+                                   cache_enabled=False)
+    conn.send(("ready", None))
+    while True:
+        try:
+            kind, spec, any_whitespace = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer = ("ok", compile_constraint(compiler, Constraint(kind, spec, any_whitespace)).serialize_json())
+        except InvalidArgument as error:
+            answer = ("error", str(error))
+        conn.send(answer)
 
 
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as [^"\\\r\n], which lets a

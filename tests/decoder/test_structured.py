@@ -403,3 +403,32 @@ def test_apply_bitmask_equals_xgrammars_kernel(vocab, rows):
     assert torch.equal(apply_bitmask(logits, bitmask, rows), want)
     same = logits.clone()
     assert apply_bitmask(same, bitmask, rows, copy=False) is same and torch.equal(same, want)
+
+
+def test_a_compile_past_the_timeout_ends_its_process_and_a_queued_one_is_not_charged_the_wait(engine):
+    """Two slow compiles hold both workers; a cheap constraint queued behind them is compiled once a
+    worker is free (its timeout counts its own compile), and each slow one's process is ended."""
+    compiler = engine.parts.grammars
+    timeout = compiler.compile_timeout_s
+    compiler.compile_timeout_s = 1.0
+    # thousands of optional properties: tens of seconds for xgrammar 0.2.9
+    slow = [_json({"type": "object", "properties": {f"{p}{i}": {"type": "string"} for i in range(3000)}})
+            for p in "ab"]
+    killed = compiler.stats.workers_killed
+
+    async def main():
+        attempts = [asyncio.ensure_future(_choices(engine, _request(c, f"slow{i}", max_tokens=4)))
+                    for i, c in enumerate(slow)]
+        await asyncio.sleep(0.2)
+        cheap = await _choices(engine, _request(Constraint("regex", "queued-[0-9]"), "cheap"))
+        return cheap, await asyncio.gather(*attempts, return_exceptions=True)
+
+    try:
+        [(text, _, reason)], refused = asyncio.run(main())
+    finally:
+        compiler.compile_timeout_s = timeout
+    assert reason == "stop" and re.fullmatch("queued-[0-9]", text)
+    assert all(isinstance(e, InvalidArgument) and "takes longer than" in str(e) for e in refused), refused
+    assert compiler.stats.workers_killed - killed == 2
+    assert compiler.num_workers() <= 2
+    _assert_nothing_held(engine)
