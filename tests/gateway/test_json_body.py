@@ -95,3 +95,26 @@ def test_a_200_mib_body_parses_without_holding_the_gil_for_long():
     # what the GIL's switch interval allows between slices, with room for a loaded host's scheduling;
     # json.loads of the body would be one gap of the whole parse
     assert max(gaps) < 0.5, f"longest wait {max(gaps):.3f} s"
+
+
+@pytest.mark.parametrize("depth", [500, 900])
+def test_a_deeply_nested_body_with_a_long_string_parses_as_json_loads_does(depth):
+    """Nesting that json.loads takes, past what a recursive walk of the parsed value could (about 490
+    levels): the long strings, beside and inside it, are put back."""
+    raw = ('{"user": "' + URI + '", "guided_json": {"enum": [' + "[" * depth + '"' + URI + '"'
+           + "]" * depth + "]}}").encode()
+    expected = json.loads(raw)
+    value = json_body.parse(bytearray(raw))
+    assert value == expected
+    inner = value["guided_json"]["enum"][0]
+    for _ in range(depth - 1):
+        inner = inner[0]
+    assert inner == [URI]
+
+
+def test_nesting_json_loads_refuses_is_refused_alike():
+    raw = ('{"u": "' + URI + '", "d": ' + "[" * 100_000 + "]" * 100_000 + "}").encode()
+    with pytest.raises(RecursionError):
+        json.loads(raw)
+    with pytest.raises(RecursionError):
+        json_body.parse(bytearray(raw))

@@ -21,7 +21,7 @@ import email.message
 import json
 import secrets
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
@@ -100,7 +100,7 @@ def parse(buffer: bytearray):
     without holding the GIL for more than a slice's work at a time on its long plain strings.
 
     Raises:
-        UnicodeDecodeError, json.JSONDecodeError: as json.loads(buffer.decode()) would.
+        UnicodeDecodeError, json.JSONDecodeError, RecursionError: as json.loads(buffer.decode()) would.
     """
     spans = _long_strings(buffer)
     if spans:
@@ -115,7 +115,7 @@ def parse(buffer: bytearray):
         short += buffer[last:]
         try:
             value, restored = _restore(json.loads(short.decode("utf-8")), strings)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             restored = -1  # json.loads of the whole body gives its own error, at its own position
         if restored == len(strings):  # every placeholder was a whole string value: exact
             buffer.clear()
@@ -127,24 +127,29 @@ def parse(buffer: bytearray):
 
 def _restore(value, strings: dict[str, str]):
     """(`value` with each placeholder string value put back, how many were put back); a
-    placeholder left in a key or inside a longer string is not counted."""
+    placeholder left in a key or inside a longer string is not counted. Iterative: json.loads
+    nests deeper than Python's recursion limit allows a walk to."""
     count = 0
 
-    def walk(node):
+    def put_back(node):
         nonlocal count
-        if isinstance(node, str):
-            original = strings.get(node)
-            if original is None:
-                return node
+        if isinstance(node, str) and (original := strings.get(node)) is not None:
             count += 1
             return original
-        if isinstance(node, list):
-            return [walk(item) for item in node]
-        if isinstance(node, dict):
-            return {key: walk(item) for key, item in node.items()}
         return node
 
-    return walk(value), count
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                node[i] = put_back(item)
+            pending.extend(item for item in node if isinstance(item, list | dict))
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                node[key] = put_back(item)
+            pending.extend(item for item in node.values() if isinstance(item, list | dict))
+    return put_back(value), count
 
 
 class _ReadRequest(Request):
@@ -186,6 +191,8 @@ class OffLoopJsonRoute(APIRoute):
                 raise RequestValidationError([{"type": "json_invalid", "loc": ("body", error.pos),
                                                "msg": "JSON decode error", "input": {},
                                                "ctx": {"error": error.msg}}]) from None
+            except (UnicodeDecodeError, RecursionError) as error:  # FastAPI's answer to a body it cannot parse
+                raise HTTPException(status_code=400, detail="There was an error parsing the body") from error
             finally:
                 del buffer
             return await handler(_ReadRequest(request.scope, request.receive, b"{}", value))
