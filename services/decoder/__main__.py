@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
 async def serve_decoder(config: DecoderConfig, security: Security) -> None:
     """Serve until SIGTERM. Raises ValueError (the model or a warm-up step through the configured
     backends failed) or OSError (a port cannot be bound) before health ever says SERVING."""
-    engine = LLMEngine(config, RegistryAdapterSource.from_config(config))
+    engine = LLMEngine(config, RegistryAdapterSource.from_config(config), prestart_grammar_workers=True)
     servicer = DecoderServicer(engine)
     start_metrics_server(config.metrics_port, config.address, engine.collector())
 

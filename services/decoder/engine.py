@@ -54,8 +54,12 @@ class LLMEngine:
     """Continuous batching over one model. `adapters` resolves the LoRA adapter a request names
     (default: an empty `InMemoryAdapterSource`, so every name is NotFound)."""
 
-    def __init__(self, config: DecoderConfig, adapters: AdapterSource | None = None) -> None:
+    def __init__(self, config: DecoderConfig, adapters: AdapterSource | None = None,
+                 prestart_grammar_workers: bool = False) -> None:
+        """`prestart_grammar_workers`: spawn the structured-output compile processes at start (the
+        service does), not on the first constrained request (scripts and tests)."""
         self.config = config
+        self.prestart_grammar_workers = prestart_grammar_workers
         self.adapters = adapters if adapters is not None else InMemoryAdapterSource()
         self.device = config.torch_device  # weights, KV cache, adapter slots, sampling generators
         self.core = EngineCore(config, self.adapters)
@@ -77,6 +81,8 @@ class LLMEngine:
         num_threads = torch.get_num_threads()
         await asyncio.to_thread(self.core.start, num_threads)
         await self.adapters.start(self.parts.bank)
+        if self.prestart_grammar_workers:
+            self.parts.grammars.prestart()
         self.started = True
 
     async def stop(self) -> None:
