@@ -31,6 +31,15 @@ TORCH_DTYPE_NAMES = frozenset({"auto", "float32", "float", "float16", "half", "b
                                "int8", "uint8", "int16", "int32", "int64", "bool", "float8_e4m3fn",
                                "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# rope_type -> served; each computed by transformers' own ROPE_INIT_FUNCTIONS (services/decoder/rotary.py).
+# "mrope" is Qwen2-VL's legacy spelling of default RoPE with M-RoPE sections.
+ROPE_TYPES = ("default", "mrope", "linear", "dynamic", "yarn", "llama3")
+# rope_type -> why it is refused, where transformers has it but the decoder cannot serve it exactly
+ROPE_REFUSALS = {
+    "longrope": "transformers picks its short or long factors by the longest position of each forward pass, so "
+                "a token's keys would depend on how its sequence was batched and grown, which a paged KV cache "
+                "shared across chunked prefill, prefix hits and preemption cannot reproduce",
+}
 # what AutoTokenizer loads without converting: a fast tokenizer, a sentencepiece model, or BPE files
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
@@ -127,6 +136,13 @@ def rope_settings(config: Mapping[str, Any]) -> tuple[str, float]:
     return str(rope_type), _positive_number(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta")
 
 
+def check_rope_type(rope_type: str, served: tuple[str, ...] = ROPE_TYPES) -> None:
+    """Raises ValueError in one line naming `rope_type` (and why) unless it is one of `served`."""
+    if rope_type not in served:
+        why = ROPE_REFUSALS.get(rope_type, f"the served types are {', '.join(served)}")
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported: {why}")
+
+
 def _positive_number(value: Any, name: str) -> float:
     """`value` as a float. Raises ValueError naming config.json's `name` unless it is a positive finite number."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
@@ -209,8 +225,8 @@ def check_decoder_dir(model_dir: str | Path) -> CheckpointConfig:
 def _check_language_model(config: CheckpointConfig) -> None:
     """What every supported decoder family needs of config.json, checked before any weight is read:
     positive sizes, heads that split the hidden size and share key-value heads evenly, a vocabulary,
-    SiLU, default RoPE with a positive theta, a positive RMSNorm epsilon. Raises ValueError naming
-    the field, its value and what is needed."""
+    SiLU, a served RoPE type (`ROPE_TYPES`; plain RoPE for Qwen2-VL) with a positive theta, a positive
+    RMSNorm epsilon. Raises ValueError naming the field, its value and what is needed."""
     text = config.raw.get("text_config") or config.raw
     sizes = {name: getattr(config, name) for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                        "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -234,9 +250,8 @@ def _check_language_model(config: CheckpointConfig) -> None:
     activation = text.get("hidden_act", "silu")
     if activation != "silu":
         raise ValueError(f"config.json's hidden_act is {activation!r}; the supported decoders use 'silu'")
-    rope_type, _ = rope_settings(text)
-    if rope_type not in ("default", "mrope"):  # mrope: Qwen2-VL's legacy spelling of its sections
-        raise ValueError(f"config.json's RoPE scaling {rope_type!r} is not supported; only default RoPE is")
+    # Qwen2-VL's M-RoPE takes plain frequencies only (services/decoder/model_qwen2_vl.py)
+    check_rope_type(rope_settings(text)[0], ("default", "mrope") if config.model_type == "qwen2_vl" else ROPE_TYPES)
     for scope in (config.raw, text):
         for key in ("torch_dtype", "dtype"):
             declared = scope.get(key)

@@ -1,8 +1,10 @@
 """Llama causal LM over a flat token batch and a paged KV cache; the base of the Qwen2 and Qwen3 files.
 
-RMSNorm, SiLU-gated MLP, GQA, default RoPE or M-RoPE, tied or untied lm_head, optional biases
-(`attention_bias`, `mlp_bias`) as in transformers' LlamaForCausalLM. Sliding-window layers are
-refused. Weights load by name from `model.safetensors` (or a sharded index) with the HF
+RMSNorm, SiLU-gated MLP, GQA, default, scaled (linear, dynamic, yarn, llama3; rotary.py) or M-RoPE,
+tied or untied lm_head, optional biases (`attention_bias`, `mlp_bias`) as in transformers'
+LlamaForCausalLM. Sliding-window layers, longrope and a partial rotary factor are refused. The
+lm_head follows transformers 5: with `tie_word_embeddings` it is the embeddings unless the file
+holds an `lm_head.weight` that differs from them, which is kept. Weights load by name from `model.safetensors` (or a sharded index) with the HF
 `config.json`; module names match transformers, so "model.layers.0.self_attn.q_proj" is both a
 weight prefix and a LoRA target name. At load, each layer's q/k/v and gate/up projections are
 concatenated into one wider projection each (`qkv_proj`, `gate_up_proj`: two GEMMs where the
@@ -15,6 +17,7 @@ RMSNorm); `load_model` (models.py) picks the family from config.json's model_typ
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +26,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from services.common.checkpoint import CheckpointConfig, rope_settings
+from services.common.checkpoint import CheckpointConfig, check_rope_type, rope_settings
 from services.decoder.attention import AttentionBackend, AttentionMetadata
 from services.decoder.kernels.pointwise import CpuPointwise
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import Linear
 from services.decoder.lora import LoRALinear
-from services.decoder.rotary import RotaryEmbedding, apply_rotary
+from services.decoder.rotary import RopeScaling, RotaryEmbedding, apply_rotary
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,18 +56,24 @@ class LlamaSpec:
     o_bias: bool
     mlp_bias: bool
     max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None  # None: default RoPE of rope_theta
 
     @classmethod
     def from_config(cls, cfg: dict) -> LlamaSpec:
         """Llama's reading of config.json (biases from `attention_bias` / `mlp_bias`).
 
-        Raises ValueError for unsupported activations, rope scaling or sliding-window layers.
+        Raises ValueError for unsupported activations, RoPE types, a partial rotary factor or
+        sliding-window layers.
         """
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported; expected 'silu'")
         rope_type, rope_theta = rope_settings(cfg)  # transformers' reading of rope_scaling / rope_parameters
-        if rope_type != "default":
-            raise ValueError(f"rope scaling {rope_type!r} is not supported; only default RoPE is")
+        check_rope_type(rope_type)
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor {partial!r} is not supported: transformers' Llama, Qwen2 and "
+                             "Qwen3 rotate the whole head")
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
             raise ValueError("sliding-window attention layers are not supported")
         heads = cfg["num_attention_heads"]
@@ -78,6 +89,7 @@ class LlamaSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rope_scaling=None if rope_type == "default" else RopeScaling.from_config(cfg, rope_type),
         )
 
 
@@ -221,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.model = LlamaModel(spec, self.attention_cls)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_section)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_section, spec.rope_scaling)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [num_tokens, hidden] for int64 ids [num_tokens]."""
@@ -270,7 +282,8 @@ def load_checkpoint(model_cls: type[LlamaForCausalLM], checkpoint: CheckpointCon
 
 def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_section: tuple[int, int, int] | None,
                 state: dict[str, torch.Tensor], dtype: torch.dtype, mismatch: str) -> LlamaForCausalLM:
-    """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec does.
+    """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec
+    does and `state` holds no lm_head.weight that differs from the embeddings (`_ties_head`).
 
     Raises:
         ValueError: `mismatch` followed by the first weight whose shape config.json's sizes do not
@@ -278,7 +291,8 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
     """
     with torch.device("meta"):
         model = model_cls(spec, mrope_section)
-    if spec.tie_word_embeddings:
+    tied = _ties_head(spec, state)
+    if tied:
         state.pop("lm_head.weight", None)
     shapes = checkpoint_shapes(model)
     for name, tensor in state.items():
@@ -286,14 +300,28 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
             raise ValueError(f"{mismatch}: {name} has shape {list(tensor.shape)}; config.json's sizes need "
                              f"{list(shapes[name])}")
     fuse_projections(state, spec.num_layers)
-    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise ValueError(f"{mismatch}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if spec.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _ties_head(spec: LlamaSpec, state: dict[str, torch.Tensor]) -> bool:
+    """Whether lm_head is the embeddings: config.json ties them and the file's lm_head.weight is
+    absent or equal to them. A different one is kept, as transformers 5 does (it warns that both
+    are present with different values and does not tie them)."""
+    if not spec.tie_word_embeddings:
+        return False
+    head, embeddings = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if head is None or embeddings is None or head.shape != embeddings.shape or torch.equal(head, embeddings):
+        return True
+    log.info("lm_head.weight differs from the embeddings although config.json ties them: keeping the "
+             "checkpoint's own lm_head, as transformers does")
+    return False
 
 
 def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

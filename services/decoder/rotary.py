@@ -6,27 +6,79 @@ table is duplicated across both halves of the head (`cat(freqs, freqs)`), and
 `apply_multimodal_rotary_pos_emb`) gives frequency pair j the position of axis(j), where
 `mrope_section = (t, h, w)` counts pairs per axis; the selected angles are repeated for both
 halves. With equal coordinates on all axes it is ordinary RoPE.
+
+Scaled RoPE (`linear`, `dynamic`, `yarn`, `llama3`) takes its inverse frequencies and the factor
+that multiplies cos and sin (yarn's attention factor; 1 for the others) from transformers' own
+`ROPE_INIT_FUNCTIONS`, called on transformers' reading of config.json, as its Llama, Qwen2 and
+Qwen3 rotary embeddings do at init. `dynamic` (NTK) recomputes its frequencies only for a
+sequence longer than max_position_embeddings, which the decoder's max_model_len never exceeds, so
+the init-time table is the one transformers uses for every position the decoder serves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from services.common.mrope import check_mrope_section
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaled RoPE as transformers computes it: `inv_freq` (head_dim / 2 float32 values, as floats)
+    and `attention_scaling`, the factor on cos and sin."""
+
+    rope_type: str
+    inv_freq: tuple[float, ...]
+    attention_scaling: float
+
+    @classmethod
+    def from_config(cls, cfg: dict, rope_type: str) -> RopeScaling:
+        """transformers' `ROPE_INIT_FUNCTIONS[rope_type]` on its config class for cfg's model_type
+        (read with `from_dict`, as `from_pretrained` reads config.json: rope_parameters, a legacy
+        rope_scaling, a top-level rope_theta).
+
+        Raises:
+            ValueError: a rope_type transformers does not define, or parameters it cannot compute with
+                (a missing factor, ...), naming the type and the missing key.
+        """
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"RoPE scaling {rope_type!r} is not one transformers computes")
+        config = CONFIG_MAPPING[cfg.get("model_type", "llama")].from_dict(dict(cfg))
+        try:
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"RoPE scaling {rope_type!r}: config.json's rope parameters lack or mistype "
+                             f"{error}") from None
+        return cls(rope_type, tuple(inv_freq.float().tolist()), float(attention_scaling))
 
 
 class RotaryEmbedding:
     """Cos/sin tables for positions [num_tokens] (RoPE) or [3, num_tokens] (M-RoPE)."""
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int] | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int] | None = None,
+                 scaling: RopeScaling | None = None) -> None:
+        """Raises ValueError for an odd head_dim, bad M-RoPE sections, or a `scaling` whose table is
+        not head_dim / 2 long (a partial rotary factor)."""
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         if mrope_section is not None:
             check_mrope_section(mrope_section, head_dim)
         self.head_dim = head_dim
         self.mrope_section = tuple(mrope_section) if mrope_section is not None else None
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        self.inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2] float32
+        self.attention_scaling = 1.0
+        if scaling is None:
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+            self.inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2] float32
+        else:
+            if len(scaling.inv_freq) != head_dim // 2:
+                raise ValueError(f"RoPE scaling {scaling.rope_type!r} gives {len(scaling.inv_freq)} frequencies; "
+                                 f"head_dim {head_dim} rotates {head_dim // 2} pairs")
+            self.inv_freq = torch.tensor(scaling.inv_freq, dtype=torch.float32, device="cpu")  # [head_dim / 2]
+            self.attention_scaling = scaling.attention_scaling
 
     def to(self, device: torch.device | str) -> RotaryEmbedding:
         """Keep the frequency table on `device`, where the positions arrive (this is no nn.Module,
@@ -54,7 +106,10 @@ class RotaryEmbedding:
         else:
             raise ValueError(f"positions must be [N] or [3, N], got shape {tuple(positions.shape)}")
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # yarn: transformers scales both in float32, then casts
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

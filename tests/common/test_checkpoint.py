@@ -48,8 +48,9 @@ def _edited(**changes) -> dict:
      "hidden_size 576 does not split into num_attention_heads 7 heads, and there is no head_dim"),
     (_edited(head_dim=63), "head_dim 63 is odd"),
     (_edited(hidden_act="gelu"), "config.json's hidden_act is 'gelu'; the supported decoders use 'silu'"),
-    (_edited(rope_scaling={"rope_type": "linear", "factor": 4.0}), "RoPE scaling 'linear' is not supported"),
-    (_edited(rope_scaling={"type": "dynamic", "factor": 2.0}), "RoPE scaling 'dynamic' is not supported"),
+    (_edited(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "RoPE scaling 'longrope' is not supported: "
+                                                                     "transformers picks its short or long factors"),
+    (_edited(rope_scaling={"type": "ntk", "factor": 2.0}), "RoPE scaling 'ntk' is not supported: the served types"),
     (_edited(rope_parameters={"rope_type": "default", "rope_theta": 0}),
      "config.json's rope_theta must be a positive finite number, got 0"),
     (_edited(rope_parameters="default"), "config.json's rope_parameters must be an object"),

@@ -27,7 +27,7 @@ def test_model_type_picks_the_family_file(tmp_path, family, cls):
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"use_sliding_window": True}, "sliding-window attention layers are not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "RoPE scaling 'longrope' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(tmp_path, edit, message):
     directory = make_tiny_llama(tmp_path / "m", family="qwen2")
