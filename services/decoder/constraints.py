@@ -19,11 +19,20 @@ keyword that constrains values (`oneOf`, which xgrammar reads as `anyOf`; `multi
 an external `$ref`; a `format` outside `STRING_FORMATS`; ...) is refused naming the keyword and
 where it is, never silently loosened. Keywords that only annotate (title, description, default,
 examples, ...) are accepted.
+
+Some schemas that use only those keywords would still produce text the schema refuses, and are
+refused too (`check_schema`): under xgrammar's strict mode (vLLM's default) an object holds only
+the properties it names, so `required` may name only those; an array without `items` holds
+nothing, so it may not have a `minItems`; and a `pattern` is refused where xgrammar would write a
+`"`, a backslash or a control character into the JSON string unescaped (`pattern_problem`).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import re._constants as sre
+import re._parser as sre_parser  # Python's own regex parser: its tree of what each atom can match
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
@@ -74,6 +83,7 @@ class Constraint:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgument(f"unknown constraint kind {self.kind!r}; one of {', '.join(KINDS)}")
+        _check_unicode(self.spec, self.field)
         if self.kind == "json_schema":
             check_schema(_loads(self.spec, self.field, "a JSON Schema"), self.field)
         elif self.kind == "choice":
@@ -93,11 +103,34 @@ class Constraint:
         return json.loads(self.spec) if self.kind == "choice" else []
 
 
-def _loads(text: str, field: str, what: str):
+def _check_unicode(text: str, field: str, where: str = "it") -> None:
+    """Refuse text that has a lone surrogate (no UTF-8 encoding: the grammar library cannot read it)."""
     try:
-        return json.loads(text)
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(f"{field} holds text that is not valid Unicode: a lone surrogate at character "
+                              f"{error.start} of {where}", field=field) from None
+
+
+def _loads(text: str, field: str, what: str):
+    """json.loads of `text`, whose strings must be valid Unicode: JSON's escapes can write a lone
+    surrogate ("\\ud800") in ASCII text."""
+    try:
+        value = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as error:
         raise InvalidArgument(f"{field} must be {what} in JSON: {error}", field=field) from None
+    if "\\u" in text:
+        pending = [value]
+        while pending:
+            node = pending.pop()
+            if isinstance(node, str):
+                _check_unicode(node, field, f"the string {node.encode('utf-8', 'replace').decode()!r}")
+            elif isinstance(node, list):
+                pending.extend(node)
+            elif isinstance(node, dict):
+                pending.extend(node)
+                pending.extend(node.values())
+    return value
 
 
 def check_schema(schema, field: str = "json_schema") -> None:
@@ -105,7 +138,8 @@ def check_schema(schema, field: str = "json_schema") -> None:
 
     Raises:
         InvalidArgument: naming `field`, the keyword and its JSON pointer ("#/properties/a"), e.g.
-            "json_schema uses 'uniqueItems' at #/properties/tags, which is not supported: ...".
+            "json_schema uses 'uniqueItems' at #/properties/tags, which is not supported: ..."; also
+            for a schema whose output would break it under strict mode (module docstring).
     """
     pending = [(schema, "#", 0)]
     while pending:
@@ -117,6 +151,7 @@ def check_schema(schema, field: str = "json_schema") -> None:
                                   f"{type(node).__name__}", field=field)
         if depth > MAX_SCHEMA_DEPTH:
             raise InvalidArgument(f"{field} nests schemas deeper than {MAX_SCHEMA_DEPTH} at {where}", field=field)
+        _check_strict(node, where, field)
         for keyword, value in node.items():
             if keyword in ANNOTATIONS:
                 continue
@@ -135,6 +170,118 @@ def check_schema(schema, field: str = "json_schema") -> None:
                 pending.extend((item, f"{where}/{keyword}/{i}", depth + 1) for i, item in enumerate(value))
             elif how == "map":
                 pending.extend((item, f"{where}/{keyword}/{name}", depth + 1) for name, item in value.items())
+
+
+def _check_strict(node: dict, where: str, field: str) -> None:
+    """Refuse what strict mode would make the output break: a required property the schema does not
+    name (xgrammar allows only the named ones, additionalProperties or not, and drops the
+    requirement), minItems without items, a pattern whose text would be invalid JSON."""
+    required, properties = node.get("required"), node.get("properties", {})
+    if isinstance(required, list) and isinstance(properties, dict):
+        missing = [name for name in required if isinstance(name, str) and name not in properties]
+        if missing:
+            raise InvalidArgument(
+                f"{field}: 'required' at {where} names {', '.join(map(repr, missing))}, which 'properties' does "
+                "not declare; under structured output's strict mode an object holds only the properties it "
+                "declares (additionalProperties does not add required ones), so the answer would lack it: "
+                "declare it in 'properties'", field=field)
+    min_items = node.get("minItems")
+    if (isinstance(min_items, int) and not isinstance(min_items, bool) and min_items > 0
+            and "items" not in node and "prefixItems" not in node):
+        raise InvalidArgument(f"{field}: 'minItems' at {where} needs 'items': an array without items holds no "
+                              "items under structured output's strict mode: add items", field=field)
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and (problem := pattern_problem(pattern)):
+        raise InvalidArgument(f"{field}: 'pattern' at {where} is not supported: {problem}", field=field)
+
+
+# Characters a JSON string must escape (RFC 8259 section 7): the quote, the backslash, U+0000-U+001F.
+_UNSAFE = frozenset((0x22, 0x5C, *range(0x20)))
+# Classes of Python's parser that hold a character of _UNSAFE (\s: tab, newline; \S, \W, \D: quote).
+_UNSAFE_CATEGORIES = frozenset({sre.CATEGORY_SPACE, sre.CATEGORY_NOT_SPACE, sre.CATEGORY_NOT_WORD,
+                                sre.CATEGORY_NOT_DIGIT, sre.CATEGORY_LINEBREAK, sre.CATEGORY_NOT_LINEBREAK})
+
+
+def pattern_problem(pattern: str) -> str | None:
+    r"""Why xgrammar 0.2.9 would write a `"`, a backslash or a control character unescaped into the
+    JSON string of a schema with this `pattern`, or None where it cannot.
+
+    xgrammar matches a pattern over the JSON string's text (`json_string=true`, which leaves those
+    characters out) unless the pattern names one of them (`"x\"y"`, `[\\]`, `\n`, `\x22`, a range
+    from `\0`) or holds a non-ASCII character (`é`); then it writes the pattern's characters as
+    they are, and `.`, `[^a]`, `\s`, `\S`, `\W`, `\D` can be any of them. Proven against
+    xgrammar's matcher by tests/decoder/test_structured_schemas.py.
+    """
+    try:
+        tree = sre_parser.parse(_ecmascript_to_python(pattern))
+    except (re.error, OverflowError, RecursionError) as error:
+        return f"it cannot be checked as a regular expression ({error})"
+    names_unsafe = can_be_unsafe = False
+    for op, av in _atoms(tree):
+        names, can = _atom_unsafe(op, av)
+        names_unsafe |= names
+        can_be_unsafe |= can
+    if names_unsafe:
+        return ("it names a quote, a backslash or a control character, which structured output would write "
+                "unescaped into the JSON string (invalid JSON)")
+    if can_be_unsafe and any(ord(ch) > 0x7F for ch in pattern):
+        return ("with a non-ASCII character in it, the grammar library matches it outside JSON's escaping, so "
+                "its '.', negated class, \\s, \\S, \\W or \\D could write a quote, a backslash or a "
+                "control character unescaped (invalid JSON); exclude them (e.g. [^\"\\\\\\x00-\\x1f])")
+    return None
+
+
+def _ecmascript_to_python(pattern: str) -> str:
+    """`pattern` with ECMAScript's named groups `(?<name>` and control escapes `\\cX` in Python's
+    spelling (`(?P<name>`, `\\x..`), which xgrammar reads as ECMAScript does."""
+    pattern = re.sub(r"(?<!\\)((?:\\\\)*)\(\?<(?![=!])", r"\1(?P<", pattern)
+    return re.sub(r"\\c([A-Za-z])", lambda m: f"\\x{ord(m.group(1)) % 32:02x}", pattern)
+
+
+def _atoms(tree):
+    """The (op, av) of every atom of a parsed pattern (what matches one character)."""
+    pending = [tree]
+    while pending:
+        for op, av in pending.pop():
+            if op in (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN):
+                yield op, av
+            elif op is sre.BRANCH:
+                pending.extend(av[1])
+            elif op is sre.SUBPATTERN:
+                pending.append(av[3])
+            elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+                pending.append(av[2])
+            elif op in (sre.ASSERT, sre.ASSERT_NOT):
+                pending.append(av[1])
+            elif op is sre.ATOMIC_GROUP:
+                pending.append(av)
+            elif op is sre.GROUPREF_EXISTS:
+                pending.extend(p for p in av[1:] if p is not None)
+
+
+def _atom_unsafe(op, av) -> tuple[bool, bool]:
+    """(whether the atom names characters of _UNSAFE only, whether it can match one of them)."""
+    if op is sre.LITERAL:
+        return av in _UNSAFE, av in _UNSAFE
+    if op in (sre.NOT_LITERAL, sre.ANY):
+        return False, True
+    negated = bool(av) and av[0][0] is sre.NEGATE
+    listed = set()  # the characters of _UNSAFE the class lists
+    only_unsafe = not negated
+    for item_op, item in av[negated:]:
+        if item_op is sre.LITERAL:
+            listed |= {item} & _UNSAFE
+            only_unsafe &= item in _UNSAFE
+        elif item_op is sre.RANGE:
+            low, high = item
+            listed |= {c for c in _UNSAFE if low <= c <= high}
+            only_unsafe &= high < 0x20 or low == high in _UNSAFE
+        else:  # a category (\d, \s, ...): it may hold any of _UNSAFE, and excludes none of them
+            listed |= _UNSAFE if item in _UNSAFE_CATEGORIES and not negated else set()
+            only_unsafe = False
+    if negated:
+        return False, listed != _UNSAFE
+    return only_unsafe and bool(listed), bool(listed)
 
 
 def _supported(keyword: str, value) -> bool:
