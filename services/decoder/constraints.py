@@ -22,8 +22,8 @@ examples, ...) are accepted.
 
 Some schemas that use only those keywords would still produce text the schema refuses, and are
 refused too (`check_schema`): under xgrammar's strict mode (vLLM's default) an object holds only
-the properties it names, so `required` may name only those; an array without `items` holds
-nothing, so it may not have a `minItems`; and a `pattern` is refused where xgrammar would write a
+the properties it names, so `required` may name only those; an array with array keywords but no
+`items` holds nothing (a bare {"type": "array"} is any array), so it may not have a `minItems`; and a `pattern` is refused where xgrammar would write a
 `"`, a backslash or a control character into the JSON string unescaped (`pattern_problem`).
 """
 
