@@ -18,7 +18,7 @@ bench/results/grammar_libs.md has the table (`python bench/grammar_libs.py`).
   choice with "stop" once it is terminated (its grammar complete and a stop token taken). Recompute
   preemption keeps a request's generated tokens, so a preempted matcher keeps its state.
 - `fill_bitmask` fills the int32 bitmask [rows, ceil(vocab / 32)] of a step's constrained rows;
-  `apply_bitmask` sets the logits of disallowed tokens to -inf (one masked_fill on the CPU).
+  `apply_bitmask` sets the logits of disallowed tokens to -inf (one numpy putmask on the CPU).
 """
 
 from __future__ import annotations
@@ -418,7 +418,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     `logits` itself changed in place when not `copy`.
 
     On the CPU the rows' bits are unpacked at once (numpy's unpackbits: bit j of int32 word w is
-    token 32 w + j on a little-endian host) into one masked_fill: xgrammar's CPU kernel writes each
+    token 32 w + j on a little-endian host) into one write (numpy putmask for a whole batch): xgrammar's CPU kernel writes each
     disallowed token apart, 3-4x slower where most tokens are disallowed (a JSON value's start;
     bench/results/structured.md). Elsewhere xgrammar's own kernel applies it.
     """
