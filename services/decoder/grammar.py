@@ -418,9 +418,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     `logits` itself changed in place when not `copy`.
 
     On the CPU the rows' bits are unpacked at once (numpy's unpackbits: bit j of int32 word w is
-    token 32 w + j on a little-endian host) into one write (numpy putmask for a whole batch): xgrammar's CPU kernel writes each
-    disallowed token apart, 3-4x slower where most tokens are disallowed (a JSON value's start;
-    bench/results/structured.md). Elsewhere xgrammar's own kernel applies it.
+    token 32 w + j on a little-endian host) into one write (numpy's putmask for a whole batch, on
+    this thread): xgrammar's CPU kernel writes each disallowed token apart, 3-4x slower where most
+    tokens are disallowed (a JSON value's start; bench/results/structured.md). Elsewhere
+    xgrammar's own kernel applies it.
     """
     if copy:
         logits = logits.clone()
