@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tessera.paths import default_decoder_dir
 
@@ -88,6 +88,18 @@ def attention_backend(request) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    """transformers' model of the tiny Llama (eval mode)."""
+    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    """The tiny Llama's tokenizer (SmolLM2's)."""
+    return AutoTokenizer.from_pretrained(tiny_llama)
 
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -30,7 +30,6 @@ from decoder_testing import hf_reference, run_requests
 from lora_mixed_cases import MAX_RANK, registry_weights, save_adapters
 from PIL import Image
 from structured_cases import CHOICES, GRAMMAR, GRAMMAR_LANGUAGE, REGEXES, random_schemas
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import services.decoder.sampler as sampler_module
 from services.common.errors import InvalidArgument
@@ -218,16 +217,6 @@ def test_valid_with_an_image(tmp_path_factory):
 
 
 # -- exactness --------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama):
-    return AutoTokenizer.from_pretrained(tiny_llama)
-
 
 PROMPTS = [tuple(range(300, 320)), (1, 5, 77, 300, 12, 9, 4000, 17), tuple(range(1000, 1030, 3)),
            (9, 8, 7, 600, 601, 602)]

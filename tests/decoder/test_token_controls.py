@@ -8,7 +8,6 @@ import asyncio
 import pytest
 import torch
 from decoder_testing import hf_reference, run_requests
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation import (
     LogitsProcessorList,
     NoBadWordsLogitsProcessor,
@@ -36,16 +35,6 @@ def engine(tiny_llama):
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512))
     yield engine
     engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama):
-    return AutoTokenizer.from_pretrained(tiny_llama)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import pytest
 import torch
 from decoder_testing import hf_reference
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation import (
     LogitsProcessorList,
     NoBadWordsLogitsProcessor,
@@ -144,16 +143,6 @@ def gateway(stack):
 def sdk(stack):
     with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama):
-    return AutoTokenizer.from_pretrained(tiny_llama)
 
 
 @pytest.fixture(scope="module")
