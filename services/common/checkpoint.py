@@ -40,6 +40,9 @@ ROPE_REFUSALS = {
                 "a token's keys would depend on how its sequence was batched and grown, which a paged KV cache "
                 "shared across chunked prefill, prefix hits and preemption cannot reproduce",
 }
+# model_type -> the MLP activations its native file computes (config.json's `hidden_act`, or
+# `hidden_activation` as Gemma writes it); a family absent here computes SiLU only
+ACTIVATIONS: dict[str, tuple[str, ...]] = {}
 # what AutoTokenizer loads without converting: a fast tokenizer, a sentencepiece model, or BPE files
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
@@ -247,9 +250,11 @@ def _check_language_model(config: CheckpointConfig) -> None:
                          f"num_attention_heads {heads} heads, and there is no head_dim")
     if config.head_dim % 2:
         raise ValueError(f"head_dim {config.head_dim} is odd; rotary embeddings rotate pairs")
-    activation = text.get("hidden_act", "silu")
-    if activation != "silu":
-        raise ValueError(f"config.json's hidden_act is {activation!r}; the supported decoders use 'silu'")
+    activation = text.get("hidden_act") or text.get("hidden_activation") or "silu"
+    served = ACTIVATIONS.get(config.model_type, ("silu",))
+    if activation not in served:
+        raise ValueError(f"config.json's hidden_act is {activation!r}; {config.model_type or 'this family'} is served "
+                         f"with {' or '.join(map(repr, served))}")
     # Qwen2-VL's M-RoPE takes plain frequencies only (services/decoder/model_qwen2_vl.py)
     check_rope_type(rope_settings(text)[0], ("default", "mrope") if config.model_type == "qwen2_vl" else ROPE_TYPES)
     for scope in (config.raw, text):

@@ -1,29 +1,44 @@
-"""Model families by config.json's `model_type`: one file each, loaded by name from safetensors."""
+"""Model families by config.json's `model_type`: one file each, loaded by name from safetensors.
+
+`MODEL_FAMILIES` names each family's class as "module:Class" and imports it when a checkpoint of
+that family loads, so one family's file (and what it imports) costs nothing to the others.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
 
 from services.common.checkpoint import DECODER_ARCHITECTURES, CheckpointConfig
 from services.decoder.model_llama import LlamaForCausalLM, load_checkpoint
-from services.decoder.model_qwen2 import Qwen2ForCausalLM
 from services.decoder.model_qwen2_vl import is_qwen2_vl, load_qwen2_vl
-from services.decoder.model_qwen3 import Qwen3ForCausalLM
 
 # one entry per model_type of DECODER_ARCHITECTURES but qwen2_vl (its own loader below), which
 # `check_decoder_dir` checks without importing torch
-MODEL_FAMILIES: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
+MODEL_FAMILIES: dict[str, str] = {
+    "llama": "services.decoder.model_llama:LlamaForCausalLM",
+    "qwen2": "services.decoder.model_qwen2:Qwen2ForCausalLM",
+    "qwen3": "services.decoder.model_qwen3:Qwen3ForCausalLM",
 }
+
+
+def family_class(model_type: str) -> type[LlamaForCausalLM]:
+    """The native class serving `model_type`, imported now.
+
+    Raises:
+        ValueError: no native family serves `model_type` (naming it and the served ones).
+    """
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported; expected one of {tuple(DECODER_ARCHITECTURES)}")
+    module, name = MODEL_FAMILIES[model_type].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
                mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
-    """The causal LM of a checkpoint (Llama, Qwen2, Qwen3, or Qwen2-VL's language model).
+    """The causal LM of a checkpoint (a family of `MODEL_FAMILIES`, or Qwen2-VL's language model).
 
     `checkpoint`: its config.json as read once by `DecoderConfig` (or a directory, read here).
 
@@ -34,7 +49,4 @@ def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
         checkpoint = CheckpointConfig.read(checkpoint)
     if is_qwen2_vl(checkpoint.raw):
         return load_qwen2_vl(checkpoint, dtype, mrope_section)
-    if checkpoint.model_type not in MODEL_FAMILIES:
-        supported = tuple(DECODER_ARCHITECTURES)
-        raise ValueError(f"model_type {checkpoint.model_type!r} is not supported; expected one of {supported}")
-    return load_checkpoint(MODEL_FAMILIES[checkpoint.model_type], checkpoint, dtype, mrope_section)
+    return load_checkpoint(family_class(checkpoint.model_type), checkpoint, dtype, mrope_section)

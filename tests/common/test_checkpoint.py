@@ -47,7 +47,7 @@ def _edited(**changes) -> dict:
     (_edited(num_attention_heads=7, num_key_value_heads=7, head_dim=None),
      "hidden_size 576 does not split into num_attention_heads 7 heads, and there is no head_dim"),
     (_edited(head_dim=63), "head_dim 63 is odd"),
-    (_edited(hidden_act="gelu"), "config.json's hidden_act is 'gelu'; the supported decoders use 'silu'"),
+    (_edited(hidden_act="gelu"), "config.json's hidden_act is 'gelu'; llama is served with 'silu'"),
     (_edited(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "RoPE scaling 'longrope' is not supported: "
                                                                      "transformers picks its short or long factors"),
     (_edited(rope_scaling={"type": "ntk", "factor": 2.0}), "RoPE scaling 'ntk' is not supported: the served types"),
