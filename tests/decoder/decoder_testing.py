@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tessera.paths import default_decoder_dir
 
@@ -16,7 +16,6 @@ torch.set_num_threads(2)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 # A Hermes-style template (the <tool_call> format of Hermes, Qwen2.5, SmolLM3), tools listed in the
 # system turn, assistant calls and tool answers rendered.
@@ -52,8 +51,9 @@ Call one as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_e
 
 
 def make_tiny_llama(path: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
-    """Save a random 2-layer model of `family` (hidden 64, 4 heads, 2 kv heads, head_dim 16) with
-    SmolLM2's tokenizer. Qwen2 has q/k/v bias, Qwen3 q/k norms (their configs' defaults)."""
+    """Save a random 2-layer model of `family` (a transformers model_type: hidden 64, 4 heads, 2 kv
+    heads, head_dim 16 unless `overrides` say otherwise) with SmolLM2's tokenizer. Qwen2 has q/k/v
+    bias, Qwen3 q/k norms (their configs' defaults)."""
     source = default_decoder_dir()
     path.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
@@ -65,7 +65,7 @@ def make_tiny_llama(path: Path, seed: int = 0, family: str = "llama", **override
                    tie_word_embeddings=False, head_dim=16)
     options.update(overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family](**options)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **options)).eval()
     # a larger init spread makes logits decisive, so greedy argmax has no near-ties
     with torch.no_grad():
         for p in model.parameters():

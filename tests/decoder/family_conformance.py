@@ -1,0 +1,86 @@
+"""One family's conformance against transformers in every scheduling regime, for the family tests.
+
+A family test builds a tiny seeded checkpoint (`decoder_testing.make_tiny_llama(path, family=...)`),
+computes transformers' references once (`references`), then runs `check_regime` for each name of
+`REGIMES`: greedy ids equal transformers' generate and fp32 logits agree within 1e-4 (`check_greedy`)
+
+- alone: the longest prompt by itself;
+- concurrent: every prompt at once;
+- chunked: `max_num_batched_tokens` = 32, so prompts are cut into chunks (the boundaries recorded);
+- prefix: the longest prompt, then `prefix_prompt`, which shares `PREFIX_TOKENS` of it: a cache hit;
+- preempt: a pool too small for every prompt at once, so the scheduler preempts (recompute).
+
+Every regime ends with every KV block free again.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from decoder_testing import check_greedy, hf_reference_batch
+from transformers import AutoModelForCausalLM
+
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.types import GenerateInput, SamplingParams
+
+REGIMES = ("alone", "concurrent", "chunked", "prefix", "preempt")
+NEW_TOKENS = 64
+PREFIX_TOKENS = 80  # 5 full blocks of 16
+_rng = random.Random(7)
+PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (5, 40, 70, 90, 100)]
+PREFIX_PROMPT = PROMPTS[-1][:PREFIX_TOKENS] + [_rng.randrange(3, 49152) for _ in range(12)]
+
+
+def references(model_dir: Path, prompts=None, new_tokens: int = NEW_TOKENS, **load) -> dict:
+    """{prompt tuple: (ids, fp32 logits [n, vocab])} from transformers' generate for `prompts`
+    (default PROMPTS and PREFIX_PROMPT); `load` goes to from_pretrained (e.g. gguf_file)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **load).eval()
+    prompts = prompts or PROMPTS + [PREFIX_PROMPT]
+    return dict(zip(map(tuple, prompts), hf_reference_batch(model, prompts, new_tokens)))
+
+
+def _requests(prompts, new_tokens):
+    return [GenerateInput(SamplingParams(max_tokens=new_tokens), request_id=f"r{i}", prompt_token_ids=tuple(p))
+            for i, p in enumerate(prompts)]
+
+
+def check_regime(model_dir: Path, refs: dict, regime: str, prompts=None, prefix_prompt=None,
+                 new_tokens: int = NEW_TOKENS, **config) -> None:
+    """Serve `model_dir` (`config` overrides DecoderConfig's fields) and check `regime` (see the
+    module docstring) against `refs`; raises AssertionError on any difference."""
+    prompts = prompts or PROMPTS
+    prefix_prompt = prefix_prompt or PREFIX_PROMPT
+    options = dict(model_dir=str(model_dir), num_blocks=80, max_model_len=256, max_num_seqs=8)
+    if regime == "chunked":
+        options["max_num_batched_tokens"] = 32
+    if regime == "preempt":  # 28 blocks of 8 cannot hold every prompt and its new tokens at once
+        options.update(num_blocks=28, block_size=8)
+    options.update(config)
+    engine = start_engine(DecoderConfig(**options))
+    preempted, chunks = [], []
+    scheduler = engine.parts.scheduler
+    if regime == "preempt":
+        preempt = scheduler._preempt
+        scheduler._preempt = lambda r: (preempted.append(r.request_id), preempt(r))
+    if regime == "chunked":
+        schedule = scheduler.schedule
+        scheduler.schedule = lambda: (out := schedule(), chunks.extend(
+            s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))[0]
+    try:
+        if regime == "alone":
+            check_greedy(engine, refs, _requests([max(prompts, key=len)], new_tokens), concurrent=False)
+        elif regime == "prefix":
+            check_greedy(engine, refs, _requests([max(prompts, key=len)], new_tokens))
+            second = check_greedy(engine, refs, _requests([prefix_prompt], new_tokens))[0]
+            assert second[2].usage.cached_prompt_tokens > 0, "the second prompt was meant to hit the prefix cache"
+        else:
+            check_greedy(engine, refs, _requests(prompts, new_tokens))
+        assert engine.stats().num_free_blocks == options["num_blocks"]
+    finally:
+        engine.shutdown()
+    if regime == "preempt":
+        assert preempted, "the pool was meant to force preemption"
+    if regime == "chunked":
+        assert chunks and max(chunks) <= options["max_num_batched_tokens"]
