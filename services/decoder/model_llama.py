@@ -144,7 +144,13 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention of one layer. `sliding_window` and `logits_soft_cap` (None here: full causal,
+    no cap) are set per layer by a family's attention class or constructor and passed to the backend,
+    whose `AttentionBackend.forward` states their conventions (transformers')."""
+
     pointwise: CpuPointwise | None = None  # the C rotary kernel, set by `attach_pointwise`
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
 
     def __init__(self, spec: LlamaSpec, layer: int) -> None:
         super().__init__()
@@ -160,6 +166,13 @@ class LlamaAttention(nn.Module):
         """Hook between projection and RoPE: identity here (Qwen3 normalizes per head)."""
         return q, k
 
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook applying RoPE to q [n, heads, head_dim] and k [n, kv_heads, head_dim] by cos/sin
+        [n, head_dim] (rotate_half pairing); a family overrides it to skip or re-type the rotation."""
+        rotate = apply_rotary if self.pointwise is None else self.pointwise.rotary
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 attention: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
@@ -168,11 +181,11 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, d)  # [n, kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, d)
         q, k = self.normalize_qk(q, k)
-        rotate = apply_rotary if self.pointwise is None else self.pointwise.rotary
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = self.rotate_qk(q, k, cos, sin)
         attention.write_kv(cache, self.layer, k, v, meta)
         k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
-        out = attention.forward(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
+        out = attention.forward(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                logits_soft_cap=self.logits_soft_cap)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -210,10 +223,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: LlamaSpec, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+    def __init__(self, spec: LlamaSpec, attention_cls: type[LlamaAttention] = LlamaAttention,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, attention_cls) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(layer_cls(spec, i, attention_cls) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -222,6 +236,9 @@ class LlamaForCausalLM(nn.Module):
     norm -> logits."""
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # cos/sin dtype; None: the activations' (transformers' Llama casts them; OLMo 2 keeps float32)
+    rotary_dtype: torch.dtype | None = None
 
     @classmethod
     def spec_from_config(cls, cfg: dict) -> LlamaSpec:
@@ -231,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: LlamaSpec, mrope_section: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec, self.attention_cls)
+        self.model = LlamaModel(spec, self.attention_cls, self.layer_cls)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_section, spec.rope_scaling)
 
@@ -258,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)  # [num_tokens, hidden]
         if embed_rows is not None and embed_rows.numel():
             x[embed_rows] = embed_values.to(x.dtype)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [num_tokens, head_dim]
+        cos, sin = self.rotary.cos_sin(positions, self.rotary_dtype or x.dtype)  # [num_tokens, head_dim]
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, attention, meta)
         return x
