@@ -185,9 +185,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     pointwise: CpuPointwise | None = None  # the C SiLU gate, set by `attach_pointwise`
 
-    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+    def __init__(self, spec: LlamaSpec, layer: int, prefix: str | None = None) -> None:
+        """`prefix`: the checkpoint name of this MLP (default "model.layers.{layer}.mlp"; a MoE
+        block's shared expert lives under its own)."""
         super().__init__()
-        prefix = f"model.layers.{layer}.mlp"
+        prefix = prefix or f"model.layers.{layer}.mlp"
         hs, inter, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
         self.intermediate_size = inter
         self.gate_up_proj = _linear(prefix, hs, (("gate_proj", inter), ("up_proj", inter)), bias)
@@ -237,6 +239,11 @@ class LlamaForCausalLM(nn.Module):
     def spec_from_config(cls, cfg: dict) -> LlamaSpec:
         """The family's reading of config.json. Raises ValueError for what the family cannot run."""
         return LlamaSpec.from_config(cfg)
+
+    @classmethod
+    def convert_checkpoint(cls, spec: LlamaSpec, state: dict[str, torch.Tensor]) -> None:
+        """Hook: rewrite `state` (the file's names) in place into this family's weight names before
+        `build_model` checks them (nothing here; MoE families stack their per-expert weights)."""
 
     def __init__(self, spec: LlamaSpec, mrope_section: tuple[int, int, int] | None = None) -> None:
         super().__init__()
@@ -301,6 +308,7 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
     """
     with torch.device("meta"):
         model = model_cls(spec, mrope_section)
+    model_cls.convert_checkpoint(spec, state)
     tied = _ties_head(spec, state)
     if tied:
         state.pop("lm_head.weight", None)
