@@ -144,7 +144,13 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention of one layer. `sliding_window` and `logits_soft_cap` (None here: full causal,
+    no cap) are set per layer by a family's attention class or constructor and passed to the backend,
+    whose `AttentionBackend.forward` states their conventions (transformers')."""
+
     pointwise: CpuPointwise | None = None  # the C rotary kernel, set by `attach_pointwise`
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
 
     def __init__(self, spec: LlamaSpec, layer: int) -> None:
         super().__init__()
@@ -178,7 +184,8 @@ class LlamaAttention(nn.Module):
         q, k = self.rotate_qk(q, k, cos, sin)
         attention.write_kv(cache, self.layer, k, v, meta)
         k_cache, v_cache = cache.layer(self.layer)  # [kv_heads, slots, head_dim]
-        out = attention.forward(q, k_cache, v_cache, meta, self.scale)  # [n, heads, head_dim]
+        out = attention.forward(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                logits_soft_cap=self.logits_soft_cap)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -46,37 +46,53 @@ def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     return float((got - expected).abs().max())
 
 
-def backend_case(name: str, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 24, block_size: int = 4) -> float:
+def backend_case(name: str, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 24, block_size: int = 4,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 dtype: torch.dtype = torch.float32) -> float:
     """Backend `name` through its own metadata, from a scheduled batch: largest |difference| to a
     float64 per-row reference. The batch: a prefill chunk (positions 5..9 of 10), a decode at position
-    2 * block_size - 4, a whole 7-token prompt, a decode at position 3 * block_size - 1; blocks scattered."""
+    2 * block_size - 4, a whole 7-token prompt, a decode at position 3 * block_size - 1; blocks scattered.
+    With `sliding_window`, row p's reference sees positions max(0, p - window + 1)..p, and every slot
+    before its request's first window holds K = NaN, V = 1e30 (a freed block reused elsewhere: never
+    read, or masked by a fill, not a bias); with `logits_soft_cap`, scores are capped by tanh."""
     torch.manual_seed(7)
     tables = [[7, 2, 9, 4], [3, 11], [6, 10], [0, 5, 8]]
     # (positions computed before this step, positions computed in it) per request
     steps = [(5, 5), (2 * block_size - 4, 1), (0, 7), (3 * block_size - 1, 1)]
-    cache = KVCache(1, 12, block_size, num_kv_heads, head_dim, torch.float32)
+    cache = KVCache(1, 12, block_size, num_kv_heads, head_dim, dtype)
     k_cache, v_cache = cache.layer(0)
     k_cache.normal_(), v_cache.normal_()
+    if sliding_window is not None:
+        for (computed, _), table in zip(steps, tables):
+            stale = torch.arange(max(0, computed - sliding_window + 1))
+            slots = torch.tensor(table)[stale // block_size] * block_size + stale % block_size
+            k_cache[:, slots], v_cache[:, slots] = float("nan"), 1e30
     scheduled = []
     for i, (computed, new) in enumerate(steps):
         request = Request(f"r{i}", f"r{i}", PromptInputs(list(range(computed + new))), SamplingParams(max_tokens=1))
         request.num_computed_tokens = computed
         scheduled.append(ScheduledRequest(request, new))
     num_tokens = sum(new for _, new in steps)
-    query = torch.randn(num_tokens, num_heads, head_dim)
-    key, value = torch.randn(num_tokens, num_kv_heads, head_dim), torch.randn(num_tokens, num_kv_heads, head_dim)
+    query = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
     backend = make_attention_backend(name)
     meta = backend.build_metadata(scheduled, tables, cache)
     backend.write_kv(cache, 0, key, value, meta)
-    out = backend.forward(query, k_cache, v_cache, meta, head_dim ** -0.5)
+    out = backend.forward(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window=sliding_window,
+                          logits_soft_cap=logits_soft_cap)
     rep, row, err = num_heads // num_kv_heads, 0, 0.0
     for (computed, new), table in zip(steps, tables):
         for position in range(computed, computed + new):  # row `row` sees positions 0..position
-            pos = torch.arange(position + 1)
+            first = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+            pos = torch.arange(first, position + 1)
             slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
             k = k_cache[:, slots].double().repeat_interleave(rep, 0)  # [heads, ctx, d]
             v = v_cache[:, slots].double().repeat_interleave(rep, 0)
-            weights = torch.softmax((k @ query[row].double()[:, :, None]).squeeze(-1) * head_dim ** -0.5, dim=-1)
+            scores = (k @ query[row].double()[:, :, None]).squeeze(-1) * head_dim ** -0.5  # [heads, ctx]
+            if logits_soft_cap is not None:
+                scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+            weights = torch.softmax(scores, dim=-1)
             expected = (weights[:, :, None] * v).sum(1)  # [heads, d]
             err = max(err, float((out[row].double() - expected).abs().max()))
             row += 1
@@ -84,6 +100,11 @@ def backend_case(name: str, num_heads: int = 6, num_kv_heads: int = 2, head_dim:
                            + torch.arange(c, c + n) % block_size for (c, n), t in zip(steps, tables)])
     assert torch.equal(k_cache[:, new_slots], key.transpose(0, 1)), "this step's K is not where write_kv put it"
     return err
+
+
+# sliding windows inside a block, across blocks, wider than every context; soft caps alone and with one
+BACKEND_OPTIONS = [{}, {"sliding_window": 3}, {"sliding_window": 6}, {"sliding_window": 64},
+                   {"logits_soft_cap": 1.5}, {"sliding_window": 5, "logits_soft_cap": 2.0}]
 
 
 def engine_case(model_dir: str) -> None:
@@ -122,7 +143,8 @@ if __name__ == "__main__":
         err = kernel_case(*case)
         assert err < 1e-5, (case, err)
         print("OK kernel", case, err)
-    err = backend_case("triton")
-    assert err < 1e-5, err
-    print("OK backend triton", err)
+    for options in BACKEND_OPTIONS:
+        err = backend_case("triton", **options)
+        assert err < 1e-5, (options, err)
+        print("OK backend triton", options, err)
     engine_case(sys.argv[1])

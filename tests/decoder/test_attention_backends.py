@@ -1,10 +1,12 @@
 """The attention backend registry: config validates names against it without building anything, and
 every registered backend, through its own metadata built from a scheduled batch, equals a float64
-reference (triton in the interpreter subprocess of test_triton_attention.py, which runs
+reference, plain and with sliding windows and soft caps (the reference applies them, so a backend
+ignoring one fails; slots before a window hold NaN keys) (triton in the interpreter subprocess of test_triton_attention.py, which runs
 attention_kernel_cases.backend_case("triton"))."""
 
 import pytest
-from attention_kernel_cases import backend_case
+import torch
+from attention_kernel_cases import BACKEND_OPTIONS, backend_case
 
 from services.decoder.attention import ATTENTION_BACKENDS, make_attention_backend
 from services.decoder.config import DecoderConfig
@@ -28,6 +30,21 @@ def test_config_builds_no_kernel(tiny_llama, monkeypatch):
     assert not native.is_loaded()  # built by the backend when the engine starts (test_cpu_attention.py)
 
 
+@pytest.mark.parametrize("options", BACKEND_OPTIONS, ids=str)
 @pytest.mark.parametrize("name", IN_PROCESS)
-def test_backend_equals_float64_reference_on_a_paged_batch(name):
-    assert backend_case(name) < 1e-5
+def test_backend_equals_float64_reference_on_a_paged_batch(name, options):
+    assert backend_case(name, **options) < 1e-5
+
+
+@pytest.mark.parametrize("options", BACKEND_OPTIONS[1:], ids=str)
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_window_and_cap_in_bfloat16(name, options):
+    assert backend_case(name, dtype=torch.bfloat16, **options) < 2e-2
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+@pytest.mark.parametrize("options", [{"sliding_window": 0}, {"logits_soft_cap": 0.0}, {"logits_soft_cap": -1.0}],
+                         ids=str)
+def test_bad_window_or_cap_is_refused(name, options):
+    with pytest.raises(ValueError, match="sliding_window must be >= 1|logits_soft_cap must be > 0"):
+        backend_case(name, **options)

@@ -49,7 +49,8 @@ class AttentionBackend(ABC, Generic[M]):
 
     Contract: for query rows [num_tokens, heads, head_dim] of a flat batch (rows of one request
     consecutive, in the order scheduled), `forward` returns what causal attention over each row's
-    context (positions 0..its own, read through the block table, this step's K/V included) gives;
+    context (positions 0..its own, or with a sliding window its last `sliding_window` of them, read
+    through the block table, this step's K/V included) gives;
     grouped-query heads share KV as transformers' `repeat_kv` (head h reads kv head
     h // (heads / kv_heads)). Backends agree with the torch backend within float rounding.
     """
@@ -76,9 +77,33 @@ class AttentionBackend(ABC, Generic[M]):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: M,
-                scale: float) -> torch.Tensor:
+                scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """Attention of `query` [num_tokens, heads, head_dim] over one layer's caches [kv_heads, slots,
-        head_dim] (already holding this step's K/V); returns [num_tokens, heads, head_dim], query's dtype."""
+        head_dim] (already holding this step's K/V); returns [num_tokens, heads, head_dim], query's dtype.
+
+        sliding_window: a query at absolute position p attends keys at positions kv with
+            p - sliding_window < kv <= p (transformers' masking_utils `sliding_window_overlay`:
+            `kv_idx > q_idx - sliding_window`); None: every position 0..p. Positions before the
+            window are never read, so their blocks may be freed (placeholder ids in the table).
+        logits_soft_cap: scores = (q . k) * scale, then cap * tanh(scores / cap), then the mask, then
+            a float32 softmax (Gemma 2's eager attention); None: no cap.
+
+        Raises:
+            ValueError: sliding_window < 1 or logits_soft_cap <= 0 (`check_attention_options`).
+        """
+
+
+def check_attention_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Refuse a window or soft cap no backend can apply.
+
+    Raises:
+        ValueError: sliding_window not None and < 1, or logits_soft_cap not None and <= 0.
+    """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
 
 
 def cache_slots(block_table: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:

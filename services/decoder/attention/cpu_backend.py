@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.decoder.attention.backend import AttentionBackend, AttentionMetadata
-from services.decoder.attention.torch_backend import PrefillSpan, prefill_attention, split_batch
+from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, check_attention_options
+from services.decoder.attention.torch_backend import (
+    PrefillSpan,
+    TorchAttentionMetadata,
+    decode_attention,
+    plan_decode,
+    prefill_attention,
+    split_batch,
+)
 from services.decoder.block_manager import padded_block_tables
 from services.decoder.kernels import native
 
@@ -64,6 +71,7 @@ class CpuAttentionMetadata(AttentionMetadata):
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode: CpuDecodeMetadata | None = None
     block_size: int = 0
+    torch_decode: TorchAttentionMetadata | None = None  # the decode rows on the torch path (window or cap)
 
 
 class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
@@ -108,11 +116,25 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
         write_kv(key, value, meta.slot_mapping, k_cache, v_cache)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: CpuAttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        check_attention_options(sliding_window, logits_soft_cap)
         out = torch.empty_like(query)
-        prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out)
-        if meta.decode is not None:
+        prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out, sliding_window, logits_soft_cap)
+        if meta.decode is None:
+            return out
+        if sliding_window is None and logits_soft_cap is None:
             paged_decode_attention(query, k_cache, v_cache, meta.decode, meta.block_size, scale, out)
+            return out
+        decode = meta.decode  # the torch path's decode groups, planned once per step
+        if meta.torch_decode is None:
+            groups, index = plan_decode(decode.rows.tolist(), decode.block_tables.tolist(),
+                                        decode.context_lens.tolist(), meta.block_size, k_cache.shape[0],
+                                        k_cache.shape[1] // meta.block_size)
+            meta.torch_decode = TorchAttentionMetadata(slot_mapping=meta.slot_mapping, decode_groups=groups,
+                                                       decode_index=index, block_size=meta.block_size)
+        decode_attention(query, k_cache, v_cache, meta.torch_decode, query.shape[1] // k_cache.shape[0], scale, out,
+                         sliding_window, logits_soft_cap)
         return out
 
 

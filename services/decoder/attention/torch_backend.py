@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, cache_slots
+from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, cache_slots, check_attention_options
 
 if TYPE_CHECKING:
     from services.decoder.kv_cache import KVCache
@@ -45,7 +45,7 @@ MAX_GROUP_BYTES = 4 << 20
 
 def decode_group_cap(head_dim: int, dtype: torch.dtype) -> int:
     """`plan_decode`'s cap for a cache of `head_dim` and `dtype`: K + V of that many positions in
-    the score dtype (half precision is upcast to float32 in `_decode`) take MAX_GROUP_BYTES."""
+    the score dtype (half precision is upcast to float32 in `decode_attention`) take MAX_GROUP_BYTES."""
     element = max(torch.finfo(dtype).bits // 8, 4)
     return max(1, MAX_GROUP_BYTES // (2 * head_dim * element))
 
@@ -79,6 +79,16 @@ class DecodeGroup:
     padding: torch.Tensor | None  # bool [1, n, 1, L]: True on padding positions (their scores become -inf); None: none
     start: int
     first_row: int | None = None  # set when rows are first_row, first_row + 1, ...: slices, no row gather
+    context_lens: torch.Tensor | None = None  # int64 [n]: each row's context (its query position + 1)
+
+    def masked(self, sliding_window: int | None) -> torch.Tensor | None:
+        """bool [1, n, 1, L]: True where a row's score becomes -inf (padding, and with `sliding_window`
+        positions kv <= position - sliding_window); None: nothing masked."""
+        if sliding_window is None:
+            return self.padding
+        before = torch.arange(self.context_len)[None, :] < (self.context_lens - sliding_window)[:, None]  # [n, L]
+        before = before[None, :, None, :]
+        return before if self.padding is None else before | self.padding
 
 
 @dataclass(kw_only=True)
@@ -146,7 +156,7 @@ def plan_decode(rows: list[int], block_tables: list[list[int]], context_lens: li
         group_rows = [rows[i] for i in members]
         in_order = group_rows == list(range(group_rows[0], group_rows[0] + len(group_rows)))
         groups.append(DecodeGroup(torch.tensor(group_rows, dtype=torch.long), length, padding, start,
-                                  group_rows[0] if in_order else None))
+                                  group_rows[0] if in_order else None, sizes))
         index.append((heads + tables[None]).reshape(-1))
         start += num_kv_heads * len(members) * length
     return groups, torch.cat(index)
@@ -202,30 +212,44 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
         return meta
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(query, k_cache, v_cache, meta, scale)
+                meta: TorchAttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        return paged_attention(query, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: TorchAttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Attention of `query` [num_tokens, heads, head_dim] over the slot-indexed caches.
 
     `k_cache`/`v_cache` are head-major [kv_heads, slots, head_dim] (already holding this step's
     K/V). Grouped-query heads share KV as in transformers' `repeat_kv` (head h reads kv head
-    h // (heads / kv_heads)). Returns [num_tokens, heads, head_dim].
+    h // (heads / kv_heads)). `sliding_window` / `logits_soft_cap` as `AttentionBackend.forward`
+    states them. Returns [num_tokens, heads, head_dim].
+
+    Raises:
+        ValueError: sliding_window < 1 or logits_soft_cap <= 0.
     """
+    check_attention_options(sliding_window, logits_soft_cap)
     out = torch.empty_like(query)
-    prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out)
+    prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out, sliding_window, logits_soft_cap)
     if meta.decode_groups:
-        _decode(query, k_cache, v_cache, meta, query.shape[1] // k_cache.shape[0], scale, out)
+        decode_attention(query, k_cache, v_cache, meta, query.shape[1] // k_cache.shape[0], scale, out, sliding_window,
+                logits_soft_cap)
     return out
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      prefills: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
-    """The prefill spans' rows of `out` [num_tokens, heads, head_dim]: SDPA over each span's context."""
+                      prefills: list[PrefillSpan], scale: float, out: torch.Tensor,
+                      sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+    """The prefill spans' rows of `out` [num_tokens, heads, head_dim]: SDPA over each span's context
+    (`windowed_prefill` with a sliding window or a soft cap)."""
     num_rep = query.shape[1] // k_cache.shape[0]
     for span in prefills:
+        if sliding_window is not None or logits_soft_cap is not None:
+            windowed_prefill(query, k_cache, v_cache, span, scale, out, sliding_window, logits_soft_cap)
+            continue
         # 4-D inputs with enable_gqa: SDPA's CPU flash kernel (3-D inputs, or K/V repeated per
         # head, fall back to the slower math path)
         q = query[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
@@ -238,8 +262,56 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out[span.token_start:span.token_end] = o[0].transpose(0, 1)
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchAttentionMetadata,
-            num_rep: int, scale: float, out: torch.Tensor) -> None:
+def windowed_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan,
+                     scale: float, out: torch.Tensor, sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """One span's rows of `out` with a sliding window and/or a soft cap. Only positions from the first
+    query's window on are gathered (earlier blocks may be freed):
+
+        positions  0 ....... kv_start ....... num_computed ....... context_len
+                             |<- window of the first query ->|<- query rows ->|
+        row at position p sees kv_start <= kv <= p with kv > p - sliding_window
+
+    Without a cap this is SDPA with a boolean mask; with one, the explicit path (SDPA has no cap):
+    scores in float32 at least, capped, masked, softmaxed.
+    """
+    num_rep = query.shape[1] // k_cache.shape[0]
+    context_len = int(span.context_slots.numel())
+    kv_start = 0 if sliding_window is None else max(0, span.num_computed - sliding_window + 1)
+    slots = span.context_slots[kv_start:]
+    query_pos = torch.arange(span.num_computed, context_len)[:, None]  # [q_len, 1]
+    kv_pos = torch.arange(kv_start, context_len)[None, :]              # [1, ctx]
+    mask = kv_pos <= query_pos                                          # [q_len, ctx]: True attends
+    if sliding_window is not None:
+        mask &= kv_pos > query_pos - sliding_window
+    q = query[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
+    k = k_cache.index_select(1, slots)[None]                           # [1, kv_heads, ctx, head_dim]
+    v = v_cache.index_select(1, slots)[None]
+    if logits_soft_cap is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_rep > 1)[0]
+    else:
+        kv_heads, q_len, head_dim = k.shape[1], q.shape[2], q.shape[3]
+        q = q.reshape(kv_heads, num_rep * q_len, head_dim)  # heads of one kv head are consecutive
+        scores = capped_scores(q, k[0], scale, logits_soft_cap).view(kv_heads, num_rep, q_len, -1)
+        scores.masked_fill_(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1).view(kv_heads, num_rep * q_len, -1)
+        o = torch.matmul(weights, v[0].to(weights.dtype)).view(-1, q_len, head_dim).to(query.dtype)  # [heads, q, d]
+    out[span.token_start:span.token_end] = o.transpose(0, 1)
+
+
+def capped_scores(q: torch.Tensor, k: torch.Tensor, scale: float, logits_soft_cap: float | None) -> torch.Tensor:
+    """(q @ k^T) * scale [..., rows, ctx] in float32 at least (half precision upcast), then with a cap
+    cap * tanh(scores / cap), as Gemma 2's eager attention; q [..., rows, d], k [..., ctx, d]."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        q, k = q.float(), k.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    return scores
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchAttentionMetadata,
+            num_rep: int, scale: float, out: torch.Tensor, sliding_window: int | None = None,
+            logits_soft_cap: float | None = None) -> None:
     """Decode rows' attention into `out` (one token per row, groups from `plan_decode`).
 
     The `num_rep` query heads sharing a kv head become that kv head's query rows, so K/V are
@@ -265,8 +337,11 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         if q.dtype in (torch.float16, torch.bfloat16):  # scores and weights in float32 (no overflow)
             q, k, v = q.float(), k.float(), v.float()
         scores = torch.matmul(q * scale, k.transpose(-1, -2))                                         # [kv, n, rep, L]
-        if group.padding is not None:
-            scores.masked_fill_(group.padding, float("-inf"))
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        masked = group.masked(sliding_window)
+        if masked is not None:
+            scores.masked_fill_(masked, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)                            # [kv, n, rep, d]
         o = o.transpose(0, 1).reshape(n, -1, head_dim)                                                # [n, heads, d]
         if group.first_row is None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, cache_slots
+from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, cache_slots, check_attention_options
 from services.decoder.block_manager import padded_block_tables
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
                                        context_lens=context_lens, block_size=block_size)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: TritonAttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        check_attention_options(sliding_window, logits_soft_cap)
         return self._kernel(query, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.context_lens,
-                            meta.block_size, scale)
+                            meta.block_size, scale, sliding_window, logits_soft_cap)
