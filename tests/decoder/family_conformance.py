@@ -10,7 +10,8 @@ computes transformers' references once (`references`), then runs `check_regime` 
 - prefix: the longest prompt, then `prefix_prompt`, which shares `PREFIX_TOKENS` of it: a cache hit;
 - preempt: a pool too small for every prompt at once, so the scheduler preempts (recompute).
 
-Every regime ends with every KV block free again.
+Every regime ends with every KV block free again. `check_lora` serves two PEFT adapters (q/v or
+all-linear: `LORA_TARGETS`) and base rows in one batch against PEFT.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
 from decoder_testing import check_greedy, hf_reference_batch
 from transformers import AutoModelForCausalLM
 
+from services.decoder.adapter_source import InMemoryAdapterSource
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
+from services.decoder.lora import LoRAWeights
 from services.decoder.types import GenerateInput, SamplingParams
 
 REGIMES = ("alone", "concurrent", "chunked", "prefix", "preempt")
@@ -84,3 +88,73 @@ def check_regime(model_dir: Path, refs: dict, regime: str, prompts=None, prefix_
         assert preempted, "the pool was meant to force preemption"
     if regime == "chunked":
         assert chunks and max(chunks) <= options["max_num_batched_tokens"]
+
+
+LORA_TARGETS = {"q/v": ["q_proj", "v_proj"], "all-linear": "all-linear"}
+
+
+def peft_model(model_dir: Path, seed: int, target_modules, **load):
+    """A PEFT LoRA (r 8, alpha 16) on transformers' model of `model_dir`, its factors drawn from
+    N(0, 0.3) with `seed` so that the adapter changes greedy choices decisively."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, **load).eval()
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=target_modules, init_lora_weights=False)
+    model = get_peft_model(base, config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def peft_weights(model, digest: str) -> LoRAWeights:
+    """A PEFT model's scaled factors (B carries alpha / r) by transformers module name, as the
+    adapter registry serves them."""
+    modules, params = {}, dict(model.named_parameters())
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            target = name.removeprefix("base_model.model.")
+            a = params[f"{name}.lora_A.default.weight"].detach().clone()
+            b = params[f"{name}.lora_B.default.weight"].detach().clone() * module.scaling["default"]
+            modules[target] = (a, b)
+    return LoRAWeights(digest, modules)
+
+
+def check_lora(model_dir: Path, target_modules, prompts=None, new_tokens: int = 24, **config) -> None:
+    """Two PEFT adapters on `target_modules` (a list, or "all-linear") and base rows in one batch:
+    each adapter's greedy ids equal PEFT's generate, base rows equal transformers', and the adapters
+    change the output (else the check would prove nothing); every lease comes back."""
+    import asyncio
+
+    prompts = prompts or [PROMPTS[1], PROMPTS[3]]
+    models = {name: peft_model(model_dir, seed, target_modules) for name, seed in (("a", 1), ("b", 2))}
+    refs = {name: [ids for ids, _ in hf_reference_batch(model, prompts, new_tokens)] for name, model in models.items()}
+    with torch.no_grad(), models["a"].disable_adapter():
+        refs[""] = [ids for ids, _ in hf_reference_batch(models["a"], prompts, new_tokens)]
+    assert refs["a"] != refs[""] and refs["b"] != refs[""], "the adapters were meant to change the output"
+    source = InMemoryAdapterSource()
+    options = dict(model_dir=str(model_dir), num_blocks=64, max_model_len=256, adapter_slots=2, max_lora_rank=16)
+    options.update(config)
+    engine = start_engine(DecoderConfig(**options), source)
+    try:
+        for name, model in models.items():
+            source.add(name, peft_weights(model, f"digest-{name}"))
+        requests = [GenerateInput(SamplingParams(max_tokens=new_tokens), request_id=f"{name or 'base'}{i}",
+                                  prompt_token_ids=tuple(p), lora=name)
+                    for i, p in enumerate(prompts) for name in ("a", "", "b")]
+
+        async def collect(request):
+            return [t async for out in engine.generate(request) for t in out.token_ids]
+
+        async def main():
+            return await asyncio.gather(*(collect(r) for r in requests))
+
+        results = asyncio.run(main())
+        expected = [refs[name][i] for i in range(len(prompts)) for name in ("a", "", "b")]
+        assert results == expected
+        assert all(engine.parts.bank.num_leases(slot) == 0 for slot in range(options["adapter_slots"]))
+        assert engine.stats().num_free_blocks == options["num_blocks"]
+    finally:
+        engine.shutdown()

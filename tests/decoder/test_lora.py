@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import torch
 from decoder_testing import hf_greedy
+from family_conformance import peft_weights
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
@@ -31,18 +32,6 @@ def _peft_model(model_dir, seed):
     return model
 
 
-def _weights(peft_model, digest):
-    """Scaled factors by transformers module name, as the registry would serve them."""
-    modules, params = {}, dict(peft_model.named_parameters())
-    for name, module in peft_model.named_modules():
-        if hasattr(module, "lora_A") and "default" in module.lora_A:
-            target = name.removeprefix("base_model.model.")
-            a = params[f"{name}.lora_A.default.weight"].detach().clone()
-            b = params[f"{name}.lora_B.default.weight"].detach().clone() * module.scaling["default"]
-            modules[target] = (a, b)
-    return LoRAWeights(digest, modules)
-
-
 def _peft_greedy(model, prompt):
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -61,7 +50,7 @@ def test_lora_and_base_in_one_batch_equal_peft_and_base(tiny_llama):
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
                                         max_lora_rank=16), adapters)
     try:
-        weights_a, weights_b = _weights(peft_a, "digest-a"), _weights(peft_b, "digest-b")
+        weights_a, weights_b = peft_weights(peft_a, "digest-a"), peft_weights(peft_b, "digest-b")
         slot_a = engine.parts.bank.load(weights_a)
         slot_b = engine.parts.bank.load(weights_b)
         adapters.add("a", weights_a)
@@ -115,7 +104,7 @@ def test_each_choice_of_n_holds_a_lease_from_the_source_until_it_ends(tiny_llama
     engine = start_engine(DecoderConfig(model_dir=str(tiny_llama), num_blocks=64, max_model_len=512, adapter_slots=2,
                                         max_lora_rank=16), adapters)
     try:
-        adapters.add("a", _weights(_peft_model(tiny_llama, 1), "digest-a"))
+        adapters.add("a", peft_weights(_peft_model(tiny_llama, 1), "digest-a"))
         request = GenerateInput(SamplingParams(max_tokens=NEW_TOKENS, n=3, temperature=1.0, seed=3),
                                 prompt_token_ids=tuple(PROMPTS[0]), lora="a")
 
