@@ -1,8 +1,8 @@
 """`python -m services.vision`: images -> projected rows for the decoder.
 
 Two encoders: `--encoder demo` (default; a fixed-resolution tower with seeded RANDOM
-weights -- plumbing, not answers) and `--encoder qwen2-vl --model-dir DIR` (a Qwen2-VL
-checkpoint's vision tower + PatchMerger, with its preprocessing recipe and M-RoPE sections).
+weights -- plumbing, not answers) and `--encoder qwen2-vl --model-dir DIR` (a Qwen2-VL or
+Qwen2.5-VL checkpoint's vision tower + PatchMerger, with its preprocessing recipe and M-RoPE sections).
 """
 
 from __future__ import annotations

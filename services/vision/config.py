@@ -93,7 +93,7 @@ class VisionConfig:
             raise ValueError(f"processor.qwen2_vl {self.processor.qwen2_vl} must be the checkpoint's recipe "
                              f"{checkpoint.pixels}")
         check_checkpoint_section(self.mrope_section, checkpoint.mrope_section)
-        return checkpoint.vision.hidden_size
+        return checkpoint.vision.output_width
 
 
 _PROCESSOR, _DEMO = ProcessorConfig(), DemoEncoderConfig(output_width=1)
@@ -108,12 +108,12 @@ class VisionFlags:
     """The command line of `python -m services.vision`; `vision_config()` builds the `VisionConfig`.
 
     Two encoders: "demo" (a fixed-resolution tower with seeded random weights) and "qwen2-vl"
-    (a Qwen2-VL checkpoint's vision tower, its preprocessing recipe and M-RoPE sections).
+    (a Qwen2-VL or Qwen2.5-VL checkpoint's vision tower, its preprocessing recipe and M-RoPE sections).
     """
 
     address: str = _flag(default_address("vision"), "bind host:port")
     encoder: str = _flag("demo", "image encoder", choices=("demo", "qwen2-vl"))
-    model_dir: str | None = _flag(None, "Qwen2-VL checkpoint directory (--encoder qwen2-vl)")
+    model_dir: str | None = _flag(None, "Qwen2-VL or Qwen2.5-VL checkpoint directory (--encoder qwen2-vl)")
     min_pixels: int | None = _flag(None, "qwen2-vl: min H*W after resizing",
                                    default_help="the checkpoint's preprocessor config")
     max_pixels: int | None = _flag(None, "qwen2-vl: max H*W after resizing",

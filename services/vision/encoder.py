@@ -51,7 +51,7 @@ class ImageEncoder(ABC):
     that encoder's processor documents) and returns, per image, `EncoderOutput` with rows
     [prod(grid_thw), output_width] float32 on CPU. `revision` is a short hex digest of the
     weights: equal revisions mean equal outputs for equal pixels, and it enters every content
-    hash. `name` is what GetInfo reports ("demo" or "qwen2-vl"). Implementations are not
+    hash. `name` is what GetInfo reports ("demo", "qwen2-vl" or "qwen2.5-vl"). Implementations are not
     thread-safe; the servicer serializes calls.
     """
 

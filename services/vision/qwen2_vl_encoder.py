@@ -1,12 +1,15 @@
-"""The Qwen2-VL encoder: a Qwen2-VL Hugging Face checkpoint directory's `visual.*` weights.
+"""The Qwen2-VL encoder: a Qwen2-VL or Qwen2.5-VL Hugging Face checkpoint directory's `visual.*` weights.
 
 Reads, from the directory:
-  config.json              vision_config (tower shape), text_config/top-level rope_parameters or
-                           rope_scaling `mrope_section` (the LLM's M-RoPE sections)
+  config.json              model_type (which tower: `TOWERS`), vision_config (its shape),
+                           text_config/top-level rope_parameters or rope_scaling `mrope_section`
+                           (the LLM's M-RoPE sections)
   preprocessor_config.json min/max pixels, patch/merge/temporal sizes, mean/std (optional file)
   *.safetensors            only tensors named `visual.*` (or `model.visual.*`, the in-memory name
                            in transformers 5); the language model's weights are never read
 
+Both families share the preprocessing (transformers maps qwen2_5_vl to Qwen2VLImageProcessor) and
+the M-RoPE position rule for images; their towers differ (qwen2_vl_tower, qwen2_5_vl_tower).
 Rows come out float32 on CPU in the order transformers' `model.visual(...)` returns them:
 merged tokens of each image in (t, h/2, w/2) raster order, which is the order of its
 `<|image_pad|>` placeholders.
@@ -24,10 +27,28 @@ from safetensors import safe_open
 from services.common.checkpoint import CheckpointConfig
 from services.common.mrope import check_mrope_section
 from services.vision.encoder import EncoderOutput, ImageEncoder, state_dict_digest
+from services.vision.qwen2_5_vl_tower import Qwen2_5_VLVisionConfig, Qwen2_5_VLVisionTower
 from services.vision.qwen2_vl_pixels import Qwen2VLPixelConfig, patchify
 from services.vision.qwen2_vl_tower import Qwen2VLVisionConfig, Qwen2VLVisionTower
 
 _PREFIXES = ("visual.", "model.visual.")
+
+
+@dataclass(frozen=True)
+class TowerFamily:
+    """One family's vision tower: its config class, its module, and the encoder name GetInfo reports."""
+
+    config: type[Qwen2VLVisionConfig] | type[Qwen2_5_VLVisionConfig]
+    tower: type[Qwen2VLVisionTower] | type[Qwen2_5_VLVisionTower]
+    name: str
+
+
+# config.json's model_type -> its tower; any other model_type is read as Qwen2-VL's (its visual.* weights
+# must then fit that tower)
+TOWERS = {
+    "qwen2_vl": TowerFamily(Qwen2VLVisionConfig, Qwen2VLVisionTower, "qwen2-vl"),
+    "qwen2_5_vl": TowerFamily(Qwen2_5_VLVisionConfig, Qwen2_5_VLVisionTower, "qwen2.5-vl"),
+}
 
 
 @dataclass(frozen=True)
@@ -40,7 +61,7 @@ class Qwen2VLEncoderConfig:
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir).expanduser() / "config.json").is_file():
-            raise ValueError(f"model_dir {self.model_dir!r} has no config.json (need a Qwen2-VL checkpoint directory)")
+            raise ValueError(f"model_dir {self.model_dir!r} has no config.json (need a Qwen2-VL or Qwen2.5-VL checkpoint directory)")
         for name in ("min_pixels", "max_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -49,11 +70,12 @@ class Qwen2VLEncoderConfig:
 
 @dataclass(frozen=True)
 class Qwen2VLCheckpoint:
-    """What the directory says: tower shape, M-RoPE sections, preprocessing recipe."""
+    """What the directory says: tower family and shape, M-RoPE sections, preprocessing recipe."""
 
-    vision: Qwen2VLVisionConfig
+    vision: Qwen2VLVisionConfig | Qwen2_5_VLVisionConfig
     mrope_section: tuple[int, int, int]
     pixels: Qwen2VLPixelConfig = field(default_factory=Qwen2VLPixelConfig)
+    family: TowerFamily = TOWERS["qwen2_vl"]
 
 
 def _read_json(path: Path) -> dict:
@@ -63,9 +85,9 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"cannot read {path}: {error}") from error
 
 
-def _vision_config(raw: dict) -> Qwen2VLVisionConfig:
-    """Accepts both transformers 5 names and the original Qwen2-VL release's (in_chans, spatial_patch_size)."""
-    names = {f.name for f in fields(Qwen2VLVisionConfig)}
+def _vision_config(raw: dict, family: TowerFamily) -> Qwen2VLVisionConfig | Qwen2_5_VLVisionConfig:
+    """Accepts both transformers 5 names and the original releases' (in_chans, spatial_patch_size)."""
+    names = {f.name for f in fields(family.config)}
     values = {k: v for k, v in raw.items() if k in names}
     if "in_chans" in raw and "in_channels" not in raw:
         values["in_channels"] = raw["in_chans"]
@@ -74,7 +96,7 @@ def _vision_config(raw: dict) -> Qwen2VLVisionConfig:
     rope = raw.get("rope_parameters") or {}
     if "rope_theta" in rope:
         values["rope_theta"] = float(rope["rope_theta"])
-    return Qwen2VLVisionConfig(**values)
+    return family.config(**values)
 
 
 def _mrope_section(config: dict) -> tuple[int, int, int]:
@@ -87,7 +109,7 @@ def _mrope_section(config: dict) -> tuple[int, int, int]:
     raise ValueError("config.json has no mrope_section in rope_parameters/rope_scaling; not a Qwen2-VL checkpoint")
 
 
-def _pixel_config(raw: dict, vision: Qwen2VLVisionConfig, encoder: Qwen2VLEncoderConfig) -> Qwen2VLPixelConfig:
+def _pixel_config(raw: dict, vision: Qwen2VLVisionConfig | Qwen2_5_VLVisionConfig, encoder: Qwen2VLEncoderConfig) -> Qwen2VLPixelConfig:
     size = raw.get("size") or {}
     defaults = Qwen2VLPixelConfig()
     min_pixels = encoder.min_pixels or raw.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels
@@ -111,12 +133,13 @@ def read_checkpoint(encoder: Qwen2VLEncoderConfig) -> Qwen2VLCheckpoint:
     checkpoint = CheckpointConfig.read(encoder.model_dir)
     root, config = checkpoint.model_dir, checkpoint.raw
     if "vision_config" not in config:
-        raise ValueError(f"{root / 'config.json'} has no vision_config; not a Qwen2-VL checkpoint")
-    vision = _vision_config(config["vision_config"])
+        raise ValueError(f"{root / 'config.json'} has no vision_config; not a Qwen2-VL or Qwen2.5-VL checkpoint")
+    family = TOWERS.get(checkpoint.model_type, TOWERS["qwen2_vl"])
+    vision = _vision_config(config["vision_config"], family)
     preprocessor = root / "preprocessor_config.json"
     raw_pixels = _read_json(preprocessor) if preprocessor.is_file() else {}
     return Qwen2VLCheckpoint(vision=vision, mrope_section=_mrope_section(config),
-                             pixels=_pixel_config(raw_pixels, vision, encoder))
+                             pixels=_pixel_config(raw_pixels, vision, encoder), family=family)
 
 
 def load_visual_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -138,20 +161,20 @@ def load_visual_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 class Qwen2VLEncoder(ImageEncoder):
-    """Qwen2-VL vision tower + PatchMerger; pixels from the processor's Qwen2-VL recipe."""
-
-    name = "qwen2-vl"
+    """The checkpoint's vision tower + PatchMerger (Qwen2-VL's, or Qwen2.5-VL's with window
+    attention); pixels from the processor's Qwen2-VL recipe. `name` is "qwen2-vl" or "qwen2.5-vl"."""
 
     def __init__(self, config: Qwen2VLEncoderConfig) -> None:
         self.config = config
         self.checkpoint = read_checkpoint(config)
-        self.model = Qwen2VLVisionTower(self.checkpoint.vision).eval()
+        self.name = self.checkpoint.family.name
+        self.model = self.checkpoint.family.tower(self.checkpoint.vision).eval()
         state = load_visual_state(config.model_dir)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"visual.* weights do not fit the tower: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
-        self.output_width = self.checkpoint.vision.hidden_size
+        self.output_width = self.checkpoint.vision.output_width
         self.revision = state_dict_digest(self.model)
 
     def encode(self, pixels: list[torch.Tensor]) -> list[EncoderOutput]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -54,12 +54,17 @@ class Qwen2VLVisionConfig:
         if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
             raise ValueError(f"embed_dim {self.embed_dim} / num_heads {self.num_heads} must be a head_dim "
                              "divisible by 4 (2-D rotary splits it into h and w halves of pairs)")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"vision_config.hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act {self.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
 
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def output_width(self) -> int:
+        """The merger's output width: the LLM's hidden size (`hidden_size` in Qwen2-VL's vision_config)."""
+        return self.hidden_size
 
 
 def vision_position_ids(grid_thw: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
@@ -76,6 +81,15 @@ def vision_position_ids(grid_thw: list[tuple[int, int, int]], merge: int) -> tor
         wpos = wpos.reshape(block).transpose(1, 2).flatten()
         positions.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
     return torch.cat(positions)
+
+
+def frame_seqlens(grid_thw: list[tuple[int, int, int]]) -> list[int]:
+    """Cumulative patch-row counts [0, n0, n0+n1, ...], one segment per frame of each image, as
+    transformers' `get_vision_cu_seqlens`: full attention never crosses a frame."""
+    cu_seqlens = [0]
+    for t, h, w in grid_thw:
+        cu_seqlens.extend(cu_seqlens[-1] + h * w * (i + 1) for i in range(t))
+    return cu_seqlens
 
 
 class VisionRotary(nn.Module):
@@ -127,19 +141,22 @@ class VisionMlp(nn.Module):
         hidden = int(config.embed_dim * config.mlp_ratio)
         self.fc1 = nn.Linear(config.embed_dim, hidden)
         self.fc2 = nn.Linear(hidden, config.embed_dim)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+    """Pre-norm block; `norm` and `mlp` are Qwen2-VL's LayerNorm and fc1/fc2 MLP unless given."""
+
+    def __init__(self, config: Qwen2VLVisionConfig, norm: type[nn.Module] = nn.LayerNorm,
+                 mlp: type[nn.Module] = VisionMlp) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.norm1 = norm(config.embed_dim, eps=1e-6)
+        self.norm2 = norm(config.embed_dim, eps=1e-6)
         self.attn = VisionAttention(config)
-        self.mlp = VisionMlp(config)
+        self.mlp = mlp(config)
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -158,12 +175,14 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+    """Norm, then m x m neighbours concatenated, Linear-GELU-Linear to `config.output_width`."""
+
+    def __init__(self, config: Qwen2VLVisionConfig, norm: type[nn.Module] = nn.LayerNorm) -> None:
         super().__init__()
         self.merged_dim = config.embed_dim * config.spatial_merge_size ** 2
-        self.ln_q = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.ln_q = norm(config.embed_dim, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
-                                 nn.Linear(self.merged_dim, config.hidden_size))
+                                 nn.Linear(self.merged_dim, config.output_width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).reshape(-1, self.merged_dim))  # [N / m^2, hidden]
@@ -183,10 +202,7 @@ class Qwen2VLVisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """grid_thw: per image (t, gh, gw) in patches; rows of one frame are one attention segment."""
         cos, sin = self.rotary_pos_emb(vision_position_ids(grid_thw, self.config.spatial_merge_size))
-        cu_seqlens = [0]
-        for t, h, w in grid_thw:
-            start = cu_seqlens[-1]
-            cu_seqlens.extend([start + h * w * (i + 1) for i in range(t)])  # one segment per frame
+        cu_seqlens = frame_seqlens(grid_thw)
         x = self.patch_embed(pixel_values)  # [N, embed]
         for block in self.blocks:
             x = block(x, cu_seqlens, cos, sin)
