@@ -13,12 +13,18 @@ from services.decoder.attention.torch_backend import (
 from services.decoder.kv_cache import KVCache
 
 
-def reference(q, k_cache, v_cache, slots, scale):
-    """q [heads, d] (one query at the last position) over slots: float64 [heads, d]."""
+def reference(q, k_cache, v_cache, slots, scale, sliding_window=None, logits_soft_cap=None):
+    """q [heads, d] (one query at the last position) over slots (the last `sliding_window` of them;
+    scores capped by tanh with `logits_soft_cap`): float64 [heads, d]."""
     rep = q.shape[0] // k_cache.shape[0]
+    if sliding_window is not None:
+        slots = slots[-sliding_window:]
     k = k_cache[:, slots].double().repeat_interleave(rep, 0)  # [heads, ctx, d]
     v = v_cache[:, slots].double().repeat_interleave(rep, 0)
-    weights = torch.softmax((k @ q.double()[:, :, None]).squeeze(-1) * scale, dim=-1)  # [heads, ctx]
+    scores = (k @ q.double()[:, :, None]).squeeze(-1) * scale  # [heads, ctx]
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    weights = torch.softmax(scores, dim=-1)
     return (weights[:, :, None] * v).sum(1)
 
 

@@ -22,10 +22,14 @@ from services.decoder.kernels import native
 from services.decoder.kv_cache import KVCache
 from services.decoder.lora.registry import make_backend
 
+# none; a window inside one block, across blocks; a cap; both (windows longer than a row read it whole)
+WINDOW_AND_CAP = [{}, {"sliding_window": 3}, {"sliding_window": 20}, {"logits_soft_cap": 2.0},
+                  {"sliding_window": 9, "logits_soft_cap": 0.7}]
 
-def cpu_paged_attention(query, k_cache, v_cache, meta, scale):
+
+def cpu_paged_attention(query, k_cache, v_cache, meta, scale, **options):
     """The cpu backend's attention (prefill rows on the torch path, decode rows in the C kernel)."""
-    return make_attention_backend("cpu").forward(query, k_cache, v_cache, meta, scale)
+    return make_attention_backend("cpu").forward(query, k_cache, v_cache, meta, scale, **options)
 
 
 def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
@@ -57,17 +61,18 @@ def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
     (2, 1, 16, 8),
     (4, 2, 12, 8),    # head_dim not a multiple of 8: the kernel's scalar loops
 ])
-def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("options", WINDOW_AND_CAP, ids=str)
+def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_dim, block_size, options):
     lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 37, 150]
     cache, query, rows, slots, torch_meta, cpu_meta = _case(num_heads, num_kv_heads, head_dim, block_size, lengths)
     k, v = cache.layer(0)
     scale = head_dim ** -0.5
-    expected = paged_attention(query, k, v, torch_meta, scale)
-    got = cpu_paged_attention(query, k, v, cpu_meta, scale)
+    expected = paged_attention(query, k, v, torch_meta, scale, **options)
+    got = cpu_paged_attention(query, k, v, cpu_meta, scale, **options)
     torch.testing.assert_close(got[:5], expected[:5], atol=0, rtol=0)  # prefill rows: the same torch code
     for row, row_slots in zip(rows, slots):
         torch.testing.assert_close(got[row], expected[row], atol=2e-6, rtol=0)
-        torch.testing.assert_close(got[row].double(), reference(query[row], k, v, row_slots, scale),
+        torch.testing.assert_close(got[row].double(), reference(query[row], k, v, row_slots, scale, **options),
                                    atol=2e-6, rtol=0)
 
 

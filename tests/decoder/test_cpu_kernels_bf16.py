@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 from test_attention import reference
-from test_cpu_attention import _case
+from test_cpu_attention import WINDOW_AND_CAP, _case
 
 from services.decoder.attention import cpu_backend as cpu_attention
 from services.decoder.attention import make_attention_backend
@@ -54,20 +54,22 @@ def _bf16_case(num_heads, num_kv_heads, head_dim, block_size, lengths):
     (6, 3, 80, 32),
     (2, 2, 8, 1),
 ])
-def test_bf16_decode_rows_equal_torch_path_and_float64(variant, num_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("options", WINDOW_AND_CAP, ids=str)
+def test_bf16_decode_rows_equal_torch_path_and_float64(variant, num_heads, num_kv_heads, head_dim, block_size,
+                                                       options):
     lengths = [1, block_size + 1, 3 * block_size - 1, 37, 150]
     query, k, v, rows, slots, torch_meta, cpu_meta = _bf16_case(num_heads, num_kv_heads, head_dim, block_size,
                                                                 lengths)
     scale = head_dim ** -0.5
-    expected = paged_attention(query, k, v, torch_meta, scale)
-    got = make_attention_backend("cpu").forward(query, k, v, cpu_meta, scale)
+    expected = paged_attention(query, k, v, torch_meta, scale, **options)
+    got = make_attention_backend("cpu").forward(query, k, v, cpu_meta, scale, **options)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got[:5], expected[:5])  # prefill rows: the same torch code
     decode = torch.tensor(rows)
     torch.testing.assert_close(got[decode].float(), expected[decode].float(), rtol=ULP, atol=1e-5)
     assert (got[decode] == expected[decode]).float().mean() > 0.9  # the same float32 math, rounded once
     for row, row_slots in zip(rows, slots):
-        torch.testing.assert_close(got[row].double(), reference(query[row], k, v, row_slots, scale),
+        torch.testing.assert_close(got[row].double(), reference(query[row], k, v, row_slots, scale, **options),
                                    rtol=ULP / 2, atol=1e-5)
 
 

@@ -1,6 +1,7 @@
 """The Triton paged attention kernel equals the torch path (Triton's CPU interpreter, in a subprocess
 because Triton reads TRITON_INTERPRET when kernels are defined): kernel-level on scattered blocks with
-GQA / MHA / non-power-of-two head_dim, and the whole engine with attention_backend="triton"."""
+GQA / MHA / non-power-of-two head_dim, the backend on a paged batch with sliding windows and soft caps,
+and the whole engine with attention_backend="triton"."""
 
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from attention_kernel_cases import BACKEND_OPTIONS
 
 from services.decoder.config import DecoderConfig
 
@@ -22,6 +24,8 @@ def test_triton_kernel_and_engine_match_torch_in_the_interpreter(tiny_llama):
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert sum(line.startswith("OK kernel") for line in lines) == 3 and any(line.startswith("OK engine") for line in lines)
+    # the backend case plain and with each sliding window / soft cap of BACKEND_OPTIONS
+    assert sum(line.startswith("OK backend triton") for line in lines) == len(BACKEND_OPTIONS)
 
 
 def test_backend_flag_is_validated(tiny_llama, monkeypatch):

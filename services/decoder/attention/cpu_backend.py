@@ -22,14 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, check_attention_options
-from services.decoder.attention.torch_backend import (
-    PrefillSpan,
-    TorchAttentionMetadata,
-    decode_attention,
-    plan_decode,
-    prefill_attention,
-    split_batch,
-)
+from services.decoder.attention.torch_backend import PrefillSpan, prefill_attention, split_batch
 from services.decoder.block_manager import padded_block_tables
 from services.decoder.kernels import native
 
@@ -71,7 +64,6 @@ class CpuAttentionMetadata(AttentionMetadata):
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode: CpuDecodeMetadata | None = None
     block_size: int = 0
-    torch_decode: TorchAttentionMetadata | None = None  # the decode rows on the torch path (window or cap)
 
 
 class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
@@ -121,20 +113,9 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
         check_attention_options(sliding_window, logits_soft_cap)
         out = torch.empty_like(query)
         prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out, sliding_window, logits_soft_cap)
-        if meta.decode is None:
-            return out
-        if sliding_window is None and logits_soft_cap is None:
-            paged_decode_attention(query, k_cache, v_cache, meta.decode, meta.block_size, scale, out)
-            return out
-        decode = meta.decode  # the torch path's decode groups, planned once per step
-        if meta.torch_decode is None:
-            groups, index = plan_decode(decode.rows.tolist(), decode.block_tables.tolist(),
-                                        decode.context_lens.tolist(), meta.block_size, k_cache.shape[0],
-                                        k_cache.shape[1] // meta.block_size)
-            meta.torch_decode = TorchAttentionMetadata(slot_mapping=meta.slot_mapping, decode_groups=groups,
-                                                       decode_index=index, block_size=meta.block_size)
-        decode_attention(query, k_cache, v_cache, meta.torch_decode, query.shape[1] // k_cache.shape[0], scale, out,
-                         sliding_window, logits_soft_cap)
+        if meta.decode is not None:
+            paged_decode_attention(query, k_cache, v_cache, meta.decode, meta.block_size, scale, out,
+                                   sliding_window, logits_soft_cap)
         return out
 
 
@@ -148,8 +129,11 @@ def decode_metadata(rows: list[int], block_tables: Sequence[Sequence[int]], cont
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: CpuDecodeMetadata, block_size: int, scale: float, out: torch.Tensor) -> None:
-    """Write the decode rows' attention into `out` (see kernels/paged_attention.c).
+                           meta: CpuDecodeMetadata, block_size: int, scale: float, out: torch.Tensor,
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+    """Write the decode rows' attention into `out` (see kernels/paged_attention.c); `sliding_window`
+    and `logits_soft_cap` as `AttentionBackend.forward` states them (the kernel reads no position
+    before a row's window).
 
     query/out: [num_tokens, heads, head_dim], contiguous (only `meta.rows` of `out` are written);
     k_cache/v_cache: [kv_heads, num_slots, head_dim], contiguous, head-major; all four float32, or
@@ -176,7 +160,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     rc = getattr(native.load(), _KERNELS[query.dtype])(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), out.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim,
-        num_slots, block_size, meta.max_context, scale, torch.get_num_threads())
+        num_slots, block_size, meta.max_context, scale, sliding_window or 0, logits_soft_cap or 0.0,
+        torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("the cpu attention kernel could not allocate its score buffers")
 

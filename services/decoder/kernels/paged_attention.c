@@ -9,8 +9,13 @@
  *
  *     position p of row i  ->  cache row  h * num_slots + block_tables[i][p / block_size] * block_size
  *                                          + p % block_size          (the slot, in kv head h's plane)
- *     scores[r][p] = (scale * q[r]) . k[p]      p < context_lens[i], never past it
+ *     scores[r][p] = (scale * q[r]) . k[p]      lo <= p < context_lens[i], never outside
  *     out[r]       = sum_p softmax(scores[r])[p] * v[p]
+ *
+ * lo = max(0, context_len - window) with a sliding window (transformers' kv > q - window for the
+ * query at position context_len - 1), else 0: positions before it are never read, so their blocks
+ * may be freed. With a soft cap C the scores become C * tanh(scores / C) before the softmax (Gemma
+ * 2's eager attention); tanh is increasing, so the row max is capped the same way.
  *
  * The softmax subtracts the row max (kept while the scores are computed), exponentiates, sums,
  * and the V pass weighs each position by its exponential times 1 / sum: torch.softmax's weights,
@@ -65,19 +70,19 @@ extern float expf(float);
 
 const char *tessera_kernels_variant(void) { return TESSERA_VARIANT; }
 
-/* scores[r * max_context + t] for positions [0, len) of one item; q is the float32 scaled query
+/* scores[r * max_context + t] for positions [lo, len) of one item; q is the float32 scaled query
    (unused on the VDPBF16PS path, which reads q_raw) */
 static inline __attribute__((always_inline)) void item_scores(
-    const float *q, const void *q_raw, const void *k_plane, const int32_t *table, int64_t len, int64_t rep,
-    int64_t head_dim, int64_t block_size, int64_t max_context, float scale, float *scores, float *maxes,
-    const int bf16)
+    const float *q, const void *q_raw, const void *k_plane, const int32_t *table, int64_t lo, int64_t len,
+    int64_t rep, int64_t head_dim, int64_t block_size, int64_t max_context, float scale, float *scores,
+    float *maxes, const int bf16)
 {
     for (int64_t r = 0; r < rep; r++)
         maxes[r] = -INFINITY;
-    for (int64_t start = 0; start < len; start += block_size) {
+    for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
         const int64_t first = (int64_t)table[start / block_size] * block_size * head_dim;
-        for (int64_t t = 0; t < count; t++) {
+        for (int64_t t = start < lo ? lo - start : 0; t < count; t++) {
             for (int64_t r = 0; r < rep; r++) {
                 float dot = 0.f;
                 if (bf16 && TESSERA_DPBF16) {
@@ -103,18 +108,24 @@ static inline __attribute__((always_inline)) void item_scores(
     }
 }
 
-/* scores rows -> exponentials in place, given each row's max; inv[r] = 1 / their sum. The V passes
+/* scores rows -> exponentials in place, given each row's max (capped first with soft_cap > 0);
+   inv[r] = 1 / their sum. The V passes
    weigh position t by s[t] * inv[r]: torch.softmax's division by the sum, applied as the weights are
    read. An exponent below -87 is taken as -87: exp's result is then at or near its subnormal range
    (below -87.34), or zero below -103.9, and such a weight is under 2^-125 of the largest (which is
    1); glibc's vector expf leaves its fast path for any lane that underflows, which real attention
    rows (a sink token far above the rest) do often */
 static inline void item_softmax(float *scores, int64_t len, int64_t rep, int64_t max_context, const float *maxes,
-                                float *inv)
+                                float *inv, float soft_cap)
 {
     for (int64_t r = 0; r < rep; r++) {
         float *s = scores + r * max_context;
-        const float max = maxes[r];
+        float max = maxes[r];
+        if (soft_cap > 0.f) {  /* scalar tanhf: libmvec's vector tanhf is not in every glibc */
+            for (int64_t t = 0; t < len; t++)
+                s[t] = soft_cap * tanhf(s[t] / soft_cap);
+            max = soft_cap * tanhf(max / soft_cap);
+        }
         float sum = 0.f;
         #pragma omp simd reduction(+:sum)
         for (int64_t t = 0; t < len; t++) {
@@ -126,17 +137,17 @@ static inline void item_softmax(float *scores, int64_t len, int64_t rep, int64_t
     }
 }
 
-/* acc[r] = sum_t (scores[r][t] * inv[r]) * v[t], float32 accumulators [rep, head_dim] */
+/* acc[r] = sum_t (scores[r][t] * inv[r]) * v[t] over positions [lo, len), float32 accumulators [rep, head_dim] */
 static inline __attribute__((always_inline)) void item_values(
-    const float *scores, const float *inv, const void *v_plane, const int32_t *table, int64_t len, int64_t rep, int64_t head_dim,
-    int64_t block_size, int64_t max_context, float *acc, const int bf16)
+    const float *scores, const float *inv, const void *v_plane, const int32_t *table, int64_t lo, int64_t len,
+    int64_t rep, int64_t head_dim, int64_t block_size, int64_t max_context, float *acc, const int bf16)
 {
     for (int64_t x = 0; x < rep * head_dim; x++)
         acc[x] = 0.f;
-    for (int64_t start = 0; start < len; start += block_size) {
+    for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
         const int64_t first = (int64_t)table[start / block_size] * block_size * head_dim;
-        for (int64_t t = 0; t < count; t++) {
+        for (int64_t t = start < lo ? lo - start : 0; t < count; t++) {
             for (int64_t r = 0; r < rep; r++) {
                 const float p = scores[r * max_context + start + t] * inv[r];
                 float *a = acc + r * head_dim;
@@ -206,26 +217,29 @@ static inline __m256 sum_lanes8(const __m256 a[8])
 /* item_scores for 8 positions at a time: eight independent accumulators (one per position) and
    one transpose-sum, instead of one dependent chain and a horizontal sum per dot product */
 static inline __attribute__((always_inline)) void item_scores_avx2(
-    const float *q, const void *k_plane, const int32_t *table, int64_t len, int64_t rep,
+    const float *q, const void *k_plane, const int32_t *table, int64_t lo, int64_t len, int64_t rep,
     int64_t head_dim, int64_t block_size, int64_t max_context, float *scores, float *wide, float *lane_max,
     float *maxes, const int bf16)
 {
     for (int64_t r = 0; r < rep; r++)
         _mm256_storeu_ps(lane_max + 8 * r, _mm256_set1_ps(-INFINITY));
-    for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t lo_block = lo - lo % block_size;
+    for (int64_t start = lo_block; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
+        const int64_t begin = start < lo ? lo - start : 0;  /* the window's first position in this block */
         /* K two blocks ahead, a part per 8 positions (and the second block with the first) */
-        if (start == 0)
-            prefetch_block(k_plane, table, 1, len, head_dim, block_size, 0, 1, bf16);
-        const int64_t groups = (count + 7) / 8;
+        if (start == lo_block)
+            prefetch_block(k_plane, table, start / block_size + 1, len, head_dim, block_size, 0, 1, bf16);
+        const int64_t groups = (count - begin + 7) / 8;
         const float *k = block_rows(k_plane, (int64_t)table[start / block_size] * block_size * head_dim, count,
                                     head_dim, wide, bf16);
-        for (int64_t t0 = 0; t0 < count; t0 += 8) {
+        for (int64_t t0 = begin; t0 < count; t0 += 8) {
             const int64_t n = count - t0 < 8 ? count - t0 : 8;
             const float *rows[8];
             for (int j = 0; j < 8; j++)  /* lanes past the block repeat its first row; never stored */
                 rows[j] = k + (t0 + (j < n ? j : 0)) * head_dim;
-            prefetch_block(k_plane, table, start / block_size + 2, len, head_dim, block_size, t0 / 8, groups, bf16);
+            prefetch_block(k_plane, table, start / block_size + 2, len, head_dim, block_size, (t0 - begin) / 8, groups,
+                           bf16);
             for (int64_t r = 0; r < rep; r++) {
                 const float *qr = q + r * head_dim;
                 __m256 acc[8];
@@ -264,13 +278,14 @@ static inline __attribute__((always_inline)) void item_scores_avx2(
 /* item_values with the accumulators in registers across a block's positions: 32 (then 8) columns
    of one query head at a time, four (one) independent fused multiply-add chains */
 static inline __attribute__((always_inline)) void item_values_avx2(
-    const float *scores, const float *inv, const void *v_plane, const int32_t *table, int64_t len, int64_t rep, int64_t head_dim,
-    int64_t block_size, int64_t max_context, float *acc, float *wide, const int bf16)
+    const float *scores, const float *inv, const void *v_plane, const int32_t *table, int64_t lo, int64_t len,
+    int64_t rep, int64_t head_dim, int64_t block_size, int64_t max_context, float *acc, float *wide, const int bf16)
 {
     for (int64_t x = 0; x < rep * head_dim; x++)
         acc[x] = 0.f;
-    for (int64_t start = 0; start < len; start += block_size) {
+    for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
+        const int64_t begin = start < lo ? lo - start : 0;
         const float *v = block_rows(v_plane, (int64_t)table[start / block_size] * block_size * head_dim, count,
                                     head_dim, wide, bf16);
         for (int64_t r = 0; r < rep; r++) {
@@ -282,7 +297,7 @@ static inline __attribute__((always_inline)) void item_values_avx2(
             for (; d + 32 <= head_dim; d += 32) {
                 __m256 a0 = _mm256_loadu_ps(a + d), a1 = _mm256_loadu_ps(a + d + 8);
                 __m256 a2 = _mm256_loadu_ps(a + d + 16), a3 = _mm256_loadu_ps(a + d + 24);
-                for (int64_t t = 0; t < count; t++) {
+                for (int64_t t = begin; t < count; t++) {
                     const __m256 w = _mm256_set1_ps(p[t] * ir);
                     const float *vt = v + t * head_dim + d;
                     a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt), a0);
@@ -295,7 +310,7 @@ static inline __attribute__((always_inline)) void item_values_avx2(
             }
             for (; d < head_dim; d += 8) {
                 __m256 a0 = _mm256_loadu_ps(a + d);
-                for (int64_t t = 0; t < count; t++)
+                for (int64_t t = begin; t < count; t++)
                     a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t] * ir), _mm256_loadu_ps(v + t * head_dim + d), a0);
                 _mm256_storeu_ps(a + d, a0);
             }
@@ -309,7 +324,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     const void *query, const void *k_cache, const void *v_cache, const int64_t *rows, const int32_t *block_tables,
     int64_t table_width, const int32_t *context_lens, void *out, int64_t num_rows, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t block_size, int64_t max_context,
-    float scale, int num_threads, const int bf16)
+    float scale, int64_t window, float soft_cap, int num_threads, const int bf16)
 {
     const int64_t rep = num_heads / num_kv_heads;
     const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
@@ -336,6 +351,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 continue;
             const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
             const int64_t len = context_lens[i];
+            const int64_t lo = window > 0 && len > window ? len - window : 0;
             const int32_t *table = block_tables + i * table_width;
             const int64_t q_first = (rows[i] * num_heads + h * rep) * head_dim;
             const char *q_raw = (const char *)query + q_first * element;
@@ -345,18 +361,18 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
             const char *v_plane = (const char *)v_cache + (size_t)(h * num_slots * head_dim) * element;
 #if ATTENTION_AVX2
             if (head_dim % 8 == 0 && !(bf16 && TESSERA_DPBF16)) {
-                item_scores_avx2(q, k_plane, table, len, rep, head_dim, block_size, max_context, scores, wide,
+                item_scores_avx2(q, k_plane, table, lo, len, rep, head_dim, block_size, max_context, scores, wide,
                                  lane_max, maxes, bf16);
-                item_softmax(scores, len, rep, max_context, maxes, inv);
-                item_values_avx2(scores, inv, v_plane, table, len, rep, head_dim, block_size, max_context, acc, wide,
-                                 bf16);
+                item_softmax(scores + lo, len - lo, rep, max_context, maxes, inv, soft_cap);
+                item_values_avx2(scores, inv, v_plane, table, lo, len, rep, head_dim, block_size, max_context, acc,
+                                 wide, bf16);
             } else
 #endif
             {
-                item_scores(q, q_raw, k_plane, table, len, rep, head_dim, block_size, max_context, scale, scores,
+                item_scores(q, q_raw, k_plane, table, lo, len, rep, head_dim, block_size, max_context, scale, scores,
                             maxes, bf16);
-                item_softmax(scores, len, rep, max_context, maxes, inv);
-                item_values(scores, inv, v_plane, table, len, rep, head_dim, block_size, max_context, acc, bf16);
+                item_softmax(scores + lo, len - lo, rep, max_context, maxes, inv, soft_cap);
+                item_values(scores, inv, v_plane, table, lo, len, rep, head_dim, block_size, max_context, acc, bf16);
             }
             if (bf16) {
                 bf16_t *o = (bf16_t *)out + q_first;
@@ -375,17 +391,18 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
 
 /* query/out [num_tokens, num_heads, head_dim] (only `rows` of out are written); caches
    [num_kv_heads, num_slots, head_dim]; rows [num_rows]; block_tables [num_rows, table_width];
-   context_lens [num_rows], each in [1, min(max_context, table_width * block_size)].
+   context_lens [num_rows], each in [1, min(max_context, table_width * block_size)]; window: the
+   sliding window (0: none), soft_cap: the logit soft cap (0: none).
    Returns 0, or -1 when a thread could not allocate its score buffer. */
 int tessera_paged_decode_attention_f32(
     const float *query, const float *k_cache, const float *v_cache, const int64_t *rows,
     const int32_t *block_tables, int64_t table_width, const int32_t *context_lens, float *out, int64_t num_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t block_size,
-    int64_t max_context, float scale, int num_threads)
+    int64_t max_context, float scale, int64_t window, float soft_cap, int num_threads)
 {
     return paged_decode_attention(query, k_cache, v_cache, rows, block_tables, table_width, context_lens, out,
                                   num_rows, num_heads, num_kv_heads, head_dim, num_slots, block_size, max_context,
-                                  scale, num_threads, 0);
+                                  scale, window, soft_cap, num_threads, 0);
 }
 
 /* the same over bfloat16 query, caches and output (raw bits, uint16) */
@@ -393,11 +410,11 @@ int tessera_paged_decode_attention_bf16(
     const bf16_t *query, const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *rows,
     const int32_t *block_tables, int64_t table_width, const int32_t *context_lens, bf16_t *out, int64_t num_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t block_size,
-    int64_t max_context, float scale, int num_threads)
+    int64_t max_context, float scale, int64_t window, float soft_cap, int num_threads)
 {
     return paged_decode_attention(query, k_cache, v_cache, rows, block_tables, table_width, context_lens, out,
                                   num_rows, num_heads, num_kv_heads, head_dim, num_slots, block_size, max_context,
-                                  scale, num_threads, 1);
+                                  scale, window, soft_cap, num_threads, 1);
 }
 
 /* This step's K/V rows into the caches (vLLM's reshape_and_cache for this layout): token t, kv head h
