@@ -69,7 +69,7 @@ def make_tiny_llama(path: Path, seed: int = 0, family: str = "llama", **override
     # a larger init spread makes logits decisive, so greedy argmax has no near-ties
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim in (2, 3):  # matrices, and MoE experts stacked [experts, out, in]
                 p.normal_(0, 0.15)
             elif p.ndim == 1 and p.abs().sum() == 0:  # biases: non-zero so that they matter
                 p.normal_(0, 0.1)
