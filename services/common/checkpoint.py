@@ -23,6 +23,9 @@ DECODER_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
 }
 # the dtype names config.json's torch_dtype / dtype may hold (transformers resolves them with

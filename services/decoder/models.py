@@ -21,6 +21,9 @@ MODEL_FAMILIES: dict[str, str] = {
     "llama": "services.decoder.model_llama:LlamaForCausalLM",
     "qwen2": "services.decoder.model_qwen2:Qwen2ForCausalLM",
     "qwen3": "services.decoder.model_qwen3:Qwen3ForCausalLM",
+    "smollm3": "services.decoder.model_smollm3:SmolLM3ForCausalLM",
+    "granite": "services.decoder.model_granite:GraniteForCausalLM",
+    "olmo2": "services.decoder.model_olmo2:Olmo2ForCausalLM",
 }
 
 

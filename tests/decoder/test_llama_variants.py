@@ -1,0 +1,83 @@
+"""SmolLM3, Granite 3 and OLMo 2, the Llama block with a difference each, against transformers 5.
+
+Each family runs on a tiny seeded 2-layer checkpoint built by transformers: SmolLM3 with head_dim 64,
+layer 0 rotating and layer 1 a NoPE layer; Granite with head_dim 128 and every multiplier away from
+1; OLMo 2 with head_dim 128 (its q/k norms span 256 and 128 columns). In every regime of
+family_conformance (alone, concurrent, chunked, prefix hit, preemption) greedy ids for 64 new
+tokens equal transformers' generate and fp32 logits agree within 1e-4; two PEFT LoRA adapters on
+q/v and base rows in one batch equal PEFT. A SmolLM3 sliding window is refused in one line, and
+`check_decoder_dir` (what `tessera up` and `tessera info` run) accepts each checkpoint.
+"""
+
+import json
+
+import pytest
+import torch
+from decoder_testing import make_tiny_llama
+from family_conformance import REGIMES, check_lora, check_regime, references
+
+from services.common.checkpoint import check_decoder_dir
+from services.decoder.model_granite import GraniteForCausalLM
+from services.decoder.model_olmo2 import Olmo2ForCausalLM
+from services.decoder.model_smollm3 import SmolLM3ForCausalLM
+from services.decoder.models import load_model
+
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.6,
+                           logits_scaling=2.5)
+CASES = {
+    "smollm3": (SmolLM3ForCausalLM, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                         no_rope_layers=[1, 0])),
+    "granite": (GraniteForCausalLM, dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                         **GRANITE_MULTIPLIERS)),
+    "olmo2": (Olmo2ForCausalLM, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(family, model dir, {prompt tuple: (ref ids, ref fp32 logits [n, vocab])})."""
+    family = request.param
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp(family), seed=3, family=family, **CASES[family][1])
+    return family, model_dir, references(model_dir)
+
+
+def test_the_family_file_reads_its_difference(case):
+    family, model_dir, _ = case
+    model = load_model(model_dir, torch.float32)
+    assert type(model) is CASES[family][0]
+    if family == "smollm3":
+        assert [layer.self_attn.use_rope for layer in model.model.layers] == [True, False]
+    elif family == "granite":
+        assert {name: getattr(model.spec, name) for name in GRANITE_MULTIPLIERS} == GRANITE_MULTIPLIERS
+        assert model.model.layers[0].self_attn.scale == 0.05
+    else:
+        layer = model.model.layers[0]
+        assert not hasattr(layer, "input_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+        assert layer.self_attn.q_norm.weight.shape == (256,) and layer.self_attn.k_norm.weight.shape == (128,)
+    assert check_decoder_dir(model_dir).model_type == family
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_greedy_and_logits_equal_transformers(case, regime):
+    _, model_dir, refs = case
+    check_regime(model_dir, refs, regime)
+
+
+def test_cpu_kernels_equal_transformers(case):
+    """The C GEMM, RMSNorm, rotary and SiLU gate (linear_backend "cpu") compute each family's math."""
+    _, model_dir, refs = case
+    check_regime(model_dir, refs, "concurrent", linear_backend="cpu", attention_backend="cpu")
+
+
+def test_lora_q_v_equals_peft(case):
+    _, model_dir, _ = case
+    check_lora(model_dir, ["q_proj", "v_proj"])
+
+
+def test_smollm3_sliding_window_is_refused_in_one_line(tmp_path):
+    model_dir = make_tiny_llama(tmp_path / "m", family="smollm3", no_rope_layers=[1, 0])
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8, layer_types=None)
+    (model_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(ValueError, match=r"^sliding_window 8 on SmolLM3 layers \[1\] is not supported"):
+        load_model(model_dir, torch.float32)
