@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.common.mrope import QWEN_VL_MODEL_TYPES
 
 # model_type -> the architecture transformers names for it; services/decoder/models.py holds one model
 # family per entry (Qwen2-VL's language model through model_qwen2_vl.py).
@@ -27,6 +28,7 @@ DECODER_ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 # the dtype names config.json's torch_dtype / dtype may hold (transformers resolves them with
 # getattr(torch, name) when it reads the config, as AutoTokenizer does)
@@ -259,7 +261,8 @@ def _check_language_model(config: CheckpointConfig) -> None:
         raise ValueError(f"config.json's hidden_act is {activation!r}; {config.model_type or 'this family'} is served "
                          f"with {' or '.join(map(repr, served))}")
     # Qwen2-VL's M-RoPE takes plain frequencies only (services/decoder/model_qwen2_vl.py)
-    check_rope_type(rope_settings(text)[0], ("default", "mrope") if config.model_type == "qwen2_vl" else ROPE_TYPES)
+    check_rope_type(rope_settings(text)[0], ("default", "mrope") if config.model_type in QWEN_VL_MODEL_TYPES
+                    else ROPE_TYPES)
     for scope in (config.raw, text):
         for key in ("torch_dtype", "dtype"):
             declared = scope.get(key)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# model_types of the Qwen2-VL family: a language model on M-RoPE positions (transformers' get_rope_index,
+# the same rule for images in both) whose vision tower the vision service runs
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # the demo vision encoder's sections: pairs per (t, h, w) axis for head_dim 64, as the built-in SmolLM2-135M has
 DEFAULT_MROPE_SECTION = (8, 12, 12)
 

@@ -1,8 +1,12 @@
-"""Qwen2-VL's language model: Qwen2 blocks with M-RoPE, loaded from a Qwen2-VL HF checkpoint.
+"""Qwen2-VL's language model: Qwen2 blocks with M-RoPE, loaded from a Qwen2-VL or Qwen2.5-VL HF checkpoint.
 
 The text model is exactly transformers' Qwen2 (q/k/v bias, no o bias, SiLU MLP, RMSNorm) with
 multimodal rotary embedding, so it reuses `Qwen2ForCausalLM` (model_qwen2.py); only the
-config and the weight names differ. Two checkpoint layouts are accepted:
+config and the weight names differ. Qwen2.5-VL's language model is the same (transformers 5.24's
+`Qwen2_5_VLTextModel` is `Qwen2VLTextModel`, its `get_rope_index` gives images the same positions;
+only videos, which tessera does not take, are spaced by `tokens_per_second`), as are its config
+and weight layouts; its vision tower differs and lives in the vision service
+(services/vision/qwen2_5_vl_tower.py). Two checkpoint layouts are accepted:
 
     original (Qwen/Qwen2-VL-2B-Instruct, and transformers 5.24's save_pretrained):
         flat config.json, rope_scaling {"type": "mrope", "mrope_section": [16, 24, 24]};
@@ -26,11 +30,11 @@ from pathlib import Path
 import torch
 
 from services.common.checkpoint import CheckpointConfig
-from services.common.mrope import check_checkpoint_section, check_mrope_section
+from services.common.mrope import QWEN_VL_MODEL_TYPES, check_checkpoint_section, check_mrope_section
 from services.decoder.model_llama import LlamaForCausalLM, LlamaSpec, _read_safetensors, build_model
 from services.decoder.model_qwen2 import Qwen2ForCausalLM
 
-MODEL_TYPES = ("qwen2_vl",)
+MODEL_TYPES = QWEN_VL_MODEL_TYPES
 PLAIN_ROPE_TYPES = ("default", "mrope")
 VISION_PREFIXES = ("visual.", "model.visual.")
 TEXT_PREFIX = "model.language_model."

@@ -15,7 +15,7 @@ from services.common.checkpoint import DECODER_ARCHITECTURES, CheckpointConfig
 from services.decoder.model_llama import LlamaForCausalLM, load_checkpoint
 from services.decoder.model_qwen2_vl import is_qwen2_vl, load_qwen2_vl
 
-# one entry per model_type of DECODER_ARCHITECTURES but qwen2_vl (its own loader below), which
+# one entry per model_type of DECODER_ARCHITECTURES but the Qwen2-VL family's (its own loader below), which
 # `check_decoder_dir` checks without importing torch
 MODEL_FAMILIES: dict[str, str] = {
     "llama": "services.decoder.model_llama:LlamaForCausalLM",

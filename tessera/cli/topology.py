@@ -1,7 +1,7 @@
 """What `tessera up` starts for a decoder checkpoint: refused before any process, or which vision
 encoder (if any) pairs with it.
 
-A Qwen2-VL checkpoint brings its own tower and M-RoPE sections ("qwen2-vl"); the built-in SmolLM2
+A Qwen2-VL or Qwen2.5-VL checkpoint brings its own tower and M-RoPE sections ("qwen2-vl"); the built-in SmolLM2
 (the default decoder dir, which `tessera models prepare` writes) pairs with the demo encoder at
 DEFAULT_MROPE_SECTION; any other decoder, a user's Llama or Qwen, starts text-only (no vision
 service; the gateway refuses image parts) unless M-RoPE sections given for it pair it with the demo
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from services.common.checkpoint import CheckpointConfig, check_decoder_dir
 from services.common.errors import InvalidArgument
-from services.common.mrope import DEFAULT_MROPE_SECTION, check_mrope_section, parse_mrope_section
+from services.common.mrope import DEFAULT_MROPE_SECTION, QWEN_VL_MODEL_TYPES, check_mrope_section, parse_mrope_section
 from tessera.paths import default_decoder_dir, default_embedding_dir
 
 PREPARE_ADVICE = "; run `tessera models prepare` first"
@@ -48,7 +48,7 @@ def pick_encoder(checkpoint: CheckpointConfig, mrope_section: str = "") -> tuple
     Raises:
         InvalidArgument: `mrope_section` malformed, or not covering the decoder's rotary pairs.
     """
-    if checkpoint.model_type == "qwen2_vl":
+    if checkpoint.model_type in QWEN_VL_MODEL_TYPES:
         return "qwen2-vl", ""
     builtin = checkpoint.model_dir.resolve() == default_decoder_dir().resolve()
     if not mrope_section and not builtin:

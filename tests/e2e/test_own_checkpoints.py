@@ -141,6 +141,7 @@ def test_demo_pairing_and_explicit_sections(tmp_path):
 
 
 def test_the_checkpoint_check_names_every_family_the_decoder_loads():
+    from services.common.mrope import QWEN_VL_MODEL_TYPES
     from services.decoder.models import MODEL_FAMILIES
 
-    assert set(DECODER_ARCHITECTURES) == {*MODEL_FAMILIES, "qwen2_vl"}
+    assert set(DECODER_ARCHITECTURES) == {*MODEL_FAMILIES, *QWEN_VL_MODEL_TYPES}

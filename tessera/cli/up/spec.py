@@ -33,6 +33,7 @@ from pathlib import Path
 from services.common.checkpoint import CheckpointConfig
 from services.common.launch import service_env
 from services.common.logs import LOG_FORMATS, LOG_LEVELS
+from services.common.mrope import QWEN_VL_MODEL_TYPES
 from services.common.server import DEFAULT_PORTS
 from tessera.cli.logfiles import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from tessera.cli.topology import check_model_dirs, pick_encoder
@@ -192,8 +193,8 @@ class ClusterSpec:
 
     @property
     def native_vision(self) -> bool:
-        """The decoder checkpoint is a VLM (Qwen2-VL): its own vision tower, sections and image token."""
-        return self.checkpoint.model_type == "qwen2_vl"
+        """The decoder checkpoint is a VLM (Qwen2-VL, Qwen2.5-VL): its own vision tower, sections and image token."""
+        return self.checkpoint.model_type in QWEN_VL_MODEL_TYPES
 
     def command(self, instance: str) -> list[str]:
         """The command line of a service or replica process."""
