@@ -48,6 +48,10 @@ ROPE_REFUSALS = {
 # model_type -> the MLP activations its native file computes (config.json's `hidden_act`, or
 # `hidden_activation` as Gemma writes it); a family absent here computes SiLU only
 ACTIVATIONS: dict[str, tuple[str, ...]] = {}
+# how a decoder checkpoint is served (the decoder's --model-impl, as vLLM's): "native" a family of
+# DECODER_ARCHITECTURES, "transformers" transformers' own modeling code on tessera's paged KV cache
+# (services/decoder/model_transformers.py), "auto" native where a family exists, else transformers
+MODEL_IMPLS = ("auto", "native", "transformers")
 # what AutoTokenizer loads without converting: a fast tokenizer, a sentencepiece model, or BPE files
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
@@ -187,15 +191,17 @@ def base_model_name(config: CheckpointConfig) -> str:
             f"hidden {config.hidden_size})")
 
 
-def check_decoder_dir(model_dir: str | Path) -> CheckpointConfig:
+def check_decoder_dir(model_dir: str | Path, model_impl: str = "auto") -> CheckpointConfig:
     """The checkpoint's config when `model_dir` holds a decoder tessera serves: a config.json whose
-    model_type is in DECODER_ARCHITECTURES with the sizes a model needs, safetensors weights
-    (WEIGHT_FILES) and tokenizer files (TOKENIZER_FILES). Reads config.json only, never the weights.
+    model_type is in DECODER_ARCHITECTURES with the sizes a model needs, or (`decoder_impl`) a causal
+    LM transformers builds, safetensors weights (WEIGHT_FILES) and tokenizer files (TOKENIZER_FILES).
+    Reads config.json only, never the weights.
 
     Raises:
         InvalidArgument: one line naming the directory and what is wrong: the path is missing or
             not a directory, config.json is missing or unreadable, the architecture found and the
-            supported ones, a missing size, or the missing weight or tokenizer files.
+            supported ones (an encoder or seq2seq model), a missing size, or the missing weight or
+            tokenizer files.
     """
     path = Path(model_dir).expanduser()
     where = f"decoder model dir {str(path)!r}"
@@ -207,16 +213,19 @@ def check_decoder_dir(model_dir: str | Path) -> CheckpointConfig:
         config = CheckpointConfig.read(path)
     except ValueError as error:
         raise InvalidArgument(f"{where}: {error}") from None
-    if config.model_type not in DECODER_ARCHITECTURES:
-        found = ", ".join(config.architectures) or "none named"
-        supported = ", ".join(f"{arch} ({kind})" for kind, arch in DECODER_ARCHITECTURES.items())
-        raise InvalidArgument(f"{where} holds architecture {found} (model_type {config.model_type or 'missing'!r}), "
-                              f"not a supported decoder; supported: {supported}")
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
-        if getattr(config, name) is None:
-            raise InvalidArgument(f"{where}: config.json has no {name}")
     try:
-        _check_language_model(config)
+        impl = decoder_impl(config, model_impl)
+    except ValueError as error:
+        raise InvalidArgument(f"{where} {error}") from None
+    if impl == "native":
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(config, name) is None:
+                raise InvalidArgument(f"{where}: config.json has no {name}")
+    try:
+        if impl == "native":
+            _check_language_model(config)
+        else:  # transformers' own config class reads and checks the rest when the decoder loads it
+            _check_dtype_names(config)
     except ValueError as error:
         raise InvalidArgument(f"{where}: {error}") from None
     if not any((path / name).is_file() for name in WEIGHT_FILES):
@@ -263,11 +272,76 @@ def _check_language_model(config: CheckpointConfig) -> None:
     # Qwen2-VL's M-RoPE takes plain frequencies only (services/decoder/model_qwen2_vl.py)
     check_rope_type(rope_settings(text)[0], ("default", "mrope") if config.model_type in QWEN_VL_MODEL_TYPES
                     else ROPE_TYPES)
-    for scope in (config.raw, text):
+    _check_dtype_names(config)
+    _positive_number(text.get("rms_norm_eps", 1e-6), "rms_norm_eps")
+
+
+def _check_dtype_names(config: CheckpointConfig) -> None:
+    """Raises ValueError naming the key unless config.json's torch_dtype / dtype (top level and
+    text_config) are torch dtype names."""
+    for scope in (config.raw, config.raw.get("text_config") or config.raw):
         for key in ("torch_dtype", "dtype"):
             declared = scope.get(key)
             if declared is not None and (not isinstance(declared, str)
                                          or declared.removeprefix("torch.") not in TORCH_DTYPE_NAMES):
                 raise ValueError(f"config.json's {key} is {declared!r}, not a torch dtype name "
                                  f"(e.g. float32, bfloat16, float16)")
-    _positive_number(text.get("rms_norm_eps", 1e-6), "rms_norm_eps")
+
+
+def decoder_impl(config: CheckpointConfig, model_impl: str = "auto") -> str:
+    """How the decoder serves `config`: "native" (a family of DECODER_ARCHITECTURES) or
+    "transformers" (transformers' own causal LM class on tessera's paged KV cache), for the
+    decoder's `model_impl` (MODEL_IMPLS; "auto": native where a family exists, as vLLM's
+    --model-impl). Imports transformers (and torch) only for a model_type with no native family.
+
+    Raises:
+        ValueError: one line, starting "holds architecture ...", naming what the checkpoint is and
+            why neither path serves it: an unknown `model_impl`, no native family for "native", or
+            (`transformers_refusal`) not a causal LM transformers builds (an encoder, a seq2seq model).
+    """
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"holds {_described(config)}; model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    native = config.model_type in DECODER_ARCHITECTURES
+    if model_impl == "native" or (model_impl == "auto" and native):
+        if not native:
+            raise ValueError(f"holds {_described(config)}, which has no native family (model_impl 'native'); "
+                             f"native: {_native_names()}")
+        return "native"
+    if config.get("vision_config") is not None:
+        raise ValueError(f"holds {_described(config)}: model_impl 'transformers' serves text-only causal LMs")
+    why = transformers_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return "transformers"
+
+
+def transformers_refusal(config: CheckpointConfig) -> str | None:
+    """Why transformers' path cannot serve `config` (one line, starting "holds architecture ..."), or
+    None: it names one architecture, the causal LM class transformers' MODEL_FOR_CAUSAL_LM_MAPPING
+    builds for its model_type, and it is not an encoder-decoder."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return f"holds {_described(config)}, not a supported decoder; supported: {_native_names()} (transformers, " \
+               "which serves the others, is not installed)"
+    causal_lms = {name for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                  for name in ((value,) if isinstance(value, str) else value)}
+    architecture = config.architectures[0] if config.architectures else None
+    if architecture not in causal_lms or config.get("is_encoder_decoder"):
+        return (f"holds {_described(config)}, not a supported decoder; supported: {_native_names()}, or a causal LM "
+                "transformers builds (its MODEL_FOR_CAUSAL_LM_MAPPING; encoders and seq2seq models are not)")
+    expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if architecture not in ((expected,) if isinstance(expected, str) else expected or ()):
+        return (f"holds {_described(config)}: model_type {config.model_type or 'missing'!r} is not supported with it; "
+                f"transformers builds {expected or 'no causal LM'} for that model_type")
+    return None
+
+
+def _described(config: CheckpointConfig) -> str:
+    """e.g. "architecture BertModel (model_type 'bert')"."""
+    found = ", ".join(config.architectures) or "none named"
+    return f"architecture {found} (model_type {config.model_type or 'missing'!r})"
+
+
+def _native_names() -> str:
+    return ", ".join(f"{arch} ({kind})" for kind, arch in DECODER_ARCHITECTURES.items())

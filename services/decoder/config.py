@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.checkpoint import CheckpointConfig, check_decoder_dir
+from services.common.checkpoint import MODEL_IMPLS, CheckpointConfig, check_decoder_dir, decoder_impl
 from services.common.device import DEVICE_HELP, resolve_device
 from services.common.limits import GenerateLimits
 from services.common.liveness import DEFAULT_WEDGED_AFTER_S, check_wedged_after_s
@@ -117,6 +117,9 @@ compiled grammars are kept (least recently used first out).
                               choices=(AUTO, *LORA_BACKENDS))
     adapter_host_cache_mb: int = _flag(1024, "host memory for adapter weights by digest (swap-ins without "
                                              "refetching)")
+    model_impl: str = _flag(AUTO, "how the model runs: auto (native where tessera has the family, else transformers), "
+                                  "native (tessera's model file), or transformers (transformers' modeling code on "
+                                  "the paged KV cache); resolved at start", choices=MODEL_IMPLS)
     dtype: str = _flag(AUTO, f"model dtype: auto (the checkpoint's; on a CPU, bfloat16 and float16 serve as "
                              f"bfloat16 where it computes bf16 natively, else float32; none declared: float32) "
                              f"or one of {', '.join(DTYPES)}")
@@ -284,7 +287,8 @@ compiled grammars are kept (least recently used first out).
 
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
-        self.checkpoint = check_decoder_dir(self.model_dir)  # the one read of config.json; refuses a non-decoder
+        self.checkpoint = check_decoder_dir(self.model_dir, self.model_impl)  # the one read of config.json
+        self.model_impl = decoder_impl(self.checkpoint, self.model_impl)  # "native" or "transformers"
         outer = dict(self.checkpoint.raw)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
@@ -299,6 +303,8 @@ compiled grammars are kept (least recently used first out).
             tokens = self.max_num_seqs * self.max_model_len // 4
             self.num_blocks = max(1, min(2048, -(-tokens // self.block_size)))
         if self.mrope_section is not None:
+            if self.model_impl == "transformers":
+                raise ValueError(f"mrope_section {self.mrope_section}: the transformers model_impl serves text only")
             self._check_mrope(model)
 
     def kv_block_layout(self) -> KVBlockLayout:

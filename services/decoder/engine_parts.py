@@ -88,7 +88,7 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     model_config = dict(config.checkpoint.raw)
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     check_chat_template(tokenizer)  # before the weights: a template that never finishes is refused
-    model = load_model(config.checkpoint, dtype, config.mrope_section).to(device)
+    model = load_model(config.checkpoint, dtype, config.mrope_section, config.model_impl).to(device)
     model.rotary.to(device)  # a plain table, not a module buffer: model.to() leaves it
     spec = model.spec
     cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,

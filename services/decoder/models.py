@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.checkpoint import DECODER_ARCHITECTURES, CheckpointConfig
+from services.common.checkpoint import DECODER_ARCHITECTURES, CheckpointConfig, decoder_impl
 from services.decoder.model_llama import LlamaForCausalLM, load_checkpoint
 from services.decoder.model_qwen2_vl import is_qwen2_vl, load_qwen2_vl
 
@@ -40,8 +40,10 @@ def family_class(model_type: str) -> type[LlamaForCausalLM]:
 
 
 def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
-               mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
-    """The causal LM of a checkpoint (a family of `MODEL_FAMILIES`, or Qwen2-VL's language model).
+               mrope_section: tuple[int, int, int] | None = None, model_impl: str = "auto") -> LlamaForCausalLM:
+    """The causal LM of a checkpoint (a family of `MODEL_FAMILIES`, or Qwen2-VL's language model), or
+    transformers' own class on the paged KV cache (model_transformers.py) where `decoder_impl`
+    says so for `model_impl` ("auto": native where a family exists).
 
     `checkpoint`: its config.json as read once by `DecoderConfig` (or a directory, read here).
 
@@ -50,6 +52,16 @@ def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
     """
     if not isinstance(checkpoint, CheckpointConfig):
         checkpoint = CheckpointConfig.read(checkpoint)
+    try:
+        impl = decoder_impl(checkpoint, model_impl)
+    except ValueError as error:
+        raise ValueError(f"{checkpoint.model_dir} {error}") from None
+    if impl == "transformers":
+        if mrope_section is not None:
+            raise ValueError(f"mrope_section {mrope_section}: transformers' path serves text only")
+        from services.decoder.model_transformers import load_transformers_model
+
+        return load_transformers_model(checkpoint, dtype)
     if is_qwen2_vl(checkpoint.raw):
         return load_qwen2_vl(checkpoint, dtype, mrope_section)
     return load_checkpoint(family_class(checkpoint.model_type), checkpoint, dtype, mrope_section)

@@ -84,7 +84,9 @@ def _missing_dir(tmp_path):
 
 @pytest.mark.parametrize("make_dir, message", [
     (_bert_dir, "holds architecture BertModel (model_type 'bert'), not a supported decoder; supported: "
-                + ", ".join(f"{arch} ({kind})" for kind, arch in DECODER_ARCHITECTURES.items())),
+                + ", ".join(f"{arch} ({kind})" for kind, arch in DECODER_ARCHITECTURES.items())
+                + ", or a causal LM transformers builds (its MODEL_FOR_CAUSAL_LM_MAPPING; encoders and seq2seq "
+                  "models are not)"),
     (_config_only_dir, "has no weights: neither model.safetensors nor model.safetensors.index.json"),
     (_missing_dir, "does not exist"),
 ])

@@ -1,0 +1,123 @@
+"""Causal LMs with no native file run transformers' own modeling code on tessera's paged KV cache:
+greedy ids and fp32 logits equal transformers in every scheduling regime (GPT-NeoX: partial rotary,
+parallel residual, no grouped-query attention whatever config.json's num_key_value_heads says;
+Cohere: parallel block, LayerNorm, a logit scale in its head), a PEFT LoRA equals PEFT, a Llama
+forced through this path equals transformers as the native path does, and what is not a causal LM
+is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from decoder_testing import make_tiny_llama
+from family_conformance import PROMPTS, REGIMES, check_lora, check_regime, references
+from transformers import AutoConfig
+
+from services.common.checkpoint import check_decoder_dir, decoder_impl
+from services.common.errors import InvalidArgument
+from services.decoder.config import DecoderConfig
+from services.decoder.model_transformers import TransformersForCausalLM
+from services.decoder.models import load_model
+
+NEW_TOKENS = 16
+BASE_PROMPTS = PROMPTS[:3]  # 5, 40 and 70 tokens: 70 crosses two 32-token chunks
+PREFIX_PROMPT = BASE_PROMPTS[-1][:64] + [4321, 77, 9000, 12, 5, 31000, 8, 400]  # shares 4 blocks of 16
+_rng = random.Random(34)
+CONCURRENT_PROMPTS = [[_rng.randrange(3, 49152) for _ in range(_rng.randrange(3, 40))] for _ in range(16)]
+FAMILIES = {"gpt_neox": {}, "cohere": {"logit_scale": 0.5}}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(model_dir, transformers' references for every prompt the regimes use) of a tiny checkpoint."""
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp(request.param), family=request.param,
+                                **FAMILIES[request.param])
+    prompts = BASE_PROMPTS + [PREFIX_PROMPT] + CONCURRENT_PROMPTS
+    return model_dir, references(model_dir, prompts=prompts, new_tokens=NEW_TOKENS)
+
+
+def _regime_options(regime: str) -> dict:
+    """check_regime's arguments for these prompts: 16 at once for "concurrent"; a pool of 15 blocks
+    of 8 (the three prompts fit, their 16 new tokens do not) so that "preempt" preempts."""
+    if regime == "concurrent":
+        return dict(prompts=CONCURRENT_PROMPTS, max_num_seqs=16)
+    options = dict(prompts=BASE_PROMPTS, prefix_prompt=PREFIX_PROMPT)
+    if regime == "preempt":
+        options["num_blocks"] = 15
+    return options
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_a_family_without_a_native_file_equals_transformers(family, regime):
+    model_dir, refs = family
+    assert decoder_impl(check_decoder_dir(model_dir)) == "transformers"
+    check_regime(model_dir, refs, regime, new_tokens=NEW_TOKENS, **_regime_options(regime))
+
+
+def test_the_kv_cache_takes_the_key_shape_the_layers_compute(family):
+    model_dir, _ = family
+    model = load_model(model_dir, torch.float32)
+    assert isinstance(model, TransformersForCausalLM)
+    config = json.loads((model_dir / "config.json").read_text())
+    expected_kv_heads = 4 if config["model_type"] == "gpt_neox" else config["num_key_value_heads"]
+    assert (model.spec.num_layers, model.spec.num_kv_heads, model.spec.head_dim) == (2, expected_kv_heads, 16)
+
+
+def test_peft_lora_on_the_transformers_path_equals_peft(family):
+    model_dir, _ = family
+    targets = ["query_key_value", "dense_4h_to_h"] if "neox" in str(model_dir) else ["q_proj", "v_proj"]
+    check_lora(model_dir, targets, prompts=BASE_PROMPTS[:2], new_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("llama"))
+    return model_dir, references(model_dir, prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS)
+
+
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+def test_a_llama_forced_through_transformers_equals_the_native_path(llama, model_impl):
+    model_dir, refs = llama
+    assert DecoderConfig(model_dir=str(model_dir), model_impl=model_impl).model_impl == model_impl
+    assert DecoderConfig(model_dir=str(model_dir)).model_impl == "native"  # auto: the family's own file
+    # both paths equal transformers' greedy ids and logits (1e-4), so they equal each other
+    check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS, model_impl=model_impl)
+
+
+def _config_dir(path, model_type: str, **fields):
+    """A checkpoint directory check_decoder_dir reads: transformers' default config of `model_type`
+    with `fields`, and empty weight and tokenizer files (only config.json is read)."""
+    path.mkdir(parents=True)
+    AutoConfig.for_model(model_type, **fields).save_pretrained(path)
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("model_type, architecture, message", [
+    ("bert", "BertForMaskedLM", "holds architecture BertForMaskedLM (model_type 'bert'), not a supported decoder; "
+                                "supported: LlamaForCausalLM (llama)"),
+    ("t5", "T5ForConditionalGeneration", "holds architecture T5ForConditionalGeneration (model_type 't5'), not a "
+                                         "supported decoder"),
+    ("gpt_neox", "LlamaForCausalLM", "model_type 'gpt_neox' is not supported with it; transformers builds "
+                                     "GPTNeoXForCausalLM for that model_type"),
+])
+def test_what_is_not_a_causal_lm_is_refused_in_one_line(tmp_path, model_type, architecture, message):
+    directory = _config_dir(tmp_path / "model", model_type, architectures=[architecture])
+    with pytest.raises(InvalidArgument) as refusal:
+        check_decoder_dir(directory)
+    text = str(refusal.value)
+    assert text.startswith(f"decoder model dir {str(directory)!r} ") and message in text and "\n" not in text, text
+
+
+def test_native_only_and_attention_interface_refusals(tmp_path):
+    directory = _config_dir(tmp_path / "neox", "gpt_neox", architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(InvalidArgument, match="has no native family"):
+        check_decoder_dir(directory, "native")
+    # StableLM's attention does not go through transformers' attention interface
+    stablelm = _config_dir(tmp_path / "stablelm", "stablelm", architectures=["StableLmForCausalLM"])
+    with pytest.raises(ValueError, match=r"^StableLmForCausalLM does not call transformers' attention interface"):
+        load_model(stablelm, torch.float32)
