@@ -2,10 +2,12 @@
 
 As transformers' SmolLM3Attention: `no_rope_layers[i]` is 1 where layer i rotates q and k and 0
 where it attends without positions; absent, every `no_rope_layer_interval`-th layer (1-based;
-default 4) is a NoPE layer, as SmolLM3Config computes it. Sliding-window layers (`layer_types`,
-which SmolLM3Config derives from `use_sliding_window` and `sliding_window` for the NoPE layers) are
-refused. Family defaults are SmolLM3Config's: rope_theta 2e6, tied embeddings. Everything else
-(q/k/v/o biases from `attention_bias`, `mlp_bias`, RMSNorm, SiLU) is model_llama.py.
+default 4) is a NoPE layer, as SmolLM3Config computes it. `layer_types` (absent: SmolLM3Config
+makes the NoPE layers "sliding_attention" when `use_sliding_window` and `sliding_window` are set)
+gives each "sliding_attention" layer a window of `sliding_window` keys, as transformers'
+SmolLM3Model masks them (`create_sliding_window_causal_mask`: keys p - sliding_window < kv <= p).
+Family defaults are SmolLM3Config's: rope_theta 2e6, tied embeddings. Everything else (q/k/v/o
+biases from `attention_bias`, `mlp_bias`, RMSNorm, SiLU, the C kernels) is model_llama.py.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, Llama
 
 # SmolLM3Config's defaults where they differ from the Llama reading of config.json
 DEFAULTS = {"rope_theta": 2_000_000.0, "tie_word_embeddings": True}
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
 
 @dataclass(frozen=True)
 class SmolLM3Spec(LlamaSpec):
-    """LlamaSpec and `no_rope_layers`: per layer, 1 = RoPE, 0 = none."""
+    """LlamaSpec and, per layer, `no_rope_layers` (1 = RoPE, 0 = none) and `layer_types`
+    (SLIDING layers attend within `sliding_window` keys, themselves included)."""
 
     no_rope_layers: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
 
 
 def no_rope_layers(cfg: dict) -> tuple[int, ...]:
@@ -47,23 +53,35 @@ def no_rope_layers(cfg: dict) -> tuple[int, ...]:
     return tuple(int(f) for f in flags)
 
 
-def _check_no_sliding_window(cfg: dict, flags: tuple[int, ...]) -> None:
-    """Raises ValueError naming the sliding window and its layers where `layer_types` (given, or as
-    SmolLM3Config derives it: the NoPE layers when use_sliding_window and sliding_window are set) has one."""
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        windowed = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
-        layer_types = ["sliding_attention" if windowed and not rope else "full_attention" for rope in flags]
-    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    if sliding:
-        raise ValueError(f"sliding_window {cfg.get('sliding_window')!r} on SmolLM3 layers {sliding} is not "
-                         "supported: the decoder serves full causal attention only for this family")
+def layer_types(cfg: dict, flags: tuple[int, ...]) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window): config.json's, or SmolLM3Config's derivation (the NoPE layers
+    slide when use_sliding_window and sliding_window are set); the window is None without sliding layers.
+
+    Raises:
+        ValueError: layer_types that are not one of SLIDING / FULL per layer, or sliding layers with a
+            sliding_window that is not a positive integer (transformers' mask needs one).
+    """
+    window = cfg.get("sliding_window")
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        windowed = bool(cfg.get("use_sliding_window")) and window is not None
+        kinds = [SLIDING if windowed and not rope else FULL for rope in flags]
+    if not isinstance(kinds, list) or len(kinds) != len(flags) or any(k not in (SLIDING, FULL) for k in kinds):
+        raise ValueError(f"config.json's layer_types must name {SLIDING!r} or {FULL!r} for each of the "
+                         f"{len(flags)} layers, got {kinds!r}")
+    if SLIDING not in kinds:
+        return tuple(kinds), None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json's sliding_window must be a positive integer for the sliding_attention "
+                         f"layers {[i for i, k in enumerate(kinds) if k == SLIDING]}, got {window!r}")
+    return tuple(kinds), window
 
 
 class SmolLM3Attention(LlamaAttention):
     def __init__(self, spec: SmolLM3Spec, layer: int) -> None:
         super().__init__(spec, layer)
         self.use_rope = bool(spec.no_rope_layers[layer])
+        self.sliding_window = spec.sliding_window if spec.layer_types[layer] == SLIDING else None
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,13 +95,13 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def spec_from_config(cls, cfg: dict) -> SmolLM3Spec:
-        """Raises ValueError for sliding-window layers, malformed no_rope_layers, or what
+        """Raises ValueError for malformed no_rope_layers, layer_types or sliding_window, or what
         LlamaSpec refuses."""
         cfg = {**DEFAULTS, **cfg}
         flags = no_rope_layers(cfg)
-        _check_no_sliding_window(cfg, flags)
-        # the window is checked above; use_sliding_window with no window set leaves every layer full
+        kinds, window = layer_types(cfg, flags)
+        # the windows are read above; LlamaSpec refuses sliding layers of its own
         base = LlamaSpec.from_config({k: v for k, v in cfg.items() if k not in ("use_sliding_window", "layer_types")})
         values = {f.name: getattr(base, f.name) for f in fields(LlamaSpec)}
         values["architecture"] = (cfg.get("architectures") or ["SmolLM3ForCausalLM"])[0]
-        return SmolLM3Spec(**values, no_rope_layers=flags)
+        return SmolLM3Spec(**values, no_rope_layers=flags, layer_types=kinds, sliding_window=window)

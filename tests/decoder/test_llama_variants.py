@@ -1,12 +1,13 @@
 """SmolLM3, Granite 3 and OLMo 2, the Llama block with a difference each, against transformers 5.
 
 Each family runs on a tiny seeded 2-layer checkpoint built by transformers: SmolLM3 with head_dim 64,
-layer 0 rotating and layer 1 a NoPE layer; Granite with head_dim 128 and every multiplier away from
+layer 0 rotating with full attention and layer 1 a NoPE layer with a 32-key sliding window (prompts
+run to 100 tokens and 64 more are generated); Granite with head_dim 128 and every multiplier away from
 1; OLMo 2 with head_dim 128 (its q/k norms span 256 and 128 columns). In every regime of
 family_conformance (alone, concurrent, chunked, prefix hit, preemption) greedy ids for 64 new
 tokens equal transformers' generate and fp32 logits agree within 1e-4; two PEFT LoRA adapters on
-q/v and base rows in one batch equal PEFT. A SmolLM3 sliding window is refused in one line, and
-`check_decoder_dir` (what `tessera up` and `tessera info` run) accepts each checkpoint.
+q/v and base rows in one batch equal PEFT. SmolLM3 sliding layers without a window are refused in one
+line, and `check_decoder_dir` (what `tessera up` and `tessera info` run) accepts each checkpoint.
 """
 
 import json
@@ -26,7 +27,7 @@ GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.05, 
                            logits_scaling=2.5)
 CASES = {
     "smollm3": (SmolLM3ForCausalLM, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                                         no_rope_layers=[1, 0])),
+                                         no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=32)),
     "granite": (GraniteForCausalLM, dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                          **GRANITE_MULTIPLIERS)),
     "olmo2": (Olmo2ForCausalLM, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128)),
@@ -47,6 +48,7 @@ def test_the_family_file_reads_its_difference(case):
     assert type(model) is CASES[family][0]
     if family == "smollm3":
         assert [layer.self_attn.use_rope for layer in model.model.layers] == [True, False]
+        assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, 32]
     elif family == "granite":
         assert {name: getattr(model.spec, name) for name in GRANITE_MULTIPLIERS} == GRANITE_MULTIPLIERS
         assert model.model.layers[0].self_attn.scale == 0.05
@@ -59,14 +61,10 @@ def test_the_family_file_reads_its_difference(case):
 
 @pytest.mark.parametrize("regime", REGIMES)
 def test_greedy_and_logits_equal_transformers(case, regime):
+    """chunked and preempt run the C GEMM, RMSNorm, rotary and SiLU gate (linear_backend "cpu"), so
+    they are checked to compute each family's math; the other regimes run what "auto" picks."""
     _, model_dir, refs = case
-    check_regime(model_dir, refs, regime)
-
-
-def test_cpu_kernels_equal_transformers(case):
-    """The C GEMM, RMSNorm, rotary and SiLU gate (linear_backend "cpu") compute each family's math."""
-    _, model_dir, refs = case
-    check_regime(model_dir, refs, "concurrent", linear_backend="cpu", attention_backend="cpu")
+    check_regime(model_dir, refs, regime, **(dict(linear_backend="cpu") if regime in ("chunked", "preempt") else {}))
 
 
 def test_lora_q_v_equals_peft(case):
@@ -74,10 +72,11 @@ def test_lora_q_v_equals_peft(case):
     check_lora(model_dir, ["q_proj", "v_proj"])
 
 
-def test_smollm3_sliding_window_is_refused_in_one_line(tmp_path):
+def test_smollm3_sliding_layers_without_a_window_are_refused_in_one_line(tmp_path):
     model_dir = make_tiny_llama(tmp_path / "m", family="smollm3", no_rope_layers=[1, 0])
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=8, layer_types=None)
-    (model_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
-    with pytest.raises(ValueError, match=r"^sliding_window 8 on SmolLM3 layers \[1\] is not supported"):
+    config.update(layer_types=["full_attention", "sliding_attention"], sliding_window=None)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^config.json's sliding_window must be a positive integer for the "
+                                         r"sliding_attention layers \[1\], got None$"):
         load_model(model_dir, torch.float32)
