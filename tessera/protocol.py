@@ -54,6 +54,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
+# ---- how the decoder runs its model ---------------------------------------------------------------
+
+# DecoderInfo.model_impl -> what it means, as `tessera up` and `tessera info` say it
+MODEL_IMPL_TEXT = {"native": "native (tessera's model file for its family)",
+                   "transformers": "transformers (transformers' own modeling code on tessera's paged KV cache)"}
+
 # ---- refusal reasons ----------------------------------------------------------------------------
 
 ERROR_DOMAIN = "tessera"  # ErrorInfo.domain of every reason below

@@ -215,7 +215,8 @@ class LLMEngine:
                            served_model_names=names, generation_config=config.generation_config,
                            generation_defaults=config.generation_defaults.as_dict(),
                            chat_template_takes_tools=template_takes_tools(template),
-                           tool_call_parser=choose_tool_call_parser(template, config.tool_call_parser))
+                           tool_call_parser=choose_tool_call_parser(template, config.tool_call_parser),
+                           model_impl=config.model_impl)
 
     async def count_prompt_tokens(self, request_input: GenerateInput) -> PromptTokenCount:
         """The tokens `generate` would build for `request_input`'s prompt besides its images'

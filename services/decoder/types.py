@@ -535,6 +535,7 @@ class DecoderInfo:
     --generation-config value and `generation_defaults` the defaults in force (GenerationDefaults.as_dict).
     `chat_template_takes_tools`: the chat template renders a `tools` list; `tool_call_parser`: the
     format the model's tool calls are parsed from ("hermes"; "" = none), services/decoder/tools.py.
+    `model_impl`: how the model runs, "native" or "transformers" (DecoderConfig.model_impl).
     """
 
     model: str
@@ -553,3 +554,4 @@ class DecoderInfo:
     generation_defaults: dict[str, float] = field(default_factory=dict)
     chat_template_takes_tools: bool = False
     tool_call_parser: str = ""
+    model_impl: str = ""

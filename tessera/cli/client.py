@@ -37,6 +37,7 @@ from tessera.protocol import (
     API_TOKEN_ENV,
     INTERNAL_TOKEN_MISSING,
     INTERNAL_TOKEN_WRONG,
+    MODEL_IMPL_TEXT,
 )
 
 # gRPC's own details when no connection could be made: read only for an error no tessera service
@@ -325,6 +326,8 @@ def cluster_rows(info: ClusterInfo, adapters: list[str] | None) -> list[tuple[st
     rows = []
     if d is not None:
         rows.append(("model", f"{d.model} ({d.architecture})"))
+        if d.model_impl:
+            rows.append(("model impl", MODEL_IMPL_TEXT.get(d.model_impl, d.model_impl)))
         if len(d.served_model_names) > 1:
             rows.append(("aliases", ", ".join(d.served_model_names[1:])))
         if d.generation_config:

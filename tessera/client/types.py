@@ -260,6 +260,7 @@ class DecoderInfo:
     generation_config: str = ""  # --generation-config: "auto", "vllm" or a directory
     # sampling defaults in force for fields a request leaves unset (temperature, top_p, ...); {} under "vllm"
     generation_defaults: dict[str, float] = field(default_factory=dict)
+    model_impl: str = ""  # "native" (tessera's model file) or "transformers" (transformers' modeling code)
 
 
 @dataclass(frozen=True)

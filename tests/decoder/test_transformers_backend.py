@@ -19,8 +19,15 @@ from transformers import AutoConfig
 from services.common.checkpoint import check_decoder_dir, decoder_impl
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
+from services.decoder.convert import info_to_pb
+from services.decoder.engine import start_engine
 from services.decoder.model_transformers import TransformersForCausalLM
 from services.decoder.models import load_model
+from tessera.cli.client import cluster_rows
+from tessera.cli.up import model_path_line
+from tessera.cli.up.spec import ClusterSpec
+from tessera.client import convert as client_convert
+from tessera.v1 import gateway_pb2
 
 NEW_TOKENS = 16
 BASE_PROMPTS = PROMPTS[:3]  # 5, 40 and 70 tokens: 70 crosses two 32-token chunks
@@ -66,10 +73,10 @@ def test_the_kv_cache_takes_the_key_shape_the_layers_compute(family):
     assert (model.spec.num_layers, model.spec.num_kv_heads, model.spec.head_dim) == (2, expected_kv_heads, 16)
 
 
+@pytest.mark.parametrize("family", ["gpt_neox"], indirect=True)
 def test_peft_lora_on_the_transformers_path_equals_peft(family):
-    model_dir, _ = family
-    targets = ["query_key_value", "dense_4h_to_h"] if "neox" in str(model_dir) else ["q_proj", "v_proj"]
-    check_lora(model_dir, targets, prompts=BASE_PROMPTS[:2], new_tokens=NEW_TOKENS)
+    model_dir, _ = family  # GPT-NeoX's fused query_key_value and its MLP's output projection
+    check_lora(model_dir, ["query_key_value", "dense_4h_to_h"], prompts=BASE_PROMPTS[:2], new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +92,25 @@ def test_a_llama_forced_through_transformers_equals_the_native_path(llama, model
     assert DecoderConfig(model_dir=str(model_dir)).model_impl == "native"  # auto: the family's own file
     # both paths equal transformers' greedy ids and logits (1e-4), so they equal each other
     check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS, model_impl=model_impl)
+
+
+def test_tessera_up_and_info_name_the_path(llama, tmp_path):
+    model_dir, _ = llama
+    assert ClusterSpec(base_port=40000, decoder_model_dir=model_dir).model_impl == "native"
+    forced = ClusterSpec(base_port=40000, decoder_model_dir=model_dir,
+                         extra_args={"decoder": ["--model-impl", "transformers"]})
+    assert model_path_line(forced) == ("LlamaForCausalLM (model_type 'llama') on transformers (transformers' own "
+                                       "modeling code on tessera's paged KV cache)")
+    engine = start_engine(DecoderConfig(model_dir=str(model_dir), model_impl="transformers", num_blocks=16,
+                                        max_model_len=128))
+    try:
+        info = engine.info()
+    finally:
+        engine.shutdown()
+    assert info.model_impl == "transformers"
+    message = gateway_pb2.ClusterInfo(decoder=info_to_pb(info))
+    rows = dict(cluster_rows(client_convert.cluster_info(message), []))
+    assert rows["model impl"] == "transformers (transformers' own modeling code on tessera's paged KV cache)"
 
 
 def _config_dir(path, model_type: str, **fields):

@@ -19,6 +19,15 @@ from tessera.cli.up.claim import ClusterBusy
 from tessera.cli.up.launch import Cluster, StartInterrupted
 from tessera.cli.up.spec import ClusterSpec
 from tessera.cli.up.supervise import Supervisor
+from tessera.protocol import MODEL_IMPL_TEXT
+
+
+def model_path_line(spec: ClusterSpec) -> str:
+    """Which path the decoder's checkpoint takes, in one line, e.g. "GPTNeoXForCausalLM (model_type
+    'gpt_neox') on transformers (transformers' own modeling code on tessera's paged KV cache)"."""
+    checkpoint = spec.checkpoint
+    architecture = ", ".join(checkpoint.architectures) or "no architecture named"
+    return f"{architecture} (model_type {checkpoint.model_type!r}) on {MODEL_IMPL_TEXT[spec.model_impl]}"
 
 
 def run_until_signalled(spec: ClusterSpec) -> int:
@@ -39,6 +48,7 @@ def run_until_signalled(spec: ClusterSpec) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print("starting " + ", ".join(spec.services()) + f" (logs in {spec.log_dir})", flush=True)
+    print(f"decoder model: {model_path_line(spec)}", flush=True)
     try:
         cluster.start(interrupted=lambda: stop["signalled"])
     except StartInterrupted:

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.checkpoint import CheckpointConfig
+from services.common.checkpoint import CheckpointConfig, decoder_impl
 from services.common.launch import service_env
 from services.common.logs import LOG_FORMATS, LOG_LEVELS
 from services.common.mrope import QWEN_VL_MODEL_TYPES
@@ -84,6 +84,7 @@ class ClusterSpec:
     http_port: int = 0  # the gateway's HTTP API on `host` (0 = off; the `tessera up` command asks 8000)
     checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # the decoder's config.json
     encoder: str | None = field(init=False)  # the vision encoder: "qwen2-vl", "demo", or None (text-only)
+    model_impl: str = field(init=False)  # how the decoder runs the model: "native" or "transformers"
 
     def __post_init__(self) -> None:
         self.cluster = self.cluster or str(self.base_port)
@@ -113,6 +114,12 @@ class ClusterSpec:
                 raise ValueError(f"replicas need host to be an IP address (the gateway's ipv4:/ipv6: target), "
                                  f"got {self.host!r}") from None
         self.checkpoint = check_model_dirs(self.decoder_model_dir, self.embedding_model_dir)
+        # the decoder's --model-impl (auto unless --service-args gives it), resolved as the decoder will
+        model_impl = _last_flag_value(self.extra_args.get("decoder", []), "--model-impl") or "auto"
+        try:
+            self.model_impl = decoder_impl(self.checkpoint, model_impl)
+        except ValueError as error:
+            raise ValueError(f"decoder model dir {str(self.checkpoint.model_dir)!r} {error}") from None
         self.encoder, sections = pick_encoder(self.checkpoint, self.mrope_section) if self.vision else (None, "")
         self.mrope_section = sections or self.mrope_section
 
