@@ -27,6 +27,7 @@ DECODER_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
@@ -41,10 +42,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 ROPE_TYPES = ("default", "mrope", "linear", "dynamic", "yarn", "llama3")
 # rope_type -> why it is refused, where transformers has it but the decoder cannot serve it exactly
 ROPE_REFUSALS = {
-    "longrope": "transformers picks its short or long factors by the longest position of each forward pass, so "
-                "a token's keys would depend on how its sequence was batched and grown, which a paged KV cache "
-                "shared across chunked prefill, prefix hits and preemption cannot reproduce",
+    "longrope": "it is served for Phi-3 (model_type 'phi3') only, whose generate recomputes every key on the long "
+                "factors once a sequence outgrows original_max_position_embeddings; other families keep keys "
+                "computed on either set",
 }
+# model_type -> the rope_types its native file serves, where they are not ROPE_TYPES (Phi3Config reads
+# the legacy "su" and "yarn" as longrope: services/decoder/model_phi3.py)
+FAMILY_ROPE_TYPES = {"phi3": ("default", "longrope", "su", "yarn")}
 # model_type -> the MLP activations its native file computes (config.json's `hidden_act`, or
 # `hidden_activation` as Gemma writes it); a family absent here computes SiLU only
 ACTIVATIONS: dict[str, tuple[str, ...]] = {}
@@ -271,7 +275,7 @@ def _check_language_model(config: CheckpointConfig) -> None:
                          f"with {' or '.join(map(repr, served))}")
     # Qwen2-VL's M-RoPE takes plain frequencies only (services/decoder/model_qwen2_vl.py)
     check_rope_type(rope_settings(text)[0], ("default", "mrope") if config.model_type in QWEN_VL_MODEL_TYPES
-                    else ROPE_TYPES)
+                    else FAMILY_ROPE_TYPES.get(config.model_type, ROPE_TYPES))
     _check_dtype_names(config)
     _positive_number(text.get("rms_norm_eps", 1e-6), "rms_norm_eps")
 

@@ -187,7 +187,8 @@ class LLMEngine:
                                     None if params.greedy else make_generator(seed, self.device), self._hasher(prompt, slot),
                                     index=index, parent=requests[0] if requests else None, lora_name=lease_name,
                                     prompt_logprobs=record,
-                                    grammar=None if compiled is None else GrammarState(compiled, params.stop_token_ids)))
+                                    grammar=None if compiled is None else GrammarState(compiled, params.stop_token_ids),
+                                    long_rope=getattr(self.parts.model.rotary, "long_rope", None)))
         return requests
 
     def abort(self, key: str) -> None:

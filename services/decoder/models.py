@@ -24,6 +24,7 @@ MODEL_FAMILIES: dict[str, str] = {
     "smollm3": "services.decoder.model_smollm3:SmolLM3ForCausalLM",
     "granite": "services.decoder.model_granite:GraniteForCausalLM",
     "olmo2": "services.decoder.model_olmo2:Olmo2ForCausalLM",
+    "phi3": "services.decoder.model_phi3:Phi3ForCausalLM",
 }
 
 

@@ -8,6 +8,8 @@
                   "lora:<weight digest>"                     every block, when the request has an adapter
                   "image:<hash>:<rows>:<start>:<end>:<pos>"  every image overlapping the block
                   "mrope:<t>,<h>,<w>:<rope delta>"           every block from the first image's block on
+                  "rope:long"                                every block, while the request runs on
+                                                             longrope's long factors (rotary.LongRope)
 
 Because each hash includes its parent, salting a block salts every later one: two prompts share
 KV only up to the first block where token ids, adapter weights or image contents/positions
@@ -82,7 +84,9 @@ class BlockHasher:
     """Hashes one request's full blocks incrementally (prompt blocks, then generated ones).
 
     `hashes` only grows: a block's hash never changes once its tokens are known, preemption
-    included, so a recomputing request finds its own evicted-but-cached blocks.
+    included, so a recomputing request finds its own evicted-but-cached blocks. The one exception
+    is a longrope request switching to its long factors (`use_long_rope`): every block is rehashed,
+    as its K/V are recomputed then, and a short-factor block is never reused by a long sequence.
     """
 
     def __init__(self, block_size: int, lora_digest: str | None = None, images: Sequence[ImageKey] = (),
@@ -93,6 +97,7 @@ class BlockHasher:
         self.first_image_block = min(i.start for i in images) // block_size if images else None
         section = ",".join(str(s) for s in mrope_section or ())
         self.mrope_key = f"mrope:{section}:{rope_delta}"
+        self.rope_key: tuple[str, ...] = ()
         self.hashes: list[bytes] = []
 
     @classmethod
@@ -102,12 +107,18 @@ class BlockHasher:
 
     def extra_keys(self, block_index: int) -> tuple[str, ...]:
         """Extra keys of block `block_index` (positions [i * block_size, (i + 1) * block_size))."""
-        keys = list(self.lora_key)
+        keys = [*self.lora_key, *self.rope_key]
         if self.first_image_block is not None and block_index >= self.first_image_block:
             lo, hi = block_index * self.block_size, (block_index + 1) * self.block_size
             keys.extend(i.key for i in self.images if i.start < hi and i.end > lo)
             keys.append(self.mrope_key)
         return tuple(keys)
+
+    def use_long_rope(self, long: bool) -> None:
+        """Salt every block with "rope:long" (`long`) or nothing; a change forgets every hash."""
+        rope_key = ("rope:long",) if long else ()
+        if rope_key != self.rope_key:
+            self.rope_key, self.hashes = rope_key, []
 
     def update(self, token_ids: Sequence[int]) -> list[bytes]:
         """Extend `hashes` to every full block of `token_ids` (all known ids of the request)."""

@@ -8,6 +8,7 @@ import torch
 
 from services.decoder.grammar import GrammarState
 from services.decoder.prefix_cache import BlockHasher
+from services.decoder.rotary import LongRope
 from services.decoder.types import PromptInputs, Sample, SamplingParams
 
 
@@ -58,13 +59,15 @@ class Request:
     `hasher` (None = no prefix caching) hashes its full blocks for the prefix cache;
     `lora_slot` is the adapter bank slot it leases, taken as adapter `lora_name`;
     `prompt_logprobs` (None = not asked) is the record its choices share; `grammar` (None = free
-    text) is its own structured-output matcher, advanced with each token it appends."""
+    text) is its own structured-output matcher, advanced with each token it appends; `long_rope`
+    (None = one set of rotary frequencies) is the model's longrope rule, and `kv_long_rope` says
+    whether its computed K/V used the long factors (the scheduler recomputes them on a switch)."""
 
     def __init__(self, key: str, request_id: str, prompt: PromptInputs, sampling: SamplingParams,
                  lora_slot: int | None = None, generator: torch.Generator | None = None,
                  hasher: BlockHasher | None = None, index: int = 0, parent: Request | None = None,
                  lora_name: str = "", prompt_logprobs: PromptLogprobs | None = None,
-                 grammar: GrammarState | None = None) -> None:
+                 grammar: GrammarState | None = None, long_rope: LongRope | None = None) -> None:
         self.key = key
         self.request_id = request_id
         self.prompt = prompt
@@ -83,6 +86,8 @@ class Request:
         self.parent = parent
         self.prompt_logprobs = prompt_logprobs
         self.grammar = grammar  # the choice's structured-output matcher (grammar.py); None = free text
+        self.long_rope = long_rope
+        self.kv_long_rope = False
 
     def waits_for_parent(self) -> bool:
         """True while the first choice has not computed the shared prompt (so its blocks can be reused)."""
@@ -106,10 +111,18 @@ class Request:
             limit = min(limit, len(self.prompt_logprobs.entries))
         return limit
 
+    @property
+    def uses_long_rope(self) -> bool:
+        """Whether its rows run on longrope's long factors now (`LongRope`: its tokens so far number
+        more than original_max_position_embeddings); False without longrope."""
+        return self.long_rope is not None and self.long_rope.uses_long(self.num_tokens)
+
     def block_hashes(self) -> list[bytes]:
-        """Chain hashes of every full block of the known tokens (empty without a hasher)."""
+        """Chain hashes of every full block of the known tokens (empty without a hasher), salted
+        with the rotary factors its K/V are computed with now."""
         if self.hasher is None:
             return []
+        self.hasher.use_long_rope(self.uses_long_rope)
         if self.num_tokens // self.hasher.block_size > len(self.hasher.hashes):
             self.hasher.update(self.prompt.token_ids + self.output_token_ids)
         return self.hasher.hashes
@@ -123,10 +136,12 @@ class Request:
         """Rotary positions of [start, end): int64 [n], or [3, n] when `mrope`.
 
         Prompt positions come from the M-RoPE table; later ones are physical + rope delta
-        (as in transformers' Qwen2-VL get_rope_index / decode path).
+        (as in transformers' Qwen2-VL get_rope_index / decode path). Rows on longrope's long
+        factors are shifted by its `position_offset` (rotary.py).
         """
         if not mrope:
-            return torch.arange(start, end)
+            offset = self.long_rope.position_offset if self.uses_long_rope else 0
+            return torch.arange(start + offset, end + offset)
         table = self.prompt.mrope_positions
         split = min(max(start, self.num_prompt_tokens), end)
         tail = (torch.arange(split, end) + self.prompt.rope_delta).expand(3, -1)

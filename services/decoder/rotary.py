@@ -13,11 +13,21 @@ that multiplies cos and sin (yarn's attention factor; 1 for the others) from tra
 Qwen3 rotary embeddings do at init. `dynamic` (NTK) recomputes its frequencies only for a
 sequence longer than max_position_embeddings, which the decoder's max_model_len never exceeds, so
 the init-time table is the one transformers uses for every position the decoder serves.
+
+A partial rotary factor (Phi-3's `partial_rotary_factor`) makes the table narrower than the head:
+`head_dim` here is the number of dims rotated, int(head_dim * factor), and the family rotates the
+first that many dims of each head and passes the rest through (transformers' Phi-3
+`apply_rotary_pos_emb`).
+
+longrope (`LongRope`) has two sets of frequencies, from the short and the long factors. Its rows
+carry the choice in their positions: a row on the long factors has position + `position_offset`
+(the model's max_position_embeddings, past every served position), so the angles are one table
+of short, then long ones, as vLLM's Phi-3 long-RoPE embedding indexes its cos/sin cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -27,13 +37,39 @@ from services.common.mrope import check_mrope_section
 
 
 @dataclass(frozen=True)
+class LongRope:
+    """Which of longrope's two sets of frequencies a request's rows use, by transformers' Phi-3 rule.
+
+    transformers' longrope (`dynamic_rope_update`) takes the long factors for a forward pass whose
+    longest position + 1 exceeds original_max_position_embeddings, the short ones otherwise, and
+    Phi3ForCausalLM's `prepare_inputs_for_generation` drops the cache on the step where a sequence
+    first grows past that length, so generate recomputes every earlier key with the long factors.
+    For one request, then, every key and query uses the long factors iff its tokens (prompt and
+    generated so far) number more than original_max_position_embeddings: a prompt longer than
+    that runs long from its first chunk; a shorter one runs short until the step that feeds
+    position original_max_position_embeddings, whose K/V cache is recomputed first (scheduler.py).
+    The choice depends on the request alone, not on its batch or chunks.
+    """
+
+    original_max_position_embeddings: int
+    position_offset: int  # a long row's position + this is what the rotary table is indexed with
+
+    def uses_long(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens runs on the long factors."""
+        return num_tokens > self.original_max_position_embeddings
+
+
+@dataclass(frozen=True)
 class RopeScaling:
-    """A scaled RoPE as transformers computes it: `inv_freq` (head_dim / 2 float32 values, as floats)
-    and `attention_scaling`, the factor on cos and sin."""
+    """A scaled RoPE as transformers computes it: `inv_freq` (rotary_dim / 2 float32 values, as floats)
+    and `attention_scaling`, the factor on cos and sin. longrope adds `long_inv_freq` (the long
+    factors' frequencies; `inv_freq` holds the short ones) and `long_rope`, the rule choosing them."""
 
     rope_type: str
     inv_freq: tuple[float, ...]
     attention_scaling: float
+    long_inv_freq: tuple[float, ...] | None = None
+    long_rope: LongRope | None = None
 
     @classmethod
     def from_config(cls, cfg: dict, rope_type: str) -> RopeScaling:
@@ -53,7 +89,14 @@ class RopeScaling:
         except (KeyError, TypeError) as error:
             raise ValueError(f"RoPE scaling {rope_type!r}: config.json's rope parameters lack or mistype "
                              f"{error}") from None
-        return cls(rope_type, tuple(inv_freq.float().tolist()), float(attention_scaling))
+        scaling = cls(rope_type, tuple(inv_freq.float().tolist()), float(attention_scaling))
+        if rope_type != "longrope":
+            return scaling
+        # as longrope_frequency_update asks for the long set: a sequence one past the original length
+        original = int(config.rope_parameters["original_max_position_embeddings"])
+        long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=original + 1)
+        return replace(scaling, long_inv_freq=tuple(long_inv_freq.float().tolist()),
+                       long_rope=LongRope(original, int(config.max_position_embeddings)))
 
 
 class RotaryEmbedding:
@@ -61,8 +104,10 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int] | None = None,
                  scaling: RopeScaling | None = None) -> None:
-        """Raises ValueError for an odd head_dim, bad M-RoPE sections, or a `scaling` whose table is
-        not head_dim / 2 long (a partial rotary factor)."""
+        """`head_dim`: the dims rotated (the head's, or its first head_dim * partial_rotary_factor).
+
+        Raises ValueError for an odd head_dim, bad M-RoPE sections, or a `scaling` whose table is
+        not head_dim / 2 long."""
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         if mrope_section is not None:
@@ -70,6 +115,10 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         self.mrope_section = tuple(mrope_section) if mrope_section is not None else None
         self.attention_scaling = 1.0
+        self.long_rope = scaling.long_rope if scaling is not None else None
+        self.long_inv_freq = None  # [head_dim / 2] float32: longrope's long factors' frequencies
+        if self.long_rope is not None:
+            self.long_inv_freq = torch.tensor(scaling.long_inv_freq, dtype=torch.float32, device="cpu")
         if scaling is None:
             exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
             self.inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2] float32
@@ -84,15 +133,24 @@ class RotaryEmbedding:
         """Keep the frequency table on `device`, where the positions arrive (this is no nn.Module,
         so the model's `.to()` does not move it). Returns self."""
         self.inv_freq = self.inv_freq.to(device)
+        if self.long_inv_freq is not None:
+            self.long_inv_freq = self.long_inv_freq.to(device)
         return self
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (cos, sin), each [num_tokens, head_dim] in `dtype` (angles in float32).
+        """Returns (cos, sin), each [num_tokens, head_dim] in `dtype` (angles in float32). With
+        longrope, a position >= `long_rope.position_offset` is a row on the long factors at
+        position - offset (see the module docstring).
 
         Raises:
             ValueError: [3, N] positions on a model without M-RoPE sections, or bad rank.
         """
-        if positions.ndim == 1:
+        if positions.ndim == 1 and self.long_rope is not None:
+            long = positions >= self.long_rope.position_offset  # [N] bool
+            positions = positions - long * self.long_rope.position_offset  # int64: exact
+            inv_freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)  # [N, head_dim/2]
+            freqs = positions[:, None].float() * inv_freq
+        elif positions.ndim == 1:
             freqs = positions[:, None].float() * self.inv_freq[None, :]  # [N, head_dim/2]
         elif positions.ndim == 2 and positions.shape[0] == 3:
             if self.mrope_section is None:

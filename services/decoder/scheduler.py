@@ -13,6 +13,11 @@ whose prompt logprobs are still to record: a request asking for them computes it
 unless another choice recorded them, as vLLM v1 skips the cache for such requests) and starts
 computing after it; after each step newly full computed blocks are registered. Choices 1..n-1 of
 a request wait (head of the queue) until choice 0 has computed the prompt, then reuse its blocks.
+
+longrope (rotary.LongRope): a running request whose tokens outgrow original_max_position_embeddings
+has computed its K/V on the short factors; as transformers' Phi-3 generate does, they are
+recomputed on the long ones: its blocks are freed and it prefills all its tokens again, still
+running (no preemption, no lease change).
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_computed_tokens and request.kv_long_rope != request.uses_long_rope:
+                self.block_manager.free(request.key)  # computed on the short factors: recompute on the long
+                request.num_computed_tokens = 0
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.append_slots(request.key, request.num_computed_tokens + num_new):
                 victim = self.running.pop()  # latest admitted; never one already scheduled
@@ -139,6 +147,7 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            request.kv_long_rope = request.uses_long_rope  # tokens are appended after this
             if request.hasher is not None:
                 self.block_manager.cache_blocks(request.key, request.block_hashes(), request.num_computed_tokens)
 

@@ -4,8 +4,9 @@ Each rope type runs on a tiny 2-layer Llama with head_dim 64, max_position_embed
 original_max_position_embeddings 64 (plus a Qwen3 with yarn), with prompts past 64 tokens: greedy
 ids for 64 new tokens equal transformers' generate and fp32 logits agree within 1e-4, alone, several
 concurrent, in chunked prefill (32-token chunks, so a chunk boundary falls at position 64), after a
-prefix-cache hit that covers positions past 64, and after recompute preemption. longrope, unknown
-types and a partial rotary factor are refused in one line naming them.
+prefix-cache hit that covers positions past 64, and after recompute preemption. longrope outside
+Phi-3 (tests/decoder/test_phi3.py serves it there), unknown types and a partial rotary factor are
+refused in one line naming them.
 """
 
 import json
@@ -184,8 +185,7 @@ def test_tied_config_with_the_same_or_no_lm_head_ties(tmp_path, head):
 
 @pytest.mark.parametrize("rope, message", [
     (dict(rope_type="longrope", short_factor=[1.0] * 32, long_factor=[2.0] * 32, original_max_position_embeddings=64),
-     "RoPE scaling 'longrope' is not supported: transformers picks its short or long factors by the longest "
-     "position of each forward pass"),
+     "RoPE scaling 'longrope' is not supported: it is served for Phi-3 (model_type 'phi3') only"),
     (dict(rope_type="ntk-by-parts", factor=2.0), "RoPE scaling 'ntk-by-parts' is not supported: the served types "
                                                  "are default, mrope, linear, dynamic, yarn, llama3"),
     (dict(rope_type="linear", factor=2.0, partial_rotary_factor=0.5),
