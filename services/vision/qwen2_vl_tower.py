@@ -122,17 +122,33 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.embed_dim, config.embed_dim)
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N, embed]; cu_seqlens [0, n0, n0+n1, ...]: a row attends only to rows of its own image."""
+        """x [N, embed]; cu_seqlens [0, n0, n0+n1, ...]: a row attends only to rows of its own segment
+        (an image's frame; a window in Qwen2.5-VL's windowed blocks)."""
         num_rows = x.shape[0]
         q, k, v = self.qkv(x).reshape(num_rows, 3, self.num_heads, -1).unbind(1)  # each [N, heads, head_dim]
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        outputs = []
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, head_dim]
-            outputs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))  # bidirectional
-        return self.proj(torch.cat(outputs).reshape(num_rows, -1))
+        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(num_rows, -1))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """Bidirectional attention of each row over the rows of its own segment [cu_seqlens[i], cu_seqlens[i+1]).
+
+    q, k, v: [N, heads, head_dim] -> [N, heads, head_dim]. Segments of one length go through one batched
+    scaled_dot_product_attention: a Qwen2.5-VL image is mostly equal windows, a request often equal-size
+    images, and a call per segment would pay its dispatch once per window per layer.
+    """
+    out = torch.empty_like(q)
+    starts_by_length: dict[int, list[int]] = {}
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if end > start:
+            starts_by_length.setdefault(end - start, []).append(start)
+    for length, starts in starts_by_length.items():
+        rows = torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)  # [S, length]
+        qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))  # [S, heads, length, head_dim]
+        out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+    return out
 
 
 class VisionMlp(nn.Module):
