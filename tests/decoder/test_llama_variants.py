@@ -80,3 +80,34 @@ def test_smollm3_sliding_layers_without_a_window_are_refused_in_one_line(tmp_pat
     with pytest.raises(ValueError, match=r"^config.json's sliding_window must be a positive integer for the "
                                          r"sliding_attention layers \[1\], got None$"):
         load_model(model_dir, torch.float32)
+
+
+def test_olmo2_bf16_norm_and_rotary_round_as_transformers():
+    """OLMo 2 rounds once after scaling in float32 (norms) and after rotating in float32 (RoPE), where
+    Llama rounds before the scale and rotates in bf16: bit-equal to transformers' modules in bf16."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as HFOlmo2RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb
+
+    from services.decoder.model_llama import RMSNorm
+    from services.decoder.model_olmo2 import Olmo2Attention, Olmo2RMSNorm
+    from services.decoder.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 256).to(torch.bfloat16)  # [tokens, heads * head_dim]
+    ours, theirs, llama = Olmo2RMSNorm(256, 1e-5), HFOlmo2RMSNorm(256, 1e-5), RMSNorm(256, 1e-5)
+    weight = torch.rand(256) + 0.5
+    with torch.no_grad():
+        for norm in (ours, theirs, llama):
+            norm.weight.copy_(weight)
+            norm.to(torch.bfloat16)
+        assert torch.equal(ours(x), theirs(x)) and not torch.equal(llama(x), theirs(x))
+    q, k = x.view(7, 2, 128), x[:, :128].reshape(7, 1, 128)  # [tokens, heads, head_dim]
+    cos, sin = RotaryEmbedding(128, 10000.0).cos_sin(torch.arange(100, 107), torch.float32)
+    attention = Olmo2Attention.__new__(Olmo2Attention)
+    got = Olmo2Attention.rotate_qk(attention, q, k, cos, sin)
+    # transformers' layout: [batch, heads, tokens, head_dim], cos/sin [batch, tokens, head_dim]
+    want = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    assert all(torch.equal(g, w[0].transpose(0, 1)) for g, w in zip(got, want))
+    in_bf16 = apply_rotary(q, cos.to(torch.bfloat16), sin.to(torch.bfloat16))  # Llama's order
+    assert not torch.equal(in_bf16, want[0][0].transpose(0, 1))
+    assert got[0].dtype == torch.bfloat16
