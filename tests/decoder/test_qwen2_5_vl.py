@@ -105,6 +105,25 @@ def test_chunked_prefix_hit_and_preemption(tiny, refs):
     assert refs["b"][0] != refs["one"][0]
 
 
+def test_head_dim_128_with_the_released_sections(tmp_path):
+    """Qwen2.5-VL-7B's text geometry in small: head_dim 128, M-RoPE sections (16, 24, 24); images and
+    text in one batch equal transformers."""
+    rope = {"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0}
+    model = build_tiny_qwen2_5_vl(tmp_path, seed=1, text=dict(hidden_size=256, num_attention_heads=2,
+                                                               num_key_value_heads=1, rope_parameters=rope))
+    vision = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(tmp_path))))
+    assert vision.config.mrope_section == (16, 24, 24)
+    processor = (AutoTokenizer.from_pretrained(tmp_path), reference_processor())
+    contents = {"one": ONE, "two": TWO, "text": TEXT}
+    refs = [(*hf_greedy(model, batch := hf_inputs(*processor, c), NEW_TOKENS), batch) for c in contents.values()]
+    engine = _engine(tmp_path)
+    try:
+        assert engine.parts.model.spec.head_dim == 128
+        _check(engine, [_ours(vision, c, name) for name, c in contents.items()], refs, admit_together=True)
+    finally:
+        engine.shutdown()
+
+
 def test_checkpoint_check_loader_and_up_take_qwen2_5_vl(tiny, tmp_path):
     """check_decoder_dir serves it with plain-RoPE M-RoPE only; the loader keeps its architecture and
     sections; `tessera up` pairs it with its own vision tower."""

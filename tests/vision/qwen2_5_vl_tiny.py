@@ -18,23 +18,26 @@ from tests.vision.qwen2_vl_tiny import MROPE_SECTION, reference_processor, tiny_
 WINDOW_SIZE, FULLATT_BLOCK_INDEXES = 56, [1]
 
 
-def tiny_config(**vision_overrides) -> Qwen2_5_VLConfig:
-    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
-                rope_parameters={"rope_type": "default", "mrope_section": MROPE_SECTION, "rope_theta": 10000.0})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                  window_size=WINDOW_SIZE, fullatt_block_indexes=FULLATT_BLOCK_INDEXES, spatial_merge_size=2)
-    vision.update(vision_overrides)
+def tiny_config(text: dict | None = None, vision: dict | None = None) -> Qwen2_5_VLConfig:
+    """Head size 16 (sections MROPE_SECTION) unless `text` overrides; `vision` overrides the tower."""
+    text = {**dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
+                   rope_parameters={"rope_type": "default", "mrope_section": MROPE_SECTION, "rope_theta": 10000.0}),
+            **(text or {})}
+    vision = {**dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=text["hidden_size"],
+                     window_size=WINDOW_SIZE, fullatt_block_indexes=FULLATT_BLOCK_INDEXES, spatial_merge_size=2),
+              **(vision or {})}
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
                             vision_start_token_id=252, vision_end_token_id=253)
 
 
-def build_tiny_qwen2_5_vl(directory: Path, seed: int = 0, **vision_overrides) -> Qwen2_5_VLForConditionalGeneration:
+def build_tiny_qwen2_5_vl(directory: Path, seed: int = 0, text: dict | None = None,
+                          vision: dict | None = None) -> Qwen2_5_VLForConditionalGeneration:
     """Save a seeded tiny Qwen2.5-VL (config.json, model.safetensors, preprocessor_config.json,
-    tokenizer) to `directory`; `vision_overrides` change its vision_config."""
+    tokenizer) to `directory`; `text` and `vision` override its text_config and vision_config."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(tiny_config(**vision_overrides)).eval()
+        model = Qwen2_5_VLForConditionalGeneration(tiny_config(text, vision)).eval()
         with torch.no_grad():  # the default init (std 0.02) gives rows ~0.02; larger weights make 1e-5 a sharp test
             for parameter in model.model.visual.parameters():
                 parameter.normal_(0.0, 0.2)
