@@ -1,19 +1,24 @@
-"""`tessera models export-gguf`: a prepared Llama-family decoder checkpoint written as one GGUF file.
+"""`tessera models export-gguf`: a prepared decoder checkpoint written as one GGUF file.
 
-The file is what llama.cpp's `convert_hf_to_gguf.py` writes for a `LlamaForCausalLM` with a GPT-2
-style BPE tokenizer, so llama.cpp's `llama-server` serves the same weights tessera does:
+The file is what llama.cpp's `convert_hf_to_gguf.py` writes for the checkpoint's family
+(`gguf_families.GGUF_FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3,
+Qwen2-MoE, Qwen3-MoE) with a GPT-2 style BPE tokenizer, so llama.cpp serves the same weights
+tessera does:
 
-- metadata `llama.*` from config.json (blocks, context, widths, heads, RoPE base and dimension,
-  RMS epsilon, vocab size) and `general.file_type` (ALL_F32 or MOSTLY_BF16);
+- metadata `{arch}.*` from config.json (blocks, context, widths, heads, RoPE base, RMS epsilon,
+  head and expert sizes, the family's soft-caps and windows), RoPE scaling where the format has
+  keys for it (linear, yarn, longrope; llama3 as the `rope_freqs.weight` tensor, longrope's factors
+  as `rope_factors_short/long.weight`), and `general.file_type`
+  (ALL_F32 or MOSTLY_BF16);
 - tensors named by gguf's own HF -> GGUF map (`blk.N.attn_q.weight`, `token_embd.weight`, ...);
-  q/k projections permuted from HF's rotate-half RoPE layout to GGML's interleaved one (the
-  converter's `LlamaModel.permute`; transformers undoes it when it loads a GGUF); 1-D tensors and
-  norms stay F32, matrices take the requested type;
+  q/k projections permuted from HF's rotate-half RoPE layout to GGML's interleaved one for the
+  llama architecture (the converter's `LlamaModel.permute`; transformers undoes it when it loads
+  a GGUF); 1-D tensors and norms stay F32, matrices take the requested type;
 - tokenizer `gpt2` with the pre-tokenizer named by the converter's hash of its check text, the
   token list and types, merges, special ids and the chat template (gguf's `SpecialVocab`).
 
-Only what the prepared checkpoints need is covered: an unknown architecture, RoPE scaling or
-pre-tokenizer raises ValueError rather than writing a file llama.cpp would misread.
+An unknown family, RoPE scaling or pre-tokenizer raises ValueError rather than writing a file
+llama.cpp would misread.
 """
 
 from __future__ import annotations
@@ -23,11 +28,21 @@ from hashlib import sha256
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessera.cli.gguf_families import (
+    EXPORTED_ROPE_TYPES,
+    GGUF_FAMILIES,
+    GgufFamily,
+    add_rope_scaling,
+    family_tensors,
+    permute_for_ggml,
+    rope_tensors,
+)
 from tessera.paths import DECODER_MODEL, models_dir, tessera_home
 
 if TYPE_CHECKING:  # gguf, torch and numpy load on export only: `tessera` starts without them
     import gguf
-    import torch
+
+__all__ = ["export_gguf", "permute_for_ggml"]
 
 # outtype -> (gguf LlamaFileType, GGMLQuantizationType of the matrices)
 OUTTYPES = {"f32": ("ALL_F32", "F32"), "bf16": ("MOSTLY_BF16", "BF16")}
@@ -61,14 +76,16 @@ def resolve_model_dir(model: str | None, directory: str | None) -> Path:
     return model_dir
 
 
-def export_gguf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
+def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | None = None) -> Path:
     """Write `model_dir` (config.json, *.safetensors, tokenizer files) as GGUF at `out`.
 
     Args:
         outtype: "f32" (every tensor float32) or "bf16" (matrices bfloat16, norms float32).
+        pre_tokenizer: llama.cpp's name of the BPE pre-tokenizer (`tokenizer.ggml.pre`, e.g. "gpt-2"),
+            for a tokenizer the converter's check-text hashes (PRE_TOKENIZER_BY_HASH) do not name.
     Raises:
-        ValueError: an unknown outtype, an architecture other than LlamaForCausalLM, RoPE scaling,
-            or a pre-tokenizer this exporter cannot name.
+        ValueError: an unknown outtype, a model_type not in GGUF_FAMILIES, a RoPE scaling type the
+            format has no key for, or a pre-tokenizer this exporter cannot name.
     """
     import gguf
 
@@ -77,23 +94,26 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     file_type = gguf.LlamaFileType[OUTTYPES[outtype][0]]
     matrix_type = gguf.GGMLQuantizationType[OUTTYPES[outtype][1]]
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("architectures") != ["LlamaForCausalLM"]:
-        raise ValueError(f"{model_dir}: export-gguf writes LlamaForCausalLM only, got {config.get('architectures')}")
     if not isinstance(config, dict):
         raise ValueError(f"{model_dir}: config.json holds a JSON {type(config).__name__}, not an object")
-    from services.common.checkpoint import rope_settings  # here: the client commands import no service code
-
-    rope_type, rope_theta = rope_settings(config)
-    if rope_type != "default":
-        raise ValueError(f"{model_dir}: RoPE scaling {rope_type!r} is not exported")
+    family = GGUF_FAMILIES.get(config.get("model_type", ""))
+    if family is None:
+        raise ValueError(f"{model_dir}: export-gguf writes model_type {', '.join(GGUF_FAMILIES)}; "
+                         f"got {config.get('model_type')!r}")
+    rope = _full_attention_rope(config)
+    if rope["rope_type"] not in EXPORTED_ROPE_TYPES:
+        raise ValueError(f"{model_dir}: RoPE scaling {rope['rope_type']!r} is not exported "
+                         f"(exported: {', '.join(EXPORTED_ROPE_TYPES)})")
+    arch = gguf.MODEL_ARCH[family.arch]
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(model_dir.name)
-    _add_hparams(writer, config, rope_theta)
+    _add_hparams(writer, config, rope, arch)
+    family.extra_hparams(writer, config)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_vocab(writer, model_dir, config["vocab_size"])
-    for name, data in _tensors(model_dir, config):
+    _add_vocab(writer, model_dir, config["vocab_size"], pre_tokenizer)
+    for name, data in _tensors(model_dir, config, family, rope, arch):
         qtype = gguf.GGMLQuantizationType.F32 if data.ndim <= 1 or name.endswith("_norm.weight") else matrix_type
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -103,32 +123,53 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     return out
 
 
-def _add_hparams(writer: gguf.GGUFWriter, config: dict, rope_theta: float) -> None:
+def _full_attention_rope(config: dict) -> dict:
+    """The full-attention layers' RoPE parameters (Gemma 3 keys them by layer type) with rope_type and
+    rope_theta filled in, read as transformers 5 reads them (a legacy rope_scaling wins)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope = dict(rope.get("full_attention", rope))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return rope
+
+
+def _add_hparams(writer: gguf.GGUFWriter, config: dict, rope: dict, arch: gguf.MODEL_ARCH) -> None:
+    """TextModel.set_gguf_parameters' keys (and LlamaModel's vocab size and rotary width for llama)."""
+    import gguf
+
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
-    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    add_rope_scaling(writer, rope, config["max_position_embeddings"])
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if experts is not None:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     if config.get("head_dim") is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(head_dim)
+    if arch == gguf.MODEL_ARCH.LLAMA:
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(head_dim)
 
 
-def _add_vocab(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:
+def _add_vocab(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int, pre_tokenizer: str | None) -> None:
     """The converter's `_set_vocab_gpt2`: tokens, types, pre-tokenizer, merges, special ids, template."""
     import gguf
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     digest = sha256(str(tokenizer.encode(PRE_TOKENIZER_CHECK_TEXT)).encode()).hexdigest()
-    if digest not in PRE_TOKENIZER_BY_HASH:
-        raise ValueError(f"{model_dir}: unknown BPE pre-tokenizer (check-text hash {digest})")
+    pre_tokenizer = pre_tokenizer or PRE_TOKENIZER_BY_HASH.get(digest)
+    if pre_tokenizer is None:
+        raise ValueError(f"{model_dir}: unknown BPE pre-tokenizer (check-text hash {digest}); "
+                         "name it with --pre-tokenizer")
     id_to_token = {token_id: token for token, token_id in tokenizer.get_vocab().items()}
     added = tokenizer.get_added_vocab()
     tokens, types = [], []
@@ -145,7 +186,7 @@ def _add_vocab(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> Non
             tokens.append(token)
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(PRE_TOKENIZER_BY_HASH[digest])
+    writer.add_tokenizer_pre(pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
@@ -153,42 +194,28 @@ def _add_vocab(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> Non
         writer.add_add_bos_token(False)
 
 
-def _tensors(model_dir: Path, config: dict):
-    """(GGUF name, float32 array [out, in] or [n]) for every checkpoint tensor, q/k permuted."""
+def _tensors(model_dir: Path, config: dict, family: GgufFamily, rope: dict, arch: gguf.MODEL_ARCH):
+    """(GGUF name, float32 array) for every checkpoint tensor in the converter's layout
+    (`family_tensors`), then the RoPE factor tensors of llama3 and longrope (`rope_tensors`)."""
     import gguf
     import numpy as np
-    import torch
     from safetensors import safe_open
 
-    num_heads = config["num_attention_heads"]
-    num_kv_heads = config.get("num_key_value_heads", num_heads)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for hf_name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
-                    continue
-                data = handle.get_tensor(hf_name).to(torch.float32)
-                if hf_name.endswith("q_proj.weight"):
-                    data = permute_for_ggml(data, num_heads)
-                elif hf_name.endswith("k_proj.weight"):
-                    data = permute_for_ggml(data, num_kv_heads)
-                name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-                if name is None:
-                    raise ValueError(f"{path}: no GGUF name for tensor {hf_name!r}")
-                yield name, np.ascontiguousarray(data.numpy())
+    def checkpoint_tensors():
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                for hf_name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    yield hf_name, handle.get_tensor(hf_name)
 
-
-def permute_for_ggml(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[heads * head_dim, hidden] rows from rotate-half pairs (i, i + d/2) to adjacent pairs (2i, 2i + 1).
-
-    llama.cpp's `LlamaModel.permute`:
-
-        head rows  [x0 x1 .. x(d/2-1) | y0 y1 .. y(d/2-1)]  ->  [x0 y0 x1 y1 ..]
-    """
-    rows = weight.shape[0]
-    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    name_map = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    try:
+        for name, data in family_tensors(family, config, checkpoint_tensors(), name_map):
+            yield name, np.ascontiguousarray(data.numpy())
+    except ValueError as error:
+        raise ValueError(f"{model_dir}: {error}") from None
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for name, data in rope_tensors(rope, head_dim):
+        yield name, data.numpy()
 
 
 def add_export_gguf_parser(models_sub) -> None:
@@ -198,6 +225,9 @@ def add_export_gguf_parser(models_sub) -> None:
     source.add_argument("--model", default=None, help=f"a prepared model's name (default {DECODER_MODEL})")
     source.add_argument("--dir", default=None, help="a checkpoint directory instead of a prepared model (default: none, use --model)")
     parser.add_argument("--outtype", choices=sorted(OUTTYPES), default="f32", help="matrix type (default f32)")
+    parser.add_argument("--pre-tokenizer", default=None,
+                        help="llama.cpp's name of the BPE pre-tokenizer (e.g. gpt-2, llama-bpe, qwen2) when the "
+                        "converter's hashes do not know the tokenizer (default: named by that hash)")
     parser.add_argument("--out", type=Path, default=None,
                         help="GGUF path (default $TESSERA_HOME/gguf/<model>-<OUTTYPE>.gguf)")
     parser.set_defaults(func=_export_gguf_command)
@@ -205,6 +235,7 @@ def add_export_gguf_parser(models_sub) -> None:
 
 def _export_gguf_command(args) -> int:
     model_dir = resolve_model_dir(args.model, args.dir)
-    out = export_gguf(model_dir, args.out or default_output(model_dir, args.outtype), args.outtype)
+    out = export_gguf(model_dir, args.out or default_output(model_dir, args.outtype), args.outtype,
+                      args.pre_tokenizer)
     print(f"[models] {model_dir.name}: wrote {out} ({out.stat().st_size / 2**20:.0f} MiB, {args.outtype.upper()})")
     return 0

