@@ -134,9 +134,18 @@ def test_checkpoint_check_loader_and_up_take_qwen2_5_vl(tiny, tmp_path):
     assert model.spec.architecture == "Qwen2_5_VLForConditionalGeneration"
     assert model.rotary.mrope_section == tuple(MROPE_SECTION) and model.spec.qkv_bias and not model.spec.o_bias
     config = json.loads((directory / "config.json").read_text())
-    config["text_config"]["rope_parameters"].update(rope_type="linear", factor=2.0)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).symlink_to(directory / name)
+    # Qwen2.5-VL-7B-Instruct's own config.json: flat, rope_scaling {type: mrope}, a sliding_window it does not use
+    text = {k: v for k, v in config["text_config"].items() if k not in ("rope_parameters", "layer_types")}
+    release = {**{k: v for k, v in config.items() if k != "text_config"}, **text, "model_type": "qwen2_5_vl",
+               "rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": MROPE_SECTION},
+               "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 28}
+    (tmp_path / "config.json").write_text(json.dumps(release))
+    released = load_model(check_decoder_dir(tmp_path), torch.float32)
+    assert released.spec == model.spec
+    assert all(torch.equal(value, released.state_dict()[name]) for name, value in model.state_dict().items())
+    config["text_config"]["rope_parameters"].update(rope_type="linear", factor=2.0)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidArgument, match="RoPE scaling 'linear' is not supported"):
         check_decoder_dir(tmp_path)
