@@ -17,15 +17,15 @@ forward with its base model standing in for the rows given, so a head's scaling 
 transformers'. LoRA: every nn.Linear of the base model becomes a `LoRALinear` holding the same
 weights, named as transformers (and PEFT) name it ("gpt_neox.layers.0.attention.query_key_value").
 
-Refused in one line: a class that does not route attention through the interface
-(`_supports_attention_backend` False), M-RoPE sections, sliding windows or attention soft caps
-that the attention backends do not take.
+A layer's `sliding_window` and `softcap` (Mistral, Starcoder2, Gemma 2) reach the backend as its
+`sliding_window` / `logits_soft_cap` options. Refused in one line: a class that does not route
+attention through the interface (`_supports_attention_backend` False), layers whose keys differ in
+shape (one paged cache holds every layer), M-RoPE sections.
 """
 
 from __future__ import annotations
 
 import contextvars
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -108,12 +108,6 @@ def _probe_kv_shapes(model: PreTrainedModel) -> dict[int, tuple[int, int]]:
     return probe.shapes
 
 
-def _backend_options() -> frozenset[str]:
-    """The keyword options `AttentionBackend.forward` takes (sliding_window, logits_soft_cap)."""
-    parameters = inspect.signature(AttentionBackend.forward).parameters
-    return frozenset(name for name in ("sliding_window", "logits_soft_cap") if name in parameters)
-
-
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs) -> tuple[torch.Tensor, None]:
@@ -131,8 +125,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         attention functions return, and no attention weights.
     Raises:
         RuntimeError: called outside `TransformersForCausalLM.forward`.
-        ValueError: key heads or head size other than the cache's; a window or soft cap the
-            attention backends do not take.
+        ValueError: key heads or head size other than the cache's.
     """
     step = _STEP.get()
     if step is None:
@@ -148,9 +141,6 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     options = {"sliding_window": kwargs.get("sliding_window", getattr(module, "sliding_window", None)),
                "logits_soft_cap": kwargs.get("softcap")}
     options = {name: value for name, value in options.items() if value is not None}
-    if options.keys() - _backend_options():
-        raise ValueError(f"layer {layer} needs attention option(s) {sorted(options)}, which the attention backends "
-                         "do not take")
     q = query[0].transpose(0, 1).contiguous()  # [num_tokens, heads, head_dim]
     k = key[0].transpose(0, 1).contiguous()    # [num_tokens, kv_heads, head_dim]
     v = value[0].transpose(0, 1).contiguous()
@@ -277,24 +267,15 @@ def load_transformers_model(checkpoint: CheckpointConfig, dtype: torch.dtype) ->
     attention through `paged_attention`, its base model's linears LoRA-capable (`wrap_linears`).
 
     Raises:
-        ValueError: one line: the class does not use transformers' attention interface, or it needs
-            a sliding window or attention soft cap the attention backends do not take; whatever
-            transformers raises for a config or weights it cannot read.
+        ValueError: one line: the class does not use transformers' attention interface, or its layers'
+            keys differ in shape (`TransformersSpec.from_model`); whatever transformers raises for a
+            config or weights it cannot read.
     """
     config = AutoConfig.from_pretrained(checkpoint.model_dir)
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     if not model_cls._supports_attention_backend:
         raise ValueError(f"{model_cls.__name__} does not call transformers' attention interface "
                          "(_supports_attention_backend is False), so tessera's paged attention cannot run it")
-    text = config.get_text_config()
-    needs = {"sliding_window": getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True)
-             else None,
-             "logits_soft_cap": getattr(text, "attn_logit_softcapping", None)}
-    missing = sorted(name for name, value in needs.items() if value is not None and name not in _backend_options())
-    if missing:
-        fields = {"sliding_window": "sliding_window", "logits_soft_cap": "attn_logit_softcapping"}
-        raise ValueError(f"config.json's {' and '.join(f'{fields[n]} {needs[n]}' for n in missing)}: the attention "
-                         "backends do not apply it")
     register_paged_attention()
     model = AutoModelForCausalLM.from_pretrained(checkpoint.model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME)
     wrap_linears(model)

@@ -94,6 +94,15 @@ def test_a_llama_forced_through_transformers_equals_the_native_path(llama, model
     check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS, model_impl=model_impl)
 
 
+def test_windowed_soft_capped_attention_through_transformers_equals_transformers(tmp_path):
+    """Gemma 2's layers forced through this path: a 24-token sliding window on alternate layers, an
+    attention soft cap and a final logit soft cap (in its own head), prompts past the window, chunked."""
+    model_dir = make_tiny_llama(tmp_path / "gemma2", family="gemma2", sliding_window=24, attn_logit_softcapping=2.0,
+                                final_logit_softcapping=3.0, query_pre_attn_scalar=16)
+    refs = references(model_dir, prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS)
+    check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS, model_impl="transformers")
+
+
 def test_tessera_up_and_info_name_the_path(llama, tmp_path):
     model_dir, _ = llama
     assert ClusterSpec(base_port=40000, decoder_model_dir=model_dir).model_impl == "native"
