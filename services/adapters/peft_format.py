@@ -182,6 +182,7 @@ def _refuse_unsupported(config: dict) -> None:
         "lora_bias": "trained LoRA biases are not supported",
         "trainable_token_indices": "trainable token embeddings are not supported",
         "layer_replication": "layer replication changes the base model",
+        "target_parameters": "LoRA on MoE expert weights is not supported (attention and dense projections are)",
     }
     for field_name, reason in refusals.items():
         if config.get(field_name):

@@ -1,0 +1,291 @@
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers 5.
+
+Tiny seeded 2-layer checkpoints with 4 experts, top-2: Mixtral with head_dim 64, Qwen3-MoE with
+head_dim 128, `norm_topk_prob` and a dense layer (`mlp_only_layers`), Qwen2-MoE with q/k/v biases and
+a shared expert. Each serves greedy ids = transformers' generate and fp32 logits within 1e-4 in every
+regime of family_conformance.py (Qwen2-MoE alone and concurrent). The sparse block equals
+transformers' own block and a float64 per-token loop at odd token counts (1..40, experts that get
+no token); the Triton grouped GEMM equals the torch path in Triton's interpreter; PEFT LoRAs on a
+MoE model's attention equal PEFT, two adapters in one batch; expert LoRA targets and Mixtral's
+sliding window are refused by name.
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from decoder_testing import capture_logits, hf_reference, make_tiny_llama
+from family_conformance import REGIMES, check_regime, references
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from services.adapters.base_model import BaseModelShapes
+from services.adapters.peft_format import read_peft_adapter
+from services.common.errors import InvalidArgument
+from services.decoder.adapter_source import InMemoryAdapterSource
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.lora import LoRAWeights
+from services.decoder.model_mixtral import MixtralForCausalLM
+from services.decoder.model_qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from services.decoder.models import load_model
+from services.decoder.moe import LlamaMLP, SparseMoeBlock, TorchGroupedGemm, route
+from services.decoder.types import GenerateInput, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+FAMILIES = {
+    "mixtral": dict(family="mixtral", head_dim=64, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(family="qwen3_moe", head_dim=128, intermediate_size=160, moe_intermediate_size=48,
+                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(family="qwen2_moe", head_dim=64, intermediate_size=160, moe_intermediate_size=48,
+                      num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=80),
+}
+CLASSES = {"mixtral": MixtralForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM}
+
+
+def tiny_moe(path: Path, name: str, seed: int = 3) -> Path:
+    return make_tiny_llama(path, seed=seed, **{**SIZES, **FAMILIES[name]})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """get(family) -> (model dir, transformers' references, or None when `with_references` is
+    false), each built on first use."""
+    model_dirs, refs = {}, {}
+
+    def get(name, with_references=True):
+        if name not in model_dirs:
+            model_dirs[name] = tiny_moe(tmp_path_factory.mktemp(name), name)
+        if with_references and name not in refs:
+            refs[name] = references(model_dirs[name])
+        return model_dirs[name], refs.get(name)
+    return get
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_family_equals_transformers(checkpoints, name, regime):
+    check_regime(*checkpoints(name), regime)
+
+
+@pytest.mark.parametrize("regime", ["alone", "concurrent"])
+def test_qwen2_moe_shared_expert_equals_transformers(checkpoints, regime):
+    check_regime(*checkpoints("qwen2_moe"), regime)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_layers_are_sparse_or_dense_as_transformers_builds_them(tmp_path, name):
+    model = load_model(tiny_moe(tmp_path, name), torch.float32)
+    assert type(model) is CLASSES[name]
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
+    assert sparse == ([True, False] if name == "qwen3_moe" else [True, True])
+    block = model.model.layers[0].mlp
+    assert isinstance(block.shared_expert, LlamaMLP) == (name == "qwen2_moe")
+    assert tuple(block.experts.gate_up_proj.shape) == (4, 2 * (96 if name == "mixtral" else 48), 128)
+
+
+def test_stacked_expert_layout_loads_as_the_per_expert_one(tmp_path):
+    """transformers 5's 3-D `mlp.experts.gate_up_proj/down_proj` (what its model holds) load like
+    the per-expert names save_pretrained writes."""
+    model_dir = tiny_moe(tmp_path / "m", "mixtral")
+    state = load_file(model_dir / "model.safetensors")
+    stacked = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in state.items() if ".experts." not in k}
+    for layer in range(2):
+        w = [[state[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{p}.weight"] for e in range(4)]
+             for p in ("w1", "w3", "w2")]
+        stacked[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([torch.stack(w[0]), torch.stack(w[1])], 1)
+        stacked[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(w[2])
+    save_file(stacked, model_dir / "model.safetensors")
+    fused = load_model(model_dir, torch.float32)
+    save_file(state, model_dir / "model.safetensors")
+    per_expert = load_model(model_dir, torch.float32)
+    for name, value in per_expert.state_dict().items():
+        assert torch.equal(value, fused.state_dict()[name]), name
+    del state["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(state, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="missing .*model.layers.1.mlp.experts"):
+        load_model(model_dir, torch.float32)
+
+
+def _hf_block(name: str, seed: int):
+    """transformers' sparse block of `name`'s tiny config, seeded non-trivial weights."""
+    options = {**SIZES, **FAMILIES[name]}
+    options.pop("family")
+    config = AutoConfig.for_model(name, **options)
+    block = {"mixtral": MixtralSparseMoeBlock, "qwen3_moe": Qwen3MoeSparseMoeBlock,
+             "qwen2_moe": Qwen2MoeSparseMoeBlock}[name](config).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.15)
+    return config, block
+
+
+def _our_block(name: str, config, hf_block) -> SparseMoeBlock:
+    spec = CLASSES[name].spec_from_config(config.to_dict())
+    block = SparseMoeBlock(spec, 0)
+    state = {k: v for k, v in hf_block.state_dict().items()}
+    for part in ("gate_proj", "up_proj"):
+        state.pop(f"shared_expert.{part}.weight", None)
+    if "shared_expert.down_proj.weight" in state:
+        state["shared_expert.gate_up_proj.weight"] = torch.cat([hf_block.shared_expert.gate_proj.weight,
+                                                                 hf_block.shared_expert.up_proj.weight])
+    block.load_state_dict(state)
+    return block.eval()
+
+
+def _float64_loop(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """The block's math per token in float64 (the slow reference the grouped path replaces)."""
+    x = x.double()
+    gate_up, down = block.experts.gate_up_proj.double(), block.experts.down_proj.double()
+    probs = torch.softmax(x @ block.gate.weight.double().t(), -1)
+    out = torch.zeros_like(x)
+    inter = block.experts.intermediate_size
+    for t in range(x.shape[0]):
+        weights, experts = torch.topk(probs[t], block.top_k)
+        if block.normalize:
+            weights = weights / weights.sum()
+        for w, e in zip(weights, experts.tolist()):
+            h = gate_up[e] @ x[t]
+            out[t] += w * (down[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_sparse_block_equals_transformers_and_a_float64_loop(name):
+    config, hf_block = _hf_block(name, seed=11)
+    block = _our_block(name, config, hf_block)
+    assert block.shared_expert is None or name == "qwen2_moe"
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for num_tokens in (1, 2, 3, 7, 16, 29, 40):
+            x = torch.randn(num_tokens, 128, generator=generator)
+            ours = block(x)
+            torch.testing.assert_close(ours, hf_block(x[None])[0], atol=1e-5, rtol=0)
+            if name != "qwen2_moe":  # the float64 loop covers the routed experts only
+                torch.testing.assert_close(ours.double(), _float64_loop(block, x), atol=1e-5, rtol=0)
+
+
+def test_grouped_gemm_with_experts_that_get_no_rows():
+    """Odd row counts per expert, zero for some (first, middle, last): each expert's rows are its
+    own weight times them, in float64 terms."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(5, 33, 19, generator=generator)  # [experts, out, in]
+    for counts in ([0, 1, 0, 0, 0], [3, 0, 7, 0, 1], [0, 0, 0, 0, 40], [13, 11, 0, 9, 7], [1, 1, 1, 1, 1]):
+        offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+        x = torch.randn(sum(counts), 19, generator=generator)
+        out = TorchGroupedGemm()(x, weight, offsets)
+        expected = torch.cat([x[offsets[e]:offsets[e + 1]].double() @ weight[e].double().t() for e in range(5)])
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_routing_groups_tokens_by_expert_in_token_order():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 4.0, 0.0], [0.0, 1.0, 0.0, 9.0]])
+    groups = route(logits, 2, normalize=True, dtype=None)  # token 0: experts 1, 3; 1: 0, 2; 2: 3, 1
+    assert groups.expert_offsets.tolist() == [0, 1, 3, 4, 6]
+    assert groups.token_ids.tolist() == [1, 0, 2, 1, 0, 2]
+    probs = torch.softmax(logits, -1)
+    top = torch.topk(probs, 2).values
+    torch.testing.assert_close(groups.weights.sum(), torch.tensor(3.0))
+    torch.testing.assert_close(groups.weights[0], top[1, 0] / top[1].sum())
+
+
+def test_triton_grouped_gemm_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    script = Path(__file__).with_name("moe_kernel_cases.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("OK gemm") for line in lines) == 5 and "OK block" in lines, done.stdout
+
+
+def test_sliding_window_mixtral_is_refused(tmp_path):
+    model_dir = tiny_moe(tmp_path / "m", "mixtral")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["sliding_window"] = 64
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Mixtral's sliding_window 64 is not supported"):
+        load_model(model_dir, torch.float32)
+
+
+LORA_ADAPTERS = {"qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                 "attn8": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])}
+LORA_PROMPTS = [[1, 5, 77, 300, 12, 9], list(range(100, 123))]
+
+
+def _save_lora(model_dir: Path, root: Path, name: str, seed: int, **options) -> None:
+    """A PEFT directory root/NAME with random (decisive) A and B."""
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir).eval(),
+                           LoraConfig(init_lora_weights=False, **options))
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "lora_" in param_name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(root / name)
+
+
+def _registry_weights(model_dir: Path, root: Path, name: str) -> LoRAWeights:
+    adapter = read_peft_adapter(root / name, root, name, 8, BaseModelShapes.from_model_dir(model_dir))
+    return LoRAWeights(adapter.digest, {m: (t.lora_a, t.lora_b) for m, t in adapter.targets.items()})
+
+
+def test_peft_lora_on_moe_attention_equals_peft_two_adapters_in_one_batch(checkpoints, tmp_path):
+    model_dir = checkpoints("mixtral", with_references=False)[0]
+    for seed, (name, options) in enumerate(LORA_ADAPTERS.items()):
+        _save_lora(model_dir, tmp_path, name, 100 + seed, **options)
+    refs = {}
+    for name in [None, *LORA_ADAPTERS]:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        if name is not None:
+            model = PeftModel.from_pretrained(model, tmp_path / name).eval()
+        for i, prompt in enumerate(LORA_PROMPTS):
+            refs[f"{name or 'base'}-{i}"] = hf_reference(model, prompt, 8)
+    engine = start_engine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256,
+                                        adapter_slots=2, max_lora_rank=8), InMemoryAdapterSource())
+    try:
+        for name in LORA_ADAPTERS:
+            weights = _registry_weights(model_dir, tmp_path, name)
+            engine.parts.bank.load(weights)
+            engine.adapters.add(name, weights)
+        logits = capture_logits(engine)
+        requests = [GenerateInput(SamplingParams(max_tokens=8, ignore_eos=True), request_id=key,
+                                  prompt_token_ids=tuple(LORA_PROMPTS[int(key[-1])]),
+                                  lora="" if key.startswith("base") else key.rsplit("-", 1)[0]) for key in refs]
+
+        async def collect(request):
+            return [t async for out in engine.generate(request) for t in out.token_ids]
+
+        async def everything():
+            return await asyncio.gather(*(collect(r) for r in requests))
+
+        ids = dict(zip(refs, asyncio.run(everything())))
+    finally:
+        engine.shutdown()
+    for key, (ref_ids, ref_logits) in refs.items():
+        assert ids[key] == ref_ids, key
+        torch.testing.assert_close(torch.stack(logits[key]), ref_logits, atol=1e-4, rtol=0)
+    for name in LORA_ADAPTERS:  # each adapter changes what the model says
+        assert any(refs[f"{name}-{i}"][0] != refs[f"base-{i}"][0] for i in range(len(LORA_PROMPTS))), name
+
+
+def test_lora_on_expert_weights_is_refused_by_name(checkpoints, tmp_path):
+    """PEFT writes expert LoRA (its `target_parameters`, 3-D expert weights) as stacked per-expert
+    factors; the registry refuses such an adapter in one line naming the weights."""
+    model_dir = checkpoints("qwen3_moe", with_references=False)[0]
+    _save_lora(model_dir, tmp_path, "experts", 7, r=4, target_modules=["q_proj"],
+               target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(InvalidArgument, match=r"target_parameters=\['mlp.experts.gate_up_proj'\] is not supported; "
+                                              "LoRA on MoE expert weights"):
+        _registry_weights(model_dir, tmp_path, "experts")
