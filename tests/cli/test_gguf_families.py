@@ -224,3 +224,40 @@ def test_import_refuses_an_architecture_transformers_cannot_read(tmp_path, capsy
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"error: {str(path)!r}: transformers cannot load this GGUF: ") and "bert" in line
     assert not (tmp_path / "models" / "encoder").exists()
+
+
+def test_import_refuses_a_mixtral_gguf(tmp_path, tokenizer_dir, capsys):
+    """llama.cpp writes Mixtral as llama with stacked experts; transformers reads the file as a dense
+    Llama whose MLP weights it cannot find: refused in one line, nothing written."""
+    import gguf
+
+    from tessera.cli.gguf_export import _add_vocab
+
+    path = tmp_path / "tiny-mixtral.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 512),
+                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_rope_freq_base, 1e4),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_expert_count, 4),
+                       (writer.add_expert_used_count, 2), (writer.add_vocab_size, VOCAB)):
+        add(value)
+    _add_vocab(writer, tokenizer_dir, VOCAB, "gpt-2")
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (VOCAB, 64), "output_norm.weight": (64,), "blk.0.attn_norm.weight": (64,),
+              "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64), "blk.0.attn_v.weight": (32, 64),
+              "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_norm.weight": (64,),
+              "blk.0.ffn_gate_inp.weight": (4, 64), "blk.0.ffn_gate_exps.weight": (4, 128, 64),
+              "blk.0.ffn_up_exps.weight": (4, 128, 64), "blk.0.ffn_down_exps.weight": (4, 64, 128)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.normal(0, 0.1, shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    capsys.readouterr()
+    assert main(["models", "import", str(path), "--dir", str(tmp_path / "models")]) == 2
+    # transformers' own load report precedes the refusal on stderr
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {str(path)!r}: transformers reads it as LlamaForCausalLM but finds no weights "
+                           "for 3 of its tensors (model.layers.0.mlp.down_proj.weight, ...)")
+    assert not (tmp_path / "models" / "tiny-mixtral").exists()
