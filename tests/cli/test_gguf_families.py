@@ -141,10 +141,13 @@ def _served(model_type: str, imported) -> bool:
 def test_import_round_trip(name, tmp_path_factory, tokenizer_dir, models_root):
     model_type, _, transformers_reads_it = FAMILIES[name]
     source, gguf_path, imported = _imported(name, tmp_path_factory, tokenizer_dir, models_root)
-    expected = _logits(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval())
+    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    expected = _logits(original)
     reread = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32).eval()
     assert reread.config.model_type == ("llama" if name == "mistral" else model_type)  # llama.cpp's llama arch
     torch.testing.assert_close(_logits(reread), expected, atol=1e-5, rtol=0)  # (b)
+    greedy = [ids for ids, _ in hf_reference_batch(reread, PROMPTS, NEW_TOKENS)]
+    assert greedy == [ids for ids, _ in hf_reference_batch(original, PROMPTS, NEW_TOKENS)]
     config = None if transformers_reads_it else gguf_config(gguf_path)
     direct = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, config=config,
                                                   dtype=torch.float32).eval()
@@ -261,3 +264,13 @@ def test_import_refuses_a_mixtral_gguf(tmp_path, tokenizer_dir, capsys):
     assert line.startswith(f"error: {str(path)!r}: transformers reads it as LlamaForCausalLM but finds no weights "
                            "for 3 of its tensors (model.layers.0.mlp.down_proj.weight, ...)")
     assert not (tmp_path / "models" / "tiny-mixtral").exists()
+
+
+def test_export_refuses_what_llama_cpp_would_misread(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="export-gguf writes model_type llama, mistral, qwen2, .*; got 'gpt2'"):
+        export_gguf(tmp_path, tmp_path / "x.gguf")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "rope_scaling": {
+        "rope_type": "dynamic", "factor": 2.0}}))
+    with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not exported"):
+        export_gguf(tmp_path, tmp_path / "x.gguf")
