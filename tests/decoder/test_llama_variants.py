@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from decoder_testing import make_tiny_llama
-from family_conformance import REGIMES, check_lora, check_regime, references
+from family_conformance import PROMPTS, REGIMES, check_lora, check_regime, references
 
 from services.common.checkpoint import check_decoder_dir
 from services.decoder.model_granite import GraniteForCausalLM
@@ -28,7 +28,7 @@ GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.05, 
 CASES = {
     "smollm3": (SmolLM3ForCausalLM, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                          no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=32)),
-    "granite": (GraniteForCausalLM, dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+    "granite": (GraniteForCausalLM, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                          **GRANITE_MULTIPLIERS)),
     "olmo2": (Olmo2ForCausalLM, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128)),
 }
@@ -68,8 +68,9 @@ def test_greedy_and_logits_equal_transformers(case, regime):
 
 
 def test_lora_q_v_equals_peft(case):
+    """Adapter a, the base and adapter b on a 90-token prompt in one batch."""
     _, model_dir, _ = case
-    check_lora(model_dir, ["q_proj", "v_proj"])
+    check_lora(model_dir, ["q_proj", "v_proj"], prompts=[PROMPTS[3]])
 
 
 def test_smollm3_sliding_layers_without_a_window_are_refused_in_one_line(tmp_path):
