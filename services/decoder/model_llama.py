@@ -11,7 +11,9 @@ concatenated into one wider projection each (`qkv_proj`, `gate_up_proj`: two GEM
 checkpoint has five, with fewer dispatches and one pass over the input each); LoRA still targets
 the checkpoint's names, each on its columns of the fused output. A family differs by
 `spec_from_config` and its attention class (model_qwen2.py: q/k/v bias; model_qwen3.py: q/k
-RMSNorm); `load_model` (models.py) picks the family from config.json's model_type.
+RMSNorm through `normalize_qk`; model_smollm3.py: NoPE layers through `rotate_qk`), and where its
+block differs, its decoder layer class (`layer_cls`: model_granite.py, model_olmo2.py) and the
+cos/sin dtype (`rotary_dtype`); `load_model` (models.py) picks the family from config.json's model_type.
 """
 
 from __future__ import annotations
