@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 from services.common.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    import gguf
     import numpy as np
     from transformers import PretrainedConfig
 
@@ -58,45 +57,59 @@ class GgufSource:
         return {"format": "gguf", "file": self.file, "architecture": self.architecture, "file_type": self.file_type}
 
 
-def read_gguf_source(path: Path) -> GgufSource:
-    """The architecture and weight type of the GGUF at `path` (its metadata and tensor headers only)."""
-    import gguf
+@dataclass(frozen=True)
+class GgufMetadata:
+    """One read of a GGUF's header: what the import takes from the file beside transformers.
 
-    reader = gguf.GGUFReader(path)
-    fields = _fields(reader)
-    file_type = fields.get("general.file_type")
-    try:
-        name = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except ValueError:
-        name = ""
-    if not name:
-        counts = Counter()
+    Attributes:
+        fields: every metadata key -> its value (a scalar, a string or a list; the tokenizer's lists
+            left out: transformers reads those).
+        rope_tensors: `rope_freqs.weight`, `rope_factors_short/long.weight` -> float64 values.
+        matrix_types: GGML type name -> element count, over the tensors of 2 or more dimensions.
+    """
+
+    fields: dict[str, Any]
+    rope_tensors: dict[str, np.ndarray]
+    matrix_types: Counter
+
+    @classmethod
+    def read(cls, path: Path) -> GgufMetadata:
+        """Reads the header and the RoPE tensors only (the file is memory-mapped)."""
+        import gguf
+        import numpy as np
+
+        reader = gguf.GGUFReader(path)
+        fields = {key: field.contents() for key, field in reader.fields.items()
+                  if not key.startswith("tokenizer.ggml.") or key == "tokenizer.ggml.model"}
+        rope_tensors = {t.name: np.asarray(t.data, dtype=np.float64).reshape(-1) for t in reader.tensors
+                        if t.name.startswith(("rope_freqs", "rope_factors"))}
+        matrix_types = Counter()
         for tensor in reader.tensors:
             if len(tensor.shape) >= 2:
-                counts[tensor.tensor_type.name] += int(tensor.n_elements)
-        name = counts.most_common(1)[0][0] if counts else "?"
-    return GgufSource(file=path.name, architecture=str(fields.get("general.architecture", "?")), file_type=name)
+                matrix_types[tensor.tensor_type.name] += int(tensor.n_elements)
+        return cls(fields=fields, rope_tensors=rope_tensors, matrix_types=matrix_types)
+
+    def source(self, file: str) -> GgufSource:
+        """The GgufSource of this file, named `file`."""
+        import gguf
+
+        try:
+            file_type = gguf.LlamaFileType(self.fields.get("general.file_type")).name
+            file_type = file_type.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            file_type = self.matrix_types.most_common(1)[0][0] if self.matrix_types else "?"
+        return GgufSource(file=file, architecture=str(self.fields.get("general.architecture", "?")),
+                          file_type=file_type)
 
 
-def _fields(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Every metadata key of the file -> its value (a scalar, a string or a list; token lists skipped)."""
-    values = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
-            continue
-        values[key] = field.contents()
-    return values
-
-
-def gguf_config(path: Path) -> PretrainedConfig:
+def gguf_config(path: Path, metadata: GgufMetadata | None = None) -> PretrainedConfig:
     """transformers' config for the GGUF at `path`, with the fields its reader drops filled in from
-    the file (see the module docstring).
+    the file (see the module docstring); `metadata`: the file's, when already read.
 
     Raises:
         InvalidArgument: transformers cannot read the file's config, or its RoPE frequencies fit no
             RoPE type transformers computes (the tensor named).
     """
-    import gguf
     from transformers import AutoConfig
 
     try:
@@ -104,14 +117,12 @@ def gguf_config(path: Path) -> PretrainedConfig:
     except (ValueError, OSError, KeyError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise InvalidArgument(f"{str(path)!r}: transformers cannot load this GGUF: {first}") from None
-    reader = gguf.GGUFReader(path)
-    fields = _fields(reader)
-    tensors = {t.name: t for t in reader.tensors if t.name.startswith(("rope_freqs", "rope_factors"))}
+    metadata = metadata or GgufMetadata.read(path)
     values = config.to_dict()
-    arch = fields["general.architecture"]
+    arch = metadata.fields["general.architecture"]
     try:
-        _add_stated_fields(values, fields, arch)
-        _add_rope_scaling(values, fields, tensors, arch)
+        _add_stated_fields(values, metadata.fields, arch)
+        _add_rope_scaling(values, metadata.fields, metadata.rope_tensors, arch)
     except ValueError as error:
         raise InvalidArgument(f"{str(path)!r}: {error}") from None
     values.pop("_model_name_or_path", None)  # general.name, not a config field
@@ -156,7 +167,7 @@ def _add_stated_fields(values: dict, fields: dict, arch: str) -> None:
             rope["partial_rotary_factor"] = factor
 
 
-def _add_rope_scaling(values: dict, fields: dict, tensors: dict, arch: str) -> None:
+def _add_rope_scaling(values: dict, fields: dict, tensors: dict[str, np.ndarray], arch: str) -> None:
     """`rope.scaling.*` keys and the RoPE factor tensors, as transformers' rope_parameters of the
     full-attention layers (Gemma 3 keys its parameters by layer type)."""
     rope = values.get("rope_parameters")
@@ -176,8 +187,8 @@ def _add_rope_scaling(values: dict, fields: dict, tensors: dict, arch: str) -> N
                 target[hf_name] = float(key(name))
     elif scaling == "longrope" or "rope_factors_long.weight" in tensors:
         target.update(rope_type="longrope",
-                      short_factor=_floats(tensors["rope_factors_short.weight"]).tolist(),
-                      long_factor=_floats(tensors["rope_factors_long.weight"]).tolist(),
+                      short_factor=tensors["rope_factors_short.weight"].tolist(),
+                      long_factor=tensors["rope_factors_long.weight"].tolist(),
                       original_max_position_embeddings=int(key("original_context_length")))
         values["original_max_position_embeddings"] = target["original_max_position_embeddings"]
         attn_factor = key("attn_factor")
@@ -188,15 +199,9 @@ def _add_rope_scaling(values: dict, fields: dict, tensors: dict, arch: str) -> N
             target["attention_factor"] = float(attn_factor)
     elif "rope_freqs.weight" in tensors:
         head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
-        parameters = llama3_parameters(_floats(tensors["rope_freqs.weight"]), target["rope_theta"], head_dim)
+        parameters = llama3_parameters(tensors["rope_freqs.weight"], target["rope_theta"], head_dim)
         if parameters is not None:
             target.update(parameters)
-
-
-def _floats(tensor) -> np.ndarray:
-    import numpy as np
-
-    return np.asarray(tensor.data, dtype=np.float64).reshape(-1)
 
 
 def llama3_parameters(divisors: np.ndarray, rope_theta: float, head_dim: int) -> dict | None:

@@ -129,10 +129,11 @@ def gguf_to_checkpoint(gguf_path: Path, staging: Path, source: str, dtype: str =
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tessera.cli.gguf_import import gguf_config, read_gguf_source
+    from tessera.cli.gguf_import import GgufMetadata, gguf_config
 
     print(f"[models] dequantizing {gguf_path.name} with transformers (once)")
-    config = gguf_config(gguf_path)
+    metadata = GgufMetadata.read(gguf_path)
+    config = gguf_config(gguf_path, metadata)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model, loading = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
@@ -157,7 +158,7 @@ def gguf_to_checkpoint(gguf_path: Path, staging: Path, source: str, dtype: str =
     if tokenizer.chat_template and not (staging / "chat_template.jinja").exists():
         (staging / "chat_template.jinja").write_text(tokenizer.chat_template)
     _load_tokenizer_json_as_saved(staging)
-    described = read_gguf_source(gguf_path).to_json() | {"source": source}
+    described = metadata.source(gguf_path.name).to_json() | {"source": source}
     (staging / GGUF_SOURCE).write_text(json.dumps(described, indent=2) + "\n")
 
 
