@@ -112,3 +112,30 @@ def test_olmo2_bf16_norm_and_rotary_round_as_transformers():
     in_bf16 = apply_rotary(q, cos.to(torch.bfloat16), sin.to(torch.bfloat16))  # Llama's order
     assert not torch.equal(in_bf16, want[0][0].transpose(0, 1))
     assert got[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family, cfg", [
+    ("smollm3", dict(num_hidden_layers=8)),
+    ("smollm3", dict(num_hidden_layers=6, no_rope_layer_interval=3, use_sliding_window=True, sliding_window=16)),
+    ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True)),  # no window set: every layer full
+    ("olmo2", dict(num_hidden_layers=2)),
+    ("granite", dict(num_hidden_layers=2, tie_word_embeddings=True, embedding_multiplier=12)),
+])
+def test_config_reading_matches_transformers_defaults(family, cfg):
+    """What config.json leaves out is read as transformers' config class fills it in."""
+    from transformers import AutoConfig
+
+    from services.decoder.models import family_class
+
+    cfg = dict(model_type=family, vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4, **cfg)
+    theirs = AutoConfig.for_model(**cfg)
+    spec = family_class(family).spec_from_config(cfg)
+    assert (spec.rope_theta, spec.rms_norm_eps, spec.tie_word_embeddings) == (
+        theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps, theirs.tie_word_embeddings)
+    if family == "smollm3":
+        assert spec.no_rope_layers == tuple(theirs.no_rope_layers)
+        assert spec.layer_types == tuple(theirs.layer_types)
+        assert spec.sliding_window == (theirs.sliding_window if "sliding_attention" in theirs.layer_types else None)
+    if family == "granite":
+        assert spec.embedding_multiplier == theirs.embedding_multiplier == 12
+        assert spec.logits_scaling == theirs.logits_scaling == 1.0
