@@ -19,6 +19,15 @@ whose hashes match takes the block by reference (ref count + 1), and a cached bl
 holders is revived out of `evictable`. A block is written only by the request that allocated it
 fresh: hits cover whole blocks strictly before the first position a request computes.
 
+Sliding window (every layer of the model windowed, as vLLM frees them): a running request's blocks
+that lie wholly before its window are released (`release_before`); its table keeps PLACEHOLDER_BLOCK
+in their place, so positions still map to table entries; no attention backend lets a position before
+the window reach a score (the kernels never read it, the torch decode path masks it by fill). A
+released block that was registered stays cached (evictable) like any other and may still be a hit.
+
+    window 6, block_size 4, next position 13: it attends positions 8..13
+    table [7, 2, 9, 4]  ->  [P, P, 9, 4]     blocks 7 and 2 (positions 0..7) released: (13 - 6 + 1) // 4 = 2
+
 Running out of blocks is an ordinary outcome (`None` / `False`), never an exception.
 """
 
@@ -29,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+PLACEHOLDER_BLOCK = 0  # a released table entry: a valid block id (kernels may form its address), never read
 
 
 @dataclass
@@ -60,6 +71,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already hashed
+        self._num_released: dict[str, int] = {}  # leading table entries released (PLACEHOLDER_BLOCK)
         self.stats = PrefixCacheStats()
 
     @property
@@ -86,8 +98,17 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids in position order (empty if it holds none)."""
+        """The request's block ids in position order (empty if it holds none); its first
+        `num_released` entries are PLACEHOLDER_BLOCK."""
         return self._tables.get(request_id, [])
+
+    def num_released(self, request_id: str) -> int:
+        """Leading entries of the request's table released by `release_before`."""
+        return self._num_released.get(request_id, 0)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds a reference to (its table less the released entries)."""
+        return len(self.block_table(request_id)) - self.num_released(request_id)
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Extra blocks the request needs so that its table covers `num_tokens` tokens."""
@@ -168,19 +189,42 @@ class BlockManager:
         return self.allocate(request_id, num_tokens) is not None
 
     def free(self, request_id: str) -> list[int]:
-        """Drop the request's references; returns its block ids (shared ones may stay in use).
+        """Drop the request's references; returns the block ids it held (shared ones may stay in use).
 
         Unhashed blocks go to the back of `free`; cached ones to the most-recently-used end of
         `evictable`, tail first, so a prefix outlives the blocks that continue it.
         """
-        blocks = self._tables.pop(request_id, [])
+        blocks = self._tables.pop(request_id, [])[self._num_released.pop(request_id, 0):]
         self._num_registered.pop(request_id, None)
+        self._drop(blocks)
+        return blocks
+
+    def release_before(self, request_id: str, num_blocks: int) -> list[int]:
+        """Release the request's first `num_blocks` table entries (blocks wholly before its sliding
+        window: no position in them is attended again) and return the block ids released now.
+        Their entries become PLACEHOLDER_BLOCK; each block returns to the pool as `free` returns
+        it (a registered one stays cached, evictable). Entries released before, or past the
+        table, are left as they are.
+        """
+        table = self._tables.get(request_id)
+        start, end = self._num_released.get(request_id, 0), min(num_blocks, len(table or ()))
+        if table is None or end <= start:
+            return []
+        released = table[start:end]
+        table[start:end] = [PLACEHOLDER_BLOCK] * (end - start)
+        self._num_released[request_id] = end
+        # cache_blocks ran after the step that filled them; placeholders are never registered
+        self._num_registered[request_id] = max(end, self._num_registered.get(request_id, 0))
+        self._drop(released)
+        return released
+
+    def _drop(self, blocks: list[int]) -> None:
+        """One reference less on each of `blocks`; those no request holds go back to the pool."""
         for block in reversed(blocks):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0 and self._block_hashes[block] is not None:
                 self._evictable[block] = None
         self._free.extend(b for b in blocks if self._ref_counts[b] == 0 and self._block_hashes[b] is None)
-        return blocks
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Cache slots of token positions [start, end) as int64 [end - start].

@@ -27,7 +27,7 @@ from services.decoder.lora import AdapterSlots, LoRAContext, target_shapes
 from services.decoder.lora.registry import make_backend, resolve_lora_backend
 from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, text_config
 from services.decoder.model_runner import ModelRunner
-from services.decoder.models import load_model
+from services.decoder.models import load_model, model_sliding_window
 from services.decoder.multimodal import PromptBuilder
 from services.decoder.scheduler import Scheduler
 from services.decoder.token_text import TokenTexts
@@ -94,7 +94,8 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
                     dtype, device)
     block_manager = BlockManager(config.num_blocks, config.block_size)
-    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting)
+    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
+                          model_sliding_window(model))
     bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(model), dtype, device)
     image_token_id = _image_token_id(config, model_config, tokenizer)
     vision = VisionTokens.from_config(model_config) if is_qwen2_vl(model_config) else None

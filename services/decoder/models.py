@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from services.common.checkpoint import DECODER_ARCHITECTURES, CheckpointConfig, decoder_impl
-from services.decoder.model_llama import LlamaForCausalLM, load_checkpoint
+from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, load_checkpoint
 from services.decoder.model_qwen2_vl import is_qwen2_vl, load_qwen2_vl
 
 # one entry per model_type of DECODER_ARCHITECTURES but the Qwen2-VL family's (its own loader below), which
@@ -21,6 +21,7 @@ MODEL_FAMILIES: dict[str, str] = {
     "llama": "services.decoder.model_llama:LlamaForCausalLM",
     "qwen2": "services.decoder.model_qwen2:Qwen2ForCausalLM",
     "qwen3": "services.decoder.model_qwen3:Qwen3ForCausalLM",
+    "mistral": "services.decoder.model_mistral:MistralForCausalLM",
     "mixtral": "services.decoder.model_mixtral:MixtralForCausalLM",
     "qwen3_moe": "services.decoder.model_qwen3_moe:Qwen3MoeForCausalLM",
     "qwen2_moe": "services.decoder.model_qwen3_moe:Qwen2MoeForCausalLM",
@@ -29,6 +30,14 @@ MODEL_FAMILIES: dict[str, str] = {
     "olmo2": "services.decoder.model_olmo2:Olmo2ForCausalLM",
     "phi3": "services.decoder.model_phi3:Phi3ForCausalLM",
 }
+
+
+def model_sliding_window(model: torch.nn.Module) -> int | None:
+    """The sliding window that bounds every attention layer of `model` (the largest of their
+    `LlamaAttention.sliding_window`s), or None when a layer attends fully or none is a LlamaAttention:
+    the scheduler releases a request's blocks before this window only (scheduler.py)."""
+    windows = {module.sliding_window for module in model.modules() if isinstance(module, LlamaAttention)}
+    return max(windows) if windows and None not in windows else None
 
 
 def family_class(model_type: str) -> type[LlamaForCausalLM]:

@@ -5,7 +5,9 @@ requests. A running request needs `num_tokens - num_computed_tokens` new tokens 
 decode, the rest of its prompt for an unfinished prefill); a prefill larger than the remaining
 budget is cut into a chunk. When the pool runs out of blocks the latest admitted request is
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to recompute
-prompt + generated tokens later (its adapter lease is kept).
+prompt + generated tokens later (its adapter lease is kept). When every layer of the model attends
+within one sliding window, a running request first releases its blocks wholly before the window of
+its next position (BlockManager.release_before), as vLLM does.
 
 Prefix cache: on admission a request takes the longest run of its full-block hashes that the
 block manager has cached (never its last token, whose logits must be computed, nor a position
@@ -60,8 +62,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int) -> None:
+                 max_waiting: int, sliding_window: int | None = None) -> None:
+        """`sliding_window`: the window every attention layer of the model shares (`model_sliding_window`),
+        whose running requests release the blocks wholly before it; None: nothing is released."""
         self.block_manager = block_manager
+        self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
@@ -94,6 +99,9 @@ class Scheduler:
             if request.num_computed_tokens and request.kv_long_rope != request.uses_long_rope:
                 self.block_manager.free(request.key)  # computed on the short factors: recompute on the long
                 request.num_computed_tokens = 0
+            if self.sliding_window is not None:  # its first new position p attends p - window + 1 .. p
+                first_attended = request.num_computed_tokens - self.sliding_window + 1
+                self.block_manager.release_before(request.key, first_attended // self.block_manager.block_size)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.append_slots(request.key, request.num_computed_tokens + num_new):
                 victim = self.running.pop()  # latest admitted; never one already scheduled

@@ -1,0 +1,51 @@
+"""Mistral: the Llama block with sliding-window attention on every layer.
+
+As transformers' MistralForCausalLM: no biases, SiLU MLP, `head_dim` from config.json (else
+hidden_size / heads), and every layer attends with config.json's `sliding_window` (None: full causal
+attention), a query at position p seeing keys p - sliding_window < kv <= p (masking_utils'
+`sliding_window_overlay`). MistralConfig takes no `layer_types` (transformers warns and applies the
+window to every layer), so none is read here. With every layer windowed the scheduler frees a running
+request's KV blocks that lie wholly before its window (`model_sliding_window`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaSpec
+
+
+@dataclass(frozen=True)
+class MistralSpec(LlamaSpec):
+    """LlamaSpec and the window every layer attends with (None: full causal attention)."""
+
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> MistralSpec:
+        """Mistral's reading of config.json.
+
+        Raises:
+            ValueError: what LlamaSpec refuses, or a `sliding_window` that is not a positive integer.
+        """
+        window = cfg.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+        llama_cfg = {k: v for k, v in cfg.items() if k != "layer_types"}  # MistralConfig ignores them
+        llama_cfg.setdefault("architectures", ["MistralForCausalLM"])
+        base = LlamaSpec.from_config(llama_cfg)
+        return cls(**{f.name: getattr(base, f.name) for f in fields(LlamaSpec)}, sliding_window=window)
+
+
+class MistralAttention(LlamaAttention):
+    def __init__(self, spec: MistralSpec, layer: int) -> None:
+        super().__init__(spec, layer)
+        self.sliding_window = spec.sliding_window
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    attention_cls = MistralAttention
+
+    @classmethod
+    def spec_from_config(cls, cfg: dict) -> MistralSpec:
+        return MistralSpec.from_config(cfg)
