@@ -1,4 +1,5 @@
-"""Granite 3: the Llama block with four multipliers from config.json.
+"""Granite 3: the Llama block with embedding, attention (softmax scale) and residual multipliers, and
+logits divided by `logits_scaling`.
 
 As transformers' GraniteForCausalLM (modeling_granite.py), each a float that defaults to 1.0:
 `embedding_multiplier` scales the token embeddings; `attention_multiplier` is the softmax scale

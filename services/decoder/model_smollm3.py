@@ -1,4 +1,5 @@
-"""SmolLM3: the Llama block with RoPE skipped on the layers its config lists (NoPE layers).
+"""SmolLM3: the Llama block with RoPE skipped on the layers its config lists (NoPE layers), and
+sliding-window attention on the layers `layer_types` names.
 
 As transformers' SmolLM3Attention: `no_rope_layers[i]` is 1 where layer i rotates q and k and 0
 where it attends without positions; absent, every `no_rope_layer_interval`-th layer (1-based;
