@@ -26,7 +26,8 @@ def test_model_type_picks_the_family_file(tmp_path, family, cls):
 @pytest.mark.parametrize("edit, message", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"use_sliding_window": True}, "sliding-window attention layers are not supported"),
+    ({"model_type": "llama", "layer_types": ["sliding_attention", "full_attention"]},
+     "sliding-window attention layers are not supported"),  # Llama has none (Qwen2/Qwen3/Mistral serve them)
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "RoPE scaling 'longrope' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(tmp_path, edit, message):

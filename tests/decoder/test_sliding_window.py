@@ -186,3 +186,26 @@ def test_a_long_request_holds_only_its_window(mistral):
         engine.shutdown()
     assert bm.blocks_for(len(prompt) + NEW_TOKENS) == 21
     assert held[0] == 13 and max(held[1:]) <= -(-WINDOW // 8) + 1  # the prefill's 13, then at most 4
+
+
+# Qwen2 / Qwen3 with use_sliding_window: (family, max_window_layers) -> the windows of the 2 layers
+QWEN_WINDOWS = {("qwen2", 1): (None, WINDOW), ("qwen3", 0): (WINDOW, WINDOW)}
+
+
+@pytest.fixture(scope="module", params=list(QWEN_WINDOWS), ids=lambda p: f"{p[0]}-max_window_layers{p[1]}")
+def qwen_windowed(request, tmp_path_factory):
+    family, max_window_layers = request.param
+    path = make_tiny_llama(tmp_path_factory.mktemp(family), seed=4, family=family, use_sliding_window=True,
+                           sliding_window=WINDOW, max_window_layers=max_window_layers)
+    return path, references(path), QWEN_WINDOWS[request.param]
+
+
+@pytest.mark.parametrize("regime", ["alone", "chunked", "prefix"])
+def test_qwen_sliding_window_layers_equal_transformers(qwen_windowed, regime):
+    """Qwen2 windows layer 1 only (a global layer: nothing released), Qwen3 both (released)."""
+    model_dir, refs, windows = qwen_windowed
+    check_regime(model_dir, refs, regime, attention_backend="cpu")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    model = family_class(cfg["model_type"])(family_class(cfg["model_type"]).spec_from_config(cfg))
+    assert tuple(layer.self_attn.sliding_window for layer in model.model.layers) == windows
+    assert model_sliding_window(model) == (WINDOW if None not in windows else None)
