@@ -31,6 +31,9 @@ DECODER_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -55,7 +58,11 @@ ROPE_REFUSALS = {
 FAMILY_ROPE_TYPES = {"phi3": ("default", "longrope", "su", "yarn")}
 # model_type -> the MLP activations its native file computes (config.json's `hidden_act`, or
 # `hidden_activation` as Gemma writes it); a family absent here computes SiLU only
-ACTIVATIONS: dict[str, tuple[str, ...]] = {}
+ACTIVATIONS: dict[str, tuple[str, ...]] = {
+    "gemma": ("gelu_pytorch_tanh", "gelu"),  # GemmaConfig reads Gemma 1's legacy "gelu" as the tanh GELU
+    "gemma2": ("gelu_pytorch_tanh",),
+    "gemma3_text": ("gelu_pytorch_tanh",),
+}
 # how a decoder checkpoint is served (the decoder's --model-impl, as vLLM's): "native" a family of
 # DECODER_ARCHITECTURES, "transformers" transformers' own modeling code on tessera's paged KV cache
 # (services/decoder/model_transformers.py), "auto" native where a family exists, else transformers

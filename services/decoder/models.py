@@ -28,6 +28,9 @@ MODEL_FAMILIES: dict[str, str] = {
     "smollm3": "services.decoder.model_smollm3:SmolLM3ForCausalLM",
     "granite": "services.decoder.model_granite:GraniteForCausalLM",
     "olmo2": "services.decoder.model_olmo2:Olmo2ForCausalLM",
+    "gemma": "services.decoder.model_gemma:GemmaForCausalLM",
+    "gemma2": "services.decoder.model_gemma:GemmaForCausalLM",
+    "gemma3_text": "services.decoder.model_gemma:GemmaForCausalLM",
     "phi3": "services.decoder.model_phi3:Phi3ForCausalLM",
 }
 
