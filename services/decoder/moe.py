@@ -7,7 +7,8 @@ As transformers 5's `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock` / `Qwen2M
     weights, expert_ids = topk(probs, k)                   # [n, k] (torch.topk's order and ties)
     weights /= weights.sum(-1)        if norm_topk_prob    # Mixtral always; Qwen per config
     weights = weights.to(x.dtype)     if the family rounds them (Qwen; Mixtral keeps float32)
-    out[t] = sum_j (down_e(silu(gate_e(x_t)) * up_e(x_t)) * weights[t, j]).to(x.dtype), e = expert_ids[t, j]
+    out[t] = sum_j down_e(silu(gate_e(x_t)) * up_e(x_t)) * weights[t, j]    e = expert_ids[t, j]; the sum
+             in float32, rounded once to x's dtype (transformers' default "grouped_mm" experts)
     out += sigmoid(x @ shared_expert_gate^T) * shared_expert(x)   where the config has a shared expert
 
 The experts run grouped, not per token: the n * k (token, expert) assignments are sorted by expert
@@ -155,8 +156,11 @@ class MoeExperts(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, -1)
         hidden = nn.functional.silu(gate).mul_(up)  # [n * k, inter]
         y = gemm(hidden, self.down_proj, groups.expert_offsets)  # [n * k, hidden]
-        y = (y * groups.weights[:, None]).to(x.dtype)  # float32 weights promote, as transformers' product
-        return torch.zeros_like(x).index_add_(0, groups.token_ids, y)
+        # as transformers' grouped_mm experts: the product in the weights' dtype (float32 weights
+        # promote), each token's k products summed in float32, rounded once to x's dtype
+        y = (y * groups.weights[:, None]).float()  # [n * k, hidden]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, groups.token_ids, y)
+        return out.to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):
