@@ -54,8 +54,8 @@ ROPE_REFUSALS = {
                 "computed on either set",
 }
 # model_type -> the rope_types its native file serves, where they are not ROPE_TYPES (Phi3Config reads
-# the legacy "su" and "yarn" as longrope: services/decoder/model_phi3.py)
-FAMILY_ROPE_TYPES = {"phi3": ("default", "longrope", "su", "yarn")}
+# the legacy "yarn" as longrope, services/decoder/model_phi3.py; its legacy "su" fails in transformers 5)
+FAMILY_ROPE_TYPES = {"phi3": ("default", "longrope", "yarn")}
 # model_type -> the MLP activations its native file computes (config.json's `hidden_act`, or
 # `hidden_activation` as Gemma writes it); a family absent here computes SiLU only
 ACTIVATIONS: dict[str, tuple[str, ...]] = {

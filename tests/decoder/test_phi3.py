@@ -22,8 +22,10 @@ from decoder_testing import check_greedy, hf_reference, hf_reference_batch, make
 from family_conformance import NEW_TOKENS, PREFIX_PROMPT, PROMPTS, REGIMES, check_regime, references
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from services.common.checkpoint import check_decoder_dir
+from services.common.errors import InvalidArgument
 from services.decoder.adapter_source import InMemoryAdapterSource
 from services.decoder.config import DecoderConfig
 from services.decoder.engine import start_engine
@@ -94,6 +96,34 @@ def test_checkpoints_are_what_the_tests_claim(phi3, phi4_mini):
     assert layer.self_attn.sliding_window == WINDOW and layer.self_attn.rotary_dim == 128
     assert [name for name, _, _ in layer.self_attn.qkv_proj.lora_slices] == ["model.layers.0.self_attn.qkv_proj"]
     assert [name for name, _, _ in layer.mlp.gate_up_proj.lora_slices] == ["model.layers.0.mlp.gate_up_proj"]
+
+
+@pytest.mark.parametrize("legacy_type", ["longrope", "yarn"])  # Phi3Config reads a legacy "yarn" as longrope
+def test_legacy_rope_scaling_reads_as_transformers(phi4_mini, tmp_path, legacy_type):
+    """A config.json as the Phi-3.5 / Phi-4-mini checkpoints ship it (transformers 4: `rope_scaling` with
+    the legacy `type`, top-level rope_theta, partial_rotary_factor and original_max_position_embeddings)
+    gives transformers' short and long frequencies and attention factor."""
+    model_dir, _ = phi4_mini
+    for source in model_dir.iterdir():
+        (tmp_path / source.name).symlink_to(source)
+    config = json.loads((model_dir / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"], rope_scaling={"type": legacy_type, "short_factor": rope["short_factor"],
+                                                               "long_factor": rope["long_factor"]})
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_decoder_dir(tmp_path)
+    rotary = load_model(tmp_path, torch.float32).rotary
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path).model.rotary_emb
+    assert expected.rope_type == "longrope"
+    assert torch.equal(rotary.inv_freq, expected.original_inv_freq)
+    assert rotary.attention_scaling == expected.attention_scaling
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](expected.config, "cpu", seq_len=ORIGINAL + 1)
+    assert torch.equal(rotary.long_inv_freq, long_inv_freq)
+    config["rope_scaling"]["type"] = "su"  # Phi-3's oldest spelling, which transformers 5 fails to read
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidArgument, match="RoPE scaling 'su' is not supported"):
+        check_decoder_dir(tmp_path)
 
 
 @pytest.mark.parametrize("regime", REGIMES)
