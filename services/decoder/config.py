@@ -294,6 +294,10 @@ compiled grammars are kept (least recently used first out).
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused
             self.mrope_section = check_checkpoint_section(self.mrope_section, checkpoint_mrope_section(outer))
         limit = int(model.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        if self.model_impl == "transformers":  # its own name for it too (GPT-2's n_positions)
+            from services.decoder.model_transformers import max_positions
+
+            limit = max_positions(self.model_dir) or limit
         if self.max_model_len == 0:
             self.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > limit:

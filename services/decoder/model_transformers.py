@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.pytorch_utils import Conv1D
 
 from services.common.checkpoint import CheckpointConfig
 from services.decoder.attention import AttentionBackend, AttentionMetadata
@@ -166,22 +168,36 @@ class TransformersLoRALinear(LoRALinear):
 
 def wrap_linears(model: PreTrainedModel) -> int:
     """Replace every nn.Linear of `model`'s base model (not the head) with a TransformersLoRALinear
-    holding the same parameters, its LoRA target name the module's own name in `model` (PEFT's
-    names past "base_model.model."). Returns how many were replaced."""
+    holding the same parameters, and every transformers Conv1D (GPT-2's x @ W + b, W [in, out]) with
+    one holding its weight transposed; each one's LoRA target name is the module's own name in
+    `model` (PEFT's names past "base_model.model."). Returns how many were replaced."""
     prefix = model.base_model_prefix
     replaced = 0
     for parent_name, parent in list(model.base_model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            if type(child) is nn.Linear:
+                weight, bias = child.weight, child.bias  # [out, in]
+            elif type(child) is Conv1D:
+                weight = nn.Parameter(child.weight.detach().t().contiguous(), requires_grad=False)  # [out, in]
+                bias = child.bias
+            else:
                 continue
+            out_features, in_features = weight.shape
             with torch.device("meta"):
-                layer = TransformersLoRALinear(child.in_features, child.out_features, bias=child.bias is not None)
-            layer.weight, layer.bias = child.weight, child.bias
+                layer = TransformersLoRALinear(in_features, out_features, bias=bias is not None)
+            layer.weight, layer.bias = weight, bias
             name = ".".join(part for part in (prefix, parent_name, child_name) if part)
-            layer.lora_slices = ((name, 0, child.out_features),)
+            layer.lora_slices = ((name, 0, out_features),)
             setattr(parent, child_name, layer)
             replaced += 1
     return replaced
+
+
+def max_positions(model_dir: str | Path) -> int | None:
+    """The model's max_position_embeddings as transformers' config class reads it (GPT-2's
+    n_positions through its attribute map), or None when it declares none."""
+    value = getattr(AutoConfig.from_pretrained(model_dir).get_text_config(), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 class _Precomputed(nn.Module):
@@ -191,8 +207,8 @@ class _Precomputed(nn.Module):
         super().__init__()
         self.hidden = hidden
 
-    def forward(self, *args, **kwargs) -> BaseModelOutputWithPast:
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+    def forward(self, *args, **kwargs) -> BaseModelOutputWithPastAndCrossAttentions:
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.hidden)  # every field a head reads
 
 
 class _NoRotaryTable:

@@ -2,8 +2,9 @@
 greedy ids and fp32 logits equal transformers in every scheduling regime (GPT-NeoX: partial rotary,
 parallel residual, no grouped-query attention whatever config.json's num_key_value_heads says;
 Cohere: parallel block, LayerNorm, a logit scale in its head), a PEFT LoRA equals PEFT, a Llama
-forced through this path equals transformers as the native path does, and what is not a causal LM
-is refused in one line."""
+forced through this path equals transformers as the native path does, GPT-2's Conv1D projections
+and learned positions, Gemma 2's windows and soft caps, and what is not a causal LM is refused in
+one line."""
 
 from __future__ import annotations
 
@@ -92,6 +93,19 @@ def test_a_llama_forced_through_transformers_equals_the_native_path(llama, model
     assert DecoderConfig(model_dir=str(model_dir)).model_impl == "native"  # auto: the family's own file
     # both paths equal transformers' greedy ids and logits (1e-4), so they equal each other
     check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS, model_impl=model_impl)
+
+
+def test_gpt2_conv1d_projections_and_learned_positions(tmp_path):
+    """GPT-2: transformers' Conv1D projections (LoRA-capable, weights transposed), learned absolute
+    positions past a prefix-cache hit, its context from n_positions (config.json has no
+    max_position_embeddings), a PEFT LoRA on c_attn / c_proj."""
+    model_dir = make_tiny_llama(tmp_path / "gpt2", family="gpt2")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "max_position_embeddings" not in config and config["n_positions"] == 512
+    assert DecoderConfig(model_dir=str(model_dir)).max_model_len == 512
+    refs = references(model_dir, prompts=BASE_PROMPTS + [PREFIX_PROMPT], new_tokens=NEW_TOKENS)
+    check_regime(model_dir, refs, "prefix", prompts=BASE_PROMPTS, prefix_prompt=PREFIX_PROMPT, new_tokens=NEW_TOKENS)
+    check_lora(model_dir, ["c_attn", "c_proj"], prompts=BASE_PROMPTS[:2], new_tokens=NEW_TOKENS)
 
 
 def test_windowed_soft_capped_attention_through_transformers_equals_transformers(tmp_path):
