@@ -10,6 +10,8 @@
 - docs/reference/configuration.md from every service's flags and config dataclass metadata,
   `tessera up`'s parser and the environment variables the code reads (render_config.py).
 - docs/benchmarks.md from bench/results/*.md (render_bench.py).
+- the model families table in README.md and docs/models.md from the decoder's registry
+  (render_families.py).
 """
 
 from __future__ import annotations
@@ -138,13 +140,16 @@ def pages() -> dict[Path, object]:
     """Each generated page -> the function rendering its text (imported late: some need torch)."""
     import render_bench
     import render_config
+    import render_families
     import render_http
 
     return {GRPC_REFERENCE: render_grpc_reference,
             ROOT / "docs" / "reference" / "http.md": render_http.render_http_reference,
             render_http.GUIDE: render_http.render_http_guide,
             ROOT / "docs" / "reference" / "configuration.md": render_config.render_configuration_reference,
-            ROOT / "docs" / "benchmarks.md": render_bench.render_benchmarks}
+            ROOT / "docs" / "benchmarks.md": render_bench.render_benchmarks,
+            render_families.README: render_families.render_readme,
+            render_families.GUIDE: render_families.render_models_guide}
 
 
 def main(argv: list[str] | None = None) -> int:
