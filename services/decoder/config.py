@@ -312,7 +312,13 @@ compiled grammars are kept (least recently used first out).
             self._check_mrope(model)
 
     def kv_block_layout(self) -> KVBlockLayout:
-        """One KV block's shape and dtype for this checkpoint (its language model's config.json)."""
+        """One KV block's shape and dtype for this checkpoint (its language model's config.json; on the
+        transformers path as transformers' config class reads it: GPT-2's n_layer, n_head)."""
+        if self.model_impl == "transformers":
+            from services.decoder.model_transformers import kv_shape
+
+            num_layers, num_kv_heads, head_dim = kv_shape(self.model_dir)
+            return KVBlockLayout(num_layers, self.block_size, num_kv_heads, head_dim, getattr(torch, self.dtype))
         checkpoint = self.checkpoint
         return KVBlockLayout(checkpoint.num_hidden_layers, self.block_size, checkpoint.num_key_value_heads,
                              checkpoint.head_dim, getattr(torch, self.dtype))

@@ -193,6 +193,27 @@ def wrap_linears(model: PreTrainedModel) -> int:
     return replaced
 
 
+def kv_shape(model_dir: str | Path) -> tuple[int, int, int]:
+    """(layers, kv heads, head size) of the KV cache, before any weight is read: probed on the model
+    built on the meta device (`_probe_kv_shapes`), as `TransformersSpec.from_model` probes the
+    loaded one; where a family's forward cannot run on meta tensors (GPT-2 reads a value), from
+    transformers' config class: num_key_value_heads, else num_attention_heads; head_dim, else
+    hidden_size // heads."""
+    config = AutoConfig.from_pretrained(model_dir)
+    register_paged_attention()
+    try:
+        with torch.device("meta"):
+            shapes = _probe_kv_shapes(AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME))
+        if shapes and len(set(shapes.values())) == 1:
+            return (len(shapes), *shapes[0])
+    except (RuntimeError, NotImplementedError):  # torch's answers to data reads of meta tensors
+        pass
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return (text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
+            getattr(text, "head_dim", None) or text.hidden_size // heads)
+
+
 def max_positions(model_dir: str | Path) -> int | None:
     """The model's max_position_embeddings as transformers' config class reads it (GPT-2's
     n_positions through its attribute map), or None when it declares none."""

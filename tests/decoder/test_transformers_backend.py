@@ -72,6 +72,9 @@ def test_the_kv_cache_takes_the_key_shape_the_layers_compute(family):
     config = json.loads((model_dir / "config.json").read_text())
     expected_kv_heads = 4 if config["model_type"] == "gpt_neox" else config["num_key_value_heads"]
     assert (model.spec.num_layers, model.spec.num_kv_heads, model.spec.head_dim) == (2, expected_kv_heads, 16)
+    # a --kv-cache-memory-bytes budget is divided by the same block size, probed before any weight is read
+    layout = DecoderConfig(model_dir=str(model_dir), kv_cache_memory_bytes=1 << 20, max_model_len=128).kv_block_layout()
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, expected_kv_heads, 16)
 
 
 @pytest.mark.parametrize("family", ["gpt_neox"], indirect=True)
