@@ -27,7 +27,8 @@ class BaseModelShapes:
     """module name -> (in_features, out_features) for every LoRA-targetable linear.
 
     Names follow transformers' Llama layout: `model.layers.{i}.self_attn.{q,k,v,o}_proj` and
-    `model.layers.{i}.mlp.{gate,up,down}_proj`; head_dim defaults to hidden_size / num_attention_heads
+    `model.layers.{i}.mlp.{gate,up,down}_proj` (and `mlp.shared_expert.*` where config.json has a
+    `shared_expert_intermediate_size`); head_dim defaults to hidden_size / num_attention_heads
     as in LlamaConfig.
     """
 
@@ -86,6 +87,11 @@ class BaseModelShapes:
             "mlp.up_proj": LinearShape(hidden, intermediate),
             "mlp.down_proj": LinearShape(intermediate, hidden),
         }
+        shared = (config.raw.get("text_config") or config.raw).get("shared_expert_intermediate_size")
+        if shared:  # a MoE layer's shared expert (Qwen2-MoE); routed experts are not LoRA targets
+            per_layer.update({"mlp.shared_expert.gate_proj": LinearShape(hidden, shared),
+                              "mlp.shared_expert.up_proj": LinearShape(hidden, shared),
+                              "mlp.shared_expert.down_proj": LinearShape(shared, hidden)})
         modules = {f"model.layers.{i}.{suffix}": shape
                    for i in range(num_layers) for suffix, shape in per_layer.items()}
         return cls(modules, tuple(sorted(Path(model_dir).glob("*.safetensors"))))

@@ -6,7 +6,7 @@ a shared expert. Each serves greedy ids = transformers' generate and fp32 logits
 regime of family_conformance.py (Qwen2-MoE: every prompt concurrently). The sparse block equals
 transformers' own block and a float64 per-token loop at odd token counts (1..40, experts that get
 no token); the Triton grouped GEMM equals the torch path in Triton's interpreter; PEFT LoRAs on a
-MoE model's attention equal PEFT, two adapters in one batch; expert LoRA targets are refused by
+MoE model's attention and shared expert equal PEFT, two adapters in one batch; expert LoRA targets are refused by
 name. Mixtral with a sliding window shorter than the prompts equals transformers too.
 """
 
@@ -245,7 +245,8 @@ def test_mixtral_sliding_window_must_be_positive(tmp_path):
 
 
 LORA_ADAPTERS = {"qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-                 "attn8": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])}
+                 "shared8": dict(r=8, lora_alpha=8, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj",
+                                                                    "down_proj"])}
 LORA_PROMPTS = [[1, 5, 77, 300, 12, 9], list(range(100, 123))]
 
 
@@ -266,8 +267,10 @@ def _registry_weights(model_dir: Path, root: Path, name: str) -> LoRAWeights:
     return LoRAWeights(adapter.digest, {m: (t.lora_a, t.lora_b) for m, t in adapter.targets.items()})
 
 
-def test_peft_lora_on_moe_attention_equals_peft_two_adapters_in_one_batch(checkpoints, tmp_path):
-    model_dir = checkpoints("mixtral", with_references=False)[0]
+def test_peft_lora_on_moe_attention_and_shared_expert_equals_peft_two_adapters_in_one_batch(checkpoints, tmp_path):
+    """Qwen2-MoE: one adapter on q/v, one on k/o and the shared expert's projections (what PEFT's
+    gate_proj/up_proj/down_proj match in a sparse layer), base rows beside them."""
+    model_dir = checkpoints("qwen2_moe", with_references=False)[0]
     for seed, (name, options) in enumerate(LORA_ADAPTERS.items()):
         _save_lora(model_dir, tmp_path, name, 100 + seed, **options)
     refs = {}
@@ -301,6 +304,8 @@ def test_peft_lora_on_moe_attention_equals_peft_two_adapters_in_one_batch(checkp
     for key, (ref_ids, ref_logits) in refs.items():
         assert ids[key] == ref_ids, key
         torch.testing.assert_close(torch.stack(logits[key]), ref_logits, atol=1e-4, rtol=0)
+    shared = read_peft_adapter(tmp_path / "shared8", tmp_path, "shared8", 8, BaseModelShapes.from_model_dir(model_dir))
+    assert "model.layers.0.mlp.shared_expert.gate_proj" in shared.targets
     for name in LORA_ADAPTERS:  # each adapter changes what the model says
         assert any(refs[f"{name}-{i}"][0] != refs[f"base-{i}"][0] for i in range(len(LORA_PROMPTS))), name
 
