@@ -318,7 +318,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     gathered once per kv head and never repeated; `index_select` over the flat head-major cache is
     a plain row copy (several times faster on CPU than advanced indexing). Scores are two batched
     matmuls and a softmax, in float32 at least (half-precision inputs are upcast): for these few query rows
-    per (kv head, sequence) that is ~2x faster on CPU than SDPA's flash kernel with a mask.
+    per (kv head, sequence) that is ~2x faster on CPU than SDPA's flash kernel with a mask. With a
+    sliding window a group gathers no block that lies before every row's window; a position before
+    its own row's window (a released block's placeholder included) is masked by fill. With a soft
+    cap the scores are capped before the mask.
     """
     kv_heads, _, head_dim = k_cache.shape
     block_values = meta.block_size * head_dim
@@ -327,6 +330,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         n, length = group.rows.numel(), group.context_len
         size = kv_heads * n * length
         blocks = meta.decode_index[group.start // meta.block_size:(group.start + size) // meta.block_size]
+        skip = 0  # leading blocks before every row's window: not gathered
+        if sliding_window is not None:
+            skip = max(0, int(group.context_lens.min()) - sliding_window) // meta.block_size
+        if skip:
+            blocks = blocks.view(kv_heads, n, -1)[:, :, skip:].reshape(-1)
+            length -= skip * meta.block_size
         k = k_blocks.index_select(0, blocks).view(kv_heads, n, length, head_dim)
         v = v_blocks.index_select(0, blocks).view(kv_heads, n, length, head_dim)
         if group.first_row is None:
@@ -341,7 +350,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         masked = group.masked(sliding_window)
         if masked is not None:
-            scores.masked_fill_(masked, float("-inf"))
+            scores.masked_fill_(masked[..., skip * meta.block_size:], float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)                            # [kv, n, rep, d]
         o = o.transpose(0, 1).reshape(n, -1, head_dim)                                                # [n, heads, d]
         if group.first_row is None:
