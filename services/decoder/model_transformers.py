@@ -57,6 +57,7 @@ class TransformersSpec:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int | None
+    sliding_window: int | None = None  # the window every layer attends within; None: a layer attends fully
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> TransformersSpec:
@@ -67,7 +68,8 @@ class TransformersSpec:
             ValueError: layers whose keys differ in shape, or layer indices that are not 0..layers-1.
         """
         config = model.config.get_text_config()
-        shapes = _probe_kv_shapes(model)
+        probe = _probe(model)
+        shapes, windows = probe.shapes, set(probe.windows.values())
         if sorted(shapes) != list(range(len(shapes))) or len(set(shapes.values())) != 1:
             raise ValueError(f"{type(model).__name__}'s attention layers compute keys of (heads, head size) "
                              f"{dict(sorted(shapes.items()))} by layer index; the paged KV cache needs one shape "
@@ -75,7 +77,8 @@ class TransformersSpec:
         num_kv_heads, head_dim = shapes[0]
         return cls(architecture=type(model).__name__, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    num_layers=len(shapes), num_heads=config.num_attention_heads, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim, max_position_embeddings=getattr(config, "max_position_embeddings", None))
+                   head_dim=head_dim, max_position_embeddings=getattr(config, "max_position_embeddings", None),
+                   sliding_window=None if None in windows else max(windows))
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,11 @@ class _Step:
 
 @dataclass(frozen=True)
 class _Probe:
-    """A forward that records each layer's key shape (kv heads, head size) instead of attending."""
+    """A forward that records each layer's key shape (kv heads, head size) and sliding window (None:
+    full attention) instead of attending."""
 
     shapes: dict[int, tuple[int, int]]
+    windows: dict[int, int | None]
 
 
 _STEP: contextvars.ContextVar[_Step | _Probe | None] = contextvars.ContextVar("tessera_paged_step", default=None)
@@ -99,7 +104,12 @@ _STEP: contextvars.ContextVar[_Step | _Probe | None] = contextvars.ContextVar("t
 
 def _probe_kv_shapes(model: PreTrainedModel) -> dict[int, tuple[int, int]]:
     """{layer_idx: (kv heads, head size)} of every attention call of one two-token forward."""
-    probe = _Probe({})
+    return _probe(model).shapes
+
+
+def _probe(model: PreTrainedModel) -> _Probe:
+    """Each attention call's key shape and sliding window in one two-token forward of `model`."""
+    probe = _Probe({}, {})
     token = _STEP.set(probe)
     try:
         with torch.inference_mode():
@@ -107,7 +117,7 @@ def _probe_kv_shapes(model: PreTrainedModel) -> dict[int, tuple[int, int]]:
                              position_ids=torch.arange(2, device=model.device)[None], use_cache=False)
     finally:
         _STEP.reset(token)
-    return probe.shapes
+    return probe
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -133,15 +143,15 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if step is None:
         raise RuntimeError(f"attn_implementation {ATTENTION_NAME!r} runs inside TransformersForCausalLM.forward only")
     layer = module.layer_idx
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if isinstance(step, _Probe):
-        step.shapes[layer] = (key.shape[1], key.shape[-1])
+        step.shapes[layer], step.windows[layer] = (key.shape[1], key.shape[-1]), window
         return torch.zeros_like(query).transpose(1, 2), None
     k_cache, v_cache = step.cache.layer(layer)  # [kv_heads, slots, head_dim]
     if key.shape[1] != k_cache.shape[0] or key.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"layer {layer} computes {key.shape[1]} key heads of size {key.shape[-1]}; the KV cache "
                          f"holds {k_cache.shape[0]} of size {k_cache.shape[-1]} (config.json's sizes)")
-    options = {"sliding_window": kwargs.get("sliding_window", getattr(module, "sliding_window", None)),
-               "logits_soft_cap": kwargs.get("softcap")}
+    options = {"sliding_window": window, "logits_soft_cap": kwargs.get("softcap")}
     options = {name: value for name, value in options.items() if value is not None}
     q = query[0].transpose(0, 1).contiguous()  # [num_tokens, heads, head_dim]
     k = key[0].transpose(0, 1).contiguous()    # [num_tokens, kv_heads, head_dim]

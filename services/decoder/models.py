@@ -38,7 +38,12 @@ MODEL_FAMILIES: dict[str, str] = {
 def model_sliding_window(model: torch.nn.Module) -> int | None:
     """The sliding window that bounds every attention layer of `model` (the largest of their
     `LlamaAttention.sliding_window`s), or None when a layer attends fully or none is a LlamaAttention:
-    the scheduler releases a request's blocks before this window only (scheduler.py)."""
+    the scheduler releases a request's blocks before this window only (scheduler.py). On the
+    transformers path, the window its layers were probed with (TransformersSpec.sliding_window)."""
+    from services.decoder.model_transformers import TransformersForCausalLM
+
+    if isinstance(model, TransformersForCausalLM):
+        return model.spec.sliding_window
     windows = {module.sliding_window for module in model.modules() if isinstance(module, LlamaAttention)}
     return max(windows) if windows and None not in windows else None
 

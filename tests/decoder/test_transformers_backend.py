@@ -23,7 +23,7 @@ from services.decoder.config import DecoderConfig
 from services.decoder.convert import info_to_pb
 from services.decoder.engine import start_engine
 from services.decoder.model_transformers import TransformersForCausalLM
-from services.decoder.models import load_model
+from services.decoder.models import load_model, model_sliding_window
 from tessera.cli.client import cluster_rows
 from tessera.cli.up import model_path_line
 from tessera.cli.up.spec import ClusterSpec
@@ -118,6 +118,18 @@ def test_windowed_soft_capped_attention_through_transformers_equals_transformers
                                 final_logit_softcapping=3.0, query_pre_attn_scalar=16)
     refs = references(model_dir, prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS)
     check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS, model_impl="transformers")
+    # its global layers attend fully: no block may be released before the window
+    assert model_sliding_window(load_model(model_dir, torch.float32, model_impl="transformers")) is None
+
+
+def test_a_window_every_layer_shares_releases_blocks_and_equals_transformers(tmp_path):
+    """Starcoder2 (no native file) with a 24-token window on every layer: the scheduler releases
+    blocks before the window, prompts past it, chunked and 16 at once."""
+    model_dir = make_tiny_llama(tmp_path / "starcoder2", family="starcoder2", sliding_window=24)
+    assert model_sliding_window(load_model(model_dir, torch.float32)) == 24
+    refs = references(model_dir, prompts=BASE_PROMPTS + CONCURRENT_PROMPTS, new_tokens=NEW_TOKENS)
+    check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS)
+    check_regime(model_dir, refs, "concurrent", new_tokens=NEW_TOKENS, **_regime_options("concurrent"))
 
 
 def test_tessera_up_and_info_name_the_path(llama, tmp_path):
