@@ -1,5 +1,5 @@
 """Triton paged attention vs the torch path; run in a subprocess with TRITON_INTERPRET=1 (Triton reads
-it when kernels are defined). `python tests/decoder/attention_kernel_cases.py MODEL_DIR` prints OK lines.
+it when kernels are defined). `python tests/decoder/attention_kernel_cases.py MODEL_DIR...` prints OK lines (one engine case per directory).
 `backend_case` runs any registered backend from a scheduled batch (test_attention_backends.py)."""
 
 import os
@@ -147,4 +147,5 @@ if __name__ == "__main__":
         err = backend_case("triton", **options)
         assert err < 1e-5, (options, err)
         print("OK backend triton", options, err)
-    engine_case(sys.argv[1])
+    for model_dir in sys.argv[1:]:
+        engine_case(model_dir)
