@@ -21,6 +21,12 @@ The math of transformers 5's modeling_gemma.py, modeling_gemma2.py and modeling_
   `rope_local_base_freq`; the global layers' scaling, e.g. linear), each from transformers'
   `ROPE_INIT_FUNCTIONS`.
 
+The family is LlamaForCausalLM through its hooks (`attention_cls`, `layer_cls`, `normalize_qk`),
+with Gemma's final norm, embedding scale, logits cap and one RoPE table per layer type
+(`LayerTypeRotary`). A sliding layer's window reaches the attention backend through
+`LlamaAttention.sliding_window`; a model with a global layer releases no KV block early
+(models.py `model_sliding_window`).
+
 config.json is read through transformers' own config class for its model_type, so absent fields
 take transformers' defaults (Gemma 2's soft caps 50 and 30, `query_pre_attn_scalar` 256, layer
 types from `sliding_window_pattern`). Projections are fused as model_llama.py fuses them (LoRA still
@@ -44,7 +50,6 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from services.common.checkpoint import check_rope_type
 from services.decoder.attention import AttentionBackend, AttentionMetadata
 from services.decoder.kv_cache import KVCache
-from services.decoder.linear import Linear
 from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaSpec
 from services.decoder.rotary import RopeScaling, RotaryEmbedding
 
@@ -188,13 +193,14 @@ class GemmaAttention(LlamaAttention):
         self.layer_type = spec.layer_types[layer]
         self.sliding_window = spec.sliding_window if self.layer_type == SLIDING else None
         self.logits_soft_cap = spec.attn_logit_softcapping
-        if spec.qk_norm:
+        self.qk_norm = spec.qk_norm
+        if self.qk_norm:
             self.q_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, heads, head_dim], k [n, kv_heads, head_dim]: Gemma 3's RMSNorm over head_dim."""
-        if not hasattr(self, "q_norm"):
+        if not self.qk_norm:
             return q, k
         return self.q_norm(q), self.k_norm(k)
 
@@ -204,11 +210,11 @@ class GemmaDecoderLayer(nn.Module):
     output is normed again before the residual add (post_attention / post_feedforward), and the
     MLP's input norm is `pre_feedforward_layernorm`."""
 
-    def __init__(self, spec: GemmaSpec, layer: int) -> None:
+    def __init__(self, spec: GemmaSpec, layer: int, attention_cls: type[GemmaAttention] = GemmaAttention) -> None:
         super().__init__()
         self.layer_type = spec.layer_types[layer]
         self.sandwich = spec.sandwich_norms
-        self.self_attn = GemmaAttention(spec, layer)
+        self.self_attn = attention_cls(spec, layer)
         self.mlp = GemmaMLP(spec, layer)
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
@@ -225,14 +231,6 @@ class GemmaDecoderLayer(nn.Module):
             return x + self.mlp(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-
-
-class GemmaModel(nn.Module):
-    def __init__(self, spec: GemmaSpec) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LayerTypeRotary:
@@ -261,6 +259,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
     LlamaForCausalLM's interface and loading: forward (flat batch -> residual stream) and
     compute_logits (selected rows -> final norm -> soft-capped float32 logits)."""
 
+    attention_cls = GemmaAttention
+    layer_cls = GemmaDecoderLayer
+
     @classmethod
     def spec_from_config(cls, cfg: dict) -> GemmaSpec:
         """The family's reading of config.json. Raises ValueError for what it cannot run."""
@@ -268,13 +269,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, spec: GemmaSpec, mrope_section: tuple[int, int, int] | None = None) -> None:
         """Raises ValueError for M-RoPE sections (Gemma's positions are one axis)."""
-        nn.Module.__init__(self)  # Gemma's own modules, not Llama's built and replaced
         if mrope_section is not None:
             raise ValueError(f"mrope_section {mrope_section} is not supported: {spec.architecture} has no M-RoPE")
-        self.spec = spec
-        self.model = GemmaModel(spec)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        full = RotaryEmbedding(spec.head_dim, spec.rope_theta, None, spec.rope_scaling)
+        super().__init__(spec)
+        self.model.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        full = self.rotary  # LlamaForCausalLM's, of rope_theta / rope_scaling: the full-attention layers'
         same = (spec.local_rope_theta, spec.local_rope_scaling) == (spec.rope_theta, spec.rope_scaling)
         local = full if same else RotaryEmbedding(spec.head_dim, spec.local_rope_theta, None, spec.local_rope_scaling)
         self.rotary = LayerTypeRotary({FULL: full, SLIDING: local})
