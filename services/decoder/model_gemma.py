@@ -1,4 +1,7 @@
-"""Gemma, Gemma 2 and Gemma 3 (text) causal LMs over a flat token batch and a paged KV cache.
+"""Gemma, Gemma 2 and Gemma 3 text: the Llama block with (1 + w) RMSNorms, a tanh-GELU gated MLP and
+embeddings scaled by sqrt(hidden); Gemma 2 and 3 add post-sublayer norms, local (sliding-window)
+and global layers, `query_pre_attn_scalar` and final logit soft-capping (Gemma 2 also on attention
+scores), Gemma 3 q/k norms and a RoPE base per layer type.
 
 The math of transformers 5's modeling_gemma.py, modeling_gemma2.py and modeling_gemma3.py
 (Gemma3ForCausalLM), dtype order included:
