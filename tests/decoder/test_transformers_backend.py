@@ -48,13 +48,14 @@ def family(request, tmp_path_factory):
 
 
 def _regime_options(regime: str) -> dict:
-    """check_regime's arguments for these prompts: 16 at once for "concurrent"; a pool of 15 blocks
-    of 8 (the three prompts fit, their 16 new tokens do not) so that "preempt" preempts."""
+    """check_regime's arguments for these prompts: 16 at once for "concurrent"; for "preempt" a pool of
+    17 blocks of 8: the three prompts take 15 (16 once the 40-token one has decoded a token, should
+    the third arrive a step late), and with their 16 new tokens 21, so the scheduler must preempt."""
     if regime == "concurrent":
         return dict(prompts=CONCURRENT_PROMPTS, max_num_seqs=16)
     options = dict(prompts=BASE_PROMPTS, prefix_prompt=PREFIX_PROMPT)
     if regime == "preempt":
-        options["num_blocks"] = 15
+        options["num_blocks"] = 17
     return options
 
 
