@@ -49,7 +49,7 @@ def _edited(**changes) -> dict:
     (_edited(head_dim=63), "head_dim 63 is odd"),
     (_edited(hidden_act="gelu"), "config.json's hidden_act is 'gelu'; llama is served with 'silu'"),
     (_edited(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "RoPE scaling 'longrope' is not supported: "
-                                                                     "transformers picks its short or long factors"),
+                                                                     "it is served for Phi-3 (model_type 'phi3') only"),
     (_edited(rope_scaling={"type": "ntk", "factor": 2.0}), "RoPE scaling 'ntk' is not supported: the served types"),
     (_edited(rope_parameters={"rope_type": "default", "rope_theta": 0}),
      "config.json's rope_theta must be a positive finite number, got 0"),
