@@ -177,9 +177,10 @@ def test_generate_system_message_n_choices_and_logprobs(cluster):
 def test_info_prints_a_table_and_json(cluster):
     table = cluster.cli("info")
     assert table.returncode == 0, table.stderr
-    rows = dict(line.split(None, 1) for line in table.stdout.splitlines()[:4])
+    # label, two spaces or more, value (labels may hold one space: "model impl", "KV cache")
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table.stdout.splitlines() if "  " in line)
     assert rows["dtype"] and rows["context"] == f"{MAX_MODEL_LEN} tokens"
-    assert "smollm2" in rows["model"].lower()
+    assert "smollm2" in rows["model"].lower() and rows["model impl"].startswith("native")
     machine = json.loads(cluster.cli("info", "--json").stdout)
     assert machine["decoder"]["maxModelLen"] == MAX_MODEL_LEN and "vision" not in machine
     assert [r["service"] for r in machine["replicas"]] == ["decoder", "pooling"]
