@@ -19,7 +19,9 @@ weights, named as transformers (and PEFT) name it ("gpt_neox.layers.0.attention.
 
 A layer's `sliding_window` and `softcap` (Mistral, Starcoder2, Gemma 2) reach the backend as its
 `sliding_window` / `logits_soft_cap` options. Refused in one line: a class that does not route
-attention through the interface (`_supports_attention_backend` False), layers whose keys differ in
+attention through the interface (`_supports_attention_backend` False), weights that do not match
+the class (a tensor missing, unexpected or of another shape, by transformers' own loading info:
+transformers itself would serve a missing one randomly initialised), layers whose keys differ in
 shape (one paged cache holds every layer), M-RoPE sections.
 """
 
@@ -309,14 +311,50 @@ class TransformersForCausalLM(nn.Module):
         return logits[0].float()
 
 
+def check_loading_info(model: PreTrainedModel, info: dict, model_dir: str | Path) -> None:
+    """Refuse weights that do not match `model`, from transformers' own loading info
+    (`from_pretrained(..., output_loading_info=True)`: missing_keys, unexpected_keys,
+    mismatched_keys (name, checkpoint shape, model shape), error_msgs), which already leaves out
+    what transformers fills in by design: a head tied to the embeddings (tie_word_embeddings),
+    non-persistent buffers, the class's `_keys_to_ignore_on_load_missing/unexpected`. transformers
+    itself only logs these (a missing tensor is served randomly initialised), as the native path
+    does not.
+
+    Raises:
+        ValueError: one line, "weights in <dir> do not match <class>: ...", naming the first missing
+            tensors (in the model's order), the unexpected ones and the first of another shape.
+    """
+    missing, unexpected = set(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched, errors = list(info.get("mismatched_keys") or ()), list(info.get("error_msgs") or ())
+    if not (missing or unexpected or mismatched or errors):
+        return
+    order = {name: index for index, name in enumerate(model.state_dict())}
+    missing = sorted(missing, key=lambda name: (order.get(name, len(order)), name))
+    mismatched.sort(key=lambda entry: (order.get(entry[0], len(order)), entry[0]))
+    parts = []
+    if missing:
+        parts.append(f"missing {missing[:5]}{f' and {len(missing) - 5} more' if len(missing) > 5 else ''} "
+                     "(transformers would serve them randomly initialised)")
+    if unexpected:
+        parts.append(f"unexpected {unexpected[:5]}{f' and {len(unexpected) - 5} more' if len(unexpected) > 5 else ''}")
+    if mismatched:
+        name, found, wanted = mismatched[0]
+        more = f" ({len(mismatched) - 1} more of another shape)" if len(mismatched) > 1 else ""
+        parts.append(f"{name} has shape {list(found)} where config.json's sizes need {list(wanted)}{more}")
+    if errors:
+        parts.append(" ".join(str(errors[0]).split()))
+    raise ValueError(f"weights in {model_dir} do not match {type(model).__name__}: {'; '.join(parts)}")
+
+
 def load_transformers_model(checkpoint: CheckpointConfig, dtype: torch.dtype) -> TransformersForCausalLM:
     """transformers' causal LM class for `checkpoint`, its weights loaded by transformers in `dtype`,
     attention through `paged_attention`, its base model's linears LoRA-capable (`wrap_linears`).
 
     Raises:
-        ValueError: one line: the class does not use transformers' attention interface, or its layers'
-            keys differ in shape (`TransformersSpec.from_model`); whatever transformers raises for a
-            config or weights it cannot read.
+        ValueError: one line: the class does not use transformers' attention interface, the weights do
+            not match the class (`check_loading_info`: a tensor missing, unexpected or of another
+            shape), or its layers' keys differ in shape (`TransformersSpec.from_model`); whatever
+            transformers raises for a config or weights it cannot read.
     """
     config = AutoConfig.from_pretrained(checkpoint.model_dir)
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
@@ -324,6 +362,10 @@ def load_transformers_model(checkpoint: CheckpointConfig, dtype: torch.dtype) ->
         raise ValueError(f"{model_cls.__name__} does not call transformers' attention interface "
                          "(_supports_attention_backend is False), so tessera's paged attention cannot run it")
     register_paged_attention()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint.model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    # sizes that differ are reported in `info` (then refused) instead of transformers' RuntimeError
+    model, info = AutoModelForCausalLM.from_pretrained(checkpoint.model_dir, dtype=dtype,
+                                                       attn_implementation=ATTENTION_NAME, output_loading_info=True,
+                                                       ignore_mismatched_sizes=True)
+    check_loading_info(model, info, checkpoint.model_dir)
     wrap_linears(model)
     return TransformersForCausalLM(model.eval(), TransformersSpec.from_model(model))

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
 from decoder_testing import make_tiny_llama
 from family_conformance import PROMPTS, REGIMES, check_lora, check_regime, references
-from transformers import AutoConfig
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, BertModel
 
 from services.common.checkpoint import check_decoder_dir, decoder_impl
 from services.common.errors import InvalidArgument
@@ -186,3 +189,77 @@ def test_native_only_and_attention_interface_refusals(tmp_path):
     stablelm = _config_dir(tmp_path / "stablelm", "stablelm", architectures=["StableLmForCausalLM"])
     with pytest.raises(ValueError, match=r"^StableLmForCausalLM does not call transformers' attention interface"):
         load_model(stablelm, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("neox") / "neox", family="gpt_neox")
+
+
+def _edited(source, path, edit):
+    """A copy of checkpoint `source` at `path` whose model.safetensors is `edit`(its tensors)."""
+    directory = shutil.copytree(source, path)
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def _refusal(call) -> str:
+    with pytest.raises(ValueError) as refusal:
+        call()
+    text = str(refusal.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("name", ["gpt_neox.embed_in.weight", "gpt_neox.layers.1.attention.dense.weight"])
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(neox, tmp_path, name):
+    """transformers loads it with the tensor randomly initialised (it only logs a load report); the
+    decoder refuses it in one line, as the native path does, through load_model and the engine."""
+    directory = _edited(neox, tmp_path / "model", lambda tensors: tensors.pop(name))
+    expected = f"weights in {directory} do not match GPTNeoXForCausalLM: missing [{name!r}] "
+    text = _refusal(lambda: load_model(directory, torch.float32))
+    assert text.startswith(expected) and "unexpected" not in text, text
+    config = DecoderConfig(model_dir=str(directory), num_blocks=16, max_model_len=128)
+    assert config.model_impl == "transformers"
+    assert _refusal(lambda: start_engine(config)).startswith(expected)
+
+
+def test_unexpected_and_reshaped_tensors_are_refused_naming_them(neox, tmp_path):
+    def edit(tensors):
+        tensors.pop("gpt_neox.final_layer_norm.bias")
+        tensors["gpt_neox.layers.2.mlp.dense_h_to_4h.weight"] = torch.zeros(4, 4)  # a layer config.json lacks
+        tensors["gpt_neox.layers.0.attention.dense.weight"] = torch.zeros(32, 64)
+
+    directory = _edited(neox, tmp_path / "model", edit)
+    assert _refusal(lambda: load_model(directory, torch.float32)) == (
+        f"weights in {directory} do not match GPTNeoXForCausalLM: missing ['gpt_neox.final_layer_norm.bias'] "
+        "(transformers would serve them randomly initialised); unexpected "
+        "['gpt_neox.layers.2.mlp.dense_h_to_4h.weight']; gpt_neox.layers.0.attention.dense.weight has shape "
+        "[32, 64] where config.json's sizes need [64, 64]")
+
+
+def test_a_head_tied_to_the_embeddings_is_not_missing(tmp_path):
+    """What transformers fills in by design is not refused: GPT-2's lm_head tied to its embeddings
+    (tie_word_embeddings, no lm_head.weight in the file) and its non-persistent attention buffers."""
+    directory = make_tiny_llama(tmp_path / "gpt2", family="gpt2", tie_word_embeddings=True)
+    with safe_open(directory / "model.safetensors", "pt") as weights:
+        assert "lm_head.weight" not in set(weights.keys())
+    model = load_model(directory, torch.float32)
+    assert model.hf.lm_head.weight.data_ptr() == model.hf.get_input_embeddings().weight.data_ptr()
+
+
+def test_an_encoder_named_as_its_lm_head_class_is_refused_for_its_missing_head(tmp_path):
+    """BertLMHeadModel is in transformers' causal LM mapping, so the path takes a config naming it;
+    a BERT encoder's weights (no prediction head) are refused in one line, not served with a random head."""
+    bert = AutoConfig.for_model("bert", vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128)
+    directory = tmp_path / "bert"
+    BertModel(bert).save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["BertLMHeadModel"]}))
+    (directory / "tokenizer.json").write_text("{}")
+    assert decoder_impl(check_decoder_dir(directory)) == "transformers"
+    text = _refusal(lambda: load_model(directory, torch.float32))
+    assert text.startswith(f"weights in {directory} do not match BertLMHeadModel: missing ['cls.predictions"), text
