@@ -17,8 +17,9 @@ tessera does:
 - tokenizer `gpt2` with the pre-tokenizer named by the converter's hash of its check text, the
   token list and types, merges, special ids and the chat template (gguf's `SpecialVocab`).
 
-An unknown family, RoPE scaling or pre-tokenizer raises ValueError rather than writing a file
-llama.cpp would misread.
+An unknown family, RoPE scaling or pre-tokenizer, or a sliding window narrower than the context in
+a family whose format has no window key (Mistral as llama, Qwen2/Qwen3 and their MoE), raises
+ValueError rather than writing a file llama.cpp would misread.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tessera.cli.gguf_families import (
     family_tensors,
     permute_for_ggml,
     rope_tensors,
+    unkeyed_sliding_window,
 )
 from tessera.paths import DECODER_MODEL, models_dir, tessera_home
 
@@ -85,7 +87,8 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer:
             for a tokenizer the converter's check-text hashes (PRE_TOKENIZER_BY_HASH) do not name.
     Raises:
         ValueError: an unknown outtype, a model_type not in GGUF_FAMILIES, a RoPE scaling type the
-            format has no key for, or a pre-tokenizer this exporter cannot name.
+            format has no key for, a sliding window narrower than max_position_embeddings in a family
+            written without a window key, or a pre-tokenizer this exporter cannot name.
     """
     import gguf
 
@@ -105,6 +108,7 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer:
         raise ValueError(f"{model_dir}: RoPE scaling {rope['rope_type']!r} is not exported "
                          f"(exported: {', '.join(EXPORTED_ROPE_TYPES)})")
     arch = gguf.MODEL_ARCH[family.arch]
+    _refuse_unkeyed_window(model_dir, family, gguf.MODEL_ARCH_NAMES[arch])
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(model_dir.name)
@@ -121,6 +125,24 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _refuse_unkeyed_window(model_dir: Path, family: GgufFamily, arch_name: str) -> None:
+    """ValueError where the checkpoint slides a window the family's GGUF cannot carry: llama.cpp would
+    run full attention over the context, another model. config.json read as transformers reads it
+    (Mistral's sliding_window defaults to 4096; Qwen's applies with use_sliding_window, per layer_types)."""
+    if family.window_key:
+        return
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    window = unkeyed_sliding_window(family, hf_config)
+    if window is None:
+        return
+    switch = "use_sliding_window true, " if getattr(hf_config, "use_sliding_window", False) else ""
+    raise ValueError(f"{model_dir}: {switch}sliding_window {window} (< max_position_embeddings "
+                     f"{hf_config.max_position_embeddings}) is not exported: llama.cpp's {arch_name} architecture "
+                     "has no sliding-window key, so the file would attend to the whole context")
 
 
 def _full_attention_rope(config: dict) -> dict:

@@ -37,6 +37,8 @@ class GgufFamily:
         norm_offset: added to every `*norm.weight` (Gemma's RMSNorm computes x * (1 + w); llama.cpp x * w).
         extra_hparams: writes the family's own metadata from config.json (softcaps, expert sizes).
         tied_output: the family never writes `output.weight` (Gemma 2's head is its embeddings).
+        window_key: the family's GGUF carries a sliding window (`{arch}.attention.sliding_window`);
+            without one, llama.cpp runs every layer over the whole context.
     """
 
     arch: str
@@ -44,6 +46,7 @@ class GgufFamily:
     norm_offset: float = 0.0
     extra_hparams: Callable[[gguf.GGUFWriter, dict], None] = field(default=lambda writer, config: None)
     tied_output: bool = False
+    window_key: bool = False
 
 
 def _gemma2(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -85,12 +88,37 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "mistral": GgufFamily("LLAMA", permute_qk=True),  # LlamaModel: llama.cpp runs Mistral as llama
     "qwen2": GgufFamily("QWEN2"),
     "qwen3": GgufFamily("QWEN3"),
-    "gemma2": GgufFamily("GEMMA2", norm_offset=1.0, extra_hparams=_gemma2, tied_output=True),
-    "gemma3_text": GgufFamily("GEMMA3", norm_offset=1.0, extra_hparams=_gemma3),
-    "phi3": GgufFamily("PHI3", extra_hparams=_phi3),
+    "gemma2": GgufFamily("GEMMA2", norm_offset=1.0, extra_hparams=_gemma2, tied_output=True, window_key=True),
+    "gemma3_text": GgufFamily("GEMMA3", norm_offset=1.0, extra_hparams=_gemma3, window_key=True),
+    "phi3": GgufFamily("PHI3", extra_hparams=_phi3, window_key=True),
     "qwen2_moe": GgufFamily("QWEN2MOE", extra_hparams=_moe),
     "qwen3_moe": GgufFamily("QWEN3MOE", extra_hparams=_moe),
 }
+
+
+# the families whose transformers model reads sliding_window (Llama's ignores one in its config.json);
+# of them, those that slide only the layers layer_types marks "sliding_attention" (Qwen2, Qwen3: from
+# max_window_layers on, Qwen2-MoE: even layers below it; none without use_sliding_window) -- Mistral and
+# Qwen3-MoE slide every layer once sliding_window is set
+_SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_WINDOW_BY_LAYER_TYPE = ("qwen2", "qwen3", "qwen2_moe")
+
+
+def unkeyed_sliding_window(family: GgufFamily, hf_config) -> int | None:
+    """The sliding window transformers gives some of the checkpoint's layers (`hf_config`: its
+    PretrainedConfig, defaults filled in) when it is narrower than `max_position_embeddings` and the
+    family's GGUF has no key for it; None where the file computes what the checkpoint does (the format
+    writes the window, or every layer attends to the whole context: no window, one at least the context,
+    no layer marked sliding)."""
+    if family.window_key or hf_config.model_type not in _SLIDING_MODEL_TYPES:
+        return None
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or window >= hf_config.max_position_embeddings:
+        return None
+    if (hf_config.model_type in _WINDOW_BY_LAYER_TYPE
+            and "sliding_attention" not in (getattr(hf_config, "layer_types", None) or ())):
+        return None
+    return window
 
 
 def add_rope_scaling(writer: gguf.GGUFWriter, rope: dict, max_position_embeddings: int) -> None:

@@ -274,3 +274,66 @@ def test_export_refuses_what_llama_cpp_would_misread(tmp_path):
         "rope_type": "dynamic", "factor": 2.0}}))
     with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not exported"):
         export_gguf(tmp_path, tmp_path / "x.gguf")
+
+
+# (model_type, config.json beside max_position_embeddings 512, the refused fields, llama.cpp's arch)
+NARROW_WINDOWS = [
+    ("mistral", dict(sliding_window=8), "sliding_window 8", "llama"),
+    ("mistral", dict(max_position_embeddings=32768), "sliding_window 4096", "llama"),  # transformers' default
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, num_hidden_layers=2, max_window_layers=1),
+     "use_sliding_window true, sliding_window 8", "qwen2"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, num_hidden_layers=2, max_window_layers=0),
+     "use_sliding_window true, sliding_window 8", "qwen3"),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, num_hidden_layers=2),
+     "use_sliding_window true, sliding_window 8", "qwen2moe"),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window true, sliding_window 8",
+     "qwen3moe"),
+]
+
+
+@pytest.mark.parametrize("model_type,overrides,fields,arch", NARROW_WINDOWS)
+def test_export_refuses_a_sliding_window_the_format_has_no_key_for(model_type, overrides, fields, arch, tmp_path,
+                                                                   capsys):
+    """llama.cpp's llama (Mistral's), qwen2, qwen3 and their MoE architectures have no window key: the
+    file would attend to the whole context, another model. Refused in one line before anything is written."""
+    config = {"model_type": model_type, "max_position_embeddings": 512, **overrides}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    context = config["max_position_embeddings"]
+    out = tmp_path / "out" / "x.gguf"
+    with pytest.raises(ValueError, match=f"{fields} \\(< max_position_embeddings {context}\\) is not exported: "
+                       f"llama.cpp's {arch} architecture has no sliding-window key"):
+        export_gguf(tmp_path, out)
+    capsys.readouterr()
+    assert main(["models", "export-gguf", "--dir", str(tmp_path), "--out", str(out)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {tmp_path}: {fields} (< max_position_embeddings {context}) is not exported")
+    assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("mistral", dict(sliding_window=None)),
+    ("mistral", dict(sliding_window=512)),  # as wide as the context: full attention
+    ("mistral", dict(sliding_window=4096)),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=8)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, num_hidden_layers=2, max_window_layers=2)),
+    ("qwen3_moe", dict(use_sliding_window=False, sliding_window=8)),
+    ("llama", dict(sliding_window=8)),  # transformers' Llama ignores it
+    ("gemma2", dict(sliding_window=8)),  # these write {arch}.attention.sliding_window
+    ("gemma3_text", dict(sliding_window=8)),
+    ("phi3", dict(sliding_window=8)),
+])
+def test_export_refusal_spares_a_window_the_file_computes_as_the_checkpoint_does(model_type, overrides, tmp_path):
+    from tessera.cli.gguf_families import GGUF_FAMILIES, unkeyed_sliding_window
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 512,
+                                                      **overrides}))
+    assert unkeyed_sliding_window(GGUF_FAMILIES[model_type], AutoConfig.from_pretrained(tmp_path)) is None
+
+
+def test_export_refusal_spares_a_mistral_window_as_wide_as_the_context(tmp_path, tokenizer_dir):
+    """sliding_window == max_position_embeddings is full attention: written as llama, the same logits."""
+    source = _checkpoint(tmp_path / "tiny-wide", tokenizer_dir, "mistral", sliding_window=512)
+    gguf_path = export_gguf(source, tmp_path / "wide.gguf", pre_tokenizer="gpt-2")
+    direct = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    expected = _logits(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval())
+    torch.testing.assert_close(_logits(direct), expected, atol=1e-5, rtol=0)
