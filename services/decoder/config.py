@@ -285,10 +285,30 @@ compiled grammars are kept (least recently used first out).
             log.info("dtype auto: %s (checkpoint %s)", self.dtype, checkpoint_dtype(self.checkpoint.raw))
             self._check_backends_take_dtype()
 
+    def _check_family_config(self) -> None:
+        """Read config.json as the model will, before the tokenizer or any weight loads: transformers'
+        config class for its model_type (AutoTokenizer builds it too, and its strict field checks
+        would otherwise surface as a traceback there) and, on the native path, the family's spec
+        (`spec_from_config`: windows, soft-caps, experts, RoPE). Raises ValueError in one line naming the field."""
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        from services.decoder.models import family_class
+
+        raw, model_type = dict(self.checkpoint.raw), self.checkpoint.model_type
+        if model_type in CONFIG_MAPPING:
+            try:
+                CONFIG_MAPPING[model_type].from_dict(raw)
+            except Exception as error:  # noqa: BLE001 - strict dataclass, type and value errors: each names the field
+                raise ValueError(f"config.json is not a {model_type} config transformers reads: "
+                                 f"{' '.join(str(error).split())}") from None
+        if self.model_impl == "native" and not is_qwen2_vl(raw):
+            family_class(model_type).spec_from_config(raw)
+
     def _derive_from_checkpoint(self) -> None:
         """M-RoPE sections, max_model_len and num_blocks from the checkpoint's config.json."""
         self.checkpoint = check_decoder_dir(self.model_dir, self.model_impl)  # the one read of config.json
         self.model_impl = decoder_impl(self.checkpoint, self.model_impl)  # "native" or "transformers"
+        self._check_family_config()
         outer = dict(self.checkpoint.raw)
         model = text_config(outer)  # Qwen2-VL nests its language model's config
         if is_qwen2_vl(outer):  # sections fixed by the checkpoint; a differing flag is refused

@@ -53,7 +53,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from services.common.checkpoint import check_rope_type
 from services.decoder.attention import AttentionBackend, AttentionMetadata
 from services.decoder.kv_cache import KVCache
-from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaSpec
+from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaSpec, positive_or_none
 from services.decoder.rotary import RopeScaling, RotaryEmbedding
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
@@ -125,10 +125,14 @@ class GemmaSpec(LlamaSpec):
             head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, rope_theta=theta,
             tie_word_embeddings=bool(config.tie_word_embeddings), qkv_bias=bias, o_bias=bias, mlp_bias=False,
             max_position_embeddings=config.max_position_embeddings, rope_scaling=scaling,
-            query_pre_attn_scalar=None if gemma1 else config.query_pre_attn_scalar,
-            attn_logit_softcapping=config.attn_logit_softcapping if model_type == "gemma2" else None,
-            final_logit_softcapping=None if gemma1 else config.final_logit_softcapping,
-            sliding_window=None if gemma1 else config.sliding_window, layer_types=layer_types,
+            query_pre_attn_scalar=None if gemma1 else positive_or_none("query_pre_attn_scalar",
+                                                                       config.query_pre_attn_scalar),
+            attn_logit_softcapping=positive_or_none("attn_logit_softcapping", config.attn_logit_softcapping)
+            if model_type == "gemma2" else None,
+            final_logit_softcapping=None if gemma1 else positive_or_none("final_logit_softcapping",
+                                                                         config.final_logit_softcapping),
+            sliding_window=None if gemma1 else positive_or_none("sliding_window", config.sliding_window, integer=True),
+            layer_types=layer_types,
             sandwich_norms=not gemma1, qk_norm=model_type == "gemma3_text",
             local_rope_theta=local_theta, local_rope_scaling=local_scaling,
         )

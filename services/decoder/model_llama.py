@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,19 @@ class LlamaSpec:
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
             rope_scaling=None if rope_type == "default" else RopeScaling.from_config(cfg, rope_type),
         )
+
+
+def positive_or_none(name: str, value, integer: bool = False):
+    """config.json's `name` when it is None or a positive finite number (an int where `integer`: a
+    window counts keys). Raises ValueError naming the field and the value otherwise (0 would empty a
+    window or divide by zero in a soft-cap or an attention scale; NaN would reach every logit)."""
+    kinds = int if integer else (int, float)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < math.inf:
+        kind = "a positive integer" if integer else "a positive finite number"
+        raise ValueError(f"config.json's {name} must be {kind} or null, got {value!r}")
+    return value
 
 
 def _linear(prefix: str, in_f: int, parts: tuple[tuple[str, int], ...], bias: bool) -> LoRALinear:

@@ -3,8 +3,9 @@
 As transformers' MistralForCausalLM: no biases, SiLU MLP, `head_dim` from config.json (else
 hidden_size / heads), and every layer attends with config.json's `sliding_window` (None: full causal
 attention), a query at position p seeing keys p - sliding_window < kv <= p (masking_utils'
-`sliding_window_overlay`). MistralConfig takes no `layer_types` (transformers warns and applies the
-window to every layer), so none is read here. With every layer windowed the scheduler frees a running
+`sliding_window_overlay`). MistralConfig takes no `layer_types`: given some, transformers 5 warns
+("consider the Ministral classes") and its masks then follow the cache's per-layer types, not the
+Mistral attention's window, so such a config.json is refused. With every layer windowed the scheduler frees a running
 request's KV blocks that lie wholly before its window (`model_sliding_window`).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaSpec
+from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaSpec, positive_or_none
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,14 @@ class MistralSpec(LlamaSpec):
         """Mistral's reading of config.json.
 
         Raises:
-            ValueError: what LlamaSpec refuses, or a `sliding_window` that is not a positive integer.
+            ValueError: what LlamaSpec refuses, a `sliding_window` that is not a positive integer, or
+                `layer_types` (see the module docstring).
         """
-        window = cfg.get("sliding_window")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
-        llama_cfg = {k: v for k, v in cfg.items() if k != "layer_types"}  # MistralConfig ignores them
+        if cfg.get("layer_types") is not None:
+            raise ValueError("config.json's layer_types is not a MistralConfig field (transformers warns and mixes "
+                             "per-layer cache types with Mistral's one window); Ministral checkpoints are not served")
+        window = positive_or_none("sliding_window", cfg.get("sliding_window"), integer=True)
+        llama_cfg = dict(cfg)
         llama_cfg.setdefault("architectures", ["MistralForCausalLM"])
         base = LlamaSpec.from_config(llama_cfg)
         return cls(**{f.name: getattr(base, f.name) for f in fields(LlamaSpec)}, sliding_window=window)

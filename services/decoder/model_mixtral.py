@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaSpec
+from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaSpec, positive_or_none
 from services.decoder.moe import MoeDecoderLayer, MoeSpec, convert_moe_checkpoint, moe_spec
 
 
@@ -41,9 +41,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def spec_from_config(cls, cfg: dict) -> MixtralSpec:
         """Raises ValueError for what LlamaSpec or MoeSpec refuse, or a `sliding_window` that is not a
         positive integer or null."""
-        window = cfg.get("sliding_window")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+        window = positive_or_none("sliding_window", cfg.get("sliding_window"), integer=True)
         base = replace(LlamaSpec.from_config(cfg), architecture=(cfg.get("architectures") or ["MixtralForCausalLM"])[0],
                        qkv_bias=False, o_bias=False, mlp_bias=False)
         spec = moe_spec(base, cfg, num_experts_key=("num_local_experts",), norm_topk_prob=True,

@@ -31,6 +31,7 @@ from services.decoder.model_llama import (
     LlamaMLP,
     LlamaSpec,
     _linear,
+    positive_or_none,
 )
 from services.decoder.rotary import RopeScaling, RotaryEmbedding
 
@@ -77,7 +78,8 @@ class Phi3Spec(LlamaSpec):
         scaling = RopeScaling.from_config(dict(cfg), rope_type) if rope_type == "longrope" else None
         values = {f.name: getattr(spec, f.name) for f in fields(spec)}
         values.update(architecture=(cfg.get("architectures") or ["Phi3ForCausalLM"])[0], rope_scaling=scaling)
-        return cls(**values, rotary_dim=rotary_dim, sliding_window=config.sliding_window)
+        return cls(**values, rotary_dim=rotary_dim,
+                   sliding_window=positive_or_none("sliding_window", config.sliding_window, integer=True))
 
 
 class Phi3Attention(LlamaAttention):
