@@ -134,6 +134,8 @@ def default_grouped_gemm(device: torch.device) -> GroupedGemm:
     """The Triton kernel on CUDA, torch's matmul elsewhere."""
     if device.type == "cuda":
         from services.decoder.kernels.moe_triton import TritonGroupedGemm  # Triton only where it runs
+
+        GroupedGemm.register(TritonGroupedGemm)
         return TritonGroupedGemm()
     return TorchGroupedGemm()
 

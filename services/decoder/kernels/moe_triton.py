@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from services.decoder.moe import GroupedGemm
-
 
 @triton.jit
 def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, expert_offsets_ptr, tile_offsets_ptr,
@@ -63,8 +61,10 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, expert_offsets_ptr, tile_offsets
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-class TritonGroupedGemm(GroupedGemm):
-    """`GroupedGemm` in `_grouped_gemm_kernel` (module docstring); no host read of the offsets."""
+class TritonGroupedGemm:
+    """services/decoder/moe.py's `GroupedGemm` in `_grouped_gemm_kernel` (module docstring); no host read
+    of the offsets. moe.py registers it as a GroupedGemm where it imports it (this module imports
+    nothing of moe.py, which imports it)."""
 
     def __init__(self, block_m: int = 16, block_n: int = 64, block_k: int = 32) -> None:
         self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
