@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from tests.vision.qwen2_vl_tiny import MROPE_SECTION, reference_processor, tiny_tokenizer
+from tests.vision.qwen2_vl_tiny import MROPE_SECTION, save_seeded
 
 WINDOW_SIZE, FULLATT_BLOCK_INDEXES = 56, [1]
 
@@ -35,18 +34,4 @@ def build_tiny_qwen2_5_vl(directory: Path, seed: int = 0, text: dict | None = No
                           vision: dict | None = None) -> Qwen2_5_VLForConditionalGeneration:
     """Save a seeded tiny Qwen2.5-VL (config.json, model.safetensors, preprocessor_config.json,
     tokenizer) to `directory`; `text` and `vision` override its text_config and vision_config."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(tiny_config(text, vision)).eval()
-        with torch.no_grad():  # the default init (std 0.02) gives rows ~0.02; larger weights make 1e-5 a sharp test
-            for parameter in model.model.visual.parameters():
-                parameter.normal_(0.0, 0.2)
-            for name, parameter in model.named_parameters():  # decisive text logits: no near-ties in argmax
-                if "visual" not in name and parameter.ndim == 2:
-                    parameter.normal_(0.0, 0.15)
-                elif "visual" not in name and name.endswith("bias"):
-                    parameter.normal_(0.0, 0.1)
-    model.save_pretrained(directory)
-    reference_processor().save_pretrained(directory)
-    tiny_tokenizer().save_pretrained(directory)
-    return model
+    return save_seeded(Qwen2_5_VLForConditionalGeneration, tiny_config(text, vision), directory, seed)

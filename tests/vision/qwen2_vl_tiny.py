@@ -34,9 +34,15 @@ def reference_processor() -> Qwen2VLImageProcessorPil:
 
 def build_tiny_qwen2_vl(directory: Path, seed: int = 0) -> Qwen2VLForConditionalGeneration:
     """Save a seeded tiny Qwen2-VL (config.json, model.safetensors, preprocessor_config.json) to `directory`."""
+    return save_seeded(Qwen2VLForConditionalGeneration, tiny_config(), directory, seed)
+
+
+def save_seeded(model_class, config, directory: Path, seed: int):
+    """`model_class(config)` with seeded weights spread for sharp tests, saved to `directory` with the
+    reference image processor and the tiny tokenizer; returns the model (eval mode)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(tiny_config()).eval()
+        model = model_class(config).eval()
         with torch.no_grad():  # the default init (std 0.02) gives rows ~0.02; larger weights make 1e-5 a sharp test
             for parameter in model.model.visual.parameters():
                 parameter.normal_(0.0, 0.2)
