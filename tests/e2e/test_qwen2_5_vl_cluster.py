@@ -6,35 +6,21 @@ from __future__ import annotations
 
 import uuid
 
-import grpc
 import pytest
-from transformers import AutoTokenizer
 
-from services.common.server import CHANNEL_OPTIONS
-from tessera.cli.up.launch import Cluster
-from tessera.cli.up.spec import ClusterSpec
-from tessera.v1 import decoder_pb2, gateway_pb2, gateway_pb2_grpc, vision_pb2
+from tessera.v1 import decoder_pb2, gateway_pb2, vision_pb2
 from tests.vision.qwen2_5_vl_tiny import build_tiny_qwen2_5_vl
 from tests.vision.qwen2_vl_tiny import MROPE_SECTION, hf_greedy, hf_inputs, reference_processor
 
-from .conftest import _free_base_port
 from .test_generate import collect
-from .test_qwen2_vl_cluster import _png
+from .test_qwen2_vl_cluster import _png, serve_tiny_vl
 
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
 def qwen2_5_vl(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen2-5-vl-cluster")
-    model = build_tiny_qwen2_5_vl(directory)
-    spec = ClusterSpec(base_port=_free_base_port(), decoder_model_dir=directory,
-                       adapter_root=tmp_path_factory.mktemp("adapters"), log_dir=tmp_path_factory.mktemp("logs"),
-                       extra_args={"adapters": ["--db", str(tmp_path_factory.mktemp("registry") / "catalog.sqlite3")]})
-    assert spec.native_vision
-    with Cluster(spec) as cluster, \
-            grpc.insecure_channel(cluster.spec.address("gateway"), options=CHANNEL_OPTIONS) as channel:
-        yield model, AutoTokenizer.from_pretrained(directory), gateway_pb2_grpc.GatewayStub(channel)
+    yield from serve_tiny_vl(tmp_path_factory, build_tiny_qwen2_5_vl, "qwen2-5-vl-cluster")
 
 
 def _generate(gateway, content):

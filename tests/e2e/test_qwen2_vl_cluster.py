@@ -33,8 +33,14 @@ def _png(width: int, height: int, seed: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen2-vl-cluster")
-    model = build_tiny_qwen2_vl(directory)
+    yield from serve_tiny_vl(tmp_path_factory, build_tiny_qwen2_vl, "qwen2-vl-cluster")
+
+
+def serve_tiny_vl(tmp_path_factory, build, name: str):
+    """Build a tiny vision-language checkpoint with `build(directory)` and run the whole cluster on it;
+    yields (transformers' model, its tokenizer, a gateway stub) until the fixture ends."""
+    directory = tmp_path_factory.mktemp(name)
+    model = build(directory)
     spec = ClusterSpec(base_port=_free_base_port(), decoder_model_dir=directory,
                        adapter_root=tmp_path_factory.mktemp("adapters"), log_dir=tmp_path_factory.mktemp("logs"),
                        extra_args={"adapters": ["--db", str(tmp_path_factory.mktemp("registry") / "catalog.sqlite3")]})

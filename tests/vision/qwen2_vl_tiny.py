@@ -7,12 +7,17 @@ config's ids: <|endoftext|> 0, <|im_end|> 1 (EOS), <|im_start|> 2, <|image_pad|>
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from tests.vision.vision_images import encode
 
 MROPE_SECTION = [2, 3, 3]  # sums to head_dim / 2 = (64 / 4) / 2
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64  # small images keep the tests fast
@@ -118,3 +123,18 @@ def hf_greedy(model, batch: dict, max_new_tokens: int) -> tuple[list[int], torch
     eos = model.config.text_config.eos_token_id
     n = new.index(eos) + 1 if eos in new else len(new)
     return new[:n], torch.cat(out.logits).float()[:n]
+
+
+def noise_png(width: int, height: int, seed: int = 0) -> bytes:
+    """A PNG of seeded uniform noise, `width` x `height` RGB (the seed mixes in the size)."""
+    rng = np.random.default_rng(seed + 1000 * width + height)
+    return encode(Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)))
+
+
+def visual_reference(model, images: list[bytes]):
+    """transformers' answer for `images` (encoded bytes): (pixel_values, image_grid_thw, the visual
+    model's merged rows), from the reference processor and `model.model.visual`."""
+    batch = reference_processor()(images=[Image.open(io.BytesIO(data)) for data in images], return_tensors="pt")
+    with torch.no_grad():
+        rows = model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
+    return batch["pixel_values"], batch["image_grid_thw"], rows

@@ -6,18 +6,14 @@ to), `Qwen2_5_VLForConditionalGeneration.model.visual` and transformers' `get_vi
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from qwen2_5_vl_tiny import WINDOW_SIZE, build_tiny_qwen2_5_vl
-from qwen2_vl_tiny import MROPE_SECTION, reference_processor
+from qwen2_vl_tiny import MROPE_SECTION, noise_png, visual_reference
 from transformers.vision_utils import get_vision_window_index
-from vision_images import encode
 
 from services.vision.__main__ import parse_args
 from services.vision.config import VisionConfig
@@ -40,18 +36,6 @@ def tiny(tmp_path_factory):
     return directory, model, engine
 
 
-def _noise_png(width: int, height: int, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed + 1000 * width + height)
-    return encode(Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)))
-
-
-def _reference(model, images: list[bytes]):
-    batch = reference_processor()(images=[Image.open(io.BytesIO(data)) for data in images], return_tensors="pt")
-    with torch.no_grad():
-        rows = model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
-    return batch["pixel_values"], batch["image_grid_thw"], rows
-
-
 @pytest.mark.parametrize("window_size", [56, 112])
 def test_window_index_equals_transformers(window_size):
     """Grids in patches: a multiple of the window, cut short on both sides, two frames, several images."""
@@ -65,8 +49,8 @@ def test_window_index_equals_transformers(window_size):
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_pixel_values_grid_and_rows_equal_transformers(tiny, size):
     _, model, engine = tiny
-    data = _noise_png(*size)
-    want_pixels, want_grid, want_rows = _reference(model, [data])
+    data = noise_png(*size)
+    want_pixels, want_grid, want_rows = visual_reference(model, [data])
     (prepared,) = engine.process([ImageSource(data=data)])
     pixel_values, grid = patchify(prepared.processed.pixels, engine.config.processor.qwen2_vl)
     assert torch.equal(pixel_values, want_pixels)  # the Qwen2-VL recipe, bit for bit
@@ -79,8 +63,8 @@ def test_pixel_values_grid_and_rows_equal_transformers(tiny, size):
 
 def test_several_images_in_one_batch_attend_only_within_themselves(tiny):
     _, model, engine = tiny
-    images = [_noise_png(97, 53), _noise_png(400, 300), _noise_png(60, 150, seed=3)]
-    _, grids, want_rows = _reference(model, images)
+    images = [noise_png(97, 53), noise_png(400, 300), noise_png(60, 150, seed=3)]
+    _, grids, want_rows = visual_reference(model, images)
     encoded = engine.encode(engine.process([ImageSource(data=d) for d in images]))
     for image, want in zip(encoded, torch.split(want_rows, [int(g.prod()) // 4 for g in grids]), strict=True):
         assert torch.allclose(image.rows, want, atol=1e-5, rtol=0)
@@ -97,7 +81,7 @@ def test_window_attention_decides_the_rows(tiny):
     full = Qwen2_5_VLVisionTower(replace(config, fullatt_block_indexes=(0, 1))).eval()
     full.load_state_dict(tower.state_dict())
     for size, same in (((64, 64), True), ((400, 300), False)):
-        pixels = engine.processor.process(ImageSource(data=_noise_png(*size))).pixels
+        pixels = engine.processor.process(ImageSource(data=noise_png(*size))).pixels
         values, grid = patchify(pixels, engine.config.processor.qwen2_vl)
         with torch.no_grad():
             assert torch.allclose(tower(values, [grid]), full(values, [grid]), atol=1e-5) == same, size
@@ -139,6 +123,6 @@ def test_original_release_layout_loads_the_same_tower(tiny, tmp_path):
               tmp_path / "model.safetensors")
     release = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(tmp_path))))
     assert release.encoder.revision == engine.encoder.revision and release.encoder.name == "qwen2.5-vl"
-    data = _noise_png(97, 53)
+    data = noise_png(97, 53)
     (a,), (b,) = (e.encode(e.process([ImageSource(data=data)])) for e in (engine, release))
     assert torch.equal(a.rows, b.rows) and a.content_hash == b.content_hash

@@ -6,13 +6,18 @@ one needs torchvision, which is not installed) and `Qwen2VLForConditionalGenerat
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from qwen2_vl_tiny import MAX_PIXELS, MIN_PIXELS, MROPE_SECTION, build_tiny_qwen2_vl, reference_processor
+from qwen2_vl_tiny import (
+    MAX_PIXELS,
+    MIN_PIXELS,
+    MROPE_SECTION,
+    build_tiny_qwen2_vl,
+    noise_png,
+    visual_reference,
+)
 from vision_images import encode, png_header_claiming
 
 from services.common.errors import InvalidArgument
@@ -35,23 +40,11 @@ def tiny(tmp_path_factory):
     return directory, model, engine
 
 
-def _noise_png(width: int, height: int, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed + 1000 * width + height)
-    return encode(Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)))
-
-
-def _reference(model, images: list[bytes]):
-    batch = reference_processor()(images=[Image.open(io.BytesIO(data)) for data in images], return_tensors="pt")
-    with torch.no_grad():
-        rows = model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
-    return batch["pixel_values"], batch["image_grid_thw"], rows
-
-
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_pixel_values_grid_and_rows_equal_transformers(tiny, size):
     _, model, engine = tiny
-    data = _noise_png(*size)
-    want_pixels, want_grid, want_rows = _reference(model, [data])
+    data = noise_png(*size)
+    want_pixels, want_grid, want_rows = visual_reference(model, [data])
     (prepared,) = engine.process([ImageSource(data=data)])
     pixel_values, grid = patchify(prepared.processed.pixels, engine.config.processor.qwen2_vl)
     assert torch.equal(pixel_values, want_pixels)  # bit-identical: same resize, rescale, normalize, row order
@@ -67,8 +60,8 @@ def test_pixel_values_grid_and_rows_equal_transformers(tiny, size):
 
 def test_several_images_in_one_batch_attend_only_within_themselves(tiny):
     _, model, engine = tiny
-    images = [_noise_png(97, 53), _noise_png(60, 150), _noise_png(64, 64, seed=3)]
-    _, grids, want_rows = _reference(model, images)
+    images = [noise_png(97, 53), noise_png(60, 150), noise_png(64, 64, seed=3)]
+    _, grids, want_rows = visual_reference(model, images)
     encoded = engine.encode(engine.process([ImageSource(data=d) for d in images]))
     counts = [int(g.prod()) // 4 for g in grids]
     for image, want in zip(encoded, torch.split(want_rows, counts), strict=True):
@@ -104,7 +97,7 @@ def test_refusals_before_decoding(tiny):
 
 def test_min_max_pixel_overrides_change_grid_and_hash(tiny):
     directory, _, engine = tiny
-    data = _noise_png(400, 300)
+    data = noise_png(400, 300)
     small = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(directory),
                                                                         max_pixels=28 * 28 * 16)))
     (a,), (b,) = (e.encode(e.process([ImageSource(data=data)])) for e in (engine, small))
@@ -125,7 +118,7 @@ def test_config_checks_and_cli(tiny):
                      mrope_section=tuple(MROPE_SECTION))
     with pytest.raises(ValueError, match="no config.json"):
         Qwen2VLEncoderConfig(model_dir=str(directory / "missing"))
-    assert ImageProcessor(config.processor).process(ImageSource(data=_noise_png(97, 53))).pixels.shape[0] == 3
+    assert ImageProcessor(config.processor).process(ImageSource(data=noise_png(97, 53))).pixels.shape[0] == 3
 
 
 def test_original_release_layout_loads_the_same_tower(tiny, tmp_path):
@@ -152,6 +145,6 @@ def test_original_release_layout_loads_the_same_tower(tiny, tmp_path):
               tmp_path / "model.safetensors")
     release = VisionCore(VisionConfig.for_qwen2_vl(Qwen2VLEncoderConfig(model_dir=str(tmp_path))))
     assert release.encoder.revision == engine.encoder.revision and release.config.mrope_section == tuple(MROPE_SECTION)
-    data = _noise_png(97, 53)
+    data = noise_png(97, 53)
     (a,), (b,) = (e.encode(e.process([ImageSource(data=data)])) for e in (engine, release))
     assert torch.equal(a.rows, b.rows) and a.content_hash == b.content_hash
