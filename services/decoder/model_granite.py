@@ -12,7 +12,7 @@ taken in the activations' dtype, in transformers' order. Everything else (q/k/v/
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -56,8 +56,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         """Raises ValueError for a multiplier that is not a finite number (logits_scaling: nonzero),
         or what LlamaSpec refuses."""
         base = LlamaSpec.from_config(cfg)
-        values = {f.name: getattr(base, f.name) for f in fields(LlamaSpec)}
-        values["architecture"] = (cfg.get("architectures") or ["GraniteForCausalLM"])[0]
+        values = {"architecture": (cfg.get("architectures") or ["GraniteForCausalLM"])[0]}
         for name in MULTIPLIERS:
             value = cfg.get(name, 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
@@ -65,7 +64,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
                 raise ValueError(f"config.json's {name} must be a finite number"
                                  f"{' other than 0' if name == 'logits_scaling' else ''}, got {value!r}")
             values[name] = float(value)
-        return GraniteSpec(**values)
+        return base.extended(GraniteSpec, **values)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings times embedding_multiplier [num_tokens, hidden] for int64 ids [num_tokens]."""

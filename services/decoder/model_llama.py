@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -60,6 +60,11 @@ class LlamaSpec:
     mlp_bias: bool
     max_position_embeddings: int
     rope_scaling: RopeScaling | None = None  # None: default RoPE of rope_theta
+
+    def extended(self, spec_cls, **values):
+        """A family's spec (`spec_cls`, a LlamaSpec subclass) holding this spec's fields, with `values`
+        adding the family's own fields (or replacing one of these)."""
+        return spec_cls(**{**{f.name: getattr(self, f.name) for f in fields(LlamaSpec)}, **values})
 
     @classmethod
     def from_config(cls, cfg: dict) -> LlamaSpec:

@@ -11,7 +11,7 @@ request's KV blocks that lie wholly before its window (`model_sliding_window`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, LlamaSpec, positive_or_none
 
@@ -37,7 +37,7 @@ class MistralSpec(LlamaSpec):
         llama_cfg = dict(cfg)
         llama_cfg.setdefault("architectures", ["MistralForCausalLM"])
         base = LlamaSpec.from_config(llama_cfg)
-        return cls(**{f.name: getattr(base, f.name) for f in fields(LlamaSpec)}, sliding_window=window)
+        return base.extended(cls, sliding_window=window)
 
 
 class MistralAttention(LlamaAttention):

@@ -18,7 +18,7 @@ Everything else is model_llama.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import Phi3Config
@@ -76,10 +76,9 @@ class Phi3Spec(LlamaSpec):
         plain.update(rope_theta=rope["rope_theta"], head_dim=head_dim, attention_bias=False, mlp_bias=False)
         spec = LlamaSpec.from_config(plain)
         scaling = RopeScaling.from_config(dict(cfg), rope_type) if rope_type == "longrope" else None
-        values = {f.name: getattr(spec, f.name) for f in fields(spec)}
-        values.update(architecture=(cfg.get("architectures") or ["Phi3ForCausalLM"])[0], rope_scaling=scaling)
-        return cls(**values, rotary_dim=rotary_dim,
-                   sliding_window=positive_or_none("sliding_window", config.sliding_window, integer=True))
+        return spec.extended(cls, architecture=(cfg.get("architectures") or ["Phi3ForCausalLM"])[0],
+                             rope_scaling=scaling, rotary_dim=rotary_dim,
+                             sliding_window=positive_or_none("sliding_window", config.sliding_window, integer=True))
 
 
 class Phi3Attention(LlamaAttention):

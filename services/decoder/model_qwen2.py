@@ -8,7 +8,7 @@ Everything else is model_llama.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from services.decoder.model_llama import LlamaForCausalLM, LlamaSpec
 
@@ -31,7 +31,7 @@ class QwenSpec(LlamaSpec):
         windows = qwen_layer_windows(cfg)
         llama_cfg = {k: v for k, v in cfg.items() if k not in ("use_sliding_window", "layer_types")}
         base = LlamaSpec.from_config(llama_cfg)
-        return cls(**{f.name: getattr(base, f.name) for f in fields(LlamaSpec)}, layer_windows=windows)
+        return base.extended(cls, layer_windows=windows)
 
 
 def qwen_layer_windows(cfg: dict) -> tuple[int | None, ...]:

@@ -13,7 +13,7 @@ biases from `attention_bias`, `mlp_bias`, RMSNorm, SiLU, the C kernels) is model
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -103,6 +103,5 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         kinds, window = layer_types(cfg, flags)
         # the windows are read above; LlamaSpec refuses sliding layers of its own
         base = LlamaSpec.from_config({k: v for k, v in cfg.items() if k not in ("use_sliding_window", "layer_types")})
-        values = {f.name: getattr(base, f.name) for f in fields(LlamaSpec)}
-        values["architecture"] = (cfg.get("architectures") or ["SmolLM3ForCausalLM"])[0]
-        return SmolLM3Spec(**values, no_rope_layers=flags, layer_types=kinds, sliding_window=window)
+        return base.extended(SmolLM3Spec, architecture=(cfg.get("architectures") or ["SmolLM3ForCausalLM"])[0],
+                             no_rope_layers=flags, layer_types=kinds, sliding_window=window)

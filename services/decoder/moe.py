@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -250,12 +250,12 @@ def moe_spec(base: LlamaSpec, cfg: dict, *, num_experts_key: tuple[str, ...], no
     if sparse_step:
         step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
         layers = [i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0]
-    return MoeSpec(**{f.name: getattr(base, f.name) for f in fields(LlamaSpec)},
-                   num_experts=num_experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                   moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
-                   round_routing_weights=round_routing_weights,
-                   shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
-                   sparse_layers=tuple(layers))
+    return base.extended(MoeSpec,
+                         num_experts=num_experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                         moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
+                         round_routing_weights=round_routing_weights,
+                         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+                         sparse_layers=tuple(layers))
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
