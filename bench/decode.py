@@ -120,7 +120,7 @@ def hf_batched(model, work, batch: int = 16) -> float:
 
 
 def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "auto", batch: int = 16,
-                    context: int = 128, steps: int = 32) -> tuple[list, list]:
+                    context: int = 128, steps: int = 32, decode_step: str = "auto") -> tuple[list, list]:
     """Seconds per engine step at `batch` x `context` while all rows decode, and seconds of the engine's
     own model forward + lm_head inside those steps (one sample per step)."""
     from services.decoder.config import DecoderConfig
@@ -128,7 +128,8 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "au
     from services.decoder.types import GenerateInput, SamplingParams
 
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), max_model_len=1024, num_blocks=512,
-                                        attention_backend=backend, linear_backend=linear, dtype=dtype))
+                                        attention_backend=backend, linear_backend=linear, dtype=dtype,
+                                        decode_step=decode_step))
     stamps, forwards = [], []
     schedule, logits = engine.parts.scheduler.schedule, engine.parts.runner.logits
 
@@ -138,15 +139,25 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "au
             stamps.append(time.perf_counter())
         return out
 
-    def timed_logits(inputs):
-        t0 = time.perf_counter()
-        result = logits(inputs)
+    runner = engine.parts.runner
+    hidden = runner.hidden
+
+    def timed_forward(inputs):  # the model forward (hidden) up to the lm_head (logits)
+        started = time.perf_counter()
+        result = hidden(inputs)
         if inputs.input_ids.numel() == batch:
-            forwards.append(time.perf_counter() - t0)
+            pending.append(started)
         return result
 
+    def timed_logits(inputs, states):
+        result = logits(inputs, states)
+        if pending:
+            forwards.append(time.perf_counter() - pending.pop())
+        return result
+
+    pending: list[float] = []
     engine.parts.scheduler.schedule = timed
-    engine.parts.runner.logits = timed_logits
+    runner.hidden, runner.logits = timed_forward, timed_logits
     work = [GenerateInput(SamplingParams(max_tokens=steps + 8, ignore_eos=True), prompt_token_ids=tuple(
         random.Random(i).randrange(100, 40000) for _ in range(context))) for i in range(batch)]
 

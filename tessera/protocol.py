@@ -60,6 +60,10 @@ CHANNEL_OPTIONS = [
 MODEL_IMPL_TEXT = {"native": "native (tessera's model file for its family)",
                    "transformers": "transformers (transformers' own modeling code on tessera's paged KV cache)"}
 
+# DecoderInfo.decode_step -> what it means, as `tessera info` says it
+DECODE_STEP_TEXT = {"fused": "fused (every layer of an all-decode step in one C call)",
+                    "modules": "modules (layer by layer through the model's modules)"}
+
 # ---- refusal reasons ----------------------------------------------------------------------------
 
 ERROR_DOMAIN = "tessera"  # ErrorInfo.domain of every reason below

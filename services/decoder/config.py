@@ -20,6 +20,7 @@ from services.common.mrope import check_checkpoint_section, check_mrope_section,
 from services.common.server import default_address
 from services.common.sizes import format_bytes, parse_bytes
 from services.decoder.attention import ATTENTION_BACKENDS
+from services.decoder.decode_step import DECODE_STEPS
 from services.decoder.kernels import native
 from services.decoder.kv_cache import KVBlockLayout
 from services.decoder.linear import LINEAR_BACKENDS
@@ -68,6 +69,9 @@ long contexts: bench/results/kernels.md).
 `linear_backend`: "auto" (default) resolves at start to "cpu" (the C GEMM on packed weights,
 services/decoder/linear.py, and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py) on a CPU without
 AVX-512 where the kernels build, else "torch".
+`decode_step`: "auto" (default) resolves when the model runner is built (decode_step.py `attach_decode_step`)
+to "fused" (all-decode steps of a Llama-family model in one C call on the cpu attention backend) where
+`why_not` finds no reason against it, else "modules"; "fused" where it cannot run is refused then.
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
@@ -135,6 +139,10 @@ compiled grammars are kept (least recently used first out).
                                       "(MKL), or cpu: a C GEMM on weights packed at load, every step (float32; "
                                       "bfloat16 weights read directly), and C RMSNorm, rotary and SiLU-gate kernels",
                                 choices=(AUTO, *LINEAR_BACKENDS))
+    decode_step: str = _flag(AUTO, "all-decode steps of up to 32 rows (4 with row-major weights): fused (every layer "
+                                   "in one C call: kernels/decode_step.c; Llama-family models on the cpu attention "
+                                   "backend), modules (layer by layer through the model's modules, the reference), "
+                                   "or auto (fused where it runs, else modules)", choices=(AUTO, *DECODE_STEPS))
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
     wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
@@ -262,6 +270,8 @@ compiled grammars are kept (least recently used first out).
                              f"got {self.attention_backend!r}")
         if self.linear_backend not in (AUTO, *LINEAR_BACKENDS):
             raise ValueError(f"linear_backend must be one of {(AUTO, *LINEAR_BACKENDS)}, got {self.linear_backend!r}")
+        if self.decode_step not in (AUTO, *DECODE_STEPS):
+            raise ValueError(f"decode_step must be one of {(AUTO, *DECODE_STEPS)}, got {self.decode_step!r}")
         if self.dtype not in (AUTO, *DTYPES):
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
         if self.dtype != AUTO:  # refused before config.json is read; "auto" is checked once resolved

@@ -234,4 +234,5 @@ def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:
         prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens, resident_adapters=info.resident_adapters,
         served_model_names=list(info.served_model_names), generation_config=info.generation_config,
         generation_defaults=info.generation_defaults, chat_template_takes_tools=info.chat_template_takes_tools,
-        tool_call_parser=info.tool_call_parser, model_impl=info.model_impl)
+        tool_call_parser=info.tool_call_parser, model_impl=info.model_impl,
+        decode_step=info.decode_step)

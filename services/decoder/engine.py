@@ -217,7 +217,7 @@ class LLMEngine:
                            generation_defaults=config.generation_defaults.as_dict(),
                            chat_template_takes_tools=template_takes_tools(template),
                            tool_call_parser=choose_tool_call_parser(template, config.tool_call_parser),
-                           model_impl=config.model_impl)
+                           model_impl=config.model_impl, decode_step=self.parts.runner.decode_step)
 
     async def count_prompt_tokens(self, request_input: GenerateInput) -> PromptTokenCount:
         """The tokens `generate` would build for `request_input`'s prompt besides its images'

@@ -102,7 +102,7 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     prompts = PromptBuilder(tokenizer, spec.vocab_size, spec.hidden_size, config.mrope_section, image_token_id,
                             vision.start if vision else None, vision.end if vision else None, compute_dtype=dtype)
     runner = ModelRunner(model, cache, block_manager, LoRAContext(bank, make_backend(backends.lora)),
-                         config.mrope_section is not None, backends.attention, backends.linear)
+                         config.mrope_section is not None, backends.attention, backends.linear, config.decode_step)
     eos_token_ids = _eos_token_ids(config, model_config)
     grammars = GrammarCompiler(tokenizer, spec.vocab_size, [t for t in eos_token_ids if 0 <= t < spec.vocab_size],
                                config.structured_outputs_compile_timeout, config.structured_outputs_cache_size)

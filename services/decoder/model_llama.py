@@ -262,6 +262,9 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # cos/sin dtype; None: the activations' (transformers' Llama casts them; OLMo 2 keeps float32)
     rotary_dtype: torch.dtype | None = None
+    # the fused decode step (decode_step.py), set by the model runner where it runs this model:
+    # all-decode steps it `accepts` skip the per-module loop below
+    fused_decode = None
 
     @classmethod
     def spec_from_config(cls, cfg: dict) -> LlamaSpec:
@@ -304,6 +307,8 @@ class LlamaForCausalLM(nn.Module):
         if embed_rows is not None and embed_rows.numel():
             x[embed_rows] = embed_values.to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.rotary_dtype or x.dtype)  # [num_tokens, head_dim]
+        if self.fused_decode is not None and self.fused_decode.accepts(meta, x.shape[0]):
+            return self.fused_decode(x, cos, sin, meta)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, attention, meta)
         return x

@@ -27,6 +27,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, TesseraE
 from services.decoder.attention import AttentionMetadata, make_attention_backend
 from services.decoder.block_manager import BlockManager
 from services.decoder.grammar import fill_bitmask
+from services.decoder.decode_step import attach_decode_step
 from services.decoder.kernels.pointwise import CpuPointwise, attach_pointwise
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import attach_gemm, make_linear_backend
@@ -89,10 +90,11 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
                  lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch",
-                 linear_backend: str = "torch") -> None:
+                 linear_backend: str = "torch", decode_step: str = "modules") -> None:
         """`attention_backend`: a name in services/decoder/attention's registry, constructed here;
         `linear_backend`: "torch" or "cpu" (the C GEMM on weights packed here, services/decoder/linear.py,
-        and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py).
+        and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py); `decode_step`: "auto", "fused"
+        or "modules" (decode_step.py `attach_decode_step`; the resolved name is `self.decode_step`).
 
         Raises:
             ValueError: an unknown backend, or one that cannot run on this machine.
@@ -106,6 +108,7 @@ class ModelRunner:
         self.lora = lora  # this runner's per-step LoRA state; the model's LoRALinear layers call it
         if lora is not None:
             attach_context(model, lora)
+        self.decode_step = attach_decode_step(decode_step, model, cache, attention_backend, lora)
         self.mrope = mrope
         # one worker fills structured-output masks during the forward (execute)
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")

@@ -535,7 +535,8 @@ class DecoderInfo:
     --generation-config value and `generation_defaults` the defaults in force (GenerationDefaults.as_dict).
     `chat_template_takes_tools`: the chat template renders a `tools` list; `tool_call_parser`: the
     format the model's tool calls are parsed from ("hermes"; "" = none), services/decoder/tools.py.
-    `model_impl`: how the model runs, "native" or "transformers" (DecoderConfig.model_impl).
+    `model_impl`: how the model runs, "native" or "transformers" (DecoderConfig.model_impl);
+    `decode_step`: how all-decode steps run, "fused" or "modules" (DecoderConfig.decode_step resolved).
     """
 
     model: str
@@ -555,3 +556,4 @@ class DecoderInfo:
     chat_template_takes_tools: bool = False
     tool_call_parser: str = ""
     model_impl: str = ""
+    decode_step: str = ""

@@ -37,7 +37,7 @@ from tessera.protocol import (
     API_TOKEN_ENV,
     INTERNAL_TOKEN_MISSING,
     INTERNAL_TOKEN_WRONG,
-    MODEL_IMPL_TEXT,
+    DECODE_STEP_TEXT, MODEL_IMPL_TEXT,
 )
 
 # gRPC's own details when no connection could be made: read only for an error no tessera service
@@ -328,6 +328,8 @@ def cluster_rows(info: ClusterInfo, adapters: list[str] | None) -> list[tuple[st
         rows.append(("model", f"{d.model} ({d.architecture})"))
         if d.model_impl:
             rows.append(("model impl", MODEL_IMPL_TEXT.get(d.model_impl, d.model_impl)))
+        if d.decode_step:
+            rows.append(("decode step", DECODE_STEP_TEXT.get(d.decode_step, d.decode_step)))
         if len(d.served_model_names) > 1:
             rows.append(("aliases", ", ".join(d.served_model_names[1:])))
         if d.generation_config:

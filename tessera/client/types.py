@@ -261,6 +261,7 @@ class DecoderInfo:
     # sampling defaults in force for fields a request leaves unset (temperature, top_p, ...); {} under "vllm"
     generation_defaults: dict[str, float] = field(default_factory=dict)
     model_impl: str = ""  # "native" (tessera's model file) or "transformers" (transformers' modeling code)
+    decode_step: str = ""  # "fused" (every layer in one C call) or "modules" (layer by layer); "" unknown
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c, norm_rope.c), built at start, called
+"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c, norm_rope.c, decode_step.c), built at
+start, called
 through ctypes.
 
 Build: `$CC` (default `cc`) -O3 -march=native -fopenmp, the sources into one shared library in
@@ -27,7 +28,8 @@ import threading
 from functools import cache
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c", "norm_rope.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c", "norm_rope.c",
+                                                                   "decode_step.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
 VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 code
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
@@ -55,6 +57,12 @@ _SIGNATURES = {
     "tessera_write_kv_bf16": (None, _WRITE_KV_ARGS),
     "tessera_silu_mul_f32": (None, _SILU_MUL_ARGS),
     "tessera_silu_mul_bf16": (None, _SILU_MUL_ARGS),
+    "tessera_decode_step_f32": (_INT, [_P, _I64, _P]),
+    "tessera_decode_step_bf16": (_INT, [_P, _I64, _P]),
+    "tessera_gemv_f32": (None, _GEMM_ARGS),
+    "tessera_gemv_bf16": (None, _GEMM_ARGS),
+    "tessera_decode_max_rows": (_I64, []),
+    "tessera_gemv_variant": (ctypes.c_char_p, []),
     "tessera_kernels_variant": (ctypes.c_char_p, []),
     "tessera_gemm_variant": (ctypes.c_char_p, []),
     "tessera_gemm_panel_width": (_I64, []),

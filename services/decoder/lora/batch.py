@@ -60,6 +60,19 @@ class LoRABatch:
         return PaddedGroups(torch.tensor(slot_list, device=device), slot_list == list(range(len(slot_list))),
                             rows, grid_rows, cells if total < len(lens) * longest else None, longest, row_cells)
 
+    @cached_property
+    def decode_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The decode rows grouped by slot for BGMV (kernels/lora_bgmv.c): (rows int64 [num_decode],
+        group starts int64 [groups + 1], group slots int64 [groups]), contiguous; None without decode
+        rows. Built on first use, then shared by every projection of the step."""
+        if not self.decode_rows.numel():
+            return None
+        order = torch.sort(self.decode_slots, stable=True).indices
+        slots, counts = torch.unique_consecutive(self.decode_slots[order], return_counts=True)
+        starts = torch.zeros(slots.numel() + 1, dtype=torch.long, device=slots.device)
+        torch.cumsum(counts, 0, out=starts[1:])
+        return self.decode_rows[order].contiguous(), starts, slots.contiguous()
+
     @classmethod
     def build(cls, token_slots: torch.Tensor, decode_rows: torch.Tensor | None = None) -> LoRABatch | None:
         """Metadata for one step; None when every row is base (no LoRA work at all).

@@ -50,6 +50,11 @@ class LoRAContext:
         """True while a step with at least one adapter row is running."""
         return self._batch is not None
 
+    @property
+    def batch(self) -> LoRABatch | None:
+        """This step's LoRA metadata while a step with at least one adapter row runs, else None."""
+        return self._batch
+
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA correction of module `name` to `y` [num_tokens, out] in place (x: [num_tokens, in])."""
         factors = self.slots.factors(name)

@@ -63,13 +63,7 @@ class CpuLoRABackend(LoRABackend):
         prefill rows' own LoRABatch (None without prefill adapter rows), built once per step."""
         if self._step is not None and self._step[0] is batch:
             return self._step[1], self._step[2]
-        decode = None
-        if batch.decode_rows.numel():
-            order = torch.sort(batch.decode_slots, stable=True).indices
-            slots, counts = torch.unique_consecutive(batch.decode_slots[order], return_counts=True)
-            starts = torch.zeros(slots.numel() + 1, dtype=torch.long)
-            torch.cumsum(counts, 0, out=starts[1:])
-            decode = (batch.decode_rows[order].contiguous(), starts, slots.contiguous())
+        decode = batch.decode_groups
         prefill = None
         if batch.prefill_perm.numel():
             token_slots = batch.token_slots.clone()

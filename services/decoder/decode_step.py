@@ -1,0 +1,264 @@
+"""The fused decode step: every layer of a Llama-family model for a small all-decode batch in one C call.
+
+At batch 1 a decode step is bound by reading the weights once, yet the module path (model_llama.py)
+spent as long again dispatching its ~120 small kernels per step from Python. `FusedDecode` hands
+the whole stack of layers to `tessera_decode_step_*` (kernels/decode_step.c), which calls the same
+kernels in the same order with no Python between them: the C RMSNorm, rotary, SiLU gate, KV write,
+paged decode attention and BGMV of the cpu backends, and for each projection the packed GEMM
+(gemm.c) or, for weights kept row-major, its own GEMV. Results equal the module path up to the
+order of each projection's sum (the conformance tests run both: tests/decoder/test_decode_step.py).
+
+It runs a step when every row decodes one token on the cpu attention backend and there are at most
+`MAX_ROWS` rows (`ROW_MAJOR_MAX_ROWS` with row-major weights: past it MKL's GEMM beats the GEMV);
+any other step (prefill, mixed, larger) takes the module path, which stays the reference. LoRA rows
+get their BGMV corrections inside the call (every adapter row of a decode step is a BGMV row);
+image rows are replaced in the embeddings before it, as on the module path.
+
+Families: the Llama block as model_llama.py builds it (Llama with any RoPE scaling, Mistral and
+Qwen2 with their windows and biases, Qwen2-VL's M-RoPE, whose cos/sin are computed per row
+before the call) and Qwen3's per-head q/k norm. Others (Gemma, Phi-3, SmolLM3, Granite, OLMo 2,
+MoE, the transformers path) keep the module path; `why_not` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from services.decoder.attention.cpu_backend import CpuAttentionMetadata
+from services.decoder.kv_cache import KVCache
+from services.decoder.linear import PANEL_WIDTH, Linear
+from services.decoder.lora import LoRAContext
+from services.decoder.model_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
+                                          RMSNorm)
+from services.decoder.model_qwen3 import Qwen3Attention
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 32  # kernels/decode_step.c MAX_ROWS: the scratch buffers' rows
+# with row-major weights (the torch linear backend) the C GEMV runs up to this many rows; past it
+# MKL's GEMM is faster than re-reading each weight row from L1 per four rows (SmolLM2-135M's
+# projections, 2-core AVX-512 host: 1-4 rows 19-20 ms at ~21 GB/s, 8 rows 30, 16 rows 44; MKL 16 rows 33)
+ROW_MAJOR_MAX_ROWS = 4
+DECODE_STEPS = ("fused", "modules")
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+LORA_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")  # decode_step.c's layer_t.lora order
+
+
+class Projection(ctypes.Structure):
+    """decode_step.c's projection_t."""
+
+    _fields_ = [("weight", _P), ("bias", _P), ("packed", _I64), ("in_features", _I64), ("out_features", _I64)]
+
+
+class LoRAPart(ctypes.Structure):
+    """decode_step.c's lora_part_t (a = NULL: no resident adapter has targeted the module)."""
+
+    _fields_ = [("a", _P), ("bt", _P), ("start", _I64), ("out_features", _I64), ("rank", _I64)]
+
+
+class Layer(ctypes.Structure):
+    """decode_step.c's layer_t."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("qkv", Projection), ("o", Projection), ("gate_up", Projection), ("down", Projection),
+                ("k_cache", _P), ("v_cache", _P), ("window", _I64), ("soft_cap", _F32),
+                ("lora", LoRAPart * len(LORA_PARTS))]
+
+
+class Step(ctypes.Structure):
+    """decode_step.c's step_t."""
+
+    _fields_ = [("rows", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("num_slots", _I64), ("block_size", _I64), ("max_context", _I64),
+                ("table_width", _I64), ("eps", _F32), ("scale", _F32), ("x", _P), ("cos", _P), ("sin", _P),
+                ("slot_mapping", _P), ("attention_rows", _P), ("block_tables", _P), ("context_lens", _P),
+                ("lora_groups", _I64), ("lora_rows", _P), ("lora_starts", _P), ("lora_slots", _P),
+                ("h", _P), ("qkv", _P), ("qk", _P), ("q", _P), ("k", _P), ("attention", _P), ("out", _P),
+                ("gate_up", _P), ("act", _P), ("widened", _P), ("shrunk", _P), ("num_threads", ctypes.c_int)]
+
+
+def why_not(model: torch.nn.Module, attention_backend: str) -> str | None:
+    """None when `FusedDecode` can run `model`'s decode steps; else why not, in a few words."""
+    if attention_backend != "cpu":
+        return f"it needs the cpu attention backend, not {attention_backend}"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model file"
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or model.model.embed_tokens.weight.device.type != "cpu":
+        return f"it computes float32 or bfloat16 on the CPU, not {dtype}"
+    if model.rotary_dtype is not None or type(model.model.norm) is not RMSNorm:
+        return f"{type(model).__name__}'s blocks differ from Llama's"
+    for layer in model.model.layers:
+        attention = type(layer.self_attn)
+        if (type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP
+                or attention.rotate_qk is not LlamaAttention.rotate_qk
+                or attention.normalize_qk not in (LlamaAttention.normalize_qk, Qwen3Attention.normalize_qk)
+                or any(type(norm) is not RMSNorm for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
+            return f"{type(model).__name__}'s blocks differ from Llama's"
+    return None
+
+
+class FusedDecode:
+    """One model's fused decode step over its KV cache; see the module docstring.
+
+    Build with `FusedDecode(model, cache, lora)` after the linear backend packed the weights (or
+    left them row-major): the layer table holds pointers to the model's weights, norms and cache,
+    which stay where they are for the model's life. Used from the engine thread only.
+
+    Raises (constructor): ValueError when `why_not` names a reason (pass the attention backend's
+    name through it first); RuntimeError as `native.load`.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, lora: LoRAContext | None) -> None:
+        from services.decoder.kernels import native
+
+        reason = why_not(model, "cpu")
+        if reason is not None:
+            raise ValueError(f"the fused decode step cannot run this model: {reason}")
+        library = native.load()
+        if library.tessera_decode_max_rows() != MAX_ROWS:
+            raise RuntimeError(f"kernels/decode_step.c holds {library.tessera_decode_max_rows()} rows, "
+                               f"decode_step.py {MAX_ROWS}")
+        spec = model.spec
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self._kernel = (library.tessera_decode_step_f32 if self.dtype == torch.float32
+                        else library.tessera_decode_step_bf16)
+        self._lora = lora
+        self._layers = (Layer * spec.num_layers)()
+        packed = []
+        for i, module in enumerate(model.model.layers):
+            layer = self._layers[i]
+            attention, mlp = module.self_attn, module.mlp
+            layer.input_norm = module.input_layernorm.weight.data_ptr()
+            layer.post_norm = module.post_attention_layernorm.weight.data_ptr()
+            if isinstance(attention, Qwen3Attention):
+                layer.q_norm, layer.k_norm = attention.q_norm.weight.data_ptr(), attention.k_norm.weight.data_ptr()
+            for name, linear in (("qkv", attention.qkv_proj), ("o", attention.o_proj),
+                                 ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                setattr(layer, name, _projection(linear, self.dtype))
+                packed.append(linear.gemm is not None)
+            k_cache, v_cache = cache.layer(i)
+            layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            layer.window = attention.sliding_window or 0
+            layer.soft_cap = attention.logits_soft_cap or 0.0
+            for part, name in zip(layer.lora, LORA_PARTS):
+                part.start, part.out_features = _columns(module, i, name)
+        # packed weights: the C GEMM at any row count; row-major: the GEMV up to its crossover with MKL
+        self.max_rows = MAX_ROWS if all(packed) else ROW_MAJOR_MAX_ROWS
+        self._resolved: set[int] = set()  # LoRA parts (index into layers x parts) whose factors are set
+        self._cache, self._norm_eps = cache, model.model.layers[0].input_layernorm.eps
+        h, kv, d, hidden, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size
+        self._step = Step(hidden=hidden, num_heads=h, num_kv_heads=kv, head_dim=d, intermediate=inter,
+                          num_slots=cache.num_slots, block_size=cache.block_size, eps=self._norm_eps,
+                          scale=model.model.layers[0].self_attn.scale, num_threads=1)
+        widths = {"h": hidden, "qkv": (h + 2 * kv) * d, "qk": (h + kv) * d, "q": h * d, "k": kv * d,
+                  "attention": h * d, "out": hidden, "gate_up": 2 * inter, "act": inter}
+        self._scratch = {name: torch.empty(MAX_ROWS, width, dtype=self.dtype) for name, width in widths.items()}
+        self._scratch["widened"] = torch.empty(MAX_ROWS, max(hidden, h * d, inter), dtype=torch.float32)
+        rank = lora.slots.max_rank if lora is not None else 1
+        self._scratch["shrunk"] = torch.empty(MAX_ROWS, rank, dtype=torch.float32)
+        for name, tensor in self._scratch.items():
+            setattr(self._step, name, tensor.data_ptr())
+
+    def accepts(self, meta, num_tokens: int) -> bool:
+        """Whether this step is one the fused call runs: all `num_tokens` rows decode (cpu attention
+        metadata with no prefill span), at most `max_rows` of them."""
+        return (isinstance(meta, CpuAttentionMetadata) and not meta.prefills and meta.decode is not None
+                and 0 < num_tokens <= self.max_rows and meta.decode.rows.numel() == num_tokens)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: CpuAttentionMetadata) -> torch.Tensor:
+        """Every layer over x [rows, hidden] (the embeddings, updated in place and returned): the
+        residual stream after the last layer. cos/sin [rows, head_dim] of the model's dtype; `meta`
+        a step `accepts` took. K/V of this step are written to the cache.
+
+        Raises:
+            RuntimeError: the attention kernel could not allocate its score buffers.
+        """
+        decode, step = meta.decode, self._step
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        step.rows, step.x, step.cos, step.sin = x.shape[0], x.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        step.slot_mapping, step.attention_rows = meta.slot_mapping.data_ptr(), decode.rows.data_ptr()
+        step.block_tables, step.context_lens = decode.block_tables.data_ptr(), decode.context_lens.data_ptr()
+        step.table_width, step.max_context = decode.block_tables.shape[1], decode.max_context
+        step.num_threads = torch.get_num_threads()
+        groups = self._lora_groups()
+        step.lora_groups = 0 if groups is None else groups[2].numel()
+        if groups is not None:
+            step.lora_rows, step.lora_starts, step.lora_slots = (t.data_ptr() for t in groups)
+        rc = self._kernel(self._layers, len(self._layers), ctypes.byref(step))
+        if rc != 0:
+            raise RuntimeError("the fused decode step could not allocate the attention's score buffers"
+                               if rc == -1 else f"the fused decode step failed ({rc})")
+        return x
+
+    def _lora_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This step's adapter rows grouped by slot (rows, group starts, group slots), or None; the
+        factors of modules an adapter first targets are looked up now (their buffers never move)."""
+        batch = None if self._lora is None else self._lora.batch
+        if batch is None:
+            return None
+        slots = self._lora.slots
+        for i, layer in enumerate(self._layers):
+            for j, part in enumerate(layer.lora):
+                key = i * len(LORA_PARTS) + j
+                if key in self._resolved:
+                    continue
+                factors = slots.factors(f"model.layers.{i}.{LORA_PARTS[j]}")
+                if factors is not None:
+                    a, b = factors
+                    bt = b.transpose(1, 2)
+                    if not (a.is_contiguous() and bt.is_contiguous()):
+                        raise RuntimeError("adapter slots no longer store A [slots, rank, in] and B^T contiguous")
+                    part.a, part.bt, part.rank = a.data_ptr(), bt.data_ptr(), a.shape[1]
+                    self._resolved.add(key)
+        return batch.decode_groups
+
+
+def _projection(linear: Linear, dtype: torch.dtype) -> Projection:
+    """The C view of one projection: the packed panels when the cpu linear backend packed it, else
+    its row-major weight (contiguous, of the model's dtype)."""
+    bias = None if linear.bias is None else linear.bias.data_ptr()
+    if linear.gemm is not None:
+        if linear.gemm.panels.shape[-1] != PANEL_WIDTH or linear.gemm.dtype != dtype:
+            raise ValueError("packed weights of another layout or dtype")
+        return Projection(linear.gemm.panels.data_ptr(), bias, 1, linear.in_features, linear.out_features)
+    weight = linear.weight
+    if not weight.is_contiguous() or weight.dtype != dtype or weight.shape != (linear.out_features, linear.in_features):
+        raise ValueError(f"row-major weights [out, in] of {dtype} expected, got {tuple(weight.shape)} {weight.dtype}")
+    return Projection(weight.data_ptr(), bias, 0, linear.in_features, linear.out_features)
+
+
+def _columns(layer: LlamaDecoderLayer, index: int, part: str) -> tuple[int, int]:
+    """(first column, width) of checkpoint module `part` of layer `index` in its fused projection's output."""
+    name = f"model.layers.{index}.{part}"
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for module, start, end in linear.lora_slices:
+            if module == name:
+                return start, end - start
+    raise ValueError(f"{name} is not a projection of this layer")
+
+
+def attach_decode_step(choice: str, model: torch.nn.Module, cache: KVCache, attention_backend: str,
+                       lora: LoRAContext | None) -> str:
+    """Resolve `--decode-step` (`choice`: "auto", "fused" or "modules") for `model` and give a
+    LlamaForCausalLM its `fused_decode` (or None); returns "fused" or "modules". Call after the
+    linear backend packed the weights (the layer table points at them). "auto" is logged with its reason.
+
+    Raises:
+        ValueError: "fused" where `why_not` names a reason, or another choice.
+    """
+    if choice not in ("auto", *DECODE_STEPS):
+        raise ValueError(f"decode_step must be one of {('auto', *DECODE_STEPS)}, got {choice!r}")
+    reason = None if choice == "modules" else why_not(model, attention_backend)
+    if choice == "fused" and reason is not None:
+        raise ValueError(f"--decode-step fused cannot run here: {reason}")
+    resolved = "fused" if choice != "modules" and reason is None else "modules"
+    if isinstance(model, LlamaForCausalLM):
+        model.fused_decode = FusedDecode(model, cache, lora) if resolved == "fused" else None
+    if choice == "auto":
+        log.info("decode_step auto: %s%s", resolved, f" ({reason})" if reason else "")
+    return resolved

@@ -1,0 +1,414 @@
+/* The decode step of a Llama-family model in one call: every decoder layer for a few decode rows.
+ *
+ * Built and loaded with the other kernels by services/decoder/kernels/native.py; called by
+ * services/decoder/decode_step.py for a step whose rows all decode (one token each, at most
+ * MAX_ROWS of them) on the cpu attention backend. It runs the layers that the torch path
+ * (model_llama.py) runs module by module, in the same order and with the same roundings, calling
+ * the kernels that path calls on the cpu backends (norm_rope.c, gemm.c, paged_attention.c,
+ * lora_bgmv.c) and `gemv` below for weights kept row-major; what it removes is the Python between
+ * them. At one row a SmolLM2-135M step is ~120 kernels of a few microseconds of arithmetic each:
+ * the module path spent as much time dispatching them (tensors, views, ctypes, the LoRA hooks) as
+ * computing, measured on a 2-core AVX-512 host (fp32: 37.7 ms per step, 26 of them reading weights).
+ *
+ * Per layer, `x` the residual stream [rows, hidden] (updated in place):
+ *     h = rms_norm(x, input_norm)
+ *     qkv = h W_qkv^T (+ b) (+ LoRA q | k | v on their columns)
+ *     q, k = rotary(q_norm(q), k_norm(k))      q/k norms per head where the family has them (Qwen3)
+ *     K/V cache rows at slot_mapping <- k, v   (non-finite V stored as 0, as KVCache.write)
+ *     a = paged attention(q; window, soft cap)
+ *     x = x + (a W_o^T (+ b) (+ LoRA o))
+ *     h = rms_norm(x, post_norm)
+ *     g = h W_gate_up^T (+ b) (+ LoRA gate | up)
+ *     x = x + (silu(gate) * up) W_down^T (+ b) (+ LoRA down)
+ * A bfloat16 model keeps bf16 activations between the kernels, each result rounded once, as the
+ * torch path rounds each module's output; the residual add widens both sides and rounds the sum.
+ *
+ * gemv: y[m][o] = sum_k x[m][k] W[o][k] (+ b[o]) over a row-major W [N, K], threads splitting the
+ * outputs. Each weight row is read from memory once per step, and its dot products with every x row
+ * (<= MAX_ROWS, in L1/L2) are summed from it in registers: decode at small batch is bound by
+ * reading the weights. float32: AVX-512 (16 lanes, one accumulator per row, rows four at a time)
+ * or `omp simd` elsewhere; bfloat16 x and W: VDPBF16PS where the CPU has AVX512-BF16, widened
+ * float32 FMAs elsewhere; sums in float32, rounded once. The order of the sum depends on neither the
+ * row's place in the batch nor the thread count.
+ */
+#include <stdint.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && !defined(TESSERA_PORTABLE)
+#include <immintrin.h>
+#define GEMV_AVX512 1
+#else
+#define GEMV_AVX512 0
+#endif
+
+#define MAX_ROWS 32   /* decode_step.MAX_ROWS: the scratch buffers hold this many rows */
+#define GEMV_ROWS 4   /* x rows summed together: each weight vector loaded once feeds four FMAs */
+#define PF_ROWS 2     /* weight rows prefetched ahead of the one computing (1, 2, 4, 8 rows measured: 2 best) */
+#define PF_LOCALITY 2 /* to L2 and beyond: 0 (non-temporal) halved the bandwidth reached */
+#define NUM_LORA 7    /* q, k, v, o, gate, up, down */
+
+/* kernels of the same library (norm_rope.c, gemm.c, paged_attention.c, lora_bgmv.c) */
+void tessera_rms_norm_f32(const float *, const float *, float *, int64_t, int64_t, float, int);
+void tessera_rms_norm_bf16(const bf16_t *, const bf16_t *, bf16_t *, int64_t, int64_t, float, int);
+void tessera_rotary_f32(const float *, int64_t, float *, const float *, const float *, int64_t, int64_t, int64_t, int);
+void tessera_rotary_bf16(const bf16_t *, int64_t, bf16_t *, const bf16_t *, const bf16_t *, int64_t, int64_t,
+                         int64_t, int);
+void tessera_silu_mul_f32(const float *, int64_t, float *, int64_t, int64_t, int);
+void tessera_silu_mul_bf16(const bf16_t *, int64_t, bf16_t *, int64_t, int64_t, int);
+void tessera_gemm_f32(const float *, int64_t, int64_t, const float *, const float *, float *, int64_t, int);
+void tessera_gemm_bf16(const float *, int64_t, int64_t, const bf16_t *, const bf16_t *, bf16_t *, int64_t, int);
+int tessera_paged_decode_attention_f32(const float *, const float *, const float *, const int64_t *, const int32_t *,
+                                       int64_t, const int32_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                       int64_t, int64_t, float, int64_t, float, int);
+int tessera_paged_decode_attention_bf16(const bf16_t *, const bf16_t *, const bf16_t *, const int64_t *,
+                                        const int32_t *, int64_t, const int32_t *, bf16_t *, int64_t, int64_t,
+                                        int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float, int);
+void tessera_write_kv_f32(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
+                          int64_t, float *, float *);
+void tessera_write_kv_bf16(const bf16_t *, int64_t, const bf16_t *, int64_t, const int64_t *, int64_t, int64_t,
+                           int64_t, int64_t, bf16_t *, bf16_t *);
+void tessera_lora_bgmv_f32(const float *, int64_t, float *, int64_t, const float *, const float *, const int64_t *,
+                           const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t, float *, int);
+void tessera_lora_bgmv_bf16(const bf16_t *, int64_t, bf16_t *, int64_t, const bf16_t *, const bf16_t *,
+                            const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
+                            float *, int);
+
+/* One projection: W [out, in] row-major (packed = 0) or gemm.c's panels (packed = 1); bias [out] or NULL.
+   Layout mirrored by decode_step.py's Projection. */
+typedef struct {
+    const void *weight;
+    const void *bias;
+    int64_t packed, in_features, out_features;
+} projection_t;
+
+/* One LoRA target of a projection: its columns [start, start + out) of the projection's output;
+   a [slots, rank, in], bt [slots, rank, out] (B^T) contiguous, or a = NULL (no adapter targets it). */
+typedef struct {
+    const void *a;
+    const void *bt;
+    int64_t start, out_features, rank;
+} lora_part_t;
+
+/* One decoder layer's weights and cache (decode_step.py's Layer). */
+typedef struct {
+    const void *input_norm, *post_norm;    /* [hidden] */
+    const void *q_norm, *k_norm;           /* [head_dim] or NULL */
+    projection_t qkv, o, gate_up, down;
+    void *k_cache, *v_cache;               /* [kv_heads, num_slots, head_dim] */
+    int64_t window;                        /* sliding window in keys, 0: none */
+    float soft_cap;                        /* attention logit soft cap, 0: none */
+    lora_part_t lora[NUM_LORA];            /* q, k, v, o, gate, up, down */
+} layer_t;
+
+/* The step (decode_step.py's Step): shapes, this step's rows and metadata, and scratch buffers. */
+typedef struct {
+    int64_t rows, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t num_slots, block_size, max_context, table_width;
+    float eps, scale;
+    void *x;                               /* [rows, hidden] residual stream, in and out */
+    const void *cos, *sin;                 /* [rows, head_dim] */
+    const int64_t *slot_mapping;           /* [rows] */
+    const int64_t *attention_rows;         /* [rows]: 0..rows-1 */
+    const int32_t *block_tables;           /* [rows, table_width] */
+    const int32_t *context_lens;           /* [rows] */
+    int64_t lora_groups;                   /* 0: no adapter row */
+    const int64_t *lora_rows, *lora_starts, *lora_slots;
+    /* scratch, each MAX_ROWS rows of the model's dtype unless said: */
+    void *h;                               /* [hidden] */
+    void *qkv;                             /* [(heads + 2 kv_heads) head_dim] */
+    void *qk;                              /* [(heads + kv_heads) head_dim]: q/k normed per head */
+    void *q, *k;                           /* [heads head_dim], [kv_heads head_dim] rotated */
+    void *attention;                       /* [heads head_dim] */
+    void *out;                             /* [hidden] */
+    void *gate_up;                         /* [2 intermediate] */
+    void *act;                             /* [intermediate] */
+    float *widened;                        /* float32 [max(hidden, heads head_dim, intermediate)] */
+    float *shrunk;                         /* float32 [max rank] */
+    int num_threads;
+} step_t;
+
+#define ELEMENT(bf16) ((bf16) ? sizeof(bf16_t) : sizeof(float))
+#define AT(p, e, bf16) ((void *)((char *)(p) + (size_t)(e) * ELEMENT(bf16)))
+
+/* one output o of rows [m0, m0 + nr), nr <= GEMV_ROWS: W row o against each x row */
+static inline __attribute__((always_inline)) void gemv_output(
+    const void *x, int64_t m0, int64_t nr, int64_t k_features, const void *w_row, float *sums, const int bf16)
+{
+    const void *xr[GEMV_ROWS];
+    for (int64_t r = 0; r < GEMV_ROWS; r++)  /* missing rows repeat the first: computed, never stored */
+        xr[r] = AT(x, (m0 + (r < nr ? r : 0)) * k_features, bf16);
+#if GEMV_AVX512
+    if (!bf16) {
+        __m512 acc[GEMV_ROWS];
+        for (int64_t r = 0; r < GEMV_ROWS; r++)
+            acc[r] = _mm512_setzero_ps();
+        const float *w = (const float *)w_row;
+        int64_t k = 0;
+        for (; k + 16 <= k_features; k += 16) {
+            const __m512 wv = _mm512_loadu_ps(w + k);
+            for (int64_t r = 0; r < GEMV_ROWS; r++)
+                acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps((const float *)xr[r] + k), acc[r]);
+        }
+        if (k < k_features) {  /* masked-off lanes load zeros and add nothing */
+            const __mmask16 mask = (__mmask16)((1u << (k_features - k)) - 1u);
+            const __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);
+            for (int64_t r = 0; r < GEMV_ROWS; r++)
+                acc[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, (const float *)xr[r] + k), acc[r]);
+        }
+        for (int64_t r = 0; r < GEMV_ROWS; r++)
+            sums[r] = _mm512_reduce_add_ps(acc[r]);
+        return;
+    }
+#endif
+#if TESSERA_DPBF16
+    if (bf16) {
+        __m512 acc[GEMV_ROWS];
+        for (int64_t r = 0; r < GEMV_ROWS; r++)
+            acc[r] = _mm512_setzero_ps();
+        const bf16_t *w = (const bf16_t *)w_row;
+        int64_t k = 0;
+        for (; k + 32 <= k_features; k += 32) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+            for (int64_t r = 0; r < GEMV_ROWS; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512((const bf16_t *)xr[r] + k));
+        }
+        if (k < k_features) {
+            const __mmask32 mask = (__mmask32)((1u << (k_features - k)) - 1u);
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+            for (int64_t r = 0; r < GEMV_ROWS; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], wv,
+                                          (__m512bh)_mm512_maskz_loadu_epi16(mask, (const bf16_t *)xr[r] + k));
+        }
+        for (int64_t r = 0; r < GEMV_ROWS; r++)
+            sums[r] = _mm512_reduce_add_ps(acc[r]);
+        return;
+    }
+#endif
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    if (bf16) {
+        const bf16_t *w = w_row, *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
+        #pragma omp simd reduction(+:s0, s1, s2, s3)
+        for (int64_t k = 0; k < k_features; k++) {
+            const float wv = bf16_to_f32(w[k]);
+            s0 += wv * bf16_to_f32(x0[k]);
+            s1 += wv * bf16_to_f32(x1[k]);
+            s2 += wv * bf16_to_f32(x2[k]);
+            s3 += wv * bf16_to_f32(x3[k]);
+        }
+    } else {
+        const float *w = w_row, *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
+        #pragma omp simd reduction(+:s0, s1, s2, s3)
+        for (int64_t k = 0; k < k_features; k++) {
+            s0 += w[k] * x0[k];
+            s1 += w[k] * x1[k];
+            s2 += w[k] * x2[k];
+            s3 += w[k] * x3[k];
+        }
+    }
+    sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
+}
+
+static inline __attribute__((always_inline)) void gemv(
+    const void *x, int64_t m_rows, int64_t k_features, const void *weight, const void *bias, void *y,
+    int64_t n_features, int num_threads, const int bf16)
+{
+    const int64_t row_bytes = k_features * (int64_t)ELEMENT(bf16);
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t o = 0; o < n_features; o++) {
+        const void *w_row = AT(weight, o * k_features, bf16);
+        if (o + PF_ROWS < n_features) {  /* ask for a later row while this one computes */
+            const char *ahead = (const char *)w_row + PF_ROWS * row_bytes;
+            for (int64_t c = 0; c < row_bytes; c += 64)
+                __builtin_prefetch(ahead + c, 0, PF_LOCALITY);
+        }
+        const float b = bias == NULL ? 0.f : bf16 ? bf16_to_f32(((const bf16_t *)bias)[o]) : ((const float *)bias)[o];
+        for (int64_t m0 = 0; m0 < m_rows; m0 += GEMV_ROWS) {
+            const int64_t nr = m_rows - m0 < GEMV_ROWS ? m_rows - m0 : GEMV_ROWS;
+            float sums[GEMV_ROWS];
+            gemv_output(x, m0, nr, k_features, w_row, sums, bf16);
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t at = (m0 + r) * n_features + o;
+                if (bf16)
+                    ((bf16_t *)y)[at] = f32_to_bf16(sums[r] + b);
+                else
+                    ((float *)y)[at] = sums[r] + b;
+            }
+        }
+    }
+}
+
+/* y [rows, out] = x [rows, in] W^T (+ b): the packed GEMM (x widened to float32 for a bf16 model) or gemv */
+static inline __attribute__((always_inline)) void project(
+    const step_t *s, const projection_t *p, const void *x, void *y, const int bf16)
+{
+    if (!p->packed) {
+        gemv(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads, bf16);
+    } else if (!bf16) {
+        tessera_gemm_f32(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads);
+    } else {
+        const int64_t n = s->rows * p->in_features;
+        for (int64_t i = 0; i < n; i++)
+            s->widened[i] = bf16_to_f32(((const bf16_t *)x)[i]);
+        tessera_gemm_bf16(s->widened, s->rows, p->in_features, p->weight, p->bias, y, p->out_features,
+                          s->num_threads);
+    }
+}
+
+/* y[:, part columns] += LoRA(x) for each adapter group (x [rows, in], y [rows, y_stride]) */
+static inline __attribute__((always_inline)) void add_lora(
+    const step_t *s, const lora_part_t *part, const void *x, int64_t in_features, void *y, int64_t y_stride,
+    const int bf16)
+{
+    if (s->lora_groups == 0 || part->a == NULL)
+        return;
+    if (bf16)
+        tessera_lora_bgmv_bf16(x, in_features, AT(y, part->start, 1), y_stride, part->a, part->bt, s->lora_rows,
+                               s->lora_starts, s->lora_slots, s->lora_groups, in_features, part->out_features,
+                               part->rank, s->shrunk, s->num_threads);
+    else
+        tessera_lora_bgmv_f32(x, in_features, AT(y, part->start, 0), y_stride, part->a, part->bt, s->lora_rows,
+                              s->lora_starts, s->lora_slots, s->lora_groups, in_features, part->out_features,
+                              part->rank, s->shrunk, s->num_threads);
+}
+
+/* x += y over n values, each sum rounded to the dtype once */
+static inline __attribute__((always_inline)) void residual_add(void *x, const void *y, int64_t n, const int bf16)
+{
+    if (bf16) {
+        bf16_t *xb = x;
+        const bf16_t *yb = y;
+        for (int64_t i = 0; i < n; i++)
+            xb[i] = f32_to_bf16(bf16_to_f32(xb[i]) + bf16_to_f32(yb[i]));
+    } else {
+        float *xf = x;
+        const float *yf = y;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            xf[i] += yf[i];
+    }
+}
+
+static inline __attribute__((always_inline)) void rms_norm(const step_t *s, const void *x, const void *w, void *y,
+                                                           int64_t rows, int64_t size, const int bf16)
+{
+    if (bf16)
+        tessera_rms_norm_bf16(x, w, y, rows, size, s->eps, s->num_threads);
+    else
+        tessera_rms_norm_f32(x, w, y, rows, size, s->eps, s->num_threads);
+}
+
+static inline __attribute__((always_inline)) void rotary(const step_t *s, const void *x, int64_t row_stride, void *y,
+                                                         int64_t heads, const int bf16)
+{
+    if (bf16)
+        tessera_rotary_bf16(x, row_stride, y, s->cos, s->sin, s->rows, heads, s->head_dim, s->num_threads);
+    else
+        tessera_rotary_f32(x, row_stride, y, s->cos, s->sin, s->rows, heads, s->head_dim, s->num_threads);
+}
+
+static inline __attribute__((always_inline)) int decode_layer(const step_t *s, const layer_t *l, const int bf16)
+{
+    const int64_t rows = s->rows, hidden = s->hidden, d = s->head_dim, inter = s->intermediate;
+    const int64_t q_width = s->num_heads * d, kv_width = s->num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
+
+    rms_norm(s, s->x, l->input_norm, s->h, rows, hidden, bf16);
+    project(s, &l->qkv, s->h, s->qkv, bf16);
+    for (int i = 0; i < 3; i++)
+        add_lora(s, &l->lora[i], s->h, hidden, s->qkv, qkv_width, bf16);
+    const void *q = s->qkv, *k = AT(s->qkv, q_width, bf16);
+    int64_t q_stride = qkv_width, k_stride = qkv_width;
+    if (l->q_norm != NULL) {  /* per head, over head_dim: each token's heads are contiguous rows */
+        for (int64_t m = 0; m < rows; m++) {
+            rms_norm(s, AT(s->qkv, m * qkv_width, bf16), l->q_norm, AT(s->qk, m * (q_width + kv_width), bf16),
+                     s->num_heads, d, bf16);
+            rms_norm(s, AT(s->qkv, m * qkv_width + q_width, bf16), l->k_norm,
+                     AT(s->qk, m * (q_width + kv_width) + q_width, bf16), s->num_kv_heads, d, bf16);
+        }
+        q = s->qk, k = AT(s->qk, q_width, bf16);
+        q_stride = k_stride = q_width + kv_width;
+    }
+    rotary(s, q, q_stride, s->q, s->num_heads, bf16);
+    rotary(s, k, k_stride, s->k, s->num_kv_heads, bf16);
+    const void *v = AT(s->qkv, q_width + kv_width, bf16);
+    int rc;
+    if (bf16) {
+        tessera_write_kv_bf16(s->k, kv_width, v, qkv_width, s->slot_mapping, rows, s->num_kv_heads, d, s->num_slots,
+                              l->k_cache, l->v_cache);
+        rc = tessera_paged_decode_attention_bf16(
+            s->q, l->k_cache, l->v_cache, s->attention_rows, s->block_tables, s->table_width, s->context_lens,
+            s->attention, rows, s->num_heads, s->num_kv_heads, d, s->num_slots, s->block_size, s->max_context,
+            s->scale, l->window, l->soft_cap, s->num_threads);
+    } else {
+        tessera_write_kv_f32(s->k, kv_width, v, qkv_width, s->slot_mapping, rows, s->num_kv_heads, d, s->num_slots,
+                             l->k_cache, l->v_cache);
+        rc = tessera_paged_decode_attention_f32(
+            s->q, l->k_cache, l->v_cache, s->attention_rows, s->block_tables, s->table_width, s->context_lens,
+            s->attention, rows, s->num_heads, s->num_kv_heads, d, s->num_slots, s->block_size, s->max_context,
+            s->scale, l->window, l->soft_cap, s->num_threads);
+    }
+    if (rc != 0)
+        return rc;
+    project(s, &l->o, s->attention, s->out, bf16);
+    add_lora(s, &l->lora[3], s->attention, q_width, s->out, hidden, bf16);
+    residual_add(s->x, s->out, rows * hidden, bf16);
+
+    rms_norm(s, s->x, l->post_norm, s->h, rows, hidden, bf16);
+    project(s, &l->gate_up, s->h, s->gate_up, bf16);
+    for (int i = 4; i < 6; i++)
+        add_lora(s, &l->lora[i], s->h, hidden, s->gate_up, 2 * inter, bf16);
+    if (bf16)
+        tessera_silu_mul_bf16(s->gate_up, 2 * inter, s->act, rows, inter, s->num_threads);
+    else
+        tessera_silu_mul_f32(s->gate_up, 2 * inter, s->act, rows, inter, s->num_threads);
+    project(s, &l->down, s->act, s->out, bf16);
+    add_lora(s, &l->lora[6], s->act, inter, s->out, hidden, bf16);
+    residual_add(s->x, s->out, rows * hidden, bf16);
+    return 0;
+}
+
+/* Every layer of `layers` in order over step->x. Returns 0, -1 when the attention kernel could not
+   allocate its score buffers, -2 for more than MAX_ROWS rows (the caller checks both first). */
+int tessera_decode_step_f32(const layer_t *layers, int64_t num_layers, const step_t *step)
+{
+    if (step->rows > MAX_ROWS)
+        return -2;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const int rc = decode_layer(step, &layers[i], 0);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
+/* the same for a bfloat16 model (activations, weights, caches and factors bf16) */
+int tessera_decode_step_bf16(const layer_t *layers, int64_t num_layers, const step_t *step)
+{
+    if (step->rows > MAX_ROWS)
+        return -2;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const int rc = decode_layer(step, &layers[i], 1);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
+/* y [rows, out] = x [rows, in] W^T (+ b) over a row-major W [out, in]: the gemv above, for tests and
+   benchmarks (rows <= MAX_ROWS not required here) */
+void tessera_gemv_f32(const float *x, int64_t m_rows, int64_t k_features, const float *weight, const float *bias,
+                      float *y, int64_t n_features, int num_threads)
+{
+    gemv(x, m_rows, k_features, weight, bias, y, n_features, num_threads, 0);
+}
+
+void tessera_gemv_bf16(const bf16_t *x, int64_t m_rows, int64_t k_features, const bf16_t *weight,
+                       const bf16_t *bias, bf16_t *y, int64_t n_features, int num_threads)
+{
+    gemv(x, m_rows, k_features, weight, bias, y, n_features, num_threads, 1);
+}
+
+int64_t tessera_decode_max_rows(void) { return MAX_ROWS; }
+
+/* "avx512" where gemv's float32 loop is AVX-512 code, else "portable" (omp simd) */
+const char *tessera_gemv_variant(void) { return GEMV_AVX512 ? "avx512" : "portable"; }

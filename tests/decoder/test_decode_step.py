@@ -1,0 +1,160 @@
+"""The fused decode step (services/decoder/decode_step.py, kernels/decode_step.c) against transformers,
+PEFT and a float64 GEMV, with proof that the fused call ran (not the module path beside it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decoder_testing import make_tiny_llama
+from family_conformance import LORA_TARGETS, PROMPTS, check_lora, check_regime, references
+
+from services.decoder.config import DecoderConfig
+from services.decoder.decode_step import ROW_MAJOR_MAX_ROWS, FusedDecode
+from services.decoder.engine import start_engine
+from services.decoder.kernels import native
+
+FAMILIES = {  # family -> make_tiny_llama overrides: q/k/v bias (qwen2), q/k norm (qwen3), a window (mistral)
+    "llama": {},
+    "llama-head128": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128),
+    "qwen2": {},
+    "qwen3": {},
+    "mistral": dict(sliding_window=24),
+}
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[tuple[int, bool]]:
+    """(rows, whether adapter rows were in the step) of every fused decode call while the test runs."""
+    calls, call = [], FusedDecode.__call__
+
+    def counting(self, x, cos, sin, meta):
+        calls.append((x.shape[0], self._lora is not None and self._lora.batch is not None))
+        return call(self, x, cos, sin, meta)
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    out = {}
+    for name, overrides in FAMILIES.items():
+        path = make_tiny_llama(tmp_path_factory.mktemp(name), seed=3, family=name.split("-")[0], **overrides)
+        out[name] = (path, references(path, PROMPTS))
+    return out
+
+
+@pytest.mark.parametrize("linear", ["torch", "cpu"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_step_equals_transformers(models, family, linear, fused_calls):
+    """Greedy ids for 64 tokens = transformers and fp32 logits within 1e-4, alone and 5 concurrent,
+    the decode steps through the fused call (packed weights: every row count; row-major: up to 4)."""
+    path, refs = models[family]
+    for regime in ("alone", "concurrent"):
+        check_regime(path, refs, regime, PROMPTS, linear_backend=linear, decode_step="fused")
+    rows = [r for r, _ in fused_calls]
+    assert rows.count(1) >= 60, "the lone request's decode steps were meant to be fused"
+    if linear == "cpu":
+        assert max(rows) == len(PROMPTS), "the concurrent decode steps were meant to be fused"
+    else:
+        assert max(rows) <= ROW_MAJOR_MAX_ROWS
+
+
+@pytest.mark.parametrize("targets", list(LORA_TARGETS))
+def test_fused_step_lora_equals_peft(tmp_path, targets, fused_calls):
+    """Two PEFT adapters and base rows in one batch = PEFT, their BGMV inside the fused call."""
+    path = make_tiny_llama(tmp_path / "m", seed=5, family="qwen2")
+    check_lora(path, LORA_TARGETS[targets], linear_backend="cpu", decode_step="fused")
+    assert any(with_adapters for _, with_adapters in fused_calls), "adapter rows were meant to decode fused"
+
+
+def test_fused_step_bf16_equals_module_path(models, fused_calls):
+    """bfloat16: the fused call and the module path give the same greedy ids (the same kernels and
+    roundings; only each projection's order of summation differs)."""
+    path, _ = models["qwen3"]
+    outputs = {}
+    for step in ("fused", "modules"):
+        engine = start_engine(DecoderConfig(model_dir=str(path), dtype="bfloat16", max_model_len=256, num_blocks=64,
+                                            linear_backend="cpu", decode_step=step))
+        try:
+            outputs[step] = _generate(engine, PROMPTS[:3], 32)
+        finally:
+            engine.shutdown()
+    assert fused_calls, "the bf16 decode steps were meant to be fused"
+    assert outputs["fused"] == outputs["modules"]
+
+
+def _generate(engine, prompts, max_tokens):
+    import asyncio
+
+    from services.decoder.types import GenerateInput, SamplingParams
+
+    async def one(prompt):
+        ids = []
+        request = GenerateInput(SamplingParams(max_tokens=max_tokens), prompt_token_ids=tuple(prompt))
+        async for out in engine.generate(request):
+            ids += out.token_ids
+        return ids
+
+    async def run():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def test_decode_step_choice(models, tmp_path):
+    """auto resolves to fused where it runs and says so in DecoderInfo; fused is refused, naming the
+    reason, on the torch attention backend and for a family whose blocks differ (Gemma)."""
+    path, _ = models["llama"]
+    engine = start_engine(DecoderConfig(model_dir=str(path), max_model_len=128, num_blocks=16,
+                                        attention_backend="cpu"))
+    try:
+        assert engine.info().decode_step == "fused"
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="--decode-step fused cannot run here: it needs the cpu attention backend"):
+        start_engine(DecoderConfig(model_dir=str(path), max_model_len=128, num_blocks=16, attention_backend="torch",
+                                   decode_step="fused"))
+    gemma = make_tiny_llama(tmp_path / "gemma", family="gemma2", head_dim=16)
+    with pytest.raises(ValueError, match="blocks differ from Llama's"):
+        start_engine(DecoderConfig(model_dir=str(gemma), max_model_len=128, num_blocks=16, decode_step="fused"))
+    engine = start_engine(DecoderConfig(model_dir=str(gemma), max_model_len=128, num_blocks=16))
+    try:
+        assert engine.info().decode_step == "modules"
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="decode_step must be one of"):
+        DecoderConfig(model_dir=str(path), decode_step="fast")
+
+
+def _gemv(library, x, w, b):
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    kernel = library.tessera_gemv_f32 if x.dtype == torch.float32 else library.tessera_gemv_bf16
+    kernel(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+           w.shape[0], 2)
+    return y
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def library(request):
+    """The kernel library as this machine builds it (AVX-512 / AVX512-BF16 where it has them) and portable."""
+    return native.load() if request.param == "native" else native.build(portable=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_equals_float64(library, dtype):
+    """Odd shapes (K not a multiple of the vector width, M = 1..40, N not a multiple of the threads'
+    split), with and without bias: within float32 summation error of float64 (bf16: of the rounded
+    result); a row's result does not depend on the batch around it."""
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in ((1, 1, 1), (1, 15, 7), (2, 17, 33), (3, 33, 5), (4, 100, 19), (5, 576, 31), (13, 47, 9),
+                    (32, 1536, 17), (40, 64, 3)):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            y = _gemv(library, x, w, bias)
+            scale = x.double().abs() @ w.double().abs().T + 1
+            tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+            assert ((y.double() - exact).abs() / scale).max() < tolerance, (m, k, n, dtype)
+            assert torch.equal(_gemv(library, x[-1:].contiguous(), w, bias)[0], y[-1]), "a row depends on its batch"
