@@ -31,8 +31,7 @@ from services.decoder.attention.cpu_backend import CpuAttentionMetadata
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import PANEL_WIDTH, Linear
 from services.decoder.lora import LoRAContext
-from services.decoder.model_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
-                                          RMSNorm)
+from services.decoder.model_llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from services.decoder.model_qwen3 import Qwen3Attention
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ import torch
 from services.common.errors import FailedPrecondition, InvalidArgument, TesseraError
 from services.decoder.attention import AttentionMetadata, make_attention_backend
 from services.decoder.block_manager import BlockManager
-from services.decoder.grammar import fill_bitmask
 from services.decoder.decode_step import attach_decode_step
+from services.decoder.grammar import fill_bitmask
 from services.decoder.kernels.pointwise import CpuPointwise, attach_pointwise
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import attach_gemm, make_linear_backend

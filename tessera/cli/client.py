@@ -35,9 +35,10 @@ from tessera.protocol import (
     ADMIN_TOKEN_ENV,
     API_KEY_INVALID,
     API_TOKEN_ENV,
+    DECODE_STEP_TEXT,
     INTERNAL_TOKEN_MISSING,
     INTERNAL_TOKEN_WRONG,
-    DECODE_STEP_TEXT, MODEL_IMPL_TEXT,
+    MODEL_IMPL_TEXT,
 )
 
 # gRPC's own details when no connection could be made: read only for an error no tessera service
