@@ -1,4 +1,4 @@
-"""`tessera bench peer`: tessera's decoder against llama.cpp's `llama-server` on P1, same weights.
+"""`tessera bench peer`: tessera's decoder against llama.cpp's `llama-server` on P1 and at batch 1, same weights.
 
 Needs env LLAMA_SERVER, the path of a `llama-server` binary (the README's "Comparing with
 llama.cpp" builds one offline); without it this prints how to build one and exits 0. In one run:
@@ -8,7 +8,13 @@ llama.cpp" builds one offline); without it this prints how to build one and exit
   3. both answer a few short greedy prompts; their token ids must be identical (reported);
   4. P1 (bench/decode.py's workload: 32 concurrent requests, prompts 16-512 tokens, outputs
      16-256, EOS ignored, greedy) runs against each, interleaved, for `--rounds` rounds, each
-     round on new token ids so neither prefix cache hits; tokens/s is generated tokens over wall.
+     round on new token ids so neither prefix cache hits; tokens/s is generated tokens over wall;
+  5. batch 1 (`--modes batch1`): one request at a time, prompt 128 tokens, 128 generated, greedy,
+     EOS ignored, `--batch1-requests` per server per round, interleaved as P1. Per request, streamed:
+     the time to the first token (TTFT: the 128-token prompt), tok/s of the whole request (128 over
+     its wall time) and decode-only tok/s (the 127 tokens after the first over their time). Beside
+     them, the batch-1 roofline: the bytes of weights each token reads (every projection and the
+     lm_head at the precision) over the read bandwidth measured in the same run (bench/_flops.py).
 Prefix caching is off on both sides (tessera `--no-prefix-caching`, llama.cpp
 `cache_prompt: false`). Writes bench/results/peer.md. Never a test assertion.
 """
@@ -31,9 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _decoder_proc import RESULTS, machine, start_decoder, stop
+from _flops import ModelShape, read_bandwidth
 from decode import _grpc_run, fresh_tokens, workload
 
 DTYPE_BY_OUTTYPE = {"f32": "float32", "bf16": "bfloat16"}
+BYTES_BY_OUTTYPE = {"f32": 4, "bf16": 2}
+MODES = ("p1", "batch1")
+BATCH1_PROMPT, BATCH1_TOKENS = 128, 128
 CHECK_PROMPTS = [[504, 3575, 282, 4649, 314], [1350, 253, 1345, 30, 378, 1019, 7042], list(range(1000, 1040))]
 CHECK_TOKENS = 16
 BUILD_HELP = """LLAMA_SERVER is not set: nothing to compare against. Build llama.cpp's server offline from the
@@ -95,6 +105,65 @@ def llama_run(url: str, work) -> float:
     return sum(counts) / wall
 
 
+def llama_stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """One streamed greedy /completion (EOS ignored, no prompt cache): (seconds to the first token,
+    seconds in all, tokens)."""
+    body = {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+            "cache_prompt": False, "stream": True}
+    request = urllib.request.Request(f"{url}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    start, first, tokens = time.perf_counter(), None, 0
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("content") or event.get("tokens"):
+                tokens += max(1, len(event.get("tokens") or ()))
+                first = first or time.perf_counter()
+            if event.get("stop"):
+                break
+    return first - start, time.perf_counter() - start, tokens
+
+
+def tessera_stream(address: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """One streamed greedy Generate over gRPC (EOS ignored): as `llama_stream`."""
+    import asyncio
+
+    import grpc
+
+    from tessera.v1 import decoder_pb2, decoder_pb2_grpc
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderStub(channel)
+            request = decoder_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=decoder_pb2.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True))
+            start, first, tokens = time.perf_counter(), None, 0
+            async for response in stub.Generate(request, timeout=600):
+                if response.token_ids:
+                    tokens += len(response.token_ids)
+                    first = first or time.perf_counter()
+            return first - start, time.perf_counter() - start, tokens
+
+    return asyncio.run(run())
+
+
+def batch1_round(stream, seed: int, requests: int) -> list[dict]:
+    """`requests` requests one after another through `stream` (after an untimed one): per request
+    TTFT (ms), whole-request tok/s and decode-only tok/s."""
+    import random
+
+    rng = random.Random(seed)
+    stream([rng.randrange(100, 40000) for _ in range(16)], 4)
+    out = []
+    for _ in range(requests):
+        ttft, total, tokens = stream([rng.randrange(100, 40000) for _ in range(BATCH1_PROMPT)], BATCH1_TOKENS)
+        out.append({"ttft_ms": 1000 * ttft, "request": tokens / total,
+                    "decode": (tokens - 1) / (total - ttft) if tokens > 1 else 0.0})
+    return out
+
+
 def tessera_greedy(address: str, prompt: list[int], max_tokens: int) -> list[int]:
     import asyncio
 
@@ -124,8 +193,18 @@ def compare_precision(args, outtype: str, gguf_path: Path, work) -> dict:
         try:
             agree = [tessera_greedy(address, p, CHECK_TOKENS) == llama_complete(url, p, CHECK_TOKENS)
                      for p in CHECK_PROMPTS]
-            tessera_rates, llama_rates = [], []
-            for round_index in range(args.rounds):
+            tessera_rates, llama_rates, batch1 = [], [], {"tessera": [], "llama": []}
+            streams = {"tessera": lambda p, n: tessera_stream(address, p, n), "llama": lambda p, n: llama_stream(url, p, n)}
+            for round_index in range(args.rounds if "batch1" in args.modes else 0):
+                for name in ("tessera", "llama") if round_index % 2 == 0 else ("llama", "tessera"):
+                    # the same prompts for both servers in a round, new ones each round (no cache hit)
+                    rows = batch1_round(streams[name], 200 + round_index, args.batch1_requests)
+                    batch1[name] += rows
+                    print(f"[peer] {outtype} batch-1 round {round_index + 1}: {name} "
+                          f"{statistics.median(r['request'] for r in rows):.1f} tok/s per request, decode "
+                          f"{statistics.median(r['decode'] for r in rows):.1f} tok/s, TTFT "
+                          f"{statistics.median(r['ttft_ms'] for r in rows):.0f} ms", flush=True)
+            for round_index in range(args.rounds if "p1" in args.modes else 0):
                 round_work = fresh_tokens(work, seed=100 + round_index)
                 runs = [("tessera", lambda w=round_work: asyncio.run(_grpc_run(address, w))),
                         ("llama", lambda w=round_work: llama_run(url, w))]
@@ -137,20 +216,42 @@ def compare_precision(args, outtype: str, gguf_path: Path, work) -> dict:
             stop(decoder)
     finally:
         stop(llama)
-    return {"outtype": outtype, "agree": agree, "tessera": tessera_rates, "llama": llama_rates}
+    return {"outtype": outtype, "agree": agree, "tessera": tessera_rates, "llama": llama_rates, "batch1": batch1}
 
 
 def report(results: list[dict], args) -> str:
-    lines = ["| precision | server | P1 tok/s per round | median | tessera / llama.cpp | greedy ids identical |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        t, ll = statistics.median(r["tessera"]), statistics.median(r["llama"])
-        same = f"{sum(r['agree'])}/{len(r['agree'])} prompts"
-        lines.append(f"| {r['outtype'].upper()} | tessera (`--dtype {DTYPE_BY_OUTTYPE[r['outtype']]}`) | "
-                     f"{', '.join(f'{x:.1f}' for x in r['tessera'])} | {t:.1f} | {t / ll:.2f}x | {same} |")
-        lines.append(f"| {r['outtype'].upper()} | llama-server ({args.slots} slots) | "
-                     f"{', '.join(f'{x:.1f}' for x in r['llama'])} | {ll:.1f} | | {same} |")
-    return "\n".join(lines)
+    sections = []
+    if "p1" in args.modes:
+        lines = ["| precision | server | P1 tok/s per round | median | tessera / llama.cpp | greedy ids identical |",
+                 "|---|---|---|---|---|---|"]
+        for r in results:
+            t, ll = statistics.median(r["tessera"]), statistics.median(r["llama"])
+            same = f"{sum(r['agree'])}/{len(r['agree'])} prompts"
+            lines.append(f"| {r['outtype'].upper()} | tessera (`--dtype {DTYPE_BY_OUTTYPE[r['outtype']]}`) | "
+                         f"{', '.join(f'{x:.1f}' for x in r['tessera'])} | {t:.1f} | {t / ll:.2f}x | {same} |")
+            lines.append(f"| {r['outtype'].upper()} | llama-server ({args.slots} slots) | "
+                         f"{', '.join(f'{x:.1f}' for x in r['llama'])} | {ll:.1f} | | {same} |")
+        sections.append("\n".join(lines))
+    if "batch1" in args.modes:
+        lines = [f"Batch 1: one request at a time, prompt {BATCH1_PROMPT} tokens, {BATCH1_TOKENS} generated, greedy, "
+                 f"EOS ignored; {args.batch1_requests} requests per server per round, {args.rounds} rounds "
+                 f"interleaved; medians over all requests. Roofline: weight bytes per token "
+                 f"({args.weight_mb:.0f} MB at F32) over the read bandwidth measured in this run, "
+                 f"{args.bandwidth:.1f} GB/s.", "",
+                 "| precision | server | tok/s per request | decode tok/s | TTFT ms | tessera / llama.cpp (request, decode) "
+                 "| decode / roofline |", "|---|---|---|---|---|---|---|"]
+        for r in results:
+            med = {name: {key: statistics.median(row[key] for row in rows) for key in ("request", "decode", "ttft_ms")}
+                   for name, rows in r["batch1"].items()}
+            roofline = args.bandwidth * 1e9 / (args.weight_mb * 1e6 * BYTES_BY_OUTTYPE[r["outtype"]] / 4)
+            t, ll = med["tessera"], med["llama"]
+            lines.append(f"| {r['outtype'].upper()} | tessera | {t['request']:.1f} | {t['decode']:.1f} | "
+                         f"{t['ttft_ms']:.0f} | {t['request'] / ll['request']:.2f}x, {t['decode'] / ll['decode']:.2f}x | "
+                         f"{t['decode'] / roofline:.2f} of {roofline:.1f} tok/s |")
+            lines.append(f"| {r['outtype'].upper()} | llama-server | {ll['request']:.1f} | {ll['decode']:.1f} | "
+                         f"{ll['ttft_ms']:.0f} | | {ll['decode'] / roofline:.2f} |")
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=default_decoder_dir())
     parser.add_argument("--outtypes", nargs="+", choices=sorted(DTYPE_BY_OUTTYPE), default=["f32", "bf16"])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="p1: 32 concurrent requests; batch1: one request at a time")
+    parser.add_argument("--batch1-requests", type=int, default=3, help="batch-1 requests per server per round")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512))
     parser.add_argument("--tokens-range", type=int, nargs=2, default=(16, 256))
@@ -175,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         print(BUILD_HELP)
         return 0
     work = workload(args.num_requests, tuple(args.prompt_range), tuple(args.tokens_range))
+    shape = ModelShape.read(args.model_dir)
+    args.weight_mb = 4 * (shape.linear_params + shape.hidden * shape.vocab) / 1e6  # float32 bytes per token
+    args.bandwidth = read_bandwidth()
+    print(f"[peer] read bandwidth {args.bandwidth:.1f} GB/s; weights read per token {args.weight_mb:.0f} MB at F32",
+          flush=True)
     results = []
     for outtype in args.outtypes:
         gguf_path = default_output(args.model_dir, outtype)
@@ -190,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         f"# tessera bench peer\n\nMachine: {machine()}\n\nModel: {args.model_dir.name}; llama-server: "
         f"{args.llama_server}; P1 = {args.num_requests} concurrent requests, prompts {args.prompt_range[0]}-"
         f"{args.prompt_range[1]} tokens, outputs {args.tokens_range[0]}-{args.tokens_range[1]}, EOS ignored, "
-        f"greedy; prefix caching off on both; interleaved, {args.rounds} rounds (median). Target: "
-        f"tessera >= 1.5x llama-server at each precision.\n\n{table}\n")
+        f"greedy; prefix caching off on both; interleaved, {args.rounds} rounds (median). Targets: "
+        f"P1 tessera >= 1.5x llama-server at each precision; batch 1 >= 1.0x, decode >= 0.8 of the roofline.\n\n"
+        f"{table}\n")
     print(f"wrote {args.output}")
     return 0
 

@@ -315,6 +315,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Residual rows [rows, hidden] (from `forward`) -> final norm -> float32 logits [rows, vocab]."""
+        if self.fused_decode is not None:  # a few rows on a row-major head: the C GEMV
+            return self.fused_decode.project(self.lm_head, self.model.norm(hidden)).float()
         return self.lm_head(self.model.norm(hidden)).float()
 
 
