@@ -166,9 +166,13 @@ class FusedDecode:
 
     def accepts(self, meta, num_tokens: int) -> bool:
         """Whether this step is one the fused call runs: all `num_tokens` rows decode (cpu attention
-        metadata with no prefill span), at most `max_rows` of them."""
-        return (isinstance(meta, CpuAttentionMetadata) and not meta.prefills and meta.decode is not None
-                and 0 < num_tokens <= self.max_rows and meta.decode.rows.numel() == num_tokens)
+        metadata with no prefill span), at most `max_rows` of them, and every adapter row among them
+        is one the step's LoRA batch decodes (BGMV: the only LoRA the fused call applies)."""
+        if not (isinstance(meta, CpuAttentionMetadata) and not meta.prefills and meta.decode is not None
+                and 0 < num_tokens <= self.max_rows and meta.decode.rows.numel() == num_tokens):
+            return False
+        batch = None if self._lora is None else self._lora.batch
+        return batch is None or not batch.prefill_perm.numel()
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: CpuAttentionMetadata) -> torch.Tensor:
         """Every layer over x [rows, hidden] (the embeddings, updated in place and returned): the
