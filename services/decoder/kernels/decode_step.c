@@ -367,31 +367,30 @@ static inline __attribute__((always_inline)) int decode_layer(const step_t *s, c
     return 0;
 }
 
-/* Every layer of `layers` in order over step->x. Returns 0, -1 when the attention kernel could not
-   allocate its score buffers, -2 for more than MAX_ROWS rows (the caller checks both first). */
-int tessera_decode_step_f32(const layer_t *layers, int64_t num_layers, const step_t *step)
+static inline __attribute__((always_inline)) int decode_step(const layer_t *layers, int64_t num_layers,
+                                                              const step_t *step, const int bf16)
 {
     if (step->rows > MAX_ROWS)
         return -2;
     for (int64_t i = 0; i < num_layers; i++) {
-        const int rc = decode_layer(step, &layers[i], 0);
+        const int rc = decode_layer(step, &layers[i], bf16);
         if (rc != 0)
             return rc;
     }
     return 0;
 }
 
+/* Every layer of `layers` in order over step->x. Returns 0, -1 when the attention kernel could not
+   allocate its score buffers, -2 for more than MAX_ROWS rows (the caller checks both first). */
+int tessera_decode_step_f32(const layer_t *layers, int64_t num_layers, const step_t *step)
+{
+    return decode_step(layers, num_layers, step, 0);
+}
+
 /* the same for a bfloat16 model (activations, weights, caches and factors bf16) */
 int tessera_decode_step_bf16(const layer_t *layers, int64_t num_layers, const step_t *step)
 {
-    if (step->rows > MAX_ROWS)
-        return -2;
-    for (int64_t i = 0; i < num_layers; i++) {
-        const int rc = decode_layer(step, &layers[i], 1);
-        if (rc != 0)
-            return rc;
-    }
-    return 0;
+    return decode_step(layers, num_layers, step, 1);
 }
 
 /* y [rows, out] = x [rows, in] W^T (+ b) over a row-major W [out, in]: the gemv above, for tests and
