@@ -14,6 +14,9 @@ In one run on one machine:
      and over the engine's own forward + lm_head; measured in a child process with a decoder
      service's environment, engine and bare forward alternated three times;
   4. for comparison, one more run of step 1 on a decoder with the default torch attention backend;
+     and the step breakdown: engine step and forward + lm_head times with 1, 4, 16 and 32 rows all
+     decoding, through the fused decode step (decode_step.py, where it takes that many rows) and
+     layer by layer;
   5. the share of the machine's limit: each run's achieved GFLOP/s (the workload's flops over its
      wall time) and the engine step's (one decode step's flops over its time) beside the matmul
      rate torch reaches here in the model's dtype (`_flops.matmul_peak`: [M, hidden] @ [hidden,
@@ -174,6 +177,9 @@ def engine_overhead(model_dir: Path, backend: str, dtype: str, linear: str = "au
     return [b - a for a, b in zip(stamps, stamps[1:])], forwards
 
 
+BREAKDOWN_BATCHES = (1, 4, 16, 32)  # decode rows of the step breakdown
+
+
 def overhead_child(model_dir: Path, backend: str, dtype: str, linear: str, rounds: int = 3) -> dict:
     """Engine steps and bare transformers forwards, alternated `rounds` times (the machine's speed
     drifts; both sides see the same drift). Each side computes on a thread of its own that ends
@@ -198,7 +204,15 @@ def overhead_child(model_dir: Path, backend: str, dtype: str, linear: str, round
         forwards += forward
         bares += on_own_thread(bare_forward, model)
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    return {"step": median(steps), "forward": median(forwards), "bare": median(bares)}
+    breakdown = {}
+    for batch in BREAKDOWN_BATCHES:
+        for decode_step in ("fused", "modules"):
+            try:
+                step, forward = engine_overhead(model_dir, backend, dtype, linear, batch=batch, decode_step=decode_step)
+            except ValueError:  # --decode-step fused cannot run this model or backend
+                continue
+            breakdown[f"{batch} {decode_step}"] = (median(step), median(forward))
+    return {"step": median(steps), "forward": median(forwards), "bare": median(bares), "breakdown": breakdown}
 
 
 def overhead(model_dir: Path, backend: str, dtype: str, linear: str) -> dict:
@@ -362,7 +376,15 @@ def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[fl
               f"| bare transformers forward, same shapes | {1000 * bare:.1f} | |",
               f"| step / bare transformers forward | {step / bare:.2f} | <= 1.10 |",
               f"| step / own forward | {step / own_forward:.2f} | |",
-              "", "targets: >= 1.5x batched, >= 6x sequential"]
+              ""]
+    lines += ["| step breakdown: all rows decoding, context 128, --decode-step (fused: every layer in one C call "
+              "where it runs that many rows; modules: layer by layer) | step ms | forward + lm_head ms | "
+              "the rest of the step ms | tok/s |", "|---|---|---|---|---|"]
+    for key, (step_s, forward_s) in cost.get("breakdown", {}).items():
+        batch, decode_step = key.split()
+        lines.append(f"| batch {batch}, {decode_step} | {1000 * step_s:.1f} | {1000 * forward_s:.1f} | "
+                     f"{1000 * (step_s - forward_s):.1f} | {int(batch) / step_s:.1f} |")
+    lines += ["", "targets: >= 1.5x batched, >= 6x sequential"]
     return "\n".join(lines) + "\n"
 
 

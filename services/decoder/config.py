@@ -139,7 +139,7 @@ compiled grammars are kept (least recently used first out).
                                       "(MKL), or cpu: a C GEMM on weights packed at load, every step (float32; "
                                       "bfloat16 weights read directly), and C RMSNorm, rotary and SiLU-gate kernels",
                                 choices=(AUTO, *LINEAR_BACKENDS))
-    decode_step: str = _flag(AUTO, "all-decode steps of up to 32 rows (4 with row-major weights): fused (every layer "
+    decode_step: str = _flag(AUTO, "all-decode steps of up to 32 rows (16 float32 / 8 bfloat16 with row-major weights): fused (every layer "
                                    "in one C call: kernels/decode_step.c; Llama-family models on the cpu attention "
                                    "backend), modules (layer by layer through the model's modules, the reference), "
                                    "or auto (fused where it runs, else modules)", choices=(AUTO, *DECODE_STEPS))

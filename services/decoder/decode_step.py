@@ -37,10 +37,12 @@ from services.decoder.model_qwen3 import Qwen3Attention
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # kernels/decode_step.c MAX_ROWS: the scratch buffers' rows
-# with row-major weights (the torch linear backend) the C GEMV runs up to this many rows; past it
-# MKL's GEMM is faster than re-reading each weight row from L1 per four rows (SmolLM2-135M's
-# projections, 2-core AVX-512 host: 1-4 rows 19-20 ms at ~21 GB/s, 8 rows 30, 16 rows 44; MKL 16 rows 33)
-ROW_MAJOR_MAX_ROWS = 4
+# with row-major weights (the torch linear backend) the C GEMV runs up to this many rows per dtype;
+# past it torch's GEMM (MKL, AMX for bf16) is faster than re-reading each weight row from L1 per four
+# rows. SmolLM2-135M's 30 layers of projections, 2-core AVX-512 + AMX host, interleaved medians, ms
+# GEMV / torch: float32 1: 16 / 17, 4: 16 / 41, 8: 21 / 39, 16: 32 / 39, 24: 58 / 47;
+# bfloat16 1: 9 / 17, 8: 14 / 17, 12: 21 / 18, 32: 53 / 22
+ROW_MAJOR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 DECODE_STEPS = ("fused", "modules")
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 LORA_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -148,7 +150,7 @@ class FusedDecode:
             for part, name in zip(layer.lora, LORA_PARTS):
                 part.start, part.out_features = _columns(module, i, name)
         # packed weights: the C GEMM at any row count; row-major: the GEMV up to its crossover with MKL
-        self.max_rows = MAX_ROWS if all(packed) else ROW_MAJOR_MAX_ROWS
+        self.max_rows = MAX_ROWS if all(packed) else ROW_MAJOR_MAX_ROWS[self.dtype]
         self._resolved: set[int] = set()  # LoRA parts (index into layers x parts) whose factors are set
         self._cache, self._norm_eps = cache, model.model.layers[0].input_layernorm.eps
         h, kv, d, hidden, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size
@@ -200,11 +202,12 @@ class FusedDecode:
         return x
 
     def project(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        """`linear(x)` for x [rows, in]: the C GEMV for at most `ROW_MAJOR_MAX_ROWS` rows of a
+        """`linear(x)` for x [rows, in]: the C GEMV for at most `ROW_MAJOR_MAX_ROWS` rows (per dtype) of a
         row-major weight of the model's dtype without LoRA targets (the lm_head: torch's GEMV reached
         13 GB/s on a bf16 head where this one streams at the machine's read bandwidth), else the
         module itself."""
-        if (linear.gemm is not None or getattr(linear, "lora_slices", ()) or not 0 < x.shape[0] <= ROW_MAJOR_MAX_ROWS
+        rows = x.shape[0]
+        if (linear.gemm is not None or getattr(linear, "lora_slices", ()) or not 0 < rows <= ROW_MAJOR_MAX_ROWS[self.dtype]
                 or x.dtype != self.dtype or linear.weight.dtype != self.dtype or not linear.weight.is_contiguous()):
             return linear(x)
         x = x.contiguous()
