@@ -91,6 +91,10 @@ def _run(engine, requests) -> list[list[tuple[str, list[int], str]]]:
     return asyncio.run(main())
 
 
+async def _compile_all(engine, constraints) -> None:
+    await asyncio.gather(*(engine.parts.grammars.get(c) for c in constraints))
+
+
 def _assert_nothing_held(engine) -> None:
     assert not engine.core.requests
     assert engine.stats().num_free_blocks == engine.config.num_blocks
@@ -168,6 +172,9 @@ def test_valid_while_a_tiny_pool_preempts(tiny_llama):
         requests = [_request(_json(schema), f"p{i}", seed=i, n=1 if i % 2 else 2, max_tokens=200)
                     for i, schema in enumerate(schemas)]
         requests.append(_request(Constraint("grammar", GRAMMAR), "pg", seed=5, n=2, max_tokens=200))
+        # compiled first, so the requests arrive together rather than as their compiles end (under
+        # load the first could otherwise finish before the last arrived, and nothing would preempt)
+        asyncio.run(_compile_all(engine, [r.sampling.constraint for r in requests]))
         results = _run(engine, requests)
         for schema, choices in zip(schemas, results):
             for text, _, reason in choices:
