@@ -26,7 +26,7 @@ deploy-tools:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; }
 
 models: setup
-	$(BIN)/tessera models prepare
+	$(BIN)/tessera models prepare --quantized
 
 up: models
 	$(BIN)/tessera up

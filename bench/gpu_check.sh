@@ -2,10 +2,21 @@
 # The GPU checks of the decoder's --device, for a machine with a CUDA device:
 #   1. the device and warm-up tests and a conformance subset (greedy ids = transformers), with the
 #      decoder on CUDA: in-process configs default to --device auto, which is CUDA here;
-#   2. `tessera bench decode|lora|kernels` with the Triton attention and LoRA kernels; every
+#   2. the GGUF dequantize-in-the-GEMM Triton kernels (tests/decoder/test_quant_triton.py) compiled for
+#      the GPU, against gguf-py's dequantization and a float64 matmul;
+#   3. `tessera bench decode|lora|kernels` with the Triton attention and LoRA kernels; every
 #      `python -m services.decoder` they start reads TESSERA_DECODER_DEVICE=cuda. Their tables are
 #      rewritten under bench/results/ with the machine (GPU named) in their header.
 # Refuses to run without a CUDA device (the CPU suite covers the plumbing there).
+#
+# The GPU machine has python 3.12 with torch 2.11 and triton 3.6 (and numpy) preinstalled and no package
+# registry: carry the wheels (cp312, manylinux x86_64) of
+#   transformers tokenizers safetensors regex tqdm gguf PyYAML (gguf imports yaml) pillow
+#   grpcio grpcio-health-checking grpcio-reflection grpcio-status protobuf googleapis-common-protos
+#   prometheus-client xgrammar apache-tvm-ffi pytest pytest-timeout peft
+# at services/pyproject.toml's pins, with their own dependencies less torch, triton and numpy, and install
+# them there with `pip install --no-index --find-links wheels/ NAMES`. The script first imports a module
+# of each (and of torch and triton) and names the wheel of any that is missing.
 #
 #   bench/gpu_check.sh            # from the repository root; PYTHON=... to choose the interpreter
 set -euo pipefail
@@ -13,7 +24,26 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 
 "$PY" - <<'EOF'
+import importlib
 import sys
+
+WHEELS = {  # module -> the wheel that provides it (header)
+    "numpy": "numpy", "transformers": "transformers", "tokenizers": "tokenizers", "safetensors": "safetensors",
+    "regex": "regex", "tqdm": "tqdm", "gguf": "gguf", "yaml": "PyYAML", "PIL": "pillow", "grpc": "grpcio",
+    "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection", "grpc_status": "grpcio-status",
+    "google.protobuf": "protobuf", "google.rpc": "googleapis-common-protos", "prometheus_client": "prometheus-client",
+    "xgrammar": "xgrammar", "tvm_ffi": "apache-tvm-ffi", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+    "peft": "peft", "torch": "torch", "triton": "triton",
+}
+missing = []
+for module, wheel in WHEELS.items():
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        missing.append(f"{wheel} (import {module}: {error})")
+if missing:
+    sys.exit("bench/gpu_check.sh: missing wheels, carry and install them (see this script's header):\n  "
+             + "\n  ".join(missing))
 
 import torch
 
@@ -29,6 +59,9 @@ echo "== device plumbing, warm-up and conformance subset on CUDA"
 timeout 900 "$PY" -m pytest -q tests/decoder/test_device.py tests/decoder/test_warmup.py \
     tests/decoder/test_conformance.py tests/decoder/test_model_families.py tests/decoder/test_lora.py \
     -k "not cpu"
+
+echo "== GGUF dequantize-in-the-GEMM Triton kernels on CUDA (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K against gguf-py)"
+timeout 600 "$PY" -m pytest -q tests/decoder/test_quant_triton.py
 
 echo "== tessera bench kernels (Triton BGMV/SGMV and paged attention against torch)"
 timeout 900 "$PY" -m tessera.cli.main bench kernels --dtype bfloat16

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from services.common.checkpoint import CheckpointConfig
+from services.common.checkpoint import QUANTIZATION_METADATA, CheckpointConfig
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -64,6 +65,11 @@ class BaseModelShapes:
             if path is not None:
                 with safe_open(str(path), "pt") as reader:
                     weight = reader.get_tensor(key)
+                    qtype = json.loads((reader.metadata() or {}).get(QUANTIZATION_METADATA, "{}")).get(key)
+                if qtype is not None:  # GGUF blocks (models import --keep-quantized): their values
+                    import gguf
+
+                    weight = torch.from_numpy(gguf.quants.dequantize(weight.numpy(), gguf.GGMLQuantizationType[qtype]))
                 return float(weight.to(torch.float32).abs().max()) if weight.numel() else None
         return None
 

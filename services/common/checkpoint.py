@@ -177,6 +177,10 @@ def _positive_number(value: Any, name: str) -> float:
     return float(value)
 
 
+# the safetensors header key of a checkpoint holding GGUF blocks (`tessera models import --keep-quantized`):
+# JSON {HF tensor name: GGML type name}; each named tensor is uint8 [rows, row bytes] (services/decoder/quant.py)
+QUANTIZATION_METADATA = "tessera.gguf_types"
+
 # What decides whether LoRA factors fit a base model's linears and address the same token ids.
 _BASE_MODEL_FIELDS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")

@@ -25,8 +25,10 @@ from services.decoder.kernels import native
 from services.decoder.kv_cache import KVBlockLayout
 from services.decoder.linear import LINEAR_BACKENDS
 from services.decoder.lora.registry import LORA_BACKENDS, check_dtype
+from services.decoder.model_llama import quantized_types
 from services.decoder.model_qwen2_vl import is_qwen2_vl, text_config
 from services.decoder.model_qwen2_vl import mrope_section as checkpoint_mrope_section
+from services.decoder.quant import QUANT_MODES
 from services.decoder.tools import PARSER_AUTO, PARSER_NONE, TOOL_CALL_PARSERS
 from services.decoder.types import GenerationDefaults
 from tessera.paths import default_decoder_dir
@@ -72,6 +74,8 @@ AVX-512 where the kernels build, else "torch".
 `decode_step`: "auto" (default) resolves when the model runner is built (decode_step.py `attach_decode_step`)
 to "fused" (all-decode steps of a Llama-family model in one C call on the cpu attention backend) where
 `why_not` finds no reason against it, else "modules"; "fused" where it cannot run is refused then.
+`quant_mode`: "exact" (default) or "fast", for a checkpoint holding GGUF blocks (services/decoder/quant.py);
+such a checkpoint is served on the CPU in float32 (dtype "auto" resolves to it).
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
@@ -143,6 +147,11 @@ compiled grammars are kept (least recently used first out).
                                    "in one C call: kernels/decode_step.c; Llama-family models on the cpu attention "
                                    "backend), modules (layer by layer through the model's modules, the reference), "
                                    "or auto (fused where it runs, else modules)", choices=(AUTO, *DECODE_STEPS))
+    quant_mode: str = _flag("exact", "how matrices kept as GGUF blocks (models import --keep-quantized) multiply: "
+                                     "exact (weights widened to float32 in registers, float32 activations: the "
+                                     "dequantized model's numbers up to summation order) or fast (activations "
+                                     "quantized to int8 per 32-element block, as llama.cpp does; integer dot "
+                                     "products, VNNI where the CPU has it)", choices=QUANT_MODES)
     metrics_port: int = _flag(0, "serve Prometheus /metrics on this port, same host as --address; 0 = off")
     wedged_after_s: float = _flag(DEFAULT_WEDGED_AFTER_S, "health turns NOT_SERVING when requests are queued and "
                                   "no engine step completes for this long (seconds; must exceed the longest step)")
@@ -290,10 +299,17 @@ compiled grammars are kept (least recently used first out).
         """dtype "auto" from the checkpoint (`resolve_dtype`), then the explicit backends checked
         against it. The "auto" backends stay "auto": the engine chooses them when it starts
         (services/decoder/engine_parts.py `resolve_backends`), as that may build the C kernels."""
+        if self.quant_mode not in QUANT_MODES:
+            raise ValueError(f"quant_mode must be one of {QUANT_MODES}, got {self.quant_mode!r}")
+        quantized = bool(quantized_types(self.checkpoint.model_dir))
         if self.dtype == AUTO:
-            self.dtype = resolve_dtype(self.checkpoint.raw, device)
-            log.info("dtype auto: %s (checkpoint %s)", self.dtype, checkpoint_dtype(self.checkpoint.raw))
+            self.dtype = "float32" if quantized else resolve_dtype(self.checkpoint.raw, device)
+            log.info("dtype auto: %s (checkpoint %s%s)", self.dtype, checkpoint_dtype(self.checkpoint.raw),
+                     ", GGUF-quantized matrices" if quantized else "")
             self._check_backends_take_dtype()
+        if quantized and (self.dtype != "float32" or device.type != "cpu"):
+            raise ValueError(f"{self.model_dir} holds GGUF-quantized matrices: they are served on the CPU with float32 "
+                             f"activations (dtype float32 or auto), not dtype {self.dtype!r} on {device}")
 
     def _check_family_config(self) -> None:
         """Read config.json as the model will, before the tokenizer or any weight loads: transformers'

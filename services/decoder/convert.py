@@ -235,4 +235,4 @@ def info_to_pb(info: DecoderInfo) -> decoder_pb2.DecoderInfo:
         served_model_names=list(info.served_model_names), generation_config=info.generation_config,
         generation_defaults=info.generation_defaults, chat_template_takes_tools=info.chat_template_takes_tools,
         tool_call_parser=info.tool_call_parser, model_impl=info.model_impl,
-        decode_step=info.decode_step)
+        decode_step=info.decode_step, quantization=info.quantization)

@@ -33,6 +33,7 @@ from services.decoder.linear import PANEL_WIDTH, Linear
 from services.decoder.lora import LoRAContext
 from services.decoder.model_llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from services.decoder.model_qwen3 import Qwen3Attention
+from services.decoder.quantized_model import quantization
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def why_not(model: torch.nn.Module, attention_backend: str) -> str | None:
         return f"it needs the cpu attention backend, not {attention_backend}"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model file"
+    if quantization(model):
+        return "its matrices are GGUF blocks (the quantized GEMM runs them layer by layer)"
     dtype = model.model.embed_tokens.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or model.model.embed_tokens.weight.device.type != "cpu":
         return f"it computes float32 or bfloat16 on the CPU, not {dtype}"

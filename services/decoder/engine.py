@@ -217,7 +217,8 @@ class LLMEngine:
                            generation_defaults=config.generation_defaults.as_dict(),
                            chat_template_takes_tools=template_takes_tools(template),
                            tool_call_parser=choose_tool_call_parser(template, config.tool_call_parser),
-                           model_impl=config.model_impl, decode_step=self.parts.runner.decode_step)
+                           model_impl=config.model_impl, decode_step=self.parts.runner.decode_step,
+                           quantization=self.parts.quantization)
 
     async def count_prompt_tokens(self, request_input: GenerateInput) -> PromptTokenCount:
         """The tokens `generate` would build for `request_input`'s prompt besides its images'
@@ -270,7 +271,8 @@ class LLMEngine:
         if not self.config.enable_prefix_caching:
             return None
         digest = None if lora_slot is None else self.parts.bank.digest_of(lora_slot)
-        return BlockHasher.for_prompt(self.config.block_size, prompt, digest, self.config.mrope_section)
+        return BlockHasher.for_prompt(self.config.block_size, prompt, digest, self.config.mrope_section,
+                                      self.parts.quantization)
 
     def _resolve_sampling(self, num_prompt: int, sampling: SamplingParams,
                           bad_words_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:

@@ -29,6 +29,7 @@ from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, text_conf
 from services.decoder.model_runner import ModelRunner
 from services.decoder.models import load_model, model_sliding_window
 from services.decoder.multimodal import PromptBuilder
+from services.decoder.quantized_model import quantization
 from services.decoder.scheduler import Scheduler
 from services.decoder.token_text import TokenTexts
 from services.decoder.tokens import check_chat_template
@@ -73,6 +74,7 @@ class EngineParts:
     prompts: PromptBuilder
     runner: ModelRunner
     grammars: GrammarCompiler
+    quantization: str = ""  # GGML types kept quantized and the kernels' mode ("Q4_1 exact"); "" dense
 
 
 def build_parts(config: DecoderConfig) -> EngineParts:
@@ -88,7 +90,8 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     model_config = dict(config.checkpoint.raw)
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     check_chat_template(tokenizer)  # before the weights: a template that never finishes is refused
-    model = load_model(config.checkpoint, dtype, config.mrope_section, config.model_impl).to(device)
+    model = load_model(config.checkpoint, dtype, config.mrope_section, config.model_impl,
+                       config.quant_mode).to(device)
     model.rotary.to(device)  # a plain table, not a module buffer: model.to() leaves it
     spec = model.spec
     cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
@@ -107,7 +110,8 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     grammars = GrammarCompiler(tokenizer, spec.vocab_size, [t for t in eos_token_ids if 0 <= t < spec.vocab_size],
                                config.structured_outputs_compile_timeout, config.structured_outputs_cache_size)
     parts = EngineParts(backends, tokenizer, TokenTexts(tokenizer), eos_token_ids, model,
-                        cache, block_manager, scheduler, bank, image_token_id, prompts, runner, grammars)
+                        cache, block_manager, scheduler, bank, image_token_id, prompts, runner, grammars,
+                        f"{types} {config.quant_mode}" if (types := quantization(model)) else "")
     warm_up_parts(config, parts)
     return parts
 

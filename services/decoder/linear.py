@@ -171,7 +171,7 @@ def attach_gemm(model: nn.Module, gemm: CpuGemm | None) -> None:
     """
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if gemm is None:
-        if any(m.gemm is not None for m in linears):
+        if any(isinstance(m.gemm, PackedWeight) for m in linears):  # GGUF blocks (quant.py) run either way
             raise ValueError("this model's weights were packed for the cpu linear backend; load it again for torch")
         return
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}

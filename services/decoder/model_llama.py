@@ -29,12 +29,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from services.common.checkpoint import CheckpointConfig, check_rope_type, rope_settings
+from services.common.checkpoint import QUANTIZATION_METADATA, CheckpointConfig, check_rope_type, rope_settings
 from services.decoder.attention import AttentionBackend, AttentionMetadata
 from services.decoder.kernels.pointwise import CpuPointwise
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import Linear
 from services.decoder.lora import LoRALinear
+from services.decoder.quantized_model import attach_quantized, dequantize_into, split_quantized
 from services.decoder.rotary import RopeScaling, RotaryEmbedding, apply_rotary
 
 log = logging.getLogger(__name__)
@@ -321,21 +322,28 @@ class LlamaForCausalLM(nn.Module):
 
 
 def load_checkpoint(model_cls: type[LlamaForCausalLM], checkpoint: CheckpointConfig, dtype: torch.dtype,
-                    mrope_section: tuple[int, int, int] | None = None) -> LlamaForCausalLM:
-    """Build `model_cls` from the checkpoint's config.json and load its safetensors weights by name.
+                    mrope_section: tuple[int, int, int] | None = None, quant_mode: str = "exact") -> LlamaForCausalLM:
+    """Build `model_cls` from the checkpoint's config.json and load its safetensors weights by name;
+    matrices its header names as GGUF blocks stay quantized (quantized_model.py), multiplied in
+    `quant_mode` ("exact" or "fast", quant.QUANT_MODES).
 
     Raises:
         ValueError: unsupported configuration, missing weights or unexpected weight names/shapes.
     """
     spec = model_cls.spec_from_config(dict(checkpoint.raw))
     return build_model(model_cls, spec, mrope_section, _read_safetensors(checkpoint.model_dir), dtype,
-                       f"weights in {checkpoint.model_dir} do not match {spec.architecture}")
+                       f"weights in {checkpoint.model_dir} do not match {spec.architecture}",
+                       quantized_types(checkpoint.model_dir), quant_mode)
 
 
 def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_section: tuple[int, int, int] | None,
-                state: dict[str, torch.Tensor], dtype: torch.dtype, mismatch: str) -> LlamaForCausalLM:
+                state: dict[str, torch.Tensor], dtype: torch.dtype, mismatch: str,
+                quantized: dict[str, str] | None = None, quant_mode: str = "exact") -> LlamaForCausalLM:
     """Assign `state` (HF names) to a new model without a second copy; ties lm_head when the spec
     does and `state` holds no lm_head.weight that differs from the embeddings (`_ties_head`).
+    `quantized`: HF name -> GGML type of the tensors `state` holds as GGUF blocks (kept quantized,
+    quantized_model.py; a family that rewrites its weights in `convert_checkpoint` gets them
+    dequantized).
 
     Raises:
         ValueError: `mismatch` followed by the first weight whose shape config.json's sizes do not
@@ -343,24 +351,42 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
     """
     with torch.device("meta"):
         model = model_cls(spec, mrope_section)
+    shapes = checkpoint_shapes(model)
+    blocks = split_quantized(state, quantized or {}, shapes, mismatch)
+    linears = {module_name: [f"{name}.weight" for name in _part_names(module_name, module)]
+               for module_name, module in model.named_modules() if isinstance(module, Linear)}
+    served = {"model.embed_tokens.weight"} | {part for parts in linears.values() for part in parts
+                                              if all(p in blocks for p in parts)}
+    if model_cls.convert_checkpoint.__func__ is not LlamaForCausalLM.convert_checkpoint.__func__:
+        served = set()  # a family that rewrites its weights at load (stacked experts) takes them dense
+    dequantize_into(state, {name: blocks.pop(name) for name in list(blocks) if name not in served}, shapes)
     model_cls.convert_checkpoint(spec, state)
-    tied = _ties_head(spec, state)
+    tied = _ties_head(spec, state) if "model.embed_tokens.weight" not in blocks else \
+        spec.tie_word_embeddings and "lm_head.weight" not in state and "lm_head.weight" not in blocks
     if tied:
         state.pop("lm_head.weight", None)
-    shapes = checkpoint_shapes(model)
     for name, tensor in state.items():
         if name in shapes and tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{mismatch}: {name} has shape {list(tensor.shape)}; config.json's sizes need "
                              f"{list(shapes[name])}")
     fuse_projections(state, spec.num_layers)
     expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
+    expected -= {f"{module_name}.weight" for module_name, parts in linears.items() if parts[0] in blocks}
+    expected -= {"model.embed_tokens.weight"} & blocks.keys()
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise ValueError(f"{mismatch}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if tied:
+    if blocks:
+        attach_quantized(model, blocks, quant_mode, tied)
+    elif tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _part_names(module_name: str, module: nn.Module) -> list[str]:
+    """The checkpoint projections a Linear computes: its LoRA slices' names, else its own."""
+    return [name for name, _, _ in getattr(module, "lora_slices", None) or ()] or [module_name]
 
 
 def _ties_head(spec: LlamaSpec, state: dict[str, torch.Tensor]) -> bool:
@@ -387,6 +413,31 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
             if module.bias is not None:
                 shapes[f"{name}.bias"] = (end - start,)
     return shapes
+
+
+def quantized_types(model_dir: Path) -> dict[str, str]:
+    """HF name -> GGML type of the tensors the checkpoint's safetensors hold as GGUF blocks (their
+    headers' QUANTIZATION_METADATA; {} for a dense checkpoint). Raises ValueError naming the file
+    when that entry is not a JSON object of names to type names."""
+    from safetensors import safe_open
+
+    types: dict[str, str] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                text = (handle.metadata() or {}).get(QUANTIZATION_METADATA)
+        except SafetensorError:
+            continue  # _read_safetensors names the damaged file
+        if text is None:
+            continue
+        try:
+            entries = json.loads(text)
+            if not isinstance(entries, dict) or not all(isinstance(v, str) for v in entries.values()):
+                raise ValueError("not an object of tensor names to GGML type names")
+        except ValueError as error:
+            raise ValueError(f"{path}: its header's {QUANTIZATION_METADATA} entry is unreadable: {error}") from None
+        types.update(entries)
+    return types
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from services.common.checkpoint import DECODER_ARCHITECTURES, CheckpointConfig, decoder_impl
-from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, load_checkpoint
+from services.decoder.model_llama import LlamaAttention, LlamaForCausalLM, load_checkpoint, quantized_types
 from services.decoder.model_qwen2_vl import is_qwen2_vl, load_qwen2_vl
 
 # one entry per model_type of DECODER_ARCHITECTURES but the Qwen2-VL family's (its own loader below), which
@@ -61,12 +61,14 @@ def family_class(model_type: str) -> type[LlamaForCausalLM]:
 
 
 def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
-               mrope_section: tuple[int, int, int] | None = None, model_impl: str = "auto") -> LlamaForCausalLM:
+               mrope_section: tuple[int, int, int] | None = None, model_impl: str = "auto",
+               quant_mode: str = "exact") -> LlamaForCausalLM:
     """The causal LM of a checkpoint (a family of `MODEL_FAMILIES`, or Qwen2-VL's language model), or
     transformers' own class on the paged KV cache (model_transformers.py) where `decoder_impl`
     says so for `model_impl` ("auto": native where a family exists).
 
     `checkpoint`: its config.json as read once by `DecoderConfig` (or a directory, read here).
+    `quant_mode`: how matrices kept as GGUF blocks multiply ("exact" or "fast", quant.QUANT_MODES).
 
     Raises:
         ValueError: no config.json, an unsupported model_type or configuration, weights that do not match.
@@ -78,6 +80,9 @@ def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
     except ValueError as error:
         raise ValueError(f"{checkpoint.model_dir} {error}") from None
     if impl == "transformers":
+        if quantized_types(checkpoint.model_dir):
+            raise ValueError(f"{checkpoint.model_dir} holds GGUF-quantized matrices, which only tessera's native "
+                             "model files serve; import the GGUF without --keep-quantized for transformers' path")
         if mrope_section is not None:
             raise ValueError(f"mrope_section {mrope_section}: transformers' path serves text only")
         from services.decoder.model_transformers import load_transformers_model
@@ -85,4 +90,4 @@ def load_model(checkpoint: CheckpointConfig | str | Path, dtype: torch.dtype,
         return load_transformers_model(checkpoint, dtype)
     if is_qwen2_vl(checkpoint.raw):
         return load_qwen2_vl(checkpoint, dtype, mrope_section)
-    return load_checkpoint(family_class(checkpoint.model_type), checkpoint, dtype, mrope_section)
+    return load_checkpoint(family_class(checkpoint.model_type), checkpoint, dtype, mrope_section, quant_mode)

@@ -5,6 +5,9 @@
     parent      = hash(block i-1), or 32 zero bytes for block 0
     token ids   = the block's `block_size` ids as little-endian int64, after a length prefix
     extra keys  = strings, each length-prefixed (little-endian int64 byte count, then UTF-8):
+                  "base:<quantization>"                      every block, when the base's matrices are
+                                                             GGUF-quantized ("Q4_1 exact": the types
+                                                             and the kernels' mode, quantized_model.py)
                   "lora:<weight digest>"                     every block, when the request has an adapter
                   "image:<hash>:<rows>:<start>:<end>:<pos>"  every image overlapping the block
                   "mrope:<t>,<h>,<w>:<rope delta>"           every block from the first image's block on
@@ -90,9 +93,9 @@ class BlockHasher:
     """
 
     def __init__(self, block_size: int, lora_digest: str | None = None, images: Sequence[ImageKey] = (),
-                 mrope_section: Sequence[int] | None = None, rope_delta: int = 0) -> None:
+                 mrope_section: Sequence[int] | None = None, rope_delta: int = 0, base_key: str = "") -> None:
         self.block_size = block_size
-        self.lora_key = (f"lora:{lora_digest}",) if lora_digest else ()
+        self.lora_key = ((f"base:{base_key}",) if base_key else ()) + ((f"lora:{lora_digest}",) if lora_digest else ())
         self.images = list(images)
         self.first_image_block = min(i.start for i in images) // block_size if images else None
         section = ",".join(str(s) for s in mrope_section or ())
@@ -102,8 +105,8 @@ class BlockHasher:
 
     @classmethod
     def for_prompt(cls, block_size: int, prompt: PromptInputs, lora_digest: str | None,
-                   mrope_section: Sequence[int] | None) -> BlockHasher:
-        return cls(block_size, lora_digest, image_keys(prompt), mrope_section, prompt.rope_delta)
+                   mrope_section: Sequence[int] | None, base_key: str = "") -> BlockHasher:
+        return cls(block_size, lora_digest, image_keys(prompt), mrope_section, prompt.rope_delta, base_key)
 
     def extra_keys(self, block_index: int) -> tuple[str, ...]:
         """Extra keys of block `block_index` (positions [i * block_size, (i + 1) * block_size))."""

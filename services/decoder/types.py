@@ -537,6 +537,8 @@ class DecoderInfo:
     format the model's tool calls are parsed from ("hermes"; "" = none), services/decoder/tools.py.
     `model_impl`: how the model runs, "native" or "transformers" (DecoderConfig.model_impl);
     `decode_step`: how all-decode steps run, "fused" or "modules" (DecoderConfig.decode_step resolved).
+    `quantization`: the GGML types of the matrices kept quantized and the kernels' mode ("Q4_1 exact";
+    quantized_model.py `quantization`), "" for a dense model.
     """
 
     model: str
@@ -557,3 +559,4 @@ class DecoderInfo:
     tool_call_parser: str = ""
     model_impl: str = ""
     decode_step: str = ""
+    quantization: str = ""

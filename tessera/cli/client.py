@@ -331,6 +331,8 @@ def cluster_rows(info: ClusterInfo, adapters: list[str] | None) -> list[tuple[st
             rows.append(("model impl", MODEL_IMPL_TEXT.get(d.model_impl, d.model_impl)))
         if d.decode_step:
             rows.append(("decode step", DECODE_STEP_TEXT.get(d.decode_step, d.decode_step)))
+        if getattr(d, "quantization", ""):
+            rows.append(("quantized", f"{d.quantization} (GGUF blocks, --quant-mode)"))
         if len(d.served_model_names) > 1:
             rows.append(("aliases", ", ".join(d.served_model_names[1:])))
         if d.generation_config:

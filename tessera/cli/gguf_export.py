@@ -9,11 +9,13 @@ tessera does:
   head and expert sizes, the family's soft-caps and windows), RoPE scaling where the format has
   keys for it (linear, yarn, longrope; llama3 as the `rope_freqs.weight` tensor, longrope's factors
   as `rope_factors_short/long.weight`), and `general.file_type`
-  (ALL_F32 or MOSTLY_BF16);
+  (ALL_F32, MOSTLY_BF16, MOSTLY_Q8_0, MOSTLY_Q4_0, MOSTLY_Q4_1);
 - tensors named by gguf's own HF -> GGUF map (`blk.N.attn_q.weight`, `token_embd.weight`, ...);
   q/k projections permuted from HF's rotate-half RoPE layout to GGML's interleaved one for the
   llama architecture (the converter's `LlamaModel.permute`; transformers undoes it when it loads
-  a GGUF); 1-D tensors and norms stay F32, matrices take the requested type;
+  a GGUF); 1-D tensors and norms stay F32, matrices take the requested type (a quantized type
+  quantized by the gguf package's own `quants.quantize`, as the converter does; a matrix whose rows
+  are not whole blocks stays F32, as llama.cpp's quantizer falls back);
 - tokenizer `gpt2` with the pre-tokenizer named by the converter's hash of its check text, the
   token list and types, merges, special ids and the chat template (gguf's `SpecialVocab`).
 
@@ -42,12 +44,16 @@ from tessera.cli.gguf_families import (
 from tessera.paths import DECODER_MODEL, models_dir, tessera_home
 
 if TYPE_CHECKING:  # gguf, torch and numpy load on export only: `tessera` starts without them
+    from collections.abc import Callable
+
     import gguf
+    import numpy as np
 
 __all__ = ["export_gguf", "permute_for_ggml"]
 
 # outtype -> (gguf LlamaFileType, GGMLQuantizationType of the matrices)
-OUTTYPES = {"f32": ("ALL_F32", "F32"), "bf16": ("MOSTLY_BF16", "BF16")}
+OUTTYPES = {"f32": ("ALL_F32", "F32"), "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
+            "q4_0": ("MOSTLY_Q4_0", "Q4_0"), "q4_1": ("MOSTLY_Q4_1", "Q4_1")}
 
 # llama.cpp's check text for naming a BPE pre-tokenizer: sha256 of str(token ids) -> name
 # (convert_hf_to_gguf.py get_vocab_base_pre; only the families tessera prepares)
@@ -62,7 +68,7 @@ PRE_TOKENIZER_BY_HASH = {
 
 
 def default_output(model_dir: Path, outtype: str) -> Path:
-    """`$TESSERA_HOME/gguf/<model dir name>-<F32|BF16>.gguf`."""
+    """`$TESSERA_HOME/gguf/<model dir name>-<OUTTYPE>.gguf` (e.g. SmolLM2-...-Q8_0.gguf)."""
     return tessera_home() / "gguf" / f"{model_dir.name}-{outtype.upper()}.gguf"
 
 
@@ -78,11 +84,17 @@ def resolve_model_dir(model: str | None, directory: str | None) -> Path:
     return model_dir
 
 
-def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | None = None) -> Path:
+def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | None = None,
+                matrix_type: Callable[[str, np.ndarray], tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+                ) -> Path:
     """Write `model_dir` (config.json, *.safetensors, tokenizer files) as GGUF at `out`.
 
     Args:
-        outtype: "f32" (every tensor float32) or "bf16" (matrices bfloat16, norms float32).
+        outtype: "f32" (every tensor float32), "bf16" (matrices bfloat16, norms float32), or
+            "q8_0" / "q4_0" / "q4_1" (matrices quantized by `gguf.quants.quantize`, norms float32).
+        matrix_type: (GGUF name, float32 matrix) -> (its bytes, their type), replacing `outtype`'s
+            for the matrices: how a caller writes types the gguf package cannot quantize (K-quants,
+            mixed files such as Q4_K_M); `general.file_type` still says `outtype`'s.
         pre_tokenizer: llama.cpp's name of the BPE pre-tokenizer (`tokenizer.ggml.pre`, e.g. "gpt-2"),
             for a tokenizer the converter's check-text hashes (PRE_TOKENIZER_BY_HASH) do not name.
     Raises:
@@ -95,7 +107,7 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer:
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
     file_type = gguf.LlamaFileType[OUTTYPES[outtype][0]]
-    matrix_type = gguf.GGMLQuantizationType[OUTTYPES[outtype][1]]
+    default_type = gguf.GGMLQuantizationType[OUTTYPES[outtype][1]]
     config = json.loads((model_dir / "config.json").read_text())
     if not isinstance(config, dict):
         raise ValueError(f"{model_dir}: config.json holds a JSON {type(config).__name__}, not an object")
@@ -118,8 +130,18 @@ def export_gguf(model_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_vocab(writer, model_dir, config["vocab_size"], pre_tokenizer)
     for name, data in _tensors(model_dir, config, family, rope, arch):
-        qtype = gguf.GGMLQuantizationType.F32 if data.ndim <= 1 or name.endswith("_norm.weight") else matrix_type
-        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        if data.ndim <= 1 or name.endswith("_norm.weight"):
+            writer.add_tensor(name, data.astype("float32"), raw_dtype=gguf.GGMLQuantizationType.F32)
+            continue
+        if matrix_type is not None:
+            raw, qtype = matrix_type(name, data)
+        else:
+            qtype = default_type
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            if data.shape[-1] % block:  # rows that are not whole blocks: llama.cpp's quantizer keeps F32
+                qtype = gguf.GGMLQuantizationType.F32
+            raw = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -241,12 +263,13 @@ def _tensors(model_dir: Path, config: dict, family: GgufFamily, rope: dict, arch
 
 
 def add_export_gguf_parser(models_sub) -> None:
-    """`tessera models export-gguf [--model NAME | --dir DIR] [--outtype f32|bf16] [--out PATH]`."""
+    """`tessera models export-gguf [--model NAME | --dir DIR] [--outtype f32|bf16|q8_0|q4_0|q4_1] [--out PATH]`."""
     parser = models_sub.add_parser("export-gguf", help="write a prepared decoder checkpoint as GGUF (for llama.cpp)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help=f"a prepared model's name (default {DECODER_MODEL})")
     source.add_argument("--dir", default=None, help="a checkpoint directory instead of a prepared model (default: none, use --model)")
-    parser.add_argument("--outtype", choices=sorted(OUTTYPES), default="f32", help="matrix type (default f32)")
+    parser.add_argument("--outtype", choices=sorted(OUTTYPES), default="f32",
+                        help="matrix type (default f32; q8_0, q4_0 and q4_1 quantized as llama.cpp's converter does)")
     parser.add_argument("--pre-tokenizer", default=None,
                         help="llama.cpp's name of the BPE pre-tokenizer (e.g. gpt-2, llama-bpe, qwen2) when the "
                         "converter's hashes do not know the tokenizer (default: named by that hash)")

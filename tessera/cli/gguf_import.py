@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 # llama.cpp writes llama3's divisors from these transformers defaults (LlamaModel.generate_extra_tensors);
 # any (low, high, original) with the same wavelength bounds gives the same frequencies
 LLAMA3_ORIGINAL_CONTEXT = 8192
+# GGML types tessera's decoder serves as stored (services/decoder/quant.py), `models import --keep-quantized`
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 # architecture -> the layer count by which llama.cpp knows a 27B Gemma (its query scale differs)
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -262,3 +264,47 @@ def _llama3_divisors(parameters: dict, wavelen: np.ndarray) -> np.ndarray:
     smooth = (original / wavelen - low) / (high - low)
     smoothed = 1 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, smoothed))
+
+
+def quantized_tensors(path: Path, model, state: dict) -> dict[str, tuple[str, np.ndarray]]:
+    """The file's matrices tessera's decoder multiplies without dequantizing, as stored: HF name ->
+    (GGML type name, uint8 array [rows, row bytes]), for the 2-D tensors of a type in
+    `QUANTIZED_TYPES`; the rows in transformers' order (llama's q/k permutation undone, as
+    transformers undoes it on the dequantized values).
+
+    `model`: transformers' model of the file (names and processor); `state`: its dequantized state
+    dict. A tensor is kept quantized only when the gguf package's dequantization of the bytes in
+    that order equals `state`'s tensor exactly; any other (a processor that changes values, stacked
+    experts) stays dequantized.
+    """
+    import gguf
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    reader = gguf.GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+    config = model.config.to_dict()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    names = get_gguf_hf_weights_map(model, processor)
+    kept = {}
+    for tensor in reader.tensors:
+        qtype = tensor.tensor_type.name
+        hf_name = names.get(tensor.name)
+        if qtype not in QUANTIZED_TYPES or len(tensor.shape) != 2 or hf_name not in state:
+            continue
+        raw = np.asarray(tensor.data)
+        order = np.arange(raw.shape[0])
+        if isinstance(processor, LlamaTensorProcessor) and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = config["num_attention_heads"] if ".attn_q." in tensor.name else config["num_key_value_heads"]
+            order = processor._reverse_permute_weights(order[:, None], heads, heads)[:, 0]
+        raw = np.ascontiguousarray(raw[order])
+        expected = state[hf_name].detach().float().numpy()
+        values = gguf.quants.dequantize(raw, tensor.tensor_type)
+        if values.shape == expected.shape and np.array_equal(values.astype(np.float32), expected):
+            kept[hf_name] = (qtype, raw)
+    return kept

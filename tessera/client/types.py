@@ -262,6 +262,7 @@ class DecoderInfo:
     generation_defaults: dict[str, float] = field(default_factory=dict)
     model_impl: str = ""  # "native" (tessera's model file) or "transformers" (transformers' modeling code)
     decode_step: str = ""  # "fused" (every layer in one C call) or "modules" (layer by layer); "" unknown
+    quantization: str = ""  # GGML types kept quantized and the kernels' mode ("Q4_1 exact"); "" dense
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class MetricsResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class DecoderInfo(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "hidden_size", "block_size", "num_blocks", "num_free_blocks", "mrope_section", "image_token_id", "num_running", "num_waiting", "dtype", "num_cached_blocks", "prefix_cache_hits", "prefix_cache_hit_tokens", "resident_adapters", "served_model_names", "generation_config", "generation_defaults", "chat_template_takes_tools", "tool_call_parser", "model_impl", "decode_step")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "hidden_size", "block_size", "num_blocks", "num_free_blocks", "mrope_section", "image_token_id", "num_running", "num_waiting", "dtype", "num_cached_blocks", "prefix_cache_hits", "prefix_cache_hit_tokens", "resident_adapters", "served_model_names", "generation_config", "generation_defaults", "chat_template_takes_tools", "tool_call_parser", "model_impl", "decode_step", "quantization")
     class GenerationDefaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class DecoderInfo(_message.Message):
     TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
     MODEL_IMPL_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -268,7 +269,8 @@ class DecoderInfo(_message.Message):
     tool_call_parser: str
     model_impl: str
     decode_step: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ..., image_token_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., served_model_names: _Optional[_Iterable[str]] = ..., generation_config: _Optional[str] = ..., generation_defaults: _Optional[_Mapping[str, float]] = ..., chat_template_takes_tools: _Optional[bool] = ..., tool_call_parser: _Optional[str] = ..., model_impl: _Optional[str] = ..., decode_step: _Optional[str] = ...) -> None: ...
+    quantization: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., mrope_section: _Optional[_Iterable[int]] = ..., image_token_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., dtype: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., served_model_names: _Optional[_Iterable[str]] = ..., generation_config: _Optional[str] = ..., generation_defaults: _Optional[_Mapping[str, float]] = ..., chat_template_takes_tools: _Optional[bool] = ..., tool_call_parser: _Optional[str] = ..., model_impl: _Optional[str] = ..., decode_step: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class PromptTokenCount(_message.Message):
     __slots__ = ("num_text_tokens", "num_images", "max_model_len")

@@ -122,14 +122,18 @@ def peft_weights(model, digest: str) -> LoRAWeights:
     return LoRAWeights(digest, modules)
 
 
-def check_lora(model_dir: Path, target_modules, prompts=None, new_tokens: int = 24, **config) -> None:
+def check_lora(model_dir: Path, target_modules, prompts=None, new_tokens: int = 24, reference: Path | None = None,
+               reference_load: dict | None = None, **config) -> None:
     """Two PEFT adapters on `target_modules` (a list, or "all-linear") and base rows in one batch:
     each adapter's greedy ids equal PEFT's generate, base rows equal transformers', and the adapters
-    change the output (else the check would prove nothing); every lease comes back."""
+    change the output (else the check would prove nothing); every lease comes back. `reference`
+    (default `model_dir`) and `reference_load` (from_pretrained's options, e.g. gguf_file): the
+    checkpoint PEFT adapts, where the served one is another form of it (GGUF blocks)."""
     import asyncio
 
     prompts = prompts or [PROMPTS[1], PROMPTS[3]]
-    models = {name: peft_model(model_dir, seed, target_modules) for name, seed in (("a", 1), ("b", 2))}
+    models = {name: peft_model(reference or model_dir, seed, target_modules, **(reference_load or {}))
+              for name, seed in (("a", 1), ("b", 2))}
     refs = {name: [ids for ids, _ in hf_reference_batch(model, prompts, new_tokens)] for name, model in models.items()}
     with torch.no_grad(), models["a"].disable_adapter():
         refs[""] = [ids for ids, _ in hf_reference_batch(models["a"], prompts, new_tokens)]

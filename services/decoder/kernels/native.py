@@ -1,4 +1,5 @@
-"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c, norm_rope.c, decode_step.c), built at
+"""The project's C kernels for CPUs (paged_attention.c, lora_bgmv.c, gemm.c, norm_rope.c, decode_step.c,
+quant_gemm.c), built at
 start, called
 through ctypes.
 
@@ -29,7 +30,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c", "norm_rope.c",
-                                                                   "decode_step.c")]
+                                                                   "decode_step.c", "quant_gemm.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
 VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 code
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
@@ -66,6 +67,11 @@ _SIGNATURES = {
     "tessera_kernels_variant": (ctypes.c_char_p, []),
     "tessera_gemm_variant": (ctypes.c_char_p, []),
     "tessera_gemm_panel_width": (_I64, []),
+    "tessera_qgemm": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _INT]),
+    "tessera_qdequant_rows": (None, [_P, _I64, _I64, _P, _I64, _P]),
+    "tessera_qblock_size": (_I64, [_I64]),
+    "tessera_qblock_bytes": (_I64, [_I64]),
+    "tessera_qgemm_variant": (ctypes.c_char_p, []),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

@@ -1,0 +1,536 @@
+/* GEMM against GGUF block-quantized weights: y[M][N] = x[M][K] . W[N][K]^T (+ bias[N]), W read as
+ * the quantized bytes, never widened to a float32 copy.
+ *
+ * Built and loaded with the other kernels by services/decoder/kernels/native.py; called by
+ * services/decoder/quant.py (`QuantizedWeight`).
+ *
+ * Formats: ggml's block layouts (llama.cpp ggml-common.h; the `gguf` package's quants.py dequantizes
+ * the same bytes), little-endian, f16 = IEEE half:
+ *
+ *     Q8_0   32 weights /  34 bytes  f16 d | int8 qs[32]                  w = d q
+ *     Q4_0   32 weights /  18 bytes  f16 d | u8 qs[16]                    w = d (nibble - 8)
+ *     Q4_1   32 weights /  20 bytes  f16 d | f16 m | u8 qs[16]            w = d nibble + m
+ *            (weight j < 16: qs[j] & 15; j >= 16: qs[j - 16] >> 4)
+ *     Q4_K  256 weights / 144 bytes  f16 d | f16 dmin | u8 scales[12] | u8 qs[128]
+ *            8 sub-blocks of 32 with 6-bit (sc, mn) (get_scale_min_k4): w = (d sc) nibble - dmin mn;
+ *            64 weights per 32 bytes of qs: low nibbles the even sub-block, high the odd one
+ *     Q6_K  256 weights / 210 bytes  u8 ql[128] | u8 qh[64] | int8 scales[16] | f16 d
+ *            w = (d scales[j / 16]) (q6 - 32), q6 = 4 bits of ql | 2 bits of qh << 4
+ *
+ * W is N rows of row_bytes = ceil(K / block) * block_bytes; weights of a row's last block past K are
+ * ignored (x is read up to K only).
+ *
+ * Loop order. Threads (OpenMP) take contiguous ranges of output columns, so each streams its own
+ * weight rows front to back, prefetched PF_BYTES ahead (decode_step.c's GEMV measured 8 KB best).
+ * Rows of x are taken TILE at a time (a tile of x stays in L2); within a tile, each weight row meets
+ * the x rows GROUP at a time, a block decoded in registers and summed into every row's accumulators.
+ * The weight row comes from memory for the first group and from L1 for the others.
+ *
+ * Exact mode (fast = 0): each weight is widened to the float32 value gguf's dequantize gives
+ * (Q4_x / Q4_K through a 16-entry table per (sub-)block, _mm512_permutexvar_ps), then fused
+ * multiply-adds with float32 x into float32 sums: the result is the float64 product of the
+ * dequantized weights up to float32 summation error (tests: within 1e-5 of sum_k |x||w|).
+ *
+ * Fast mode (fast = 1): x is quantized once per call to int8 per 32-element block, as llama.cpp's
+ * quantize_row_q8_0 (d_x = max|x| / 127, q = roundf(x / d_x); d_x kept in float32), and each
+ * 32-weight (sub-)block is an exact integer dot product (AVX512-VNNI / AVX-VNNI VPDPBUSD, AVX2
+ * VPMADDUBSW, portable int loops) scaled by float32 (d_w d_x); the additive term of Q4_1 / Q4_K uses
+ * the sum of the quantized x block (as llama.cpp's q8_1). Every format has the fast path, Q4_K and
+ * Q6_K included (Q6_K's two scales per 32 weights applied per 16-lane half). Conformance rule:
+ *
+ *     |y_fast - y_exact| <= sum over x blocks b of (d_x,b / 2) * sum_{k in b} |w_k|  (1 + 1e-5)
+ *                           + 1e-5 * sum_k |x_k| |w_k|
+ *
+ * (each x value moves by at most half a quantization step; the rest is float32 rounding).
+ *
+ * Variants (tessera_qgemm_variant): exact mode is AVX-512F code where the compiler targets it, else
+ * portable (a block decoded to a float buffer, `omp simd` sums); fast mode is "avx512-vnni",
+ * "avx-vnni", AVX2 maddubs or portable int loops. TESSERA_PORTABLE forces the portable code of both.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(TESSERA_PORTABLE) && (defined(__AVX512F__) || defined(__AVX2__))
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && !defined(TESSERA_PORTABLE)
+#define QX_AVX512 1
+#else
+#define QX_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TESSERA_PORTABLE)
+#define QF_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define QF_NAME "vnni"
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define QF_NAME "vnni"
+#else
+#define DPBUSD(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define QF_NAME "avx2"
+#endif
+#else
+#define QF_AVX2 0
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* GGML type ids */
+
+#define TILE 32          /* rows of x per tile: the weights are read once per tile */
+#define GROUP 4          /* rows of x summed together from one decoded block */
+#define PF_BYTES 8192    /* weight stream prefetch distance (decode_step.c) */
+#define PF_LOCALITY 2
+#define QUANTIZE_PARALLEL 65536  /* x values from which fast mode quantizes x with every thread */
+
+#define BLOCK_SIZE(t) ((t) == Q4_K || (t) == Q6_K ? 256 : 32)
+#define BLOCK_BYTES(t) ((t) == Q8_0 ? 34 : (t) == Q4_0 ? 18 : (t) == Q4_1 ? 20 : (t) == Q4_K ? 144 : 210)
+#define SUPPORTED(t) ((t) == Q8_0 || (t) == Q4_0 || (t) == Q4_1 || (t) == Q4_K || (t) == Q6_K)
+
+int64_t tessera_qblock_size(int64_t qtype) { return SUPPORTED(qtype) ? BLOCK_SIZE(qtype) : 0; }
+int64_t tessera_qblock_bytes(int64_t qtype) { return SUPPORTED(qtype) ? BLOCK_BYTES(qtype) : 0; }
+
+static inline float f16_at(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__) && !defined(TESSERA_PORTABLE)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24, exact */
+        const float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    bits = sign | (exp == 0x1f ? 0x7f800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Q4_K sub-block j's 6-bit scale and min (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn)
+{
+    if (j < 4) {
+        *sc = s[j] & 63, *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* weights [32 sub, 32 sub + 32) of a block as w = a[j / 16] * q[j] + bias: the one description of
+   every format that the portable code (and dequantization) reads */
+static inline void sub_ints(const int qtype, const uint8_t *b, int sub, int8_t q[32], float a[2], float *bias)
+{
+    *bias = 0.f;
+    switch (qtype) {
+    case Q8_0:
+        a[0] = a[1] = f16_at(b);
+        memcpy(q, b + 2, 32);
+        break;
+    case Q4_0:
+    case Q4_1: {
+        const uint8_t *qs = b + (qtype == Q4_0 ? 2 : 4);
+        a[0] = a[1] = f16_at(b);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)((qs[j] & 0xF) - (qtype == Q4_0 ? 8 : 0));
+            q[j + 16] = (int8_t)((qs[j] >> 4) - (qtype == Q4_0 ? 8 : 0));
+        }
+        if (qtype == Q4_1)
+            *bias = f16_at(b + 2);
+        break;
+    }
+    case Q4_K: {
+        int sc, mn;
+        scale_min_k4(b + 4, sub, &sc, &mn);
+        a[0] = a[1] = f16_at(b) * (float)sc;
+        *bias = -(f16_at(b + 2) * (float)mn);
+        const uint8_t *qs = b + 16 + 32 * (sub / 2);
+        for (int j = 0; j < 32; j++)
+            q[j] = (int8_t)((qs[j] >> (4 * (sub & 1))) & 0xF);
+        break;
+    }
+    default: {  /* Q6_K */
+        const int h = sub / 4, g = sub % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (g & 1), *qh = b + 128 + 32 * h;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = f16_at(b + 208);
+        a[0] = d * (float)scales[8 * h + 2 * g], a[1] = d * (float)scales[8 * h + 2 * g + 1];
+        for (int j = 0; j < 32; j++)
+            q[j] = (int8_t)((((ql[j] >> (g >= 2 ? 4 : 0)) & 0xF) | (((qh[j] >> (2 * g)) & 3) << 4)) - 32);
+        break;
+    }
+    }
+}
+
+/* a whole block as float32, the values gguf's dequantize gives */
+static void decode_block(const int qtype, const uint8_t *b, float *out)
+{
+    for (int sub = 0; sub < BLOCK_SIZE(qtype) / 32; sub++) {
+        int8_t q[32];
+        float a[2], bias;
+        sub_ints(qtype, b, sub, q, a, &bias);
+        for (int j = 0; j < 32; j++)
+            out[32 * sub + j] = a[j / 16] * (float)q[j] + bias;  /* the product is exact but for Q6_K */
+    }
+}
+
+#if QX_AVX512
+/* weights [32 sub, 32 sub + 32) of a block as two float32 vectors */
+static inline __attribute__((always_inline)) void decode32(const int qtype, const uint8_t *b, int sub,
+                                                           __m512 *lo, __m512 *hi)
+{
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (qtype == Q8_0) {
+        const __m512 d = _mm512_set1_ps(f16_at(b));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+    } else if (qtype == Q4_0 || qtype == Q4_1) {  /* a nibble indexes a table of its 16 values */
+        const __m512 d = _mm512_set1_ps(f16_at(b));
+        const __m512 table = qtype == Q4_0 ? _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)))
+                                           : _mm512_fmadd_ps(d, iota, _mm512_set1_ps(f16_at(b + 2)));
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qtype == Q4_0 ? 2 : 4))));
+        *lo = _mm512_permutexvar_ps(v, table);  /* reads the index's low 4 bits only */
+        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    } else if (qtype == Q4_K) {
+        int sc, mn;
+        scale_min_k4(b + 4, sub, &sc, &mn);
+        const __m512 table = _mm512_fmsub_ps(_mm512_set1_ps(f16_at(b) * (float)sc), iota,
+                                             _mm512_set1_ps(f16_at(b + 2) * (float)mn));
+        const uint8_t *qs = b + 16 + 32 * (sub / 2);
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+        if (sub & 1)
+            v0 = _mm512_srli_epi32(v0, 4), v1 = _mm512_srli_epi32(v1, 4);
+        *lo = _mm512_permutexvar_ps(v0, table);
+        *hi = _mm512_permutexvar_ps(v1, table);
+    } else {  /* Q6_K */
+        const int h = sub / 4, g = sub % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (g & 1), *qh = b + 128 + 32 * h;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = f16_at(b + 208);
+        const __m512i mask4 = _mm512_set1_epi32(0xF), mask2 = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+        __m512 out[2];
+        for (int half = 0; half < 2; half++) {
+            const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * half)));
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * half)));
+            const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(l, g >= 2 ? 4 : 0), mask4),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 2 * g), mask2), 4));
+            out[half] = _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[8 * h + 2 * g + half]),
+                                      _mm512_cvtepi32_ps(_mm512_sub_epi32(q, bias)));
+        }
+        *lo = out[0], *hi = out[1];
+    }
+}
+#endif
+
+/* sums[r] = sum_k x[r][k] w[k] for r < nr (nr <= GROUP, a constant after inlining) over one weight
+   row; `pf`: prefetch the stream ahead (the group that reads the row from memory) */
+static inline __attribute__((always_inline)) void exact_dot(
+    const int qtype, const int nr, const float *x, int64_t k, const uint8_t *w, float *sums, const int pf)
+{
+    const int bs = BLOCK_SIZE(qtype), bb = BLOCK_BYTES(qtype);
+    const int64_t blocks = (k + bs - 1) / bs;
+#if QX_AVX512
+    __m512 acc[GROUP][2];
+    for (int r = 0; r < GROUP; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = w + i * bb;
+        if (pf)
+            for (int at = 0; at < bb; at += 64)
+                __builtin_prefetch(b + PF_BYTES + at, 0, PF_LOCALITY);
+        for (int sub = 0; sub < bs / 32; sub++) {
+            const int64_t k0 = i * bs + 32 * sub;
+            if (k0 >= k)
+                break;
+            __m512 lo, hi;
+            decode32(qtype, b, sub, &lo, &hi);
+            if (k0 + 32 <= k) {
+                for (int r = 0; r < nr; r++) {
+                    acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * k + k0), acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * k + k0 + 16), acc[r][1]);
+                }
+            } else {  /* past K: masked-off lanes load zeros, weights included */
+                const int64_t left = k - k0;
+                const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
+                const __mmask16 m1 = left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+                lo = _mm512_maskz_mov_ps(m0, lo), hi = _mm512_maskz_mov_ps(m1, hi);
+                for (int r = 0; r < nr; r++) {
+                    acc[r][0] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(m0, x + r * k + k0), acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m1, x + r * k + k0 + 16), acc[r][1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#else
+    float s[GROUP] = {0.f};
+    float wf[256];
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = w + i * bb;
+        if (pf)
+            for (int at = 0; at < bb; at += 64)
+                __builtin_prefetch(b + PF_BYTES + at, 0, PF_LOCALITY);
+        decode_block(qtype, b, wf);
+        const int64_t k0 = i * bs, len = k - k0 < bs ? k - k0 : bs;
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * k + k0;
+            float part = 0.f;
+            #pragma omp simd reduction(+:part)
+            for (int64_t j = 0; j < len; j++)
+                part += wf[j] * xr[j];
+            s[r] += part;
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        sums[r] = s[r];
+#endif
+}
+
+/* x quantized per 32-element block (fast mode): d * q[j] ~ x[j], s = d * sum_j q[j] */
+typedef struct {
+    float d, s;
+    int8_t q[32];
+} xblock_t;
+
+static void quantize_x(const float *x, int64_t m, int64_t k, xblock_t *out, int num_threads)
+{
+    const int64_t nb = (k + 31) / 32;
+    /* a decode step's few rows take a microsecond: less than waking the team for them */
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * k >= QUANTIZE_PARALLEL)
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t i = 0; i < nb; i++) {
+            const float *xb = x + r * k + 32 * i;
+            const int64_t len = k - 32 * i < 32 ? k - 32 * i : 32;
+            float amax = 0.f;
+            for (int64_t j = 0; j < len; j++)
+                amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            xblock_t *o = out + r * nb + i;
+            int sum = 0;
+            for (int64_t j = 0; j < 32; j++) {
+                o->q[j] = (int8_t)(j < len ? roundf(xb[j] * id) : 0.f);
+                sum += o->q[j];
+            }
+            o->d = d, o->s = d * (float)sum;
+        }
+    }
+}
+
+#if QF_AVX2
+/* weights [32 sub, 32 sub + 32) as signed int8 and the per-lane scale of an 8-lane int32 dot product
+   (lanes 0-3 sum weights 0-15, lanes 4-7 weights 16-31); *bias as sub_ints */
+static inline __attribute__((always_inline)) __m256i fast32(const int qtype, const uint8_t *b, int sub,
+                                                             __m256 *scale, float *bias)
+{
+    const __m256i mask4 = _mm256_set1_epi8(0xF);
+    *bias = 0.f;
+    if (qtype == Q8_0) {
+        *scale = _mm256_set1_ps(f16_at(b));
+        return _mm256_loadu_si256((const __m256i *)(b + 2));
+    }
+    if (qtype == Q4_0 || qtype == Q4_1) {
+        *scale = _mm256_set1_ps(f16_at(b));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + (qtype == Q4_0 ? 2 : 4)));
+        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask4);
+        if (qtype == Q4_1)
+            *bias = f16_at(b + 2);
+        return qtype == Q4_0 ? _mm256_sub_epi8(nib, _mm256_set1_epi8(8)) : nib;
+    }
+    if (qtype == Q4_K) {
+        int sc, mn;
+        scale_min_k4(b + 4, sub, &sc, &mn);
+        *scale = _mm256_set1_ps(f16_at(b) * (float)sc);
+        *bias = -(f16_at(b + 2) * (float)mn);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (sub / 2)));
+        return _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(q, 4) : q, mask4);
+    }
+    const int h = sub / 4, g = sub % 4;  /* Q6_K */
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = f16_at(b + 208);
+    *scale = _mm256_set_m128(_mm_set1_ps(d * (float)scales[8 * h + 2 * g + 1]),
+                             _mm_set1_ps(d * (float)scales[8 * h + 2 * g]));
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (g & 1)));
+    const __m256i u = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    const __m256i lo4 = _mm256_and_si256(g >= 2 ? _mm256_srli_epi16(l, 4) : l, mask4);
+    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(u, 2 * g), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
+}
+#endif
+
+/* sums[r] for r < nr over one weight row, x quantized (xq: the group's first row, nb blocks a row) */
+static inline __attribute__((always_inline)) void fast_dot(
+    const int qtype, const int nr, const xblock_t *xq, int64_t nb, int64_t k, const uint8_t *w, float *sums,
+    const int pf)
+{
+    const int bs = BLOCK_SIZE(qtype), bb = BLOCK_BYTES(qtype);
+    const int64_t blocks = (k + bs - 1) / bs;
+    float extra[GROUP] = {0.f};  /* the additive terms: bias * d_x sum q_x */
+#if QF_AVX2
+    __m256 acc[GROUP];
+    for (int r = 0; r < GROUP; r++)
+        acc[r] = _mm256_setzero_ps();
+#else
+    float acc[GROUP] = {0.f};
+#endif
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = w + i * bb;
+        if (pf)
+            for (int at = 0; at < bb; at += 64)
+                __builtin_prefetch(b + PF_BYTES + at, 0, PF_LOCALITY);
+        for (int sub = 0; sub < bs / 32; sub++) {
+            const int64_t xi = i * (bs / 32) + sub;  /* the x block: zeros past K */
+            if (xi >= nb)
+                break;
+            float bias;
+#if QF_AVX2
+            __m256 scale;
+            const __m256i wq = fast32(qtype, b, sub, &scale, &bias);
+            const __m256i aw = _mm256_sign_epi8(wq, wq);  /* |w| as unsigned, the sign moved onto x */
+            for (int r = 0; r < nr; r++) {
+                const xblock_t *xb = xq + r * nb + xi;
+                const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), wq);
+                const __m256i dot = DPBUSD(_mm256_setzero_si256(), aw, xv);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xb->d)), acc[r]);
+                if (qtype == Q4_1 || qtype == Q4_K)
+                    extra[r] += bias * xb->s;
+            }
+#else
+            int8_t q[32];
+            float a[2];
+            sub_ints(qtype, b, sub, q, a, &bias);
+            for (int r = 0; r < nr; r++) {
+                const xblock_t *xb = xq + r * nb + xi;
+                int32_t lo = 0, hi = 0;
+                for (int j = 0; j < 16; j++)
+                    lo += q[j] * xb->q[j], hi += q[j + 16] * xb->q[j + 16];
+                acc[r] += xb->d * (a[0] * (float)lo + a[1] * (float)hi);
+                extra[r] += bias * xb->s;
+            }
+#endif
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+#if QF_AVX2
+        const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        sums[r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) + extra[r];
+#else
+        sums[r] = acc[r] + extra[r];
+#endif
+    }
+}
+
+/* one group's dot products (nr rows from row r0), either mode */
+static inline __attribute__((always_inline)) void group_dot(
+    const int qtype, const int nr, const int fast, const float *x, const xblock_t *xq, int64_t r0, int64_t k,
+    const uint8_t *w, float *sums, const int pf)
+{
+    const int64_t nb = (k + 31) / 32;
+    if (fast)
+        fast_dot(qtype, nr, xq + r0 * nb, nb, k, w, sums, pf);
+    else
+        exact_dot(qtype, nr, x + r0 * k, k, w, sums, pf);
+}
+
+/* columns [c0, c1) of y for every row, in tiles of TILE rows and groups of GROUP */
+static inline __attribute__((always_inline)) void columns(
+    const int qtype, const int fast, const float *x, const xblock_t *xq, int64_t m, int64_t k, const uint8_t *w,
+    const float *bias, float *y, int64_t n, int64_t c0, int64_t c1)
+{
+    const int64_t row_bytes = (k + BLOCK_SIZE(qtype) - 1) / BLOCK_SIZE(qtype) * BLOCK_BYTES(qtype);
+    for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+        const int64_t t1 = t0 + TILE < m ? t0 + TILE : m;
+        for (int64_t c = c0; c < c1; c++) {
+            const uint8_t *wr = w + c * row_bytes;
+            const float b = bias != NULL ? bias[c] : 0.f;
+            for (int64_t r0 = t0; r0 < t1; r0 += GROUP) {
+                float sums[GROUP];
+                const int pf = r0 == t0;
+                switch (t1 - r0 < GROUP ? t1 - r0 : GROUP) {
+                case 1: group_dot(qtype, 1, fast, x, xq, r0, k, wr, sums, pf); break;
+                case 2: group_dot(qtype, 2, fast, x, xq, r0, k, wr, sums, pf); break;
+                case 3: group_dot(qtype, 3, fast, x, xq, r0, k, wr, sums, pf); break;
+                default: group_dot(qtype, GROUP, fast, x, xq, r0, k, wr, sums, pf); break;
+                }
+                for (int64_t r = r0; r < t1 && r < r0 + GROUP; r++)
+                    y[r * n + c] = sums[r - r0] + b;
+            }
+        }
+    }
+}
+
+#define COLUMNS_OF(fast)                                                                                  \
+    switch (qtype) {                                                                                      \
+    case Q8_0: columns(Q8_0, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
+    case Q4_0: columns(Q4_0, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
+    case Q4_1: columns(Q4_1, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
+    case Q4_K: columns(Q4_K, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
+    default: columns(Q6_K, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                              \
+    }
+
+/* x [m, k] float32; w [n, row_bytes] (ggml blocks, qtype a GGML type id); bias [n] float32 or NULL;
+   y [m, n] float32; all contiguous. An unsupported qtype leaves y as it is (quant.py checks it). */
+void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t qtype, const float *bias,
+                   float *y, int64_t n, int64_t fast, int num_threads)
+{
+    if (!SUPPORTED(qtype) || m <= 0 || n <= 0)
+        return;
+    xblock_t *xq = NULL;
+    if (fast) {
+        xq = malloc((size_t)m * (size_t)((k + 31) / 32) * sizeof *xq);
+        if (xq == NULL)
+            fast = 0;  /* no memory for the quantized x: the exact path needs none */
+        else
+            quantize_x(x, m, k, xq, num_threads);
+    }
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t c0 = n * t / threads, c1 = n * (t + 1) / threads;
+        if (fast) {
+            COLUMNS_OF(1)
+        } else {
+            COLUMNS_OF(0)
+        }
+    }
+    free(xq);
+}
+
+/* out[i, :k] = row rows[i] of w dequantized (float32, as gguf's dequantize) */
+void tessera_qdequant_rows(const uint8_t *w, int64_t qtype, int64_t k, const int64_t *rows, int64_t count,
+                           float *out)
+{
+    if (!SUPPORTED(qtype))
+        return;
+    const int bs = BLOCK_SIZE(qtype), bb = BLOCK_BYTES(qtype);
+    const int64_t blocks = (k + bs - 1) / bs, row_bytes = blocks * bb;
+    for (int64_t i = 0; i < count; i++) {
+        for (int64_t j = 0; j < blocks; j++) {
+            float buf[256];
+            decode_block((int)qtype, w + rows[i] * row_bytes + j * bb, buf);
+            const int64_t len = k - j * bs < bs ? k - j * bs : bs;
+            memcpy(out + i * k + j * bs, buf, (size_t)len * sizeof(float));
+        }
+    }
+}
+
+/* "avx512-vnni" (exact: AVX-512F; fast: VNNI), "avx512" (exact: AVX-512F; fast: AVX2), "avx-vnni" /
+   "avx2" (exact: portable; fast: AVX-VNNI / AVX2), "portable" (both portable; also TESSERA_PORTABLE) */
+const char *tessera_qgemm_variant(void)
+{
+#if QX_AVX512 && QF_AVX2
+    return strcmp(QF_NAME, "vnni") == 0 ? "avx512-vnni" : "avx512";
+#elif QF_AVX2
+    return strcmp(QF_NAME, "vnni") == 0 ? "avx-vnni" : "avx2";
+#else
+    return "portable";
+#endif
+}

@@ -1,0 +1,234 @@
+"""GGUF block-quantized weights served as stored (services/decoder/quant.py, quantized_model.py,
+kernels/quant_gemm.c; `tessera models import --keep-quantized`), against transformers running the
+same GGUF (its dequantized load) on tiny seeded checkpoints.
+
+- Each format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and a Q4_K_M-style mix of Q4_K and Q6_K), exact mode:
+  greedy ids for 64 new tokens = transformers' and fp32 logits within 1e-4, alone and 8 concurrent;
+  Q4_1 (the built-in model's type) and the mix in every regime (chunked prefill, prefix hit,
+  recompute preemption).
+- What is held: every projection and the embeddings keep their blocks (no float32 copy), a tied
+  lm_head multiplies by the embeddings' blocks, and `DecoderInfo.quantization` names the types.
+- The fast mode (int8 activations) within its rule on the first step's logits.
+- Two PEFT adapters and base rows over a quantized base in one batch = PEFT over transformers'
+  dequantized model.
+- The prefix cache's block hashes differ between a quantized and a dense base.
+- Refusals: a quantized checkpoint with dtype bfloat16; through transformers' path; a tensor whose
+  bytes do not fit its type.
+- The built-in SmolLM2 straight from its Q4_1 file (`tessera up --quantized`): greedy ids =
+  transformers on the float32 checkpoint `models prepare` dequantizes from the same file; loading
+  its blocks adds at most 0.4x what loading the float32 weights adds to the decoder's RSS.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from decoder_testing import make_tiny_llama
+from family_conformance import PROMPTS, check_lora, check_regime, references
+from quantized_cases import FORMATS, write_gguf
+
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.quant import QuantizedWeight
+from services.decoder.quantized_model import QuantizedEmbedding, QuantizedParts, quantization
+from tessera.cli.models import import_gguf
+
+# hidden 256 / intermediate 512: rows of whole K-quant blocks (256 weights)
+SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The tiny float32 checkpoints: one tying its head to the embeddings (as SmolLM2), one not."""
+    root = tmp_path_factory.mktemp("quantized-sources")
+    return {"tied": make_tiny_llama(root / "tied", seed=3, tie_word_embeddings=True, **SIZES),
+            "untied": make_tiny_llama(root / "untied", seed=4, **SIZES)}
+
+
+_served: dict = {}
+
+
+def served(fmt: str, sources, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(the GGUF, its --keep-quantized import, transformers' references on the GGUF), built once per format."""
+    if fmt not in _served:
+        root = tmp_path_factory.mktemp(f"quantized-{fmt}")
+        source = sources["untied" if fmt == "Q4_K_M" else "tied"]
+        gguf_path = write_gguf(source, fmt, root / f"tiny-{fmt}.gguf")
+        model_dir = import_gguf(gguf_path, name="tiny", root=root / "models", keep_quantized=True)
+        refs = references(gguf_path.parent, gguf_file=gguf_path.name)
+        _served[fmt] = (gguf_path, model_dir, refs)
+    return _served[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_alone_and_concurrent_equals_transformers_on_the_gguf(fmt, sources, tmp_path_factory):
+    _, model_dir, refs = served(fmt, sources, tmp_path_factory)
+    for regime in ("alone", "concurrent"):
+        check_regime(model_dir, refs, regime)
+
+
+@pytest.mark.parametrize("regime", ("chunked", "prefix", "preempt"))
+@pytest.mark.parametrize("fmt", ("Q4_1", "Q4_K_M"))
+def test_every_regime(fmt, regime, sources, tmp_path_factory):
+    _, model_dir, refs = served(fmt, sources, tmp_path_factory)
+    check_regime(model_dir, refs, regime)
+
+
+def test_the_blocks_are_what_the_model_holds(sources, tmp_path_factory):
+    _, model_dir, _ = served("Q4_K_M", sources, tmp_path_factory)
+    engine = start_engine(DecoderConfig(model_dir=str(model_dir), num_blocks=32))
+    try:
+        model = engine.parts.model
+        layer = model.model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj.gemm, QuantizedParts)  # q, k Q4_K beside v Q6_K
+        assert layer.self_attn.qkv_proj.gemm.qtype == "Q4_K+Q6_K"
+        assert isinstance(layer.mlp.gate_up_proj.gemm, QuantizedWeight) and layer.mlp.gate_up_proj.gemm.qtype == "Q4_K"
+        assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+        dense = sum(p.numel() for p in model.parameters())
+        assert dense < 10_000, f"{dense} float weights beside the blocks"  # norms only
+        assert engine.info().quantization == "Q4_K+Q6_K exact"
+    finally:
+        engine.shutdown()
+    _, tied_dir, _ = served("Q4_1", sources, tmp_path_factory)
+    engine = start_engine(DecoderConfig(model_dir=str(tied_dir), num_blocks=32))
+    try:
+        model = engine.parts.model
+        assert model.lm_head.gemm is model.model.embed_tokens.weight  # one copy of the tied blocks
+        assert quantization(model) == "Q4_1"
+    finally:
+        engine.shutdown()
+
+
+def test_fast_mode_within_its_rule(sources, tmp_path_factory):
+    """Fast mode quantizes activations to int8 per 32 values (llama.cpp's arithmetic): the kernels'
+    per-output bound is checked in test_quant_kernels.py; the whole model's rule here is that the
+    first step's logits differ from exact mode's (transformers') by at most 5% in relative L2 norm
+    and pick the same token."""
+    from decoder_testing import capture_logits, run_requests
+
+    from services.decoder.types import GenerateInput, SamplingParams
+
+    _, model_dir, refs = served("Q8_0", sources, tmp_path_factory)
+    prompt = PROMPTS[2]
+    engine = start_engine(DecoderConfig(model_dir=str(model_dir), num_blocks=32, quant_mode="fast"))
+    try:
+        assert engine.info().quantization == "Q8_0 fast"
+        logits = capture_logits(engine)
+        run_requests(engine, [GenerateInput(SamplingParams(max_tokens=1), request_id="r0",
+                                            prompt_token_ids=tuple(prompt))])
+    finally:
+        engine.shutdown()
+    exact = refs[tuple(prompt)][1][0]
+    fast = logits["r0"][0]
+    assert not torch.equal(fast, exact)  # the mode changes the arithmetic
+    print("fast-mode relative L2", float((fast - exact).norm() / exact.norm()))
+    assert (fast - exact).norm() <= 0.05 * exact.norm()
+    assert int(fast.argmax()) == int(exact.argmax())
+
+
+def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_model(sources, tmp_path_factory):
+    gguf_path, model_dir, _ = served("Q4_K_M", sources, tmp_path_factory)
+    check_lora(model_dir, "all-linear", reference=gguf_path.parent, reference_load={"gguf_file": gguf_path.name})
+
+
+def test_prefix_cache_salts_blocks_with_the_quantization(sources, tmp_path_factory):
+    from services.decoder.prefix_cache import BlockHasher
+
+    tokens = list(range(40))
+    dense, quantized = BlockHasher(16).update(tokens), BlockHasher(16, base_key="Q4_1 exact").update(tokens)
+    assert len(dense) == 2 and not set(dense) & set(quantized)
+    assert BlockHasher(16, base_key="Q4_1 exact").update(tokens) == quantized
+    assert not set(BlockHasher(16, base_key="Q4_1 fast").update(tokens)) & set(quantized)
+
+
+def test_refusals(sources, tmp_path_factory):
+    _, model_dir, _ = served("Q4_0", sources, tmp_path_factory)
+    with pytest.raises(ValueError, match="GGUF-quantized matrices.*bfloat16"):
+        DecoderConfig(model_dir=str(model_dir), dtype="bfloat16")
+    with pytest.raises(ValueError, match="only tessera's native"):
+        start_engine(DecoderConfig(model_dir=str(model_dir), model_impl="transformers", num_blocks=32))
+    # a header naming a tensor whose bytes do not fit its type is refused at load, naming it
+    from safetensors.torch import load_file, save_file
+
+    broken = model_dir.parent / "broken"
+    broken.mkdir()
+    for item in model_dir.iterdir():
+        if item.name != "model.safetensors":
+            (broken / item.name).write_bytes(item.read_bytes())
+    state = load_file(model_dir / "model.safetensors")
+    types = {name: "Q4_0" for name, t in state.items() if t.dtype == torch.uint8}
+    types["model.layers.0.mlp.down_proj.weight"] = "Q8_0"
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt", "tessera.gguf_types": json.dumps(types)})
+    with pytest.raises(ValueError, match=r"down_proj.weight \(Q8_0\) is torch.uint8"):
+        start_engine(DecoderConfig(model_dir=str(broken), num_blocks=32))
+
+
+# -- the built-in SmolLM2 from its Q4_1 file (`tessera up --quantized`) ------------------------------
+
+_RSS_SCRIPT = """
+import sys
+from services.decoder import engine_parts
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+
+def rss_kb():
+    return int([line for line in open("/proc/self/status") if line.startswith("VmRSS:")][0].split()[1])
+
+load, grown = engine_parts.load_model, []
+def measured_load(*args, **kwargs):
+    before = rss_kb()
+    model = load(*args, **kwargs)
+    grown.append(rss_kb() - before)
+    return model
+engine_parts.load_model = measured_load
+engine = start_engine(DecoderConfig(model_dir=sys.argv[1], num_blocks=64, max_num_seqs=8, decode_step="modules"))
+print("RSS_KB", rss_kb(), grown[0], engine.info().quantization, flush=True)
+engine.shutdown()
+"""
+
+
+def _decoder_rss_kb(model_dir: Path) -> tuple[int, int, str]:
+    """(the decoder's RSS once started, what loading the model added to it, its quantization), in a
+    process of its own."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(model_dir)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    _, rss, grown, *types = next(line for line in out.splitlines() if line.startswith("RSS_KB")).split(" ", 3)
+    return int(rss), int(grown), " ".join(types)
+
+
+@pytest.fixture(scope="module")
+def builtin_q4_1():
+    """The built-in decoder kept as its Q4_1 blocks (`make models` prepares it), and its float32
+    checkpoint: transformers' dequantization of the same file."""
+    from tessera.cli.models import prepare_quantized
+    from tessera.paths import default_decoder_dir
+
+    return prepare_quantized(), default_decoder_dir()
+
+
+def test_builtin_smollm2_served_from_its_q4_1_file_equals_transformers(builtin_q4_1):
+    quantized_dir, dense_dir = builtin_q4_1
+    prompts = PROMPTS[:3]
+    refs = references(dense_dir, prompts, new_tokens=32)
+    check_regime(quantized_dir, refs, "concurrent", prompts=prompts, new_tokens=32)
+
+
+def test_builtin_q4_1_weights_take_at_most_0_4x_the_float32_decoders(builtin_q4_1):
+    """What loading the model adds to the decoder's RSS: the Q4_1 blocks (and the file's Q8_0
+    embeddings) against the float32 weights. The whole process's ratio is printed beside it: with a
+    135M model the runtime (torch, tokenizer, grammar engine, ~0.5 GB) dominates both."""
+    quantized_dir, dense_dir = builtin_q4_1
+    dense, dense_weights, dense_types = _decoder_rss_kb(dense_dir)
+    quantized, quantized_weights, types = _decoder_rss_kb(quantized_dir)
+    assert dense_types == "" and types == "Q8_0+Q4_1 exact"  # the file keeps its embeddings in Q8_0
+    print(f"decoder RSS {quantized / 1024:.0f} MiB Q4_1 against {dense / 1024:.0f} MiB float32 "
+          f"({quantized / dense:.2f}x); the model's load {quantized_weights / 1024:.0f} against "
+          f"{dense_weights / 1024:.0f} MiB ({quantized_weights / dense_weights:.2f}x)")
+    assert quantized_weights <= 0.4 * dense_weights
+    assert quantized < dense
