@@ -2,9 +2,12 @@
 
 Needs env LLAMA_SERVER, the path of a `llama-server` binary (the README's "Comparing with
 llama.cpp" builds one offline); without it this prints how to build one and exits 0. In one run:
-  1. `tessera models export-gguf` writes the checkpoint as GGUF at each precision (F32, BF16);
+  1. `tessera models export-gguf` writes the checkpoint as GGUF at each precision (F32, BF16, Q8_0,
+     Q4_0: `--outtypes`);
   2. per precision, `llama-server` (32 slots, continuous batching, one context of 32 x 1024
-     tokens) and `python -m services.decoder --dtype` (float32 / bfloat16) start side by side;
+     tokens) and `python -m services.decoder --dtype` (float32 / bfloat16) start side by side; for
+     Q8_0 and Q4_0 tessera serves the same file's blocks (`models import --keep-quantized`, float32
+     activations, `--quant-mode`: fast by default, int8 activations as llama.cpp computes);
   3. both answer a few short greedy prompts; their token ids must be identical (reported);
   4. P1 (bench/decode.py's workload: 32 concurrent requests, prompts 16-512 tokens, outputs
      16-256, EOS ignored, greedy) runs against each, interleaved, for `--rounds` rounds, each
@@ -40,8 +43,9 @@ from _decoder_proc import RESULTS, machine, start_decoder, stop
 from _flops import ModelShape, read_bandwidth
 from decode import _grpc_run, fresh_tokens, workload
 
-DTYPE_BY_OUTTYPE = {"f32": "float32", "bf16": "bfloat16"}
-BYTES_BY_OUTTYPE = {"f32": 4, "bf16": 2}
+DTYPE_BY_OUTTYPE = {"f32": "float32", "bf16": "bfloat16", "q8_0": "float32", "q4_0": "float32"}
+BYTES_BY_OUTTYPE = {"f32": 4, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per weight (ggml blocks)
+QUANTIZED = ("q8_0", "q4_0")
 MODES = ("p1", "batch1")
 BATCH1_PROMPT, BATCH1_TOKENS = 128, 128
 CHECK_PROMPTS = [[504, 3575, 282, 4649, 314], [1350, 253, 1345, 30, 378, 1019, 7042], list(range(1000, 1040))]
@@ -189,7 +193,13 @@ def compare_precision(args, outtype: str, gguf_path: Path, work) -> dict:
                              RESULTS / f"peer-llama-{outtype}.log")
     try:
         flags = ["--dtype", DTYPE_BY_OUTTYPE[outtype], "--no-prefix-caching", *args.decoder_flags.split()]
-        decoder, address = start_decoder(args.model_dir, flags, RESULTS / f"peer-tessera-{outtype}.log")
+        model_dir = args.model_dir
+        if outtype in QUANTIZED:  # the same file's blocks, imported once
+            from tessera.cli.models import serve_gguf
+
+            model_dir = serve_gguf(gguf_path)
+            flags += ["--quant-mode", args.quant_mode]
+        decoder, address = start_decoder(model_dir, flags, RESULTS / f"peer-tessera-{outtype}.log")
         try:
             agree = [tessera_greedy(address, p, CHECK_TOKENS) == llama_complete(url, p, CHECK_TOKENS)
                      for p in CHECK_PROMPTS]
@@ -227,7 +237,7 @@ def report(results: list[dict], args) -> str:
         for r in results:
             t, ll = statistics.median(r["tessera"]), statistics.median(r["llama"])
             same = f"{sum(r['agree'])}/{len(r['agree'])} prompts"
-            lines.append(f"| {r['outtype'].upper()} | tessera (`--dtype {DTYPE_BY_OUTTYPE[r['outtype']]}`) | "
+            lines.append(f"| {r['outtype'].upper()} | tessera (`{_flags(r['outtype'], args)}`) | "
                          f"{', '.join(f'{x:.1f}' for x in r['tessera'])} | {t:.1f} | {t / ll:.2f}x | {same} |")
             lines.append(f"| {r['outtype'].upper()} | llama-server ({args.slots} slots) | "
                          f"{', '.join(f'{x:.1f}' for x in r['llama'])} | {ll:.1f} | | {same} |")
@@ -245,13 +255,19 @@ def report(results: list[dict], args) -> str:
                    for name, rows in r["batch1"].items()}
             roofline = args.bandwidth * 1e9 / (args.weight_mb * 1e6 * BYTES_BY_OUTTYPE[r["outtype"]] / 4)
             t, ll = med["tessera"], med["llama"]
-            lines.append(f"| {r['outtype'].upper()} | tessera | {t['request']:.1f} | {t['decode']:.1f} | "
+            lines.append(f"| {r['outtype'].upper()} | tessera ({_flags(r['outtype'], args)}) | {t['request']:.1f} | {t['decode']:.1f} | "
                          f"{t['ttft_ms']:.0f} | {t['request'] / ll['request']:.2f}x, {t['decode'] / ll['decode']:.2f}x | "
                          f"{t['decode'] / roofline:.2f} of {roofline:.1f} tok/s |")
             lines.append(f"| {r['outtype'].upper()} | llama-server | {ll['request']:.1f} | {ll['decode']:.1f} | "
                          f"{ll['ttft_ms']:.0f} | | {ll['decode'] / roofline:.2f} |")
         sections.append("\n".join(lines))
     return "\n\n".join(sections)
+
+
+def _flags(outtype: str, args) -> str:
+    if outtype in QUANTIZED:
+        return f"GGUF blocks, --quant-mode {args.quant_mode}"
+    return f"--dtype {DTYPE_BY_OUTTYPE[outtype]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tessera bench peer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=default_decoder_dir())
-    parser.add_argument("--outtypes", nargs="+", choices=sorted(DTYPE_BY_OUTTYPE), default=["f32", "bf16"])
+    parser.add_argument("--outtypes", nargs="+", choices=sorted(DTYPE_BY_OUTTYPE), default=["f32", "bf16", "q8_0", "q4_0"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quant-mode", choices=("exact", "fast"), default="fast",
+                        help="tessera's --quant-mode for the Q8_0 / Q4_0 files (fast: int8 activations, as llama.cpp)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="p1: 32 concurrent requests; batch1: one request at a time")
     parser.add_argument("--batch1-requests", type=int, default=3, help="batch-1 requests per server per round")
@@ -300,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.llama_server}; P1 = {args.num_requests} concurrent requests, prompts {args.prompt_range[0]}-"
         f"{args.prompt_range[1]} tokens, outputs {args.tokens_range[0]}-{args.tokens_range[1]}, EOS ignored, "
         f"greedy; prefix caching off on both; interleaved, {args.rounds} rounds (median). Targets: "
-        f"P1 tessera >= 1.5x llama-server at each precision; batch 1 >= 1.0x, decode >= 0.8 of the roofline.\n\n"
+        f"P1 tessera >= 1.5x llama-server at each precision; batch 1 >= 1.0x, decode >= 0.8 of the roofline "
+        f"(F32, BF16).\n\n"
         f"{table}\n")
     print(f"wrote {args.output}")
     return 0

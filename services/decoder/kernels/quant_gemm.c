@@ -428,12 +428,317 @@ static inline __attribute__((always_inline)) void fast_dot(
     }
 }
 
+/* ---- 4-block groups (Q8_0, Q4_0, Q4_1 where AVX-512 BW + VNNI are targeted) ----
+ * A row's blocks are taken four at a time (128 weights): their 64 bytes of weights gathered into two
+ * 512-bit vectors whose 128-bit lane b holds block b's weights (Q4_x: lane b of A the low nibbles =
+ * weights 0-15, of B the high ones = 16-31; Q8_0: A weights 0-15, B 16-31), so that int32 (or
+ * float32) lane l belongs to block l / 4, and the four f16 scales come as one vector [d0 x4, .. d3 x4]
+ * (VPERMW + VCVTPH2PS). x is laid out to match once per call (`fgroup_t` / `egroup_t`, zeros past K):
+ * each block's scale is applied to lane sums, once per four blocks; a row's last 1-3 blocks are read
+ * with masked loads (the absent ones read as zeros, scale 0). */
+#if QX_AVX512 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q512 1
+#else
+#define Q512 0
+#endif
+#define QUAD(t) ((t) == Q8_0 || (t) == Q4_0 || (t) == Q4_1)
+
+#if Q512
+static const uint8_t GATHER_Q4_0[64] __attribute__((aligned(64))) = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71};
+static const uint8_t GATHER_Q4_1[64] __attribute__((aligned(64))) = {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79};
+static const uint8_t GATHER_Q8_0_A[64] __attribute__((aligned(64))) = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119};
+static const uint8_t GATHER_Q8_0_B[64] __attribute__((aligned(64))) = {10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127};
+static const uint16_t WORDS_Q4_0[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const uint16_t WORDS_Q4_1_D[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 10, 10, 10, 10, 20, 20, 20, 20, 30, 30, 30, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const uint16_t WORDS_Q4_1_M[32] __attribute__((aligned(64))) = {1, 1, 1, 1, 11, 11, 11, 11, 21, 21, 21, 21, 31, 31, 31, 31, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const uint16_t WORDS_Q8_0[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 17, 17, 17, 17, 34, 34, 34, 34, 51, 51, 51, 51, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+
+/* fast mode's x, one group of 4 blocks of one row: q as the weight vectors (A's x then B's), corr
+   -c * (lane's x bytes summed) with c the offset that makes the weights unsigned (Q8_0: 128, Q4_0: 8,
+   Q4_1: 0), dx the x scales [d0 x4, ..], sx (Q4_1) d sum q at lane 4 b */
+typedef struct {
+    int8_t q[128];
+    int32_t corr[16];
+    float dx[16], sx[16];
+} __attribute__((aligned(64))) fgroup_t;
+
+/* exact mode's x (Q4_x), one group: x[16 t + l] the x value of weight nibble t of lane l's dword
+   (block l / 4), xs (Q4_1) the block's sum of x at lane 4 b */
+typedef struct {
+    float x[128], xs[16];
+} __attribute__((aligned(64))) egroup_t;
+
+/* 64 bytes from p + off of which the first av - off exist (fewer: zeros) */
+static inline __attribute__((always_inline)) __m512i load_part(const uint8_t *p, int off, int av)
+{
+    if (av >= off + 64)
+        return _mm512_loadu_si512((const void *)(p + off));
+    const int n = av - off;
+    return _mm512_maskz_loadu_epi8(n <= 0 ? 0 : (__mmask64)((1ULL << n) - 1), p + off);
+}
+
+#if !defined(__AVX512VBMI__)
+/* 16 bytes at p + off + stride b into lane b, of which the first av - (off + stride b) exist */
+static inline __attribute__((always_inline)) __m512i gather4(const uint8_t *p, int off, int stride, int av)
+{
+    __m128i part[4];
+    for (int b = 0; b < 4; b++) {
+        const int at = off + stride * b, n = av - at;
+        part[b] = n >= 16 ? _mm_loadu_si128((const __m128i *)(p + at))
+                          : _mm_maskz_loadu_epi8(n <= 0 ? 0 : (__mmask16)((1u << n) - 1u), p + at);
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(part[1], part[0])),
+                              _mm256_set_m128i(part[3], part[2]), 1);
+}
+#endif
+
+/* the group at p (av of its bytes exist): weights A, B as described (raw: Q8_0 signed, Q4_x the
+   bytes of nibbles, split by the caller), scales dw and (Q4_1) mins mw, lanes by block */
+static inline __attribute__((always_inline)) void group_weights(
+    const int qtype, const uint8_t *p, const int av, __m512i *a, __m512i *b, __m512 *dw, __m512 *mw)
+{
+    const __m512i l0 = load_part(p, 0, av), l1 = load_part(p, 64, av);
+    if (qtype == Q8_0) {
+#if defined(__AVX512VBMI__)
+        *a = _mm512_permutex2var_epi8(l0, _mm512_load_si512((const void *)GATHER_Q8_0_A), l1);
+        *b = _mm512_permutex2var_epi8(load_part(p, 8, av), _mm512_load_si512((const void *)GATHER_Q8_0_B),
+                                      load_part(p, 72, av));
+#else
+        *a = gather4(p, 2, 34, av), *b = gather4(p, 18, 34, av);
+#endif
+        *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(
+            _mm512_permutex2var_epi16(l0, _mm512_load_si512((const void *)WORDS_Q8_0), l1)));
+    } else {
+#if defined(__AVX512VBMI__)
+        *a = _mm512_permutex2var_epi8(l0, _mm512_load_si512((const void *)(qtype == Q4_0 ? GATHER_Q4_0 : GATHER_Q4_1)), l1);
+#else
+        *a = qtype == Q4_0 ? gather4(p, 2, 18, av) : gather4(p, 4, 20, av);
+#endif
+        *b = *a;
+        *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(
+            _mm512_load_si512((const void *)(qtype == Q4_0 ? WORDS_Q4_0 : WORDS_Q4_1_D)), l0)));
+        if (qtype == Q4_1)
+            *mw = _mm512_cvtph_ps(_mm512_castsi512_si256(
+                _mm512_permutexvar_epi16(_mm512_load_si512((const void *)WORDS_Q4_1_M), l0)));
+    }
+}
+
+static void prep_fast(const int qtype, const float *x, int64_t m, int64_t k, fgroup_t *out, int num_threads)
+{
+    const int64_t nb = (k + 31) / 32, ng = (nb + 3) / 4;
+    const int c = qtype == Q8_0 ? 128 : qtype == Q4_0 ? 8 : 0;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * k >= QUANTIZE_PARALLEL)
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < ng; g++) {
+            fgroup_t *o = out + r * ng + g;
+            memset(o, 0, sizeof *o);
+            for (int bi = 0; bi < 4 && 4 * g + bi < nb; bi++) {
+                const int64_t i = 4 * g + bi;
+                const float *xb = x + r * k + 32 * i;
+                const int64_t len = k - 32 * i < 32 ? k - 32 * i : 32;
+                float amax = 0.f;
+                for (int64_t j = 0; j < len; j++)
+                    amax = fmaxf(amax, fabsf(xb[j]));
+                const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+                int8_t q[32];
+                int sum = 0;
+                for (int64_t j = 0; j < 32; j++)
+                    q[j] = (int8_t)(j < len ? roundf(xb[j] * id) : 0.f), sum += q[j];
+                memcpy(o->q + 16 * bi, q, 16);
+                memcpy(o->q + 64 + 16 * bi, q + 16, 16);
+                for (int l = 0; l < 4; l++) {
+                    int lane = 0;
+                    for (int j = 0; j < 4; j++)
+                        lane += q[4 * l + j] + q[16 + 4 * l + j];
+                    o->corr[4 * bi + l] = -c * lane;
+                    o->dx[4 * bi + l] = d;
+                }
+                o->sx[4 * bi] = d * (float)sum;
+            }
+        }
+    }
+}
+
+static void prep_exact(const float *x, int64_t m, int64_t k, egroup_t *out, int num_threads)
+{
+    const int64_t nb = (k + 31) / 32, ng = (nb + 3) / 4;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * k >= QUANTIZE_PARALLEL)
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < ng; g++) {
+            egroup_t *o = out + r * ng + g;
+            memset(o->xs, 0, sizeof o->xs);
+            for (int t = 0; t < 8; t++) {
+                for (int l = 0; l < 16; l++) {
+                    const int64_t at = 32 * (4 * g + l / 4) + 4 * (l % 4) + t / 2 + (t & 1 ? 16 : 0);
+                    o->x[16 * t + l] = at < k ? x[r * k + at] : 0.f;
+                }
+            }
+            for (int bi = 0; bi < 4; bi++) {
+                float s = 0.f;
+                for (int64_t j = 32 * (4 * g + bi); j < 32 * (4 * g + bi + 1) && j < k; j++)
+                    s += x[r * k + j];
+                o->xs[4 * bi] = s;
+            }
+        }
+    }
+}
+
+/* one group of fast mode for nr rows of x (xg: row r0's group, rows ng apart) */
+static inline __attribute__((always_inline)) void fast_group(
+    const int qtype, const int nr, const fgroup_t *xg, int64_t ng, const uint8_t *p, const int av, __m512 *acc,
+    __m512 *acc_min)
+{
+    __m512i a, b;
+    __m512 dw, mw = _mm512_setzero_ps();
+    group_weights(qtype, p, av, &a, &b, &dw, &mw);
+    if (qtype == Q8_0) {
+        a = _mm512_xor_si512(a, _mm512_set1_epi8((char)0x80)), b = _mm512_xor_si512(b, _mm512_set1_epi8((char)0x80));
+    } else {
+        const __m512i mask4 = _mm512_set1_epi8(0xF);
+        b = _mm512_and_si512(_mm512_srli_epi16(a, 4), mask4), a = _mm512_and_si512(a, mask4);
+    }
+    for (int r = 0; r < nr; r++) {
+        const fgroup_t *xr = xg + r * ng;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)xr->corr), a,
+                                          _mm512_load_si512((const void *)xr->q));
+        dot = _mm512_dpbusd_epi32(dot, b, _mm512_load_si512((const void *)(xr->q + 64)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_load_ps(xr->dx)), acc[r]);
+        if (qtype == Q4_1)
+            acc_min[r] = _mm512_fmadd_ps(mw, _mm512_load_ps(xr->sx), acc_min[r]);
+    }
+}
+
+/* one group of exact mode (Q4_x) */
+static inline __attribute__((always_inline)) void exact_group(
+    const int qtype, const int nr, const egroup_t *xg, int64_t ng, const uint8_t *p, const int av, __m512 *acc,
+    __m512 *acc_min)
+{
+    __m512i a, b;
+    __m512 dw, mw = _mm512_setzero_ps();
+    group_weights(qtype, p, av, &a, &b, &dw, &mw);
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 values = qtype == Q4_0 ? _mm512_sub_ps(table, _mm512_set1_ps(8.f)) : table;
+    __m512 w[8];  /* nibble t of every dword: permutexvar reads the index's low 4 bits only */
+    w[0] = _mm512_permutexvar_ps(a, values);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), values);
+    w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 8), values);
+    w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 12), values);
+    w[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 16), values);
+    w[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 20), values);
+    w[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 24), values);
+    w[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 28), values);
+    (void)b;
+    for (int r = 0; r < nr; r++) {
+        const float *xr = xg[r * ng].x;
+        __m512 s0 = _mm512_mul_ps(w[0], _mm512_load_ps(xr)), s1 = _mm512_mul_ps(w[1], _mm512_load_ps(xr + 16));
+        s0 = _mm512_fmadd_ps(w[2], _mm512_load_ps(xr + 32), s0), s1 = _mm512_fmadd_ps(w[3], _mm512_load_ps(xr + 48), s1);
+        s0 = _mm512_fmadd_ps(w[4], _mm512_load_ps(xr + 64), s0), s1 = _mm512_fmadd_ps(w[5], _mm512_load_ps(xr + 80), s1);
+        s0 = _mm512_fmadd_ps(w[6], _mm512_load_ps(xr + 96), s0), s1 = _mm512_fmadd_ps(w[7], _mm512_load_ps(xr + 112), s1);
+        acc[r] = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), dw, acc[r]);
+        if (qtype == Q4_1)
+            acc_min[r] = _mm512_fmadd_ps(mw, _mm512_load_ps(xg[r * ng].xs), acc_min[r]);
+    }
+}
+
+/* sums[r] for r < nr over one weight row in groups (xg: fgroup_t or egroup_t of row r0, mode by
+   `fast`), blocks nb a row */
+static inline __attribute__((always_inline)) void quad_dot(
+    const int qtype, const int nr, const int fast, const void *xg, int64_t nb, const uint8_t *w, float *sums,
+    const int pf)
+{
+    const int gb = 4 * BLOCK_BYTES(qtype);
+    const int64_t full = nb / 4, ng = (nb + 3) / 4;
+    const int rem = (int)(nb % 4) * BLOCK_BYTES(qtype);
+    __m512 acc0[GROUP], acc1[GROUP], accm[GROUP];
+    for (int r = 0; r < GROUP; r++)
+        acc0[r] = acc1[r] = accm[r] = _mm512_setzero_ps();
+#define QUAD_GROUP(g, av, acc)                                                                               \
+    do {                                                                                                     \
+        if (pf)                                                                                              \
+            for (int at = 0; at < gb; at += 64)                                                              \
+                __builtin_prefetch(w + (g) * gb + PF_BYTES + at, 0, PF_LOCALITY);                            \
+        if (fast)                                                                                            \
+            fast_group(qtype, nr, (const fgroup_t *)xg + (g), ng, w + (g) * gb, av, acc, accm);              \
+        else                                                                                                 \
+            exact_group(qtype, nr, (const egroup_t *)xg + (g), ng, w + (g) * gb, av, acc, accm);             \
+    } while (0)
+    int64_t g = 0;
+    for (; g + 2 <= full; g += 2) {
+        QUAD_GROUP(g, gb, acc0);
+        QUAD_GROUP(g + 1, gb, acc1);
+    }
+    if (g < full) {
+        QUAD_GROUP(g, gb, acc0);
+        g++;
+    }
+    if (rem)
+        QUAD_GROUP(g, rem, acc1);
+#undef QUAD_GROUP
+    for (int r = 0; r < nr; r++)
+        sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), accm[r]));
+}
+
+/* exact mode Q8_0: per block, lane sums scaled by the block's d */
+static inline __attribute__((always_inline)) void exact_q8(
+    const int nr, const float *x, int64_t k, const uint8_t *w, float *sums, const int pf)
+{
+    const int64_t blocks = (k + 31) / 32, whole = k / 32;
+    __m512 acc0[GROUP], acc1[GROUP];
+    for (int r = 0; r < GROUP; r++)
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+#define Q8_BLOCK(i, acc, m0, m1)                                                                             \
+    do {                                                                                                     \
+        const uint8_t *b = w + (i) * 34;                                                                     \
+        if (pf && ((i) & 1) == 0)                                                                            \
+            __builtin_prefetch(b + PF_BYTES, 0, PF_LOCALITY);                                                \
+        uint16_t h;                                                                                          \
+        memcpy(&h, b, 2);                                                                                    \
+        const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));                                     \
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));  \
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))); \
+        for (int r = 0; r < nr; r++) {                                                                       \
+            const float *xr = x + r * k + 32 * (i);                                                          \
+            const __m512 s = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m1, xr + 16),                        \
+                                             _mm512_mul_ps(lo, _mm512_maskz_loadu_ps(m0, xr)));               \
+            acc[r] = _mm512_fmadd_ps(s, d, acc[r]);                                                          \
+        }                                                                                                    \
+    } while (0)
+    int64_t i = 0;
+    for (; i + 2 <= whole; i += 2) {
+        Q8_BLOCK(i, acc0, 0xFFFF, 0xFFFF);
+        Q8_BLOCK(i + 1, acc1, 0xFFFF, 0xFFFF);
+    }
+    for (; i < blocks; i++) {  /* past K: masked-off x lanes load zeros */
+        const int64_t left = k - 32 * i;
+        const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __mmask16 m1 = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+        Q8_BLOCK(i, acc0, m0, m1);
+    }
+#undef Q8_BLOCK
+    for (int r = 0; r < nr; r++)
+        sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
+#endif
+
 /* one group's dot products (nr rows from row r0), either mode */
 static inline __attribute__((always_inline)) void group_dot(
-    const int qtype, const int nr, const int fast, const float *x, const xblock_t *xq, int64_t r0, int64_t k,
-    const uint8_t *w, float *sums, const int pf)
+    const int qtype, const int nr, const int fast, const float *x, const xblock_t *xq, const void *prep, int64_t r0,
+    int64_t k, const uint8_t *w, float *sums, const int pf)
 {
     const int64_t nb = (k + 31) / 32;
+#if Q512
+    if (QUAD(qtype) && (prep != NULL || (!fast && qtype == Q8_0))) {
+        const int64_t ng = (nb + 3) / 4;
+        if (fast)
+            quad_dot(qtype, nr, 1, (const fgroup_t *)prep + r0 * ng, nb, w, sums, pf);
+        else if (qtype == Q8_0)
+            exact_q8(nr, x + r0 * k, k, w, sums, pf);
+        else
+            quad_dot(qtype, nr, 0, (const egroup_t *)prep + r0 * ng, nb, w, sums, pf);
+        return;
+    }
+#endif
+    (void)prep;
     if (fast)
         fast_dot(qtype, nr, xq + r0 * nb, nb, k, w, sums, pf);
     else
@@ -442,8 +747,8 @@ static inline __attribute__((always_inline)) void group_dot(
 
 /* columns [c0, c1) of y for every row, in tiles of TILE rows and groups of GROUP */
 static inline __attribute__((always_inline)) void columns(
-    const int qtype, const int fast, const float *x, const xblock_t *xq, int64_t m, int64_t k, const uint8_t *w,
-    const float *bias, float *y, int64_t n, int64_t c0, int64_t c1)
+    const int qtype, const int fast, const float *x, const xblock_t *xq, const void *prep, int64_t m, int64_t k,
+    const uint8_t *w, const float *bias, float *y, int64_t n, int64_t c0, int64_t c1)
 {
     const int64_t row_bytes = (k + BLOCK_SIZE(qtype) - 1) / BLOCK_SIZE(qtype) * BLOCK_BYTES(qtype);
     for (int64_t t0 = 0; t0 < m; t0 += TILE) {
@@ -455,10 +760,10 @@ static inline __attribute__((always_inline)) void columns(
                 float sums[GROUP];
                 const int pf = r0 == t0;
                 switch (t1 - r0 < GROUP ? t1 - r0 : GROUP) {
-                case 1: group_dot(qtype, 1, fast, x, xq, r0, k, wr, sums, pf); break;
-                case 2: group_dot(qtype, 2, fast, x, xq, r0, k, wr, sums, pf); break;
-                case 3: group_dot(qtype, 3, fast, x, xq, r0, k, wr, sums, pf); break;
-                default: group_dot(qtype, GROUP, fast, x, xq, r0, k, wr, sums, pf); break;
+                case 1: group_dot(qtype, 1, fast, x, xq, prep, r0, k, wr, sums, pf); break;
+                case 2: group_dot(qtype, 2, fast, x, xq, prep, r0, k, wr, sums, pf); break;
+                case 3: group_dot(qtype, 3, fast, x, xq, prep, r0, k, wr, sums, pf); break;
+                default: group_dot(qtype, GROUP, fast, x, xq, prep, r0, k, wr, sums, pf); break;
                 }
                 for (int64_t r = r0; r < t1 && r < r0 + GROUP; r++)
                     y[r * n + c] = sums[r - r0] + b;
@@ -469,11 +774,11 @@ static inline __attribute__((always_inline)) void columns(
 
 #define COLUMNS_OF(fast)                                                                                  \
     switch (qtype) {                                                                                      \
-    case Q8_0: columns(Q8_0, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
-    case Q4_0: columns(Q4_0, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
-    case Q4_1: columns(Q4_1, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
-    case Q4_K: columns(Q4_K, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                            \
-    default: columns(Q6_K, fast, x, xq, m, k, w, bias, y, n, c0, c1); break;                              \
+    case Q8_0: columns(Q8_0, fast, x, xq, prep, m, k, w, bias, y, n, c0, c1); break;                            \
+    case Q4_0: columns(Q4_0, fast, x, xq, prep, m, k, w, bias, y, n, c0, c1); break;                            \
+    case Q4_1: columns(Q4_1, fast, x, xq, prep, m, k, w, bias, y, n, c0, c1); break;                            \
+    case Q4_K: columns(Q4_K, fast, x, xq, prep, m, k, w, bias, y, n, c0, c1); break;                            \
+    default: columns(Q6_K, fast, x, xq, prep, m, k, w, bias, y, n, c0, c1); break;                              \
     }
 
 /* x [m, k] float32; w [n, row_bytes] (ggml blocks, qtype a GGML type id); bias [n] float32 or NULL;
@@ -484,7 +789,18 @@ void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
     if (!SUPPORTED(qtype) || m <= 0 || n <= 0)
         return;
     xblock_t *xq = NULL;
-    if (fast) {
+    void *prep = NULL;
+#if Q512
+    if (QUAD(qtype) && (fast || qtype != Q8_0)) {  /* x laid out as the 4-block groups */
+        const size_t groups = (size_t)m * (size_t)(((k + 31) / 32 + 3) / 4);
+        prep = aligned_alloc(64, groups * (fast ? sizeof(fgroup_t) : sizeof(egroup_t)));
+        if (prep != NULL && fast)
+            prep_fast((int)qtype, x, m, k, prep, num_threads);
+        else if (prep != NULL)
+            prep_exact(x, m, k, prep, num_threads);
+    }
+#endif
+    if (fast && prep == NULL) {  /* (no memory for the groups: the per-block code below) */
         xq = malloc((size_t)m * (size_t)((k + 31) / 32) * sizeof *xq);
         if (xq == NULL)
             fast = 0;  /* no memory for the quantized x: the exact path needs none */
@@ -502,6 +818,7 @@ void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
         }
     }
     free(xq);
+    free(prep);
 }
 
 /* out[i, :k] = row rows[i] of w dequantized (float32, as gguf's dequantize) */
