@@ -28,7 +28,9 @@ In one run on one machine:
      see bench/_flops.py. Beside them, the workload's roofline (`_flops.roofline_s`): the engine's
      schedule of steps, each taking at least its flops at the floor or its bytes (weights, KV) at
      the read bandwidth measured here, whichever is longer (and, for contrast, their sum): the share
-     of the floor a perfect implementation could reach on this machine's memory.
+     of the floor a perfect implementation could reach on this machine's memory. Then one stream's
+     limits per precision (float32, bfloat16 and the GGUF block types the decoder serves as stored):
+     the batch-1 roofline (weight bytes per token over that bandwidth) and floor (`batch1_limits`).
 `--linear-backend` (default auto: the C GEMM on packed weights on a CPU without AVX-512) applies to the runs
 and the engine step. `--dtype bfloat16` runs the decoder, the engine step and the transformers anchors in bf16;
 `--decoder-only` skips the anchors and the comparison backend (steps 2 and 4), for before/after
@@ -319,6 +321,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# bytes per weight of each precision the decoder serves (ggml blocks for the quantized ones: a scale per block)
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "Q8_0": 34 / 32, "Q6_K": 210 / 256, "Q4_1": 20 / 32, "Q4_K": 144 / 256,
+                "Q4_0": 18 / 32}
+
+
+def batch1_limits(shape: ModelShape, peak_gflops: float, bandwidth_gbs: float) -> str:
+    """A table of one stream's limits per precision: every token reads each projection and the
+    lm_head once (the roofline: those bytes over `bandwidth_gbs`) and computes 2 flops per weight
+    (the floor: at `peak_gflops`, the matmul floor measured in this run)."""
+    weights = shape.linear_params + shape.hidden * shape.vocab
+    floor = peak_gflops * 1e9 / (2 * weights)
+    lines = [f"| batch 1, per precision: the weights every token reads ({weights / 1e6:.0f}M) | MB per token | "
+             f"roofline tok/s (at {bandwidth_gbs:.1f} GB/s) | floor tok/s (2 flops a weight at {peak_gflops:.0f} "
+             "GFLOP/s) |", "|---|---|---|---|"]
+    for name, size in WEIGHT_BYTES.items():
+        megabytes = weights * size / 1e6
+        lines.append(f"| {name} | {megabytes:.0f} | {bandwidth_gbs * 1e3 / megabytes:.0f} | {floor:.0f} |")
+    return "\n".join(lines)
+
+
 def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[float], cost: dict,
            anchors: dict[str, float], flags: list[str], peaks32: dict[int, float] | None = None,
            bandwidth: float | None = None) -> str:
@@ -369,6 +391,8 @@ def report(args, work, shape: ModelShape, peaks: dict[int, float], runs: list[fl
                   f"({tokens / overlapped:.0f} tok/s) | {gflop / overlapped:.0f} | {gflop / overlapped / peak:.2f} |",
                   f"| the same with each step's compute and memory one after the other ({tokens / summed:.0f} tok/s) "
                   f"| {gflop / summed:.0f} | {gflop / summed / peak:.2f} |"]
+    if bandwidth is not None:
+        lines += ["", batch1_limits(shape, peak, bandwidth)]
     lines += ["", f"| engine overhead at batch 16 x context 128 (attention backend {args.attention_backend}) "
               "| ms | target |", "|---|---|---|",
               f"| engine decode step (schedule + inputs + forward + sample + bookkeeping) | {1000 * step:.1f} | |",

@@ -444,14 +444,10 @@ static inline __attribute__((always_inline)) void fast_dot(
 #define QUAD(t) ((t) == Q8_0 || (t) == Q4_0 || (t) == Q4_1)
 
 #if Q512
-static const uint8_t GATHER_Q4_0[64] __attribute__((aligned(64))) = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71};
-static const uint8_t GATHER_Q4_1[64] __attribute__((aligned(64))) = {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79};
-static const uint8_t GATHER_Q8_0_A[64] __attribute__((aligned(64))) = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119};
-static const uint8_t GATHER_Q8_0_B[64] __attribute__((aligned(64))) = {10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127};
 static const uint16_t WORDS_Q4_0[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 static const uint16_t WORDS_Q4_1_D[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 10, 10, 10, 10, 20, 20, 20, 20, 30, 30, 30, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 static const uint16_t WORDS_Q4_1_M[32] __attribute__((aligned(64))) = {1, 1, 1, 1, 11, 11, 11, 11, 21, 21, 21, 21, 31, 31, 31, 31, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-static const uint16_t WORDS_Q8_0[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 17, 17, 17, 17, 34, 34, 34, 34, 51, 51, 51, 51, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const uint16_t WORDS_4[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 /* fast mode's x, one group of 4 blocks of one row: q as the weight vectors (A's x then B's), corr
    -c * (lane's x bytes summed) with c the offset that makes the weights unsigned (Q8_0: 128, Q4_0: 8,
@@ -477,7 +473,6 @@ static inline __attribute__((always_inline)) __m512i load_part(const uint8_t *p,
     return _mm512_maskz_loadu_epi8(n <= 0 ? 0 : (__mmask64)((1ULL << n) - 1), p + off);
 }
 
-#if !defined(__AVX512VBMI__)
 /* 16 bytes at p + off + stride b into lane b, of which the first av - (off + stride b) exist */
 static inline __attribute__((always_inline)) __m512i gather4(const uint8_t *p, int off, int stride, int av)
 {
@@ -490,30 +485,26 @@ static inline __attribute__((always_inline)) __m512i gather4(const uint8_t *p, i
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(part[1], part[0])),
                               _mm256_set_m128i(part[3], part[2]), 1);
 }
-#endif
 
 /* the group at p (av of its bytes exist): weights A, B as described (raw: Q8_0 signed, Q4_x the
    bytes of nibbles, split by the caller), scales dw and (Q4_1) mins mw, lanes by block */
 static inline __attribute__((always_inline)) void group_weights(
     const int qtype, const uint8_t *p, const int av, __m512i *a, __m512i *b, __m512 *dw, __m512 *mw)
 {
-    const __m512i l0 = load_part(p, 0, av), l1 = load_part(p, 64, av);
-    if (qtype == Q8_0) {
-#if defined(__AVX512VBMI__)
-        *a = _mm512_permutex2var_epi8(l0, _mm512_load_si512((const void *)GATHER_Q8_0_A), l1);
-        *b = _mm512_permutex2var_epi8(load_part(p, 8, av), _mm512_load_si512((const void *)GATHER_Q8_0_B),
-                                      load_part(p, 72, av));
-#else
+    if (qtype == Q8_0) {  /* the scales 34 bytes apart: four scalar loads */
+        uint64_t d = 0;
+        for (int b = 0; b < 4; b++) {
+            uint16_t h = 0;
+            if (34 * b + 2 <= av)
+                memcpy(&h, p + 34 * b, 2);
+            d |= (uint64_t)h << (16 * b);
+        }
         *a = gather4(p, 2, 34, av), *b = gather4(p, 18, 34, av);
-#endif
-        *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(
-            _mm512_permutex2var_epi16(l0, _mm512_load_si512((const void *)WORDS_Q8_0), l1)));
+        *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(
+            _mm512_load_si512((const void *)WORDS_4), _mm512_castsi128_si512(_mm_cvtsi64_si128((long long)d)))));
     } else {
-#if defined(__AVX512VBMI__)
-        *a = _mm512_permutex2var_epi8(l0, _mm512_load_si512((const void *)(qtype == Q4_0 ? GATHER_Q4_0 : GATHER_Q4_1)), l1);
-#else
+        const __m512i l0 = load_part(p, 0, av);
         *a = qtype == Q4_0 ? gather4(p, 2, 18, av) : gather4(p, 4, 20, av);
-#endif
         *b = *a;
         *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(
             _mm512_load_si512((const void *)(qtype == Q4_0 ? WORDS_Q4_0 : WORDS_Q4_1_D)), l0)));
