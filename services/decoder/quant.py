@@ -17,8 +17,14 @@ Modes (`QUANT_MODES`):
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
+# rows from which a product decodes the whole weight once into float32 scratch and runs torch's GEMM
+# (MKL) instead of the blocked kernel, which decodes each block again per four rows (prefill chunks)
+DEQUANTIZED_ROWS = 64
+SCRATCH_VALUES = 1 << 24  # the largest weight decoded so (64 MiB; an lm_head past it keeps the kernel)
 GGUF_QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # name -> GGML type id
 QUANT_MODES = ("exact", "fast")
 
@@ -92,6 +98,10 @@ class QuantizedWeight:
                 raise ValueError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
             bias = bias.to("cpu", torch.float32).contiguous()
         x = x.float().contiguous()  # [rows, in]; a view when already float32 and contiguous
+        values = self.out_features * self.in_features
+        if x.shape[0] >= DEQUANTIZED_ROWS and values <= SCRATCH_VALUES:  # a prefill chunk: decode once, MKL's GEMM
+            weight = self._dequantize_into(_scratch(values))
+            return torch.nn.functional.linear(x if self.mode == "exact" else int8_blocks(x), weight, bias)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)  # [rows, out]
         if x.shape[0]:
             self._library.tessera_qgemm(x.data_ptr(), x.shape[0], self.in_features, self.data.data_ptr(),
@@ -120,3 +130,46 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The whole weight [out, in] float32 (for references and tests: 4 bytes a weight)."""
         return self.rows(torch.arange(self.out_features))
+
+    def _dequantize_into(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The whole weight decoded into `buffer` (float32, at least out * in values): a view [out, in]."""
+        ids = _row_ids(self.out_features)
+        out = buffer[:self.out_features * self.in_features].view(self.out_features, self.in_features)
+        self._library.tessera_qdequant_rows(self.data.data_ptr(), self._type_id, self.in_features, ids.data_ptr(),
+                                            self.out_features, out.data_ptr())
+        return out
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] float32 with each run of 32 values (along k, the last run shorter) rounded as fast
+    mode quantizes activations: d = max|x| / 127, q = roundf(x / d) (half away from zero), x' = q d.
+    Fast mode's products at prefill sizes are x' @ W.T in float32, the values its integer dot products
+    sum (quant_gemm.c's quantize_x)."""
+    rows, k = x.shape
+    padded = torch.nn.functional.pad(x, (0, -k % 32)).view(rows, -1, 32)  # [rows, blocks, 32]
+    d = padded.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    scaled = padded * inverse
+    whole = torch.trunc(scaled)
+    q = torch.where((scaled - whole).abs() == 0.5, whole + torch.sign(scaled), torch.round(scaled))  # roundf
+    return (q * d).view(rows, -1)[:, :k]
+
+
+_local = threading.local()
+
+
+def _scratch(values: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least `values` values (grown, never shrunk): where a
+    prefill chunk's weight is decoded, one at a time, so no float copy of the model is kept."""
+    buffer = getattr(_local, "scratch", None)
+    if buffer is None or buffer.numel() < values:
+        buffer = _local.scratch = torch.empty(values, dtype=torch.float32)
+    return buffer
+
+
+def _row_ids(count: int) -> torch.Tensor:
+    """int64 [count] = 0..count-1, cached per thread (the rows `_dequantize_into` decodes)."""
+    ids = getattr(_local, "ids", None)
+    if ids is None or ids.numel() < count:
+        ids = _local.ids = torch.arange(count, dtype=torch.int64)
+    return ids

@@ -76,4 +76,4 @@ def test_bf16_keeps_norms_f32_and_rounds_matrices(tmp_path, tiny_llama_dir):
 
 def test_unknown_outtype_is_refused(tmp_path):
     with pytest.raises(ValueError, match="outtype must be one of"):
-        export_gguf(default_decoder_dir(), tmp_path / "x.gguf", "q4_0")
+        export_gguf(default_decoder_dir(), tmp_path / "x.gguf", "q5_k")

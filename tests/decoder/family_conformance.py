@@ -51,9 +51,10 @@ def _requests(prompts, new_tokens):
 
 
 def check_regime(model_dir: Path, refs: dict, regime: str, prompts=None, prefix_prompt=None,
-                 new_tokens: int = NEW_TOKENS, **config) -> None:
+                 new_tokens: int = NEW_TOKENS, rtol: float = 0.0, **config) -> None:
     """Serve `model_dir` (`config` overrides DecoderConfig's fields) and check `regime` (see the
-    module docstring) against `refs`; raises AssertionError on any difference."""
+    module docstring) against `refs`, logits within 1e-4 plus `rtol` relative; raises AssertionError
+    on any difference."""
     prompts = prompts or PROMPTS
     prefix_prompt = prefix_prompt or PREFIX_PROMPT
     options = dict(model_dir=str(model_dir), num_blocks=80, max_model_len=256, max_num_seqs=8)
@@ -74,13 +75,13 @@ def check_regime(model_dir: Path, refs: dict, regime: str, prompts=None, prefix_
             s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))[0]
     try:
         if regime == "alone":
-            check_greedy(engine, refs, _requests([max(prompts, key=len)], new_tokens), concurrent=False)
+            check_greedy(engine, refs, _requests([max(prompts, key=len)], new_tokens), concurrent=False, rtol=rtol)
         elif regime == "prefix":
-            check_greedy(engine, refs, _requests([max(prompts, key=len)], new_tokens))
-            second = check_greedy(engine, refs, _requests([prefix_prompt], new_tokens))[0]
+            check_greedy(engine, refs, _requests([max(prompts, key=len)], new_tokens), rtol=rtol)
+            second = check_greedy(engine, refs, _requests([prefix_prompt], new_tokens), rtol=rtol)[0]
             assert second[2].usage.cached_prompt_tokens > 0, "the second prompt was meant to hit the prefix cache"
         else:
-            check_greedy(engine, refs, _requests(prompts, new_tokens))
+            check_greedy(engine, refs, _requests(prompts, new_tokens), rtol=rtol)
         assert engine.stats().num_free_blocks == options["num_blocks"]
     finally:
         engine.shutdown()

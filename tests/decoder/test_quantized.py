@@ -3,7 +3,7 @@ kernels/quant_gemm.c; `tessera models import --keep-quantized`), against transfo
 same GGUF (its dequantized load) on tiny seeded checkpoints.
 
 - Each format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and a Q4_K_M-style mix of Q4_K and Q6_K), exact mode:
-  greedy ids for 64 new tokens = transformers' and fp32 logits within 1e-4, alone and 8 concurrent;
+  greedy ids for 64 new tokens = transformers' and fp32 logits within 1e-4 relative, alone and concurrent;
   Q4_1 (the built-in model's type) and the mix in every regime (chunked prefill, prefix hit,
   recompute preemption).
 - What is held: every projection and the embeddings keep their blocks (no float32 copy), a tied
@@ -36,6 +36,9 @@ from services.decoder.quant import QuantizedWeight
 from services.decoder.quantized_model import QuantizedEmbedding, QuantizedParts, quantization
 from tessera.cli.models import import_gguf
 
+# logits within 1e-4 of the step's largest |logit| (plus 1e-4) of transformers': prefill chunks decode each
+# weight and run MKL's GEMM, decode steps the blocked kernel, each in its own summation order
+RTOL = 1e-4
 # hidden 256 / intermediate 512: rows of whole K-quant blocks (256 weights)
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
@@ -67,14 +70,14 @@ def served(fmt: str, sources, tmp_path_factory) -> tuple[Path, Path, dict]:
 def test_each_format_alone_and_concurrent_equals_transformers_on_the_gguf(fmt, sources, tmp_path_factory):
     _, model_dir, refs = served(fmt, sources, tmp_path_factory)
     for regime in ("alone", "concurrent"):
-        check_regime(model_dir, refs, regime)
+        check_regime(model_dir, refs, regime, rtol=RTOL)
 
 
 @pytest.mark.parametrize("regime", ("chunked", "prefix", "preempt"))
 @pytest.mark.parametrize("fmt", ("Q4_1", "Q4_K_M"))
 def test_every_regime(fmt, regime, sources, tmp_path_factory):
     _, model_dir, refs = served(fmt, sources, tmp_path_factory)
-    check_regime(model_dir, refs, regime)
+    check_regime(model_dir, refs, regime, rtol=RTOL)
 
 
 def test_the_blocks_are_what_the_model_holds(sources, tmp_path_factory):
@@ -155,8 +158,7 @@ def test_refusals(sources, tmp_path_factory):
     # a header naming a tensor whose bytes do not fit its type is refused at load, naming it
     from safetensors.torch import load_file, save_file
 
-    broken = model_dir.parent / "broken"
-    broken.mkdir()
+    broken = tmp_path_factory.mktemp("broken")
     for item in model_dir.iterdir():
         if item.name != "model.safetensors":
             (broken / item.name).write_bytes(item.read_bytes())
@@ -218,7 +220,7 @@ def test_builtin_smollm2_served_from_its_q4_1_file_equals_transformers(builtin_q
     quantized_dir, dense_dir = builtin_q4_1
     prompts = PROMPTS[:3]
     refs = references(dense_dir, prompts, new_tokens=32)
-    check_regime(quantized_dir, refs, "concurrent", prompts=prompts, new_tokens=32)
+    check_regime(quantized_dir, refs, "concurrent", prompts=prompts, new_tokens=32, rtol=RTOL)
 
 
 def test_builtin_q4_1_weights_take_at_most_0_4x_the_float32_decoders(builtin_q4_1):
@@ -242,7 +244,7 @@ def test_models_list_shows_the_blocks_and_a_gguf_path_is_imported_once(sources, 
     from tessera.cli.models import format_models, list_models, serve_gguf
 
     gguf_path, model_dir, _ = served("Q4_0", sources, tmp_path_factory)
-    [listed] = list_models(model_dir.parent)
+    [listed] = [m for m in list_models(model_dir.parent) if m.name == model_dir.name]
     assert (listed.kind, listed.dtype, listed.gguf_type) == ("decoder", "Q4_0 blocks", "Q4_0")
     assert "Q4_0 blocks" in format_models([listed])
     root = tmp_path_factory.mktemp("served-gguf")

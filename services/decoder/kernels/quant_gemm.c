@@ -29,7 +29,9 @@
  * Exact mode (fast = 0): each weight is widened to the float32 value gguf's dequantize gives
  * (Q4_x / Q4_K through a 16-entry table per (sub-)block, _mm512_permutexvar_ps), then fused
  * multiply-adds with float32 x into float32 sums: the result is the float64 product of the
- * dequantized weights up to float32 summation error (tests: within 1e-5 of sum_k |x||w|).
+ * dequantized weights up to float32 summation error (tests: within 1e-5 of sum_k |x||w|). Q4_0 / Q4_1
+ * under AVX-512 BW + VNNI instead sum n x per block and scale once: d sum(n x) (+ m sum x), the same
+ * bound.
  *
  * Fast mode (fast = 1): x is quantized once per call to int8 per 32-element block, as llama.cpp's
  * quantize_row_q8_0 (d_x = max|x| / 127, q = roundf(x / d_x); d_x kept in float32), and each
@@ -435,7 +437,11 @@ static inline __attribute__((always_inline)) void fast_dot(
  * float32) lane l belongs to block l / 4, and the four f16 scales come as one vector [d0 x4, .. d3 x4]
  * (VPERMW + VCVTPH2PS). x is laid out to match once per call (`fgroup_t` / `egroup_t`, zeros past K):
  * each block's scale is applied to lane sums, once per four blocks; a row's last 1-3 blocks are read
- * with masked loads (the absent ones read as zeros, scale 0). */
+ * with masked loads (the absent ones read as zeros, scale 0). Used by fast mode (Q8_0 weights + 128
+ * and Q4_0 nibbles as VPDPBUSD's unsigned operand, the offset taken off by the precomputed per-lane
+ * x sums the dot products start from) and by exact mode for Q4_x (a nibble's float32 value from a
+ * 16-entry table by VPERMPS, w = d n (+ m) as d sum(n x) (+ m sum x)); exact Q8_0 keeps decode32.
+ * (VBMI's two-source byte permutes for the gathers measured slower than 128-bit loads + inserts.) */
 #if QX_AVX512 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q512 1
 #else
@@ -669,46 +675,6 @@ static inline __attribute__((always_inline)) void quad_dot(
         sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), accm[r]));
 }
 
-/* exact mode Q8_0: per block, lane sums scaled by the block's d */
-static inline __attribute__((always_inline)) void exact_q8(
-    const int nr, const float *x, int64_t k, const uint8_t *w, float *sums, const int pf)
-{
-    const int64_t blocks = (k + 31) / 32, whole = k / 32;
-    __m512 acc0[GROUP], acc1[GROUP];
-    for (int r = 0; r < GROUP; r++)
-        acc0[r] = acc1[r] = _mm512_setzero_ps();
-#define Q8_BLOCK(i, acc, m0, m1)                                                                             \
-    do {                                                                                                     \
-        const uint8_t *b = w + (i) * 34;                                                                     \
-        if (pf && ((i) & 1) == 0)                                                                            \
-            __builtin_prefetch(b + PF_BYTES, 0, PF_LOCALITY);                                                \
-        uint16_t h;                                                                                          \
-        memcpy(&h, b, 2);                                                                                    \
-        const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));                                     \
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));  \
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))); \
-        for (int r = 0; r < nr; r++) {                                                                       \
-            const float *xr = x + r * k + 32 * (i);                                                          \
-            const __m512 s = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m1, xr + 16),                        \
-                                             _mm512_mul_ps(lo, _mm512_maskz_loadu_ps(m0, xr)));               \
-            acc[r] = _mm512_fmadd_ps(s, d, acc[r]);                                                          \
-        }                                                                                                    \
-    } while (0)
-    int64_t i = 0;
-    for (; i + 2 <= whole; i += 2) {
-        Q8_BLOCK(i, acc0, 0xFFFF, 0xFFFF);
-        Q8_BLOCK(i + 1, acc1, 0xFFFF, 0xFFFF);
-    }
-    for (; i < blocks; i++) {  /* past K: masked-off x lanes load zeros */
-        const int64_t left = k - 32 * i;
-        const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __mmask16 m1 = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
-        Q8_BLOCK(i, acc0, m0, m1);
-    }
-#undef Q8_BLOCK
-    for (int r = 0; r < nr; r++)
-        sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
-}
 #endif
 
 /* one group's dot products (nr rows from row r0), either mode */
@@ -718,12 +684,10 @@ static inline __attribute__((always_inline)) void group_dot(
 {
     const int64_t nb = (k + 31) / 32;
 #if Q512
-    if (QUAD(qtype) && (prep != NULL || (!fast && qtype == Q8_0))) {
+    if (prep != NULL) {  /* QUAD(qtype): fast mode, or exact Q4_x */
         const int64_t ng = (nb + 3) / 4;
         if (fast)
             quad_dot(qtype, nr, 1, (const fgroup_t *)prep + r0 * ng, nb, w, sums, pf);
-        else if (qtype == Q8_0)
-            exact_q8(nr, x + r0 * k, k, w, sums, pf);
         else
             quad_dot(qtype, nr, 0, (const egroup_t *)prep + r0 * ng, nb, w, sums, pf);
         return;
@@ -782,7 +746,7 @@ void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
     xblock_t *xq = NULL;
     void *prep = NULL;
 #if Q512
-    if (QUAD(qtype) && (fast || qtype != Q8_0)) {  /* x laid out as the 4-block groups */
+    if (QUAD(qtype) && (fast || qtype != Q8_0)) {  /* x laid out as the 4-block groups (Q8_0 exact: no) */
         const size_t groups = (size_t)m * (size_t)(((k + 31) / 32 + 3) / 4);
         prep = aligned_alloc(64, groups * (fast ? sizeof(fgroup_t) : sizeof(egroup_t)));
         if (prep != NULL && fast)
