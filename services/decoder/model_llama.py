@@ -357,9 +357,11 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
                for module_name, module in model.named_modules() if isinstance(module, Linear)}
     served = {"model.embed_tokens.weight"} | {part for parts in linears.values() for part in parts
                                               if all(p in blocks for p in parts)}
-    if model_cls.convert_checkpoint.__func__ is not LlamaForCausalLM.convert_checkpoint.__func__:
-        served = set()  # a family that rewrites its weights at load (stacked experts) takes them dense
-    dequantize_into(state, {name: blocks.pop(name) for name in list(blocks) if name not in served}, shapes)
+    dense = {name: blocks.pop(name) for name in list(blocks) if name not in served}
+    if dense:  # e.g. MoE experts, stacked at load (convert_checkpoint), or a fused part beside a dense one
+        log.info("%d GGUF-quantized tensors are served dequantized (no projection takes them as blocks): %s",
+                 len(dense), ", ".join(sorted(dense)[:3]))
+        dequantize_into(state, dense, shapes)
     model_cls.convert_checkpoint(spec, state)
     tied = _ties_head(spec, state) if "model.embed_tokens.weight" not in blocks else \
         spec.tie_word_embeddings and "lm_head.weight" not in state and "lm_head.weight" not in blocks
@@ -377,10 +379,10 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
     if missing or unexpected:
         raise ValueError(f"{mismatch}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if blocks:
-        attach_quantized(model, blocks, quant_mode, tied)
-    elif tied:
+    if tied and "model.embed_tokens.weight" not in blocks:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if blocks:  # after the dense tie: a tied head of quantized embeddings takes their blocks here
+        attach_quantized(model, blocks, quant_mode, tied)
     return model.eval()
 
 

@@ -259,3 +259,38 @@ def quantized_types_of(model_dir: Path) -> dict[str, str]:
     from services.decoder.model_llama import quantized_types
 
     return quantized_types(model_dir)
+
+
+def test_quantized_projections_beside_dense_tied_embeddings(tmp_path):
+    """A file whose projections are blocks but whose embeddings are float (llama.cpp keeps some
+    token_embd tensors F16/F32): the tied head is the dense embeddings, the projections blocks, and
+    greedy ids and logits equal transformers on the dequantized weights."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from services.decoder.models import load_model
+
+    dense_dir = make_tiny_llama(tmp_path / "dense", seed=5, tie_word_embeddings=True)
+    state = load_file(dense_dir / "model.safetensors")
+    blocks_dir, types = tmp_path / "blocks", {}
+    blocks_dir.mkdir()
+    for name, tensor in list(state.items()):
+        if tensor.dim() == 2 and "embed_tokens" not in name:
+            raw = gguf.quants.quantize(tensor.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            state[name], types[name] = torch.from_numpy(raw), "Q8_0"
+    for item in dense_dir.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, blocks_dir / item.name)
+    save_file(state, blocks_dir / "model.safetensors", metadata={"format": "pt", "tessera.gguf_types": json.dumps(types)})
+    dequantized = load_file(dense_dir / "model.safetensors")
+    for name in types:
+        dequantized[name] = torch.from_numpy(gguf.quants.dequantize(state[name].numpy(), gguf.GGMLQuantizationType.Q8_0))
+    save_file(dequantized, dense_dir / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(blocks_dir, torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.gemm is None
+    assert quantization(model) == "Q8_0"
+    prompts = PROMPTS[:2]
+    check_regime(blocks_dir, references(dense_dir, prompts, new_tokens=24), "concurrent", prompts=prompts,
+                 new_tokens=24, rtol=RTOL)

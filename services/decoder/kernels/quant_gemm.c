@@ -784,8 +784,25 @@ void tessera_qdequant_rows(const uint8_t *w, int64_t qtype, int64_t k, const int
         return;
     const int bs = BLOCK_SIZE(qtype), bb = BLOCK_BYTES(qtype);
     const int64_t blocks = (k + bs - 1) / bs, row_bytes = blocks * bb;
+    /* a whole weight (prefill chunks, quant.py): the calling thread's OpenMP team; a few embedding rows: alone */
+#pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
     for (int64_t i = 0; i < count; i++) {
+#if QX_AVX512
+        const int64_t whole = k / bs;  /* blocks wholly inside k: decoded straight into the row */
+        for (int64_t j = 0; j < whole; j++) {
+            const uint8_t *b = w + rows[i] * row_bytes + j * bb;
+            float *o = out + i * k + j * bs;
+            for (int sub = 0; sub < bs / 32; sub++) {
+                __m512 lo, hi;
+                decode32((int)qtype, b, sub, &lo, &hi);
+                _mm512_storeu_ps(o + 32 * sub, lo);
+                _mm512_storeu_ps(o + 32 * sub + 16, hi);
+            }
+        }
+        for (int64_t j = whole; j < blocks; j++) {
+#else
         for (int64_t j = 0; j < blocks; j++) {
+#endif
             float buf[256];
             decode_block((int)qtype, w + rows[i] * row_bytes + j * bb, buf);
             const int64_t len = k - j * bs < bs ? k - j * bs : bs;
