@@ -59,7 +59,8 @@ llama-cpp-python sdist's vendored source (see the README, "Comparing with llama.
         -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   nice -n 10 cmake --build build --target llama-server -j2
 
-then: LLAMA_SERVER=$PWD/build/bin/llama-server tessera bench peer"""
+then: LLAMA_SERVER=$PWD/build/bin/llama-server tessera bench peer
+(a VM that reports AMX without granting its tile state: see the README for the flags without AMX)"""
 
 
 def _free_port() -> int:
