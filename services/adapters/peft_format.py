@@ -9,6 +9,15 @@ Config and weights must agree: every weight pair belongs to a module that `targe
 (targets.py), and with a base model every target entry matches one of its linears and every pair
 fits its layer and the configured rank. The first mismatch is refused, named.
 
+MoE experts (PEFT's `target_parameters`, e.g. ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+on transformers 5's 3-D expert weights [experts, out, in]): PEFT's ParamWrapper stores one pair per
+weight, lora_A [r * E, in] (expert e's A is rows e*r .. e*r + r) and lora_B [out, r * E] (expert
+e's B is columns e, E + e, 2E + e, ...), and nests two wrappers on one module, so the first
+weight in the module's declaration order (gate_up_proj) is saved as `experts.base_layer.lora_A`
+and the second as `experts.lora_A`. Expert e's delta is scale * B_e A_e, so each is read as its
+own target "<layer>.mlp.experts.<e>.<part>" (services/common/lora_names.py), its rank and alpha
+those rank_pattern / alpha_pattern give the weight's name "<layer>.mlp.experts.<part>".
+
 Effective-delta bound. Per target, with A [r, in] and scaled B' [out, r] (scale folded in):
 
     bound = max_i sum_k |B'[i, k]| * max_j |A[k, j]|      (float64; >= max |B' A|, equal for r = 1)
@@ -37,10 +46,12 @@ from services.adapters.paths import AdapterDir, open_in_root
 from services.adapters.targets import TargetModules, match_module
 from services.adapters.types import LoRAAdapter, LoRATarget
 from services.common.errors import InvalidArgument
+from services.common.lora_names import EXPERT_PARTS, expert_target
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+_WRAPPED_EXPERTS = re.compile(r"^(?P<module>.+\.experts)(?P<wrappers>(?:\.base_layer)*)$")
 _EMBEDDING_NAMES = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out"}
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 DELTA_SCALE_FACTOR = 1e3
@@ -56,6 +67,11 @@ class LoRASettings:
     targets: TargetModules
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
+    target_parameters: tuple[str, ...] = ()  # PEFT's: 3-D expert weights, "mlp.experts.gate_up_proj"
+
+    def targets_parameter(self, name: str) -> bool:
+        """Whether target_parameters names the weight `name` (PEFT: equal, or ending in "." + entry)."""
+        return any(name == entry or name.endswith("." + entry) for entry in self.target_parameters)
 
     def rank_for(self, module: str) -> int:
         return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, module, "rank_pattern"), self.r))
@@ -107,14 +123,18 @@ def read_peft_dir(directory: AdapterDir, name: str, max_rank: int,
     settings = read_lora_settings(directory.read_file(CONFIG_FILE))
     if base is not None:
         settings.targets.check_against(base.modules)
+        _check_parameters_against(settings, base)
     tensors = _load_tensors(directory.read_file(WEIGHTS_FILE))
     pairs = _pair_tensors(tensors)
+    weights = _expert_weight_pairs(pairs, settings)
     for module in sorted(pairs):
         if not settings.targets.matches(module):
             raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
                                   "does not name")
     targets = {module: _build_target(module, a, b, settings, max_rank, base)
                for module, (a, b) in sorted(pairs.items())}  # the first refusal named does not depend on file order
+    for weight, (a, b) in sorted(weights.items()):
+        targets.update(_expert_targets(weight, a, b, settings, max_rank, base))
     return LoRAAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
                        use_rslora=settings.use_rslora, targets=targets)
 
@@ -128,7 +148,8 @@ def read_lora_settings(config: bytes) -> LoRASettings:
     if not isinstance(config, dict):
         raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
     _refuse_unsupported(config)
-    targets = TargetModules.from_config(config)
+    parameters = _target_parameters(config)
+    targets = TargetModules.from_config(config, required=not parameters)
     _refuse_embedding_targets(targets)
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not _is_positive_int(r):
@@ -138,7 +159,89 @@ def read_lora_settings(config: bytes) -> LoRASettings:
     rank_pattern = _pattern(config, "rank_pattern", _is_positive_int, "a positive integer rank")
     alpha_pattern = _pattern(config, "alpha_pattern", _is_finite_number, "a finite number")
     return LoRASettings(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora")), targets=targets,
-                        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+                        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, target_parameters=parameters)
+
+
+def _target_parameters(config: dict) -> tuple[str, ...]:
+    """target_parameters: a list of weight names, each a routed expert weight (`EXPERT_PARTS`).
+
+    Raises:
+        InvalidArgument: not a list of strings, or an entry naming another weight.
+    """
+    value = config.get("target_parameters") or []
+    if not isinstance(value, list) or not all(isinstance(entry, str) and entry for entry in value):
+        raise InvalidArgument(f"adapter_config.json: target_parameters={_clip(value)} must be a list of weight names")
+    for entry in value:
+        part = entry.rsplit(".", 1)[-1]
+        if part not in EXPERT_PARTS or not (entry == part or ("." + entry).endswith(".experts." + part)):
+            raise InvalidArgument(f"adapter_config.json: target_parameters entry {_clip(entry)} is not supported; "
+                                  "LoRA on weights is served for routed MoE experts, 'mlp.experts.gate_up_proj' and "
+                                  "'mlp.experts.down_proj'")
+    return tuple(value)
+
+
+def _check_parameters_against(settings: LoRASettings, base: BaseModelShapes) -> None:
+    """Refuse a target_parameters entry that names no expert weight of the base model (as PEFT refuses it)."""
+    weights = {target[0] for target in map(expert_target, base.modules) if target is not None}
+    for entry in settings.target_parameters:
+        if not any(weight == entry or weight.endswith("." + entry) for weight in weights):
+            raise InvalidArgument(f"adapter_config.json: target_parameters entry {_clip(entry)} matches no expert "
+                                  "weight of the base model")
+
+
+def _expert_weight_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                         settings: LoRASettings) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Take the expert-weight pairs out of `pairs` (module docstring): "<layer>.mlp.experts" plus
+    n `.base_layer` wrappers -> the weight "<layer>.mlp.experts.<part>" it adapts, the parts that
+    target_parameters names at that module taken in declaration order from the innermost wrapper.
+
+    Raises:
+        InvalidArgument: a wrapper depth that target_parameters does not account for.
+    """
+    weights = {}
+    for module in sorted(pairs):
+        match = _WRAPPED_EXPERTS.match(module)
+        if match is None:
+            continue
+        group = match["module"]
+        parts = [part for part in EXPERT_PARTS if settings.targets_parameter(f"{group}.{part}")]
+        if not parts:
+            if settings.target_parameters or match["wrappers"]:
+                raise InvalidArgument(f"{module[:200]}: the weights adapt expert weights that adapter_config.json's "
+                                      "target_parameters does not name")
+            continue  # a module named "experts" that target_modules may name
+        depth = match["wrappers"].count(".base_layer")
+        if depth >= len(parts):
+            raise InvalidArgument(f"{module[:200]}: {depth} base_layer wrappers, but target_parameters names "
+                                  f"{len(parts)} expert weight(s) of {group[:200]}")
+        weights[f"{group}.{parts[len(parts) - 1 - depth]}"] = pairs.pop(module)
+    return weights
+
+
+def _expert_targets(weight: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, max_rank: int,
+                    base: BaseModelShapes | None) -> dict[str, LoRATarget]:
+    """The per-expert targets of one expert weight's pair, A [r * E, in] and B [out, r * E]
+    (module docstring), each checked as `_build_target` checks a linear's.
+
+    Raises:
+        InvalidArgument: factors that are not 2-D, rows not a multiple of the configured rank, an
+            expert count the base model does not have, or what `_build_target` refuses.
+    """
+    group, part = weight.rsplit(".", 1)
+    rank = settings.rank_for(weight)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] % rank:
+        raise InvalidArgument(f"{weight[:200]}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+                              f"[r * experts, in] and [out, r * experts] for r={rank} (adapter_config.json)")
+    experts = a.shape[0] // rank
+    if base is not None and (f"{group}.{experts - 1}.{part}" not in base.modules
+                             or f"{group}.{experts}.{part}" in base.modules):
+        raise InvalidArgument(f"{weight[:200]}: the factors hold {experts} experts of rank {rank}; the base model's "
+                              f"{group[:200]} has a different number of experts")
+    a_e = a.reshape(experts, rank, a.shape[1])  # [E, r, in]
+    b_e = b.reshape(b.shape[0], rank, experts)  # [out, r, E]
+    return {f"{group}.{e}.{part}": _build_target(f"{group}.{e}.{part}", a_e[e], b_e[:, :, e], settings, max_rank,
+                                                 base, pattern_name=weight)
+            for e in range(experts)}
 
 
 def _is_positive_int(value) -> bool:
@@ -182,7 +285,6 @@ def _refuse_unsupported(config: dict) -> None:
         "lora_bias": "trained LoRA biases are not supported",
         "trainable_token_indices": "trainable token embeddings are not supported",
         "layer_replication": "layer replication changes the base model",
-        "target_parameters": "LoRA on MoE expert weights is not supported (attention and dense projections are)",
     }
     for field_name, reason in refusals.items():
         if config.get(field_name):
@@ -232,8 +334,10 @@ def _pair_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Ten
 
 
 def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, max_rank: int,
-                  base: BaseModelShapes | None) -> LoRATarget:
-    """Check one pair (A [r, in], B [out, r]) and return it in float32 with B scaled."""
+                  base: BaseModelShapes | None, pattern_name: str | None = None) -> LoRATarget:
+    """Check one pair (A [r, in], B [out, r]) and return it in float32 with B scaled. Rank and
+    alpha are those rank_pattern / alpha_pattern give `pattern_name` (default `module`)."""
+    pattern_name = pattern_name or module
     for part, tensor in (("A", a), ("B", b)):
         if tensor.dim() != 2:
             raise InvalidArgument(f"{module}: lora_{part} has shape {tuple(tensor.shape)}; expected 2-D")
@@ -245,9 +349,9 @@ def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRAS
         raise InvalidArgument(f"{module}: lora_A is {tuple(a.shape)} and lora_B is {tuple(b.shape)}; ranks differ")
     if not 1 <= rank <= max_rank:
         raise InvalidArgument(f"{module}: rank {rank} exceeds the registry's max_rank {max_rank}")
-    if rank != settings.rank_for(module):
+    if rank != settings.rank_for(pattern_name):
         raise InvalidArgument(f"{module}: tensors have rank {rank} but adapter_config.json (r/rank_pattern) "
-                              f"says {settings.rank_for(module)}")
+                              f"says {settings.rank_for(pattern_name)}")
     if base is not None:
         shape = base.modules.get(module)
         if shape is None:
@@ -255,7 +359,7 @@ def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRAS
         if (in_features, out_features) != (shape.in_features, shape.out_features):
             raise InvalidArgument(f"{module}: LoRA maps {in_features} -> {out_features} features but the base "
                                   f"model's layer is {shape.in_features} -> {shape.out_features}")
-    alpha = settings.alpha_for(module)
+    alpha = settings.alpha_for(pattern_name)
     scaled_b = b.to(torch.float64) * settings.scale(rank, alpha)  # [out, r]
     lora_a = a.to(torch.float32).contiguous()  # [r, in]
     lora_b = scaled_b.to(torch.float32).contiguous()  # [out, r]

@@ -97,13 +97,16 @@ class TargetModules:
                                       "no linear module of the base model")
 
     @classmethod
-    def from_config(cls, config: dict) -> TargetModules:
-        """Parse target_modules (required), exclude_modules and layers_to_transform.
+    def from_config(cls, config: dict, required: bool = True) -> TargetModules:
+        """Parse target_modules (required unless `required` is false: an adapter of PEFT's
+        target_parameters alone), exclude_modules and layers_to_transform.
 
         Raises:
-            InvalidArgument: a missing, empty or malformed field, naming it.
+            InvalidArgument: a missing (when required), empty or malformed field, naming it.
         """
         targets = _selector(config, "target_modules")
+        if targets is None and not required:
+            targets = ModuleSelector()
         if targets is None:
             raise InvalidArgument("adapter_config.json: target_modules is missing or empty; it must name the "
                                   "modules the LoRA weights adapt")

@@ -177,6 +177,49 @@ def _positive_number(value: Any, name: str) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
+class MoeLayout:
+    """Where a mixture-of-experts checkpoint's routed experts are (services/decoder/moe.py).
+
+    Attributes:
+        num_experts: routed experts per sparse layer.
+        moe_intermediate_size: each expert's intermediate size.
+        sparse_layers: the layers whose MLP is the sparse block (the others are dense).
+    """
+
+    num_experts: int
+    moe_intermediate_size: int
+    sparse_layers: tuple[int, ...]
+
+
+# model_type -> (config keys of the expert count, whether Qwen's decoder_sparse_step / mlp_only_layers
+# pick the sparse layers, as transformers' Qwen3MoeDecoderLayer; else every layer is sparse, as Mixtral)
+MOE_FAMILIES = {"mixtral": (("num_local_experts",), False),
+                "qwen2_moe": (("num_experts", "num_local_experts"), True),
+                "qwen3_moe": (("num_experts", "num_local_experts"), True)}
+
+
+def moe_layout(config: Mapping[str, Any], num_layers: int, intermediate_size: int) -> MoeLayout | None:
+    """The routed experts of a text config.json of a MOE_FAMILIES model_type; None for other types.
+    The expert size is `moe_intermediate_size`, else `intermediate_size` (Mixtral's).
+
+    Raises:
+        ValueError: no expert count under the family's keys.
+    """
+    family = MOE_FAMILIES.get(config.get("model_type"))
+    if family is None:
+        return None
+    keys, sparse_step = family
+    num_experts = next((config[key] for key in keys if config.get(key) is not None), None)
+    if num_experts is None:
+        raise ValueError(f"config.json has no {' or '.join(keys)}")
+    layers = range(num_layers)
+    if sparse_step:
+        step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or ())
+        layers = [i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0]
+    return MoeLayout(num_experts, config.get("moe_intermediate_size") or intermediate_size, tuple(layers))
+
+
 # the safetensors header key of a checkpoint holding GGUF blocks (`tessera models import --keep-quantized`):
 # JSON {HF tensor name: GGML type name}; each named tensor is uint8 [rows, row bytes] (services/decoder/quant.py)
 QUANTIZATION_METADATA = "tessera.gguf_types"

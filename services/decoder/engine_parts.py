@@ -23,7 +23,7 @@ from services.decoder.config import DecoderConfig
 from services.decoder.grammar import GrammarCompiler
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import resolve_linear_backend
-from services.decoder.lora import AdapterSlots, LoRAContext, target_shapes
+from services.decoder.lora import AdapterSlots, LoRAContext, expert_parts, target_shapes
 from services.decoder.lora.registry import make_backend, resolve_lora_backend
 from services.decoder.model_qwen2_vl import VisionTokens, is_qwen2_vl, text_config
 from services.decoder.model_runner import ModelRunner
@@ -99,7 +99,8 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     block_manager = BlockManager(config.num_blocks, config.block_size)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
                           model_sliding_window(model))
-    bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(model), dtype, device)
+    bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(model), dtype, device,
+                        expert_parts(model))
     image_token_id = _image_token_id(config, model_config, tokenizer)
     vision = VisionTokens.from_config(model_config) if is_qwen2_vl(model_config) else None
     prompts = PromptBuilder(tokenizer, spec.vocab_size, spec.hidden_size, config.mrope_section, image_token_id,

@@ -44,8 +44,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         window = positive_or_none("sliding_window", cfg.get("sliding_window"), integer=True)
         base = replace(LlamaSpec.from_config(cfg), architecture=(cfg.get("architectures") or ["MixtralForCausalLM"])[0],
                        qkv_bias=False, o_bias=False, mlp_bias=False)
-        spec = moe_spec(base, cfg, num_experts_key=("num_local_experts",), norm_topk_prob=True,
-                        round_routing_weights=False, moe_intermediate_size=base.intermediate_size, sparse_step=False)
+        spec = moe_spec(base, cfg, norm_topk_prob=True, round_routing_weights=False)
         return MixtralSpec(**{name: getattr(spec, name) for name in spec.__dataclass_fields__}, sliding_window=window)
 
     @classmethod

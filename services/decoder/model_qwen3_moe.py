@@ -22,10 +22,7 @@ from services.decoder.moe import MoeDecoderLayer, MoeSpec, convert_moe_checkpoin
 
 
 def _qwen_moe_spec(cfg: dict, base: LlamaSpec) -> MoeSpec:
-    return moe_spec(base, cfg, num_experts_key=("num_experts", "num_local_experts"),
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), round_routing_weights=True,
-                    moe_intermediate_size=cfg.get("moe_intermediate_size") or base.intermediate_size,
-                    sparse_step=True)
+    return moe_spec(base, cfg, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), round_routing_weights=True)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

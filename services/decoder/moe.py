@@ -25,7 +25,14 @@ Expert weights are held as transformers 5 holds them: `experts.gate_up_proj` [ex
 hidden] (gate rows, then up rows) and `experts.down_proj` [experts, hidden, moe_inter];
 `convert_expert_weights` builds them from the per-expert names save_pretrained writes
 (`experts.{e}.w1/w3/w2` for Mixtral under `block_sparse_moe`, `experts.{e}.gate_proj/up_proj/down_proj`
-for Qwen). They are not LoRA targets.
+for Qwen).
+
+LoRA on the experts (PEFT's `target_parameters` = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+read per expert by the registry): expert e of slot s adds (rows_e A_{s,e}^T) B_{s,e}^T to its
+gate_up (or down) product, before the activation (or the routing weight), as PEFT's parametrized
+weight W_e + scale * B_e A_e does. The step's (token, expert) rows carry the "slot" s * E + e of
+the stacked part's buffer (lora/slots.py), so one batched shrink/expand per part covers every
+adapter and expert of the step.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from services.common.checkpoint import moe_layout
+from services.common.lora_names import EXPERT_PARTS
+from services.decoder.lora import BASE_SLOT, LoRABatch, LoRAExperts
 from services.decoder.model_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaSpec
 
 
@@ -140,29 +150,60 @@ def default_grouped_gemm(device: torch.device) -> GroupedGemm:
     return TorchGroupedGemm()
 
 
-class MoeExperts(nn.Module):
-    """The routed experts of one layer, in transformers 5's fused 3-D layout (module docstring)."""
+class MoeExperts(nn.Module, LoRAExperts):
+    """The routed experts of one layer, in transformers 5's fused 3-D layout, named `prefix`
+    ("model.layers.{i}.mlp.experts"; module docstring)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = "") -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.prefix = prefix
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.grouped_gemm: GroupedGemm | None = None  # None: `default_grouped_gemm` of the input's device
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        shapes = {"gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
+                  "down_proj": (self.intermediate_size, self.hidden_size)}
+        return {f"{self.prefix}.{e}.{part}": shapes[part] for e in range(self.num_experts) for part in EXPERT_PARTS}
+
+    def lora_parts(self) -> dict[str, int]:
+        return {f"{self.prefix}.{part}": self.num_experts for part in EXPERT_PARTS}
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """x [n, hidden] -> the routed experts' weighted sum [n, hidden], x's dtype."""
         gemm = self.grouped_gemm or default_grouped_gemm(x.device)
         rows = x[groups.token_ids]  # [n * k, hidden], grouped by expert
+        lora = self._lora_batch(x, groups)
         gate_up = gemm(rows, self.gate_up_proj, groups.expert_offsets)  # [n * k, 2 * inter]
+        if lora is not None:
+            self.lora_context.apply(f"{self.prefix}.gate_up_proj", rows, gate_up, lora)
         gate, up = gate_up.split(self.intermediate_size, -1)
         hidden = nn.functional.silu(gate).mul_(up)  # [n * k, inter]
         y = gemm(hidden, self.down_proj, groups.expert_offsets)  # [n * k, hidden]
+        if lora is not None:
+            self.lora_context.apply(f"{self.prefix}.down_proj", hidden, y, lora)
         # as transformers' grouped_mm experts: the product in the weights' dtype (float32 weights
         # promote), each token's k products summed in float32, rounded once to x's dtype
         y = (y * groups.weights[:, None]).float()  # [n * k, hidden]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, groups.token_ids, y)
         return out.to(x.dtype)
+
+    def _lora_batch(self, x: torch.Tensor, groups: ExpertGroups) -> LoRABatch | None:
+        """The (token, expert) rows' LoRA metadata: row r of expert e for a token of slot s gets
+        "slot" s * E + e of the stacked parts (slots.py); None when no adapter row of the step has
+        expert factors (an adapter on attention alone costs the experts nothing)."""
+        context = self.lora_context
+        if context is None or context.batch is None or not any(
+                context.slots.factors(f"{self.prefix}.{part}") for part in EXPERT_PARTS):
+            return None
+        token_slots = context.batch.token_slots  # [n]
+        if token_slots.numel() != x.shape[0]:
+            raise ValueError(f"the step has {token_slots.numel()} LoRA rows but the MoE block {x.shape[0]} tokens")
+        counts = groups.expert_offsets.diff()  # [experts]
+        experts = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device), counts)  # [n * k]
+        slots = token_slots[groups.token_ids]  # [n * k]
+        return LoRABatch.build(torch.where(slots == BASE_SLOT, BASE_SLOT, slots * self.num_experts + experts))
 
 
 class SparseMoeBlock(nn.Module):
@@ -174,7 +215,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.normalize = spec.num_experts_per_tok, spec.norm_topk_prob
         self.round_weights = spec.round_routing_weights
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)  # torch's GEMM: routing stays exact
-        self.experts = MoeExperts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size)
+        self.experts = MoeExperts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size,
+                                  prefix=f"model.layers.{layer}.mlp.experts")
         if spec.shared_expert_intermediate_size:
             shared = replace(spec, intermediate_size=spec.shared_expert_intermediate_size, mlp_bias=False)
             self.shared_expert = LlamaMLP(shared, layer, prefix=f"model.layers.{layer}.mlp.shared_expert")
@@ -234,28 +276,22 @@ def convert_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> 
             state[fused] = torch.cat([state.pop(name), state.pop(up)])
 
 
-def moe_spec(base: LlamaSpec, cfg: dict, *, num_experts_key: tuple[str, ...], norm_topk_prob: bool,
-             round_routing_weights: bool, moe_intermediate_size: int, sparse_step: bool) -> MoeSpec:
-    """`base` extended by config.json's expert fields. `sparse_step`: which layers are sparse follows
-    Qwen's `decoder_sparse_step` / `mlp_only_layers` (transformers' Qwen3MoeDecoderLayer); otherwise
-    every layer is (Mixtral).
+def moe_spec(base: LlamaSpec, cfg: dict, *, norm_topk_prob: bool, round_routing_weights: bool) -> MoeSpec:
+    """`base` extended by config.json's expert fields (`checkpoint.moe_layout`: the expert count,
+    size and which layers are sparse, as transformers' Mixtral / Qwen3-MoE decoder layers decide).
 
     Raises:
         ValueError: no expert count, or sizes MoeSpec refuses.
     """
-    num_experts = next((cfg[key] for key in num_experts_key if cfg.get(key) is not None), None)
-    if num_experts is None:
-        raise ValueError(f"config.json has no {' or '.join(num_experts_key)}")
-    layers = range(base.num_layers)
-    if sparse_step:
-        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-        layers = [i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0]
+    layout = moe_layout(cfg, base.num_layers, base.intermediate_size)
+    if layout is None:
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is not a mixture-of-experts family")
     return base.extended(MoeSpec,
-                         num_experts=num_experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                         moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
+                         num_experts=layout.num_experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                         moe_intermediate_size=layout.moe_intermediate_size, norm_topk_prob=norm_topk_prob,
                          round_routing_weights=round_routing_weights,
                          shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
-                         sparse_layers=tuple(layers))
+                         sparse_layers=layout.sparse_layers)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):

@@ -138,6 +138,25 @@ def test_bank_leases_lru_and_slot_rewrite():
         bank.load(LoRAWeights("e", {"m.q": (torch.zeros(8, 4), torch.zeros(4, 8))}))
 
 
+def test_expert_targets_share_a_stacked_buffer_row_per_slot_and_expert():
+    """Per-expert targets "<layer>.mlp.experts.<e>.<part>" live in one buffer per part, row
+    slot * experts + e; reusing a slot zeroes all of its experts' rows."""
+    shapes = {f"m.experts.{e}.down_proj": (3, 4) for e in range(3)} | {"m.experts.5.gate_up_proj": (4, 4)}
+    bank = AdapterSlots(num_slots=2, max_rank=2, module_shapes=shapes, expert_parts={"m.experts.down_proj": 3})
+    factors = lambda value: (torch.full((2, 3), value), torch.full((4, 2), value))
+    assert bank.load(LoRAWeights("a", {"m.experts.1.down_proj": factors(1.0), "m.experts.2.down_proj": factors(2.0)})) == 0
+    assert bank.load(LoRAWeights("b", {"m.experts.0.down_proj": factors(3.0)})) == 1
+    a, b = bank.factors("m.experts.down_proj")
+    assert a.shape == (6, 2, 3) and b.shape == (6, 4, 2)
+    assert [float(a[row, 0, 0]) for row in range(6)] == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0]
+    assert float(b[4, 0, 0]) == 0.0 and float(b[2, 3, 1]) == 2.0
+    assert bank.factors("m.experts.5.gate_up_proj") is None  # not a stacked part: its own name, unused yet
+    bank.unload("a")
+    assert bank.load(LoRAWeights("c", {"m.experts.5.gate_up_proj": (torch.ones(1, 4), torch.ones(4, 1))})) == 0
+    assert float(bank.factors("m.experts.down_proj")[0][:3].abs().sum()) == 0.0  # slot 0's expert rows zeroed
+    assert float(bank.factors("m.experts.down_proj")[0][3].abs().sum()) == 18.0  # slot 1's untouched
+
+
 def test_non_finite_logits_fail_only_their_request(tiny_llama):
     """An adapter whose (finite) weights overflow the model gives NaN/inf logits: that request ends
     with FAILED_PRECONDITION naming it, and a sampled neighbour in the same batch is unharmed (NaN

@@ -6,8 +6,8 @@ a shared expert. Each serves greedy ids = transformers' generate and fp32 logits
 regime of family_conformance.py (Qwen2-MoE: every prompt concurrently). The sparse block equals
 transformers' own block and a float64 per-token loop at odd token counts (1..40, experts that get
 no token); the Triton grouped GEMM equals the torch path in Triton's interpreter; PEFT LoRAs on a
-MoE model's attention and shared expert equal PEFT, two adapters in one batch; expert LoRA targets are refused by
-name. Mixtral with a sliding window shorter than the prompts equals transformers too.
+MoE model's attention, shared expert and routed experts (PEFT's target_parameters) equal PEFT, adapters
+and base rows in one batch. Mixtral with a sliding window shorter than the prompts equals transformers too.
 """
 
 import asyncio
@@ -267,24 +267,24 @@ def _registry_weights(model_dir: Path, root: Path, name: str) -> LoRAWeights:
     return LoRAWeights(adapter.digest, {m: (t.lora_a, t.lora_b) for m, t in adapter.targets.items()})
 
 
-def test_peft_lora_on_moe_attention_and_shared_expert_equals_peft_two_adapters_in_one_batch(checkpoints, tmp_path):
-    """Qwen2-MoE: one adapter on q/v, one on k/o and the shared expert's projections (what PEFT's
-    gate_proj/up_proj/down_proj match in a sparse layer), base rows beside them."""
-    model_dir = checkpoints("qwen2_moe", with_references=False)[0]
-    for seed, (name, options) in enumerate(LORA_ADAPTERS.items()):
-        _save_lora(model_dir, tmp_path, name, 100 + seed, **options)
+def _check_peft_equality(model_dir: Path, root: Path, adapters: dict[str, dict], max_rank: int = 8) -> None:
+    """Each adapter of `adapters` (name -> LoraConfig options) saved by PEFT, read by the registry
+    and served with base rows in one batch: greedy ids equal PEFT's and fp32 logits within 1e-4;
+    each adapter changes what the model says."""
+    for seed, (name, options) in enumerate(adapters.items()):
+        _save_lora(model_dir, root, name, 100 + seed, **options)
     refs = {}
-    for name in [None, *LORA_ADAPTERS]:
+    for name in [None, *adapters]:
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         if name is not None:
-            model = PeftModel.from_pretrained(model, tmp_path / name).eval()
+            model = PeftModel.from_pretrained(model, root / name).eval()
         for i, prompt in enumerate(LORA_PROMPTS):
             refs[f"{name or 'base'}-{i}"] = hf_reference(model, prompt, 8)
     engine = start_engine(DecoderConfig(model_dir=str(model_dir), num_blocks=64, max_model_len=256,
-                                        adapter_slots=2, max_lora_rank=8), InMemoryAdapterSource())
+                                        adapter_slots=len(adapters), max_lora_rank=max_rank), InMemoryAdapterSource())
     try:
-        for name in LORA_ADAPTERS:
-            weights = _registry_weights(model_dir, tmp_path, name)
+        for name in adapters:
+            weights = _registry_weights(model_dir, root, name)
             engine.parts.bank.load(weights)
             engine.adapters.add(name, weights)
         logits = capture_logits(engine)
@@ -299,23 +299,61 @@ def test_peft_lora_on_moe_attention_and_shared_expert_equals_peft_two_adapters_i
             return await asyncio.gather(*(collect(r) for r in requests))
 
         ids = dict(zip(refs, asyncio.run(everything())))
+        assert all(engine.parts.bank.num_leases(slot) == 0 for slot in range(len(adapters)))
     finally:
         engine.shutdown()
     for key, (ref_ids, ref_logits) in refs.items():
         assert ids[key] == ref_ids, key
         torch.testing.assert_close(torch.stack(logits[key]), ref_logits, atol=1e-4, rtol=0)
-    shared = read_peft_adapter(tmp_path / "shared8", tmp_path, "shared8", 8, BaseModelShapes.from_model_dir(model_dir))
-    assert "model.layers.0.mlp.shared_expert.gate_proj" in shared.targets
-    for name in LORA_ADAPTERS:  # each adapter changes what the model says
+    for name in adapters:  # each adapter changes what the model says
         assert any(refs[f"{name}-{i}"][0] != refs[f"base-{i}"][0] for i in range(len(LORA_PROMPTS))), name
 
 
-def test_lora_on_expert_weights_is_refused_by_name(checkpoints, tmp_path):
-    """PEFT writes expert LoRA (its `target_parameters`, 3-D expert weights) as stacked per-expert
-    factors; the registry refuses such an adapter in one line naming the weights."""
+def test_peft_lora_on_moe_attention_and_shared_expert_equals_peft_two_adapters_in_one_batch(checkpoints, tmp_path):
+    """Qwen2-MoE: one adapter on q/v, one on k/o and the shared expert's projections (what PEFT's
+    gate_proj/up_proj/down_proj match in a sparse layer), base rows beside them."""
+    model_dir = checkpoints("qwen2_moe", with_references=False)[0]
+    _check_peft_equality(model_dir, tmp_path, LORA_ADAPTERS)
+    shared = read_peft_adapter(tmp_path / "shared8", tmp_path, "shared8", 8, BaseModelShapes.from_model_dir(model_dir))
+    assert "model.layers.0.mlp.shared_expert.gate_proj" in shared.targets
+
+
+EXPERT_ADAPTERS = {  # PEFT's target_parameters on the 3-D expert weights, with and without attention targets
+    "experts4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "down8": dict(r=8, lora_alpha=4, target_parameters=["mlp.experts.down_proj"]),
+    "gate_up2": dict(r=2, lora_alpha=16, use_rslora=True, target_modules=["o_proj"],
+                     target_parameters=["gate_up_proj"]),
+}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_peft_lora_on_routed_experts_equals_peft_three_adapters_in_one_batch(checkpoints, tmp_path, name):
+    """LoRA on the routed experts (PEFT's target_parameters: gate_up_proj and/or down_proj, each
+    expert its own A and B) beside attention targets: three adapters and base rows in one batch
+    equal PEFT; the registry reads expert e of layer i as its own target."""
+    model_dir = checkpoints(name, with_references=False)[0]
+    _check_peft_equality(model_dir, tmp_path, EXPERT_ADAPTERS)
+    adapter = read_peft_adapter(tmp_path / "experts4", tmp_path, "experts4", 8, BaseModelShapes.from_model_dir(model_dir))
+    assert {"model.layers.0.mlp.experts.3.gate_up_proj", "model.layers.0.mlp.experts.3.down_proj",
+            "model.layers.0.self_attn.q_proj"} <= set(adapter.targets)
+
+
+def test_expert_lora_refusals_name_the_field(checkpoints, tmp_path):
+    """target_parameters naming a weight that is not a routed expert's, or an expert weight the base
+    model lacks, and factors whose expert count differs from the base model's: one line each."""
     model_dir = checkpoints("qwen3_moe", with_references=False)[0]
-    _save_lora(model_dir, tmp_path, "experts", 7, r=4, target_modules=["q_proj"],
-               target_parameters=["mlp.experts.gate_up_proj"])
-    with pytest.raises(InvalidArgument, match=r"target_parameters=\['mlp.experts.gate_up_proj'\] is not supported; "
-                                              "LoRA on MoE expert weights"):
-        _registry_weights(model_dir, tmp_path, "experts")
+    base = BaseModelShapes.from_model_dir(model_dir)
+    _save_lora(model_dir, tmp_path, "experts", 7, r=4, target_parameters=["mlp.experts.gate_up_proj"])
+    config_path = tmp_path / "experts" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    for value, message in ((["self_attn.q_proj.weight"], "target_parameters entry 'self_attn.q_proj.weight' is not supported"),
+                           ("mlp.experts.gate_up_proj", "target_parameters='mlp.experts.gate_up_proj' must be a list"),
+                           (["other.experts.down_proj"], "target_parameters entry 'other.experts.down_proj' matches no expert")):
+        config_path.write_text(json.dumps({**config, "target_parameters": value}))
+        with pytest.raises(InvalidArgument, match=message):
+            read_peft_adapter(tmp_path / "experts", tmp_path, "experts", 8, base)
+    config_path.write_text(json.dumps({**config, "r": 2}))  # [16, in] factors (4 experts of rank 4) read as 8 of rank 2
+    with pytest.raises(InvalidArgument, match="the factors hold 8 experts of rank 2; the base model.s"):
+        read_peft_adapter(tmp_path / "experts", tmp_path, "experts", 8, base)
+

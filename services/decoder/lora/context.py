@@ -55,9 +55,14 @@ class LoRAContext:
         """This step's LoRA metadata while a step with at least one adapter row runs, else None."""
         return self._batch
 
-    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add the LoRA correction of module `name` to `y` [num_tokens, out] in place (x: [num_tokens, in])."""
+    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch | None = None) -> None:
+        """Add the LoRA correction of module `name` to `y` [rows, out] in place (x: [rows, in]).
+
+        `batch`: the rows' own metadata where they are not the step's tokens (a MoE block's
+        (token, expert) rows, whose "slots" index a stacked expert part: slots.py); default the step's.
+        """
         factors = self.slots.factors(name)
-        if factors is None or self._batch is None:
+        batch = batch or self._batch
+        if factors is None or batch is None:
             return
-        self.backend.add_lora(y, x, factors[0], factors[1], self._batch)
+        self.backend.add_lora(y, x, factors[0], factors[1], batch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -34,15 +36,39 @@ class LoRALinear(Linear):
         return y
 
 
+class LoRAExperts(ABC):
+    """A module of routed experts whose 3-D weights take per-expert LoRA (moe.MoeExperts): it
+    names its per-expert targets and their stacked parts, and reads `lora_context` in its forward."""
+
+    lora_context: LoRAContext | None = None
+
+    @abstractmethod
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each per-expert target, "<prefix>.<e>.<part>"."""
+
+    @abstractmethod
+    def lora_parts(self) -> dict[str, int]:
+        """"<prefix>.<part>" -> number of experts, for each stacked part (slots.AdapterSlots)."""
+
+
 def attach_context(model: nn.Module, context: LoRAContext) -> None:
-    """Point every LoRALinear of `model` at `context`."""
+    """Point every LoRALinear and LoRAExperts of `model` at `context`."""
     for module in model.modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, LoRAExperts)):
             module.lora_context = context
 
 
 def target_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA-capable checkpoint projection (fused parts
-    separately), by module name."""
-    return {name: (m.in_features, end - start) for m in model.modules() if isinstance(m, LoRALinear)
-            for name, start, end in m.lora_slices}
+    separately, routed experts one by one), by module name."""
+    shapes = {name: (m.in_features, end - start) for m in model.modules() if isinstance(m, LoRALinear)
+              for name, start, end in m.lora_slices}
+    for module in model.modules():
+        if isinstance(module, LoRAExperts):
+            shapes.update(module.lora_shapes())
+    return shapes
+
+
+def expert_parts(model: nn.Module) -> dict[str, int]:
+    """The stacked expert parts of `model`'s LoRAExperts ({} for a dense model)."""
+    return {part: n for m in model.modules() if isinstance(m, LoRAExperts) for part, n in m.lora_parts().items()}

@@ -5,6 +5,13 @@ slot is s, where A is [rank, in] and B is [out, rank] with the LoRA scale alread
 registry. `AdapterSlots` keeps every slot's A and B (padded to `max_rank` with zeros) in one buffer
 per module; the model runner's `LoRAContext` (context.py) reads them each step and hands them
 to a `LoRABackend`. Slot -1 (`BASE_SLOT`) is the base model, no correction.
+
+Routed MoE experts (PEFT's `target_parameters` on transformers 5's 3-D expert weights) are adapted
+per expert: module names "<layer>.mlp.experts.<e>.<part>" (part gate_up_proj or down_proj). The E
+experts of one part share one buffer, `factors("<layer>.mlp.experts.<part>")`, whose row
+`slot * E + e` holds slot s's factors of expert e: the MoE block hands the backend that row as
+the "slot" of each (token, expert) row it computes (moe.py), so every adapter and expert of a
+step is corrected in one batched shrink/expand per part.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import InvalidArgument
+from services.common.lora_names import expert_target
 
 
 @dataclass(frozen=True)
@@ -47,15 +55,28 @@ class AdapterSlots:
     """
 
     def __init__(self, num_slots: int, max_rank: int, module_shapes: dict[str, tuple[int, int]],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 expert_parts: dict[str, int] | None = None) -> None:
+        """`module_shapes`: module name -> (in_features, out_features), per-expert names included;
+        `expert_parts`: "<layer>.mlp.experts.<part>" -> number of experts, for the parts whose
+        per-expert modules share a stacked buffer (module docstring; `layers.target_shapes`)."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.module_shapes = module_shapes  # name -> (in_features, out_features)
         self.dtype = dtype
         self.device = torch.device(device)  # the model's: slot buffers live beside the weights they correct
         self.lock = threading.RLock()
-        self._a: dict[str, torch.Tensor] = {}  # name -> [slots, max_rank, in]
-        self._b: dict[str, torch.Tensor] = {}  # name -> [slots, out, max_rank], a view of [slots, max_rank, out]
+        # buffer key -> rows per slot: 1 for a module, E for a stacked expert part (module docstring)
+        expert_parts = expert_parts or {}
+        self._rows_per_slot: dict[str, int] = {}
+        self._place: dict[str, tuple[str, int]] = {}  # module name -> (buffer key, row within its slot)
+        for name in module_shapes:
+            placed = expert_target(name)
+            key, expert = placed if placed is not None and placed[0] in expert_parts else (name, 0)
+            self._place[name] = (key, expert)
+            self._rows_per_slot[key] = expert_parts.get(key, 1)
+        self._a: dict[str, torch.Tensor] = {}  # key -> [slots * rows per slot, max_rank, in]
+        self._b: dict[str, torch.Tensor] = {}  # key -> [slots * rows, out, max_rank], a view of [.., max_rank, out]
         self._digests: list[str | None] = [None] * num_slots
         self._leases = [0] * num_slots
         self._named: list[Counter[str]] = [Counter() for _ in range(num_slots)]  # slot -> leases by name
@@ -155,16 +176,15 @@ class AdapterSlots:
             slot = self._free_slot()
             if slot is None:
                 return None
-            for name in self._a:
-                self._a[name][slot].zero_()
-                self._b[name][slot].zero_()
+            self._zero(slot)
             for name, (a, b) in weights.modules.items():
-                self._buffers(name)
-                rank = a.shape[0]
+                key, expert = self._place[name]
+                self._buffers(key, name)
+                row, rank = slot * self._rows_per_slot[key] + expert, a.shape[0]
                 # from pinned host memory (HostAdapterCache on CUDA) the copy runs asynchronously,
                 # ordered before the next step's kernels on the device's stream
-                self._a[name][slot, :rank].copy_(a, non_blocking=True)
-                self._b[name][slot, :, :rank].copy_(b, non_blocking=True)
+                self._a[key][row, :rank].copy_(a, non_blocking=True)
+                self._b[key][row, :, :rank].copy_(b, non_blocking=True)
             self._digests[slot] = weights.digest
             self.num_swaps += 1
             self._idle[slot] = None
@@ -183,9 +203,7 @@ class AdapterSlots:
                 return
             if self._leases[slot]:
                 raise ValueError(f"slot {slot} holding {digest!r} is leased {self._leases[slot]} time(s)")
-            for name in self._a:
-                self._a[name][slot].zero_()
-                self._b[name][slot].zero_()
+            self._zero(slot)
             self._digests[slot] = None
             self._idle.pop(slot, None)
 
@@ -218,15 +236,24 @@ class AdapterSlots:
 
     def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A [slots, max_rank, in], B [slots, out, max_rank]) of module `name`; None while no
-        resident adapter has ever targeted it. Lock-free: called per projection of every step."""
+        resident adapter has ever targeted it. For a stacked expert part "<layer>.mlp.experts.<part>"
+        the first dimension is slots * experts, row slot * experts + expert (module docstring).
+        Lock-free: called per projection of every step."""
         a = self._a.get(name)
         return None if a is None else (a, self._b[name])
 
-    def _buffers(self, name: str) -> None:
-        if name not in self._a:
+    def _zero(self, slot: int) -> None:
+        for key, a in self._a.items():
+            rows = slice(slot * self._rows_per_slot[key], (slot + 1) * self._rows_per_slot[key])
+            a[rows].zero_()
+            self._b[key][rows].zero_()
+
+    def _buffers(self, key: str, name: str) -> None:
+        if key not in self._a:
             in_f, out_f = self.module_shapes[name]
+            rows = self.num_slots * self._rows_per_slot[key]
             # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends).
             # B before A: `factors` reads without the lock and finds B wherever it finds A.
-            self._b[name] = torch.zeros(self.num_slots, self.max_rank, out_f, dtype=self.dtype,
+            self._b[key] = torch.zeros(rows, self.max_rank, out_f, dtype=self.dtype,
                                         device=self.device).transpose(1, 2)
-            self._a[name] = torch.zeros(self.num_slots, self.max_rank, in_f, dtype=self.dtype, device=self.device)
+            self._a[key] = torch.zeros(rows, self.max_rank, in_f, dtype=self.dtype, device=self.device)
