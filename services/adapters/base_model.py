@@ -4,7 +4,8 @@
 A mixture-of-experts model's routed experts are LoRA targets one by one (PEFT's `target_parameters`
 on transformers 5's 3-D expert weights, read per expert by peft_format.py): expert e of layer i is
 `model.layers.{i}.mlp.experts.{e}.gate_up_proj` (hidden -> 2 * expert size, gate rows then up rows)
-and `...{e}.down_proj` (expert size -> hidden), as services/decoder/moe.py computes them."""
+and `...{e}.down_proj` (expert size -> hidden), as services/decoder/moe.py computes them; the router
+is `model.layers.{i}.mlp.gate` (hidden -> experts)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class BaseModelShapes:
 
     Names follow transformers' Llama layout: `model.layers.{i}.self_attn.{q,k,v,o}_proj` and
     `model.layers.{i}.mlp.{gate,up,down}_proj` on dense layers; on a MoE model's sparse layers
-    `mlp.experts.{e}.{gate_up,down}_proj` (module docstring) and `mlp.shared_expert.*` where
+    `mlp.experts.{e}.{gate_up,down}_proj` and `mlp.gate` (module docstring) and `mlp.shared_expert.*` where
     config.json has a `shared_expert_intermediate_size`; head_dim defaults to hidden_size /
     num_attention_heads as in LlamaConfig.
     """
@@ -139,6 +140,7 @@ class BaseModelShapes:
             expert_shapes = {"gate_up_proj": LinearShape(hidden, 2 * inter), "down_proj": LinearShape(inter, hidden)}
             sparse = {f"mlp.experts.{e}.{part}": expert_shapes[part]
                       for e in range(moe.num_experts) for part in EXPERT_PARTS}
+            sparse["mlp.gate"] = LinearShape(hidden, moe.num_experts)  # the router (target_parameters "gate.weight")
             shared = text.get("shared_expert_intermediate_size")
             if shared:
                 sparse.update({"mlp.shared_expert.gate_proj": LinearShape(hidden, shared),

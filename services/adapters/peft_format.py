@@ -46,7 +46,7 @@ from services.adapters.paths import AdapterDir, open_in_root
 from services.adapters.targets import TargetModules, match_module
 from services.adapters.types import LoRAAdapter, LoRATarget
 from services.common.errors import InvalidArgument
-from services.common.lora_names import EXPERT_PARTS, expert_target
+from services.common.lora_names import EXPERT_PARTS, ROUTER_WEIGHT, expert_target
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -128,7 +128,7 @@ def read_peft_dir(directory: AdapterDir, name: str, max_rank: int,
     pairs = _pair_tensors(tensors)
     weights = _expert_weight_pairs(pairs, settings)
     for module in sorted(pairs):
-        if not settings.targets.matches(module):
+        if not (settings.targets.matches(module) or _is_router(module, settings)):
             raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
                                   "does not name")
     targets = {module: _build_target(module, a, b, settings, max_rank, base)
@@ -173,20 +173,28 @@ def _target_parameters(config: dict) -> tuple[str, ...]:
         raise InvalidArgument(f"adapter_config.json: target_parameters={_clip(value)} must be a list of weight names")
     for entry in value:
         part = entry.rsplit(".", 1)[-1]
-        if part not in EXPERT_PARTS or not (entry == part or ("." + entry).endswith(".experts." + part)):
+        expert = part in EXPERT_PARTS and (entry == part or ("." + entry).endswith(".experts." + part))
+        if not (expert or ("." + entry).endswith("." + ROUTER_WEIGHT)):
             raise InvalidArgument(f"adapter_config.json: target_parameters entry {_clip(entry)} is not supported; "
-                                  "LoRA on weights is served for routed MoE experts, 'mlp.experts.gate_up_proj' and "
-                                  "'mlp.experts.down_proj'")
+                                  "LoRA on weights is served for a MoE model's routed experts "
+                                  "('mlp.experts.gate_up_proj', 'mlp.experts.down_proj') and router ('mlp.gate.weight')")
     return tuple(value)
 
 
 def _check_parameters_against(settings: LoRASettings, base: BaseModelShapes) -> None:
     """Refuse a target_parameters entry that names no expert weight of the base model (as PEFT refuses it)."""
     weights = {target[0] for target in map(expert_target, base.modules) if target is not None}
+    weights |= {f"{module}.weight" for module in base.modules if module.endswith(".mlp.gate")}
     for entry in settings.target_parameters:
         if not any(weight == entry or weight.endswith("." + entry) for weight in weights):
             raise InvalidArgument(f"adapter_config.json: target_parameters entry {_clip(entry)} matches no expert "
                                   "weight of the base model")
+
+
+def _is_router(module: str, settings: LoRASettings) -> bool:
+    """Whether `module` is a MoE router whose weight target_parameters names ("gate.weight"): PEFT
+    adapts that 2-D weight as a linear, so its pair is read as the linear `module`'s."""
+    return module.endswith(".mlp.gate") and settings.targets_parameter(f"{module}.weight")
 
 
 def _expert_weight_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],

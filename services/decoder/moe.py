@@ -46,7 +46,7 @@ from torch import nn
 
 from services.common.checkpoint import moe_layout
 from services.common.lora_names import EXPERT_PARTS
-from services.decoder.lora import BASE_SLOT, LoRABatch, LoRAExperts
+from services.decoder.lora import BASE_SLOT, LoRABatch, LoRATargets
 from services.decoder.model_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaSpec
 
 
@@ -150,7 +150,7 @@ def default_grouped_gemm(device: torch.device) -> GroupedGemm:
     return TorchGroupedGemm()
 
 
-class MoeExperts(nn.Module, LoRAExperts):
+class MoeExperts(nn.Module, LoRATargets):
     """The routed experts of one layer, in transformers 5's fused 3-D layout, named `prefix`
     ("model.layers.{i}.mlp.experts"; module docstring)."""
 
@@ -206,12 +206,15 @@ class MoeExperts(nn.Module, LoRAExperts):
         return LoRABatch.build(torch.where(slots == BASE_SLOT, BASE_SLOT, slots * self.num_experts + experts))
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(nn.Module, LoRATargets):
     """The sparse MLP of one layer (module docstring); named as transformers names it, so
-    "model.layers.{i}.mlp.gate.weight" and "model.layers.{i}.mlp.experts.gate_up_proj" load by name."""
+    "model.layers.{i}.mlp.gate.weight" and "model.layers.{i}.mlp.experts.gate_up_proj" load by name.
+    LoRA on the router (PEFT's target_parameters "gate.weight") adds its delta to the router logits
+    before the softmax, as PEFT's parametrized weight does."""
 
     def __init__(self, spec: MoeSpec, layer: int) -> None:
         super().__init__()
+        self.router_name = f"model.layers.{layer}.mlp.gate"
         self.top_k, self.normalize = spec.num_experts_per_tok, spec.norm_topk_prob
         self.round_weights = spec.round_routing_weights
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)  # torch's GEMM: routing stays exact
@@ -224,9 +227,14 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        return {self.router_name: (self.gate.in_features, self.gate.out_features)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden], x's dtype."""
         router_logits = nn.functional.linear(x, self.gate.weight)  # [n, experts]
+        if self.lora_context is not None and self.lora_context.active:
+            self.lora_context.apply(self.router_name, x, router_logits)
         groups = route(router_logits, self.top_k, self.normalize, x.dtype if self.round_weights else None)
         out = self.experts(x, groups)
         if self.shared_expert is not None:

@@ -324,19 +324,26 @@ EXPERT_ADAPTERS = {  # PEFT's target_parameters on the 3-D expert weights, with 
     "down8": dict(r=8, lora_alpha=4, target_parameters=["mlp.experts.down_proj"]),
     "gate_up2": dict(r=2, lora_alpha=16, use_rslora=True, target_modules=["o_proj"],
                      target_parameters=["gate_up_proj"]),
+    "router": dict(r=4, lora_alpha=8, target_parameters=["mlp.gate.weight"]),
+    "all": dict(r=2, lora_alpha=4, target_modules="all-linear"),  # PEFT: attention, router and experts
 }
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_peft_lora_on_routed_experts_equals_peft_three_adapters_in_one_batch(checkpoints, tmp_path, name):
+def test_peft_lora_on_routed_experts_and_router_equals_peft_adapters_in_one_batch(checkpoints, tmp_path, name):
     """LoRA on the routed experts (PEFT's target_parameters: gate_up_proj and/or down_proj, each
-    expert its own A and B) beside attention targets: three adapters and base rows in one batch
-    equal PEFT; the registry reads expert e of layer i as its own target."""
+    expert its own A and B), on the router, beside attention targets, and PEFT's all-linear (which
+    on transformers 5 targets all of them): five adapters and base rows in one batch equal PEFT;
+    the registry reads expert e of layer i as its own target."""
     model_dir = checkpoints(name, with_references=False)[0]
     _check_peft_equality(model_dir, tmp_path, EXPERT_ADAPTERS)
-    adapter = read_peft_adapter(tmp_path / "experts4", tmp_path, "experts4", 8, BaseModelShapes.from_model_dir(model_dir))
+    base = BaseModelShapes.from_model_dir(model_dir)
+    adapter = read_peft_adapter(tmp_path / "experts4", tmp_path, "experts4", 8, base)
     assert {"model.layers.0.mlp.experts.3.gate_up_proj", "model.layers.0.mlp.experts.3.down_proj",
             "model.layers.0.self_attn.q_proj"} <= set(adapter.targets)
+    every = read_peft_adapter(tmp_path / "all", tmp_path, "all", 8, base)
+    assert {"model.layers.0.mlp.gate", "model.layers.0.mlp.experts.0.gate_up_proj",
+            "model.layers.0.self_attn.o_proj"} <= set(every.targets)
 
 
 def test_expert_lora_refusals_name_the_field(checkpoints, tmp_path):

@@ -5,7 +5,7 @@
     host_cache.py   HostAdapterCache: the host-memory tier that swap-ins copy from
     context.py      LoRAContext: per step, the model runner's LoRABatch and backend calls (no lock)
     layers.py       LoRALinear: the model's projections, each adding its correction via the context;
-                    LoRAExperts: routed MoE experts adapted one by one (moe.py)
+                    LoRATargets: weights a module applies itself (moe.py's router and experts)
     batch.py        LoRABatch: one step's token -> slot metadata (BGMV rows, SGMV segments)
     backend.py      LoRABackend: the compute interface (imports no implementation)
     registry.py     backend name -> factory (`--lora-backend` choices), make_backend
@@ -18,8 +18,8 @@ This package's own imports stop at the interface: importing it loads no backend 
 from services.decoder.lora.batch import BASE_SLOT, LoRABatch
 from services.decoder.lora.context import LoRAContext
 from services.decoder.lora.host_cache import HostAdapterCache
-from services.decoder.lora.layers import LoRAExperts, LoRALinear, attach_context, expert_parts, target_shapes
+from services.decoder.lora.layers import LoRALinear, LoRATargets, attach_context, expert_parts, target_shapes
 from services.decoder.lora.slots import AdapterSlots, LoRAWeights
 
-__all__ = ["BASE_SLOT", "AdapterSlots", "HostAdapterCache", "LoRABatch", "LoRAContext", "LoRAExperts", "LoRALinear",
+__all__ = ["BASE_SLOT", "AdapterSlots", "HostAdapterCache", "LoRABatch", "LoRAContext", "LoRATargets", "LoRALinear",
            "LoRAWeights", "attach_context", "expert_parts", "target_shapes"]

@@ -36,25 +36,26 @@ class LoRALinear(Linear):
         return y
 
 
-class LoRAExperts(ABC):
-    """A module of routed experts whose 3-D weights take per-expert LoRA (moe.MoeExperts): it
-    names its per-expert targets and their stacked parts, and reads `lora_context` in its forward."""
+class LoRATargets(ABC):
+    """A module other than a LoRALinear that takes LoRA on weights it applies itself (moe.py: the
+    router, and the routed experts' 3-D weights, expert by expert): it names its targets and
+    stacked parts, and reads `lora_context` in its forward."""
 
     lora_context: LoRAContext | None = None
 
     @abstractmethod
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each per-expert target, "<prefix>.<e>.<part>"."""
+        """(in_features, out_features) of each target ("<prefix>.<e>.<part>" for an expert's)."""
 
-    @abstractmethod
     def lora_parts(self) -> dict[str, int]:
         """"<prefix>.<part>" -> number of experts, for each stacked part (slots.AdapterSlots)."""
+        return {}
 
 
 def attach_context(model: nn.Module, context: LoRAContext) -> None:
-    """Point every LoRALinear and LoRAExperts of `model` at `context`."""
+    """Point every LoRALinear and LoRATargets of `model` at `context`."""
     for module in model.modules():
-        if isinstance(module, (LoRALinear, LoRAExperts)):
+        if isinstance(module, (LoRALinear, LoRATargets)):
             module.lora_context = context
 
 
@@ -64,11 +65,11 @@ def target_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     shapes = {name: (m.in_features, end - start) for m in model.modules() if isinstance(m, LoRALinear)
               for name, start, end in m.lora_slices}
     for module in model.modules():
-        if isinstance(module, LoRAExperts):
+        if isinstance(module, LoRATargets):
             shapes.update(module.lora_shapes())
     return shapes
 
 
 def expert_parts(model: nn.Module) -> dict[str, int]:
-    """The stacked expert parts of `model`'s LoRAExperts ({} for a dense model)."""
-    return {part: n for m in model.modules() if isinstance(m, LoRAExperts) for part, n in m.lora_parts().items()}
+    """The stacked expert parts of `model`'s LoRATargets ({} for a dense model)."""
+    return {part: n for m in model.modules() if isinstance(m, LoRATargets) for part, n in m.lora_parts().items()}
