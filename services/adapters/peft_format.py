@@ -122,12 +122,13 @@ def read_peft_dir(directory: AdapterDir, name: str, max_rank: int,
     """
     settings = read_lora_settings(directory.read_file(CONFIG_FILE))
     if base is not None:
-        settings.targets.check_against(base.modules)
+        settings.targets.check_against([*base.modules, *_legacy_expert_names(base)])
         _check_parameters_against(settings, base)
     tensors = _load_tensors(directory.read_file(WEIGHTS_FILE))
     pairs = _pair_tensors(tensors)
     weights = _expert_weight_pairs(pairs, settings)
-    for module in sorted(pairs):
+    legacy = {module: pairs.pop(module) for module in sorted(pairs) if _LEGACY_EXPERT.match(module)}
+    for module in [*sorted(pairs), *legacy]:
         if not (settings.targets.matches(module) or _is_router(module, settings)):
             raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
                                   "does not name")
@@ -135,6 +136,7 @@ def read_peft_dir(directory: AdapterDir, name: str, max_rank: int,
                for module, (a, b) in sorted(pairs.items())}  # the first refusal named does not depend on file order
     for weight, (a, b) in sorted(weights.items()):
         targets.update(_expert_targets(weight, a, b, settings, max_rank, base))
+    targets.update(_legacy_expert_targets(legacy, settings, max_rank, base))
     return LoRAAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
                        use_rslora=settings.use_rslora, targets=targets)
 
@@ -189,6 +191,75 @@ def _check_parameters_against(settings: LoRASettings, base: BaseModelShapes) -> 
         if not any(weight == entry or weight.endswith("." + entry) for weight in weights):
             raise InvalidArgument(f"adapter_config.json: target_parameters entry {_clip(entry)} matches no expert "
                                   "weight of the base model")
+
+
+# transformers 4's per-expert linears (Mixtral's w1/w3/w2 under block_sparse_moe, Qwen-MoE's
+# gate_proj/up_proj/down_proj), which adapters trained before transformers 5 target
+_LEGACY_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?:block_sparse_moe\.(?P<router>gate)|(?:block_sparse_moe|mlp)"
+                            r"\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2|gate_proj|up_proj))$")
+_LEGACY_GATE_UP = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}  # row block of gate_up_proj
+
+
+def _legacy_expert_names(base: BaseModelShapes) -> list[str]:
+    """transformers 4's names of the base model's per-expert linears (for target_modules like ["w1", "w2", "w3"])."""
+    names = []
+    for module in base.modules:
+        expert = expert_target(module)
+        if expert is not None:
+            layer, e = expert[0].split(".mlp.experts.")[0], expert[1]
+            names += [f"{layer}.block_sparse_moe.experts.{e}.{w}" for w in ("w1", "w3", "w2")]
+            names += [f"{layer}.mlp.experts.{e}.{w}" for w in ("gate_proj", "up_proj")]
+            names.append(f"{layer}.block_sparse_moe.gate")
+    return names
+
+
+def _legacy_expert_targets(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: LoRASettings,
+                           max_rank: int, base: BaseModelShapes | None) -> dict[str, LoRATarget]:
+    """transformers 4 per-expert pairs as the fused experts' targets, as PEFT converts such an adapter
+    for transformers 5: Mixtral's `block_sparse_moe.gate` is the router `mlp.gate`; w2 is expert e's down_proj as it is (Qwen's down_proj already has the
+    target's name); w1 and w3 (gate_proj and up_proj) become gate_up_proj with A = [A_gate; A_up]
+    [r_gate + r_up, in] and B = blockdiag(B_gate, B_up) [2 * inter, r_gate + r_up] (a zero block
+    for a part the adapter lacks), each part scaled by its own rank and alpha.
+
+    Raises:
+        InvalidArgument: what `_build_target` refuses, the fused rank above `max_rank`, a fused
+            target that does not fit the base model, or its delta past the bound.
+    """
+    fused: dict[str, dict[int, LoRATarget]] = {}
+    targets = {}
+    for module, (a, b) in pairs.items():
+        match = _LEGACY_EXPERT.match(module)
+        prefix = f"{match['layer']}.mlp.experts.{match['expert']}"
+        if match["router"]:
+            router = f"{match['layer']}.mlp.gate"
+            targets[router] = _build_target(router, a, b, settings, max_rank, base, pattern_name=module)
+        elif match["proj"] == "w2":
+            targets[f"{prefix}.down_proj"] = _build_target(f"{prefix}.down_proj", a, b, settings, max_rank, base,
+                                                           pattern_name=module)
+        else:
+            fused.setdefault(f"{prefix}.gate_up_proj", {})[_LEGACY_GATE_UP[match["proj"]]] = _build_target(
+                module, a, b, settings, max_rank, None)
+    for name, parts in sorted(fused.items()):
+        inter = next(iter(parts.values())).lora_b.shape[0]
+        lora_a = torch.cat([parts[i].lora_a for i in sorted(parts)])  # [r_gate + r_up, in]
+        lora_b = torch.zeros(2 * inter, lora_a.shape[0])  # [2 * inter, r_gate + r_up]
+        column = 0
+        for i in sorted(parts):
+            if parts[i].lora_b.shape[0] != inter:
+                raise InvalidArgument(f"{name}: the gate and up parts' LoRA factors have different output sizes")
+            lora_b[i * inter:(i + 1) * inter, column:column + parts[i].rank] = parts[i].lora_b
+            column += parts[i].rank
+        if lora_a.shape[0] > max_rank:
+            raise InvalidArgument(f"{name}: the fused gate and up parts have rank {lora_a.shape[0]}, above the "
+                                  f"registry's max_rank {max_rank}")
+        if base is not None:
+            shape = base.modules.get(name)
+            if shape is None or (lora_a.shape[1], 2 * inter) != (shape.in_features, shape.out_features):
+                raise InvalidArgument(f"{name}: LoRA maps {lora_a.shape[1]} -> {2 * inter} features, which does not "
+                                      "fit the base model's experts")
+        _check_delta_bound(name, lora_a, lora_b.to(torch.float64), None if base is None else base.weight_scale(name))
+        targets[name] = LoRATarget(lora_a=lora_a, lora_b=lora_b, alpha=max(t.alpha for t in parts.values()))
+    return targets
 
 
 def _is_router(module: str, settings: LoRASettings) -> bool:

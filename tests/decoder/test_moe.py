@@ -267,12 +267,13 @@ def _registry_weights(model_dir: Path, root: Path, name: str) -> LoRAWeights:
     return LoRAWeights(adapter.digest, {m: (t.lora_a, t.lora_b) for m, t in adapter.targets.items()})
 
 
-def _check_peft_equality(model_dir: Path, root: Path, adapters: dict[str, dict], max_rank: int = 8) -> None:
-    """Each adapter of `adapters` (name -> LoraConfig options) saved by PEFT, read by the registry
-    and served with base rows in one batch: greedy ids equal PEFT's and fp32 logits within 1e-4;
-    each adapter changes what the model says."""
-    for seed, (name, options) in enumerate(adapters.items()):
-        _save_lora(model_dir, root, name, 100 + seed, **options)
+def _check_peft_equality(model_dir: Path, root: Path, adapters, max_rank: int = 8) -> None:
+    """Each adapter of `adapters` (name -> LoraConfig options, saved here by PEFT; or names of
+    directories under `root`), read by the registry and served with base rows in one batch: greedy
+    ids equal PEFT's and fp32 logits within 1e-4; each adapter changes what the model says."""
+    if isinstance(adapters, dict):
+        for seed, (name, options) in enumerate(adapters.items()):
+            _save_lora(model_dir, root, name, 100 + seed, **options)
     refs = {}
     for name in [None, *adapters]:
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -344,6 +345,62 @@ def test_peft_lora_on_routed_experts_and_router_equals_peft_adapters_in_one_batc
     every = read_peft_adapter(tmp_path / "all", tmp_path, "all", 8, base)
     assert {"model.layers.0.mlp.gate", "model.layers.0.mlp.experts.0.gate_up_proj",
             "model.layers.0.self_attn.o_proj"} <= set(every.targets)
+
+
+def _save_transformers4_adapter(model_dir: Path, directory: Path, r: int, alpha: float) -> None:
+    """A Mixtral adapter as PEFT wrote it under transformers 4 (per-expert linears w1/w3/w2 under
+    `block_sparse_moe`, the router `block_sparse_moe.gate`, q_proj), random factors."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    torch.manual_seed(11)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"base_model.model.model.layers.{layer}"
+        shapes = {"self_attn.q_proj": (hidden, config["num_attention_heads"] * config["head_dim"]),
+                  "block_sparse_moe.gate": (hidden, config["num_local_experts"])}
+        for e in range(config["num_local_experts"]):
+            shapes |= {f"block_sparse_moe.experts.{e}.{w}": (hidden, inter) for w in ("w1", "w3")}
+            shapes[f"block_sparse_moe.experts.{e}.w2"] = (inter, hidden)
+        for module, (in_f, out_f) in shapes.items():
+            tensors[f"{prefix}.{module}.lora_A.weight"] = torch.randn(r, in_f) * 0.2
+            tensors[f"{prefix}.{module}.lora_B.weight"] = torch.randn(out_f, r) * 0.2
+    directory.mkdir()
+    save_file(tensors, directory / "adapter_model.safetensors")
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "bias": "none",
+         "target_modules": ["q_proj", "gate", "w1", "w2", "w3"]}))
+
+
+def test_transformers4_mixtral_adapter_equals_peft(checkpoints, tmp_path):
+    """An adapter trained before transformers 5 (per-expert w1/w3/w2 linears and the router under
+    `block_sparse_moe`) is served as PEFT converts it for transformers 5's fused experts."""
+    model_dir = checkpoints("mixtral", with_references=False)[0]
+    _save_transformers4_adapter(model_dir, tmp_path / "v4", r=4, alpha=8)
+    _check_peft_equality(model_dir, tmp_path, ["v4"])
+    adapter = read_peft_adapter(tmp_path / "v4", tmp_path, "v4", 8, BaseModelShapes.from_model_dir(model_dir))
+    assert adapter.targets["model.layers.1.mlp.experts.2.gate_up_proj"].rank == 8  # w1 and w3 side by side
+    assert "model.layers.0.mlp.gate" in adapter.targets
+
+
+def test_transformers4_adapter_on_gate_alone_fuses_with_a_zero_up_block(checkpoints, tmp_path):
+    """w1 without w3: expert e's gate_up delta is [scale * B_w1 A_w1; 0], w2 its down delta."""
+    model_dir = checkpoints("mixtral", with_references=False)[0]
+    _save_transformers4_adapter(model_dir, tmp_path / "v4", r=4, alpha=8)
+    tensors = load_file(tmp_path / "v4" / "adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if ".w3." not in k and "q_proj" not in k and ".gate." not in k},
+              tmp_path / "v4" / "adapter_model.safetensors")
+    config = json.loads((tmp_path / "v4" / "adapter_config.json").read_text())
+    (tmp_path / "v4" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["w1", "w2"]}))
+    adapter = read_peft_adapter(tmp_path / "v4", tmp_path, "v4", 8, BaseModelShapes.from_model_dir(model_dir))
+    prefix = "base_model.model.model.layers.1.block_sparse_moe.experts.3"
+    gate = tensors[f"{prefix}.w1.lora_B.weight"] @ tensors[f"{prefix}.w1.lora_A.weight"] * 2.0  # alpha / r
+    target = adapter.targets["model.layers.1.mlp.experts.3.gate_up_proj"]
+    inter = gate.shape[0]
+    torch.testing.assert_close(target.lora_b @ target.lora_a, torch.cat([gate, torch.zeros_like(gate)]))
+    assert target.rank == 4 and target.lora_b.shape[0] == 2 * inter
+    down = adapter.targets["model.layers.1.mlp.experts.3.down_proj"]
+    torch.testing.assert_close(down.lora_b @ down.lora_a,
+                               tensors[f"{prefix}.w2.lora_B.weight"] @ tensors[f"{prefix}.w2.lora_A.weight"] * 2.0)
 
 
 def test_expert_lora_refusals_name_the_field(checkpoints, tmp_path):
