@@ -11,7 +11,8 @@ computes transformers' references once (`references`), then runs `check_regime` 
 - preempt: a pool too small for every prompt at once, so the scheduler preempts (recompute).
 
 Every regime ends with every KV block free again. `check_lora` serves two PEFT adapters (q/v or
-all-linear: `LORA_TARGETS`) and base rows in one batch against PEFT.
+all-linear: `LORA_TARGETS`) and base rows in one batch against PEFT. `check_bf16` serves the family
+in bfloat16 against transformers in bfloat16 under the bf16 rule (`bf16_follows`).
 """
 
 from __future__ import annotations
@@ -163,3 +164,73 @@ def check_lora(model_dir: Path, target_modules, prompts=None, new_tokens: int = 
         assert engine.stats().num_free_blocks == options["num_blocks"]
     finally:
         engine.shutdown()
+
+
+# The bf16 rule (README, "Tests"; test_bf16_conformance.py): bf16 keeps 8 significant bits, one ulp at
+# |x| is at most 2^-7 |x|; both sides round every activation, in different summation orders, so logits
+# may differ by a few ulps and an argmax may flip where transformers' top two logits (nearly) tie.
+LOGIT_ULPS = 8   # logits: |diff| <= 8 * 2^-7 * the row's largest |logit|
+TIE_ULPS = 2 * LOGIT_ULPS  # a swap needs each of the top two logits to move by up to LOGIT_ULPS
+BF16_ULP = 2.0 ** -7
+
+
+def _top2_gap_ulps(logits: torch.Tensor) -> torch.Tensor:
+    """float32 [steps, vocab] -> [steps]: top1 - top2 in bf16 ulps of |top1| (2^-7 |top1|)."""
+    top = logits.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]) / (BF16_ULP * top[:, 0].abs())
+
+
+def bf16_follows(ids: list[int], logits: torch.Tensor, ref_ids: list[int], ref_logits: torch.Tensor,
+                 label: str) -> bool:
+    """Assert the bf16 rule for one prompt (ours: ids and float32 logits [steps, vocab]; transformers'
+    the same): up to and at the first divergence every logit is within LOGIT_ULPS ulps of the row's
+    largest |logit|, and a divergence lies where transformers' top two logits are within TIE_ULPS.
+    Returns whether the ids are equal up to transformers' first tie (top two within one ulp)."""
+    assert len(ids) == len(ref_ids), f"{label}: {len(ids)} tokens, transformers {len(ref_ids)}"
+    gaps = _top2_gap_ulps(ref_logits)  # [steps]
+    ties = torch.nonzero(gaps <= 1).flatten().tolist()
+    decided = ties[0] if ties else len(ref_ids)  # steps before transformers' first bf16 tie
+    step = next((i for i, (a, b) in enumerate(zip(ids, ref_ids, strict=True)) if a != b), None)
+    compared = len(ids) if step is None else step + 1  # the same context up to and at the divergence
+    diff = (logits[:compared] - ref_logits[:compared]).abs().amax(-1)      # [compared]
+    limit = LOGIT_ULPS * BF16_ULP * ref_logits[:compared].abs().amax(-1)  # [compared]
+    assert bool((diff <= limit).all()), (
+        f"{label}: logits differ by up to {diff.max():.4f}, over {LOGIT_ULPS} bf16 ulps of the row's largest "
+        f"logit at step {int((diff - limit).argmax())}")
+    if step is not None:
+        assert gaps[step] <= TIE_ULPS, (f"{label} diverges at step {step} where transformers' top-2 logits are "
+                                        f"{gaps[step]:.1f} bf16 ulps apart, not within rounding ({TIE_ULPS})")
+    return step is None or step >= decided
+
+
+def check_bf16(model_dir: Path, prompts=None, new_tokens: int = 24, **config) -> int:
+    """Serve `model_dir` in bfloat16 with every prompt (default PROMPTS) in flight at once, against
+    transformers' generate in bfloat16 one prompt at a time; assert `bf16_follows` for each and
+    every KV block back. Returns how many prompts' ids are equal up to transformers' first tie."""
+    import asyncio
+
+    from decoder_testing import capture_logits, hf_reference
+
+    prompts = prompts or PROMPTS
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    refs = [hf_reference(model, p, new_tokens) for p in prompts]
+    options = dict(model_dir=str(model_dir), dtype="bfloat16", num_blocks=80, max_model_len=256, max_num_seqs=8)
+    options.update(config)
+    engine = start_engine(DecoderConfig(**options))
+    logits = capture_logits(engine)
+    requests = [GenerateInput(SamplingParams(max_tokens=new_tokens, ignore_eos=True), request_id=f"r{i}",
+                              prompt_token_ids=tuple(p)) for i, p in enumerate(prompts)]
+
+    async def collect(request):
+        return [t async for out in engine.generate(request) for t in out.token_ids]
+
+    async def main():
+        return await asyncio.gather(*(collect(r) for r in requests))
+
+    try:
+        ids = asyncio.run(main())
+        assert engine.stats().num_free_blocks == options["num_blocks"]
+    finally:
+        engine.shutdown()
+    return sum(bf16_follows(ids[i], torch.stack(logits[f"r{i}"]), *refs[i], label=f"prompt {i}")
+               for i in range(len(prompts)))
