@@ -3,6 +3,7 @@ exit status 2, nothing written under $TESSERA_HOME or outside it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from tessera.cli.main import main
 from tessera.paths import default_decoder_dir, default_embedding_dir
 
 BASE_PORT = 21500
+BUILT_IN_DECODER = default_decoder_dir()  # before the fixture points $TESSERA_HOME elsewhere
 
 
 @pytest.fixture
@@ -123,3 +125,22 @@ def test_api_keys_without_an_admin_token_are_refused(up, tmp_path, monkeypatch, 
     assert _written(tmp_path) == [token, keys]  # nothing else written
     code, started = up("--admin-token-file", str(token))
     assert code == 0 and started[0].admin_token == "admin-1"
+
+
+def test_what_the_checkpoints_family_refuses_is_one_line_before_any_service_starts(up, tmp_path, capsys):
+    """A Mistral checkpoint whose config.json carries `layer_types` (the decoder's family file
+    refuses it; `check_decoder_dir` reads no family's fields): refused by `up` itself, exit 2."""
+    source, model_dir = BUILT_IN_DECODER, tmp_path / "mistral"
+    model_dir.mkdir()
+    for path in source.iterdir():
+        if path.is_file() and path.name != "config.json":
+            (model_dir / path.name).symlink_to(path)
+    config = json.loads((source / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None,
+                  layer_types=["full_attention"] * config["num_hidden_layers"])
+    (model_dir / "config.json").write_text(json.dumps(config))
+    code, started = up("--decoder-model-dir", str(model_dir))
+    assert (code, started) == (2, [])
+    err = capsys.readouterr().err
+    assert err.startswith("error: --service-args decoder: ") and "layer_types is not a MistralConfig field" in err
+    assert err.count("\n") == 1

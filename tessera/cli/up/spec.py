@@ -303,14 +303,16 @@ def parse_extra(values: list[str]) -> dict[str, list[str]]:
     return out
 
 
-# Run by `check_service_args` in a child process: each service's own parser, on its whole command line.
+# Run by `check_service_args` in a child process: each service's own parser, on its whole command line;
+# the decoder's whole config (services/decoder/__main__.py parse_args: the checkpoint's family checks).
 _PARSE_SERVICE_ARGS = """
 import contextlib, importlib, io, json, sys
 for service, argv in json.loads(sys.argv[1]):
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            importlib.import_module(f"services.{service}.__main__").build_parser().parse_args(argv)
+            module = importlib.import_module(f"services.{service}.__main__")
+            module.parse_args(argv) if service == "decoder" else module.build_parser().parse_args(argv)
     except SystemExit as exit_:
         if exit_.code:
             print(service, (stderr.getvalue().strip().splitlines() or [str(exit_.code)])[-1])
@@ -323,13 +325,18 @@ def check_service_args(spec: ClusterSpec, timeout_s: float = 120.0) -> None:
     (`up`'s own decoder and pooling flags too: `ClusterSpec.services_given_flags`), before any
     process starts: the command line of each service given some is parsed by the
     service's own parser, in one child process (the parsers come with the services' code, torch
-    included; `up` does not keep that in memory). Values a service checks when it builds its config
-    (a limit out of range) still fail its start. Nothing to check, nothing is run.
+    included; `up` does not keep that in memory). The decoder's config is built whole there, when
+    it has flags or serves a checkpoint other than the built-in one: what its family refuses in
+    config.json (a Gemma soft-cap of 0, Mistral's layer_types, a longrope factor list of the wrong
+    length) is one line before any service starts. Values other services check when they build
+    their config (a limit out of range) still fail their start. Nothing to check, nothing is run.
 
     Raises:
         ValueError: one line, the service and its parser's error.
     """
     given = spec.services_given_flags()
+    if spec.decoder_model_dir != default_decoder_dir():
+        given.add("decoder")
     commands = [(name, spec.command(name)[3:]) for name in spec.services()
                 if name in given]  # a service's first replica; the others differ only in ports
     if not commands:
