@@ -11,6 +11,11 @@ as 2 flops per multiply-add, as the matmul rate is:
 Norms, RoPE, SiLU and softmax are left out (O(H) per token, under 1% here). A request with a
 prompt of n tokens and m generated tokens forwards n + m - 1 tokens (the last sampled token is
 never fed back) and samples m.
+
+A mixture-of-experts model (services/common/checkpoint.py `moe_layout`: Mixtral, Qwen2/3-MoE) counts,
+on each sparse layer, the k experts a token is routed to (3*H*I_moe each), the router (H*E) and a
+shared expert with its gate (3*H*I_s + H) in place of the dense MLP: `linear_params` is what one
+token multiplies, `weight_params` what is stored (every expert), which a step of many rows reads.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from services.common.checkpoint import moe_layout
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -31,19 +38,43 @@ class ModelShape:
     q_width: int      # heads * head_dim
     kv_width: int     # kv_heads * head_dim
     vocab: int
+    sparse_layers: int = 0        # MoE layers (module docstring); the other layers are dense
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert, 0 for none
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape:
         cfg = json.loads((model_dir / "config.json").read_text())
+        cfg = cfg.get("text_config") or cfg
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        moe = moe_layout(cfg, cfg["num_hidden_layers"], cfg["intermediate_size"])
+        sparse = {} if moe is None else dict(
+            sparse_layers=len(moe.sparse_layers), experts=moe.num_experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 2), moe_intermediate=moe.moe_intermediate_size,
+            shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0)
         return cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads * head_dim,
-                   (cfg.get("num_key_value_heads") or heads) * head_dim, cfg["vocab_size"])
+                   (cfg.get("num_key_value_heads") or heads) * head_dim, cfg["vocab_size"], **sparse)
+
+    def _params(self, experts: int) -> int:
+        h = self.hidden
+        attention = self.layers * (2 * h * self.q_width + 2 * h * self.kv_width)
+        dense = (self.layers - self.sparse_layers) * 3 * h * self.intermediate
+        shared = 3 * h * self.shared_intermediate + h if self.shared_intermediate else 0
+        sparse = self.sparse_layers * (experts * 3 * h * self.moe_intermediate + h * self.experts + shared)
+        return attention + dense + sparse
 
     @property
     def linear_params(self) -> int:
-        h = self.hidden
-        return self.layers * (2 * h * self.q_width + 2 * h * self.kv_width + 3 * h * self.intermediate)
+        """Weights one token multiplies (a MoE layer: its k routed experts, router, shared expert)."""
+        return self._params(self.experts_per_token)
+
+    @property
+    def weight_params(self) -> int:
+        """Weights stored (every expert): what a step of many rows reads."""
+        return self._params(self.experts)
 
     def request_flops(self, prompt: int, generated: int) -> float:
         """Flops of one request: `prompt` tokens in, `generated` tokens out (see module docstring)."""
@@ -97,11 +128,11 @@ def roofline_s(shape: ModelShape, work, peak_gflops: float, bandwidth_gbs: float
     (every step taking max(its flops / peak, its bytes / bandwidth), every step taking their sum).
 
     Steps follow the engine's schedule: every decoding request one row, then prompts in order in
-    chunks filling `step_tokens` (max_num_batched_tokens). A step reads every linear weight once,
+    chunks filling `step_tokens` (max_num_batched_tokens). A step reads every linear weight once (every expert),
     the lm_head when a row samples, and the KV of each row's context (a prompt chunk: its prefix).
     """
     kv_token = element_bytes * 2 * shape.kv_width * shape.layers  # K and V of one position, all layers
-    weights, lm_head = element_bytes * shape.linear_params, element_bytes * shape.hidden * shape.vocab
+    weights, lm_head = element_bytes * shape.weight_params, element_bytes * shape.hidden * shape.vocab
     prompt = [len(p) for p, _ in work]
     left = [n for _, n in work]
     done = [0] * len(work)
