@@ -204,7 +204,8 @@ def moe_layout(config: Mapping[str, Any], num_layers: int, intermediate_size: in
     The expert size is `moe_intermediate_size`, else `intermediate_size` (Mixtral's).
 
     Raises:
-        ValueError: no expert count under the family's keys.
+        ValueError: no expert count under the family's keys, or a decoder_sparse_step that is not a
+            positive integer (transformers divides by it).
     """
     family = MOE_FAMILIES.get(config.get("model_type"))
     if family is None:
@@ -215,7 +216,9 @@ def moe_layout(config: Mapping[str, Any], num_layers: int, intermediate_size: in
         raise ValueError(f"config.json has no {' or '.join(keys)}")
     layers = range(num_layers)
     if sparse_step:
-        step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or ())
+        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"config.json's decoder_sparse_step must be a positive integer, got {step!r}")
         layers = [i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0]
     return MoeLayout(num_experts, config.get("moe_intermediate_size") or intermediate_size, tuple(layers))
 

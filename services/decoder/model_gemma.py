@@ -111,6 +111,9 @@ class GemmaSpec(LlamaSpec):
         if set(layer_types) - {SLIDING, FULL} or len(layer_types) != config.num_hidden_layers:
             raise ValueError(f"layer_types {list(layer_types)} is not supported: one of {SLIDING!r} or {FULL!r} "
                              f"per layer ({config.num_hidden_layers})")
+        if not gemma1 and SLIDING in layer_types and config.sliding_window is None:
+            raise ValueError(f"config.json's sliding_window is null but layer_types has {SLIDING!r} layers (a "
+                             f"{model_type} model transformers cannot build); give the window, a positive integer")
         if model_type == "gemma3_text":
             (theta, scaling), (local_theta, local_scaling) = (_rope(config, FULL), _rope(config, SLIDING))
         else:

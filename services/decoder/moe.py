@@ -245,6 +245,7 @@ class SparseMoeBlock(nn.Module, LoRATargets):
 _MIXTRAL_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _QWEN_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_MIXTRAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 def convert_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> None:
@@ -252,11 +253,11 @@ def convert_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> 
     prefix becomes `mlp` (transformers 5's name), per-expert w1/w3/w2 or gate_proj/up_proj/down_proj
     become the stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, and a shared expert's
     gate_proj/up_proj become its fused `gate_up_proj`. Checkpoints already in the 3-D layout pass
-    through. Layers holding only some experts are left as they are (the caller's name check
-    reports them).
+    through.
 
     Raises:
-        ValueError: one expert's weights of a layer differ in shape from another's.
+        ValueError: a layer holds some per-expert weights but not all (naming the first missing
+            one), or one expert's weights of a layer differ in shape from another's.
     """
     for name in [n for n in state if ".block_sparse_moe." in n]:
         state[name.replace(".block_sparse_moe.", ".mlp.")] = state.pop(name)
@@ -266,7 +267,14 @@ def convert_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> 
         if match:
             per_layer.setdefault(match[1], {})[(_PARTS[match[3]], int(match[2]))] = name
     for layer, names in per_layer.items():
-        if len(names) != 3 * num_experts or {e for _, e in names} != set(range(num_experts)):
+        missing = [(part, e) for e in range(num_experts) for part in ("gate", "up", "down") if (part, e) not in names]
+        if missing:
+            part, e = missing[0]
+            mixtral = any(".w1." in n or ".w2." in n or ".w3." in n for n in names.values())
+            name = (f"{layer}.block_sparse_moe.experts.{e}.{_MIXTRAL_NAMES[part]}.weight" if mixtral
+                    else f"{layer}.mlp.experts.{e}.{part}_proj.weight")
+            raise ValueError(f"the checkpoint has no {name} ({len(missing)} expert weight(s) of {layer} missing)")
+        if len(names) != 3 * num_experts:
             continue
         try:
             stacked = {part: torch.stack([state[names[(part, e)]] for e in range(num_experts)])

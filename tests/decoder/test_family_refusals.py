@@ -1,6 +1,6 @@
 """A config.json the family cannot serve is refused when the decoder's config is built (before the
 tokenizer or any weight loads), in one line naming the field: values that would empty a window,
-divide by zero or put NaN in every logit, fields transformers' own config class rejects (which
+divide by zero or put NaN in every logit, windows and sparse steps transformers cannot build a model from, fields transformers' own config class rejects (which
 AutoTokenizer would otherwise raise as a traceback), and Mistral's foreign `layer_types`."""
 
 import json
@@ -28,6 +28,11 @@ CASES = {
                              "sliding_window must be a positive integer or null, got -1"),
     "mistral-window-float": ("mistral", dict(head_dim=64, sliding_window=24), dict(sliding_window=24.0),
                              "config.json is not a mistral config transformers reads"),
+    "gemma2-window-null": ("gemma2", GEMMA2, dict(sliding_window=None),
+                           "sliding_window is null but layer_types has 'sliding_attention' layers"),
+    "qwen3-moe-sparse-step-0": ("qwen3_moe", dict(head_dim=64, moe_intermediate_size=32, num_experts=4,
+                                                  num_experts_per_tok=2), dict(decoder_sparse_step=0),
+                                "decoder_sparse_step must be a positive integer, got 0"),
     "mistral-layer-types": ("mistral", dict(head_dim=64, sliding_window=24),
                             dict(layer_types=["full_attention", "full_attention"]),
                             "config.json's layer_types is not a MistralConfig field"),
