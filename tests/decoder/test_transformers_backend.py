@@ -128,12 +128,15 @@ def test_windowed_soft_capped_attention_through_transformers_equals_transformers
 
 def test_a_window_every_layer_shares_releases_blocks_and_equals_transformers(tmp_path):
     """Starcoder2 (no native file) with a 24-token window on every layer: the scheduler releases
-    blocks before the window, prompts past it, chunked and 16 at once."""
+    blocks before the window, prompts past it, chunked, 16 at once, and a prefix-cache hit on blocks
+    released before the window (they stay cached)."""
     model_dir = make_tiny_llama(tmp_path / "starcoder2", family="starcoder2", sliding_window=24)
     assert model_sliding_window(load_model(model_dir, torch.float32)) == 24
     refs = references(model_dir, prompts=BASE_PROMPTS + CONCURRENT_PROMPTS, new_tokens=NEW_TOKENS)
     check_regime(model_dir, refs, "chunked", prompts=BASE_PROMPTS, new_tokens=NEW_TOKENS)
     check_regime(model_dir, refs, "concurrent", new_tokens=NEW_TOKENS, **_regime_options("concurrent"))
+    refs |= references(model_dir, prompts=[PREFIX_PROMPT], new_tokens=NEW_TOKENS)
+    check_regime(model_dir, refs, "prefix", prompts=BASE_PROMPTS, prefix_prompt=PREFIX_PROMPT, new_tokens=NEW_TOKENS)
 
 
 def test_tessera_up_and_info_name_the_path(llama, tmp_path):
