@@ -43,6 +43,7 @@ class BaseModelShapes:
 
     modules: dict[str, LinearShape]
     weight_files: tuple[Path, ...] = ()
+    model_type: str = ""  # config.json's (the text model's for a VLM)
     _scales: dict[str, float | None] = field(default_factory=dict, compare=False, repr=False)
     _key_to_file: dict[str, Path] = field(default_factory=dict, compare=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
@@ -145,10 +146,11 @@ class BaseModelShapes:
             if shared:
                 sparse.update({"mlp.shared_expert.gate_proj": LinearShape(hidden, shared),
                                "mlp.shared_expert.up_proj": LinearShape(hidden, shared),
-                               "mlp.shared_expert.down_proj": LinearShape(shared, hidden)})
+                               "mlp.shared_expert.down_proj": LinearShape(shared, hidden),
+                               "mlp.shared_expert_gate": LinearShape(hidden, 1)})
         modules = {}
         for i in range(num_layers):
             layer = per_layer if moe is None or i not in moe.sparse_layers else {
                 suffix: shape for suffix, shape in per_layer.items() if suffix.startswith("self_attn.")} | sparse
             modules.update({f"model.layers.{i}.{suffix}": shape for suffix, shape in layer.items()})
-        return cls(modules, tuple(sorted(Path(model_dir).glob("*.safetensors"))))
+        return cls(modules, tuple(sorted(Path(model_dir).glob("*.safetensors"))), text.get("model_type") or "")

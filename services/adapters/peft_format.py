@@ -132,11 +132,29 @@ def read_peft_dir(directory: AdapterDir, name: str, max_rank: int,
         if not (settings.targets.matches(module) or _is_router(module, settings)):
             raise InvalidArgument(f"{module[:200]}: the weights adapt a module that adapter_config.json's target_modules "
                                   "does not name")
-    targets = {module: _build_target(module, a, b, settings, max_rank, base)
-               for module, (a, b) in sorted(pairs.items())}  # the first refusal named does not depend on file order
+    if (weights or legacy) and base is None:
+        raise InvalidArgument(f"{sorted([*weights, *legacy])[0][:200]}: LoRA on MoE experts is read against the "
+                              "registry's base model (its expert count and shapes), and this registry has none "
+                              "(--base-model-dir)")
+    targets: dict[str, LoRATarget] = {}
+    sources: dict[str, str] = {}  # target -> the key its factors came from (two keys, one target: refused)
+
+    def add(found: dict[str, LoRATarget], source) -> None:
+        for target, value in found.items():
+            first = sources.setdefault(target, source(target))
+            if first != source(target):
+                raise InvalidArgument(f"{target[:200]}: adapted twice, by {first[:200]} and {source(target)[:200]}; "
+                                      "each weight takes one pair of LoRA factors")
+            targets[target] = value
+
+    for module, (a, b) in sorted(pairs.items()):  # the first refusal named does not depend on file order
+        add({module: _build_target(module, a, b, settings, max_rank, base)}, lambda _, m=module: m)
     for weight, (a, b) in sorted(weights.items()):
-        targets.update(_expert_targets(weight, a, b, settings, max_rank, base))
-    targets.update(_legacy_expert_targets(legacy, settings, max_rank, base))
+        add(_expert_targets(weight, a, b, settings, max_rank, base), lambda _, w=weight: w)
+    legacy_targets, legacy_sources = _legacy_expert_targets(legacy, pairs, settings, max_rank, base)
+    add(legacy_targets, legacy_sources.__getitem__)
+    if not targets:
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds no LoRA factors for any target")
     return LoRAAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
                        use_rslora=settings.use_rslora, targets=targets)
 
@@ -170,7 +188,9 @@ def _target_parameters(config: dict) -> tuple[str, ...]:
     Raises:
         InvalidArgument: not a list of strings, or an entry naming another weight.
     """
-    value = config.get("target_parameters") or []
+    value = config.get("target_parameters")
+    if value is None or value == []:
+        return ()
     if not isinstance(value, list) or not all(isinstance(entry, str) and entry for entry in value):
         raise InvalidArgument(f"adapter_config.json: target_parameters={_clip(value)} must be a list of weight names")
     for entry in value:
@@ -196,70 +216,129 @@ def _check_parameters_against(settings: LoRASettings, base: BaseModelShapes) -> 
 # transformers 4's per-expert linears (Mixtral's w1/w3/w2 under block_sparse_moe, Qwen-MoE's
 # gate_proj/up_proj/down_proj), which adapters trained before transformers 5 target
 _LEGACY_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?:block_sparse_moe\.(?P<router>gate)|(?:block_sparse_moe|mlp)"
-                            r"\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2|gate_proj|up_proj))$")
+                            r"\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2|gate_proj|up_proj|down_proj))$")
 _LEGACY_GATE_UP = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}  # row block of gate_up_proj
+_LEGACY_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# model_type -> PEFT converts its transformers 4 expert adapters for transformers 5 (peft's
+# transformers_weight_conversion: Mixtral and Qwen3-MoE; Qwen2-MoE's are not converted)
+_LEGACY_CONVERTED = ("mixtral", "qwen3_moe")
+_DENSE_MLP = re.compile(r"^model\.layers\.\d+\.mlp\.(?:gate|up|down)_proj$")
 
 
 def _legacy_expert_names(base: BaseModelShapes) -> list[str]:
     """transformers 4's names of the base model's per-expert linears (for target_modules like ["w1", "w2", "w3"])."""
-    names = []
+    names = set()
     for module in base.modules:
         expert = expert_target(module)
         if expert is not None:
             layer, e = expert[0].split(".mlp.experts.")[0], expert[1]
-            names += [f"{layer}.block_sparse_moe.experts.{e}.{w}" for w in ("w1", "w3", "w2")]
-            names += [f"{layer}.mlp.experts.{e}.{w}" for w in ("gate_proj", "up_proj")]
-            names.append(f"{layer}.block_sparse_moe.gate")
-    return names
+            names.update(f"{layer}.block_sparse_moe.experts.{e}.{w}" for w in ("w1", "w3", "w2"))
+            names.update(f"{layer}.mlp.experts.{e}.{w}" for w in ("gate_proj", "up_proj"))
+            names.add(f"{layer}.block_sparse_moe.gate")
+    return sorted(names)
 
 
-def _legacy_expert_targets(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: LoRASettings,
-                           max_rank: int, base: BaseModelShapes | None) -> dict[str, LoRATarget]:
-    """transformers 4 per-expert pairs as the fused experts' targets, as PEFT converts such an adapter
-    for transformers 5: Mixtral's `block_sparse_moe.gate` is the router `mlp.gate`; w2 is expert e's down_proj as it is (Qwen's down_proj already has the
-    target's name); w1 and w3 (gate_proj and up_proj) become gate_up_proj with A = [A_gate; A_up]
-    [r_gate + r_up, in] and B = blockdiag(B_gate, B_up) [2 * inter, r_gate + r_up] (a zero block
-    for a part the adapter lacks), each part scaled by its own rank and alpha.
+def _check_legacy(legacy: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: LoRASettings,
+                  base: BaseModelShapes) -> None:
+    """Refuse transformers 4 per-expert pairs PEFT's conversion would not compute as they were
+    trained (`_legacy_expert_targets`)."""
+    first = next(iter(legacy))
+    if base.model_type not in _LEGACY_CONVERTED:
+        raise InvalidArgument(f"{first[:200]}: transformers 4 per-expert LoRA on a {base.model_type!r} base is not "
+                              f"served; PEFT converts it for {', '.join(_LEGACY_CONVERTED)} only")
+    if settings.use_rslora:
+        raise InvalidArgument(f"{first[:200]}: transformers 4 per-expert LoRA with use_rslora is not served (PEFT's "
+                              "conversion scales the fused gate/up pair by alpha / sqrt(2 r))")
+    dense = sorted(m for m in pairs if _DENSE_MLP.match(m))
+    if dense:
+        raise InvalidArgument(f"{dense[0][:200]} beside transformers 4 per-expert LoRA: PEFT reads dense MLP factors "
+                              "as expert factors; not served")
+    layers: dict[str, dict[int, set[str]]] = {}
+    for module in legacy:
+        if settings.rank_for(module) != settings.r or settings.alpha_for(module) != settings.lora_alpha:
+            raise InvalidArgument(f"{module[:200]}: rank_pattern / alpha_pattern on a transformers 4 per-expert module "
+                                  "is not served (PEFT's conversion ignores them)")
+        match = _LEGACY_EXPERT.match(module)
+        if not match["router"]:
+            layers.setdefault(match["layer"], {}).setdefault(int(match["expert"]), set()).add(_LEGACY_PART[match["proj"]])
+    for layer, experts in sorted(layers.items()):
+        count = sum(1 for name in base.modules if name.startswith(f"{layer}.mlp.experts.") and name.endswith(".down_proj"))
+        if count == 0 or max(experts) >= count:
+            raise InvalidArgument(f"{layer[:200]}: transformers 4 per-expert LoRA names expert {max(experts)}, but the "
+                                  f"base model's {layer[:200]} has {count} experts")
+        parts = set().union(*experts.values())
+        short = sorted(e for e in range(count) if experts.get(e) != parts)
+        if short or ("gate" in parts) != ("up" in parts):
+            raise InvalidArgument(f"{layer[:200]}: transformers 4 per-expert LoRA must give every expert of a layer the "
+                                  f"same parts, gate with up (PEFT stacks them); got {sorted(parts)} with expert "
+                                  f"{short[0] if short else 0} differing")
+
+
+def _legacy_expert_targets(legacy: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                           pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: LoRASettings, max_rank: int,
+                           base: BaseModelShapes) -> tuple[dict[str, LoRATarget], dict[str, str]]:
+    """transformers 4 per-expert pairs (`legacy`; `pairs`: the adapter's other linears) as the fused
+    experts' targets, as PEFT converts such an adapter for transformers 5: Mixtral's
+    `block_sparse_moe.gate` is the router `mlp.gate`; w2 (Qwen's down_proj) is expert e's down_proj
+    as it is; w1 and w3 (gate_proj and up_proj) become gate_up_proj with A = [A_gate; A_up]
+    [r_gate + r_up, in] and B = blockdiag(B_gate, B_up) [2 * inter, r_gate + r_up]. Returns the
+    targets and, for each, the key its factors came from.
+
+    Served only where PEFT's conversion computes what the adapter computed under transformers 4:
+    a family PEFT converts (`_LEGACY_CONVERTED`), no rsLoRA and no rank/alpha pattern on the
+    per-expert modules (PEFT rescales or ignores them), every expert of a layer with the same parts
+    and gate with up (PEFT stacks all experts and converts w3 only beside w1), and no dense MLP
+    factors beside them (PEFT reads those as expert factors).
 
     Raises:
-        InvalidArgument: what `_build_target` refuses, the fused rank above `max_rank`, a fused
-            target that does not fit the base model, or its delta past the bound.
+        InvalidArgument: any of the above, what `_build_target` refuses, parts of different input
+            or output sizes, the fused rank above `max_rank`, an expert or layer the base model
+            lacks, or a fused delta past the bound.
     """
+    if not legacy:
+        return {}, {}
+    _check_legacy(legacy, pairs, settings, base)
     fused: dict[str, dict[int, LoRATarget]] = {}
-    targets = {}
-    for module, (a, b) in pairs.items():
+    targets, sources = {}, {}
+    seen: dict[tuple[str, str], str] = {}  # (expert or router, part) -> the key that gave it
+    for module, (a, b) in legacy.items():
         match = _LEGACY_EXPERT.match(module)
+        part = (f"{match['layer']}.{match['expert']}", "router" if match["router"] else _LEGACY_PART[match["proj"]])
+        if seen.setdefault(part, module) != module:
+            raise InvalidArgument(f"{module[:200]}: adapts the weight {seen[part][:200]} adapts too; each weight takes "
+                                  "one pair of LoRA factors")
         prefix = f"{match['layer']}.mlp.experts.{match['expert']}"
         if match["router"]:
-            router = f"{match['layer']}.mlp.gate"
-            targets[router] = _build_target(router, a, b, settings, max_rank, base, pattern_name=module)
-        elif match["proj"] == "w2":
-            targets[f"{prefix}.down_proj"] = _build_target(f"{prefix}.down_proj", a, b, settings, max_rank, base,
-                                                           pattern_name=module)
+            name = f"{match['layer']}.mlp.gate"
+            targets[name] = _build_target(name, a, b, settings, max_rank, base, pattern_name=module)
+        elif match["proj"] in ("w2", "down_proj"):
+            name = f"{prefix}.down_proj"
+            targets[name] = _build_target(name, a, b, settings, max_rank, base, pattern_name=module)
         else:
-            fused.setdefault(f"{prefix}.gate_up_proj", {})[_LEGACY_GATE_UP[match["proj"]]] = _build_target(
-                module, a, b, settings, max_rank, None)
+            name = f"{prefix}.gate_up_proj"
+            fused.setdefault(name, {})[_LEGACY_GATE_UP[match["proj"]]] = _build_target(
+                module, a, b, settings, max_rank, None, check_bound=False)
+        sources[name] = module if name not in sources else f"{sources[name]} and {module}"
     for name, parts in sorted(fused.items()):
-        inter = next(iter(parts.values())).lora_b.shape[0]
-        lora_a = torch.cat([parts[i].lora_a for i in sorted(parts)])  # [r_gate + r_up, in]
+        gate, up = parts[0], parts[1]
+        if gate.lora_a.shape[1] != up.lora_a.shape[1] or gate.lora_b.shape[0] != up.lora_b.shape[0]:
+            raise InvalidArgument(f"{name[:200]}: the gate part maps {gate.lora_a.shape[1]} -> {gate.lora_b.shape[0]} "
+                                  f"features and the up part {up.lora_a.shape[1]} -> {up.lora_b.shape[0]}; they must agree")
+        inter = gate.lora_b.shape[0]
+        lora_a = torch.cat([gate.lora_a, up.lora_a])  # [r_gate + r_up, in]
         lora_b = torch.zeros(2 * inter, lora_a.shape[0])  # [2 * inter, r_gate + r_up]
-        column = 0
-        for i in sorted(parts):
-            if parts[i].lora_b.shape[0] != inter:
-                raise InvalidArgument(f"{name}: the gate and up parts' LoRA factors have different output sizes")
-            lora_b[i * inter:(i + 1) * inter, column:column + parts[i].rank] = parts[i].lora_b
-            column += parts[i].rank
+        lora_b[:inter, :gate.rank], lora_b[inter:, gate.rank:] = gate.lora_b, up.lora_b
         if lora_a.shape[0] > max_rank:
-            raise InvalidArgument(f"{name}: the fused gate and up parts have rank {lora_a.shape[0]}, above the "
+            raise InvalidArgument(f"{name[:200]}: the fused gate and up parts have rank {lora_a.shape[0]}, above the "
                                   f"registry's max_rank {max_rank}")
-        if base is not None:
-            shape = base.modules.get(name)
-            if shape is None or (lora_a.shape[1], 2 * inter) != (shape.in_features, shape.out_features):
-                raise InvalidArgument(f"{name}: LoRA maps {lora_a.shape[1]} -> {2 * inter} features, which does not "
-                                      "fit the base model's experts")
-        _check_delta_bound(name, lora_a, lora_b.to(torch.float64), None if base is None else base.weight_scale(name))
-        targets[name] = LoRATarget(lora_a=lora_a, lora_b=lora_b, alpha=max(t.alpha for t in parts.values()))
-    return targets
+        shape = base.modules.get(name)
+        if shape is None or (lora_a.shape[1], 2 * inter) != (shape.in_features, shape.out_features):
+            raise InvalidArgument(f"{name[:200]}: LoRA maps {lora_a.shape[1]} -> {2 * inter} features, which does not "
+                                  "fit the base model's experts")
+        _check_delta_bound(name, lora_a, lora_b.to(torch.float64), base.weight_scale(name))
+        targets[name] = LoRATarget(lora_a=lora_a, lora_b=lora_b, alpha=max(gate.alpha, up.alpha))
+    return targets, sources
 
 
 def _is_router(module: str, settings: LoRASettings) -> bool:
@@ -298,7 +377,7 @@ def _expert_weight_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
 
 
 def _expert_targets(weight: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, max_rank: int,
-                    base: BaseModelShapes | None) -> dict[str, LoRATarget]:
+                    base: BaseModelShapes) -> dict[str, LoRATarget]:
     """The per-expert targets of one expert weight's pair, A [r * E, in] and B [out, r * E]
     (module docstring), each checked as `_build_target` checks a linear's.
 
@@ -312,10 +391,13 @@ def _expert_targets(weight: str, a: torch.Tensor, b: torch.Tensor, settings: LoR
         raise InvalidArgument(f"{weight[:200]}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
                               f"[r * experts, in] and [out, r * experts] for r={rank} (adapter_config.json)")
     experts = a.shape[0] // rank
-    if base is not None and (f"{group}.{experts - 1}.{part}" not in base.modules
-                             or f"{group}.{experts}.{part}" in base.modules):
+    count = sum(1 for name in base.modules if name.startswith(group + ".") and name.endswith("." + part))
+    if count == 0:
+        raise InvalidArgument(f"{weight[:200]}: the base model has no routed experts at {group[:200]} (a dense layer, "
+                              "or no such layer)")
+    if experts != count:
         raise InvalidArgument(f"{weight[:200]}: the factors hold {experts} experts of rank {rank}; the base model's "
-                              f"{group[:200]} has a different number of experts")
+                              f"{group[:200]} has {count}")
     a_e = a.reshape(experts, rank, a.shape[1])  # [E, r, in]
     b_e = b.reshape(b.shape[0], rank, experts)  # [out, r, E]
     return {f"{group}.{e}.{part}": _build_target(f"{group}.{e}.{part}", a_e[e], b_e[:, :, e], settings, max_rank,
@@ -413,9 +495,10 @@ def _pair_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Ten
 
 
 def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, max_rank: int,
-                  base: BaseModelShapes | None, pattern_name: str | None = None) -> LoRATarget:
+                  base: BaseModelShapes | None, pattern_name: str | None = None, check_bound: bool = True) -> LoRATarget:
     """Check one pair (A [r, in], B [out, r]) and return it in float32 with B scaled. Rank and
-    alpha are those rank_pattern / alpha_pattern give `pattern_name` (default `module`)."""
+    alpha are those rank_pattern / alpha_pattern give `pattern_name` (default `module`);
+    `check_bound` false leaves the delta bound to the caller (a part of a fused target)."""
     pattern_name = pattern_name or module
     for part, tensor in (("A", a), ("B", b)):
         if tensor.dim() != 2:
@@ -424,6 +507,9 @@ def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRAS
             raise InvalidArgument(f"{module}: lora_{part} has dtype {tensor.dtype}; expected a float dtype")
     rank, in_features = a.shape
     out_features = b.shape[0]
+    if not (in_features and out_features):
+        raise InvalidArgument(f"{module}: lora_A is {tuple(a.shape)} and lora_B is {tuple(b.shape)}; factors must not "
+                              "be empty")
     if b.shape[1] != rank:
         raise InvalidArgument(f"{module}: lora_A is {tuple(a.shape)} and lora_B is {tuple(b.shape)}; ranks differ")
     if not 1 <= rank <= max_rank:
@@ -444,7 +530,8 @@ def _build_target(module: str, a: torch.Tensor, b: torch.Tensor, settings: LoRAS
     lora_b = scaled_b.to(torch.float32).contiguous()  # [out, r]
     if not (torch.isfinite(a).all() and torch.isfinite(b).all() and torch.isfinite(lora_b).all()):
         raise InvalidArgument(f"{module}: LoRA weights contain non-finite values")
-    _check_delta_bound(module, a, scaled_b, None if base is None else base.weight_scale(module))
+    if check_bound:
+        _check_delta_bound(module, a, scaled_b, None if base is None else base.weight_scale(module))
     return LoRATarget(lora_a=lora_a, lora_b=lora_b, alpha=alpha)
 
 

@@ -210,11 +210,13 @@ class SparseMoeBlock(nn.Module, LoRATargets):
     """The sparse MLP of one layer (module docstring); named as transformers names it, so
     "model.layers.{i}.mlp.gate.weight" and "model.layers.{i}.mlp.experts.gate_up_proj" load by name.
     LoRA on the router (PEFT's target_parameters "gate.weight") adds its delta to the router logits
-    before the softmax, as PEFT's parametrized weight does."""
+    before the softmax, as PEFT's parametrized weight does; on Qwen2-MoE's shared-expert gate (a
+    linear PEFT's all-linear targets), to its logit before the sigmoid."""
 
     def __init__(self, spec: MoeSpec, layer: int) -> None:
         super().__init__()
         self.router_name = f"model.layers.{layer}.mlp.gate"
+        self.shared_gate_name = f"model.layers.{layer}.mlp.shared_expert_gate"
         self.top_k, self.normalize = spec.num_experts_per_tok, spec.norm_topk_prob
         self.round_weights = spec.round_routing_weights
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)  # torch's GEMM: routing stays exact
@@ -228,7 +230,10 @@ class SparseMoeBlock(nn.Module, LoRATargets):
             self.shared_expert = self.shared_expert_gate = None
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        return {self.router_name: (self.gate.in_features, self.gate.out_features)}
+        shapes = {self.router_name: (self.gate.in_features, self.gate.out_features)}
+        if self.shared_expert_gate is not None:
+            shapes[self.shared_gate_name] = (self.shared_expert_gate.in_features, 1)
+        return shapes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden], x's dtype."""
@@ -238,7 +243,10 @@ class SparseMoeBlock(nn.Module, LoRATargets):
         groups = route(router_logits, self.top_k, self.normalize, x.dtype if self.round_weights else None)
         out = self.experts(x, groups)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared_gate = self.shared_expert_gate(x)  # [n, 1]
+            if self.lora_context is not None and self.lora_context.active:
+                self.lora_context.apply(self.shared_gate_name, x, shared_gate)
+            out = out + torch.sigmoid(shared_gate) * self.shared_expert(x)
         return out
 
 

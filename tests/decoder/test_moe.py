@@ -313,9 +313,10 @@ def _check_peft_equality(model_dir: Path, root: Path, adapters, max_rank: int = 
 
 def test_peft_lora_on_moe_attention_and_shared_expert_equals_peft_two_adapters_in_one_batch(checkpoints, tmp_path):
     """Qwen2-MoE: one adapter on q/v, one on k/o and the shared expert's projections (what PEFT's
-    gate_proj/up_proj/down_proj match in a sparse layer), base rows beside them."""
+    gate_proj/up_proj/down_proj match in a sparse layer), PEFT's all-linear (the shared expert's
+    gate too), base rows beside them."""
     model_dir = checkpoints("qwen2_moe", with_references=False)[0]
-    _check_peft_equality(model_dir, tmp_path, LORA_ADAPTERS)
+    _check_peft_equality(model_dir, tmp_path, {**LORA_ADAPTERS, "all": dict(r=2, lora_alpha=4, target_modules="all-linear")})
     shared = read_peft_adapter(tmp_path / "shared8", tmp_path, "shared8", 8, BaseModelShapes.from_model_dir(model_dir))
     assert "model.layers.0.mlp.shared_expert.gate_proj" in shared.targets
 
@@ -383,25 +384,51 @@ def test_transformers4_mixtral_adapter_equals_peft(checkpoints, tmp_path):
     assert "model.layers.0.mlp.gate" in adapter.targets
 
 
-def test_transformers4_adapter_on_gate_alone_fuses_with_a_zero_up_block(checkpoints, tmp_path):
-    """w1 without w3: expert e's gate_up delta is [scale * B_w1 A_w1; 0], w2 its down delta."""
+def _edit_adapter(directory: Path, drop=(), config=None, add=None) -> None:
+    """Rewrite a saved adapter: tensors whose key contains any of `drop` removed, `add` added,
+    `config` merged into adapter_config.json."""
+    tensors = load_file(directory / "adapter_model.safetensors")
+    tensors = {k: v for k, v in tensors.items() if not any(part in k for part in drop)} | (add or {})
+    save_file(tensors, directory / "adapter_model.safetensors")
+    path = directory / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | (config or {})))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (dict(drop=(".w3.",)), r"every expert of a layer the same parts, gate with up"),
+    (dict(drop=("experts.3.",)), r"every expert of a layer the same parts"),
+    (dict(config={"use_rslora": True}), r"with use_rslora is not served"),
+    (dict(config={"alpha_pattern": {"w2": 32}}), r"rank_pattern / alpha_pattern on a transformers 4 per-expert module"),
+    (dict(add={"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(4, 128),
+               "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight": torch.zeros(96, 4)},
+          config={"target_modules": ["q_proj", "gate", "w1", "w2", "w3", "gate_proj"]}),
+     r"adapts the weight model.layers.0.block_sparse_moe.experts.0.w1 adapts too"),
+    (dict(add={"base_model.model.model.layers.0.mlp.gate.lora_A.weight": torch.zeros(4, 128),
+               "base_model.model.model.layers.0.mlp.gate.lora_B.weight": torch.zeros(4, 4)},
+          config={"target_parameters": ["mlp.gate.weight"]}), r"model.layers.0.mlp.gate: adapted twice"),
+])
+def test_transformers4_adapters_peft_would_not_convert_as_trained_are_refused(checkpoints, tmp_path, edit, message):
+    """Served only where PEFT's conversion computes what the adapter computed under transformers 4
+    (peft_format._legacy_expert_targets); two pairs for one weight are refused, never one dropped."""
     model_dir = checkpoints("mixtral", with_references=False)[0]
     _save_transformers4_adapter(model_dir, tmp_path / "v4", r=4, alpha=8)
-    tensors = load_file(tmp_path / "v4" / "adapter_model.safetensors")
-    save_file({k: v for k, v in tensors.items() if ".w3." not in k and "q_proj" not in k and ".gate." not in k},
-              tmp_path / "v4" / "adapter_model.safetensors")
-    config = json.loads((tmp_path / "v4" / "adapter_config.json").read_text())
-    (tmp_path / "v4" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["w1", "w2"]}))
-    adapter = read_peft_adapter(tmp_path / "v4", tmp_path, "v4", 8, BaseModelShapes.from_model_dir(model_dir))
-    prefix = "base_model.model.model.layers.1.block_sparse_moe.experts.3"
-    gate = tensors[f"{prefix}.w1.lora_B.weight"] @ tensors[f"{prefix}.w1.lora_A.weight"] * 2.0  # alpha / r
-    target = adapter.targets["model.layers.1.mlp.experts.3.gate_up_proj"]
-    inter = gate.shape[0]
-    torch.testing.assert_close(target.lora_b @ target.lora_a, torch.cat([gate, torch.zeros_like(gate)]))
-    assert target.rank == 4 and target.lora_b.shape[0] == 2 * inter
-    down = adapter.targets["model.layers.1.mlp.experts.3.down_proj"]
-    torch.testing.assert_close(down.lora_b @ down.lora_a,
-                               tensors[f"{prefix}.w2.lora_B.weight"] @ tensors[f"{prefix}.w2.lora_A.weight"] * 2.0)
+    _edit_adapter(tmp_path / "v4", **edit)
+    with pytest.raises(InvalidArgument, match=message):
+        read_peft_adapter(tmp_path / "v4", tmp_path, "v4", 8, BaseModelShapes.from_model_dir(model_dir))
+
+
+def test_transformers4_expert_adapters_on_a_family_peft_does_not_convert_are_refused(checkpoints, tmp_path):
+    """Qwen2-MoE's transformers 4 per-expert factors: PEFT ignores them (it converts Mixtral and
+    Qwen3-MoE), so they are refused; and expert factors with no base model to read them against."""
+    model_dir = checkpoints("qwen2_moe", with_references=False)[0]
+    _save_lora(model_dir, tmp_path, "shared", 3, r=4, target_modules=["down_proj"])
+    tensors = {f"base_model.model.model.layers.{i}.mlp.experts.{e}.down_proj.lora_{p}.weight": torch.zeros(*shape)
+               for i in range(2) for e in range(4) for p, shape in (("A", (4, 48)), ("B", (128, 4)))}
+    _edit_adapter(tmp_path / "shared", add=tensors)
+    with pytest.raises(InvalidArgument, match="transformers 4 per-expert LoRA on a 'qwen2_moe' base is not served"):
+        read_peft_adapter(tmp_path / "shared", tmp_path, "shared", 8, BaseModelShapes.from_model_dir(model_dir))
+    with pytest.raises(InvalidArgument, match="LoRA on MoE experts is read against the registry's base model"):
+        read_peft_adapter(tmp_path / "shared", tmp_path, "shared", 8)
 
 
 def test_expert_lora_refusals_name_the_field(checkpoints, tmp_path):
