@@ -233,6 +233,17 @@ def max_positions(model_dir: str | Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+@dataclass
+class _Rows(BaseModelOutputWithPastAndCrossAttentions):
+    """A base model's output holding only its last hidden state; any other field a ForCausalLM
+    reads (a MoE model's `router_logits`, which it hands to its output) is None."""
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _Precomputed(nn.Module):
     """Stands in for a base model during `compute_logits`: returns the rows it was given."""
 
@@ -241,7 +252,7 @@ class _Precomputed(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args, **kwargs) -> BaseModelOutputWithPastAndCrossAttentions:
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.hidden)  # every field a head reads
+        return _Rows(last_hidden_state=self.hidden)
 
 
 class _NoRotaryTable:

@@ -80,6 +80,14 @@ def test_moe_family_equals_transformers(checkpoints, name, regime):
     check_regime(*checkpoints(name), regime)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_through_transformers_modeling_code_equals_transformers(checkpoints, name):
+    """--model-impl transformers on a MoE model (as any MoE without a native file runs): its
+    ForCausalLM reads the base model's router_logits, which the head-only pass does not have."""
+    model_dir, refs = checkpoints(name)
+    check_regime(model_dir, refs, "concurrent", model_impl="transformers")
+
+
 def test_qwen2_moe_shared_expert_equals_transformers(checkpoints):
     check_regime(*checkpoints("qwen2_moe"), "concurrent")
 
