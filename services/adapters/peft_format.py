@@ -43,10 +43,11 @@ from safetensors.torch import load
 
 from services.adapters.base_model import BaseModelShapes
 from services.adapters.paths import AdapterDir, open_in_root
-from services.adapters.targets import TargetModules, match_module
+from services.adapters.targets import MAX_CONFIG_ENTRIES, TargetModules, match_module
 from services.adapters.types import LoRAAdapter, LoRATarget
 from services.common.errors import InvalidArgument
 from services.common.lora_names import EXPERT_PARTS, ROUTER_WEIGHT, expert_target
+from tessera.protocol import MAX_MESSAGE_BYTES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -155,6 +156,11 @@ def read_peft_dir(directory: AdapterDir, name: str, max_rank: int,
     add(legacy_targets, legacy_sources.__getitem__)
     if not targets:
         raise InvalidArgument(f"{WEIGHTS_FILE} holds no LoRA factors for any target")
+    wire = sum(4 * (t.lora_a.numel() + t.lora_b.numel()) + 256 for t in targets.values())  # float32 + names
+    if wire > MAX_MESSAGE_BYTES:
+        raise InvalidArgument(f"the adapter's factors take {wire / 2**20:.0f} MiB as float32 on the wire to a "
+                              f"decoder; the limit is {MAX_MESSAGE_BYTES / 2**20:.0f} MiB (a lower rank, or fewer "
+                              "targets)")
     return LoRAAdapter(name=name, rank=max(t.rank for t in targets.values()), alpha=settings.lora_alpha,
                        use_rslora=settings.use_rslora, targets=targets)
 
@@ -193,6 +199,9 @@ def _target_parameters(config: dict) -> tuple[str, ...]:
         return ()
     if not isinstance(value, list) or not all(isinstance(entry, str) and entry for entry in value):
         raise InvalidArgument(f"adapter_config.json: target_parameters={_clip(value)} must be a list of weight names")
+    if len(value) > MAX_CONFIG_ENTRIES:
+        raise InvalidArgument(f"adapter_config.json: target_parameters has {len(value)} entries; the limit is "
+                              f"{MAX_CONFIG_ENTRIES}")
     for entry in value:
         part = entry.rsplit(".", 1)[-1]
         expert = part in EXPERT_PARTS and (entry == part or ("." + entry).endswith(".experts." + part))
@@ -418,6 +427,9 @@ def _pattern(config: dict, field_name: str, valid, expected: str) -> dict:
     pattern = config.get(field_name) or {}
     if not isinstance(pattern, dict):
         raise InvalidArgument(f"adapter_config.json: {field_name} must be an object, got {_clip(pattern)}")
+    if len(pattern) > MAX_CONFIG_ENTRIES:
+        raise InvalidArgument(f"adapter_config.json: {field_name} has {len(pattern)} entries; the limit is "
+                              f"{MAX_CONFIG_ENTRIES}")
     for key, value in pattern.items():
         try:
             re.compile(_pattern_regex(key))

@@ -26,6 +26,9 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 # that backtracks catastrophically ("(.*)*Q") would hold the registry's thread for ever (Python's
 # re cannot be interrupted); the `regex` package's matcher (re's syntax) stops at this timeout.
 MATCH_TIMEOUT_S = 0.05
+# entries of one list or object of adapter_config.json (target_modules, target_parameters, rank_pattern,
+# ...): a model's every module by name is a few thousand; past that a config is not an adapter's
+MAX_CONFIG_ENTRIES = 4096
 
 
 def match_module(pattern: str, module: str, field_name: str, whole: bool = True) -> bool:
@@ -91,7 +94,17 @@ class TargetModules:
                 whose target_modules are not found in the base model.
         """
         modules = list(modules)
+        # names matched at a dot boundary, no exclusions or layer filter: one set of every module's
+        # dotted suffixes answers each entry (a MoE base has tens of thousands of modules)
+        suffixes = None
+        if self.targets.regex is None and self.excluded is None and self.layers is None:
+            suffixes = {".".join(parts[i:]) for parts in (m.split(".") for m in modules) for i in range(len(parts))}
         for entry in self.targets.entries():
+            if suffixes is not None:
+                if entry.names[0] not in suffixes:
+                    raise InvalidArgument(f"adapter_config.json: target_modules entry {_clip(entry.describe())} "
+                                          "matches no linear module of the base model")
+                continue
             if not any(TargetModules(entry, self.excluded, self.layers).matches(m) for m in modules):
                 raise InvalidArgument(f"adapter_config.json: target_modules entry {_clip(entry.describe())} matches "
                                       "no linear module of the base model")
@@ -129,6 +142,9 @@ def _selector(config: dict, field_name: str) -> ModuleSelector | None:
     if not isinstance(value, list) or not all(isinstance(name, str) and name for name in value):
         raise InvalidArgument(f"adapter_config.json: {field_name}={_clip(repr(value))} must be a string or a list "
                               "of non-empty strings")
+    if len(value) > MAX_CONFIG_ENTRIES:
+        raise InvalidArgument(f"adapter_config.json: {field_name} has {len(value)} entries; the limit is "
+                              f"{MAX_CONFIG_ENTRIES}")
     return ModuleSelector(names=tuple(value))
 
 

@@ -82,6 +82,11 @@ def test_rank_and_alpha_patterns_apply_per_module(root, make_adapter):
     ({"target_modules": r"(\w|.)*\d"}, r"target_modules pattern .* took more than 50 ms to match module name"),
     ({"target_modules": "(.*)*Q"}, "the weights adapt a module that adapter_config.json's target_modules does not name"),
     ({"rank_pattern": {r"(\w|.)*\d": 4}}, r"rank_pattern pattern .* took more than 50 ms"),
+    # lists and objects past any model's module count: refused before they are matched
+    ({"target_modules": ["q_proj"] * 5000}, "target_modules has 5000 entries; the limit is 4096"),
+    ({"target_parameters": ["mlp.experts.down_proj"] * 5000}, "target_parameters has 5000 entries; the limit is 4096"),
+    ({"rank_pattern": {f"m{i}": 4 for i in range(5000)}}, "rank_pattern has 5000 entries; the limit is 4096"),
+    ({"target_parameters": 0}, "target_parameters=0 must be a list of weight names"),
 ])
 def test_config_refusals_name_the_field(root, adapter_in_root, edit_adapter_config, changes, field):
     edit_adapter_config(adapter_in_root, **changes)
@@ -114,6 +119,14 @@ Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 def test_tensor_refusals(root, adapter_in_root, edit, message):
     _edit_tensors(adapter_in_root, edit)
     with pytest.raises(InvalidArgument, match=message):
+        _read(adapter_in_root, root)
+
+
+def test_factors_past_the_wire_limit_are_refused(root, adapter_in_root, monkeypatch):
+    """Factors go to a decoder as float32 in one gRPC message: an adapter past its limit is refused
+    at load, not at every request's fetch."""
+    monkeypatch.setattr("services.adapters.peft_format.MAX_MESSAGE_BYTES", 4096)
+    with pytest.raises(InvalidArgument, match=r"MiB as float32 on the wire to a decoder; the limit is 0 MiB"):
         _read(adapter_in_root, root)
 
 

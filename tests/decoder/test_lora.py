@@ -157,6 +157,22 @@ def test_expert_targets_share_a_stacked_buffer_row_per_slot_and_expert():
     assert float(bank.factors("m.experts.down_proj")[0][3].abs().sum()) == 18.0  # slot 1's untouched
 
 
+def test_a_slot_buffer_the_device_cannot_hold_is_refused_and_evicts_nothing():
+    """Stacked expert buffers hold slots x experts x max_rank x (in + out) values, allocated on the
+    first expert adapter: past the device, that load is refused naming the size; resident
+    adapters stay."""
+    from services.common.errors import ResourceExhausted
+
+    shapes = {"m.q": (4, 4), "m.experts.0.down_proj": (2**22, 2**22)}
+    bank = AdapterSlots(num_slots=1, max_rank=64, module_shapes=shapes, expert_parts={"m.experts.down_proj": 2**12})
+    assert bank.load(LoRAWeights("a", {"m.q": (torch.ones(1, 4), torch.ones(4, 1))})) == 0
+    huge = LoRAWeights("huge", {"m.experts.0.down_proj": (torch.zeros(1, 2**22), torch.zeros(2**22, 1))})
+    with pytest.raises(ResourceExhausted, match=r"LoRA slots for m.experts.down_proj need 8192.00 GiB .*lower "
+                                                r"--adapter-slots or --max-lora-rank"):
+        bank.load(huge)
+    assert bank.slot_of("a") == 0 and bank.factors("m.experts.down_proj") is None
+
+
 def test_non_finite_logits_fail_only_their_request(tiny_llama):
     """An adapter whose (finite) weights overflow the model gives NaN/inf logits: that request ends
     with FAILED_PRECONDITION naming it, and a sampled neighbour in the same batch is unharmed (NaN

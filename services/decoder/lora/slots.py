@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, ResourceExhausted
 from services.common.lora_names import expert_target
 
 
@@ -167,19 +167,22 @@ class AdapterSlots:
         Raises:
             InvalidArgument: unknown module name, factors that are not 2-D float tensors, shape
                 mismatch, rank above max_rank, or values not finite in the slots' dtype.
+            ResourceExhausted: a module's slot buffer, allocated on its first use, does not fit the
+                device (nothing is evicted).
         """
         self._validate(weights)
         with self.lock:
             slot = self.slot_of(weights.digest)
             if slot is not None:
                 return slot
+            for name in weights.modules:  # every buffer first: one that cannot be allocated evicts nothing
+                self._buffers(self._place[name][0], name)
             slot = self._free_slot()
             if slot is None:
                 return None
             self._zero(slot)
             for name, (a, b) in weights.modules.items():
                 key, expert = self._place[name]
-                self._buffers(key, name)
                 row, rank = slot * self._rows_per_slot[key] + expert, a.shape[0]
                 # from pinned host memory (HostAdapterCache on CUDA) the copy runs asynchronously,
                 # ordered before the next step's kernels on the device's stream
@@ -249,11 +252,24 @@ class AdapterSlots:
             self._b[key][rows].zero_()
 
     def _buffers(self, key: str, name: str) -> None:
+        """Allocate buffer `key` (of module `name`'s shape) on its first use.
+
+        Raises:
+            ResourceExhausted: the device cannot hold it (a stacked expert part holds every slot's
+                factors of every expert: slots * experts * max_rank * (in + out) values), naming its size.
+        """
         if key not in self._a:
             in_f, out_f = self.module_shapes[name]
             rows = self.num_slots * self._rows_per_slot[key]
-            # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends).
-            # B before A: `factors` reads without the lock and finds B wherever it finds A.
-            self._b[key] = torch.zeros(rows, self.max_rank, out_f, dtype=self.dtype,
-                                        device=self.device).transpose(1, 2)
-            self._a[key] = torch.zeros(rows, self.max_rank, in_f, dtype=self.dtype, device=self.device)
+            try:
+                # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends).
+                # B before A: `factors` reads without the lock and finds B wherever it finds A.
+                b = torch.zeros(rows, self.max_rank, out_f, dtype=self.dtype, device=self.device).transpose(1, 2)
+                a = torch.zeros(rows, self.max_rank, in_f, dtype=self.dtype, device=self.device)
+            except RuntimeError as error:  # torch.OutOfMemoryError, or the host's allocator
+                size = rows * self.max_rank * (in_f + out_f) * torch.tensor([], dtype=self.dtype).element_size()
+                raise ResourceExhausted(f"LoRA slots for {key[:200]} need {size / 2**30:.2f} GiB ({rows} slot rows x "
+                                        f"max_lora_rank {self.max_rank} x {in_f} + {out_f}) and the {self.device} "
+                                        f"device cannot hold them ({' '.join(str(error).split())[:200]}); lower "
+                                        "--adapter-slots or --max-lora-rank") from None
+            self._b[key], self._a[key] = b, a
