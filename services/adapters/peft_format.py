@@ -26,7 +26,9 @@ must be finite and at most DELTA_SCALE_FACTOR (1e3) x the base layer's max |W| (
 has the base weights; else x 1.0, the order of a trained LLM linear's largest weight). Trained
 adapters sit orders of magnitude below: their deltas are small next to the weights they adjust.
 A delta past it swamps the layer, and its products with activations leave float16's range
-(65504) and soon float32's, so the decoder would serve garbage or non-finite logits.
+(65504) and soon float32's, so the decoder would serve garbage or non-finite logits. Each factor
+value is also bounded (FACTOR_LIMIT, 1e20): a huge A beside a tiny B keeps the product small but
+overflows the shrink x A^T the decoder computes first.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ _WRAPPED_EXPERTS = re.compile(r"^(?P<module>.+\.experts)(?P<wrappers>(?:\.base_l
 _EMBEDDING_NAMES = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out"}
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 DELTA_SCALE_FACTOR = 1e3
+FACTOR_LIMIT = 1e20  # |x|_1 of a hidden state (1e4 x 16k) times 1e20 stays 1e10 below float32's 3.4e38
 
 
 @dataclass(frozen=True)
@@ -558,3 +561,8 @@ def _check_delta_bound(module: str, a: torch.Tensor, scaled_b: torch.Tensor, bas
         raise InvalidArgument(f"{module}: the effective LoRA delta (scale * B @ A) reaches up to {bound:.3g}; the "
                               f"limit is {limit:.3g} ({DELTA_SCALE_FACTOR:g} x {of} {scale:.3g}), past which it "
                               "overflows the decoder's compute range")
+    for part, factor in (("lora_A", row_max_a.max()), ("scale * lora_B", scaled_b.abs().max())):
+        if float(factor) > FACTOR_LIMIT:  # a small product of one huge and one tiny factor
+            raise InvalidArgument(f"{module}: {part} reaches {float(factor):.3g}; the limit is {FACTOR_LIMIT:g} per "
+                                  "value, past which the shrink x @ A^T (or its expand) leaves float32's range "
+                                  "before the product is small again")

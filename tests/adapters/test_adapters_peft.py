@@ -235,6 +235,15 @@ def test_overflowing_delta_is_refused(root, adapter_in_root, tmp_path):
         _read(adapter_in_root, root, base=base)
 
 
+def test_a_huge_factor_beside_a_tiny_one_is_refused(root, adapter_in_root):
+    """A x 3e37 and B x 1e-38: the product stays small (under the delta bound), but x @ A^T, which
+    the decoder computes first, leaves float32's range; refused at load, not at a request."""
+    _edit_tensors(adapter_in_root, lambda t: (t.__setitem__(f"{Q0}.lora_A.weight", t[f"{Q0}.lora_A.weight"] * 3e37),
+                                              t.__setitem__(f"{Q0}.lora_B.weight", t[f"{Q0}.lora_B.weight"] * 1e-38)))
+    with pytest.raises(InvalidArgument, match=r"q_proj: lora_A reaches .*e\+3[67]; the limit is 1e\+20 per value"):
+        _read(adapter_in_root, root)
+
+
 def test_delta_bound_is_relative_to_the_base_layer(root, adapter_in_root, tmp_path):
     """The bound is 1e3 x max |W| of the base layer: an adapter within it loads, one past it is refused."""
     base = _base_with_weights(tmp_path / "weights")
