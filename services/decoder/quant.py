@@ -22,7 +22,9 @@ import threading
 import torch
 
 # rows from which a product decodes the whole weight once into float32 scratch and runs torch's GEMM
-# (MKL) instead of the blocked kernel, which decodes each block again per four rows (prefill chunks)
+# (MKL) instead of the blocked kernel, which decodes each block again per four rows (prefill chunks);
+# not in fast mode where the kernel runs register tiles (`tessera_qgemm_tiled`): 1.4-2.1x decoding +
+# MKL at 64-256 rows on SmolLM2's shapes (bench/quant_gemm.py)
 DEQUANTIZED_ROWS = 64
 SCRATCH_VALUES = 1 << 24  # the largest weight decoded so (64 MiB; an lm_head past it keeps the kernel)
 GGUF_QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # name -> GGML type id
@@ -81,6 +83,7 @@ class QuantizedWeight:
         self.nbytes = self.data.numel()
         self._type_id = GGUF_QTYPES[qtype]
         self._library = _library()
+        self._tiled = mode == "fast" and bool(self._library.tessera_qgemm_tiled(self._type_id))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] float32 or bfloat16 on the CPU, bias [out] or None -> y [rows, out] float32,
@@ -99,7 +102,8 @@ class QuantizedWeight:
             bias = bias.to("cpu", torch.float32).contiguous()
         x = x.float().contiguous()  # [rows, in]; a view when already float32 and contiguous
         values = self.out_features * self.in_features
-        if x.shape[0] >= DEQUANTIZED_ROWS and values <= SCRATCH_VALUES:  # a prefill chunk: decode once, MKL's GEMM
+        if x.shape[0] >= DEQUANTIZED_ROWS and values <= SCRATCH_VALUES and not self._tiled:
+            # a prefill chunk: decode once, MKL's GEMM
             weight = self._dequantize_into(_scratch(values))
             return torch.nn.functional.linear(x if self.mode == "exact" else int8_blocks(x), weight, bias)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)  # [rows, out]

@@ -23,7 +23,9 @@ from services.decoder.kernels import native
 from services.decoder.quant import GGUF_QTYPES, QuantizedWeight, quantized_variant, row_bytes
 
 ROWS = [*range(1, 18), 23, 31, 32, 33, 36, 40]  # groups of 4 and tiles of 32, every remainder
-K_CASES = {"Q8_0": [96, 80], "Q4_0": [96, 80], "Q4_1": [64, 47], "Q4_K": [256, 512, 300], "Q6_K": [256, 512, 300]}
+# K: fewer blocks than a 4-block group (AVX-512's tiles), and whole groups plus a remainder
+K_CASES = {"Q8_0": [96, 80, 300], "Q4_0": [96, 80, 300], "Q4_1": [64, 47, 200], "Q4_K": [256, 512, 300],
+           "Q6_K": [256, 512, 300]}
 CASES = [(qtype, k) for qtype, ks in K_CASES.items() for k in ks]
 F16_OFFSETS = {"Q4_K": (0, 4), "Q6_K": (208, 210)}  # the bytes of a K-quant block's f16 d (and dmin)
 
@@ -121,6 +123,7 @@ def test_bias_bf16_input_threads_and_a_prefill_sized_batch(qtype, mode, variant)
             torch.set_num_threads(2)
         assert y.shape == (70, 130) and y.dtype == torch.float32
         check(y, x.float(), w, mode, bias)
+        check(weight(x[:9], bias), x[:9].float(), w, mode, bias)  # the kernel's tiles, not a prefill's path
     assert torch.equal(weight(x[:5], bias.bfloat16()), weight(x[:5].float(), bias.bfloat16().float()))
 
 

@@ -72,6 +72,7 @@ _SIGNATURES = {
     "tessera_qblock_size": (_I64, [_I64]),
     "tessera_qblock_bytes": (_I64, [_I64]),
     "tessera_qgemm_variant": (ctypes.c_char_p, []),
+    "tessera_qgemm_tiled": (_I64, [_I64]),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

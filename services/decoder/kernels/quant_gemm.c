@@ -302,6 +302,44 @@ typedef struct {
     int8_t q[32];
 } xblock_t;
 
+/* x's 32-value block xb (len of them exist, the rest read as 0) as llama.cpp's quantize_row_q8_0
+   rounds it: *d = max|x| / 127, q[j] = roundf(x[j] / d) (half away from zero); returns sum q */
+static inline int quantize_block(const float *xb, int64_t len, int8_t q[32], float *d)
+{
+#if QX_AVX512
+    const __mmask16 m0 = len >= 16 ? 0xFFFF : (__mmask16)((1u << len) - 1u);
+    const __mmask16 m1 = len >= 32 ? 0xFFFF : len > 16 ? (__mmask16)((1u << (len - 16)) - 1u) : 0;
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, xb), v1 = _mm512_maskz_loadu_ps(m1, xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    *d = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(*d != 0.f ? 1.f / *d : 0.f);
+    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(.5f);
+    __m512i total = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512 v = _mm512_mul_ps(h ? v1 : v0, id);
+        /* roundf: to nearest, ties away from zero (VRNDSCALE's nearest is ties to even) */
+        const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __mmask16 tie = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half, _CMP_EQ_OQ);
+        __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_mask_add_ps(r, tie, t, _mm512_or_ps(one, _mm512_and_ps(v, _mm512_set1_ps(-0.f))));
+        const __m512i qi = _mm512_cvtps_epi32(r);
+        total = _mm512_add_epi32(total, qi);
+        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtepi32_epi8(qi));
+    }
+    return _mm512_reduce_add_epi32(total);
+#else
+    float amax = 0.f;
+    for (int64_t j = 0; j < len; j++)
+        amax = fmaxf(amax, fabsf(xb[j]));
+    *d = amax / 127.f;
+    const float id = *d != 0.f ? 1.f / *d : 0.f;
+    int sum = 0;
+    for (int64_t j = 0; j < 32; j++)
+        q[j] = (int8_t)(j < len ? roundf(xb[j] * id) : 0.f), sum += q[j];
+    return sum;
+#endif
+}
+
 static void quantize_x(const float *x, int64_t m, int64_t k, xblock_t *out, int num_threads)
 {
     const int64_t nb = (k + 31) / 32;
@@ -309,19 +347,10 @@ static void quantize_x(const float *x, int64_t m, int64_t k, xblock_t *out, int 
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * k >= QUANTIZE_PARALLEL)
     for (int64_t r = 0; r < m; r++) {
         for (int64_t i = 0; i < nb; i++) {
-            const float *xb = x + r * k + 32 * i;
-            const int64_t len = k - 32 * i < 32 ? k - 32 * i : 32;
-            float amax = 0.f;
-            for (int64_t j = 0; j < len; j++)
-                amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
             xblock_t *o = out + r * nb + i;
-            int sum = 0;
-            for (int64_t j = 0; j < 32; j++) {
-                o->q[j] = (int8_t)(j < len ? roundf(xb[j] * id) : 0.f);
-                sum += o->q[j];
-            }
-            o->d = d, o->s = d * (float)sum;
+            const int64_t len = k - 32 * i < 32 ? k - 32 * i : 32;
+            const int sum = quantize_block(x + r * k + 32 * i, len, o->q, &o->d);
+            o->s = o->d * (float)sum;
         }
     }
 }
@@ -531,16 +560,10 @@ static void prep_fast(const int qtype, const float *x, int64_t m, int64_t k, fgr
             memset(o, 0, sizeof *o);
             for (int bi = 0; bi < 4 && 4 * g + bi < nb; bi++) {
                 const int64_t i = 4 * g + bi;
-                const float *xb = x + r * k + 32 * i;
                 const int64_t len = k - 32 * i < 32 ? k - 32 * i : 32;
-                float amax = 0.f;
-                for (int64_t j = 0; j < len; j++)
-                    amax = fmaxf(amax, fabsf(xb[j]));
-                const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
                 int8_t q[32];
-                int sum = 0;
-                for (int64_t j = 0; j < 32; j++)
-                    q[j] = (int8_t)(j < len ? roundf(xb[j] * id) : 0.f), sum += q[j];
+                float d;
+                const int sum = quantize_block(x + r * k + 32 * i, len, q, &d);
                 memcpy(o->q + 16 * bi, q, 16);
                 memcpy(o->q + 64 + 16 * bi, q + 16, 16);
                 for (int l = 0; l < 4; l++) {
@@ -675,6 +698,127 @@ static inline __attribute__((always_inline)) void quad_dot(
         sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), accm[r]));
 }
 
+
+/* ---- register tiles (fast mode, 4-block groups) ----
+ * FR rows of x by FC weight rows at a time: each group of the FC weight rows is decoded once for FR x
+ * rows, and each x group is loaded once for FC weight rows, so an x tile streams from L2 FC times
+ * less often than one weight row at a time would read it (quad_dot: the x bytes, 2.5x the Q8_0
+ * weights', bounded the GEMM at M >= 4). The FC sums of an x row are reduced together (reduce4). */
+#define FR 4
+#define FC 4
+
+/* [sum a, sum b, sum c, sum d] */
+static inline __attribute__((always_inline)) __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* group g (av of its bytes exist) of nc weight rows (row_bytes apart, from w) against nr x rows
+   (xg: row r0's groups, rows ng apart), into acc[r][c] */
+static inline __attribute__((always_inline)) void tile_group(
+    const int qtype, const int nr, const int nc, const fgroup_t *xg, int64_t ng, int64_t g, const uint8_t *w,
+    int64_t row_bytes, const int av, __m512 acc[FR][FC], const int pf)
+{
+    const int gb = 4 * BLOCK_BYTES(qtype);
+    __m512i a[FC], b[FC];
+    __m512 dw[FC], mw[FC];
+    for (int c = 0; c < nc; c++) {
+        const uint8_t *p = w + c * row_bytes + g * gb;
+        if (pf)
+            for (int at = 0; at < gb; at += 64)
+                __builtin_prefetch(p + PF_BYTES + at, 0, PF_LOCALITY);
+        mw[c] = _mm512_setzero_ps();
+        group_weights(qtype, p, av, &a[c], &b[c], &dw[c], &mw[c]);
+        if (qtype == Q8_0) {
+            a[c] = _mm512_xor_si512(a[c], _mm512_set1_epi8((char)0x80));
+            b[c] = _mm512_xor_si512(b[c], _mm512_set1_epi8((char)0x80));
+        } else {
+            const __m512i mask4 = _mm512_set1_epi8(0xF);
+            b[c] = _mm512_and_si512(_mm512_srli_epi16(a[c], 4), mask4), a[c] = _mm512_and_si512(a[c], mask4);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const fgroup_t *xr = xg + r * ng + g;
+        const __m512i corr = _mm512_load_si512((const void *)xr->corr);
+        const __m512i q0 = _mm512_load_si512((const void *)xr->q), q1 = _mm512_load_si512((const void *)(xr->q + 64));
+        const __m512 dx = _mm512_load_ps(xr->dx);
+        for (int c = 0; c < nc; c++) {
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, a[c], q0), b[c], q1);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], dx), acc[r][c]);
+            if (qtype == Q4_1)
+                acc[r][c] = _mm512_fmadd_ps(mw[c], _mm512_load_ps(xr->sx), acc[r][c]);
+        }
+    }
+}
+
+/* y[r0 + r][c0 + c] for r < nr, c < nc (constants after inlining) */
+static inline __attribute__((always_inline)) void fast_tile(
+    const int qtype, const int nr, const int nc, const fgroup_t *xg, int64_t nb, const uint8_t *w,
+    int64_t row_bytes, const float *bias, float *y, int64_t n, const int pf)
+{
+    const int gb = 4 * BLOCK_BYTES(qtype);
+    const int64_t full = nb / 4, ng = (nb + 3) / 4;
+    const int rem = (int)(nb % 4) * BLOCK_BYTES(qtype);
+    __m512 acc[FR][FC];
+    for (int r = 0; r < FR; r++)
+        for (int c = 0; c < FC; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < full; g++)
+        tile_group(qtype, nr, nc, xg, ng, g, w, row_bytes, gb, acc, pf);
+    if (rem)
+        tile_group(qtype, nr, nc, xg, ng, full, w, row_bytes, rem, acc, pf);
+    for (int r = 0; r < nr; r++) {
+        float *yr = y + r * n;
+        if (nc == FC) {
+            const __m128 s = reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+            _mm_storeu_ps(yr, bias != NULL ? _mm_add_ps(s, _mm_loadu_ps(bias)) : s);
+        } else {
+            for (int c = 0; c < nc; c++)
+                yr[c] = _mm512_reduce_add_ps(acc[r][c]) + (bias != NULL ? bias[c] : 0.f);
+        }
+    }
+}
+
+/* fast mode, columns [c0, c1) of y for every row: tiles of TILE x rows, FC weight rows by FR x rows */
+static inline __attribute__((always_inline)) void fast_columns(
+    const int qtype, const fgroup_t *prep, int64_t m, int64_t k, const uint8_t *w, const float *bias, float *y,
+    int64_t n, int64_t c0, int64_t c1)
+{
+    const int64_t nb = (k + 31) / 32, ng = (nb + 3) / 4, row_bytes = nb * BLOCK_BYTES(qtype);
+    for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+        const int64_t t1 = t0 + TILE < m ? t0 + TILE : m;
+        for (int64_t c = c0; c < c1;) {
+            const int nc = c1 - c >= FC ? FC : 1;
+            const uint8_t *wc = w + c * row_bytes;
+            const float *bc = bias != NULL ? bias + c : NULL;
+            for (int64_t r0 = t0; r0 < t1; r0 += FR) {
+                const fgroup_t *xg = prep + r0 * ng;
+                float *yc = y + r0 * n + c;
+                const int pf = r0 == t0;
+#define TILE_ROWS(nr)                                                                                        \
+    do {                                                                                                     \
+        if (nc == FC)                                                                                        \
+            fast_tile(qtype, nr, FC, xg, nb, wc, row_bytes, bc, yc, n, pf);                                  \
+        else                                                                                                 \
+            fast_tile(qtype, nr, 1, xg, nb, wc, row_bytes, bc, yc, n, pf);                                   \
+    } while (0)
+                switch (t1 - r0 < FR ? t1 - r0 : FR) {
+                case 1: TILE_ROWS(1); break;
+                case 2: TILE_ROWS(2); break;
+                case 3: TILE_ROWS(3); break;
+                default: TILE_ROWS(FR); break;
+                }
+#undef TILE_ROWS
+            }
+            c += nc;
+        }
+    }
+}
 #endif
 
 /* one group's dot products (nr rows from row r0), either mode */
@@ -766,6 +910,15 @@ void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t c0 = n * t / threads, c1 = n * (t + 1) / threads;
+#if Q512
+        if (fast && prep != NULL) {
+            switch (qtype) {
+            case Q8_0: fast_columns(Q8_0, prep, m, k, w, bias, y, n, c0, c1); break;
+            case Q4_0: fast_columns(Q4_0, prep, m, k, w, bias, y, n, c0, c1); break;
+            default: fast_columns(Q4_1, prep, m, k, w, bias, y, n, c0, c1); break;
+            }
+        } else
+#endif
         if (fast) {
             COLUMNS_OF(1)
         } else {
@@ -809,6 +962,18 @@ void tessera_qdequant_rows(const uint8_t *w, int64_t qtype, int64_t k, const int
             memcpy(out + i * k + j * bs, buf, (size_t)len * sizeof(float));
         }
     }
+}
+
+/* 1 where fast mode multiplies qtype's blocks in register tiles (AVX-512 BW + VNNI; Q8_0, Q4_0, Q4_1):
+   faster than decoding the weight to float32 for MKL at every row count (quant.py asks) */
+int64_t tessera_qgemm_tiled(int64_t qtype)
+{
+#if Q512
+    return QUAD(qtype);
+#else
+    (void)qtype;
+    return 0;
+#endif
 }
 
 /* "avx512-vnni" (exact: AVX-512F; fast: VNNI), "avx512" (exact: AVX-512F; fast: AVX2), "avx-vnni" /
