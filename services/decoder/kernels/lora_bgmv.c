@@ -12,7 +12,11 @@
  * The expand sums its rank terms in a zeroed accumulator and adds it to y once, as the torch
  * backend adds its delta. Work is split over groups for the shrink and over (group, 1024 outputs)
  * for the expand, so factors are read in long contiguous runs (the kernel is bound by reading
- * them); each item is computed by one thread, so results do not depend on the thread count.
+ * them); each item is computed by one thread, so results do not depend on the thread count. Each
+ * slot's factors are a short stream that starts cold, so both loops prefetch ahead in software (the
+ * shrink two rows of A, the expand the next chunk of every B^T row): SmolLM2's 210 projections at
+ * 8 slots rank 16, 4 rows a slot, 156 MB of float32 factors, 8.4-10.2 -> 6.7-8.1 ms (0.7 -> 0.9 of
+ * the read bandwidth).
  *
  * bfloat16 (x, y, a and bt in bf16): s and the expand accumulators are float32, as the torch
  * backend computes (bf16.h widens exactly); y[row][o] is widened, added to and rounded to bf16
@@ -45,8 +49,17 @@ static inline __attribute__((always_inline)) void shrink_rows(
     const char *x1 = (const char *)x + (size_t)(rows[nr > 1 ? 1 : 0] * x_stride) * element;  /* missing rows */
     const char *x2 = (const char *)x + (size_t)(rows[nr > 2 ? 2 : 0] * x_stride) * element;  /* repeat row 0, */
     const char *x3 = (const char *)x + (size_t)(rows[nr > 3 ? 3 : 0] * x_stride) * element;  /* unused */
+    for (size_t at = 0; at < 2 * (size_t)in_features * element && at < (size_t)(rank * in_features) * element;
+         at += 64)
+        __builtin_prefetch((const char *)a_slot + at, 0, 1);  /* the first two rows */
+    const size_t row_bytes = (size_t)in_features * element;
     for (int64_t k = 0; k < rank; k++) {
         const char *ak = (const char *)a_slot + (size_t)(k * in_features) * element;
+        /* the factor stream is short (one slot's rank rows) and each starts cold: row k + 2 is
+           fetched while row k is summed (the hardware prefetcher alone left the loop waiting on it) */
+        if (k + 2 < rank)
+            for (size_t at = 0; at < row_bytes; at += 64)
+                __builtin_prefetch(ak + 2 * row_bytes + at, 0, 1);
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
         if (bf16 && TESSERA_DPBF16) {
             s0 = dot_bf16((const bf16_t *)x0, (const bf16_t *)ak, in_features);
@@ -81,6 +94,9 @@ static inline __attribute__((always_inline)) void expand_rows(
         for (int64_t k = 0; k < rank; k++) {
             const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * element;
             const float c0 = s[0 * rank + k], c1 = s[1 * rank + k], c2 = s[2 * rank + k], c3 = s[3 * rank + k];
+            if (o0 + 2 * CHUNK <= out_features)  /* the next chunk's part of row k: rank streams at once */
+                for (size_t at = 0; at < CHUNK * element; at += 64)
+                    __builtin_prefetch(bk + CHUNK * element + at, 0, 1);
             #pragma omp simd
             for (int64_t o = 0; o < CHUNK; o++) {
                 const float bv = LOAD(bk, o);
