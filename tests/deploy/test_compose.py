@@ -41,11 +41,13 @@ def compose_config(path: Path = COMPOSE, *more: Path, env: dict[str, str] | None
     return done.returncode, done.stdout, done.stderr
 
 
-def models_steps(service: dict) -> list[list[str]]:
+def models_steps(service: dict, keep_quantized: str = "") -> list[list[str]]:
     """The models service's `sh -ec` script as its commands (split at `;`, shell words; `config` keeps
-    the file's `$$` escapes)."""
+    the file's `$$` escapes), with `${DECODER_KEEP_QUANTIZED:+word}` expanded as sh would for that value."""
     assert service["command"][:2] == ["sh", "-ec"], service["command"]
-    lexer = shlex.shlex(service["command"][2].replace("$$", "$"), posix=True, punctuation_chars=";")
+    script = re.sub(r"\$\{DECODER_KEEP_QUANTIZED:\+([^}]*)\}", lambda m: m.group(1) if keep_quantized else "",
+                    service["command"][2].replace("$$", "$"))
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=";")
     lexer.whitespace_split = True
     steps, step = [], []
     for word in lexer:
@@ -195,13 +197,16 @@ def test_the_models_job_prepares_then_imports_the_named_source(compose):
     from tessera.cli.main import build_parser
 
     service = compose["services"]["models"]
-    prepare, condition, imp, end = models_steps(service)
-    assert build_parser().parse_args(prepare[1:]).dir == IMAGE_MODELS
-    assert condition[:2] == ["if", "["] and "$DECODER_SOURCE" in condition
-    assert imp[:2] == ["then", "tessera"] and end == ["fi"]
-    args = build_parser().parse_args(imp[2:])
-    assert (args.name, args.dir) == ("$DECODER_MODEL", IMAGE_MODELS)
-    assert service["environment"] == {"DECODER_MODEL": "smollm2-135m-instruct", "DECODER_SOURCE": ""}
+    for keep in ("", "1"):  # TESSERA_DECODER_KEEP_QUANTIZED: the Q4_1 built-in too, GGUF blocks kept
+        prepare, condition, imp, end = models_steps(service, keep)
+        assert build_parser().parse_args(prepare[1:]).dir == IMAGE_MODELS
+        assert build_parser().parse_args(prepare[1:]).quantized is bool(keep)
+        assert condition[:2] == ["if", "["] and "$DECODER_SOURCE" in condition
+        assert imp[:2] == ["then", "tessera"] and end == ["fi"]
+        args = build_parser().parse_args(imp[2:])
+        assert (args.name, args.dir, args.keep_quantized) == ("$DECODER_MODEL", IMAGE_MODELS, bool(keep))
+    assert service["environment"] == {"DECODER_MODEL": "smollm2-135m-instruct", "DECODER_SOURCE": "",
+                                      "DECODER_KEEP_QUANTIZED": ""}
     assert mounts(service)["/var/lib/tessera/import"][1] is True   # the operator's checkpoints, read-only
 
 
@@ -210,7 +215,8 @@ def test_the_model_is_a_parameter(tmp_path):
     that names the model, and the models job."""
     env = {"TESSERA_DECODER_MODEL": "my-model", "TESSERA_SERVED_MODEL_NAME": "Org/My-Model",
            "TESSERA_DECODER_SOURCE": "/var/lib/tessera/import/my-model-q8_0.gguf",
-           "TESSERA_MODEL_SOURCE_DIR": str(tmp_path), "TESSERA_KV_CACHE_MEMORY_BYTES": "3GiB"}
+           "TESSERA_MODEL_SOURCE_DIR": str(tmp_path), "TESSERA_KV_CACHE_MEMORY_BYTES": "3GiB",
+           "TESSERA_DECODER_KEEP_QUANTIZED": "1", "TESSERA_QUANT_MODE": "fast"}
     code, out, err = compose_config(env=env)
     assert code == 0, err
     services = yaml.safe_load(out)["services"]
@@ -218,9 +224,11 @@ def test_the_model_is_a_parameter(tmp_path):
     assert flag_values(decoder, "--model-dir") == [f"{IMAGE_MODELS}/my-model"]
     assert decoder[decoder.index("--served-model-name") + 1:] == ["Org/My-Model", "my-model"]
     assert flag_values(decoder, "--kv-cache-memory-bytes") == ["3GiB"]
+    assert flag_values(decoder, "--quant-mode") == ["fast"]
     assert flag_values(services["vision"]["command"], "--decoder-model-dir") == [f"{IMAGE_MODELS}/my-model"]
     assert flag_values(services["adapters"]["command"], "--base-model-dir") == [f"{IMAGE_MODELS}/my-model"]
-    assert services["models"]["environment"] == {"DECODER_MODEL": "my-model", "DECODER_SOURCE": env["TESSERA_DECODER_SOURCE"]}
+    assert services["models"]["environment"] == {"DECODER_MODEL": "my-model", "DECODER_SOURCE": env["TESSERA_DECODER_SOURCE"],
+                                                 "DECODER_KEEP_QUANTIZED": "1"}
     assert mounts(services["models"])["/var/lib/tessera/import"] == (str(tmp_path), True)
 
 

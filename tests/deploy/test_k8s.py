@@ -165,7 +165,8 @@ def test_kinds(base):
     [job] = by_kind(base, "Job").values()
     [prepare] = job["spec"]["template"]["spec"]["containers"]
     assert prepare["command"][:2] == ["sh", "-ec"]
-    assert prepare["command"][2].startswith(f"tessera models prepare --dir {IMAGE_MODELS};")
+    assert prepare["command"][2].startswith(
+        f"tessera models prepare --dir {IMAGE_MODELS} ${{DECODER_KEEP_QUANTIZED:+--quantized}};")
     [secret] = by_kind(base, "Secret").values()   # generated from secrets/internal-token, hashed name
     assert secret["metadata"]["name"].startswith("tessera-internal-token-") and set(secret["data"]) == {"token"}
 
@@ -344,7 +345,7 @@ def test_the_model_is_a_parameter(k8s, tmp_path):
         "resources": [os.path.relpath(overlay, mine)],   # kustomize takes only relative ones
         "configMapGenerator": [{"name": "tessera-model", "behavior": "merge", "literals": [
             "DECODER_MODEL=my-model", "DECODER_SERVED_NAME=Org/My-Model",
-            "DECODER_SOURCE=/var/lib/tessera/import/my-model-q8_0.gguf"]}]}))
+            "DECODER_SOURCE=/var/lib/tessera/import/my-model-q8_0.gguf", "QUANT_MODE=fast"]}]}))
     docs = [d for d in yaml.safe_load_all(render(mine)) if d]
     settings = model_settings(docs)
     assert settings["DECODER_MODEL"] == "my-model" and settings["EMBEDDING_MODEL"] == "all-minilm-l6-v2"
@@ -352,6 +353,7 @@ def test_the_model_is_a_parameter(k8s, tmp_path):
     decoder = expanded(docs, found["decoder"], container(found["decoder"]))
     assert flag_values(decoder, "--model-dir") == [f"{IMAGE_MODELS}/my-model"]
     assert decoder[decoder.index("--served-model-name") + 1:] == ["Org/My-Model", "my-model"]
+    assert flag_values(decoder, "--quant-mode") == ["fast"]
     assert flag_values(expanded(docs, found["vision"], container(found["vision"])),
                        "--decoder-model-dir") == [f"{IMAGE_MODELS}/my-model"]
     assert flag_values(expanded(docs, found["adapters"], container(found["adapters"])),
@@ -360,6 +362,7 @@ def test_the_model_is_a_parameter(k8s, tmp_path):
     pod = job["spec"]["template"]["spec"]
     [prepare] = pod["containers"]
     assert 'tessera models import "$DECODER_SOURCE" --name "$DECODER_MODEL"' in prepare["command"][2]
+    assert "${DECODER_KEEP_QUANTIZED:+--keep-quantized}; fi" in prepare["command"][2]
     assert {m["mountPath"]: m.get("readOnly") for m in prepare["volumeMounts"]}["/var/lib/tessera/import"] is True
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
     assert claims["model-source"] == "tessera-model-source" and "tessera-model-source" in by_kind(
