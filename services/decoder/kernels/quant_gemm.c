@@ -477,6 +477,7 @@ static inline __attribute__((always_inline)) void fast_dot(
 #define Q512 0
 #endif
 #define QUAD(t) ((t) == Q8_0 || (t) == Q4_0 || (t) == Q4_1)
+#define TILED(t) (QUAD(t) || (t) == Q4_K)  /* fast mode's register tiles (fast_columns) */
 
 #if Q512
 static const uint16_t WORDS_Q4_0[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -718,6 +719,39 @@ static inline __attribute__((always_inline)) __m128 reduce4(__m512 a, __m512 b, 
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+/* Q4_K as 4-block groups: group g is half h = g % 2 of super-block g / 2 (sub-blocks 4h..4h+3), read
+   whole (a row holds whole super-blocks). Its 64 bytes of qs hold sub-blocks 4h, 4h+1 in the low / high
+   nibbles of bytes 0-31 and 4h+2, 4h+3 in those of bytes 32-63, so lane b of A (weights 0-15) is bytes
+   [0, 16) or [32, 48) and of B (16-31) bytes [16, 32) or [48, 64), low nibbles for even b; the scales
+   d sc_b and mins -(dmin mn_b) (get_scale_min_k4) as Q4_1's, lanes by sub-block */
+static inline __attribute__((always_inline)) void group_weights_q4k(
+    const uint8_t *row, int64_t g, __m512i *a, __m512i *b, __m512 *dw, __m512 *mw)
+{
+    const uint8_t *sb = row + (g / 2) * 144;
+    const int half = (int)(g & 1);
+    /* get_scale_min_k4 for sub-blocks 4 half + j, j < 4, four bytes at a time (bytes 0-3, 4-7, 8-11
+       of the 12 scale bytes; (x >> 6) << 4 of each byte is (x >> 2) & 0x30) */
+    uint32_t s03, s47, s811, sc, mn;
+    memcpy(&s03, sb + 4, 4), memcpy(&s47, sb + 8, 4), memcpy(&s811, sb + 12, 4);
+    if (half == 0) {
+        sc = s03 & 0x3F3F3F3Fu, mn = s47 & 0x3F3F3F3Fu;
+    } else {
+        sc = (s811 & 0x0F0F0F0Fu) | ((s03 >> 2) & 0x30303030u);
+        mn = ((s811 >> 4) & 0x0F0F0F0Fu) | ((s47 >> 2) & 0x30303030u);
+    }
+    const __m128 scf = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)sc)));
+    const __m128 mnf = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)mn)));
+    const __m512i by_block = _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i *)WORDS_4));
+    *dw = _mm512_permutexvar_ps(by_block, _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(f16_at(sb)), scf)));
+    *mw = _mm512_permutexvar_ps(by_block, _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(-f16_at(sb + 2)), mnf)));
+    const __m512i v = _mm512_loadu_si512((const void *)(sb + 16 + 64 * half));
+    const __m512i mask4 = _mm512_set1_epi8(0xF);
+    const __m512i ra = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(2, 2, 0, 0));  /* bytes [0,16) x2, [32,48) x2 */
+    const __m512i rb = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 3, 1, 1));  /* [16,32) x2, [48,64) x2 */
+    *a = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(ra, mask4), _mm512_and_si512(_mm512_srli_epi16(ra, 4), mask4));
+    *b = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(rb, mask4), _mm512_and_si512(_mm512_srli_epi16(rb, 4), mask4));
+}
+
 /* group g (av of its bytes exist) of nc weight rows (row_bytes apart, from w) against nr x rows
    (xg: row r0's groups, rows ng apart), into acc[r][c] */
 static inline __attribute__((always_inline)) void tile_group(
@@ -728,6 +762,14 @@ static inline __attribute__((always_inline)) void tile_group(
     __m512i a[FC], b[FC];
     __m512 dw[FC], mw[FC];
     for (int c = 0; c < nc; c++) {
+        if (qtype == Q4_K) {  /* 72 bytes of a 144-byte super-block per group */
+            const uint8_t *row = w + c * row_bytes;
+            if (pf)
+                for (int at = 0; at < 72; at += 64)
+                    __builtin_prefetch(row + g * 72 + PF_BYTES + at, 0, PF_LOCALITY);
+            group_weights_q4k(row, g, &a[c], &b[c], &dw[c], &mw[c]);
+            continue;
+        }
         const uint8_t *p = w + c * row_bytes + g * gb;
         if (pf)
             for (int at = 0; at < gb; at += 64)
@@ -750,7 +792,7 @@ static inline __attribute__((always_inline)) void tile_group(
         for (int c = 0; c < nc; c++) {
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, a[c], q0), b[c], q1);
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], dx), acc[r][c]);
-            if (qtype == Q4_1)
+            if (qtype == Q4_1 || qtype == Q4_K)
                 acc[r][c] = _mm512_fmadd_ps(mw[c], _mm512_load_ps(xr->sx), acc[r][c]);
         }
     }
@@ -762,8 +804,8 @@ static inline __attribute__((always_inline)) void fast_tile(
     int64_t row_bytes, const float *bias, float *y, int64_t n, const int pf)
 {
     const int gb = 4 * BLOCK_BYTES(qtype);
-    const int64_t full = nb / 4, ng = (nb + 3) / 4;
-    const int rem = (int)(nb % 4) * BLOCK_BYTES(qtype);
+    const int64_t ng = (nb + 3) / 4, full = qtype == Q4_K ? ng : nb / 4;  /* Q4_K: whole super-blocks */
+    const int rem = qtype == Q4_K ? 0 : (int)(nb % 4) * BLOCK_BYTES(qtype);
     __m512 acc[FR][FC];
     for (int r = 0; r < FR; r++)
         for (int c = 0; c < FC; c++)
@@ -789,7 +831,8 @@ static inline __attribute__((always_inline)) void fast_columns(
     const int qtype, const fgroup_t *prep, int64_t m, int64_t k, const uint8_t *w, const float *bias, float *y,
     int64_t n, int64_t c0, int64_t c1)
 {
-    const int64_t nb = (k + 31) / 32, ng = (nb + 3) / 4, row_bytes = nb * BLOCK_BYTES(qtype);
+    const int64_t nb = (k + 31) / 32, ng = (nb + 3) / 4;
+    const int64_t row_bytes = (k + BLOCK_SIZE(qtype) - 1) / BLOCK_SIZE(qtype) * BLOCK_BYTES(qtype);
     for (int64_t t0 = 0; t0 < m; t0 += TILE) {
         const int64_t t1 = t0 + TILE < m ? t0 + TILE : m;
         for (int64_t c = c0; c < c1;) {
@@ -890,7 +933,7 @@ void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
     xblock_t *xq = NULL;
     void *prep = NULL;
 #if Q512
-    if (QUAD(qtype) && (fast || qtype != Q8_0)) {  /* x laid out as the 4-block groups (Q8_0 exact: no) */
+    if (fast ? TILED(qtype) : QUAD(qtype) && qtype != Q8_0) {  /* x as 4-block groups (Q8_0 exact: no) */
         const size_t groups = (size_t)m * (size_t)(((k + 31) / 32 + 3) / 4);
         prep = aligned_alloc(64, groups * (fast ? sizeof(fgroup_t) : sizeof(egroup_t)));
         if (prep != NULL && fast)
@@ -915,7 +958,8 @@ void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
             switch (qtype) {
             case Q8_0: fast_columns(Q8_0, prep, m, k, w, bias, y, n, c0, c1); break;
             case Q4_0: fast_columns(Q4_0, prep, m, k, w, bias, y, n, c0, c1); break;
-            default: fast_columns(Q4_1, prep, m, k, w, bias, y, n, c0, c1); break;
+            case Q4_1: fast_columns(Q4_1, prep, m, k, w, bias, y, n, c0, c1); break;
+            default: fast_columns(Q4_K, prep, m, k, w, bias, y, n, c0, c1); break;
             }
         } else
 #endif
@@ -969,7 +1013,7 @@ void tessera_qdequant_rows(const uint8_t *w, int64_t qtype, int64_t k, const int
 int64_t tessera_qgemm_tiled(int64_t qtype)
 {
 #if Q512
-    return QUAD(qtype);
+    return TILED(qtype);
 #else
     (void)qtype;
     return 0;
