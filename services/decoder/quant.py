@@ -24,7 +24,7 @@ import torch
 # rows from which a product decodes the whole weight once into float32 scratch and runs torch's GEMM
 # (MKL) instead of the blocked kernel, which decodes each block again per four rows (prefill chunks);
 # not in fast mode where the kernel runs register tiles (`tessera_qgemm_tiled`): 1.4-2.1x decoding +
-# MKL at 64-256 rows on SmolLM2's shapes (bench/quant_gemm.py)
+# MKL at 64-128 rows on SmolLM2's shapes, about even at 256 for Q4_K / Q6_K (bench/quant_gemm.py)
 DEQUANTIZED_ROWS = 64
 SCRATCH_VALUES = 1 << 24  # the largest weight decoded so (64 MiB; an lm_head past it keeps the kernel)
 GGUF_QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # name -> GGML type id

@@ -48,6 +48,14 @@
  * Variants (tessera_qgemm_variant): exact mode is AVX-512F code where the compiler targets it, else
  * portable (a block decoded to a float buffer, `omp simd` sums); fast mode is "avx512-vnni",
  * "avx-vnni", AVX2 maddubs or portable int loops. TESSERA_PORTABLE forces the portable code of both.
+ *
+ * Fast mode under AVX-512 BW + VNNI runs every format in register tiles (fast_columns): x quantized
+ * once per call into 4-block groups, 4 x rows by 4 weight rows at a time, Q4_K / Q6_K groups being
+ * half super-blocks. SmolLM2-135M's 211 projections of one step (bench/quant_gemm.py, 2-core VM,
+ * medians) went, at 1 row / 32 rows: Q8_0 11.0 / 111 -> 7.8 / 48 ms, Q4_0 7.8 / 101 -> 5.6 / 43, Q4_1
+ * 8.6 / 112 -> 5.9 / 49, Q4_K 16.3 / 221 -> 6.5 / 60, Q6_K 18.5 / 227 -> 9.5 / 70 (torch float32: 20-28
+ * / 60-88). A prefill's products run there too (quant.py): 1.4-2.1x decoding the weight for MKL at 64-128
+ * rows, about even at 256 for the K-quants.
  */
 #include <math.h>
 #include <omp.h>
@@ -477,7 +485,7 @@ static inline __attribute__((always_inline)) void fast_dot(
 #define Q512 0
 #endif
 #define QUAD(t) ((t) == Q8_0 || (t) == Q4_0 || (t) == Q4_1)
-#define TILED(t) (QUAD(t) || (t) == Q4_K)  /* fast mode's register tiles (fast_columns) */
+#define TILED(t) (QUAD(t) || (t) == Q4_K || (t) == Q6_K)  /* fast mode's register tiles (fast_columns) */
 
 #if Q512
 static const uint16_t WORDS_Q4_0[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -487,11 +495,17 @@ static const uint16_t WORDS_4[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 1,
 
 /* fast mode's x, one group of 4 blocks of one row: q as the weight vectors (A's x then B's), corr
    -c * (lane's x bytes summed) with c the offset that makes the weights unsigned (Q8_0: 128, Q4_0: 8,
-   Q4_1: 0), dx the x scales [d0 x4, ..], sx (Q4_1) d sum q at lane 4 b */
+   Q6_K: 32, Q4_1 / Q4_K: 0), dx the x scales [d0 x4, ..], sx (Q4_1 / Q4_K) d sum q at lane 4 b. Q6_K
+   scales A's and B's 16 weights apart, so its corr is A's x bytes only and B's are in corr_b, which
+   shares sx's place (Q6_K has no additive term) */
 typedef struct {
     int8_t q[128];
     int32_t corr[16];
-    float dx[16], sx[16];
+    float dx[16];
+    union {
+        float sx[16];
+        int32_t corr_b[16];
+    };
 } __attribute__((aligned(64))) fgroup_t;
 
 /* exact mode's x (Q4_x), one group: x[16 t + l] the x value of weight nibble t of lane l's dword
@@ -553,7 +567,7 @@ static inline __attribute__((always_inline)) void group_weights(
 static void prep_fast(const int qtype, const float *x, int64_t m, int64_t k, fgroup_t *out, int num_threads)
 {
     const int64_t nb = (k + 31) / 32, ng = (nb + 3) / 4;
-    const int c = qtype == Q8_0 ? 128 : qtype == Q4_0 ? 8 : 0;
+    const int c = qtype == Q8_0 ? 128 : qtype == Q4_0 ? 8 : qtype == Q6_K ? 32 : 0;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * k >= QUANTIZE_PARALLEL)
     for (int64_t r = 0; r < m; r++) {
         for (int64_t g = 0; g < ng; g++) {
@@ -568,13 +582,16 @@ static void prep_fast(const int qtype, const float *x, int64_t m, int64_t k, fgr
                 memcpy(o->q + 16 * bi, q, 16);
                 memcpy(o->q + 64 + 16 * bi, q + 16, 16);
                 for (int l = 0; l < 4; l++) {
-                    int lane = 0;
+                    int lane_a = 0, lane_b = 0;
                     for (int j = 0; j < 4; j++)
-                        lane += q[4 * l + j] + q[16 + 4 * l + j];
-                    o->corr[4 * bi + l] = -c * lane;
+                        lane_a += q[4 * l + j], lane_b += q[16 + 4 * l + j];
+                    o->corr[4 * bi + l] = -c * (qtype == Q6_K ? lane_a : lane_a + lane_b);
                     o->dx[4 * bi + l] = d;
+                    if (qtype == Q6_K)
+                        o->corr_b[4 * bi + l] = -c * lane_b;
                 }
-                o->sx[4 * bi] = d * (float)sum;
+                if (qtype != Q6_K)
+                    o->sx[4 * bi] = d * (float)sum;
             }
         }
     }
@@ -752,6 +769,39 @@ static inline __attribute__((always_inline)) void group_weights_q4k(
     *b = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(rb, mask4), _mm512_and_si512(_mm512_srli_epi16(rb, 4), mask4));
 }
 
+/* Q6_K as 4-block groups: group g is half h = g % 2 of super-block g / 2 (sub-blocks 4h + j, j < 4),
+   read whole. Sub-block j's 4 low bits are the low (j < 2) or high nibbles of ql bytes 64h + 32(j & 1)
+   + [0, 32), its 2 high bits bits 2j, 2j + 1 of qh bytes 128 + 32h + [0, 32): lane b of A (weights 0-15)
+   takes the first 16 of each, of B the last 16; the values q6 in [0, 64) (the -32 in the x sums, c = 32
+   in prep_fast); scales d scales[8h + 2j] for A's lanes of block j, d scales[8h + 2j + 1] for B's */
+static const uint16_t SHIFTS_Q6[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6};
+static const uint32_t SCALES_Q6_A[16] __attribute__((aligned(64))) = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
+static const uint32_t SCALES_Q6_B[16] __attribute__((aligned(64))) = {1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7};
+
+static inline __attribute__((always_inline)) void group_weights_q6k(
+    const uint8_t *row, int64_t g, __m512i *a, __m512i *b, __m512 *dw_a, __m512 *dw_b)
+{
+    const uint8_t *sb = row + (g / 2) * 210;
+    const int half = (int)(g & 1);
+    const __m512i mask4 = _mm512_set1_epi8(0xF), mask2 = _mm512_set1_epi8(3);
+    const __m512i l = _mm512_loadu_si512((const void *)(sb + 64 * half));
+    const __m512i la = _mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(2, 0, 2, 0));  /* ql [0,16) [32,48) x2 */
+    const __m512i lb = _mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(3, 1, 3, 1));  /* ql [16,32) [48,64) x2 */
+    const __m512i na = _mm512_mask_blend_epi64(0xF0, _mm512_and_si512(la, mask4), _mm512_and_si512(_mm512_srli_epi16(la, 4), mask4));
+    const __m512i nb = _mm512_mask_blend_epi64(0xF0, _mm512_and_si512(lb, mask4), _mm512_and_si512(_mm512_srli_epi16(lb, 4), mask4));
+    const __m512i shifts = _mm512_load_si512((const void *)SHIFTS_Q6);
+    const __m512i ha = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(sb + 128 + 32 * half)));
+    const __m512i hb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(sb + 144 + 32 * half)));
+    *a = _mm512_or_si512(na, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(ha, shifts), mask2), 4));
+    *b = _mm512_or_si512(nb, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, shifts), mask2), 4));
+    int64_t raw;
+    memcpy(&raw, sb + 192 + 8 * half, 8);
+    const __m512 scales = _mm512_castps256_ps512(_mm256_mul_ps(
+        _mm256_set1_ps(f16_at(sb + 208)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(raw)))));
+    *dw_a = _mm512_permutexvar_ps(_mm512_load_si512((const void *)SCALES_Q6_A), scales);
+    *dw_b = _mm512_permutexvar_ps(_mm512_load_si512((const void *)SCALES_Q6_B), scales);
+}
+
 /* group g (av of its bytes exist) of nc weight rows (row_bytes apart, from w) against nr x rows
    (xg: row r0's groups, rows ng apart), into acc[r][c] */
 static inline __attribute__((always_inline)) void tile_group(
@@ -762,6 +812,14 @@ static inline __attribute__((always_inline)) void tile_group(
     __m512i a[FC], b[FC];
     __m512 dw[FC], mw[FC];
     for (int c = 0; c < nc; c++) {
+        if (qtype == Q6_K) {  /* 105 bytes of a 210-byte super-block per group; mw: B's scales */
+            const uint8_t *row = w + c * row_bytes;
+            if (pf)
+                for (int at = 0; at < 105; at += 64)
+                    __builtin_prefetch(row + g * 105 + PF_BYTES + at, 0, PF_LOCALITY);
+            group_weights_q6k(row, g, &a[c], &b[c], &dw[c], &mw[c]);
+            continue;
+        }
         if (qtype == Q4_K) {  /* 72 bytes of a 144-byte super-block per group */
             const uint8_t *row = w + c * row_bytes;
             if (pf)
@@ -789,6 +847,15 @@ static inline __attribute__((always_inline)) void tile_group(
         const __m512i corr = _mm512_load_si512((const void *)xr->corr);
         const __m512i q0 = _mm512_load_si512((const void *)xr->q), q1 = _mm512_load_si512((const void *)(xr->q + 64));
         const __m512 dx = _mm512_load_ps(xr->dx);
+        if (qtype == Q6_K) {
+            const __m512i corr_b = _mm512_load_si512((const void *)xr->corr_b);
+            for (int c = 0; c < nc; c++) {
+                const __m512i dot_a = _mm512_dpbusd_epi32(corr, a[c], q0), dot_b = _mm512_dpbusd_epi32(corr_b, b[c], q1);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_a), _mm512_mul_ps(dw[c], dx), acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_b), _mm512_mul_ps(mw[c], dx), acc[r][c]);
+            }
+            continue;
+        }
         for (int c = 0; c < nc; c++) {
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, a[c], q0), b[c], q1);
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], dx), acc[r][c]);
@@ -804,8 +871,9 @@ static inline __attribute__((always_inline)) void fast_tile(
     int64_t row_bytes, const float *bias, float *y, int64_t n, const int pf)
 {
     const int gb = 4 * BLOCK_BYTES(qtype);
-    const int64_t ng = (nb + 3) / 4, full = qtype == Q4_K ? ng : nb / 4;  /* Q4_K: whole super-blocks */
-    const int rem = qtype == Q4_K ? 0 : (int)(nb % 4) * BLOCK_BYTES(qtype);
+    const int super = qtype == Q4_K || qtype == Q6_K;  /* whole super-blocks: no partial group */
+    const int64_t ng = (nb + 3) / 4, full = super ? ng : nb / 4;
+    const int rem = super ? 0 : (int)(nb % 4) * BLOCK_BYTES(qtype);
     __m512 acc[FR][FC];
     for (int r = 0; r < FR; r++)
         for (int c = 0; c < FC; c++)
@@ -959,7 +1027,8 @@ void tessera_qgemm(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
             case Q8_0: fast_columns(Q8_0, prep, m, k, w, bias, y, n, c0, c1); break;
             case Q4_0: fast_columns(Q4_0, prep, m, k, w, bias, y, n, c0, c1); break;
             case Q4_1: fast_columns(Q4_1, prep, m, k, w, bias, y, n, c0, c1); break;
-            default: fast_columns(Q4_K, prep, m, k, w, bias, y, n, c0, c1); break;
+            case Q4_K: fast_columns(Q4_K, prep, m, k, w, bias, y, n, c0, c1); break;
+            default: fast_columns(Q6_K, prep, m, k, w, bias, y, n, c0, c1); break;
             }
         } else
 #endif
