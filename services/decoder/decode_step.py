@@ -81,7 +81,7 @@ class Step(ctypes.Structure):
                 ("intermediate", _I64), ("num_slots", _I64), ("block_size", _I64), ("max_context", _I64),
                 ("table_width", _I64), ("eps", _F32), ("scale", _F32), ("x", _P), ("cos", _P), ("sin", _P),
                 ("slot_mapping", _P), ("attention_rows", _P), ("block_tables", _P), ("context_lens", _P),
-                ("lora_groups", _I64), ("lora_rows", _P), ("lora_starts", _P), ("lora_slots", _P),
+                ("lora_groups", _I64), ("lora_rows", _P), ("lora_starts", _P), ("lora_slots", _P), ("lora_bf16", _I64),
                 ("h", _P), ("qkv", _P), ("qk", _P), ("q", _P), ("k", _P), ("attention", _P), ("out", _P),
                 ("gate_up", _P), ("act", _P), ("widened", _P), ("shrunk", _P), ("num_threads", ctypes.c_int)]
 
@@ -199,6 +199,7 @@ class FusedDecode:
         step.num_threads = torch.get_num_threads()
         groups = self._lora_groups()
         step.lora_groups = 0 if groups is None else groups[2].numel()
+        step.lora_bf16 = int(self._lora is not None and self._lora.slots.dtype != self.dtype)  # --lora-dtype
         if groups is not None:
             step.lora_rows, step.lora_starts, step.lora_slots = (t.data_ptr() for t in groups)
         rc = self._kernel(self._layers, len(self._layers), ctypes.byref(step))

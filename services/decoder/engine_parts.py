@@ -99,7 +99,11 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     block_manager = BlockManager(config.num_blocks, config.block_size)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
                           model_sliding_window(model))
-    bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(model), dtype, device,
+    lora_dtype = config.lora_torch_dtype
+    if lora_dtype != dtype and backends.lora == "triton":
+        raise ValueError(f"the triton LoRA backend computes factors of the model's dtype, not lora_dtype "
+                         f"{config.lora_dtype!r} on dtype {config.dtype!r} (--lora-backend cpu or torch)")
+    bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(model), lora_dtype, device,
                         expert_parts(model))
     image_token_id = _image_token_id(config, model_config, tokenizer)
     vision = VisionTokens.from_config(model_config) if is_qwen2_vl(model_config) else None

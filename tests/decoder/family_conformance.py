@@ -95,9 +95,10 @@ def check_regime(model_dir: Path, refs: dict, regime: str, prompts=None, prefix_
 LORA_TARGETS = {"q/v": ["q_proj", "v_proj"], "all-linear": "all-linear"}
 
 
-def peft_model(model_dir: Path, seed: int, target_modules, **load):
+def peft_model(model_dir: Path, seed: int, target_modules, factor_dtype: torch.dtype | None = None, **load):
     """A PEFT LoRA (r 8, alpha 16) on transformers' model of `model_dir`, its factors drawn from
-    N(0, 0.3) with `seed` so that the adapter changes greedy choices decisively."""
+    N(0, 0.3) with `seed` so that the adapter changes greedy choices decisively (and rounded to
+    `factor_dtype`, kept float32, when given)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -108,6 +109,8 @@ def peft_model(model_dir: Path, seed: int, target_modules, **load):
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.3)
+                if factor_dtype is not None:
+                    p.copy_(p.to(factor_dtype))
     return model
 
 
@@ -125,16 +128,17 @@ def peft_weights(model, digest: str) -> LoRAWeights:
 
 
 def check_lora(model_dir: Path, target_modules, prompts=None, new_tokens: int = 24, reference: Path | None = None,
-               reference_load: dict | None = None, **config) -> None:
+               reference_load: dict | None = None, factor_dtype: torch.dtype | None = None, **config) -> None:
     """Two PEFT adapters on `target_modules` (a list, or "all-linear") and base rows in one batch:
     each adapter's greedy ids equal PEFT's generate, base rows equal transformers', and the adapters
     change the output (else the check would prove nothing); every lease comes back. `reference`
     (default `model_dir`) and `reference_load` (from_pretrained's options, e.g. gguf_file): the
-    checkpoint PEFT adapts, where the served one is another form of it (GGUF blocks)."""
+    checkpoint PEFT adapts, where the served one is another form of it (GGUF blocks); `factor_dtype`:
+    PEFT's factors rounded to it (for `lora_dtype`)."""
     import asyncio
 
     prompts = prompts or [PROMPTS[1], PROMPTS[3]]
-    models = {name: peft_model(reference or model_dir, seed, target_modules, **(reference_load or {}))
+    models = {name: peft_model(reference or model_dir, seed, target_modules, factor_dtype, **(reference_load or {}))
               for name, seed in (("a", 1), ("b", 2))}
     refs = {name: [ids for ids, _ in hf_reference_batch(model, prompts, new_tokens)] for name, model in models.items()}
     with torch.no_grad(), models["a"].disable_adapter():

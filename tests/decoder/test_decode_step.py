@@ -66,6 +66,23 @@ def test_fused_step_lora_equals_peft(tmp_path, targets, fused_calls):
     assert any(with_adapters for _, with_adapters in fused_calls), "adapter rows were meant to decode fused"
 
 
+def test_lora_dtype_bfloat16_on_a_float32_model_equals_peft_with_rounded_factors(tmp_path, fused_calls):
+    """--lora-dtype bfloat16: the slots hold bfloat16 factors (half the bytes BGMV reads) and the
+    result is PEFT's with its factors rounded to bfloat16, decode rows through the fused call's mixed
+    kernel; a triton backend or a bfloat16 model's float32 factors are refused."""
+    path = make_tiny_llama(tmp_path / "m", seed=6, family="qwen2")
+    check_lora(path, LORA_TARGETS["all-linear"], factor_dtype=torch.bfloat16, lora_dtype="bfloat16",
+               linear_backend="cpu", decode_step="fused")
+    assert any(with_adapters for _, with_adapters in fused_calls), "adapter rows were meant to decode fused"
+    config = DecoderConfig(model_dir=str(path), lora_dtype="bfloat16", num_blocks=16)
+    assert config.lora_torch_dtype == torch.bfloat16
+    assert DecoderConfig(model_dir=str(path), num_blocks=16).lora_torch_dtype == torch.float32
+    with pytest.raises(ValueError, match="lora_dtype 'float32' does not fit dtype 'bfloat16'"):
+        DecoderConfig(model_dir=str(path), dtype="bfloat16", lora_dtype="float32")
+    with pytest.raises(ValueError, match="triton LoRA backend computes factors of the model's dtype"):
+        DecoderConfig(model_dir=str(path), dtype="float32", lora_dtype="bfloat16", lora_backend="triton")
+
+
 def test_fused_step_bf16_equals_module_path(models, fused_calls):
     """bfloat16: the fused call and the module path give the same greedy ids (the same kernels and
     roundings; only each projection's order of summation differs)."""

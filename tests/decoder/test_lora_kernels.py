@@ -144,6 +144,26 @@ def test_cpu_backend_all_decode_rows_thread_count_invariant():
     assert (outs[0].double() - ref).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("index", range(5))
+def test_cpu_backend_bfloat16_factors_on_float32_rows_equal_float64(index):
+    """--lora-dtype bfloat16 on a float32 model: the C BGMV (decode rows) and the torch backend
+    (prefill rows) widen each bfloat16 factor exactly, so the result is the float64 product of the
+    rounded factors within float32 summation error, and differs from the float32 factors'."""
+    from lora_kernel_cases import CASES, make_case, reference
+
+    x, y0, a, b, slots, decode = make_case(index, *CASES[index])
+    a16, b16 = a.bfloat16(), b.transpose(1, 2).contiguous().transpose(1, 2).bfloat16()
+    ref = reference(x, y0, a16.float(), b16.float(), slots)
+    batch = LoRABatch.build(slots, decode)
+    backend = make_backend("cpu")
+    y = y0.clone()
+    backend.add_lora(y, x, a16, b16, batch)
+    backend.end_step()
+    assert (y.double() - ref).abs().max() < 1e-4
+    assert torch.equal(y[slots == -1], y0[slots == -1])
+    assert (ref - reference(x, y0, a, b, slots)).abs().max() > 1e-4  # the rounding is visible
+
+
 def test_cpu_backend_refuses_bad_inputs_before_touching_y():
     x, y = torch.randn(6, 8), torch.randn(6, 5)
     a, b = torch.randn(2, 4, 8), torch.randn(2, 4, 5).transpose(1, 2)
@@ -151,6 +171,8 @@ def test_cpu_backend_refuses_bad_inputs_before_touching_y():
     before = y.clone()
     backend = make_backend("cpu")
     for args, message in (((y, x, a, b.half()), "float32 or bfloat16"), ((y, x.double(), a, b), "float32 or bfloat16"),
+                          ((y, x, a.bfloat16(), b), "float32 or bfloat16"),
+                          ((y.bfloat16(), x.bfloat16(), a, b), "float32 or bfloat16"),
                           ((y.half(), x.half(), a.half(), b.half()), "float32 or bfloat16"),
                           ((y, x, a, b[:, :4]), "shapes do not fit"), ((y, x[:, :7], a, b), "shapes do not fit")):
         with pytest.raises(ValueError, match=message):

@@ -84,6 +84,9 @@ void tessera_lora_bgmv_f32(const float *, int64_t, float *, int64_t, const float
 void tessera_lora_bgmv_bf16(const bf16_t *, int64_t, bf16_t *, int64_t, const bf16_t *, const bf16_t *,
                             const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
                             float *, int);
+void tessera_lora_bgmv_f32_bf16w(const float *, int64_t, float *, int64_t, const bf16_t *, const bf16_t *,
+                                 const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
+                                 float *, int);
 
 /* One projection: W [out, in] row-major (packed = 0), gemm.c's panels (packed = 1), or GGUF blocks
    (qtype != 0: the GGML type id, quant_gemm.c; float32 models only; fast: its int8-activation mode);
@@ -126,6 +129,7 @@ typedef struct {
     const int32_t *context_lens;           /* [rows] */
     int64_t lora_groups;                   /* 0: no adapter row */
     const int64_t *lora_rows, *lora_starts, *lora_slots;
+    int64_t lora_bf16;                     /* the factors are bfloat16 (a float32 model: --lora-dtype) */
     /* scratch, each MAX_ROWS rows of the model's dtype unless said: */
     void *h;                               /* [hidden] */
     void *qkv;                             /* [(heads + 2 kv_heads) head_dim] */
@@ -281,6 +285,10 @@ static inline __attribute__((always_inline)) void add_lora(
         tessera_lora_bgmv_bf16(x, in_features, AT(y, part->start, 1), y_stride, part->a, part->bt, s->lora_rows,
                                s->lora_starts, s->lora_slots, s->lora_groups, in_features, part->out_features,
                                part->rank, s->shrunk, s->num_threads);
+    else if (s->lora_bf16)
+        tessera_lora_bgmv_f32_bf16w(x, in_features, AT(y, part->start, 0), y_stride, part->a, part->bt,
+                                    s->lora_rows, s->lora_starts, s->lora_slots, s->lora_groups, in_features,
+                                    part->out_features, part->rank, s->shrunk, s->num_threads);
     else
         tessera_lora_bgmv_f32(x, in_features, AT(y, part->start, 0), y_stride, part->a, part->bt, s->lora_rows,
                               s->lora_starts, s->lora_slots, s->lora_groups, in_features, part->out_features,

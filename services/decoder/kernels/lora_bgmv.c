@@ -36,32 +36,34 @@
 #define ROWS 4    /* rows of one slot computed together: each factor value loaded once feeds 4 FMAs */
 #define CHUNK 64  /* expand outputs held in registers per row (4 AVX-512 vectors) */
 
-/* element e of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float32 */
+/* element e of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float32; WLOAD: of a factor
+   (A or B^T), bfloat16 where wbf16 = 1 */
 #define LOAD(p, e) (bf16 ? bf16_to_f32(((const bf16_t *)(p))[e]) : ((const float *)(p))[e])
+#define WLOAD(p, e) (wbf16 ? bf16_to_f32(((const bf16_t *)(p))[e]) : ((const float *)(p))[e])
 
 /* s[r][k] = x[rows[r]] . a_slot[k] for r < nr <= ROWS (x: row stride x_stride elements) */
 static inline __attribute__((always_inline)) void shrink_rows(
     const void *x, int64_t x_stride, const int64_t *rows, int64_t nr, const void *a_slot, int64_t in_features,
-    int64_t rank, float *s, const int bf16)
+    int64_t rank, float *s, const int bf16, const int wbf16)
 {
-    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float), welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
     const char *x0 = (const char *)x + (size_t)(rows[0] * x_stride) * element;
     const char *x1 = (const char *)x + (size_t)(rows[nr > 1 ? 1 : 0] * x_stride) * element;  /* missing rows */
     const char *x2 = (const char *)x + (size_t)(rows[nr > 2 ? 2 : 0] * x_stride) * element;  /* repeat row 0, */
     const char *x3 = (const char *)x + (size_t)(rows[nr > 3 ? 3 : 0] * x_stride) * element;  /* unused */
-    for (size_t at = 0; at < 2 * (size_t)in_features * element && at < (size_t)(rank * in_features) * element;
+    for (size_t at = 0; at < 2 * (size_t)in_features * welement && at < (size_t)(rank * in_features) * welement;
          at += 64)
         __builtin_prefetch((const char *)a_slot + at, 0, 1);  /* the first two rows */
-    const size_t row_bytes = (size_t)in_features * element;
+    const size_t row_bytes = (size_t)in_features * welement;
     for (int64_t k = 0; k < rank; k++) {
-        const char *ak = (const char *)a_slot + (size_t)(k * in_features) * element;
+        const char *ak = (const char *)a_slot + (size_t)(k * in_features) * welement;
         /* the factor stream is short (one slot's rank rows) and each starts cold: row k + 2 is
            fetched while row k is summed (the hardware prefetcher alone left the loop waiting on it) */
         if (k + 2 < rank)
             for (size_t at = 0; at < row_bytes; at += 64)
                 __builtin_prefetch(ak + 2 * row_bytes + at, 0, 1);
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-        if (bf16 && TESSERA_DPBF16) {
+        if (bf16 && wbf16 && TESSERA_DPBF16) {
             s0 = dot_bf16((const bf16_t *)x0, (const bf16_t *)ak, in_features);
             s1 = dot_bf16((const bf16_t *)x1, (const bf16_t *)ak, in_features);
             s2 = dot_bf16((const bf16_t *)x2, (const bf16_t *)ak, in_features);
@@ -69,7 +71,7 @@ static inline __attribute__((always_inline)) void shrink_rows(
         } else {
             #pragma omp simd reduction(+:s0, s1, s2, s3)
             for (int64_t d = 0; d < in_features; d++) {
-                const float av = LOAD(ak, d);
+                const float av = WLOAD(ak, d);
                 s0 += LOAD(x0, d) * av;
                 s1 += LOAD(x1, d) * av;
                 s2 += LOAD(x2, d) * av;
@@ -86,20 +88,20 @@ static inline __attribute__((always_inline)) void shrink_rows(
 /* y[rows[r]][o0:o0+width] += sum_k s[r][k] * b_slot[k][o0:o0+width], r < ROWS (s rows past nr are 0) */
 static inline __attribute__((always_inline)) void expand_rows(
     void *y, int64_t y_stride, const int64_t *rows, int64_t nr, const float *s, const void *b_slot,
-    int64_t out_features, int64_t rank, int64_t o0, int64_t width, const int bf16)
+    int64_t out_features, int64_t rank, int64_t o0, int64_t width, const int bf16, const int wbf16)
 {
-    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
     float acc[ROWS][CHUNK] = {{0}};
     if (width == CHUNK) {  /* constant bounds: the accumulators stay in registers */
         for (int64_t k = 0; k < rank; k++) {
-            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * element;
+            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
             const float c0 = s[0 * rank + k], c1 = s[1 * rank + k], c2 = s[2 * rank + k], c3 = s[3 * rank + k];
             if (o0 + 2 * CHUNK <= out_features)  /* the next chunk's part of row k: rank streams at once */
-                for (size_t at = 0; at < CHUNK * element; at += 64)
-                    __builtin_prefetch(bk + CHUNK * element + at, 0, 1);
+                for (size_t at = 0; at < CHUNK * welement; at += 64)
+                    __builtin_prefetch(bk + CHUNK * welement + at, 0, 1);
             #pragma omp simd
             for (int64_t o = 0; o < CHUNK; o++) {
-                const float bv = LOAD(bk, o);
+                const float bv = WLOAD(bk, o);
                 acc[0][o] += c0 * bv;
                 acc[1][o] += c1 * bv;
                 acc[2][o] += c2 * bv;
@@ -108,12 +110,12 @@ static inline __attribute__((always_inline)) void expand_rows(
         }
     } else {
         for (int64_t k = 0; k < rank; k++) {
-            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * element;
+            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
             for (int64_t r = 0; r < ROWS; r++) {
                 const float c = s[r * rank + k];
                 #pragma omp simd
                 for (int64_t o = 0; o < width; o++)
-                    acc[r][o] += c * LOAD(bk, o);
+                    acc[r][o] += c * WLOAD(bk, o);
             }
         }
     }
@@ -138,19 +140,19 @@ static inline __attribute__((always_inline)) void expand_rows(
 static inline __attribute__((always_inline)) void lora_bgmv_team(
     const void *x, int64_t x_stride, void *y, int64_t y_stride, const void *a, const void *bt, const int64_t *rows,
     const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features,
-    int64_t out_features, int64_t rank, float *shrunk, int num_threads, const int bf16)
+    int64_t out_features, int64_t rank, float *shrunk, int num_threads, const int bf16, const int wbf16)
 {
-    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
     /* the expand splits out_features in two when one group would leave a thread idle */
     const int64_t halves = num_groups < num_threads && out_features >= 2 * CHUNK ? 2 : 1;
     const int64_t span = (out_features / CHUNK + halves - 1) / halves * CHUNK;
     #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < num_groups; g++) {
-        const char *a_slot = (const char *)a + (size_t)(group_slots[g] * rank * in_features) * element;
+        const char *a_slot = (const char *)a + (size_t)(group_slots[g] * rank * in_features) * welement;
         for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
             const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
             float local[ROWS * rank];  /* all ROWS rows are computed; only nr are this group's */
-            shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, local, bf16);
+            shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, local, bf16, wbf16);
             for (int64_t v = 0; v < nr * rank; v++)
                 shrunk[i * rank + v] = local[v];
         }
@@ -161,7 +163,7 @@ static inline __attribute__((always_inline)) void lora_bgmv_team(
         const int64_t g = item / halves;
         const int64_t first = (item % halves) * span;
         const int64_t last = item % halves == halves - 1 ? out_features : first + span;
-        const char *b_slot = (const char *)bt + (size_t)(group_slots[g] * rank * out_features) * element;
+        const char *b_slot = (const char *)bt + (size_t)(group_slots[g] * rank * out_features) * welement;
         for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
             const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
             float s[ROWS * rank];
@@ -170,7 +172,7 @@ static inline __attribute__((always_inline)) void lora_bgmv_team(
                     s[r * rank + k] = r < nr ? shrunk[(i + r) * rank + k] : 0.f;
             for (int64_t o0 = first; o0 < last; o0 += CHUNK)
                 expand_rows(y, y_stride, rows + i, nr, s, b_slot, out_features, rank, o0,
-                            last - o0 < CHUNK ? last - o0 : CHUNK, bf16);
+                            last - o0 < CHUNK ? last - o0 : CHUNK, bf16, wbf16);
         }
     }
 }
@@ -185,7 +187,7 @@ void tessera_lora_bgmv_f32(
 {
     #pragma omp parallel num_threads(num_threads)
     lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
-                   out_features, rank, shrunk, num_threads, 0);
+                   out_features, rank, shrunk, num_threads, 0, 0);
 }
 
 /* the same over bfloat16 x, y, a and bt (raw bits, uint16); shrunk stays float32 */
@@ -196,5 +198,17 @@ void tessera_lora_bgmv_bf16(
 {
     #pragma omp parallel num_threads(num_threads)
     lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
-                   out_features, rank, shrunk, num_threads, 1);
+                   out_features, rank, shrunk, num_threads, 1, 1);
+}
+
+/* float32 x and y with bfloat16 factors (--lora-dtype bfloat16 on a float32 model: half the bytes the
+   kernel streams); each factor value widened exactly, the sums as tessera_lora_bgmv_f32's */
+void tessera_lora_bgmv_f32_bf16w(
+    const float *x, int64_t x_stride, float *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
+    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
+    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads)
+    lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
+                   out_features, rank, shrunk, num_threads, 0, 1);
 }

@@ -48,6 +48,7 @@ _SIGNATURES = {
     "tessera_paged_decode_attention_bf16": (_INT, _ATTENTION_ARGS),
     "tessera_lora_bgmv_f32": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
+    "tessera_lora_bgmv_f32_bf16w": (None, _BGMV_ARGS),
     "tessera_gemm_f32": (None, _GEMM_ARGS),
     "tessera_gemm_bf16": (None, _GEMM_ARGS),
     "tessera_rms_norm_f32": (None, _RMS_NORM_ARGS),

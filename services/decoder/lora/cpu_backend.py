@@ -17,7 +17,8 @@ class CpuLoRABackend(LoRABackend):
     projection and adds into y in place, where the torch backend gathers rows onto a padded grid,
     runs two bmm and scatters the deltas back. Prefill segments are compute-bound GEMMs, which MKL
     (the torch backend) does best. x, y, A and B all float32, or all bfloat16 (float32 sums, y
-    rounded once, as the torch backend); B must be stored as AdapterSlots stores it (the
+    rounded once, as the torch backend), or float32 x, y with bfloat16 A, B (--lora-dtype bfloat16:
+    the factors widened exactly); B must be stored as AdapterSlots stores it (the
     transposed view of a contiguous [slots, max_rank, out]; other layouts are copied per call).
     """
 
@@ -25,15 +26,19 @@ class CpuLoRABackend(LoRABackend):
 
     def __init__(self) -> None:
         library = native.load()
-        self._kernels = {torch.float32: library.tessera_lora_bgmv_f32, torch.bfloat16: library.tessera_lora_bgmv_bf16}
+        # (activation dtype, factor dtype) -> kernel; bfloat16 factors on a float32 model: --lora-dtype
+        self._kernels = {(torch.float32, torch.float32): library.tessera_lora_bgmv_f32,
+                         (torch.bfloat16, torch.bfloat16): library.tessera_lora_bgmv_bf16,
+                         (torch.float32, torch.bfloat16): library.tessera_lora_bgmv_f32_bf16w}
         self._torch = TorchLoRABackend()
         self._step: tuple[LoRABatch, tuple | None, LoRABatch | None] | None = None
 
     def add_lora(self, y, x, a, b, batch):
-        kernel = self._kernels.get(y.dtype)
-        if kernel is None or any(t.dtype != y.dtype for t in (x, a, b)):
-            raise ValueError(f"the cpu LoRA backend computes float32 or bfloat16 (x, y, a, b all one), got "
-                             f"{x.dtype}, {y.dtype}, {a.dtype}, {b.dtype}")
+        kernel = self._kernels.get((y.dtype, a.dtype))
+        if kernel is None or x.dtype != y.dtype or b.dtype != a.dtype:
+            raise ValueError(f"the cpu LoRA backend computes float32 or bfloat16 (x, y one dtype, a, b one dtype, "
+                             f"bfloat16 factors on float32 activations allowed), got {x.dtype}, {y.dtype}, "
+                             f"{a.dtype}, {b.dtype}")
         if y.stride(-1) != 1:
             raise ValueError("LoRA output must have a contiguous last dimension")
         num_slots, rank, in_f = a.shape
