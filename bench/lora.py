@@ -19,6 +19,8 @@ A quantized base (`--model-dir` holding GGUF blocks, `tessera models import --ke
 35's target: 8 adapters r16 >= 0.9x base) is served with `--quant-mode` (default fast); the adapters
 and the PEFT anchor use `--reference-model-dir`, the float checkpoint transformers loads (what
 transformers makes of the GGUF: its dequantized weights); the table goes to lora-quantized.md.
+`--lora-dtype bfloat16` serves the factors in bfloat16 (half the bytes per decode step); its table
+goes to lora[-quantized]-lora-bfloat16.md.
 """
 
 from __future__ import annotations
@@ -164,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--model-dir holds GGUF blocks (default: --model-dir)")
     parser.add_argument("--quant-mode", choices=("exact", "fast"), default="fast",
                         help="the decoder's --quant-mode for a quantized --model-dir (default fast)")
+    parser.add_argument("--lora-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="the decoder's --lora-dtype (default auto: the model's; bfloat16 on a float32 or "
+                             "quantized model halves the factor bytes; results go to a file of their own)")
     args = parser.parse_args(argv)
     from services.decoder.model_llama import quantized_types
 
@@ -184,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_load(registry_address, names))
             flags = ["--adapters-address", registry_address, "--adapter-slots", str(args.adapters),
                      "--max-lora-rank", str(args.rank), "--max-model-len", "1024", "--no-prefix-caching",
-                     "--lora-backend", args.lora_backend, "--attention-backend", args.attention_backend]
+                     "--lora-backend", args.lora_backend, "--attention-backend", args.attention_backend,
+                     "--lora-dtype", args.lora_dtype]
             if quantized:
                 flags += ["--quant-mode", args.quant_mode]
             decoder, address = start_decoder(args.model_dir, flags, RESULTS / "lora-server.log")
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             (f"PEFT in process, adapter switched per batch (anchor; rounds {runs(pefts)})", peft)]
     precision = f"{'+'.join(quantized)} blocks, --quant-mode {args.quant_mode}" if quantized else "fp32"
     model = (f"model: {args.model_dir.name}, {precision}, lora backend {args.lora_backend}, "
-             f"attention backend {args.attention_backend}")
+             f"--lora-dtype {args.lora_dtype}, attention backend {args.attention_backend}")
     workload = (f"workload: {args.requests} concurrent requests, {args.prompt_len}-token random prompts, "
                 f"{args.max_tokens} new tokens each (EOS ignored), round-robin over {args.adapters} adapters\n")
     lines = ["# bench lora\n", f"machine: {machine()}", model, workload,
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
               f"multi-LoRA / PEFT: {vs_peft:.2f}x (target >= 4x)"]
     text = "\n".join(lines) + "\n"
     print(text)
-    (RESULTS / ("lora-quantized.md" if quantized else "lora.md")).write_text(text)
+    suffix = "" if args.lora_dtype == "auto" else f"-lora-{args.lora_dtype}"
+    (RESULTS / f"lora{'-quantized' if quantized else ''}{suffix}.md").write_text(text)
     return 0
 
 
