@@ -121,7 +121,7 @@ compiled grammars are kept (least recently used first out).
     max_lora_rank: int = _flag(64, "largest LoRA rank a slot holds")
     lora_backend: str = _flag(AUTO, "multi-LoRA compute: auto (triton on a GPU, cpu where its C kernel builds, "
                                      "else torch), torch grouped matmuls, Triton BGMV/SGMV kernels (GPU or "
-                                     "TRITON_INTERPRET=1), or cpu: decode rows in a C BGMV kernel (float32, bfloat16)",
+                                     "TRITON_INTERPRET=1), or cpu: every adapter row in a C BGMV kernel (float32, bfloat16)",
                               choices=(AUTO, *LORA_BACKENDS))
     lora_dtype: str = _flag(AUTO, "dtype of the LoRA factors in the slots (vLLM's --lora-dtype): auto = the model's; "
                                    "bfloat16 on a float32 model halves the bytes each decode step's BGMV reads "
