@@ -621,31 +621,6 @@ static void prep_exact(const float *x, int64_t m, int64_t k, egroup_t *out, int 
     }
 }
 
-/* one group of fast mode for nr rows of x (xg: row r0's group, rows ng apart) */
-static inline __attribute__((always_inline)) void fast_group(
-    const int qtype, const int nr, const fgroup_t *xg, int64_t ng, const uint8_t *p, const int av, __m512 *acc,
-    __m512 *acc_min)
-{
-    __m512i a, b;
-    __m512 dw, mw = _mm512_setzero_ps();
-    group_weights(qtype, p, av, &a, &b, &dw, &mw);
-    if (qtype == Q8_0) {
-        a = _mm512_xor_si512(a, _mm512_set1_epi8((char)0x80)), b = _mm512_xor_si512(b, _mm512_set1_epi8((char)0x80));
-    } else {
-        const __m512i mask4 = _mm512_set1_epi8(0xF);
-        b = _mm512_and_si512(_mm512_srli_epi16(a, 4), mask4), a = _mm512_and_si512(a, mask4);
-    }
-    for (int r = 0; r < nr; r++) {
-        const fgroup_t *xr = xg + r * ng;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)xr->corr), a,
-                                          _mm512_load_si512((const void *)xr->q));
-        dot = _mm512_dpbusd_epi32(dot, b, _mm512_load_si512((const void *)(xr->q + 64)));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_load_ps(xr->dx)), acc[r]);
-        if (qtype == Q4_1)
-            acc_min[r] = _mm512_fmadd_ps(mw, _mm512_load_ps(xr->sx), acc_min[r]);
-    }
-}
-
 /* one group of exact mode (Q4_x) */
 static inline __attribute__((always_inline)) void exact_group(
     const int qtype, const int nr, const egroup_t *xg, int64_t ng, const uint8_t *p, const int av, __m512 *acc,
@@ -678,11 +653,9 @@ static inline __attribute__((always_inline)) void exact_group(
     }
 }
 
-/* sums[r] for r < nr over one weight row in groups (xg: fgroup_t or egroup_t of row r0, mode by
-   `fast`), blocks nb a row */
+/* exact mode (Q4_x): sums[r] for r < nr over one weight row in groups (xg: row r0's), blocks nb a row */
 static inline __attribute__((always_inline)) void quad_dot(
-    const int qtype, const int nr, const int fast, const void *xg, int64_t nb, const uint8_t *w, float *sums,
-    const int pf)
+    const int qtype, const int nr, const egroup_t *xg, int64_t nb, const uint8_t *w, float *sums, const int pf)
 {
     const int gb = 4 * BLOCK_BYTES(qtype);
     const int64_t full = nb / 4, ng = (nb + 3) / 4;
@@ -695,10 +668,7 @@ static inline __attribute__((always_inline)) void quad_dot(
         if (pf)                                                                                              \
             for (int at = 0; at < gb; at += 64)                                                              \
                 __builtin_prefetch(w + (g) * gb + PF_BYTES + at, 0, PF_LOCALITY);                            \
-        if (fast)                                                                                            \
-            fast_group(qtype, nr, (const fgroup_t *)xg + (g), ng, w + (g) * gb, av, acc, accm);              \
-        else                                                                                                 \
-            exact_group(qtype, nr, (const egroup_t *)xg + (g), ng, w + (g) * gb, av, acc, accm);             \
+        exact_group(qtype, nr, xg + (g), ng, w + (g) * gb, av, acc, accm);                                   \
     } while (0)
     int64_t g = 0;
     for (; g + 2 <= full; g += 2) {
@@ -939,12 +909,8 @@ static inline __attribute__((always_inline)) void group_dot(
 {
     const int64_t nb = (k + 31) / 32;
 #if Q512
-    if (prep != NULL) {  /* QUAD(qtype): fast mode, or exact Q4_x */
-        const int64_t ng = (nb + 3) / 4;
-        if (fast)
-            quad_dot(qtype, nr, 1, (const fgroup_t *)prep + r0 * ng, nb, w, sums, pf);
-        else
-            quad_dot(qtype, nr, 0, (const egroup_t *)prep + r0 * ng, nb, w, sums, pf);
+    if (prep != NULL) {  /* exact Q4_x (fast mode with groups runs fast_columns) */
+        quad_dot(qtype, nr, (const egroup_t *)prep + r0 * ((nb + 3) / 4), nb, w, sums, pf);
         return;
     }
 #endif
