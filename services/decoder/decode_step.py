@@ -162,7 +162,8 @@ class FusedDecode:
         h, kv, d, hidden, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size
         self._step = Step(hidden=hidden, num_heads=h, num_kv_heads=kv, head_dim=d, intermediate=inter,
                           num_slots=cache.num_slots, block_size=cache.block_size, eps=self._norm_eps,
-                          scale=model.model.layers[0].self_attn.scale, num_threads=1)
+                          scale=model.model.layers[0].self_attn.scale, num_threads=1,
+                          lora_bf16=int(lora is not None and lora.slots.dtype != self.dtype))  # --lora-dtype
         widths = {"h": hidden, "qkv": (h + 2 * kv) * d, "qk": (h + kv) * d, "q": h * d, "k": kv * d,
                   "attention": h * d, "out": hidden, "gate_up": 2 * inter, "act": inter}
         self._scratch = {name: torch.empty(MAX_ROWS, width, dtype=self.dtype) for name, width in widths.items()}
@@ -199,7 +200,6 @@ class FusedDecode:
         step.num_threads = torch.get_num_threads()
         groups = self._lora_groups()
         step.lora_groups = 0 if groups is None else groups[2].numel()
-        step.lora_bf16 = int(self._lora is not None and self._lora.slots.dtype != self.dtype)  # --lora-dtype
         if groups is not None:
             step.lora_rows, step.lora_starts, step.lora_slots = (t.data_ptr() for t in groups)
         rc = self._kernel(self._layers, len(self._layers), ctypes.byref(step))
