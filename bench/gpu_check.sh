@@ -3,7 +3,8 @@
 #   1. the device and warm-up tests and a conformance subset (greedy ids = transformers), with the
 #      decoder on CUDA: in-process configs default to --device auto, which is CUDA here;
 #   2. the GGUF dequantize-in-the-GEMM Triton kernels (tests/decoder/test_quant_triton.py) compiled for
-#      the GPU, against gguf-py's dequantization and a float64 matmul;
+#      the GPU, against gguf-py's dequantization and a float64 matmul, and a Q4_K_M checkpoint served
+#      with --linear-backend triton on CUDA (tests/decoder/test_quantized.py: ids and logits = transformers);
 #   3. `tessera bench decode|lora|kernels` with the Triton attention and LoRA kernels; every
 #      `python -m services.decoder` they start reads TESSERA_DECODER_DEVICE=cuda. Their tables are
 #      rewritten under bench/results/ with the machine (GPU named) in their header.
@@ -61,7 +62,8 @@ timeout 900 "$PY" -m pytest -q tests/decoder/test_device.py tests/decoder/test_w
     -k "not cpu"
 
 echo "== GGUF dequantize-in-the-GEMM Triton kernels on CUDA (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K against gguf-py)"
-timeout 600 "$PY" -m pytest -q tests/decoder/test_quant_triton.py
+timeout 600 "$PY" -m pytest -q tests/decoder/test_quant_triton.py \
+    tests/decoder/test_quantized.py::test_triton_linear_backend_serves_the_blocks_equal_to_transformers
 
 echo "== tessera bench kernels (Triton BGMV/SGMV and paged attention against torch)"
 timeout 900 "$PY" -m tessera.cli.main bench kernels --dtype bfloat16

@@ -70,12 +70,14 @@ block_size) or "cpu" (decode rows in a C kernel; faster decode attention than th
 long contexts: bench/results/kernels.md).
 `linear_backend`: "auto" (default) resolves at start to "cpu" (the C GEMM on packed weights,
 services/decoder/linear.py, and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py) on a CPU without
-AVX-512 where the kernels build, else "torch".
+AVX-512 where the kernels build, else "torch"; on a GPU "triton" for a checkpoint holding GGUF blocks
+(dense weights through torch, the blocks through kernels/quant_triton.py's dequantize-in-the-GEMM kernels).
 `decode_step`: "auto" (default) resolves when the model runner is built (decode_step.py `attach_decode_step`)
 to "fused" (all-decode steps of a Llama-family model in one C call on the cpu attention backend) where
 `why_not` finds no reason against it, else "modules"; "fused" where it cannot run is refused then.
 `quant_mode`: "exact" (default) or "fast", for a checkpoint holding GGUF blocks (services/decoder/quant.py);
-such a checkpoint is served on the CPU in float32 (dtype "auto" resolves to it).
+such a checkpoint is served on the CPU in float32 (dtype "auto" resolves to it), or with --linear-backend
+triton (CUDA, or TRITON_INTERPRET=1) in exact mode, float32 or half precision.
 `wedged_after_s`: seconds with requests queued and no engine step completed before health says
 NOT_SERVING (services/common/liveness.py); it must exceed the longest step.
 `limits`: caps on each Generate request, checked on the protobuf before tokenizing
@@ -144,8 +146,10 @@ compiled grammars are kept (least recently used first out).
                                    choices=(AUTO, *ATTENTION_BACKENDS))
     linear_backend: str = _flag(AUTO, "dense projections, lm_head, RMSNorm, rotary and the MLP's SiLU gate: auto "
                                       "(cpu on a CPU without AVX-512 where its C kernels build, else torch), torch "
-                                      "(MKL), or cpu: a C GEMM on weights packed at load, every step (float32; "
-                                      "bfloat16 weights read directly), and C RMSNorm, rotary and SiLU-gate kernels",
+                                      "(MKL), cpu: a C GEMM on weights packed at load, every step (float32; "
+                                      "bfloat16 weights read directly), and C RMSNorm, rotary and SiLU-gate kernels, "
+                                      "or triton: GGUF blocks through Triton dequantize-in-the-GEMM kernels (GPU or "
+                                      "TRITON_INTERPRET=1), dense weights through torch",
                                 choices=(AUTO, *LINEAR_BACKENDS))
     decode_step: str = _flag(AUTO, "all-decode steps of up to 32 rows (16 float32 / 8 bfloat16 with row-major weights): fused (every layer "
                                    "in one C call: kernels/decode_step.c; Llama-family models on the cpu attention "
@@ -180,6 +184,7 @@ compiled grammars are kept (least recently used first out).
     torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device` resolved, once
     checkpoint: CheckpointConfig = field(init=False, repr=False, compare=False)  # config.json, read once
     generation_defaults: GenerationDefaults = field(init=False, repr=False, compare=False)  # read once
+    quantized: bool = field(init=False, repr=False, compare=False)  # the checkpoint holds GGUF blocks
 
     def __post_init__(self) -> None:
         self._check_values()
@@ -316,15 +321,24 @@ compiled grammars are kept (least recently used first out).
         (services/decoder/engine_parts.py `resolve_backends`), as that may build the C kernels."""
         if self.quant_mode not in QUANT_MODES:
             raise ValueError(f"quant_mode must be one of {QUANT_MODES}, got {self.quant_mode!r}")
-        quantized = bool(quantized_types(self.checkpoint.model_dir))
+        quantized = self.quantized = bool(quantized_types(self.checkpoint.model_dir))
         if self.dtype == AUTO:
             self.dtype = "float32" if quantized else resolve_dtype(self.checkpoint.raw, device)
             log.info("dtype auto: %s (checkpoint %s%s)", self.dtype, checkpoint_dtype(self.checkpoint.raw),
                      ", GGUF-quantized matrices" if quantized else "")
             self._check_backends_take_dtype()
-        if quantized and (self.dtype != "float32" or device.type != "cpu"):
+        if not quantized:
+            return
+        if self.linear_backend == "triton" or (self.linear_backend == AUTO and device.type != "cpu"):
+            if self.dtype == "float64":
+                raise ValueError("the Triton quantized GEMM computes float32, float16 or bfloat16, not dtype 'float64'")
+            if self.quant_mode != "exact":
+                raise ValueError(f"--quant-mode {self.quant_mode} is the CPU kernels' (int8 activations); the Triton "
+                                 "kernels of --linear-backend triton multiply GGUF blocks in exact mode only")
+        elif self.dtype != "float32" or device.type != "cpu":
             raise ValueError(f"{self.model_dir} holds GGUF-quantized matrices: they are served on the CPU with float32 "
-                             f"activations (dtype float32 or auto), not dtype {self.dtype!r} on {device}")
+                             f"activations (dtype float32 or auto), or by --linear-backend triton (CUDA), not dtype "
+                             f"{self.dtype!r} on {device} with --linear-backend {self.linear_backend}")
 
     def _check_family_config(self) -> None:
         """Read config.json as the model will, before the tokenizer or any weight loads: transformers'

@@ -30,7 +30,7 @@ import torch
 
 from services.decoder.attention.cpu_backend import CpuAttentionMetadata
 from services.decoder.kv_cache import KVCache
-from services.decoder.linear import PANEL_WIDTH, Linear
+from services.decoder.linear import PANEL_WIDTH, Linear, PackedWeight
 from services.decoder.lora import LoRAContext
 from services.decoder.model_llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from services.decoder.model_qwen3 import Qwen3Attention
@@ -92,8 +92,11 @@ def why_not(model: torch.nn.Module, attention_backend: str) -> str | None:
         return f"it needs the cpu attention backend, not {attention_backend}"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model file"
-    if any(isinstance(m.gemm, QuantizedParts) for m in model.modules() if isinstance(m, Linear)):
+    gemms = [m.gemm for m in model.modules() if isinstance(m, Linear) and m.gemm is not None]
+    if any(isinstance(gemm, QuantizedParts) for gemm in gemms):
         return "a projection mixes GGUF types among its parts (the quantized GEMM runs them layer by layer)"
+    if foreign := next((gemm for gemm in gemms if not isinstance(gemm, QuantizedWeight | PackedWeight)), None):
+        return f"a projection multiplies through {type(foreign).__name__}, which the C step cannot call"
     dtype, device = _embedding_dtype_device(model)
     if dtype not in (torch.float32, torch.bfloat16) or device != "cpu":
         return f"it computes float32 or bfloat16 on the CPU, not {dtype}"

@@ -54,7 +54,7 @@ def resolve_backends(config: DecoderConfig) -> Backends:
     device, dtype = config.torch_device, config.dtype
     return Backends(resolve_attention_backend(config.attention_backend, device, dtype, config.block_size),
                     resolve_lora_backend(config.lora_backend, device, dtype),
-                    resolve_linear_backend(config.linear_backend, device, dtype))
+                    resolve_linear_backend(config.linear_backend, device, dtype, config.quantized))
 
 
 @dataclass

@@ -39,7 +39,7 @@ PANEL_WIDTH = 16  # output columns per packed panel (kernels/gemm.c NR)
 # where a bfloat16 panel row stores column j (kernels/gemm.c BF16_POS: the middle groups of four
 # swap, so AVX2's per-lane interleaves widen it in column order); a permutation that is its own inverse
 BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
-LINEAR_BACKENDS = ("torch", "cpu")
+LINEAR_BACKENDS = ("torch", "cpu", "triton")
 log = logging.getLogger(__name__)
 
 
@@ -125,7 +125,8 @@ class Linear(nn.Linear):
 
 
 def make_linear_backend(name: str) -> CpuGemm | None:
-    """The GEMM for `--linear-backend name`: a CpuGemm for "cpu", None (torch) for "torch".
+    """The GEMM for `--linear-backend name`'s dense weights: a CpuGemm for "cpu", None (torch) for
+    "torch" and "triton" (whose Triton kernels multiply GGUF blocks only: quantized_model.to_triton).
 
     Raises:
         ValueError: an unknown name.
@@ -136,9 +137,10 @@ def make_linear_backend(name: str) -> CpuGemm | None:
     return CpuGemm() if name == "cpu" else None
 
 
-def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
+def resolve_linear_backend(name: str, device: torch.device, dtype: str, quantized: bool = False) -> str:
     """`name` itself, or for "auto" the fastest that runs: "cpu" on a CPU without AVX-512 where the
-    C kernels build with the AVX2 + FMA GEMM and compute `dtype` (built now), else "torch".
+    C kernels build with the AVX2 + FMA GEMM and compute `dtype` (built now), else "torch"; on a
+    GPU "triton" for a model holding GGUF blocks (`quantized`: its dequantize-in-the-GEMM kernels).
     The kernel is AVX2 code: it beat MKL on an AVX2-only CPU (bench/results/gemm.md) and has not
     been measured against AVX-512 MKL or native bf16, so those CPUs keep torch. An automatic choice
     is logged with its reason."""
@@ -153,6 +155,10 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: str) -> str:
             reason = "the C GEMM was built without AVX2 + FMA (scalar code is slower than MKL)"
         elif reason is None and "avx512f" in native.cpu_flags():
             reason = "the CPU has AVX-512: MKL's AVX-512 GEMMs stay (the AVX2 kernel is unmeasured there)"
+    elif quantized:
+        log.info("linear_backend auto: triton on %s for %s (GGUF blocks: the Triton dequantize-in-the-GEMM kernels)",
+                 device, dtype)
+        return "triton"
     else:
         reason = f"no C GEMM for {device.type} devices"
     choice = "cpu" if reason is None else "torch"

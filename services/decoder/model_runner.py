@@ -33,6 +33,7 @@ from services.decoder.kv_cache import KVCache
 from services.decoder.linear import attach_gemm, make_linear_backend
 from services.decoder.lora import BASE_SLOT, LoRAContext, attach_context
 from services.decoder.model_llama import LlamaForCausalLM
+from services.decoder.quantized_model import to_triton
 from services.decoder.request import Request
 from services.decoder.sampler import Sample, SamplingRow, sample
 from services.decoder.scheduler import ScheduledRequest, SchedulerOutput
@@ -92,8 +93,10 @@ class ModelRunner:
                  lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch",
                  linear_backend: str = "torch", decode_step: str = "modules") -> None:
         """`attention_backend`: a name in services/decoder/attention's registry, constructed here;
-        `linear_backend`: "torch" or "cpu" (the C GEMM on weights packed here, services/decoder/linear.py,
-        and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py); `decode_step`: "auto", "fused"
+        `linear_backend`: "torch", "cpu" (the C GEMM on weights packed here, services/decoder/linear.py,
+        and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py) or "triton" (torch for dense
+        weights, GGUF blocks moved to the cache's device for the Triton kernels, quantized_model.py
+        `to_triton`); `decode_step`: "auto", "fused"
         or "modules" (decode_step.py `attach_decode_step`; the resolved name is `self.decode_step`).
 
         Raises:
@@ -103,6 +106,8 @@ class ModelRunner:
         self.model = model
         attach_gemm(model, make_linear_backend(linear_backend))
         attach_pointwise(model, CpuPointwise() if linear_backend == "cpu" else None)
+        if linear_backend == "triton":
+            to_triton(model, cache.device, cache.dtype)
         self.cache = cache
         self.block_manager = block_manager
         self.lora = lora  # this runner's per-step LoRA state; the model's LoRALinear layers call it

@@ -17,6 +17,7 @@ Modes (`QUANT_MODES`):
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -28,6 +29,9 @@ import torch
 DEQUANTIZED_ROWS = 64
 SCRATCH_VALUES = 1 << 24  # the largest weight decoded so (64 MiB; an lm_head past it keeps the kernel)
 GGUF_QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # name -> GGML type id
+# name -> (weights, bytes) of one block (ggml-common.h; kernels/quant_gemm.c's tessera_qblock_size/bytes):
+# read without building the C kernels, so a GPU-served checkpoint (quant_triton.py) needs no C compiler
+BLOCK_SHAPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 QUANT_MODES = ("exact", "fast")
 
 
@@ -53,9 +57,7 @@ def row_bytes(qtype: str, in_features: int) -> int:
         raise ValueError(f"qtype must be one of {sorted(GGUF_QTYPES)}, got {qtype!r}")
     if in_features < 1:
         raise ValueError(f"in_features must be at least 1, got {in_features}")
-    library = _library()
-    type_id = GGUF_QTYPES[qtype]
-    size, nbytes = library.tessera_qblock_size(type_id), library.tessera_qblock_bytes(type_id)
+    size, nbytes = BLOCK_SHAPES[qtype]
     return -(-in_features // size) * nbytes
 
 
@@ -67,7 +69,8 @@ class QuantizedWeight:
     a memory-mapped file stays one) unless it is not contiguous.
 
     Raises (constructor): ValueError for an unknown qtype or mode, or data of another dtype, device
-    or shape; RuntimeError as `native.load` (no C compiler with OpenMP).
+    or shape. The first product or lookup raises RuntimeError as `native.load` (no C compiler with
+    OpenMP): the kernels are built then.
     """
 
     def __init__(self, qtype: str, data: torch.Tensor, in_features: int, mode: str = "exact") -> None:
@@ -82,8 +85,15 @@ class QuantizedWeight:
         self.out_features, self.in_features = data.shape[0], in_features
         self.nbytes = self.data.numel()
         self._type_id = GGUF_QTYPES[qtype]
-        self._library = _library()
-        self._tiled = mode == "fast" and bool(self._library.tessera_qgemm_tiled(self._type_id))
+
+    @functools.cached_property
+    def _library(self):
+        """The C kernels, built on first use (a weight moved to a GPU, quantized_model.to_triton, never builds them)."""
+        return _library()
+
+    @functools.cached_property
+    def _tiled(self) -> bool:
+        return self.mode == "fast" and bool(self._library.tessera_qgemm_tiled(self._type_id))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] float32 or bfloat16 on the CPU, bias [out] or None -> y [rows, out] float32,

@@ -14,6 +14,10 @@ each is uint8 [rows, row bytes] in transformers' row order. At load:
   a tied lm_head multiplies by the same blocks.
 - any other quantized tensor (none in the served families today) is dequantized at load.
 
+On the triton linear backend (CUDA, or the CPU under TRITON_INTERPRET=1) `to_triton` then moves
+every such weight's blocks to the device as a `TritonQuantizedWeight` (kernels/quant_triton.py, the
+dequantize-in-the-GEMM kernels): the same blocks, the same exact-mode numbers.
+
 `quantization(model)` names what a model serves ("Q4_1", "Q4_K+Q6_K", "" when dense): the decoder
 reports it, and the prefix cache salts every block hash with it (an fp32 and a Q4 base never share
 KV, prefix_cache.py).
@@ -127,6 +131,30 @@ def attach_quantized(model: nn.Module, quantized: dict[str, tuple[str, torch.Ten
             model.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
     if quantized:
         raise ValueError(f"quantized tensors no projection of {type(model).__name__} takes: {sorted(quantized)[:5]}")
+
+
+def to_triton(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Swap each `QuantizedWeight` of `model` (a projection's gemm, a part of `QuantizedParts`, the
+    embeddings' table) for a `TritonQuantizedWeight` of the same blocks on `device` computing
+    `dtype`; a weight shared by two modules (a tied lm_head) stays shared. Raises ValueError as
+    `TritonQuantizedWeight` (a dtype it does not compute)."""
+    from services.decoder.kernels.quant_triton import TritonQuantizedWeight
+
+    moved: dict[int, TritonQuantizedWeight] = {}
+
+    def move(weight: QuantizedWeight) -> TritonQuantizedWeight:
+        if id(weight) not in moved:
+            moved[id(weight)] = TritonQuantizedWeight(weight.qtype, weight.data.to(device), weight.in_features, dtype)
+        return moved[id(weight)]
+
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding) and isinstance(module.weight, QuantizedWeight):
+            module.weight = move(module.weight)
+        gemm = getattr(module, "gemm", None)
+        if isinstance(gemm, QuantizedWeight):
+            module.gemm = move(gemm)
+        elif isinstance(gemm, QuantizedParts):
+            module.gemm = QuantizedParts((move(weight), start, end) for weight, start, end in gemm.parts)
 
 
 def dequantize_into(state: dict[str, torch.Tensor], quantized: dict[str, tuple[str, torch.Tensor]],

@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 
 from services.decoder import quant
 from services.decoder.kernels import native
-from services.decoder.quant import GGUF_QTYPES, QuantizedWeight, quantized_variant, row_bytes
+from services.decoder.quant import BLOCK_SHAPES, GGUF_QTYPES, QuantizedWeight, quantized_variant, row_bytes
 
 ROWS = [*range(1, 18), 23, 31, 32, 33, 36, 40]  # groups of 4 and tiles of 32, every remainder
 # K: fewer blocks than a 4-block group (AVX-512's tiles), and whole groups plus a remainder
@@ -151,6 +151,10 @@ def test_attributes_and_the_memory_view_is_kept():
     assert weight.dtype == torch.float32 and weight.nbytes == 37 * 54
     assert weight.data.data_ptr() == data.data_ptr()
     assert row_bytes("Q6_K", 300) == 420 and row_bytes("Q8_0", 80) == 102
+    library = native.load()  # the Python table (read without building the kernels) is the C kernels' and ggml's
+    for qtype, type_id in GGUF_QTYPES.items():
+        shape = (library.tessera_qblock_size(type_id), library.tessera_qblock_bytes(type_id))
+        assert BLOCK_SHAPES[qtype] == shape == GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     assert weight(torch.empty(0, 96)).shape == (0, 37)
 
 

@@ -9,6 +9,9 @@ same GGUF (its dequantized load) on tiny seeded checkpoints.
 - What is held: every projection and the embeddings keep their blocks (no float32 copy), a tied
   lm_head multiplies by the embeddings' blocks, and `DecoderInfo.quantization` names the types.
 - The fast mode (int8 activations) within its rule on the first step's logits.
+- The triton linear backend (`--linear-backend triton`, kernels/quant_triton.py's dequantize-in-the-GEMM
+  kernels; CUDA, here the CPU under TRITON_INTERPRET=1): the Q4_K_M mix served from the same blocks
+  equals transformers (ids and logits), embeddings looked up from the blocks on the device.
 - Two PEFT adapters and base rows over a quantized base in one batch = PEFT over transformers'
   dequantized model.
 - The prefix cache's block hashes differ between a quantized and a dense base.
@@ -134,6 +137,57 @@ def test_fast_mode_within_its_rule(sources, tmp_path_factory):
     assert int(fast.argmax()) == int(exact.argmax())
 
 
+_TRITON_SCRIPT = """
+import sys
+import torch
+sys.path[:0] = sys.argv[4:]
+from decoder_testing import check_greedy
+from family_conformance import _requests
+from services.decoder.config import DecoderConfig
+from services.decoder.engine import start_engine
+from services.decoder.kernels.quant_triton import TritonQuantizedWeight
+from services.decoder.quantized_model import QuantizedEmbedding, QuantizedParts
+
+refs, device = torch.load(sys.argv[2]), sys.argv[3]
+backends = dict(attention_backend="torch", lora_backend="torch") if device == "cpu" else {}
+engine = start_engine(DecoderConfig(model_dir=sys.argv[1], device=device, linear_backend="triton", num_blocks=32,
+                                    **backends))
+try:
+    model = engine.parts.model
+    qkv = model.model.layers[0].self_attn.qkv_proj.gemm
+    assert isinstance(qkv, QuantizedParts) and all(isinstance(w, TritonQuantizedWeight) for w, _, _ in qkv.parts)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.gemm, TritonQuantizedWeight)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.model.embed_tokens.weight, TritonQuantizedWeight)
+    assert model.lm_head.gemm.data.device.type == device
+    assert engine.info().quantization == "Q4_K+Q6_K exact" and engine.info().decode_step == "modules"
+    check_greedy(engine, refs, _requests([list(p) for p in refs], len(next(iter(refs.values()))[0])), rtol=float(sys.argv[5]))
+    assert engine.stats().num_free_blocks == 32
+finally:
+    engine.shutdown()
+print("TRITON_OK", flush=True)
+"""
+
+
+def test_triton_linear_backend_serves_the_blocks_equal_to_transformers(sources, tmp_path_factory, tmp_path):
+    """`--linear-backend triton`: the GGUF blocks moved to the device and multiplied by the Triton
+    kernels; two prompts, 6 new tokens (the interpreter runs each kernel program as numpy)."""
+    import os
+    import subprocess
+    import sys
+
+    _, model_dir, refs = served("Q4_K_M", sources, tmp_path_factory)
+    refs_path = tmp_path / "refs.pt"
+    torch.save({prompt: (ids[:6], logits[:6]) for prompt, (ids, logits) in list(refs.items())[:2]}, refs_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {}))
+    here = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, str(model_dir), str(refs_path), device,
+                          str(here), str(RTOL)], cwd=here.parents[1], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert "TRITON_OK" in out.stdout, out.stderr[-4000:]
+
+
 def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_model(sources, tmp_path_factory):
     gguf_path, model_dir, _ = served("Q4_K_M", sources, tmp_path_factory)
     check_lora(model_dir, "all-linear", reference=gguf_path.parent, reference_load={"gguf_file": gguf_path.name})
@@ -149,10 +203,17 @@ def test_prefix_cache_salts_blocks_with_the_quantization(sources, tmp_path_facto
     assert not set(BlockHasher(16, base_key="Q4_1 fast").update(tokens)) & set(quantized)
 
 
-def test_refusals(sources, tmp_path_factory):
+def test_refusals(sources, tmp_path_factory, monkeypatch):
     _, model_dir, _ = served("Q4_0", sources, tmp_path_factory)
-    with pytest.raises(ValueError, match="GGUF-quantized matrices.*bfloat16"):
+    with pytest.raises(ValueError, match="GGUF-quantized matrices.*bfloat16.*--linear-backend auto"):
         DecoderConfig(model_dir=str(model_dir), dtype="bfloat16")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend may run on this CPU
+    with pytest.raises(ValueError, match="--quant-mode fast is the CPU kernels'"):
+        DecoderConfig(model_dir=str(model_dir), linear_backend="triton", quant_mode="fast")
+    with pytest.raises(ValueError, match="not dtype 'float64'"):
+        DecoderConfig(model_dir=str(model_dir), linear_backend="triton", dtype="float64")
+    assert DecoderConfig(model_dir=str(model_dir), linear_backend="triton", dtype="bfloat16").quantized
+    monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="only tessera's native"):
         start_engine(DecoderConfig(model_dir=str(model_dir), model_impl="transformers", num_blocks=32))
     # a header naming a tensor whose bytes do not fit its type is refused at load, naming it

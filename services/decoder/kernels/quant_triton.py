@@ -143,6 +143,9 @@ def _quantized_matmul_kernel(x_ptr, data_ptr, bias_ptr, out_ptr, M, N, K, stride
 # The interpreter's tl.dot multiplies bfloat16's uint16 storage as integers (triton/runtime/interpreter.py
 # create_dot), so there a bfloat16 tile is multiplied as the float32 it widens to exactly.
 _INTERPRETED = isinstance(_quantized_matmul_kernel, InterpretedFunction)
+# The interpreter's cost is per program (each runs its tile as numpy arrays), not per FLOP: there a
+# served weight takes wide tiles, 1024 x 256 (an lm_head of 49152 rows: 48 programs, not 3072; 1.7x faster)
+_INTERPRETER_TILE = dict(block_n=1024, block_k=256) if _INTERPRETED else {}
 
 
 def quant_format(qtype: str) -> QuantFormat:
@@ -255,3 +258,45 @@ def dequantize_rows(data: torch.Tensor, qtype: str, k: int, ids: torch.Tensor) -
     num_blocks = rows.shape[1] // fmt.block_bytes
     blocks = rows.view(rows.shape[0], num_blocks, fmt.block_bytes)                     # [num_ids, nb, BB]
     return _dequantize_blocks(blocks, fmt).reshape(rows.shape[0], num_blocks * fmt.block_size)[:, :k]
+
+
+class TritonQuantizedWeight:
+    """A weight [out, in] kept as GGUF blocks on a device, multiplied by `quantized_matmul`: what
+    `Linear.gemm` holds on the triton linear backend (a drop-in for quant.QuantizedWeight, whose C
+    kernels compute on the CPU).
+
+    `data`: uint8 [out_features, row_bytes] on CUDA (or the CPU under TRITON_INTERPRET=1); `dtype`:
+    the model's compute dtype (float32, float16 or bfloat16), what `rows` returns. Exact mode only:
+    for float32 x each product is IEEE float32 (the dequantized model's numbers up to summation
+    order); a half-precision x rounds each weight tile to its dtype (module docstring).
+
+    Raises (constructor): ValueError for an unknown qtype, a dtype outside those three, or data that
+    does not hold [out, row_bytes] uint8 rows.
+    """
+
+    mode = "exact"
+
+    def __init__(self, qtype: str, data: torch.Tensor, in_features: int, dtype: torch.dtype) -> None:
+        self.format = quant_format(qtype)
+        _check_data(data, self.format, in_features)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"the Triton quantized GEMM computes float32, float16 or bfloat16, not {dtype}")
+        self.data = data.contiguous()  # [out, row_bytes]
+        self.qtype, self.dtype, self.device = qtype, dtype, data.device
+        self.out_features, self.in_features = data.shape[0], in_features
+        self.nbytes = self.data.numel()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] (the model's dtype, on `device`), bias [out] or None -> y [rows, out] of x's
+        dtype. Raises ValueError as `quantized_matmul`."""
+        return quantized_matmul(x, self.data, self.qtype, self.in_features, bias, **_INTERPRETER_TILE)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids integer [n] (an embedding lookup's token ids) -> [n, in] of `dtype`: the rows
+        dequantized (gguf's values, then rounded to `dtype`). Raises ValueError as `dequantize_rows`."""
+        return dequantize_rows(self.data, self.qtype, self.in_features, ids).to(self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight [out, in] float32 (references and tests)."""
+        return dequantize_rows(self.data, self.qtype, self.in_features,
+                               torch.arange(self.out_features, device=self.device))
