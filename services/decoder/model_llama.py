@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from services.common.checkpoint import QUANTIZATION_METADATA, CheckpointConfig, check_rope_type, rope_settings
+from services.common.memory import release_file_pages
 from services.decoder.attention import AttentionBackend, AttentionMetadata
 from services.decoder.kernels.pointwise import CpuPointwise
 from services.decoder.kv_cache import KVCache
@@ -134,14 +135,17 @@ FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
 
 def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
     """Concatenate each layer's q/k/v and gate/up weights (and biases) in `state` (HF names) into
-    the fused modules' entries, in place; the parts' entries are removed. A layer missing a part
-    is left as it is (the caller's name check reports it)."""
+    the fused modules' entries, in place; the parts' entries are removed and their file pages
+    released (`release_file_pages`: the parts are read once, here). A layer missing a part is left
+    as it is (the caller's name check reports it)."""
     for layer in range(num_layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             for kind in ("weight", "bias"):
                 names = [f"model.layers.{layer}.{part}.{kind}" for part in parts]
                 if all(name in state for name in names):
-                    state[f"model.layers.{layer}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+                    tensors = [state.pop(n) for n in names]
+                    state[f"model.layers.{layer}.{fused}.{kind}"] = torch.cat(tensors)
+                    release_file_pages(tensors)
 
 
 class RMSNorm(nn.Module):
@@ -379,6 +383,7 @@ def build_model(model_cls: type[LlamaForCausalLM], spec: LlamaSpec, mrope_sectio
     if missing or unexpected:
         raise ValueError(f"{mismatch}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    release_file_pages(v for v in state.values() if v.dtype != dtype)  # converted: the file's copy is dropped
     if tied and "model.embed_tokens.weight" not in blocks:
         model.lm_head.weight = model.model.embed_tokens.weight
     if blocks:  # after the dense tie: a tied head of quantized embeddings takes their blocks here

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.common.memory import release_file_pages
 from services.decoder.linear import Linear
 from services.decoder.quant import GGUF_QTYPES, QuantizedWeight, row_bytes
 
@@ -116,8 +117,9 @@ def attach_quantized(model: nn.Module, quantized: dict[str, tuple[str, torch.Ten
             module.gemm = weight(names[0], module.in_features)
         elif len(types) == 1:  # one type: the parts' rows concatenate into one weight
             qtype = types.pop()
-            data = torch.cat([quantized.pop(name)[1] for name in names])
-            module.gemm = QuantizedWeight(qtype, data, module.in_features, mode)
+            parts = [quantized.pop(name)[1] for name in names]
+            module.gemm = QuantizedWeight(qtype, torch.cat(parts), module.in_features, mode)
+            release_file_pages(parts)
         else:
             module.gemm = QuantizedParts((weight(name, module.in_features), start, end)
                                          for name, (_, start, end) in zip(names, slices))
