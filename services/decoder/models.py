@@ -7,6 +7,7 @@ that family loads, so one family's file (and what it imports) costs nothing to t
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 
 import torch
@@ -40,9 +41,10 @@ def model_sliding_window(model: torch.nn.Module) -> int | None:
     `LlamaAttention.sliding_window`s), or None when a layer attends fully or none is a LlamaAttention:
     the scheduler releases a request's blocks before this window only (scheduler.py). On the
     transformers path, the window its layers were probed with (TransformersSpec.sliding_window)."""
-    from services.decoder.model_transformers import TransformersForCausalLM
-
-    if isinstance(model, TransformersForCausalLM):
+    # a model of the transformers path exists only once its module is imported; the native path never
+    # imports it (it pulls in transformers' modeling code: ~150 MB of the decoder's resident set)
+    transformers_path = sys.modules.get("services.decoder.model_transformers")
+    if transformers_path is not None and isinstance(model, transformers_path.TransformersForCausalLM):
         return model.spec.sliding_window
     windows = {module.sliding_window for module in model.modules() if isinstance(module, LlamaAttention)}
     return max(windows) if windows and None not in windows else None

@@ -126,6 +126,25 @@ def test_windowed_soft_capped_attention_through_transformers_equals_transformers
     assert model_sliding_window(load_model(model_dir, torch.float32, model_impl="transformers")) is None
 
 
+def test_the_native_path_never_imports_transformers_modeling_code(tmp_path):
+    """A native model's decoder starts without transformers' modeling modules (~150 MB of resident
+    set it would never run: PreTrainedModel, its losses, scipy): checked in a fresh process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model_dir = make_tiny_llama(tmp_path / "llama")
+    script = ("import sys\n"
+              "from services.decoder.config import DecoderConfig\n"
+              "from services.decoder.engine import start_engine\n"
+              f"engine = start_engine(DecoderConfig(model_dir={str(model_dir)!r}, num_blocks=16))\n"
+              "engine.shutdown()\n"
+              "print('MODELING', 'transformers.modeling_utils' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=300)
+    assert "MODELING False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_a_window_every_layer_shares_releases_blocks_and_equals_transformers(tmp_path):
     """Starcoder2 (no native file) with a 24-token window on every layer: the scheduler releases
     blocks before the window, prompts past it, chunked, 16 at once, and a prefix-cache hit on blocks
