@@ -7,15 +7,16 @@ Per model and format, in a process of its own: VmRSS once health says SERVING, t
 (/proc/PID/status). The ratio column is each format's RSS after the load over float32's. Models:
 
 - SmolLM2-135M-Instruct, the built-in decoder;
-- SmolLM2-360M's shape (config.json of HuggingFaceTB/SmolLM2-360M: hidden 960, 32 layers, 15 heads,
-  5 KV heads, intermediate 2560, tied embeddings) with seeded random weights, SmolLM2's tokenizer:
-  the Hugging Face hub is unreachable here, and the resident set depends on the shapes, not on the
-  values. Written once under $TESSERA_HOME/bench/.
+- SmolLM2-360M's and SmolLM2-1.7B's shapes (their config.json: hidden 960 / 2048, 32 / 24 layers,
+  15 / 32 heads, 5 / 32 KV heads, intermediate 2560 / 8192, tied embeddings) with seeded random
+  weights and SmolLM2's tokenizer: the Hugging Face hub is unreachable here, and the resident set
+  depends on the shapes, not on the values. Written once under $TESSERA_HOME/bench/ (1.7B: 6.8 GB
+  of float32 safetensors, then its GGUF exports and imports).
 
 The runtime (python, torch, transformers, tokenizers, the grammar engine, the KV cache) is the same
 in every row, so the ratio falls toward the weights' own (Q4_0: 0.14x) as the model grows.
 
-    tessera bench memory [--models 135m 360m] [--outtypes q8_0 q4_0] [--output bench/results/memory.md]
+    tessera bench memory [--models 135m 360m 1.7b] [--outtypes q8_0 q4_0] [--output bench/results/memory.md]
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from _decoder_proc import RESULTS, machine, start_decoder, stop
 
 LOAD_REQUESTS, LOAD_PROMPT, LOAD_TOKENS = 8, 128, 64
 FLAGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"]
-# HuggingFaceTB/SmolLM2-360M's config.json (the architecture's sizes; weights random)
-SMOLLM2_360M = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
-                    num_key_value_heads=5, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+# HuggingFaceTB/SmolLM2-360M's and -1.7B's config.json (the architectures' sizes; weights random)
+_SMOLLM2 = dict(vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                bos_token_id=1, eos_token_id=2, pad_token_id=2)
+SHAPES = {"360m": dict(_SMOLLM2, hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                       num_key_value_heads=5, rope_theta=100000.0),
+          "1.7b": dict(_SMOLLM2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                       num_key_value_heads=32, rope_theta=130000.0)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 
@@ -53,25 +57,25 @@ def status_kb(pid: int) -> dict[str, int]:
     return fields
 
 
-def smollm2_360m_shape() -> Path:
-    """SmolLM2-360M's architecture with seeded random float32 weights and the built-in tokenizer,
-    written once under $TESSERA_HOME/bench/."""
+def smollm2_shape(size: str) -> Path:
+    """SmolLM2-`size`'s architecture (SHAPES) with seeded random float32 weights and the built-in
+    tokenizer, written once under $TESSERA_HOME/bench/."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tessera.paths import default_decoder_dir, tessera_home
 
-    target = tessera_home() / "bench" / "smollm2-360m-shape"
+    target = tessera_home() / "bench" / f"smollm2-{size}-shape"
     if (target / "model.safetensors").exists():
         return target
-    print(f"[memory] writing {target} (random weights of SmolLM2-360M's shape)", flush=True)
+    print(f"[memory] writing {target} (random weights of SmolLM2-{size.upper()}'s shape)", flush=True)
     target.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (default_decoder_dir() / name).is_file():
             shutil.copy(default_decoder_dir() / name, target / name)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMOLLM2_360M), dtype=torch.float32)
-    model.save_pretrained(target)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SHAPES[size]), dtype=torch.float32)
+    model.save_pretrained(target, max_shard_size="20GB")  # one model.safetensors
     return target
 
 
@@ -126,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="tessera bench memory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=("135m", "360m"), default=["135m", "360m"])
+    parser.add_argument("--models", nargs="+", choices=("135m", *SHAPES), default=["135m", *SHAPES])
     parser.add_argument("--outtypes", nargs="+", choices=("q8_0", "q4_0", "q4_1"), default=["q8_0", "q4_0"])
     parser.add_argument("--output", type=Path, default=RESULTS / "memory.md")
     args = parser.parse_args(argv)
     lines = ["| model | weights | safetensors MiB | RSS ready MiB | RSS after the load MiB | peak MiB | "
              "RSS beyond the weights MiB | RSS / float32's |", "|---|---|---|---|---|---|---|---|"]
     for name in args.models:
-        dense = default_decoder_dir() if name == "135m" else smollm2_360m_shape()
+        dense = default_decoder_dir() if name == "135m" else smollm2_shape(name)
         rows = [("float32", dense, measure(dense, f"{name}-f32"))]
         for outtype in args.outtypes:
             gguf_path = default_output(dense, outtype)

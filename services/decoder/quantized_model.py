@@ -36,8 +36,9 @@ from services.decoder.quant import GGUF_QTYPES, QuantizedWeight, row_bytes
 class QuantizedParts:
     """Projections of different quantized types computed side by side: y[:, start:end] = part(x).
 
-    `parts`: ((QuantizedWeight, start, end), ...) covering the output columns in order. Callable as
-    `Linear.gemm`: x [rows, in] float32 or bfloat16 -> y [rows, out] float32 (+ bias [out]).
+    `parts`: ((QuantizedWeight or TritonQuantizedWeight, start, end), ...) covering the output
+    columns in order. Callable as `Linear.gemm`: x [rows, in] -> y [rows, out] (+ bias [out]) of
+    the parts' output dtype (float32 from the C kernels, x's from the Triton ones).
     """
 
     def __init__(self, parts) -> None:
