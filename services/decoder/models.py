@@ -42,7 +42,7 @@ def model_sliding_window(model: torch.nn.Module) -> int | None:
     the scheduler releases a request's blocks before this window only (scheduler.py). On the
     transformers path, the window its layers were probed with (TransformersSpec.sliding_window)."""
     # a model of the transformers path exists only once its module is imported; the native path never
-    # imports it (it pulls in transformers' modeling code: ~150 MB of the decoder's resident set)
+    # imports it (transformers' modeling code: ~40 MB of the decoder process's resident set)
     transformers_path = sys.modules.get("services.decoder.model_transformers")
     if transformers_path is not None and isinstance(model, transformers_path.TransformersForCausalLM):
         return model.spec.sliding_window

@@ -127,7 +127,7 @@ def test_windowed_soft_capped_attention_through_transformers_equals_transformers
 
 
 def test_the_native_path_never_imports_transformers_modeling_code(tmp_path):
-    """A native model's decoder starts without transformers' modeling modules (~150 MB of resident
+    """A native model's decoder starts without transformers' modeling modules (~40 MB of resident
     set it would never run: PreTrainedModel, its losses, scipy): checked in a fresh process."""
     import subprocess
     import sys
