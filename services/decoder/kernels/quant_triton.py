@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from services.decoder.quant import BLOCK_SHAPES
+
 _Q8_0, _Q4_0, _Q4_1, _Q4_K, _Q6_K = range(5)
 
 
@@ -60,9 +62,9 @@ class QuantFormat:
         return -(-k // self.block_size) * self.block_bytes
 
 
-QUANT_FORMATS = {f.name: f for f in (QuantFormat("Q8_0", 32, 34, _Q8_0), QuantFormat("Q4_0", 32, 18, _Q4_0),
-                                     QuantFormat("Q4_1", 32, 20, _Q4_1), QuantFormat("Q4_K", 256, 144, _Q4_K),
-                                     QuantFormat("Q6_K", 256, 210, _Q6_K))}
+QUANT_FORMATS = {name: QuantFormat(name, *BLOCK_SHAPES[name], kernel_id)  # ggml's block shapes, one table
+                 for name, kernel_id in (("Q8_0", _Q8_0), ("Q4_0", _Q4_0), ("Q4_1", _Q4_1), ("Q4_K", _Q4_K),
+                                         ("Q6_K", _Q6_K))}
 
 
 @triton.jit
@@ -277,8 +279,7 @@ class TritonQuantizedWeight:
     mode = "exact"
 
     def __init__(self, qtype: str, data: torch.Tensor, in_features: int, dtype: torch.dtype) -> None:
-        self.format = quant_format(qtype)
-        _check_data(data, self.format, in_features)
+        _check_data(data, quant_format(qtype), in_features)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"the Triton quantized GEMM computes float32, float16 or bfloat16, not {dtype}")
         self.data = data.contiguous()  # [out, row_bytes]
