@@ -54,11 +54,14 @@ class DecoderConfig:
     min(max_position_embeddings, 8192); num_blocks holds max_num_seqs * max_model_len / 4 tokens
     capped at 2048 blocks. `kv_cache_memory_bytes` (bytes; the flag takes "2GiB", "512MB": services/common/sizes.py)
     sizes the KV cache from a memory budget instead, as vLLM's `--kv-cache-memory-bytes`: num_blocks =
-    budget // bytes per block (num_layers x 2 x block_size x num_kv_heads x head_dim x the dtype's size,
-    `KVBlockLayout`), pure arithmetic on config.json and the resolved dtype; a budget that cannot hold
+    budget // bytes per block (num_layers x 2 x block_size x num_kv_heads x head_dim x the cache dtype's
+    size, `KVBlockLayout`), pure arithmetic on config.json and the resolved dtype; a budget that cannot hold
     one sequence of max_model_len tokens is refused naming the bytes it needs, and giving it with
     `num_blocks` is refused (one of the two sizes the cache). `mrope_section` (pairs per axis t, h, w summing to head_dim / 2) turns on
     image inputs (a Qwen2-VL checkpoint fixes it from config.json; a differing value is refused); `image_token` names the placeholder token (or config.json has image_token_id).
+`kv_cache_dtype` (vLLM's flag): "auto" (default) stores the model's dtype; "bfloat16" under a float32
+model rounds K/V to bfloat16 as they are written and widens them as attention reads them (every
+attention backend and the fused decode step), halving the cache's bytes per block.
 `enable_prefix_caching` shares the KV of full prompt blocks between requests (block hash chain).
 `dtype`: "auto" (default) follows the checkpoint's config.json (`resolve_dtype`); resolved here.
 `attention_backend`, `lora_backend`: "auto" (default) resolves when the engine starts
@@ -108,8 +111,12 @@ compiled grammars are kept (least recently used first out).
                                "max_num_seqs * max_model_len / 4 tokens, at most 2048")
     kv_cache_memory_bytes: int = _flag(0, "KV-cache budget in bytes (suffixes KiB, MiB, GiB or KB, MB, GB: 2GiB): "
                                     "num_blocks = budget // bytes per block (layers x K,V x block_size x kv heads "
-                                    "x head_dim x dtype size); 0 = --num-blocks decides", type=parse_bytes,
+                                    "x head_dim x the cache dtype's size); 0 = --num-blocks decides", type=parse_bytes,
                                  metavar="BYTES")
+    kv_cache_dtype: str = _flag(AUTO, "dtype the KV cache stores (vLLM's --kv-cache-dtype): auto = the model's; "
+                                      "bfloat16 on a float32 model halves the cache's bytes (K/V rounded to "
+                                      "bfloat16 as they are written, widened as attention reads them)",
+                                choices=(AUTO, "bfloat16"))
     max_num_seqs: int = _flag(32, "most sequences in one step")
     max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
     max_model_len: int = _flag(0, "context length in tokens; 0 = min(max_position_embeddings, 8192)")
@@ -281,19 +288,18 @@ compiled grammars are kept (least recently used first out).
                              f"{self.num_blocks} and {self.max_model_len}")
         if self.adapter_host_cache_mb < 0:
             raise ValueError(f"adapter_host_cache_mb must be >= 0, got {self.adapter_host_cache_mb}")
-        if self.lora_backend not in (AUTO, *LORA_BACKENDS):
-            raise ValueError(f"lora_backend must be one of {(AUTO, *LORA_BACKENDS)}, got {self.lora_backend!r}")
-        if self.attention_backend not in (AUTO, *ATTENTION_BACKENDS):
-            raise ValueError(f"attention_backend must be one of {(AUTO, *ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend!r}")
-        if self.linear_backend not in (AUTO, *LINEAR_BACKENDS):
-            raise ValueError(f"linear_backend must be one of {(AUTO, *LINEAR_BACKENDS)}, got {self.linear_backend!r}")
-        if self.decode_step not in (AUTO, *DECODE_STEPS):
-            raise ValueError(f"decode_step must be one of {(AUTO, *DECODE_STEPS)}, got {self.decode_step!r}")
-        if self.dtype not in (AUTO, *DTYPES):
-            raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
+        for name, choices in (("lora_backend", LORA_BACKENDS), ("attention_backend", ATTENTION_BACKENDS),
+                              ("linear_backend", LINEAR_BACKENDS), ("decode_step", DECODE_STEPS),
+                              ("kv_cache_dtype", ("bfloat16",)), ("dtype", DTYPES)):
+            if getattr(self, name) not in (AUTO, *choices):
+                raise ValueError(f"{name} must be one of {(AUTO, *choices)}, got {getattr(self, name)!r}")
         if self.dtype != AUTO:  # refused before config.json is read; "auto" is checked once resolved
             self._check_backends_take_dtype()
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: `kv_cache_dtype`, "auto" being the model's (`dtype`, resolved)."""
+        return getattr(torch, self.dtype if self.kv_cache_dtype == AUTO else self.kv_cache_dtype)
 
     @property
     def lora_torch_dtype(self) -> torch.dtype:
@@ -301,6 +307,9 @@ compiled grammars are kept (least recently used first out).
         return getattr(torch, self.dtype if self.lora_dtype == AUTO else self.lora_dtype)
 
     def _check_backends_take_dtype(self) -> None:
+        if self.kv_cache_dtype not in (AUTO, self.dtype) and self.dtype != "float32":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} does not fit dtype {self.dtype!r}: the cache "
+                             "stores the model's dtype, or bfloat16 under a float32 model")
         if self.lora_dtype not in (AUTO, self.dtype) and (self.dtype, self.lora_dtype) != ("float32", "bfloat16"):
             raise ValueError(f"lora_dtype {self.lora_dtype!r} does not fit dtype {self.dtype!r}: a model's factors are "
                              "its dtype, or bfloat16 on a float32 model")
@@ -393,10 +402,10 @@ compiled grammars are kept (least recently used first out).
             from services.decoder.model_transformers import kv_shape
 
             num_layers, num_kv_heads, head_dim = kv_shape(self.model_dir)
-            return KVBlockLayout(num_layers, self.block_size, num_kv_heads, head_dim, getattr(torch, self.dtype))
+            return KVBlockLayout(num_layers, self.block_size, num_kv_heads, head_dim, self.kv_cache_torch_dtype)
         checkpoint = self.checkpoint
         return KVBlockLayout(checkpoint.num_hidden_layers, self.block_size, checkpoint.num_key_value_heads,
-                             checkpoint.head_dim, getattr(torch, self.dtype))
+                             checkpoint.head_dim, self.kv_cache_torch_dtype)
 
     def _blocks_for_budget(self) -> int:
         """num_blocks for `kv_cache_memory_bytes` bytes. Raises ValueError: the budget holds fewer blocks

@@ -82,6 +82,7 @@ class Step(ctypes.Structure):
                 ("table_width", _I64), ("eps", _F32), ("scale", _F32), ("x", _P), ("cos", _P), ("sin", _P),
                 ("slot_mapping", _P), ("attention_rows", _P), ("block_tables", _P), ("context_lens", _P),
                 ("lora_groups", _I64), ("lora_rows", _P), ("lora_starts", _P), ("lora_slots", _P), ("lora_bf16", _I64),
+                ("kv_bf16", _I64),
                 ("h", _P), ("qkv", _P), ("qk", _P), ("q", _P), ("k", _P), ("attention", _P), ("out", _P),
                 ("gate_up", _P), ("act", _P), ("widened", _P), ("shrunk", _P), ("num_threads", ctypes.c_int)]
 
@@ -135,6 +136,9 @@ class FusedDecode:
                                f"decode_step.py {MAX_ROWS}")
         spec = model.spec
         self.dtype = _embedding_dtype_device(model)[0]
+        if cache.dtype != self.dtype and (self.dtype, cache.dtype) != (torch.float32, torch.bfloat16):
+            raise ValueError(f"the fused decode step takes a KV cache of the model's dtype, or bfloat16 under a "
+                             f"float32 model; got {cache.dtype} under {self.dtype}")
         self._kernel = (library.tessera_decode_step_f32 if self.dtype == torch.float32
                         else library.tessera_decode_step_bf16)
         self._gemv = library.tessera_gemv_f32 if self.dtype == torch.float32 else library.tessera_gemv_bf16
@@ -166,7 +170,8 @@ class FusedDecode:
         self._step = Step(hidden=hidden, num_heads=h, num_kv_heads=kv, head_dim=d, intermediate=inter,
                           num_slots=cache.num_slots, block_size=cache.block_size, eps=self._norm_eps,
                           scale=model.model.layers[0].self_attn.scale, num_threads=1,
-                          lora_bf16=int(lora is not None and lora.slots.dtype != self.dtype))  # --lora-dtype
+                          lora_bf16=int(lora is not None and lora.slots.dtype != self.dtype),  # --lora-dtype
+                          kv_bf16=int(cache.dtype != self.dtype))  # --kv-cache-dtype bfloat16
         widths = {"h": hidden, "qkv": (h + 2 * kv) * d, "qk": (h + kv) * d, "q": h * d, "k": kv * d,
                   "attention": h * d, "out": hidden, "gate_up": 2 * inter, "act": inter}
         self._scratch = {name: torch.empty(MAX_ROWS, width, dtype=self.dtype) for name, width in widths.items()}

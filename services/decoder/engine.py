@@ -261,8 +261,8 @@ class LLMEngine:
     def collector(self) -> DecoderCollector:
         """The Prometheus collector of this engine's metrics (stats.py); silent while it loads."""
         config = self.config
-        cache = CacheInfo(config.block_size, config.num_blocks, config.enable_prefix_caching, config.dtype,
-                          config.adapter_slots)
+        cache = CacheInfo(config.block_size, config.num_blocks, config.enable_prefix_caching,
+                          str(config.kv_cache_torch_dtype).removeprefix("torch."), config.adapter_slots)
         return DecoderCollector(config.served_model_names[0], self.metrics, cache,
                                 lambda: self.stats() if self.started else None)
 

@@ -95,7 +95,7 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     model.rotary.to(device)  # a plain table, not a module buffer: model.to() leaves it
     spec = model.spec
     cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-                    dtype, device)
+                    config.kv_cache_torch_dtype, device)
     block_manager = BlockManager(config.num_blocks, config.block_size)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
                           model_sliding_window(model))

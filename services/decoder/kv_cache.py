@@ -13,7 +13,7 @@ class KVBlockLayout:
 
     One block is `block_size` token slots of K and of V in every layer: num_layers x 2 x
     block_size x num_kv_heads x head_dim elements of `dtype` (the `KVCache` pools below, whose
-    dtype is the model's).
+    dtype is the model's, or bfloat16 under a float32 model with --kv-cache-dtype bfloat16).
     """
 
     num_layers: int
@@ -33,7 +33,8 @@ class KVBlockLayout:
 
 
 class KVCache:
-    """K and V pools, each `[num_kv_heads, num_blocks * block_size, head_dim]` per layer.
+    """K and V pools, each `[num_kv_heads, num_blocks * block_size, head_dim]` per layer, of `dtype`
+    (the model's, or narrower: the attention backends widen what they read to the query's dtype).
 
     Slot s of kv head h is row h * num_slots + s of the flat view `[num_kv_heads * num_slots,
     head_dim]` (see `BlockManager` for the slot mapping). Head-major, as vLLM's CPU cache: a
@@ -65,13 +66,17 @@ class KVCache:
     def write(self, layer: int, write_index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store `key`/`value` [num_tokens, kv_heads, head_dim] at `write_index` (from `write_index`).
 
-        Non-finite values (only a request whose activations overflowed writes them; its own logits
-        are then non-finite and it ends with an error) are stored as 0 in V: blocks are reused, and
+        A cache narrower than the model (--kv-cache-dtype bfloat16 on a float32 model) stores them
+        rounded to its dtype (to nearest even, `.to`). Values not finite as stored (only a request
+        whose activations overflowed writes them, or a float32 value past bfloat16's range; its own
+        logits are then non-finite and it ends with an error) are stored as 0 in V: blocks are reused, and
         attention multiplies padded slots by probability 0, which a stale NaN or inf would turn into
         NaN for an unrelated request. Padded K never matters (its scores are masked to -inf).
         """
         head_dim = key.shape[-1]
-        values = torch.nan_to_num(value.transpose(0, 1).reshape(-1, head_dim), nan=0.0, posinf=0.0, neginf=0.0)
+        keys = key.transpose(0, 1).reshape(-1, head_dim).to(self.dtype)
+        values = torch.nan_to_num(value.transpose(0, 1).reshape(-1, head_dim).to(self.dtype), nan=0.0, posinf=0.0,
+                                  neginf=0.0)
         # a row copy; faster than index_put on CPU
-        self.key[layer].view(-1, head_dim).index_copy_(0, write_index, key.transpose(0, 1).reshape(-1, head_dim))
+        self.key[layer].view(-1, head_dim).index_copy_(0, write_index, keys)
         self.value[layer].view(-1, head_dim).index_copy_(0, write_index, values)

@@ -107,7 +107,7 @@ class ModelRunner:
         attach_gemm(model, make_linear_backend(linear_backend))
         attach_pointwise(model, CpuPointwise() if linear_backend == "cpu" else None)
         if linear_backend == "triton":
-            to_triton(model, cache.device, cache.dtype)
+            to_triton(model, cache.device, next(p.dtype for p in model.parameters() if p.is_floating_point()))
         self.cache = cache
         self.block_manager = block_manager
         self.lora = lora  # this runner's per-step LoRA state; the model's LoRALinear layers call it

@@ -48,18 +48,21 @@ def kernel_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
 
 def backend_case(name: str, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 24, block_size: int = 4,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 dtype: torch.dtype = torch.float32) -> float:
+                 dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None) -> float:
     """Backend `name` through its own metadata, from a scheduled batch: largest |difference| to a
     float64 per-row reference. The batch: a prefill chunk (positions 5..9 of 10), a decode at position
     2 * block_size - 4, a whole 7-token prompt, a decode at position 3 * block_size - 1; blocks scattered.
     With `sliding_window`, row p's reference sees positions max(0, p - window + 1)..p, and every slot
     before its request's first window holds K = NaN, V = 1e30 (a freed block reused elsewhere: never
-    read, or masked by a fill, not a bias); with `logits_soft_cap`, scores are capped by tanh."""
+    read, or masked by a fill, not a bias); with `logits_soft_cap`, scores are capped by tanh.
+    `cache_dtype` (default `dtype`): bfloat16 under a float32 `dtype` is --kv-cache-dtype bfloat16; the
+    reference reads the cache's values, so this step's K/V count as rounded."""
     torch.manual_seed(7)
     tables = [[7, 2, 9, 4], [3, 11], [6, 10], [0, 5, 8]]
     # (positions computed before this step, positions computed in it) per request
     steps = [(5, 5), (2 * block_size - 4, 1), (0, 7), (3 * block_size - 1, 1)]
-    cache = KVCache(1, 12, block_size, num_kv_heads, head_dim, dtype)
+    cache_dtype = cache_dtype or dtype
+    cache = KVCache(1, 12, block_size, num_kv_heads, head_dim, cache_dtype)
     k_cache, v_cache = cache.layer(0)
     k_cache.normal_(), v_cache.normal_()
     if sliding_window is not None:
@@ -98,7 +101,8 @@ def backend_case(name: str, num_heads: int = 6, num_kv_heads: int = 2, head_dim:
             row += 1
     new_slots = torch.cat([torch.tensor(t)[torch.arange(c, c + n) // block_size] * block_size
                            + torch.arange(c, c + n) % block_size for (c, n), t in zip(steps, tables)])
-    assert torch.equal(k_cache[:, new_slots], key.transpose(0, 1)), "this step's K is not where write_kv put it"
+    assert torch.equal(k_cache[:, new_slots], key.transpose(0, 1).to(cache_dtype)), \
+        "this step's K is not where write_kv put it"
     return err
 
 
@@ -144,8 +148,9 @@ if __name__ == "__main__":
         assert err < 1e-5, (case, err)
         print("OK kernel", case, err)
     for options in BACKEND_OPTIONS:
-        err = backend_case("triton", **options)
-        assert err < 1e-5, (options, err)
-        print("OK backend triton", options, err)
+        for cache_dtype in (torch.float32, torch.bfloat16):  # a float32 model's cache, and --kv-cache-dtype bfloat16
+            err = backend_case("triton", cache_dtype=cache_dtype, **options)
+            assert err < 1e-5, (options, cache_dtype, err)
+            print("OK backend triton", options, cache_dtype, err)
     for model_dir in sys.argv[1:]:
         engine_case(model_dir)

@@ -42,6 +42,14 @@ def test_window_and_cap_in_bfloat16(name, options):
     assert backend_case(name, dtype=torch.bfloat16, **options) < 2e-2
 
 
+@pytest.mark.parametrize("options", BACKEND_OPTIONS, ids=str)
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_float32_queries_over_a_bfloat16_cache(name, options):
+    """--kv-cache-dtype bfloat16 on a float32 model: K/V rounded as written, read back widened exactly,
+    so the backend equals the float64 reference over the cache's values to float32 rounding."""
+    assert backend_case(name, cache_dtype=torch.bfloat16, **options) < 1e-5
+
+
 @pytest.mark.parametrize("name", IN_PROCESS)
 @pytest.mark.parametrize("options", [{"sliding_window": 0}, {"logits_soft_cap": 0.0}, {"logits_soft_cap": -1.0}],
                          ids=str)

@@ -32,12 +32,12 @@ def cpu_paged_attention(query, k_cache, v_cache, meta, scale, **options):
     return make_attention_backend("cpu").forward(query, k_cache, v_cache, meta, scale, **options)
 
 
-def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
-    """Caches, a query batch with one 5-token prefill chunk at rows 0..4 then the decode rows, and
-    both backends' metadata for it."""
+def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0, cache_dtype=torch.float32):
+    """Caches (of `cache_dtype`; the query is float32), a query batch with one 5-token prefill chunk at
+    rows 0..4 then the decode rows, and both backends' metadata for it."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lengths) + 7
-    cache = KVCache(1, num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    cache = KVCache(1, num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)
     k, v = cache.layer(0)
     k.normal_(), v.normal_()
     tables, slots = scattered(lengths, block_size, num_blocks, seed=seed)
@@ -62,9 +62,14 @@ def _case(num_heads, num_kv_heads, head_dim, block_size, lengths, seed=0):
     (4, 2, 12, 8),    # head_dim not a multiple of 8: the kernel's scalar loops
 ])
 @pytest.mark.parametrize("options", WINDOW_AND_CAP, ids=str)
-def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_dim, block_size, options):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+def test_decode_rows_equal_torch_path_and_float64(num_heads, num_kv_heads, head_dim, block_size, options,
+                                                  cache_dtype):
+    """float32 queries over a float32 cache, and over a bfloat16 one (--kv-cache-dtype bfloat16: the
+    reference reads the cache's bf16 values widened, so only summation order separates them)."""
     lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 37, 150]
-    cache, query, rows, slots, torch_meta, cpu_meta = _case(num_heads, num_kv_heads, head_dim, block_size, lengths)
+    cache, query, rows, slots, torch_meta, cpu_meta = _case(num_heads, num_kv_heads, head_dim, block_size, lengths,
+                                                            cache_dtype=cache_dtype)
     k, v = cache.layer(0)
     scale = head_dim ** -0.5
     expected = paged_attention(query, k, v, torch_meta, scale, **options)
@@ -180,8 +185,12 @@ def test_bad_inputs_are_refused():
     cache, query, _, _, _, cpu_meta = _case(4, 2, 16, 4, [3, 9])
     k, v = cache.layer(0)
     out = torch.empty_like(query)
-    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+    with pytest.raises(ValueError, match="all float32, all bfloat16, or a float32 query over bfloat16 caches"):
         cpu_attention.paged_decode_attention(query.double(), k, v, cpu_meta.decode, 4, 0.25, out)
+    with pytest.raises(ValueError, match="got query torch.bfloat16, caches torch.float32"):  # no bf16-over-f32
+        cpu_attention.paged_decode_attention(query.bfloat16(), k, v, cpu_meta.decode, 4, 0.25, out.bfloat16())
+    with pytest.raises(ValueError, match="caches torch.bfloat16/torch.float32"):  # K and V of one dtype
+        cpu_attention.paged_decode_attention(query, k.bfloat16(), v, cpu_meta.decode, 4, 0.25, out)
     with pytest.raises(ValueError, match="contiguous query"):
         cpu_attention.paged_decode_attention(query.transpose(0, 1), k, v, cpu_meta.decode, 4, 0.25, out)
     with pytest.raises(ValueError, match="shapes do not fit"):  # the cache's head_dim differs
@@ -217,34 +226,47 @@ def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypa
     assert (backends.attention, backends.lora) == ("torch", "torch")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16)], ids=["f32", "bf16", "f32-bf16-cache"])
 @pytest.mark.parametrize("tokens", [0, 1, 7, 300])
-def test_kv_write_equals_the_cache_write(dtype, tokens):
+def test_kv_write_equals_the_cache_write(dtype, cache_dtype, tokens):
     """The C KV write (the cpu backend's write_kv) stores what KVCache.write stores: k and v taken as
-    column views of a fused projection, V's NaN and +-inf as 0, every other slot untouched."""
+    column views of a fused projection, rounded to a bfloat16 cache as torch's `.to` rounds (ties to
+    even; a float32 V past bfloat16's range stored as 0, as NaN and +-inf are), every other slot untouched."""
     torch.manual_seed(tokens)
-    caches = [KVCache(2, 100, 4, 3, 8, dtype) for _ in range(2)]
+    caches = [KVCache(2, 100, 4, 3, 8, cache_dtype) for _ in range(2)]
     for cache in caches:
         for t in cache.key + cache.value:
-            t.copy_(torch.arange(t.numel()).view(t.shape).to(dtype))  # what must stay where not written
+            t.copy_(torch.arange(t.numel()).view(t.shape).to(cache_dtype))  # what must stay where not written
     fused = torch.randn(tokens, (4 + 2 * 3) * 8).to(dtype)
     k, v = fused[:, 32:56].view(tokens, 3, 8), fused[:, 56:80].view(tokens, 3, 8)
     if tokens >= 7:
         v[2, 1, 3], v[4, 0, 0], v[5, 2, 7], k[6, 0, 1] = float("nan"), float("inf"), -float("inf"), float("nan")
+        if dtype == torch.float32:  # finite in float32, inf once rounded to bfloat16; a tie rounded to even
+            v[3, 0, 0], k[3, 1, 1], k[3, 1, 2] = 3.4e38, -3.4e38, 1 + 2 ** -8
     slots = torch.randperm(400)[:tokens]
     caches[0].write(1, caches[0].write_index(slots), k, v)
     cpu_attention.write_kv(k, v, slots, *caches[1].layer(1))
+    bits = torch.int16 if cache_dtype == torch.bfloat16 else torch.int32
     for a, b in zip(caches[0].key + caches[0].value, caches[1].key + caches[1].value):
-        assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # bits, NaN included
+        if cache_dtype == dtype:
+            assert torch.equal(a.view(bits), b.view(bits))  # bits, NaN included
+        else:  # a NaN rounded stays NaN (torch's vectorized copy sets every bit of its payload, the kernel one)
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0).view(bits), b.nan_to_num(0).view(bits))
+    if tokens >= 7 and cache_dtype != dtype:
+        k_cache, v_cache = caches[1].layer(1)
+        assert v_cache[0, slots[3], 0] == 0 and k_cache[1, slots[3], 1] == -float("inf")
+        assert k_cache[1, slots[3], 2] == 1.0  # 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: to even
 
 
 def test_kv_write_refusals_and_out_of_range_slots():
     cache = KVCache(1, 4, 4, 2, 8, torch.float32)
     k_cache, v_cache = cache.layer(0)
     key = torch.zeros(3, 2, 8)
-    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+    with pytest.raises(ValueError, match="all float32, all bfloat16, or float32 key/value into bfloat16 caches"):
         cpu_attention.write_kv(key.bfloat16(), key, torch.arange(3), k_cache, v_cache)
+    with pytest.raises(ValueError, match="torch.bfloat16/torch.bfloat16 into torch.float32"):  # never widened
+        cpu_attention.write_kv(key.bfloat16(), key.bfloat16(), torch.arange(3), k_cache, v_cache)
     with pytest.raises(ValueError, match="shapes do not fit"):
         cpu_attention.write_kv(key[:, :1], key[:, :1], torch.arange(3), k_cache, v_cache)
     with pytest.raises(ValueError, match="shapes do not fit"):

@@ -97,9 +97,11 @@ def test_bf16_stale_non_finite_slots_are_never_read(variant):
 
 def test_mixed_dtypes_are_refused():
     query, k, v, _, _, _, cpu_meta = _bf16_case(4, 2, 16, 4, [3, 9])
-    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+    # a float32 query over bf16 caches writes a float32 output (--kv-cache-dtype bfloat16), not a bf16 one
+    with pytest.raises(ValueError, match="got query torch.float32, caches torch.bfloat16/torch.bfloat16, output "
+                                         "torch.bfloat16"):
         cpu_attention.paged_decode_attention(query.float(), k, v, cpu_meta.decode, 4, 0.25, torch.empty_like(query))
-    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+    with pytest.raises(ValueError, match="all float32, all bfloat16, or a float32 query over bfloat16 caches"):
         cpu_attention.paged_decode_attention(query.half(), k.half(), v.half(), cpu_meta.decode, 4, 0.25,
                                              query.half())
     y = torch.zeros(4, 5, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """The Triton paged attention kernel equals the torch path (Triton's CPU interpreter, in a subprocess
 because Triton reads TRITON_INTERPRET when kernels are defined): kernel-level on scattered blocks with
-GQA / MHA / non-power-of-two head_dim, the backend on a paged batch with sliding windows and soft caps,
-and the whole engine (Llama; Mistral, its blocks before the window released) with attention_backend="triton"."""
+GQA / MHA / non-power-of-two head_dim, the backend on a paged batch with sliding windows and soft caps
+(over a float32 cache and a bfloat16 one), and the whole engine (Llama; Mistral, its blocks before the window released) with attention_backend="triton"."""
 
 import os
 import subprocess
@@ -28,8 +28,10 @@ def test_triton_kernel_and_engine_match_torch_in_the_interpreter(tiny_llama, tmp
     lines = done.stdout.splitlines()
     assert sum(line.startswith("OK kernel") for line in lines) == 3
     assert sum(line.startswith("OK engine") for line in lines) == 2  # Llama, Mistral
-    # the backend case plain and with each sliding window / soft cap of BACKEND_OPTIONS
-    assert sum(line.startswith("OK backend triton") for line in lines) == len(BACKEND_OPTIONS)
+    # the backend case plain and with each sliding window / soft cap of BACKEND_OPTIONS, over a float32
+    # cache and a bfloat16 one (--kv-cache-dtype bfloat16: float32 queries, the cache widened as read)
+    assert sum(line.startswith("OK backend triton") for line in lines) == 2 * len(BACKEND_OPTIONS)
+    assert sum(line.startswith("OK backend triton") and "bfloat16" in line for line in lines) == len(BACKEND_OPTIONS)
 
 
 def test_backend_flag_is_validated(tiny_llama, monkeypatch):

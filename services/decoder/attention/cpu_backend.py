@@ -10,7 +10,8 @@ took 4.8 ms on the torch path and 1.6 ms here (float32, same results within 2e-7
 The kernel is built with the C compiler (kernels/native.py) when the backend is constructed, and
 runs on the calling thread's OpenMP team with torch's thread count. float32 or bfloat16 (bf16
 query and cache, float32 scores, softmax and sums, as the torch path computes half precision;
-AVX512-BF16 dot products where the CPU has them).
+AVX512-BF16 dot products where the CPU has them), or a float32 model over a bfloat16 cache
+(--kv-cache-dtype bfloat16: K/V rounded as they are written, widened exactly as they are read).
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ if TYPE_CHECKING:
     from services.decoder.scheduler import ScheduledRequest
 
 
-_KERNELS = {torch.float32: "tessera_paged_decode_attention_f32", torch.bfloat16: "tessera_paged_decode_attention_bf16"}
-_WRITE_KERNELS = {torch.float32: "tessera_write_kv_f32", torch.bfloat16: "tessera_write_kv_bf16"}
+# (query or key/value dtype, cache dtype) -> kernel; a float32 model over a bfloat16 cache is --kv-cache-dtype bfloat16
+_KERNELS = {(torch.float32, torch.float32): "tessera_paged_decode_attention_f32",
+            (torch.bfloat16, torch.bfloat16): "tessera_paged_decode_attention_bf16",
+            (torch.float32, torch.bfloat16): "tessera_paged_decode_attention_f32_bf16kv"}
+_WRITE_KERNELS = {(torch.float32, torch.float32): "tessera_write_kv_f32",
+                  (torch.bfloat16, torch.bfloat16): "tessera_write_kv_bf16",
+                  (torch.float32, torch.bfloat16): "tessera_write_kv_f32_bf16kv"}
 
 
 @dataclass
@@ -136,19 +142,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     before a row's window).
 
     query/out: [num_tokens, heads, head_dim], contiguous (only `meta.rows` of `out` are written);
-    k_cache/v_cache: [kv_heads, num_slots, head_dim], contiguous, head-major; all four float32, or
-    all four bfloat16.
+    k_cache/v_cache: [kv_heads, num_slots, head_dim], contiguous, head-major; all four float32, all
+    four bfloat16, or float32 query and output over bfloat16 caches (--kv-cache-dtype bfloat16).
 
     Raises:
-        ValueError: another dtype or mixed dtypes, a non-contiguous tensor, heads not a multiple of kv heads, a cache
+        ValueError: another pairing of dtypes, a non-contiguous tensor, heads not a multiple of kv heads, a cache
             whose head_dim differs, or block tables too narrow for max_context. (Block ids are
             trusted: `decode_metadata` takes them from the block manager.)
         RuntimeError: the kernel could not allocate its score buffers.
     """
     tensors = (query, k_cache, v_cache, out)
-    if query.dtype not in _KERNELS or any(t.dtype != query.dtype or not t.is_contiguous() for t in tensors):
-        raise ValueError("the cpu attention kernel takes contiguous query, caches and output, all float32 or "
-                         "all bfloat16")
+    kernel = _KERNELS.get((query.dtype, k_cache.dtype))
+    if (kernel is None or out.dtype != query.dtype or v_cache.dtype != k_cache.dtype
+            or not all(t.is_contiguous() for t in tensors)):
+        raise ValueError(f"the cpu attention kernel takes contiguous query, caches and output, all float32, all "
+                         f"bfloat16, or a float32 query over bfloat16 caches; got query {query.dtype}, caches "
+                         f"{k_cache.dtype}/{v_cache.dtype}, output {out.dtype}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_slots, cache_head_dim = k_cache.shape
     rows, tables, lens = meta.rows, meta.block_tables, meta.context_lens
@@ -157,7 +166,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             or tables.shape[1] * block_size < meta.max_context):
         raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}, "
                          f"block tables {tuple(tables.shape)} x block_size {block_size}")
-    rc = getattr(native.load(), _KERNELS[query.dtype])(
+    rc = getattr(native.load(), kernel)(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), out.data_ptr(), rows.numel(), num_heads, num_kv_heads, head_dim,
         num_slots, block_size, meta.max_context, scale, sliding_window or 0, logits_soft_cap or 0.0,
@@ -172,14 +181,19 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
     each in [0, num_slots), trusted: `build_metadata` checks them once per step) of k_cache/v_cache
     [kv_heads, num_slots, head_dim]; non-finite V values are stored as 0, as `KVCache.write` does
     (kernels/paged_attention.c). key and value may be row views (each head's values contiguous, heads
-    adjacent), as the fused projection's k and v are; all four float32, or all four bfloat16.
+    adjacent), as the fused projection's k and v are; all four float32, all four bfloat16, or float32
+    key and value rounded into bfloat16 caches (to nearest even, as `.to(torch.bfloat16)`).
 
     Raises:
-        ValueError: another dtype or mixed dtypes, non-contiguous caches, or shapes that do not fit.
+        ValueError: another pairing of dtypes, non-contiguous caches, or shapes that do not fit.
     """
     tensors = (key, value, k_cache, v_cache)
-    if key.dtype not in _WRITE_KERNELS or any(t.dtype != key.dtype or t.device.type != "cpu" for t in tensors):
-        raise ValueError("the cpu KV write takes key, value and caches on the CPU, all float32 or all bfloat16")
+    kernel = _WRITE_KERNELS.get((key.dtype, k_cache.dtype))
+    if (kernel is None or value.dtype != key.dtype or v_cache.dtype != k_cache.dtype
+            or any(t.device.type != "cpu" for t in tensors)):
+        raise ValueError(f"the cpu KV write takes key, value and caches on the CPU, all float32, all bfloat16, or "
+                         f"float32 key/value into bfloat16 caches; got {key.dtype}/{value.dtype} into "
+                         f"{k_cache.dtype}/{v_cache.dtype}")
     num_kv_heads, num_slots, head_dim = k_cache.shape
     tokens = key.shape[0]
     if (key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_dim) or value.shape != key.shape
@@ -195,6 +209,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
 
     key, value, slot_mapping = rows(key), rows(value), slot_mapping.contiguous()
     if tokens:
-        getattr(native.load(), _WRITE_KERNELS[key.dtype])(
+        getattr(native.load(), kernel)(
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr(), tokens,
             num_kv_heads, head_dim, num_slots, k_cache.data_ptr(), v_cache.data_ptr())

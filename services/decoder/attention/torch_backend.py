@@ -1,7 +1,8 @@
 """The torch attention backend (CPU default): prefill per sequence, decode batched in length groups.
 
 Both read K/V back from the cache through slots, so a prefill chunk attends to every earlier
-chunk and a recomputed request sees exactly what it wrote. The cache is head-major (see
+chunk and a recomputed request sees exactly what it wrote (a bfloat16 cache under a float32 model,
+--kv-cache-dtype bfloat16, is widened to the query's dtype as it is read). The cache is head-major (see
 kv_cache.py): one layer's K is [kv_heads, slots, head_dim], viewed flat as [kv_heads * slots,
 head_dim], so gathering rows yields K already laid out heads-first for SDPA, with no transpose copy.
 
@@ -253,8 +254,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         # 4-D inputs with enable_gqa: SDPA's CPU flash kernel (3-D inputs, or K/V repeated per
         # head, fall back to the slower math path)
         q = query[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
-        k = k_cache.index_select(1, span.context_slots)[None]               # [1, kv_heads, ctx, head_dim]
-        v = v_cache.index_select(1, span.context_slots)[None]
+        k = k_cache.index_select(1, span.context_slots)[None].to(query.dtype)  # [1, kv_heads, ctx, head_dim]
+        v = v_cache.index_select(1, span.context_slots)[None].to(query.dtype)  # (a bfloat16 cache widened)
         if span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_rep > 1)
         else:
@@ -284,8 +285,8 @@ def windowed_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if sliding_window is not None:
         mask &= kv_pos > query_pos - sliding_window
     q = query[span.token_start:span.token_end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
-    k = k_cache.index_select(1, slots)[None]                           # [1, kv_heads, ctx, head_dim]
-    v = v_cache.index_select(1, slots)[None]
+    k = k_cache.index_select(1, slots)[None].to(query.dtype)           # [1, kv_heads, ctx, head_dim]
+    v = v_cache.index_select(1, slots)[None].to(query.dtype)
     if logits_soft_cap is None:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_rep > 1)[0]
     else:
@@ -344,7 +345,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             q = query[group.first_row:group.first_row + n]
         q = q.view(n, kv_heads, num_rep, head_dim).transpose(0, 1)                                    # [kv, n, rep, d]
         if q.dtype in (torch.float16, torch.bfloat16):  # scores and weights in float32 (no overflow)
-            q, k, v = q.float(), k.float(), v.float()
+            q = q.float()
+        k, v = k.to(q.dtype), v.to(q.dtype)  # half precision upcast, or a bfloat16 cache under a float32 model
         scores = torch.matmul(q * scale, k.transpose(-1, -2))                                         # [kv, n, rep, L]
         if logits_soft_cap is not None:
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap

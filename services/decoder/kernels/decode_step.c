@@ -14,7 +14,8 @@
  *     h = rms_norm(x, input_norm)
  *     qkv = h W_qkv^T (+ b) (+ LoRA q | k | v on their columns)
  *     q, k = rotary(q_norm(q), k_norm(k))      q/k norms per head where the family has them (Qwen3)
- *     K/V cache rows at slot_mapping <- k, v   (non-finite V stored as 0, as KVCache.write)
+ *     K/V cache rows at slot_mapping <- k, v   (non-finite V stored as 0, as KVCache.write; rounded to
+ *                                              bf16 under --kv-cache-dtype bfloat16)
  *     a = paged attention(q; window, soft cap)
  *     x = x + (a W_o^T (+ b) (+ LoRA o))
  *     h = rms_norm(x, post_norm)
@@ -73,8 +74,13 @@ int tessera_paged_decode_attention_f32(const float *, const float *, const float
 int tessera_paged_decode_attention_bf16(const bf16_t *, const bf16_t *, const bf16_t *, const int64_t *,
                                         const int32_t *, int64_t, const int32_t *, bf16_t *, int64_t, int64_t,
                                         int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float, int);
+int tessera_paged_decode_attention_f32_bf16kv(const float *, const bf16_t *, const bf16_t *, const int64_t *,
+                                              const int32_t *, int64_t, const int32_t *, float *, int64_t, int64_t,
+                                              int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float, int);
 void tessera_write_kv_f32(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
                           int64_t, float *, float *);
+void tessera_write_kv_f32_bf16kv(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t, int64_t,
+                                 int64_t, int64_t, bf16_t *, bf16_t *);
 void tessera_write_kv_bf16(const bf16_t *, int64_t, const bf16_t *, int64_t, const int64_t *, int64_t, int64_t,
                            int64_t, int64_t, bf16_t *, bf16_t *);
 void tessera_qgemm(const float *, int64_t, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t, int64_t,
@@ -130,6 +136,7 @@ typedef struct {
     int64_t lora_groups;                   /* 0: no adapter row */
     const int64_t *lora_rows, *lora_starts, *lora_slots;
     int64_t lora_bf16;                     /* the factors are bfloat16 (a float32 model: --lora-dtype) */
+    int64_t kv_bf16;                       /* the caches are bfloat16 (a float32 model: --kv-cache-dtype) */
     /* scratch, each MAX_ROWS rows of the model's dtype unless said: */
     void *h;                               /* [hidden] */
     void *qkv;                             /* [(heads + 2 kv_heads) head_dim] */
@@ -359,6 +366,13 @@ static inline __attribute__((always_inline)) int decode_layer(const step_t *s, c
         tessera_write_kv_bf16(s->k, kv_width, v, qkv_width, s->slot_mapping, rows, s->num_kv_heads, d, s->num_slots,
                               l->k_cache, l->v_cache);
         rc = tessera_paged_decode_attention_bf16(
+            s->q, l->k_cache, l->v_cache, s->attention_rows, s->block_tables, s->table_width, s->context_lens,
+            s->attention, rows, s->num_heads, s->num_kv_heads, d, s->num_slots, s->block_size, s->max_context,
+            s->scale, l->window, l->soft_cap, s->num_threads);
+    } else if (s->kv_bf16) {
+        tessera_write_kv_f32_bf16kv(s->k, kv_width, v, qkv_width, s->slot_mapping, rows, s->num_kv_heads, d,
+                                    s->num_slots, l->k_cache, l->v_cache);
+        rc = tessera_paged_decode_attention_f32_bf16kv(
             s->q, l->k_cache, l->v_cache, s->attention_rows, s->block_tables, s->table_width, s->context_lens,
             s->attention, rows, s->num_heads, s->num_kv_heads, d, s->num_slots, s->block_size, s->max_context,
             s->scale, l->window, l->soft_cap, s->num_threads);

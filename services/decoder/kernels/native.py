@@ -46,6 +46,7 @@ _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _INT]
 _SIGNATURES = {
     "tessera_paged_decode_attention_f32": (_INT, _ATTENTION_ARGS),
     "tessera_paged_decode_attention_bf16": (_INT, _ATTENTION_ARGS),
+    "tessera_paged_decode_attention_f32_bf16kv": (_INT, _ATTENTION_ARGS),
     "tessera_lora_bgmv_f32": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_f32_bf16w": (None, _BGMV_ARGS),
@@ -57,6 +58,7 @@ _SIGNATURES = {
     "tessera_rotary_bf16": (None, _ROTARY_ARGS),
     "tessera_write_kv_f32": (None, _WRITE_KV_ARGS),
     "tessera_write_kv_bf16": (None, _WRITE_KV_ARGS),
+    "tessera_write_kv_f32_bf16kv": (None, _WRITE_KV_ARGS),
     "tessera_silu_mul_f32": (None, _SILU_MUL_ARGS),
     "tessera_silu_mul_bf16": (None, _SILU_MUL_ARGS),
     "tessera_decode_step_f32": (_INT, [_P, _I64, _P]),

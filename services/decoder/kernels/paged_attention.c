@@ -25,8 +25,10 @@
  *
  * bfloat16 (query, caches and output in bf16): scores, softmax and the V sums are float32, as the
  * torch backend computes half precision (bf16.h widens exactly); the output is rounded to bf16
- * once. With AVX512-BF16 the scores are (q . k) * scale, q . k in VDPBF16PS; otherwise
- * (scale * q) . k with q widened first, as in float32.
+ * once. With AVX512-BF16 the scores are (q . k) * scale, q . k in VDPBF16PS; otherwise (scale * q) . k
+ * with q widened first, as in float32. A float32 query over bfloat16 caches (--kv-cache-dtype
+ * bfloat16 on a float32 model) runs the float32 loops on the cache rows widened exactly and writes
+ * a float32 output: only the cache's rounding differs from float32.
  *
  * With AVX2 + FMA (and head_dim a multiple of 8) the loops are written out in intrinsics: scores
  * for 8 positions at a time in 8 independent accumulators and one transpose-sum (a single dot
@@ -75,7 +77,7 @@ const char *tessera_kernels_variant(void) { return TESSERA_VARIANT; }
 static inline __attribute__((always_inline)) void item_scores(
     const float *q, const void *q_raw, const void *k_plane, const int32_t *table, int64_t lo, int64_t len,
     int64_t rep, int64_t head_dim, int64_t block_size, int64_t max_context, float scale, float *scores,
-    float *maxes, const int bf16)
+    float *maxes, const int bf16, const int dp)
 {
     for (int64_t r = 0; r < rep; r++)
         maxes[r] = -INFINITY;
@@ -85,7 +87,7 @@ static inline __attribute__((always_inline)) void item_scores(
         for (int64_t t = start < lo ? lo - start : 0; t < count; t++) {
             for (int64_t r = 0; r < rep; r++) {
                 float dot = 0.f;
-                if (bf16 && TESSERA_DPBF16) {
+                if (dp) {
                     dot = dot_bf16((const bf16_t *)q_raw + r * head_dim,
                                    (const bf16_t *)k_plane + first + t * head_dim, head_dim) * scale;
                 } else if (bf16) {
@@ -319,15 +321,17 @@ static inline __attribute__((always_inline)) void item_values_avx2(
 }
 #endif
 
-/* the kernel, for float32 (bf16 = 0) or bfloat16 (bf16 = 1) tensors; see the exported functions */
+/* the kernel, for a float32 (q_bf16 = 0) or bfloat16 (q_bf16 = 1) query and output over a float32 (kv_bf16 = 0)
+   or bfloat16 (kv_bf16 = 1) cache; see the exported functions */
 static inline __attribute__((always_inline)) int paged_decode_attention(
     const void *query, const void *k_cache, const void *v_cache, const int64_t *rows, const int32_t *block_tables,
     int64_t table_width, const int32_t *context_lens, void *out, int64_t num_rows, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t block_size, int64_t max_context,
-    float scale, int64_t window, float soft_cap, int num_threads, const int bf16)
+    float scale, int64_t window, float soft_cap, int num_threads, const int q_bf16, const int kv_bf16)
 {
     const int64_t rep = num_heads / num_kv_heads;
-    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    const size_t element = q_bf16 ? sizeof(bf16_t) : sizeof(float), kv_element = kv_bf16 ? sizeof(bf16_t) : sizeof(float);
+    const int dp = q_bf16 && kv_bf16 && TESSERA_DPBF16;  /* bf16 x bf16 dot products in VDPBF16PS */
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -356,25 +360,25 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
             const int64_t q_first = (rows[i] * num_heads + h * rep) * head_dim;
             const char *q_raw = (const char *)query + q_first * element;
             for (int64_t x = 0; x < rep * head_dim; x++)  /* scaled first, as the torch path: (q * scale) . k */
-                q[x] = (bf16 ? bf16_to_f32(((const bf16_t *)q_raw)[x]) : ((const float *)q_raw)[x]) * scale;
-            const char *k_plane = (const char *)k_cache + (size_t)(h * num_slots * head_dim) * element;
-            const char *v_plane = (const char *)v_cache + (size_t)(h * num_slots * head_dim) * element;
+                q[x] = (q_bf16 ? bf16_to_f32(((const bf16_t *)q_raw)[x]) : ((const float *)q_raw)[x]) * scale;
+            const char *k_plane = (const char *)k_cache + (size_t)(h * num_slots * head_dim) * kv_element;
+            const char *v_plane = (const char *)v_cache + (size_t)(h * num_slots * head_dim) * kv_element;
 #if ATTENTION_AVX2
-            if (head_dim % 8 == 0 && !(bf16 && TESSERA_DPBF16)) {
+            if (head_dim % 8 == 0 && !dp) {
                 item_scores_avx2(q, k_plane, table, lo, len, rep, head_dim, block_size, max_context, scores, wide,
-                                 lane_max, maxes, bf16);
+                                 lane_max, maxes, kv_bf16);
                 item_softmax(scores + lo, len - lo, rep, max_context, maxes, inv, soft_cap);
                 item_values_avx2(scores, inv, v_plane, table, lo, len, rep, head_dim, block_size, max_context, acc,
-                                 wide, bf16);
+                                 wide, kv_bf16);
             } else
 #endif
             {
                 item_scores(q, q_raw, k_plane, table, lo, len, rep, head_dim, block_size, max_context, scale, scores,
-                            maxes, bf16);
+                            maxes, kv_bf16, dp);
                 item_softmax(scores + lo, len - lo, rep, max_context, maxes, inv, soft_cap);
-                item_values(scores, inv, v_plane, table, lo, len, rep, head_dim, block_size, max_context, acc, bf16);
+                item_values(scores, inv, v_plane, table, lo, len, rep, head_dim, block_size, max_context, acc, kv_bf16);
             }
-            if (bf16) {
+            if (q_bf16) {
                 bf16_t *o = (bf16_t *)out + q_first;
                 for (int64_t x = 0; x < rep * head_dim; x++)
                     o[x] = f32_to_bf16(acc[x]);
@@ -402,7 +406,7 @@ int tessera_paged_decode_attention_f32(
 {
     return paged_decode_attention(query, k_cache, v_cache, rows, block_tables, table_width, context_lens, out,
                                   num_rows, num_heads, num_kv_heads, head_dim, num_slots, block_size, max_context,
-                                  scale, window, soft_cap, num_threads, 0);
+                                  scale, window, soft_cap, num_threads, 0, 0);
 }
 
 /* the same over bfloat16 query, caches and output (raw bits, uint16) */
@@ -414,28 +418,54 @@ int tessera_paged_decode_attention_bf16(
 {
     return paged_decode_attention(query, k_cache, v_cache, rows, block_tables, table_width, context_lens, out,
                                   num_rows, num_heads, num_kv_heads, head_dim, num_slots, block_size, max_context,
-                                  scale, window, soft_cap, num_threads, 1);
+                                  scale, window, soft_cap, num_threads, 1, 1);
+}
+
+/* float32 query and output over bfloat16 caches (--kv-cache-dtype bfloat16 on a float32 model): each
+   cache row widened exactly, then the float32 loops; only the cache's rounding differs from float32 */
+int tessera_paged_decode_attention_f32_bf16kv(
+    const float *query, const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *rows,
+    const int32_t *block_tables, int64_t table_width, const int32_t *context_lens, float *out, int64_t num_rows,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t block_size,
+    int64_t max_context, float scale, int64_t window, float soft_cap, int num_threads)
+{
+    return paged_decode_attention(query, k_cache, v_cache, rows, block_tables, table_width, context_lens, out,
+                                  num_rows, num_heads, num_kv_heads, head_dim, num_slots, block_size, max_context,
+                                  scale, window, soft_cap, num_threads, 0, 1);
 }
 
 /* This step's K/V rows into the caches (vLLM's reshape_and_cache for this layout): token t, kv head h
    -> cache row h * num_slots + slots[t]. key/value rows at key + t * key_stride + h * head_dim (column
-   views of the fused q/k/v projection allowed). Non-finite V values are stored as 0, as KVCache.write
-   stores them (a stale NaN or inf in a reused block would turn probability 0 into NaN for another
-   request); K is copied as it is (masked positions are never read). slots[t] in [0, num_slots). */
+   views of the fused q/k/v projection allowed). A float32 row written into a bfloat16 cache
+   (--kv-cache-dtype bfloat16) is rounded to nearest even, as torch's `.to(torch.bfloat16)`. V values
+   not finite as stored (a float32 value past bf16's range rounds to inf) are stored as 0, as
+   KVCache.write stores them (a stale NaN or inf in a reused block would turn probability 0 into NaN
+   for another request); K is stored as it is (masked positions are never read). slots[t] in
+   [0, num_slots). */
 static inline __attribute__((always_inline)) void write_kv_row(
     const void *key, int64_t key_stride, const void *value, int64_t value_stride, const int64_t *slots, int64_t t,
-    int64_t kv_heads, int64_t head_dim, int64_t num_slots, void *k_cache, void *v_cache, const int bf16)
+    int64_t kv_heads, int64_t head_dim, int64_t num_slots, void *k_cache, void *v_cache, const int src_bf16,
+    const int kv_bf16)
 {
     for (int64_t h = 0; h < kv_heads; h++) {
         const int64_t row = (h * num_slots + slots[t]) * head_dim;
         const int64_t k_at = t * key_stride + h * head_dim, v_at = t * value_stride + h * head_dim;
-        if (bf16) {
+        if (src_bf16) {
             const bf16_t *k = (const bf16_t *)key + k_at, *v = (const bf16_t *)value + v_at;
             bf16_t *kc = (bf16_t *)k_cache + row, *vc = (bf16_t *)v_cache + row;
             #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) {
                 kc[d] = k[d];
                 vc[d] = (v[d] & 0x7f80u) == 0x7f80u ? 0 : v[d];  /* exponent all ones: inf or NaN */
+            }
+        } else if (kv_bf16) {
+            const float *k = (const float *)key + k_at, *v = (const float *)value + v_at;
+            bf16_t *kc = (bf16_t *)k_cache + row, *vc = (bf16_t *)v_cache + row;
+            #pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) {
+                const bf16_t vb = f32_to_bf16(v[d]);
+                kc[d] = f32_to_bf16(k[d]);
+                vc[d] = (vb & 0x7f80u) == 0x7f80u ? 0 : vb;
             }
         } else {
             const float *k = (const float *)key + k_at, *v = (const float *)value + v_at;
@@ -458,7 +488,7 @@ void tessera_write_kv_f32(const float *key, int64_t key_stride, const float *val
 {
     for (int64_t t = 0; t < tokens; t++)
         write_kv_row(key, key_stride, value, value_stride, slots, t, kv_heads, head_dim, num_slots, k_cache, v_cache,
-                     0);
+                     0, 0);
 }
 
 /* the same over bfloat16 (raw bits, uint16) */
@@ -468,5 +498,15 @@ void tessera_write_kv_bf16(const bf16_t *key, int64_t key_stride, const bf16_t *
 {
     for (int64_t t = 0; t < tokens; t++)
         write_kv_row(key, key_stride, value, value_stride, slots, t, kv_heads, head_dim, num_slots, k_cache, v_cache,
-                     1);
+                     1, 1);
+}
+
+/* float32 key/value rounded into bfloat16 caches */
+void tessera_write_kv_f32_bf16kv(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                                 const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+                                 int64_t num_slots, bf16_t *k_cache, bf16_t *v_cache)
+{
+    for (int64_t t = 0; t < tokens; t++)
+        write_kv_row(key, key_stride, value, value_stride, slots, t, kv_heads, head_dim, num_slots, k_cache, v_cache,
+                     0, 1);
 }
