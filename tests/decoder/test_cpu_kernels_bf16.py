@@ -1,6 +1,6 @@
-"""The C kernels in bfloat16 (attention_backend="cpu", lora_backend="cpu"), in both build variants:
-the one this machine builds (AVX512-BF16 dot products where the CPU has them) and the portable one
-(TESSERA_CPU_KERNELS=portable's build).
+"""The C kernels in bfloat16 (attention_backend="cpu", lora_backend="cpu"), in every build variant
+this machine can produce: its own (AVX512-BF16 dot products where the CPU has them), an AVX2 host's
+(TESSERA_CPU_KERNELS=avx2: bf16 widened in registers) and the portable one (TESSERA_CPU_KERNELS=portable).
 
 Tolerance, stated once: the kernels and the torch backends both sum bf16 inputs in float32 and round
 the result to bf16 once, so they agree within one bf16 ulp (relative 2^-7) and mostly bit for bit;
@@ -34,11 +34,20 @@ def portable_library():
         return native.load()
 
 
-@pytest.fixture(params=["built", "portable"])
-def variant(request, monkeypatch, portable_library) -> str:
-    """Which library the cpu backends run: the process's own, or the portable build."""
-    if request.param == "portable":
-        monkeypatch.setattr(native, "_library", portable_library)
+@pytest.fixture(scope="module")
+def avx2_library():
+    """The library an AVX2 + FMA host without AVX-512 builds (TESSERA_CPU_KERNELS=avx2): bf16 widened
+    into the AVX2 attention loops (this machine's own build takes VDPBF16PS instead, where it has it)."""
+    if not {"avx2", "fma"} <= native.cpu_flags():
+        pytest.fail("this x86 test machine has no AVX2 + FMA: the avx2 build cannot run here")
+    return native.build(march=native.AVX2_MARCH)
+
+
+@pytest.fixture(params=["built", "avx2", "portable"])
+def variant(request, monkeypatch, portable_library, avx2_library) -> str:
+    """Which library the cpu backends run: the process's own, an AVX2 host's, or the portable build."""
+    if request.param != "built":
+        monkeypatch.setattr(native, "_library", portable_library if request.param == "portable" else avx2_library)
     return native.variant()
 
 
@@ -176,3 +185,11 @@ def test_the_avx512_bf16_variant_compiles_to_vdpbf16ps_and_the_portable_one_does
     avx512 = ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
     assert "vdpbf16ps" in _objdump(tmp_path, *avx512)
     assert "vdpbf16ps" not in _objdump(tmp_path, *avx512, "-DTESSERA_PORTABLE")
+
+
+def test_the_avx2_variant_holds_avx2_code_and_no_avx512(tmp_path):
+    """TESSERA_CPU_KERNELS=avx2's target: 256-bit AVX2 code, no 512-bit register, no VDPBF16PS (an
+    AVX2 host would fault on them), whatever this CPU is (compiled, not run)."""
+    code = _objdump(tmp_path, f"-march={native.AVX2_MARCH}")
+    assert "ymm" in code and "vfmadd" in code
+    assert "zmm" not in code and "vdpbf16ps" not in code

@@ -150,9 +150,14 @@ def _gemv(library, x, w, b):
     return y
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
 def library(request):
-    """The kernel library as this machine builds it (AVX-512 / AVX512-BF16 where it has them) and portable."""
+    """The kernel library as this machine builds it (AVX-512 / AVX512-BF16 where it has them), as an
+    AVX2 + FMA host without AVX-512 builds it (the GEMV's vectorized loop, bf16 widened) and portable."""
+    if request.param == "avx2":
+        if not {"avx2", "fma"} <= native.cpu_flags():
+            pytest.fail("this x86 test machine has no AVX2 + FMA: the avx2 build cannot run here")
+        return native.build(march=native.AVX2_MARCH)
     return native.load() if request.param == "native" else native.build(portable=True)
 
 

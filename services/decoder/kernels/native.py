@@ -15,7 +15,9 @@ on such a machine), and portable widening code otherwise (bf16.h); `variant()` s
 built. The GEMM (gemm.c) runs an AVX2 + FMA micro-kernel where the compiler targets it, scalar code
 otherwise (`gemm_variant()`); the decode attention (paged_attention.c) has AVX2 + FMA loops under
 the same condition (for head_dim a multiple of 8). TESSERA_CPU_KERNELS=portable forces the portable
-code of all of them on any machine.
+code of all of them on any machine; TESSERA_CPU_KERNELS=avx2 builds for an AVX2 + FMA host without
+AVX-512 (-march=haswell), so an AVX-512 machine can run, test and measure what such a host runs
+(with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own kernels: bench peer --as-avx2).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from pathlib import Path
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c", "norm_rope.c",
                                                                    "decode_step.c", "quant_gemm.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
-VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 code
+VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 code; "avx2": as an AVX2 host
+AVX2_MARCH = "haswell"  # AVX2, FMA, F16C and no AVX-512: what -march=native gives on an AVX2-only x86 host
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _INT]
@@ -81,14 +84,14 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
 
-def _compile(directory: str, portable: bool) -> Path:
+def _compile(directory: str, portable: bool, march: str = "native") -> Path:
     compiler = shlex.split(os.environ.get("CC", "cc"))
     target = Path(directory) / "libtessera_cpu.so"
     defines = ["-DTESSERA_PORTABLE"] if portable else []
     errors = []
     # -march=native: the build runs on the machine that runs it (and so enables AVX512-BF16 where
     # the CPU has it); retried without it for compilers or architectures that refuse it
-    for arch in (["-march=native"], []):
+    for arch in ([f"-march={march}"], []):
         command = [*compiler, *_FLAGS, *arch, *defines, *map(str, SOURCES), "-o", str(target), "-lmvec", "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -102,15 +105,16 @@ def _compile(directory: str, portable: bool) -> Path:
     raise RuntimeError("compiling the cpu kernels failed:\n" + "\n".join(errors))
 
 
-def build(portable: bool = False) -> ctypes.CDLL:
+def build(portable: bool = False, march: str = "native") -> ctypes.CDLL:
     """Compile and load a fresh kernel library (`load` keeps the process's one); `portable`: without
-    the AVX512-BF16 and AVX2 code (GEMM, attention) whatever the CPU.
+    the AVX512-BF16 and AVX2 code (GEMM, attention) whatever the CPU; `march`: the compiler's target
+    ("haswell": the code an AVX2 + FMA host without AVX-512 builds, `AVX2_MARCH`).
 
     Raises:
         RuntimeError: as `load`.
     """
     with tempfile.TemporaryDirectory(prefix="tessera-kernels-") as directory:
-        path = _compile(directory, portable)
+        path = _compile(directory, portable, march)
         try:  # a "compiler" that succeeds without output, or a noexec temporary directory
             library = ctypes.CDLL(str(path))  # mapped now: the file may go
             functions = [getattr(library, name) for name in _SIGNATURES]
@@ -125,7 +129,7 @@ def build(portable: bool = False) -> ctypes.CDLL:
 
 def load() -> ctypes.CDLL:
     """The compiled kernel library (built on the first call, then shared by the process); the
-    portable variant when TESSERA_CPU_KERNELS=portable.
+    portable variant when TESSERA_CPU_KERNELS=portable, the AVX2 host's when it is avx2.
 
     Raises:
         RuntimeError: no working C compiler with OpenMP and glibc's libmvec, or the built library
@@ -134,7 +138,8 @@ def load() -> ctypes.CDLL:
     global _library
     with _lock:
         if _library is None:
-            _library = build(portable=os.environ.get(VARIANT_ENV, "") == "portable")
+            chosen = os.environ.get(VARIANT_ENV, "")
+            _library = build(portable=chosen == "portable", march=AVX2_MARCH if chosen == "avx2" else "native")
         return _library
 
 
