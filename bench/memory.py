@@ -16,7 +16,8 @@ Per model and format, in a process of its own: VmRSS once health says SERVING, t
 The runtime (python, torch, transformers, tokenizers, the grammar engine, the KV cache) is the same
 in every row, so the ratio falls toward the weights' own (Q4_0: 0.14x) as the model grows.
 
-    tessera bench memory [--models 135m 360m 1.7b] [--outtypes q8_0 q4_0] [--output bench/results/memory.md]
+    tessera bench memory [--models 135m 360m 1.7b] [--outtypes q8_0 q4_0] [--kv-cache-dtype bfloat16]
+                         [--output bench/results/memory.md]
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def load(address: str) -> None:
     asyncio.run(run())
 
 
-def measure(model_dir: Path, label: str) -> dict:
-    process, address = start_decoder(model_dir, FLAGS, RESULTS / f"memory-{label}.log")
+def measure(model_dir: Path, label: str, flags: list[str] = FLAGS) -> dict:
+    process, address = start_decoder(model_dir, flags, RESULTS / f"memory-{label}.log")
     try:
         ready = status_kb(process.pid)
         start = time.perf_counter()
@@ -132,20 +133,26 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=("135m", *SHAPES), default=["135m", *SHAPES])
     parser.add_argument("--outtypes", nargs="+", choices=("q8_0", "q4_0", "q4_1"), default=["q8_0", "q4_0"])
-    parser.add_argument("--output", type=Path, default=RESULTS / "memory.md")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
+                        help="the decoders' --kv-cache-dtype (auto: float32, the model's)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="default bench/results/memory.md (memory-kv-bfloat16.md with a bfloat16 cache)")
     args = parser.parse_args(argv)
+    flags = [*FLAGS, "--kv-cache-dtype", args.kv_cache_dtype]
+    kv = "" if args.kv_cache_dtype == "auto" else "-kv-bfloat16"
+    output = args.output or RESULTS / f"memory{kv}.md"
     lines = ["| model | weights | safetensors MiB | RSS ready MiB | RSS after the load MiB | peak MiB | "
              "RSS beyond the weights MiB | RSS / float32's |", "|---|---|---|---|---|---|---|---|"]
     for name in args.models:
         dense = default_decoder_dir() if name == "135m" else smollm2_shape(name)
-        rows = [("float32", dense, measure(dense, f"{name}-f32"))]
+        rows = [("float32", dense, measure(dense, f"{name}-f32{kv}", flags))]
         for outtype in args.outtypes:
             gguf_path = default_output(dense, outtype)
             if not gguf_path.exists():
                 print(f"[memory] exporting {gguf_path}", flush=True)
                 export_gguf(dense, gguf_path, outtype)
             served = serve_gguf(gguf_path)
-            rows.append((f"{outtype.upper()} blocks", served, measure(served, f"{name}-{outtype}")))
+            rows.append((f"{outtype.upper()} blocks", served, measure(served, f"{name}-{outtype}{kv}", flags)))
         base = rows[0][2]["loaded"]
         for label, model_dir, row in rows:
             lines.append(f"| {dense.name} | {label} | {weight_mib(model_dir):.0f} | {row['ready'] / 1024:.0f} | "
@@ -153,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                          f"{row['loaded'] / 1024 - weight_mib(model_dir):.0f} | {row['loaded'] / base:.2f}x |")
     table = "\n".join(lines)
     print(table)
-    args.output.write_text(
+    cache = "float32, the default" if args.kv_cache_dtype == "auto" else "bfloat16: --kv-cache-dtype bfloat16"
+    output.write_text(
         f"# tessera bench memory\n\nMachine: {machine()}\n\nThe decoder process (`python -m services.decoder "
-        f"{' '.join(FLAGS)}`, every other flag default) per weight format; the load: {LOAD_REQUESTS} concurrent "
+        f"{' '.join(flags)}`, every other flag default) per weight format; the load: {LOAD_REQUESTS} concurrent "
         f"requests, prompts {LOAD_PROMPT} tokens, {LOAD_TOKENS} generated. Target (issue 35): serving Q4_0 "
         f"<= 0.4x serving F32. 'RSS beyond the weights' is what every format pays alike: python, torch, "
-        f"transformers and the tokenizer, the grammar engine, the KV cache (float32, the default "
+        f"transformers and the tokenizer, the grammar engine, the KV cache ({cache}; "
         f"max_num_seqs x max_model_len / 4 tokens), the step's buffers.\n\n{table}\n")
-    print(f"wrote {args.output}")
+    print(f"wrote {output}")
     return 0
 
 

@@ -178,3 +178,29 @@ def test_cpu_backend_refuses_bad_inputs_before_touching_y():
         with pytest.raises(ValueError, match=message):
             backend.add_lora(*args, batch)
         assert torch.equal(y, before)
+
+
+@pytest.mark.parametrize("rank", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_cpu_backend_one_adapter_splits_its_factors_over_threads(rank, rows):
+    """One adapter group (batch 1, or a few rows of one adapter) on more threads than groups: the
+    shrink splits the slot's rank rows of A among threads, the expand its outputs; equal to float64
+    and bit for bit the same on one thread (odd ranks: uneven parts; 6 rows: a second ROWS block)."""
+    torch.manual_seed(rank * 10 + rows)
+    x, y0 = torch.randn(rows, 200), torch.randn(rows, 300)
+    a = torch.randn(3, rank, 200) / 14
+    b = torch.randn(3, rank, 300).transpose(1, 2)  # the bank's layout
+    slots = torch.full((rows,), 2)
+    batch = LoRABatch.build(slots, torch.arange(rows))
+    ref = y0.double() + (x.double() @ a[2].double().T) @ b[2].double().T
+    outs, threads = [], torch.get_num_threads()
+    for n in (2, 1):
+        torch.set_num_threads(n)
+        try:
+            y = y0.clone()
+            make_backend("cpu").add_lora(y, x, a, b, batch)
+            outs.append(y)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0].double() - ref).abs().max() < 1e-4

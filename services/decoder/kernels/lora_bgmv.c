@@ -10,9 +10,10 @@
  *     expand   y[row_i][o] += sum_k s[i][k] * bt[slot][k][o]                     (bt: [rank, out], B^T)
  *
  * The expand sums its rank terms in a zeroed accumulator and adds it to y once, as the torch
- * backend adds its delta. Work is split over groups for the shrink and over (group, 1024 outputs)
- * for the expand, so factors are read in long contiguous runs (the kernel is bound by reading
- * them); each item is computed by one thread, so results do not depend on the thread count. Each
+ * backend adds its delta. Work is split over groups for the shrink and over groups for the expand
+ * (with fewer groups than threads, each group's rank rows of A in two and its outputs in two), so
+ * factors are read in long contiguous runs (the kernel is bound by reading them); each shrunk value
+ * and each output is computed by one thread, so results do not depend on the thread count. Each
  * slot's factors are a short stream that starts cold, so both loops prefetch ahead in software (the
  * shrink two rows of A, the expand the next chunk of every B^T row): SmolLM2's 210 projections at
  * 8 slots rank 16, 4 rows a slot, 156 MB of float32 factors, 8.4-10.2 -> 6.7-8.1 ms (0.7 -> 0.9 of
@@ -41,25 +42,25 @@
 #define LOAD(p, e) (bf16 ? bf16_to_f32(((const bf16_t *)(p))[e]) : ((const float *)(p))[e])
 #define WLOAD(p, e) (wbf16 ? bf16_to_f32(((const bf16_t *)(p))[e]) : ((const float *)(p))[e])
 
-/* s[r][k] = x[rows[r]] . a_slot[k] for r < nr <= ROWS (x: row stride x_stride elements) */
+/* s[r][k] = x[rows[r]] . a_slot[k] for r < nr <= ROWS and k0 <= k < k1 (x: row stride x_stride elements) */
 static inline __attribute__((always_inline)) void shrink_rows(
     const void *x, int64_t x_stride, const int64_t *rows, int64_t nr, const void *a_slot, int64_t in_features,
-    int64_t rank, float *s, const int bf16, const int wbf16)
+    int64_t rank, int64_t k0, int64_t k1, float *s, const int bf16, const int wbf16)
 {
     const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float), welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
     const char *x0 = (const char *)x + (size_t)(rows[0] * x_stride) * element;
     const char *x1 = (const char *)x + (size_t)(rows[nr > 1 ? 1 : 0] * x_stride) * element;  /* missing rows */
     const char *x2 = (const char *)x + (size_t)(rows[nr > 2 ? 2 : 0] * x_stride) * element;  /* repeat row 0, */
     const char *x3 = (const char *)x + (size_t)(rows[nr > 3 ? 3 : 0] * x_stride) * element;  /* unused */
-    for (size_t at = 0; at < 2 * (size_t)in_features * welement && at < (size_t)(rank * in_features) * welement;
-         at += 64)
-        __builtin_prefetch((const char *)a_slot + at, 0, 1);  /* the first two rows */
     const size_t row_bytes = (size_t)in_features * welement;
-    for (int64_t k = 0; k < rank; k++) {
+    const char *first = (const char *)a_slot + (size_t)k0 * row_bytes;
+    for (size_t at = 0; at < 2 * row_bytes && at < (size_t)(k1 - k0) * row_bytes; at += 64)
+        __builtin_prefetch(first + at, 0, 1);  /* the first two rows */
+    for (int64_t k = k0; k < k1; k++) {
         const char *ak = (const char *)a_slot + (size_t)(k * in_features) * welement;
         /* the factor stream is short (one slot's rank rows) and each starts cold: row k + 2 is
            fetched while row k is summed (the hardware prefetcher alone left the loop waiting on it) */
-        if (k + 2 < rank)
+        if (k + 2 < k1)
             for (size_t at = 0; at < row_bytes; at += 64)
                 __builtin_prefetch(ak + 2 * row_bytes + at, 0, 1);
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -143,18 +144,22 @@ static inline __attribute__((always_inline)) void lora_bgmv_team(
     int64_t out_features, int64_t rank, float *shrunk, int num_threads, const int bf16, const int wbf16)
 {
     const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
-    /* the expand splits out_features in two when one group would leave a thread idle */
+    /* fewer groups than threads (one adapter at batch 1): the shrink splits each slot's rank rows of A
+       and the expand its outputs in two, so no thread idles while one streams a whole slot alone */
     const int64_t halves = num_groups < num_threads && out_features >= 2 * CHUNK ? 2 : 1;
     const int64_t span = (out_features / CHUNK + halves - 1) / halves * CHUNK;
+    const int64_t parts = num_groups < num_threads && rank >= 2 ? 2 : 1;
     #pragma omp for schedule(dynamic, 1)
-    for (int64_t g = 0; g < num_groups; g++) {
+    for (int64_t item = 0; item < num_groups * parts; item++) {
+        const int64_t g = item / parts, k0 = rank * (item % parts) / parts, k1 = rank * (item % parts + 1) / parts;
         const char *a_slot = (const char *)a + (size_t)(group_slots[g] * rank * in_features) * welement;
         for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
             const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
             float local[ROWS * rank];  /* all ROWS rows are computed; only nr are this group's */
-            shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, local, bf16, wbf16);
-            for (int64_t v = 0; v < nr * rank; v++)
-                shrunk[i * rank + v] = local[v];
+            shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, k0, k1, local, bf16, wbf16);
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t k = k0; k < k1; k++)
+                    shrunk[(i + r) * rank + k] = local[r * rank + k];
         }
     }
     /* implicit barrier: every shrunk row is complete */
