@@ -177,7 +177,7 @@ class FusedDecode:
         self._scratch = {name: torch.empty(MAX_ROWS, width, dtype=self.dtype) for name, width in widths.items()}
         self._scratch["widened"] = torch.empty(MAX_ROWS, max(hidden, h * d, inter), dtype=torch.float32)
         rank = lora.slots.max_rank if lora is not None else 1
-        self._scratch["shrunk"] = torch.empty(MAX_ROWS, rank, dtype=torch.float32)
+        self._scratch["shrunk"] = torch.empty(3 * MAX_ROWS, rank, dtype=torch.float32)  # q, k, v in one call
         for name, tensor in self._scratch.items():
             setattr(self._step, name, tensor.data_ptr())
 

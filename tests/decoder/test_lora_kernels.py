@@ -5,6 +5,7 @@ with it set (see lora_kernel_cases.py): odd sizes, ranks 1..64 padded to the ban
 base rows (slot -1) mixed in, decode rows through BGMV and slot-sorted segments through SGMV.
 """
 
+import ctypes
 import json
 import os
 import subprocess
@@ -204,3 +205,67 @@ def test_cpu_backend_one_adapter_splits_its_factors_over_threads(rank, rows):
             torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
     assert (outs[0].double() - ref).abs().max() < 1e-4
+
+
+class _Part(ctypes.Structure):
+    """lora_bgmv.c's bgmv_part_t."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
+                ("out_features", ctypes.c_int64), ("rank", ctypes.c_int64)]
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["f32", "f32-bf16w", "bf16"])
+@pytest.mark.parametrize("groups", [[(1, 1)], [(0, 3), (2, 1), (1, 5)]], ids=["batch1", "three-groups"])
+def test_bgmv_parts_call_equals_one_call_per_part(dtypes, groups):
+    """The fused decode step's one call over the projections that read the same x (q, k, v at
+    their columns of one output): each part bit for bit its own single-part call's result, at 2
+    threads and at 1, and the float64 product; parts of odd widths and ranks (1 to 16)."""
+    from services.decoder.kernels import native
+
+    act, factor = dtypes
+    suffix = {(torch.float32, torch.float32): "f32", (torch.float32, torch.bfloat16): "f32_bf16w",
+              (torch.bfloat16, torch.bfloat16): "bf16"}[dtypes]
+    library = native.load()
+    torch.manual_seed(len(groups))
+    num_rows, in_f = sum(n for _, n in groups), 131
+    widths, ranks = (300, 70, 129), (16, 5, 1)
+    x = torch.randn(num_rows + 2, in_f).to(act)  # rows 0..num_rows-1 adapter rows, the rest untouched
+    y0 = torch.randn(num_rows + 2, sum(widths) + 3).to(act)
+    factors = [((torch.randn(4, r, in_f) / 12).to(factor), torch.randn(4, r, w).to(factor))
+               for w, r in zip(widths, ranks)]
+    rows = torch.randperm(num_rows)
+    starts = torch.tensor([0] + [sum(n for _, n in groups[:i + 1]) for i in range(len(groups))])
+    slots = torch.tensor([slot for slot, _ in groups])
+    columns = [sum(widths[:i]) + 1 for i in range(3)]
+
+    def parts_call(threads):
+        y = y0.clone()
+        parts = (_Part * 3)(*(_Part(a.data_ptr(), bt.data_ptr(), y[:, c:].data_ptr(), y.stride(0), w, r)
+                              for (a, bt), c, w, r in zip(factors, columns, widths, ranks)))
+        shrunk = torch.empty(3, num_rows, max(ranks))
+        getattr(library, f"tessera_lora_bgmv_parts_{suffix}")(
+            x.data_ptr(), in_f, parts, 3, rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f,
+            shrunk.data_ptr(), threads)
+        return y
+
+    def single_calls():
+        y = y0.clone()
+        for (a, bt), c, w, r in zip(factors, columns, widths, ranks):
+            shrunk = torch.empty(num_rows, r)
+            getattr(library, f"tessera_lora_bgmv_{suffix}")(
+                x.data_ptr(), in_f, y[:, c:].data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(), rows.data_ptr(),
+                starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f, w, r, shrunk.data_ptr(), 2)
+        return y
+
+    fused, alone, one_thread = parts_call(2), single_calls(), parts_call(1)
+    assert torch.equal(fused, alone) and torch.equal(fused, one_thread)
+    expected = y0.double()
+    for g, (slot, _) in enumerate(groups):
+        for t in rows[starts[g]:starts[g + 1]].tolist():
+            for (a, bt), c, w in zip(factors, columns, widths):
+                expected[t, c:c + w] += (x[t].double() @ a[slot].double().T) @ bt[slot].double()
+    tolerance = 1e-4 if act == torch.float32 else 2 ** -7 * float(expected.abs().max())
+    assert (fused.double() - expected).abs().max() < tolerance
+    assert torch.equal(fused[num_rows:], y0[num_rows:]) and torch.equal(fused[:, :1], y0[:, :1])
+    assert (expected - y0.double()).abs().max() > 0.1  # the corrections are not negligible

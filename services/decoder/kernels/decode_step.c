@@ -85,14 +85,18 @@ void tessera_write_kv_bf16(const bf16_t *, int64_t, const bf16_t *, int64_t, con
                            int64_t, int64_t, bf16_t *, bf16_t *);
 void tessera_qgemm(const float *, int64_t, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t, int64_t,
                    int);
-void tessera_lora_bgmv_f32(const float *, int64_t, float *, int64_t, const float *, const float *, const int64_t *,
-                           const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t, float *, int);
-void tessera_lora_bgmv_bf16(const bf16_t *, int64_t, bf16_t *, int64_t, const bf16_t *, const bf16_t *,
-                            const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
-                            float *, int);
-void tessera_lora_bgmv_f32_bf16w(const float *, int64_t, float *, int64_t, const bf16_t *, const bf16_t *,
-                                 const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
-                                 float *, int);
+/* lora_bgmv.c's bgmv_part_t: one projection of a call over several that read the same x */
+typedef struct {
+    const void *a, *bt;
+    void *y;
+    int64_t y_stride, out_features, rank;
+} bgmv_part_t;
+void tessera_lora_bgmv_parts_f32(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
+                                 const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
+void tessera_lora_bgmv_parts_bf16(const bf16_t *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
+                                  const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
+void tessera_lora_bgmv_parts_f32_bf16w(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
+                                       const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
 
 /* One projection: W [out, in] row-major (packed = 0), gemm.c's panels (packed = 1), or GGUF blocks
    (qtype != 0: the GGML type id, quant_gemm.c; float32 models only; fast: its int8-activation mode);
@@ -147,7 +151,7 @@ typedef struct {
     void *gate_up;                         /* [2 intermediate] */
     void *act;                             /* [intermediate] */
     float *widened;                        /* float32 [max(hidden, heads head_dim, intermediate)] */
-    float *shrunk;                         /* float32 [max rank] */
+    float *shrunk;                         /* float32 [3, MAX_ROWS, max rank]: q, k, v at once */
     int num_threads;
 } step_t;
 
@@ -281,25 +285,31 @@ static inline __attribute__((always_inline)) void project(
     }
 }
 
-/* y[:, part columns] += LoRA(x) for each adapter group (x [rows, in], y [rows, y_stride]) */
+/* y[:, part columns] += LoRA(x) for each adapter group and each of the `count` parts from `first`
+   (x [rows, in], y [rows, y_stride]), one kernel call for all of them */
 static inline __attribute__((always_inline)) void add_lora(
-    const step_t *s, const lora_part_t *part, const void *x, int64_t in_features, void *y, int64_t y_stride,
-    const int bf16)
+    const step_t *s, const layer_t *l, int first, int count, const void *x, int64_t in_features, void *y,
+    int64_t y_stride, const int bf16)
 {
-    if (s->lora_groups == 0 || part->a == NULL)
+    if (s->lora_groups == 0)
+        return;
+    bgmv_part_t parts[3];
+    int64_t n = 0;
+    for (int i = first; i < first + count; i++)
+        if (l->lora[i].a != NULL)
+            parts[n++] = (bgmv_part_t){l->lora[i].a, l->lora[i].bt, AT(y, l->lora[i].start, bf16), y_stride,
+                                       l->lora[i].out_features, l->lora[i].rank};
+    if (n == 0)
         return;
     if (bf16)
-        tessera_lora_bgmv_bf16(x, in_features, AT(y, part->start, 1), y_stride, part->a, part->bt, s->lora_rows,
-                               s->lora_starts, s->lora_slots, s->lora_groups, in_features, part->out_features,
-                               part->rank, s->shrunk, s->num_threads);
+        tessera_lora_bgmv_parts_bf16(x, in_features, parts, n, s->lora_rows, s->lora_starts, s->lora_slots,
+                                     s->lora_groups, in_features, s->shrunk, s->num_threads);
     else if (s->lora_bf16)
-        tessera_lora_bgmv_f32_bf16w(x, in_features, AT(y, part->start, 0), y_stride, part->a, part->bt,
-                                    s->lora_rows, s->lora_starts, s->lora_slots, s->lora_groups, in_features,
-                                    part->out_features, part->rank, s->shrunk, s->num_threads);
+        tessera_lora_bgmv_parts_f32_bf16w(x, in_features, parts, n, s->lora_rows, s->lora_starts, s->lora_slots,
+                                          s->lora_groups, in_features, s->shrunk, s->num_threads);
     else
-        tessera_lora_bgmv_f32(x, in_features, AT(y, part->start, 0), y_stride, part->a, part->bt, s->lora_rows,
-                              s->lora_starts, s->lora_slots, s->lora_groups, in_features, part->out_features,
-                              part->rank, s->shrunk, s->num_threads);
+        tessera_lora_bgmv_parts_f32(x, in_features, parts, n, s->lora_rows, s->lora_starts, s->lora_slots,
+                                    s->lora_groups, in_features, s->shrunk, s->num_threads);
 }
 
 /* x += y over n values, each sum rounded to the dtype once */
@@ -344,8 +354,7 @@ static inline __attribute__((always_inline)) int decode_layer(const step_t *s, c
 
     rms_norm(s, s->x, l->input_norm, s->h, rows, hidden, bf16);
     project(s, &l->qkv, s->h, s->qkv, bf16);
-    for (int i = 0; i < 3; i++)
-        add_lora(s, &l->lora[i], s->h, hidden, s->qkv, qkv_width, bf16);
+    add_lora(s, l, 0, 3, s->h, hidden, s->qkv, qkv_width, bf16);  /* q, k, v */
     const void *q = s->qkv, *k = AT(s->qkv, q_width, bf16);
     int64_t q_stride = qkv_width, k_stride = qkv_width;
     if (l->q_norm != NULL) {  /* per head, over head_dim: each token's heads are contiguous rows */
@@ -387,19 +396,18 @@ static inline __attribute__((always_inline)) int decode_layer(const step_t *s, c
     if (rc != 0)
         return rc;
     project(s, &l->o, s->attention, s->out, bf16);
-    add_lora(s, &l->lora[3], s->attention, q_width, s->out, hidden, bf16);
+    add_lora(s, l, 3, 1, s->attention, q_width, s->out, hidden, bf16);
     residual_add(s->x, s->out, rows * hidden, bf16);
 
     rms_norm(s, s->x, l->post_norm, s->h, rows, hidden, bf16);
     project(s, &l->gate_up, s->h, s->gate_up, bf16);
-    for (int i = 4; i < 6; i++)
-        add_lora(s, &l->lora[i], s->h, hidden, s->gate_up, 2 * inter, bf16);
+    add_lora(s, l, 4, 2, s->h, hidden, s->gate_up, 2 * inter, bf16);  /* gate, up */
     if (bf16)
         tessera_silu_mul_bf16(s->gate_up, 2 * inter, s->act, rows, inter, s->num_threads);
     else
         tessera_silu_mul_f32(s->gate_up, 2 * inter, s->act, rows, inter, s->num_threads);
     project(s, &l->down, s->act, s->out, bf16);
-    add_lora(s, &l->lora[6], s->act, inter, s->out, hidden, bf16);
+    add_lora(s, l, 6, 1, s->act, inter, s->out, hidden, bf16);
     residual_add(s->x, s->out, rows * hidden, bf16);
     return 0;
 }

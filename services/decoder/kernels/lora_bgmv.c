@@ -11,8 +11,8 @@
  *
  * The expand sums its rank terms in a zeroed accumulator and adds it to y once, as the torch
  * backend adds its delta. Work is split over groups for the shrink and over groups for the expand
- * (with fewer groups than threads, each group's rank rows of A in two and its outputs in two), so
- * factors are read in long contiguous runs (the kernel is bound by reading them); each shrunk value
+ * (with fewer groups than twice the threads, each group's rank rows of A and its outputs in pieces),
+ * so factors are read in long contiguous runs (the kernel is bound by reading them); each shrunk value
  * and each output is computed by one thread, so results do not depend on the thread count. Each
  * slot's factors are a short stream that starts cold, so both loops prefetch ahead in software (the
  * shrink two rows of A, the expand the next chunk of every B^T row): SmolLM2's 210 projections at
@@ -22,6 +22,10 @@
  * bfloat16 (x, y, a and bt in bf16): s and the expand accumulators are float32, as the torch
  * backend computes (bf16.h widens exactly); y[row][o] is widened, added to and rounded to bf16
  * once. With AVX512-BF16 the shrink's products run in VDPBF16PS.
+ *
+ * The fused decode step calls the `_parts` functions: q, k and v (and gate and up) read the same x,
+ * so one call takes all of them, one parallel region and two barriers where a call per projection
+ * took three each (SmolLM2's 30 layers at batch 1 make 120 calls a token instead of 210).
  *
  * Each exported function holds its own parallel region around the always-inlined team body, called
  * with a literal dtype: GCC outlines a parallel region before it inlines, so one region shared by
@@ -136,50 +140,80 @@ static inline __attribute__((always_inline)) void expand_rows(
     }
 }
 
+/* One projection of a call over the projections that read the same x (q, k and v; gate and up):
+   a [num_slots, rank, in] and bt [num_slots, rank, out] (B^T) contiguous; y its first output column
+   of a [num_tokens, y_stride] output. Mirrored by decode_step.c. */
+typedef struct {
+    const void *a, *bt;
+    void *y;
+    int64_t y_stride, out_features, rank;
+} bgmv_part_t;
+
 /* one thread's share of the kernel, called inside the exported functions' parallel regions (its
-   worksharing loops bind to them), for float32 (bf16 = 0) or bfloat16 (bf16 = 1) x, y, a and bt */
+   worksharing loops bind to them), for float32 (bf16 = 0) or bfloat16 (bf16 = 1) x and y, and
+   float32 (wbf16 = 0) or bfloat16 (wbf16 = 1) factors. A unit is one (part, group): its shrink reads
+   the slot's A once, its expand the slot's B^T once. With fewer units than twice the threads (one
+   adapter at batch 1), each unit's rank rows of A and its outputs are cut into pieces, so no thread
+   idles while another streams a whole slot alone; shrunk holds [num_parts, rows, max_rank]. */
 static inline __attribute__((always_inline)) void lora_bgmv_team(
-    const void *x, int64_t x_stride, void *y, int64_t y_stride, const void *a, const void *bt, const int64_t *rows,
+    const void *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
     const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features,
-    int64_t out_features, int64_t rank, float *shrunk, int num_threads, const int bf16, const int wbf16)
+    float *shrunk, int64_t max_rank, int num_threads, const int bf16, const int wbf16)
 {
     const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
-    /* fewer groups than threads (one adapter at batch 1): the shrink splits each slot's rank rows of A
-       and the expand its outputs in two, so no thread idles while one streams a whole slot alone */
-    const int64_t halves = num_groups < num_threads && out_features >= 2 * CHUNK ? 2 : 1;
-    const int64_t span = (out_features / CHUNK + halves - 1) / halves * CHUNK;
-    const int64_t parts = num_groups < num_threads && rank >= 2 ? 2 : 1;
+    const int64_t units = num_parts * num_groups, num_rows = group_starts[num_groups];
+    const int64_t pieces = units >= 2 * num_threads ? 1 : (2 * num_threads + units - 1) / units;
     #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_groups * parts; item++) {
-        const int64_t g = item / parts, k0 = rank * (item % parts) / parts, k1 = rank * (item % parts + 1) / parts;
-        const char *a_slot = (const char *)a + (size_t)(group_slots[g] * rank * in_features) * welement;
+    for (int64_t item = 0; item < units * pieces; item++) {
+        const int64_t unit = item / pieces, piece = item % pieces, g = unit % num_groups;
+        const bgmv_part_t *part = &parts[unit / num_groups];
+        const int64_t rank = part->rank, k0 = rank * piece / pieces, k1 = rank * (piece + 1) / pieces;
+        if (k0 == k1)
+            continue;
+        float *out = shrunk + (size_t)((unit / num_groups) * num_rows * max_rank);
+        const char *a_slot = (const char *)part->a + (size_t)(group_slots[g] * rank * in_features) * welement;
         for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
             const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
             float local[ROWS * rank];  /* all ROWS rows are computed; only nr are this group's */
             shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, k0, k1, local, bf16, wbf16);
             for (int64_t r = 0; r < nr; r++)
                 for (int64_t k = k0; k < k1; k++)
-                    shrunk[(i + r) * rank + k] = local[r * rank + k];
+                    out[(i + r) * rank + k] = local[r * rank + k];
         }
     }
     /* implicit barrier: every shrunk row is complete */
     #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_groups * halves; item++) {
-        const int64_t g = item / halves;
-        const int64_t first = (item % halves) * span;
-        const int64_t last = item % halves == halves - 1 ? out_features : first + span;
-        const char *b_slot = (const char *)bt + (size_t)(group_slots[g] * rank * out_features) * welement;
+    for (int64_t item = 0; item < units * pieces; item++) {
+        const int64_t unit = item / pieces, piece = item % pieces, g = unit % num_groups;
+        const bgmv_part_t *part = &parts[unit / num_groups];
+        const int64_t rank = part->rank, out_features = part->out_features;
+        const int64_t chunks = (out_features + CHUNK - 1) / CHUNK, cuts = pieces < chunks ? pieces : chunks;
+        const int64_t span = (chunks + cuts - 1) / cuts * CHUNK, first = piece * span;
+        if (piece >= cuts || first >= out_features)
+            continue;
+        const int64_t last = first + span < out_features ? first + span : out_features;
+        const float *in = shrunk + (size_t)((unit / num_groups) * num_rows * max_rank);
+        const char *b_slot = (const char *)part->bt + (size_t)(group_slots[g] * rank * out_features) * welement;
         for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
             const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
             float s[ROWS * rank];
             for (int64_t r = 0; r < ROWS; r++)
                 for (int64_t k = 0; k < rank; k++)
-                    s[r * rank + k] = r < nr ? shrunk[(i + r) * rank + k] : 0.f;
+                    s[r * rank + k] = r < nr ? in[(i + r) * rank + k] : 0.f;
             for (int64_t o0 = first; o0 < last; o0 += CHUNK)
-                expand_rows(y, y_stride, rows + i, nr, s, b_slot, out_features, rank, o0,
+                expand_rows(part->y, part->y_stride, rows + i, nr, s, b_slot, out_features, rank, o0,
                             last - o0 < CHUNK ? last - o0 : CHUNK, bf16, wbf16);
         }
     }
+}
+
+/* the largest rank of `parts` (the stride of each part's block of shrunk) */
+static int64_t max_rank_of(const bgmv_part_t *parts, int64_t num_parts)
+{
+    int64_t rank = 0;
+    for (int64_t p = 0; p < num_parts; p++)
+        rank = parts[p].rank > rank ? parts[p].rank : rank;
+    return rank;
 }
 
 /* x [num_tokens, in] (row stride x_stride elements), y [num_tokens, out] (row stride y_stride),
@@ -190,9 +224,10 @@ void tessera_lora_bgmv_f32(
     const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
     int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
 {
+    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
     #pragma omp parallel num_threads(num_threads)
-    lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
-                   out_features, rank, shrunk, num_threads, 0, 0);
+    lora_bgmv_team(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features, shrunk, rank,
+                   num_threads, 0, 0);
 }
 
 /* the same over bfloat16 x, y, a and bt (raw bits, uint16); shrunk stays float32 */
@@ -201,9 +236,10 @@ void tessera_lora_bgmv_bf16(
     const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
     int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
 {
+    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
     #pragma omp parallel num_threads(num_threads)
-    lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
-                   out_features, rank, shrunk, num_threads, 1, 1);
+    lora_bgmv_team(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features, shrunk, rank,
+                   num_threads, 1, 1);
 }
 
 /* float32 x and y with bfloat16 factors (--lora-dtype bfloat16 on a float32 model: half the bytes the
@@ -213,7 +249,44 @@ void tessera_lora_bgmv_f32_bf16w(
     const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
     int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
 {
+    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
     #pragma omp parallel num_threads(num_threads)
-    lora_bgmv_team(x, x_stride, y, y_stride, a, bt, rows, group_starts, group_slots, num_groups, in_features,
-                   out_features, rank, shrunk, num_threads, 0, 1);
+    lora_bgmv_team(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features, shrunk, rank,
+                   num_threads, 0, 1);
+}
+
+/* Several projections reading the same x in one parallel region (the fused decode step's q, k, v and
+   gate, up: one fork and two barriers where one call per projection took three each); each part's
+   results are those of its own single-part call. shrunk: [num_parts, num_rows, max rank] float32. */
+void tessera_lora_bgmv_parts_f32(
+    const float *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
+    int num_threads)
+{
+    const int64_t max_rank = max_rank_of(parts, num_parts);
+    #pragma omp parallel num_threads(num_threads)
+    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
+                   max_rank, num_threads, 0, 0);
+}
+
+void tessera_lora_bgmv_parts_bf16(
+    const bf16_t *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
+    int num_threads)
+{
+    const int64_t max_rank = max_rank_of(parts, num_parts);
+    #pragma omp parallel num_threads(num_threads)
+    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
+                   max_rank, num_threads, 1, 1);
+}
+
+void tessera_lora_bgmv_parts_f32_bf16w(
+    const float *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
+    int num_threads)
+{
+    const int64_t max_rank = max_rank_of(parts, num_parts);
+    #pragma omp parallel num_threads(num_threads)
+    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
+                   max_rank, num_threads, 0, 1);
 }

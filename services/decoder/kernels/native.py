@@ -40,6 +40,8 @@ _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _INT]
 _BGMV_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
+# x, x_stride, parts (bgmv_part_t [num_parts]), num_parts, rows, group_starts, group_slots, num_groups, in, shrunk, threads
+_BGMV_PARTS_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _INT]
 _GEMM_ARGS = [_P, _I64, _I64, _P, _P, _P, _I64, _INT]
 _RMS_NORM_ARGS = [_P, _P, _P, _I64, _I64, _F32, _INT]
 _ROTARY_ARGS = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
@@ -53,6 +55,9 @@ _SIGNATURES = {
     "tessera_lora_bgmv_f32": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_f32_bf16w": (None, _BGMV_ARGS),
+    "tessera_lora_bgmv_parts_f32": (None, _BGMV_PARTS_ARGS),
+    "tessera_lora_bgmv_parts_bf16": (None, _BGMV_PARTS_ARGS),
+    "tessera_lora_bgmv_parts_f32_bf16w": (None, _BGMV_PARTS_ARGS),
     "tessera_gemm_f32": (None, _GEMM_ARGS),
     "tessera_gemm_bf16": (None, _GEMM_ARGS),
     "tessera_rms_norm_f32": (None, _RMS_NORM_ARGS),
