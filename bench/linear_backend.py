@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         result = run_pair(args.model_dir, {b: [*common, "--dtype", dtype, "--linear-backend", b] for b in BACKENDS},
                           workloads, args.rounds, f"linear_backend-{dtype}")
-        lines += [f"| {dtype} {result.row(name, 'torch', 'cpu')[2:]}" for name in workloads]
+        lines += [f"| {dtype} | {result.row(name, 'torch', 'cpu')[2:]}" for name in workloads]
         picks.append(f"{dtype}: {resolve_linear_backend('auto', torch.device('cpu'), dtype)}")
     lines += ["", f"`--linear-backend auto` picks here: {', '.join(picks)}.", ""]
     text = "\n".join(lines)

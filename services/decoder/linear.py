@@ -138,12 +138,18 @@ def make_linear_backend(name: str) -> CpuGemm | None:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: str, quantized: bool = False) -> str:
-    """`name` itself, or for "auto" the fastest that runs: "cpu" on a CPU without AVX-512 where the
-    C kernels build with the AVX2 + FMA GEMM and compute `dtype` (built now), else "torch"; on a
-    GPU "triton" for a model holding GGUF blocks (`quantized`: its dequantize-in-the-GEMM kernels).
-    The kernel is AVX2 code: it beat MKL on an AVX2-only CPU (bench/results/gemm.md) and has not
-    been measured against AVX-512 MKL or native bf16, so those CPUs keep torch. An automatic choice
-    is logged with its reason."""
+    """`name` itself, or for "auto" the fastest that runs: on a CPU where the C kernels build with
+    the AVX2 + FMA GEMM and compute `dtype` (built now), "cpu" unless torch's own GEMM for `dtype`
+    runs AVX-512 code here, else "torch"; on a GPU "triton" for a model holding GGUF blocks
+    (`quantized`: its dequantize-in-the-GEMM kernels). An automatic choice is logged with its reason.
+
+    The C GEMM is AVX2 code. It beat MKL on an AVX2-only CPU (bench/results/gemm.md); torch's
+    float32 GEMM is MKL's, which runs its AVX-512 kernels on Intel CPUs only (elsewhere its AVX2
+    "zen" ones: on a 2-core AMD EPYC with AVX-512 the C GEMM served P1 1.45x faster, batch 1 0.94x,
+    bench/results/linear_backend.md); torch's bfloat16 GEMM is oneDNN's, which computes in
+    AVX512-BF16 / AMX wherever the CPU has them (there it served P1 1.13x faster than the C GEMM)
+    and emulates them elsewhere (0.15-0.27x the C GEMM's speed, gemm.md). So "cpu" for float32
+    without AVX-512 or on a CPU that is not Intel's, and for bfloat16 without native bf16."""
     if name != "auto":
         return name
     reason = None
@@ -153,8 +159,11 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: str, quantize
         reason = native.unavailable(dtype)
         if reason is None and native.gemm_variant() != "avx2":
             reason = "the C GEMM was built without AVX2 + FMA (scalar code is slower than MKL)"
-        elif reason is None and "avx512f" in native.cpu_flags():
-            reason = "the CPU has AVX-512: MKL's AVX-512 GEMMs stay (the AVX2 kernel is unmeasured there)"
+        elif reason is None and dtype == "bfloat16" and native.cpu_has_bf16():
+            reason = "torch's bfloat16 GEMM (oneDNN) computes in AVX512-BF16 / AMX here"
+        elif (reason is None and dtype != "bfloat16" and "avx512f" in native.cpu_flags()
+              and native.cpu_vendor() == "GenuineIntel"):
+            reason = "an Intel CPU with AVX-512: MKL's AVX-512 GEMMs stay"
     elif quantized:
         log.info("linear_backend auto: triton on %s for %s (GGUF blocks: the Triton dequantize-in-the-GEMM kernels)",
                  device, dtype)

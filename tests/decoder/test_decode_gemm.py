@@ -15,7 +15,15 @@ from torch import nn
 from services.decoder.config import DecoderConfig
 from services.decoder.engine_parts import resolve_backends
 from services.decoder.kernels import native
-from services.decoder.linear import BF16_PANEL_ORDER, PANEL_WIDTH, CpuGemm, Linear, attach_gemm, linear
+from services.decoder.linear import (
+    BF16_PANEL_ORDER,
+    PANEL_WIDTH,
+    CpuGemm,
+    Linear,
+    attach_gemm,
+    linear,
+    resolve_linear_backend,
+)
 
 pytestmark = pytest.mark.skipif(native.unavailable("float32") is not None, reason="no C compiler with OpenMP")
 
@@ -192,7 +200,8 @@ def test_linears_sharing_a_weight_share_its_packed_copy():
 
 def test_the_linear_backend_auto_choice_and_refusals(tiny_llama):
     decoder_dir = str(tiny_llama)
-    expected = "torch" if "avx512f" in native.cpu_flags() else "cpu"  # the AVX2 kernel, measured where it wins
+    # the AVX2 kernel where MKL would not run AVX-512 code (measured where it wins: resolve_linear_backend)
+    expected = "torch" if "avx512f" in native.cpu_flags() and native.cpu_vendor() == "GenuineIntel" else "cpu"
     auto = DecoderConfig(model_dir=decoder_dir, dtype="float32")
     assert auto.linear_backend == "auto"  # building the config builds nothing; the engine resolves it at start
     assert resolve_backends(auto).linear == expected
@@ -203,3 +212,23 @@ def test_the_linear_backend_auto_choice_and_refusals(tiny_llama):
         DecoderConfig(model_dir=decoder_dir, dtype="float16", linear_backend="cpu")
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         DecoderConfig(model_dir=decoder_dir, linear_backend="mkl")
+
+
+@pytest.mark.parametrize(("vendor", "flags", "float32", "bfloat16"), [
+    ("GenuineIntel", {"avx2", "fma"}, "cpu", "cpu"),                                  # AVX2 only
+    ("AuthenticAMD", {"avx2", "fma"}, "cpu", "cpu"),
+    ("GenuineIntel", {"avx2", "fma", "avx512f"}, "torch", "cpu"),                     # bf16 emulated by torch
+    ("GenuineIntel", {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, "torch", "torch"),
+    ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512_bf16"}, "cpu", "torch"),      # MKL runs AVX2 code
+])
+def test_the_linear_backend_auto_choice_per_cpu(monkeypatch, vendor, flags, float32, bfloat16):
+    """auto: the C GEMM wherever torch's GEMM for the dtype would not run AVX-512 code (MKL's float32
+    AVX-512 kernels on Intel CPUs only, oneDNN's bfloat16 ones where the CPU computes bf16)."""
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(native, "gemm_variant", lambda: "avx2")
+    monkeypatch.setattr(native, "unavailable", lambda dtype: None)
+    cpu = torch.device("cpu")
+    assert resolve_linear_backend("auto", cpu, "float32") == float32
+    assert resolve_linear_backend("auto", cpu, "bfloat16") == bfloat16
+    assert resolve_linear_backend("torch", cpu, "float32") == "torch"

@@ -186,6 +186,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo_field("flags", "Features").split())
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; "" where there is none)."""
+    return _cpuinfo_field("vendor_id")
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
     return _cpuinfo_field("model name")
