@@ -216,45 +216,6 @@ static int64_t max_rank_of(const bgmv_part_t *parts, int64_t num_parts)
     return rank;
 }
 
-/* x [num_tokens, in] (row stride x_stride elements), y [num_tokens, out] (row stride y_stride),
-   a [num_slots, rank, in] and bt [num_slots, rank, out] contiguous; rows [num_rows] grouped by slot,
-   group_starts [num_groups + 1], group_slots [num_groups]; shrunk [num_rows, rank] float32 scratch */
-void tessera_lora_bgmv_f32(
-    const float *x, int64_t x_stride, float *y, int64_t y_stride, const float *a, const float *bt,
-    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
-    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
-{
-    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
-    #pragma omp parallel num_threads(num_threads)
-    lora_bgmv_team(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features, shrunk, rank,
-                   num_threads, 0, 0);
-}
-
-/* the same over bfloat16 x, y, a and bt (raw bits, uint16); shrunk stays float32 */
-void tessera_lora_bgmv_bf16(
-    const bf16_t *x, int64_t x_stride, bf16_t *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
-    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
-    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
-{
-    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
-    #pragma omp parallel num_threads(num_threads)
-    lora_bgmv_team(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features, shrunk, rank,
-                   num_threads, 1, 1);
-}
-
-/* float32 x and y with bfloat16 factors (--lora-dtype bfloat16 on a float32 model: half the bytes the
-   kernel streams); each factor value widened exactly, the sums as tessera_lora_bgmv_f32's */
-void tessera_lora_bgmv_f32_bf16w(
-    const float *x, int64_t x_stride, float *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
-    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
-    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
-{
-    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
-    #pragma omp parallel num_threads(num_threads)
-    lora_bgmv_team(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features, shrunk, rank,
-                   num_threads, 0, 1);
-}
-
 /* Several projections reading the same x in one parallel region (the fused decode step's q, k, v and
    gate, up: one fork and two barriers where one call per projection took three each); each part's
    results are those of its own single-part call. shrunk: [num_parts, num_rows, max rank] float32. */
@@ -289,4 +250,41 @@ void tessera_lora_bgmv_parts_f32_bf16w(
     #pragma omp parallel num_threads(num_threads)
     lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
                    max_rank, num_threads, 0, 1);
+}
+
+/* x [num_tokens, in] (row stride x_stride elements), y [num_tokens, out] (row stride y_stride),
+   a [num_slots, rank, in] and bt [num_slots, rank, out] contiguous; rows [num_rows] grouped by slot,
+   group_starts [num_groups + 1], group_slots [num_groups]; shrunk [num_rows, rank] float32 scratch.
+   One part of the `_parts` functions below. */
+void tessera_lora_bgmv_f32(
+    const float *x, int64_t x_stride, float *y, int64_t y_stride, const float *a, const float *bt,
+    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
+    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
+{
+    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
+    tessera_lora_bgmv_parts_f32(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features,
+                                shrunk, num_threads);
+}
+
+/* the same over bfloat16 x, y, a and bt (raw bits, uint16); shrunk stays float32 */
+void tessera_lora_bgmv_bf16(
+    const bf16_t *x, int64_t x_stride, bf16_t *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
+    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
+    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
+{
+    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
+    tessera_lora_bgmv_parts_bf16(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features,
+                                 shrunk, num_threads);
+}
+
+/* float32 x and y with bfloat16 factors (--lora-dtype bfloat16 on a float32 model: half the bytes the
+   kernel streams); each factor value widened exactly, the sums as tessera_lora_bgmv_f32's */
+void tessera_lora_bgmv_f32_bf16w(
+    const float *x, int64_t x_stride, float *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
+    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
+    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
+{
+    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
+    tessera_lora_bgmv_parts_f32_bf16w(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups,
+                                      in_features, shrunk, num_threads);
 }
