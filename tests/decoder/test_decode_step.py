@@ -178,3 +178,27 @@ def test_gemv_equals_float64(library, dtype):
             tolerance = 1e-6 if dtype == torch.float32 else 8e-3
             assert ((y.double() - exact).abs() / scale).max() < tolerance, (m, k, n, dtype)
             assert torch.equal(_gemv(library, x[-1:].contiguous(), w, bias)[0], y[-1]), "a row depends on its batch"
+
+
+def test_panel_gemv_gives_the_packed_gemm_bits(library):
+    """The fused step's float32 projection over packed panels at 1-4 rows (AVX-512: its own stream,
+    elsewhere gemm.c's GEMM) gives gemm.c's bits at odd shapes (K across its 128-k blocks and not a
+    multiple of the vector width, N not a multiple of 16), with and without bias, within float32
+    summation error of float64; 5 rows take the GEMM."""
+    from services.decoder.linear import CpuGemm
+
+    gen = torch.Generator().manual_seed(1)
+    for m, k, n in ((1, 1, 1), (1, 15, 7), (2, 131, 33), (3, 300, 50), (4, 576, 37), (4, 1537, 16), (5, 200, 20)):
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        panels = CpuGemm().pack(w).panels
+        for bias in (None, torch.randn(n, generator=gen)):
+            ys = []
+            for kernel in (library.tessera_panel_gemv_f32, library.tessera_gemm_f32):
+                y = torch.full((m, n), float("nan"))
+                kernel(x.data_ptr(), m, k, panels.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                       n, 2)
+                ys.append(y)
+            assert torch.equal(ys[0], ys[1]), (m, k, n)
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            scale = x.double().abs() @ w.double().abs().T + 1
+            assert ((ys[0].double() - exact).abs() / scale).max() < 1e-6, (m, k, n)

@@ -267,7 +267,10 @@ def weight_tensors(model):
         if hasattr(getattr(module, "weight", None), "qtype"):  # QuantizedEmbedding
             yield module.weight.data
 
-engine = start_engine(DecoderConfig(model_dir=sys.argv[1], num_blocks=64, max_num_seqs=8, decode_step="modules"))
+# torch's linear backend on every host: the weights stay the checkpoint's tensors (the cpu backend, auto's
+# choice on some hosts, packs them into panels and a tied lm_head into a second copy)
+engine = start_engine(DecoderConfig(model_dir=sys.argv[1], num_blocks=64, max_num_seqs=8, decode_step="modules",
+                                    linear_backend="torch"))
 model, spans = engine.parts.model, file_mappings()
 checkpoint = [s for path, runs in spans.items() if Path(path).parent == Path(sys.argv[1]).resolve() for s in runs]
 file_kb = sum(rss for _, _, rss in checkpoint)

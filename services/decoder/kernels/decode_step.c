@@ -265,6 +265,70 @@ static inline __attribute__((always_inline)) void gemv(
     }
 }
 
+/* panel_gemv: y [rows, N] = x [rows, K] W^T (+ b) over gemm.c's float32 panels ([ceil(N / 16), K, 16]) for
+   rows <= GEMV_ROWS, on AVX-512: a panel row is one zmm, so each k is one load, one line prefetched
+   PF_BYTES ahead (the GEMV's stream) and a fused multiply-add per row, where gemm.c's AVX2 tile reads
+   the row in two halves and prefetches the next panel in slices (a float32 decoder on the cpu linear
+   backend ran batch 1 at 0.94x the row-major one: bench/results/linear_backend.md). SmolLM2-135M's 30
+   layers of projections from memory, 2-core AMD EPYC with AVX-512, interleaved medians, 1 / 2 / 4 rows:
+   16.1 / 16.4 / 15.1 -> 15.4 / 15.5 / 14.4 ms (the row-major GEMV at 1 row: 14.5). The operations are gemm.c's, in its order (per output, FMAs from zero over each block of
+   PANEL_KC k in increasing k, the blocks added in order, then the bias), so the bits are its bits:
+   a row's numbers still do not depend on the step's size (tests/decoder/test_decode_step.py). */
+#define PANEL_NR 16   /* gemm.c NR: output columns per panel */
+#define PANEL_KC 128  /* gemm.c KC: k per block of its blocked sum */
+#if GEMV_AVX512
+static inline __attribute__((always_inline)) void panel_gemv_tile(
+    const float *x, const int nr, int64_t k_features, const float *panel, const float *bias, float *y,
+    int64_t n_features, int64_t n0)
+{
+    __m512 sums[GEMV_ROWS], acc[GEMV_ROWS];
+    for (int r = 0; r < nr; r++)
+        sums[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k_features; k0 += PANEL_KC) {
+        const int64_t k1 = k0 + PANEL_KC < k_features ? k0 + PANEL_KC : k_features;
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            __builtin_prefetch((const char *)(panel + k * PANEL_NR) + PF_BYTES, 0, PF_LOCALITY);
+            const __m512 w = _mm512_loadu_ps(panel + k * PANEL_NR);
+            for (int r = 0; r < nr; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k_features + k]), w, acc[r]);
+        }
+        for (int r = 0; r < nr; r++)
+            sums[r] = _mm512_add_ps(sums[r], acc[r]);
+    }
+    const int64_t width = n_features - n0 < PANEL_NR ? n_features - n0 : PANEL_NR;
+    const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+    for (int r = 0; r < nr; r++) {
+        const __m512 v = bias == NULL ? sums[r] : _mm512_add_ps(sums[r], _mm512_maskz_loadu_ps(mask, bias + n0));
+        _mm512_mask_storeu_ps(y + r * n_features + n0, mask, v);
+    }
+}
+#endif
+
+/* panel_gemv where it is built (AVX-512, rows <= GEMV_ROWS), else gemm.c's GEMM: the same bits either way */
+static void panel_gemv(const float *x, int64_t m_rows, int64_t k_features, const float *panels, const float *bias,
+                       float *y, int64_t n_features, int num_threads)
+{
+#if GEMV_AVX512
+    if (m_rows >= 1 && m_rows <= GEMV_ROWS) {
+        const int64_t n_panels = (n_features + PANEL_NR - 1) / PANEL_NR;
+        #pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t p = 0; p < n_panels; p++) {
+            const float *panel = panels + (size_t)(p * k_features * PANEL_NR);
+            switch (m_rows) {  /* a constant row count: the accumulators stay in registers */
+            case 1: panel_gemv_tile(x, 1, k_features, panel, bias, y, n_features, p * PANEL_NR); break;
+            case 2: panel_gemv_tile(x, 2, k_features, panel, bias, y, n_features, p * PANEL_NR); break;
+            case 3: panel_gemv_tile(x, 3, k_features, panel, bias, y, n_features, p * PANEL_NR); break;
+            default: panel_gemv_tile(x, 4, k_features, panel, bias, y, n_features, p * PANEL_NR); break;
+            }
+        }
+        return;
+    }
+#endif
+    tessera_gemm_f32(x, m_rows, k_features, panels, bias, y, n_features, num_threads);
+}
+
 /* y [rows, out] = x [rows, in] W^T (+ b): the packed GEMM (x widened to float32 for a bf16 model) or gemv */
 static inline __attribute__((always_inline)) void project(
     const step_t *s, const projection_t *p, const void *x, void *y, const int bf16)
@@ -275,7 +339,7 @@ static inline __attribute__((always_inline)) void project(
     } else if (!p->packed) {
         gemv(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads, bf16);
     } else if (!bf16) {
-        tessera_gemm_f32(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads);
+        panel_gemv(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads);
     } else {
         const int64_t n = s->rows * p->in_features;
         for (int64_t i = 0; i < n; i++)
@@ -450,6 +514,13 @@ void tessera_gemv_bf16(const bf16_t *x, int64_t m_rows, int64_t k_features, cons
                        const bf16_t *bias, bf16_t *y, int64_t n_features, int num_threads)
 {
     gemv(x, m_rows, k_features, weight, bias, y, n_features, num_threads, 1);
+}
+
+/* the fused step's float32 projection over packed panels (panel_gemv): for tests and benchmarks */
+void tessera_panel_gemv_f32(const float *x, int64_t m_rows, int64_t k_features, const float *panels,
+                            const float *bias, float *y, int64_t n_features, int num_threads)
+{
+    panel_gemv(x, m_rows, k_features, panels, bias, y, n_features, num_threads);
 }
 
 int64_t tessera_decode_max_rows(void) { return MAX_ROWS; }

@@ -72,6 +72,7 @@ _SIGNATURES = {
     "tessera_decode_step_f32": (_INT, [_P, _I64, _P]),
     "tessera_decode_step_bf16": (_INT, [_P, _I64, _P]),
     "tessera_gemv_f32": (None, _GEMM_ARGS),
+    "tessera_panel_gemv_f32": (None, _GEMM_ARGS),
     "tessera_gemv_bf16": (None, _GEMM_ARGS),
     "tessera_decode_max_rows": (_I64, []),
     "tessera_gemv_variant": (ctypes.c_char_p, []),
