@@ -142,6 +142,8 @@ class FusedDecode:
         self._kernel = (library.tessera_decode_step_f32 if self.dtype == torch.float32
                         else library.tessera_decode_step_bf16)
         self._gemv = library.tessera_gemv_f32 if self.dtype == torch.float32 else library.tessera_gemv_bf16
+        self._logits = (library.tessera_decode_logits_f32 if self.dtype == torch.float32
+                        else library.tessera_decode_logits_bf16)
         self._lora = lora
         self._layers = (Layer * spec.num_layers)()
         packed = []
@@ -164,6 +166,14 @@ class FusedDecode:
                 part.start, part.out_features = _columns(module, i, name)
         # packed weights: the C GEMM at any row count; row-major: the GEMV up to its crossover with MKL
         self.max_rows = MAX_ROWS if all(packed) else ROW_MAJOR_MAX_ROWS[self.dtype]
+        # the head for `logits` (None: adapted, or of a kind the step does not project), and its row limit
+        self._head, head = None, model.lm_head
+        if not getattr(head, "lora_slices", ()) and model.model.norm.weight.dtype == self.dtype:
+            try:
+                self._head = _projection(head, self.dtype)
+            except ValueError:
+                pass
+        self._head_rows = ROW_MAJOR_MAX_ROWS[self.dtype] if head.gemm is None else MAX_ROWS
         self._resolved: set[int] = set()  # LoRA parts (index into layers x parts) whose factors are set
         self._cache, self._norm_eps = cache, model.model.layers[0].input_layernorm.eps
         h, kv, d, hidden, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size
@@ -231,6 +241,33 @@ class FusedDecode:
                    None if linear.bias is None else linear.bias.data_ptr(), y.data_ptr(), linear.out_features,
                    torch.get_num_threads())
         return y
+
+    def logits(self, model: LlamaForCausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, list[bool]] | None:
+        """`model.compute_logits(hidden)` for residual rows [rows, hidden] in one C call (the final norm,
+        the head as the step projects (GEMV, packed panels or GGUF blocks), widening to float32;
+        kernels/decode_step.c `decode_logits`) with `model_runner.ModelRunner.logits`'s rule applied
+        (a row whose float32 statistic sum(x^2) / hidden is not finite is NaN throughout) and each
+        row's finiteness: float32 logits [rows, vocab] and a bool per row. None where it does not
+        apply (a family with its own compute_logits, an adapted head, more rows than the head's kernel
+        takes here): the caller computes them itself."""
+        rows = hidden.shape[0]
+        if (self._head is None or type(model).compute_logits is not LlamaForCausalLM.compute_logits
+                or not 0 < rows <= self._head_rows or hidden.dtype != self.dtype):
+            return None
+        norm = model.model.norm
+        hidden = hidden.contiguous()
+        logits = torch.empty(rows, model.lm_head.out_features, dtype=torch.float32)
+        finite = torch.empty(rows, dtype=torch.uint8)
+        normed = self._scratch["h"].data_ptr()
+        if self.dtype == torch.float32:
+            self._logits(ctypes.byref(self._head), hidden.data_ptr(), rows, norm.weight.data_ptr(), norm.eps, normed,
+                         logits.data_ptr(), finite.data_ptr(), torch.get_num_threads())
+        else:
+            head_out = torch.empty(rows, model.lm_head.out_features, dtype=self.dtype)  # alive through the call
+            self._logits(ctypes.byref(self._head), hidden.data_ptr(), rows, norm.weight.data_ptr(), norm.eps, normed,
+                         head_out.data_ptr(), logits.data_ptr(), finite.data_ptr(), self._scratch["widened"].data_ptr(),
+                         torch.get_num_threads())
+        return logits, [bool(f) for f in finite.tolist()]
 
     def _lora_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """This step's adapter rows grouped by slot (rows, group starts, group slots), or None; the

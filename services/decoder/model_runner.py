@@ -119,7 +119,7 @@ class ModelRunner:
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
-        ids, positions, decode_rows, embed_rows, embed_values, token_slots = [], [], [], [], [], []
+        ids, positions, decode_rows, embed_rows, embed_values, slots, counts = [], [], [], [], [], [], []
         sample_rows, sampled = [], []
         prompt_rows, prompt_targets, prompt_spans = [], [], []
         row = 0
@@ -132,8 +132,8 @@ class ModelRunner:
             offsets, blocks = request.image_rows(start, end)
             embed_rows.extend(row + o for o in offsets)
             embed_values.extend(blocks)
-            slot = BASE_SLOT if request.lora_slot is None else request.lora_slot
-            token_slots.append(torch.full((item.num_new_tokens,), slot, dtype=torch.long))
+            slots.append(BASE_SLOT if request.lora_slot is None else request.lora_slot)
+            counts.append(item.num_new_tokens)
             if item.samples:
                 sample_rows.append(row + item.num_new_tokens - 1)
                 sampled.append(item)
@@ -145,7 +145,9 @@ class ModelRunner:
             row += item.num_new_tokens
         block_tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
         meta = self.attention.build_metadata(out.scheduled, block_tables, self.cache)
-        slot_tensor = torch.cat(token_slots)
+        # each token's adapter slot, None when every row is the base model's (no tensor work then)
+        token_slots = (torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts))
+                       if any(slot != BASE_SLOT for slot in slots) else None)
         device = self.cache.device
         return ModelInputs(
             input_ids=on_device(torch.tensor(ids, dtype=torch.long), device),
@@ -154,7 +156,7 @@ class ModelRunner:
             decode_rows=on_device(torch.tensor(decode_rows, dtype=torch.long), device) if decode_rows else None,
             embed_rows=on_device(torch.tensor(embed_rows, dtype=torch.long), device) if embed_rows else None,
             embed_values=on_device(torch.cat(embed_values), device) if embed_values else None,
-            token_slots=on_device(slot_tensor, device) if bool((slot_tensor != BASE_SLOT).any()) else None,
+            token_slots=None if token_slots is None else on_device(token_slots, device),
             sample_rows=on_device(torch.tensor(sample_rows, dtype=torch.long), device),
             sampled=sampled,
             prompt_rows=on_device(torch.tensor(prompt_rows, dtype=torch.long), device) if prompt_rows else None,
@@ -171,18 +173,25 @@ class ModelRunner:
             return self._forward(inputs)
 
     @torch.inference_mode()
-    def logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
         """Float32 logits [num_sampled, vocab] for the sampled requests' last rows of `hidden`
-        [num_tokens, hidden].
+        [num_tokens, hidden], and whether each row's logits are all finite.
 
         A row whose hidden state left float32's range reads as NaN: RMSNorm's statistic
         mean(x^2) overflows to inf for finite |x| past ~1e19 and then scales the row to zeros,
-        which would give flat, finite logits (garbage tokens served as if fine).
+        which would give flat, finite logits (garbage tokens served as if fine). The fused decode
+        step computes the same in one C call (decode_step.py `FusedDecode.logits`) where it can.
         """
-        residual = hidden[inputs.sample_rows]  # [num_sampled, hidden], before the final norm
+        # [num_sampled, hidden], before the final norm; every row when every row samples (rows ascend)
+        residual = hidden if len(inputs.sampled) == hidden.shape[0] else hidden[inputs.sample_rows]
+        fused = getattr(self.model, "fused_decode", None)
+        done = None if fused is None else fused.logits(self.model, residual)
+        if done is not None:
+            return done
         logits = self.model.compute_logits(residual)  # [num_sampled, vocab]
         overflow = ~torch.isfinite(residual.float().pow(2).mean(-1))  # [num_sampled], as RMSNorm computes it
-        return logits.masked_fill_(overflow[:, None], float("nan"))
+        logits.masked_fill_(overflow[:, None], float("nan"))
+        return logits, torch.isfinite(logits).all(dim=-1).tolist()
 
     @torch.inference_mode()
     def prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
@@ -248,11 +257,10 @@ class ModelRunner:
         result = RunnerOutput(prompt_logprobs=self.prompt_logprobs(inputs, hidden))
         if not inputs.sampled:
             return result
-        logits = self.logits(inputs, hidden)
+        logits, finite = self.logits(inputs, hidden)
         grammar_mask = None
         if masks is not None:
             *grammar_mask, result.mask_seconds = masks.result()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
         kept = [r for r, ok in zip(requests, finite) if ok]
         if len(kept) < len(requests):
             keep = [i for i, ok in enumerate(finite) if ok]

@@ -3,6 +3,8 @@ PEFT and a float64 GEMV, with proof that the fused call ran (not the module path
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from decoder_testing import make_tiny_llama
@@ -202,3 +204,69 @@ def test_panel_gemv_gives_the_packed_gemm_bits(library):
             exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
             scale = x.double().abs() @ w.double().abs().T + 1
             assert ((ys[0].double() - exact).abs() / scale).max() < 1e-6, (m, k, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_logits_equal_norm_then_head(library, dtype):
+    """The final norm, head and float32 widening in one call (FusedDecode.logits) give the bits of the
+    C RMSNorm then the head's kernel (the GEMV over a row-major head; over a packed one gemm.c's GEMM,
+    whose bits panel_gemv gives) then `.float()`, within rounding of torch's RMSNorm and linear; a row
+    whose float32 statistic sum(x^2) / hidden overflows (finite |x| ~ 1e20) or is NaN is NaN throughout
+    and not finite; a row with a non-finite logit keeps its values and is not finite; at 1..8 rows and
+    odd sizes (hidden 37, vocab 53)."""
+    from services.decoder.decode_step import Projection
+    from services.decoder.linear import CpuGemm
+    from services.decoder.model_llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(2)
+    hidden, vocab, eps = 37, 53, 1e-6
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    head = torch.randn(vocab, hidden, generator=gen).to(dtype)
+    loud_head = head.clone()
+    loud_head[7] = 3e38  # the head's column 7: inf or NaN (inf - inf) for every row
+    norm = RMSNorm(hidden, eps).to(dtype)
+    norm.weight.data.copy_(weight)
+    f32 = dtype == torch.float32
+    kernel = library.tessera_decode_logits_f32 if f32 else library.tessera_decode_logits_bf16
+    rms = library.tessera_rms_norm_f32 if f32 else library.tessera_rms_norm_bf16
+    gemm = library.tessera_gemm_f32 if f32 else library.tessera_gemm_bf16
+    for rows in range(1, 9):
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        if rows >= 3:
+            x[1] = 1e20  # finite, but its sum of squares is not
+            x[2, 5] = float("nan")
+        expected_normed = torch.empty(rows, hidden, dtype=dtype)
+        rms(x.data_ptr(), weight.data_ptr(), expected_normed.data_ptr(), rows, hidden, eps, 1)
+        overflow = ~torch.isfinite(x.float().pow(2).mean(-1))
+        for w in (head, loud_head):
+            panels = CpuGemm().pack(w).panels
+            for packed in (0, 1):
+                projection = Projection((panels if packed else w).data_ptr(), None, packed, hidden, vocab)
+                logits = torch.full((rows, vocab), -1.0)
+                finite = torch.full((rows,), 7, dtype=torch.uint8)
+                normed = torch.empty(rows, hidden, dtype=dtype)
+                head_out, widened = torch.empty(rows, vocab, dtype=dtype), torch.empty(rows, hidden)
+                extra = [] if f32 else [head_out.data_ptr()]
+                kernel(ctypes.byref(projection), x.data_ptr(), rows, weight.data_ptr(), eps, normed.data_ptr(), *extra,
+                       logits.data_ptr(), finite.data_ptr(), *([] if f32 else [widened.data_ptr()]), 2)
+
+                if packed:
+                    expected = torch.empty(rows, vocab, dtype=dtype)
+                    x_in = expected_normed.float()  # gemm.c takes float32 rows (a bf16 x widened exactly)
+                    gemm(x_in.data_ptr(), rows, hidden, panels.data_ptr(), None, expected.data_ptr(), vocab, 2)
+                    expected = expected.float()
+                else:
+                    expected = _gemv(library, expected_normed, w, None).float()
+                expected[overflow] = float("nan")
+                assert torch.equal(logits.isnan(), expected.isnan()), (rows, dtype, packed)
+                assert torch.equal(logits.nan_to_num(), expected.nan_to_num()), (rows, dtype, packed)
+                assert finite.tolist() == torch.isfinite(expected).all(-1).to(torch.uint8).tolist()
+                if rows >= 3:
+                    assert overflow[1] and overflow[2] and not overflow[0]
+                if w is loud_head:
+                    assert not finite.any() and not torch.isfinite(logits[0, 7]) and torch.isfinite(logits[0, :7]).all()
+                    continue
+                ok = ~overflow
+                torch_logits = torch.nn.functional.linear(norm(x[ok]), w).float()
+                tolerance = 1e-5 if f32 else 5e-2
+                torch.testing.assert_close(logits[ok], torch_logits, atol=tolerance, rtol=tolerance)

@@ -115,6 +115,17 @@ def test_chunked_prefill_in_slices_equals_transformers_and_projects_only_asking_
     projected = []
     compute = engine.parts.runner.model.compute_logits
     engine.parts.runner.model.compute_logits = lambda rows: (projected.append(rows.shape[0]), compute(rows))[1]
+    fused = engine.parts.runner.model.fused_decode
+    if fused is not None:  # sampled rows: the fused step's one-call logits where they apply (FusedDecode.logits)
+        fused_logits = fused.logits
+
+        def counting(model, hidden):
+            done = fused_logits(model, hidden)
+            if done is not None:
+                projected.append(hidden.shape[0])
+            return done
+
+        fused.logits = counting
     other = list(range(500, 530))
     try:
         results = run_requests(engine, [_request(prompt_ids, "asks", prompt_logprobs=NUM_TOP, max_tokens=1),

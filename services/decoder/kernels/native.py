@@ -71,6 +71,8 @@ _SIGNATURES = {
     "tessera_silu_mul_bf16": (None, _SILU_MUL_ARGS),
     "tessera_decode_step_f32": (_INT, [_P, _I64, _P]),
     "tessera_decode_step_bf16": (_INT, [_P, _I64, _P]),
+    "tessera_decode_logits_f32": (None, [_P, _P, _I64, _P, _F32, _P, _P, _P, _INT]),
+    "tessera_decode_logits_bf16": (None, [_P, _P, _I64, _P, _F32, _P, _P, _P, _P, _P, _INT]),
     "tessera_gemv_f32": (None, _GEMM_ARGS),
     "tessera_panel_gemv_f32": (None, _GEMM_ARGS),
     "tessera_gemv_bf16": (None, _GEMM_ARGS),
