@@ -10,7 +10,7 @@ keeps the module path) or, for weights kept row-major, its own GEMV. Results equ
 order of each projection's sum (the conformance tests run both: tests/decoder/test_decode_step.py).
 
 It runs a step when every row decodes one token on the cpu attention backend and there are at most
-`MAX_ROWS` rows (`ROW_MAJOR_MAX_ROWS` with row-major weights: past it MKL's GEMM beats the GEMV);
+`MAX_ROWS` rows (`row_major_max_rows` with row-major weights: past it torch's GEMM beats the GEMV);
 any other step (prefill, mixed, larger) takes the module path, which stays the reference. LoRA rows
 get their BGMV corrections inside the call (every adapter row of a decode step is a BGMV row);
 image rows are replaced in the embeddings before it, as on the module path.
@@ -41,11 +41,23 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # kernels/decode_step.c MAX_ROWS: the scratch buffers' rows
 # with row-major weights (the torch linear backend) the C GEMV runs up to this many rows per dtype;
-# past it torch's GEMM (MKL, AMX for bf16) is faster than re-reading each weight row from L1 per four
-# rows. SmolLM2-135M's 30 layers of projections, 2-core AVX-512 + AMX host, interleaved medians, ms
-# GEMV / torch: float32 1: 16 / 17, 4: 16 / 41, 8: 21 / 39, 16: 32 / 39, 24: 58 / 47;
-# bfloat16 1: 9 / 17, 8: 14 / 17, 12: 21 / 18, 32: 53 / 22
-ROW_MAJOR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+# past it torch's GEMM (MKL; oneDNN for bf16, on AMX tiles where the CPU has them) is faster than
+# re-reading each weight row from L1 per four rows. SmolLM2-135M's 30 layers of projections,
+# interleaved medians, ms GEMV / torch. 2-core Intel AVX-512 + AMX host: float32 1: 16 / 17,
+# 4: 16 / 41, 8: 21 / 39, 16: 32 / 39, 24: 58 / 47; bfloat16 1: 9 / 17, 8: 14 / 17, 12: 21 / 18,
+# 32: 53 / 22. 2-core AMD EPYC with AVX512-BF16, no AMX: bfloat16 4: 8.8 / 27.5, 8: 10.8 / 21.6,
+# 12: 14.0 / 22.1, 16: 17.9 / 25.0, 24: 26.2 / 28.9, 32: 40.9 / 33.7 (float32 16: 37 / 52, 24: 58 / 63).
+ROW_MAJOR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}  # on a CPU with AMX (`row_major_max_rows`)
+ROW_MAJOR_MAX_ROWS_BF16_NO_AMX = 24
+
+
+def row_major_max_rows(dtype: torch.dtype, cpu_flags: frozenset[str]) -> int:
+    """The most rows the C GEMV takes over row-major weights of `dtype` (float32 or bfloat16) on a
+    CPU with `cpu_flags` (native.cpu_flags()): bfloat16 runs to 24 rows where torch's bf16 GEMM has
+    no AMX tiles to run on, else the `ROW_MAJOR_MAX_ROWS` crossover."""
+    if dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags:
+        return ROW_MAJOR_MAX_ROWS_BF16_NO_AMX
+    return ROW_MAJOR_MAX_ROWS[dtype]
 DECODE_STEPS = ("fused", "modules")
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 LORA_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -165,7 +177,8 @@ class FusedDecode:
             for part, name in zip(layer.lora, LORA_PARTS):
                 part.start, part.out_features = _columns(module, i, name)
         # packed weights: the C GEMM at any row count; row-major: the GEMV up to its crossover with MKL
-        self.max_rows = MAX_ROWS if all(packed) else ROW_MAJOR_MAX_ROWS[self.dtype]
+        self._row_major_rows = row_major_max_rows(self.dtype, native.cpu_flags())
+        self.max_rows = MAX_ROWS if all(packed) else self._row_major_rows
         # the head for `logits` (None: adapted, or of a kind the step does not project), and its row limit
         self._head, head = None, model.lm_head
         if not getattr(head, "lora_slices", ()) and model.model.norm.weight.dtype == self.dtype:
@@ -173,7 +186,7 @@ class FusedDecode:
                 self._head = _projection(head, self.dtype)
             except ValueError:
                 pass
-        self._head_rows = ROW_MAJOR_MAX_ROWS[self.dtype] if head.gemm is None else MAX_ROWS
+        self._head_rows = self._row_major_rows if head.gemm is None else MAX_ROWS
         self._resolved: set[int] = set()  # LoRA parts (index into layers x parts) whose factors are set
         self._cache, self._norm_eps = cache, model.model.layers[0].input_layernorm.eps
         h, kv, d, hidden, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size
@@ -227,12 +240,12 @@ class FusedDecode:
         return x
 
     def project(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        """`linear(x)` for x [rows, in]: the C GEMV for at most `ROW_MAJOR_MAX_ROWS` rows (per dtype) of a
+        """`linear(x)` for x [rows, in]: the C GEMV for at most `row_major_max_rows` rows (per dtype) of a
         row-major weight of the model's dtype without LoRA targets (the lm_head: torch's GEMV reached
         13 GB/s on a bf16 head where this one streams at the machine's read bandwidth), else the
         module itself."""
         rows = x.shape[0]
-        if (linear.gemm is not None or getattr(linear, "lora_slices", ()) or not 0 < rows <= ROW_MAJOR_MAX_ROWS[self.dtype]
+        if (linear.gemm is not None or getattr(linear, "lora_slices", ()) or not 0 < rows <= self._row_major_rows
                 or x.dtype != self.dtype or linear.weight.dtype != self.dtype or not linear.weight.is_contiguous()):
             return linear(x)
         x = x.contiguous()

@@ -11,7 +11,7 @@ from decoder_testing import make_tiny_llama
 from family_conformance import LORA_TARGETS, PROMPTS, check_lora, check_regime, references
 
 from services.decoder.config import DecoderConfig
-from services.decoder.decode_step import ROW_MAJOR_MAX_ROWS, FusedDecode
+from services.decoder.decode_step import MAX_ROWS, ROW_MAJOR_MAX_ROWS, FusedDecode, row_major_max_rows
 from services.decoder.engine import start_engine
 from services.decoder.kernels import native
 
@@ -85,20 +85,39 @@ def test_lora_dtype_bfloat16_on_a_float32_model_equals_peft_with_rounded_factors
         DecoderConfig(model_dir=str(path), dtype="float32", lora_dtype="bfloat16", lora_backend="triton")
 
 
-def test_fused_step_bf16_equals_module_path(models, fused_calls):
+@pytest.mark.parametrize("linear", ["cpu", "torch"])
+def test_fused_step_bf16_equals_module_path(models, linear, fused_calls):
     """bfloat16: the fused call and the module path give the same greedy ids (the same kernels and
-    roundings; only each projection's order of summation differs)."""
+    roundings; only each projection's order of summation differs), on packed weights and on row-major
+    ones (the GEMV: 12 concurrent requests, so steps past 8 rows fuse where the CPU has no AMX)."""
+    import random
+
     path, _ = models["qwen3"]
+    rng = random.Random(4)
+    prompts = PROMPTS[:3] + [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 30))] for _ in range(9)]
     outputs = {}
     for step in ("fused", "modules"):
-        engine = start_engine(DecoderConfig(model_dir=str(path), dtype="bfloat16", max_model_len=256, num_blocks=64,
-                                            linear_backend="cpu", decode_step=step))
+        engine = start_engine(DecoderConfig(model_dir=str(path), dtype="bfloat16", max_model_len=256, num_blocks=128,
+                                            linear_backend=linear, decode_step=step))
         try:
-            outputs[step] = _generate(engine, PROMPTS[:3], 32)
+            outputs[step] = _generate(engine, prompts, 32)
         finally:
             engine.shutdown()
-    assert fused_calls, "the bf16 decode steps were meant to be fused"
+    rows = [r for r, _ in fused_calls]
+    assert rows, "the bf16 decode steps were meant to be fused"
+    limit = MAX_ROWS if linear == "cpu" else row_major_max_rows(torch.bfloat16, native.cpu_flags())
+    assert max(rows) == min(len(prompts), limit), "the concurrent decode steps were meant to be fused"
     assert outputs["fused"] == outputs["modules"]
+
+
+def test_row_major_rows_per_cpu():
+    """The GEMV's row limit over row-major weights follows torch's GEMM on the CPU: bfloat16 to 8 rows
+    where oneDNN has AMX tiles, 24 where it has AVX512-BF16 only (or less); float32 16 either way."""
+    amx = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    no_amx = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    assert row_major_max_rows(torch.bfloat16, amx) == 8
+    assert row_major_max_rows(torch.bfloat16, no_amx) == 24
+    assert row_major_max_rows(torch.float32, amx) == row_major_max_rows(torch.float32, no_amx) == 16
 
 
 def _generate(engine, prompts, max_tokens):
