@@ -161,31 +161,31 @@ typedef struct {
 
 /* one output o of rows [m0, m0 + nr), nr <= GEMV_ROWS: W row o against each x row */
 static inline __attribute__((always_inline)) void gemv_output(
-    const void *x, int64_t m0, int64_t nr, int64_t k_features, const void *w_row, float *sums, const int bf16)
+    const void *x, int64_t m0, const int nr, int64_t k_features, const void *w_row, float *sums, const int bf16)
 {
     const void *xr[GEMV_ROWS];
-    for (int64_t r = 0; r < GEMV_ROWS; r++)  /* missing rows repeat the first: computed, never stored */
+    for (int64_t r = 0; r < GEMV_ROWS; r++)  /* missing rows repeat the first (the omp simd loop computes them, never stored) */
         xr[r] = AT(x, (m0 + (r < nr ? r : 0)) * k_features, bf16);
 #if GEMV_AVX512
     if (!bf16) {
         __m512 acc[GEMV_ROWS];
-        for (int64_t r = 0; r < GEMV_ROWS; r++)
+        for (int r = 0; r < nr; r++)
             acc[r] = _mm512_setzero_ps();
         const float *w = (const float *)w_row;
         int64_t k = 0;
         for (; k + 16 <= k_features; k += 16) {
             __builtin_prefetch((const char *)(w + k) + PF_BYTES, 0, PF_LOCALITY);
             const __m512 wv = _mm512_loadu_ps(w + k);
-            for (int64_t r = 0; r < GEMV_ROWS; r++)
+            for (int r = 0; r < nr; r++)
                 acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps((const float *)xr[r] + k), acc[r]);
         }
         if (k < k_features) {  /* masked-off lanes load zeros and add nothing */
             const __mmask16 mask = (__mmask16)((1u << (k_features - k)) - 1u);
             const __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);
-            for (int64_t r = 0; r < GEMV_ROWS; r++)
+            for (int r = 0; r < nr; r++)
                 acc[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, (const float *)xr[r] + k), acc[r]);
         }
-        for (int64_t r = 0; r < GEMV_ROWS; r++)
+        for (int r = 0; r < nr; r++)
             sums[r] = _mm512_reduce_add_ps(acc[r]);
         return;
     }
@@ -193,24 +193,24 @@ static inline __attribute__((always_inline)) void gemv_output(
 #if TESSERA_DPBF16
     if (bf16) {
         __m512 acc[GEMV_ROWS];
-        for (int64_t r = 0; r < GEMV_ROWS; r++)
+        for (int r = 0; r < nr; r++)
             acc[r] = _mm512_setzero_ps();
         const bf16_t *w = (const bf16_t *)w_row;
         int64_t k = 0;
         for (; k + 32 <= k_features; k += 32) {
             __builtin_prefetch((const char *)(w + k) + PF_BYTES, 0, PF_LOCALITY);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-            for (int64_t r = 0; r < GEMV_ROWS; r++)
+            for (int r = 0; r < nr; r++)
                 acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512((const bf16_t *)xr[r] + k));
         }
         if (k < k_features) {
             const __mmask32 mask = (__mmask32)((1u << (k_features - k)) - 1u);
             const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
-            for (int64_t r = 0; r < GEMV_ROWS; r++)
+            for (int r = 0; r < nr; r++)
                 acc[r] = _mm512_dpbf16_ps(acc[r], wv,
                                           (__m512bh)_mm512_maskz_loadu_epi16(mask, (const bf16_t *)xr[r] + k));
         }
-        for (int64_t r = 0; r < GEMV_ROWS; r++)
+        for (int r = 0; r < nr; r++)
             sums[r] = _mm512_reduce_add_ps(acc[r]);
         return;
     }
@@ -254,7 +254,12 @@ static inline __attribute__((always_inline)) void gemv(
         for (int64_t m0 = 0; m0 < m_rows; m0 += GEMV_ROWS) {
             const int64_t nr = m_rows - m0 < GEMV_ROWS ? m_rows - m0 : GEMV_ROWS;
             float sums[GEMV_ROWS];
-            gemv_output(x, m0, nr, k_features, w_row, sums, bf16);
+            switch (nr) {  /* a constant row count: the vector loops compute only the rows there are */
+            case 1: gemv_output(x, m0, 1, k_features, w_row, sums, bf16); break;
+            case 2: gemv_output(x, m0, 2, k_features, w_row, sums, bf16); break;
+            case 3: gemv_output(x, m0, 3, k_features, w_row, sums, bf16); break;
+            default: gemv_output(x, m0, 4, k_features, w_row, sums, bf16); break;
+            }
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t at = (m0 + r) * n_features + o;
                 if (bf16)
