@@ -176,7 +176,7 @@ class FusedDecode:
             layer.soft_cap = attention.logits_soft_cap or 0.0
             for part, name in zip(layer.lora, LORA_PARTS):
                 part.start, part.out_features = _columns(module, i, name)
-        # packed weights: the C GEMM at any row count; row-major: the GEMV up to its crossover with MKL
+        # packed weights: the C GEMM at any row count; row-major: the GEMV up to its crossover with torch's GEMM
         self._row_major_rows = row_major_max_rows(self.dtype, native.cpu_flags())
         self.max_rows = MAX_ROWS if all(packed) else self._row_major_rows
         # the head for `logits` (None: adapted, or of a kind the step does not project), and its row limit

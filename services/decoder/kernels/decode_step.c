@@ -277,8 +277,9 @@ static inline __attribute__((always_inline)) void gemv(
    the row in two halves and prefetches the next panel in slices (a float32 decoder on the cpu linear
    backend ran batch 1 at 0.94x the row-major one: bench/results/linear_backend.md). SmolLM2-135M's 30
    layers of projections from memory, 2-core AMD EPYC with AVX-512, interleaved medians, 1 / 2 / 4 rows:
-   16.1 / 16.4 / 15.1 -> 15.4 / 15.5 / 14.4 ms (the row-major GEMV at 1 row: 14.5). The operations are gemm.c's, in its order (per output, FMAs from zero over each block of
-   PANEL_KC k in increasing k, the blocks added in order, then the bias), so the bits are its bits:
+   16.1 / 16.4 / 15.1 -> 15.4 / 15.5 / 14.4 ms (the row-major GEMV at 1 row: 14.5). The operations are
+   gemm.c's, in its order (per output, FMAs from zero over each block of PANEL_KC k in increasing k,
+   the blocks added in order, then the bias), so the bits are its bits:
    a row's numbers still do not depend on the step's size (tests/decoder/test_decode_step.py). */
 #define PANEL_NR 16   /* gemm.c NR: output columns per panel */
 #define PANEL_KC 128  /* gemm.c KC: k per block of its blocked sum */
