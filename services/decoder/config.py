@@ -158,7 +158,7 @@ compiled grammars are kept (least recently used first out).
                                       "or triton: GGUF blocks through Triton dequantize-in-the-GEMM kernels (GPU or "
                                       "TRITON_INTERPRET=1), dense weights through torch",
                                 choices=(AUTO, *LINEAR_BACKENDS))
-    decode_step: str = _flag(AUTO, "all-decode steps of up to 32 rows (16 float32 / 8 bfloat16 with row-major weights): fused (every layer "
+    decode_step: str = _flag(AUTO, "all-decode steps of up to 32 rows (with row-major weights: 16 float32, bfloat16 8 with AMX): fused (every layer "
                                    "in one C call: kernels/decode_step.c; Llama-family models on the cpu attention "
                                    "backend), modules (layer by layer through the model's modules, the reference), "
                                    "or auto (fused where it runs, else modules)", choices=(AUTO, *DECODE_STEPS))

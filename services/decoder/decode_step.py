@@ -46,14 +46,16 @@ MAX_ROWS = 32  # kernels/decode_step.c MAX_ROWS: the scratch buffers' rows
 # interleaved medians, ms GEMV / torch. 2-core Intel AVX-512 + AMX host: float32 1: 16 / 17,
 # 4: 16 / 41, 8: 21 / 39, 16: 32 / 39, 24: 58 / 47; bfloat16 1: 9 / 17, 8: 14 / 17, 12: 21 / 18,
 # 32: 53 / 22. 2-core AMD EPYC with AVX512-BF16, no AMX: bfloat16 4: 8.8 / 27.5, 8: 10.8 / 21.6,
-# 12: 14.0 / 22.1, 16: 17.9 / 25.0, 24: 26.2 / 28.9, 32: 40.9 / 33.7 (float32 16: 37 / 52, 24: 58 / 63).
+# 12: 14.0 / 22.1, 16: 17.9 / 25.0, 24: 26.2 / 28.9, 32: 40.9 / 33.7 (float32 16: 37 / 52, 24: 58 / 63);
+# with the bf16 GEMV's tiles of four W rows (kernels/decode_step.c GEMV_COLS): 8: 10.2 / 23.3,
+# 16: 15.6 / 27.1, 24: 21.1 / 31.3, 32: 26.9 / 34.9, so there bfloat16 runs every fused row count.
 ROW_MAJOR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}  # on a CPU with AMX (`row_major_max_rows`)
-ROW_MAJOR_MAX_ROWS_BF16_NO_AMX = 24
+ROW_MAJOR_MAX_ROWS_BF16_NO_AMX = MAX_ROWS
 
 
 def row_major_max_rows(dtype: torch.dtype, cpu_flags: frozenset[str]) -> int:
     """The most rows the C GEMV takes over row-major weights of `dtype` (float32 or bfloat16) on a
-    CPU with `cpu_flags` (native.cpu_flags()): bfloat16 runs to 24 rows where torch's bf16 GEMM has
+    CPU with `cpu_flags` (native.cpu_flags()): bfloat16 runs to `MAX_ROWS` where torch's bf16 GEMM has
     no AMX tiles to run on, else the `ROW_MAJOR_MAX_ROWS` crossover."""
     if dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags:
         return ROW_MAJOR_MAX_ROWS_BF16_NO_AMX

@@ -28,7 +28,8 @@
  * outputs. Each weight row is read from memory once per step, and its dot products with every x row
  * (<= MAX_ROWS, in L1/L2) are summed from it in registers: decode at small batch is bound by
  * reading the weights. float32: AVX-512 (16 lanes, one accumulator per row, rows four at a time)
- * or `omp simd` elsewhere; bfloat16 x and W: VDPBF16PS where the CPU has AVX512-BF16, widened
+ * or `omp simd` elsewhere; bfloat16 x and W: VDPBF16PS where the CPU has AVX512-BF16 (tiles of
+ * four W rows x four x rows, so past a few rows the VDPBF16PS, not the loads, set the pace), widened
  * float32 FMAs elsewhere; sums in float32, rounded once. The order of the sum depends on neither the
  * row's place in the batch nor the thread count.
  */
@@ -45,7 +46,15 @@
 #endif
 
 #define MAX_ROWS 32   /* decode_step.MAX_ROWS: the scratch buffers hold this many rows */
-#define GEMV_ROWS 4   /* x rows summed together: each weight vector loaded once feeds four FMAs */
+#define GEMV_ROWS 4   /* x rows per tile: each weight vector loaded once feeds four FMAs */
+/* W rows (outputs) per tile: bfloat16 4 (each x vector loaded once feeds four VDPBF16PS), float32 1.
+   SmolLM2-135M's 30 layers of projections + lm_head, 2-core AMD EPYC with AVX512-BF16, interleaved
+   medians, ms one column / 2 / 3 / 4 per tile: bfloat16 8 rows 12.8 / 12.9 / 12.0 / 12.3, 16: 22.6 /
+   20.8 / 19.2 / 19.2, 24: 33.8 / 30.3 / 27.0 / 26.7, 32: 47.8 / 39.9 / 35.9 / 32.7 (1 row: 9.5 / 9.3 with
+   4); float32 4 rows 20.1 / 22.0 / - / 21.4, 8: 26.4 / 32.7 / - / 32.0, 16: 60.4 / 62.1 / - / 60.8 (the
+   weights stream at twice the bytes, and the float32 path here is gemm.c's panels anyway). */
+#define GEMV_COLS 4
+#define TILE_COLS(bf16) ((bf16) ? GEMV_COLS : 1)
 /* The weight stream is prefetched PF_BYTES ahead, a cache line per vector step: SmolLM2-135M's 30
    layers of projections at one row, 2-core AVX-512 host, interleaved medians, GB/s float32 / bf16:
    a row's lines asked for at once 2 rows ahead 17.8 / 17.2; a line at a time 4 KB ahead 20.9 / 19.1,
@@ -159,117 +168,188 @@ typedef struct {
 #define ELEMENT(bf16) ((bf16) ? sizeof(bf16_t) : sizeof(float))
 #define AT(p, e, bf16) ((void *)((char *)(p) + (size_t)(e) * ELEMENT(bf16)))
 
-/* one output o of rows [m0, m0 + nr), nr <= GEMV_ROWS: W row o against each x row */
-static inline __attribute__((always_inline)) void gemv_output(
-    const void *x, int64_t m0, const int nr, int64_t k_features, const void *w_row, float *sums, const int bf16)
-{
-    const void *xr[GEMV_ROWS];
-    for (int64_t r = 0; r < GEMV_ROWS; r++)  /* missing rows repeat the first (the omp simd loop computes them, never stored) */
-        xr[r] = AT(x, (m0 + (r < nr ? r : 0)) * k_features, bf16);
 #if GEMV_AVX512
-    if (!bf16) {
-        __m512 acc[GEMV_ROWS];
-        for (int r = 0; r < nr; r++)
-            acc[r] = _mm512_setzero_ps();
-        const float *w = (const float *)w_row;
-        int64_t k = 0;
-        for (; k + 16 <= k_features; k += 16) {
-            __builtin_prefetch((const char *)(w + k) + PF_BYTES, 0, PF_LOCALITY);
-            const __m512 wv = _mm512_loadu_ps(w + k);
-            for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps((const float *)xr[r] + k), acc[r]);
-        }
-        if (k < k_features) {  /* masked-off lanes load zeros and add nothing */
-            const __mmask16 mask = (__mmask16)((1u << (k_features - k)) - 1u);
-            const __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);
-            for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, (const float *)xr[r] + k), acc[r]);
-        }
-        for (int r = 0; r < nr; r++)
-            sums[r] = _mm512_reduce_add_ps(acc[r]);
-        return;
-    }
-#endif
-#if TESSERA_DPBF16
-    if (bf16) {
-        __m512 acc[GEMV_ROWS];
-        for (int r = 0; r < nr; r++)
-            acc[r] = _mm512_setzero_ps();
-        const bf16_t *w = (const bf16_t *)w_row;
-        int64_t k = 0;
-        for (; k + 32 <= k_features; k += 32) {
-            __builtin_prefetch((const char *)(w + k) + PF_BYTES, 0, PF_LOCALITY);
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-            for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512((const bf16_t *)xr[r] + k));
-        }
-        if (k < k_features) {
-            const __mmask32 mask = (__mmask32)((1u << (k_features - k)) - 1u);
-            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
-            for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], wv,
-                                          (__m512bh)_mm512_maskz_loadu_epi16(mask, (const bf16_t *)xr[r] + k));
-        }
-        for (int r = 0; r < nr; r++)
-            sums[r] = _mm512_reduce_add_ps(acc[r]);
-        return;
-    }
-#endif
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-    if (bf16) {
-        const bf16_t *w = w_row, *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
-        #pragma omp simd reduction(+:s0, s1, s2, s3)
-        for (int64_t k = 0; k < k_features; k++) {
-            const float wv = bf16_to_f32(w[k]);
-            s0 += wv * bf16_to_f32(x0[k]);
-            s1 += wv * bf16_to_f32(x1[k]);
-            s2 += wv * bf16_to_f32(x2[k]);
-            s3 += wv * bf16_to_f32(x3[k]);
-        }
-    } else {
-        const float *w = w_row, *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
-        #pragma omp simd reduction(+:s0, s1, s2, s3)
-        for (int64_t k = 0; k < k_features; k++) {
-            s0 += w[k] * x0[k];
-            s1 += w[k] * x1[k];
-            s2 += w[k] * x2[k];
-            s3 += w[k] * x3[k];
-        }
-    }
-    sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
+/* the sums of 16 vectors acc[4 r + c] in one: lane 4 c + r. Each vector's lanes are added in the tree
+   of _mm512_reduce_add_ps (lane i + lane i + 8, then i + 4, then i + 2, then i + 1), transposed: 15
+   additions and 30 shuffles serve all 16, where 16 reductions took 64 additions and 64 extracts or
+   shuffles. Lanes of different vectors never meet, so a vector's sum is the same whichever others
+   share the call. */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 acc[16])
+{
+    __m512 pair[8], quad[4], oct[2];
+    for (int i = 0; i < 8; i++)  /* [a lanes 0-7 + 8-15 | b's]: quarters 0,1 of each + quarters 2,3 */
+        pair[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                                _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* quarter j: vector 4 i + j's lanes 0-3 + 4-7 */
+        quad[i] = _mm512_add_ps(_mm512_shuffle_f32x4(pair[2 * i], pair[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(pair[2 * i], pair[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* quarter j: [vector 8 i + j's 0 + 2, 1 + 3, vector 8 i + 4 + j's 0 + 2, 1 + 3] */
+        oct[i] = _mm512_add_ps(_mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], 0x44),
+                               _mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(oct[0], oct[1], 0x88), _mm512_shuffle_ps(oct[0], oct[1], 0xDD));
 }
+#endif
+
+/* outputs [o0, o0 + nc) of rows [m0, m0 + nr), nc, nr <= 4: sums[4 c + r] = W row o0 + c . x row m0 + r.
+   In the vector loops a tile of nc W rows and nr x rows takes nc + nr loads per k step for nc * nr
+   FMAs (one W row at a time took 1 + nr for nr: at 24 rows the loads, not the FMAs, set the pace),
+   and one transposed reduction (reduce16) for its sums. Each sum's order (lane-wise in increasing k,
+   then the lanes' tree) depends on neither nc nor nr. */
+static inline __attribute__((always_inline)) void gemv_tile(
+    const void *x, int64_t m0, const int nr, int64_t k_features, const void *weight, int64_t o0, const int nc,
+    float *sums, const int bf16)
+{
+#if GEMV_AVX512
+    if (STREAMS(bf16)) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_setzero_ps();
+        if (!bf16) {
+            const float *w[4], *xr[4];
+            for (int c = 0; c < nc; c++)
+                w[c] = (const float *)weight + (o0 + c) * k_features;
+            for (int r = 0; r < nr; r++)
+                xr[r] = (const float *)x + (m0 + r) * k_features;
+            int64_t k = 0;
+            for (; k + 16 <= k_features; k += 16) {
+                __m512 wv[4];
+                for (int c = 0; c < nc; c++) {
+                    __builtin_prefetch((const char *)(w[c] + k) + PF_BYTES, 0, PF_LOCALITY);
+                    wv[c] = _mm512_loadu_ps(w[c] + k);
+                }
+                for (int r = 0; r < nr; r++) {
+                    const __m512 xv = _mm512_loadu_ps(xr[r] + k);
+                    for (int c = 0; c < nc; c++)
+                        acc[4 * r + c] = _mm512_fmadd_ps(wv[c], xv, acc[4 * r + c]);
+                }
+            }
+            if (k < k_features) {  /* masked-off lanes load zeros and add nothing */
+                const __mmask16 mask = (__mmask16)((1u << (k_features - k)) - 1u);
+                __m512 wv[4];
+                for (int c = 0; c < nc; c++)
+                    wv[c] = _mm512_maskz_loadu_ps(mask, w[c] + k);
+                for (int r = 0; r < nr; r++) {
+                    const __m512 xv = _mm512_maskz_loadu_ps(mask, xr[r] + k);
+                    for (int c = 0; c < nc; c++)
+                        acc[4 * r + c] = _mm512_fmadd_ps(wv[c], xv, acc[4 * r + c]);
+                }
+            }
+        }
+#if TESSERA_DPBF16
+        else {
+            const bf16_t *w[4], *xr[4];
+            for (int c = 0; c < nc; c++)
+                w[c] = (const bf16_t *)weight + (o0 + c) * k_features;
+            for (int r = 0; r < nr; r++)
+                xr[r] = (const bf16_t *)x + (m0 + r) * k_features;
+            int64_t k = 0;
+            for (; k + 32 <= k_features; k += 32) {
+                __m512bh wv[4];
+                for (int c = 0; c < nc; c++) {
+                    __builtin_prefetch((const char *)(w[c] + k) + PF_BYTES, 0, PF_LOCALITY);
+                    wv[c] = (__m512bh)_mm512_loadu_si512(w[c] + k);
+                }
+                for (int r = 0; r < nr; r++) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[r] + k);
+                    for (int c = 0; c < nc; c++)
+                        acc[4 * r + c] = _mm512_dpbf16_ps(acc[4 * r + c], wv[c], xv);
+                }
+            }
+            if (k < k_features) {
+                const __mmask32 mask = (__mmask32)((1u << (k_features - k)) - 1u);
+                __m512bh wv[4];
+                for (int c = 0; c < nc; c++)
+                    wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[c] + k);
+                for (int r = 0; r < nr; r++) {
+                    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[r] + k);
+                    for (int c = 0; c < nc; c++)
+                        acc[4 * r + c] = _mm512_dpbf16_ps(acc[4 * r + c], wv[c], xv);
+                }
+            }
+        }
+#endif
+        _mm512_storeu_ps(sums, reduce16(acc));
+        return;
+    }
+#endif
+    for (int c = 0; c < nc; c++) {  /* `omp simd`, one W row at a time against four x rows */
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        const int64_t x1 = m0 + (nr > 1 ? 1 : 0), x2 = m0 + (nr > 2 ? 2 : 0), x3 = m0 + (nr > 3 ? 3 : 0);
+        if (bf16) {  /* missing rows repeat the first (computed, never stored) */
+            const bf16_t *w = (const bf16_t *)weight + (o0 + c) * k_features, *xb = x;
+            const bf16_t *r0 = xb + m0 * k_features, *r1 = xb + x1 * k_features, *r2 = xb + x2 * k_features,
+                         *r3 = xb + x3 * k_features;
+            #pragma omp simd reduction(+:s0, s1, s2, s3)
+            for (int64_t k = 0; k < k_features; k++) {
+                const float wv = bf16_to_f32(w[k]);
+                s0 += wv * bf16_to_f32(r0[k]);
+                s1 += wv * bf16_to_f32(r1[k]);
+                s2 += wv * bf16_to_f32(r2[k]);
+                s3 += wv * bf16_to_f32(r3[k]);
+            }
+        } else {
+            const float *w = (const float *)weight + (o0 + c) * k_features, *xf = x;
+            const float *r0 = xf + m0 * k_features, *r1 = xf + x1 * k_features, *r2 = xf + x2 * k_features,
+                        *r3 = xf + x3 * k_features;
+            #pragma omp simd reduction(+:s0, s1, s2, s3)
+            for (int64_t k = 0; k < k_features; k++) {
+                s0 += w[k] * r0[k];
+                s1 += w[k] * r1[k];
+                s2 += w[k] * r2[k];
+                s3 += w[k] * r3[k];
+            }
+        }
+        sums[4 * c] = s0, sums[4 * c + 1] = s1, sums[4 * c + 2] = s2, sums[4 * c + 3] = s3;
+    }
+}
+
+/* a tile with constant nc and nr (the vector loops compute only the rows and columns there are) */
+#define GEMV_TILE_NR(nc, nr) gemv_tile(x, m0, nr, k_features, weight, o0, nc, sums, bf16)
+#define GEMV_TILE_NC(nc)                                         \
+    switch (nr) {                                                \
+    case 1: GEMV_TILE_NR(nc, 1); break;                          \
+    case 2: GEMV_TILE_NR(nc, 2); break;                          \
+    case 3: GEMV_TILE_NR(nc, 3); break;                          \
+    default: GEMV_TILE_NR(nc, 4); break;                         \
+    }
 
 static inline __attribute__((always_inline)) void gemv(
     const void *x, int64_t m_rows, int64_t k_features, const void *weight, const void *bias, void *y,
     int64_t n_features, int num_threads, const int bf16)
 {
-    const int64_t row_bytes = k_features * (int64_t)ELEMENT(bf16);
+    const int64_t row_bytes = k_features * (int64_t)ELEMENT(bf16), cols = TILE_COLS(bf16),
+                  tiles = (n_features + cols - 1) / cols;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t o = 0; o < n_features; o++) {
-        const void *w_row = AT(weight, o * k_features, bf16);
-        if (!STREAMS(bf16))  /* the omp simd loop: this row's lines PF_BYTES ahead, asked for now */
-            for (int64_t c = 0; c < row_bytes; c += 64)
-                __builtin_prefetch((const char *)w_row + PF_BYTES + c, 0, PF_LOCALITY);
-        const float b = bias == NULL ? 0.f : bf16 ? bf16_to_f32(((const bf16_t *)bias)[o]) : ((const float *)bias)[o];
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t o0 = t * cols, nc = n_features - o0 < cols ? n_features - o0 : cols;
+        if (!STREAMS(bf16))  /* the omp simd loop: the tile's lines PF_BYTES ahead, asked for now */
+            for (int64_t c = 0; c < nc * row_bytes; c += 64)
+                __builtin_prefetch((const char *)AT(weight, o0 * k_features, bf16) + PF_BYTES + c, 0, PF_LOCALITY);
+        float b[GEMV_COLS] = {0.f};
+        for (int64_t c = 0; bias != NULL && c < nc; c++)
+            b[c] = bf16 ? bf16_to_f32(((const bf16_t *)bias)[o0 + c]) : ((const float *)bias)[o0 + c];
         for (int64_t m0 = 0; m0 < m_rows; m0 += GEMV_ROWS) {
             const int64_t nr = m_rows - m0 < GEMV_ROWS ? m_rows - m0 : GEMV_ROWS;
-            float sums[GEMV_ROWS];
-            switch (nr) {  /* a constant row count: the vector loops compute only the rows there are */
-            case 1: gemv_output(x, m0, 1, k_features, w_row, sums, bf16); break;
-            case 2: gemv_output(x, m0, 2, k_features, w_row, sums, bf16); break;
-            case 3: gemv_output(x, m0, 3, k_features, w_row, sums, bf16); break;
-            default: gemv_output(x, m0, 4, k_features, w_row, sums, bf16); break;
+            float sums[16];
+            switch (nc) {
+            case 1: GEMV_TILE_NC(1); break;
+            case 2: GEMV_TILE_NC(2); break;
+            case 3: GEMV_TILE_NC(3); break;
+            default: GEMV_TILE_NC(4); break;
             }
-            for (int64_t r = 0; r < nr; r++) {
-                const int64_t at = (m0 + r) * n_features + o;
-                if (bf16)
-                    ((bf16_t *)y)[at] = f32_to_bf16(sums[r] + b);
-                else
-                    ((float *)y)[at] = sums[r] + b;
-            }
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t at = (m0 + r) * n_features + o0 + c;
+                    if (bf16)
+                        ((bf16_t *)y)[at] = f32_to_bf16(sums[4 * c + r] + b[c]);
+                    else
+                        ((float *)y)[at] = sums[4 * c + r] + b[c];
+                }
         }
     }
 }
+#undef GEMV_TILE_NC
+#undef GEMV_TILE_NR
 
 /* panel_gemv: y [rows, N] = x [rows, K] W^T (+ b) over gemm.c's float32 panels ([ceil(N / 16), K, 16]) for
    rows <= GEMV_ROWS, on AVX-512: a panel row is one zmm, so each k is one load, one line prefetched
