@@ -1,6 +1,7 @@
 """The cpu attention backend: decode rows in the C kernel (kernels/paged_attention.c, called through
-ctypes), prefill chunks on the torch path (SDPA's flash kernel, torch_backend.py); each step's K/V
-written into the cache by a C loop too (`write_kv`: KVCache.write's result, 2-3x faster here).
+ctypes), prefill spans in another (kernels/prefill_attention.c: flash attention over the paged cache,
+`paged_prefill_attention`); each step's K/V written into the cache by a C loop too (`write_kv`:
+KVCache.write's result, 2-3x faster here).
 
 The torch path gathers each decode row's K/V blocks into padded groups and runs two batched
 matmuls on the copy; this kernel reads every K and V row once, straight from its
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.decoder.attention.backend import AttentionBackend, AttentionMetadata, check_attention_options
-from services.decoder.attention.torch_backend import PrefillSpan, prefill_attention, split_batch
+from services.decoder.attention.torch_backend import PrefillSpan, split_batch
 from services.decoder.block_manager import padded_block_tables
 from services.decoder.kernels import native
 
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 _KERNELS = {(torch.float32, torch.float32): "tessera_paged_decode_attention_f32",
             (torch.bfloat16, torch.bfloat16): "tessera_paged_decode_attention_bf16",
             (torch.float32, torch.bfloat16): "tessera_paged_decode_attention_f32_bf16kv"}
+_PREFILL_KERNELS = {(torch.float32, torch.float32): "tessera_paged_prefill_attention_f32",
+                    (torch.bfloat16, torch.bfloat16): "tessera_paged_prefill_attention_bf16",
+                    (torch.float32, torch.bfloat16): "tessera_paged_prefill_attention_f32_bf16kv"}
 _WRITE_KERNELS = {(torch.float32, torch.float32): "tessera_write_kv_f32",
                   (torch.bfloat16, torch.bfloat16): "tessera_write_kv_bf16",
                   (torch.float32, torch.bfloat16): "tessera_write_kv_f32_bf16kv"}
@@ -63,17 +67,37 @@ class CpuDecodeMetadata:
             raise ValueError(f"CpuDecodeMetadata: context_lens must lie in [1, max_context={self.max_context}]")
 
 
+@dataclass
+class CpuPrefillMetadata:
+    """Prefill spans for the kernel: spans int64 [n, 4] (first flat-batch row, query rows, position of
+    the first query row, offset of the span's context in `slots`), slots int64 [sum of context
+    lengths]: each span's cache slots of positions 0 .. its last query's, concatenated."""
+
+    spans: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def of(cls, prefills: Sequence[PrefillSpan]) -> CpuPrefillMetadata:
+        rows, offset = [], 0
+        for span in prefills:
+            rows.append((span.token_start, span.token_end - span.token_start, span.num_computed, offset))
+            offset += span.context_slots.numel()
+        return cls(torch.tensor(rows, dtype=torch.long).reshape(-1, 4),
+                   torch.cat([span.context_slots for span in prefills]).to(torch.long))
+
+
 @dataclass(kw_only=True)
 class CpuAttentionMetadata(AttentionMetadata):
-    """The cpu backend's step: prefill spans (torch path) and the kernel's decode rows (None: none)."""
+    """The cpu backend's step: the prefill kernel's spans and the decode kernel's rows (None: none)."""
 
     prefills: list[PrefillSpan] = field(default_factory=list)
+    prefill: CpuPrefillMetadata | None = None
     decode: CpuDecodeMetadata | None = None
     block_size: int = 0
 
 
 class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
-    """Decode rows in the C kernel, prefill spans as the torch backend computes them."""
+    """Decode rows and prefill spans in C kernels over the paged cache."""
 
     name = "cpu"
 
@@ -102,6 +126,8 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= cache.num_slots):  # the C write trusts them
             raise ValueError(f"slot mapping outside the cache's {cache.num_slots} slots")
         meta = CpuAttentionMetadata(slot_mapping=slots, prefills=batch.prefills)  # write_kv reads the slots
+        if batch.prefills:
+            meta.prefill = CpuPrefillMetadata.of(batch.prefills)
         if batch.decode_rows:
             meta.block_size = cache.block_size
             meta.decode = decode_metadata(batch.decode_rows, batch.decode_tables, batch.decode_lens, cache.block_size)
@@ -118,7 +144,8 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
                 logits_soft_cap: float | None = None) -> torch.Tensor:
         check_attention_options(sliding_window, logits_soft_cap)
         out = torch.empty_like(query)
-        prefill_attention(query, k_cache, v_cache, meta.prefills, scale, out, sliding_window, logits_soft_cap)
+        if meta.prefill is not None:
+            paged_prefill_attention(query, k_cache, v_cache, meta.prefill, scale, out, sliding_window, logits_soft_cap)
         if meta.decode is not None:
             paged_decode_attention(query, k_cache, v_cache, meta.decode, meta.block_size, scale, out,
                                    sliding_window, logits_soft_cap)
@@ -173,6 +200,52 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("the cpu attention kernel could not allocate its score buffers")
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: CpuPrefillMetadata, scale: float, out: torch.Tensor,
+                            sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+    """Write the prefill spans' attention into `out` (kernels/prefill_attention.c): query row i of a
+    span attends to positions num_computed + i - sliding_window < t <= num_computed + i of its context
+    (causal; the window's bound only with one), scores capped with `logits_soft_cap` when given, as
+    SDPA / transformers' eager attention compute them (float32 scores and sums).
+
+    query/out: [num_tokens, heads, head_dim], contiguous (only the spans' rows of `out` are written);
+    k_cache/v_cache: [kv_heads, num_slots, head_dim], contiguous, head-major; dtypes as
+    `paged_decode_attention` takes them. The slots are trusted (the block manager's, as the decode
+    kernel's block tables).
+
+    Raises:
+        ValueError: another pairing of dtypes, a non-contiguous tensor, heads not a multiple of kv heads,
+            a cache whose head_dim differs, or spans outside `query` or `slots`.
+        RuntimeError: the kernel could not allocate its buffers.
+    """
+    tensors = (query, k_cache, v_cache, out)
+    kernel = _PREFILL_KERNELS.get((query.dtype, k_cache.dtype))
+    if (kernel is None or out.dtype != query.dtype or v_cache.dtype != k_cache.dtype
+            or not all(t.is_contiguous() for t in tensors)):
+        raise ValueError(f"the cpu prefill attention kernel takes contiguous query, caches and output, all float32, "
+                         f"all bfloat16, or a float32 query over bfloat16 caches; got query {query.dtype}, caches "
+                         f"{k_cache.dtype}/{v_cache.dtype}, output {out.dtype}")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, num_slots, cache_head_dim = k_cache.shape
+    spans, slots = meta.spans, meta.slots
+    if num_heads % num_kv_heads or cache_head_dim != head_dim or out.shape != query.shape or v_cache.shape != k_cache.shape:
+        raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
+    if (spans.dtype != torch.long or slots.dtype != torch.long or spans.dim() != 2 or spans.shape[1] != 4
+            or not spans.is_contiguous() or not slots.is_contiguous()):
+        raise ValueError("CpuPrefillMetadata: spans int64 [n, 4] and slots int64 [total], contiguous")
+    if spans.numel():
+        starts, lengths, computed, offsets = spans.unbind(1)
+        if (int(starts.min()) < 0 or int(lengths.min()) < 1 or int(computed.min()) < 0 or int(offsets.min()) < 0
+                or int((starts + lengths).max()) > num_tokens or int((offsets + computed + lengths).max()) > slots.numel()):
+            raise ValueError(f"prefill spans outside the {num_tokens} query rows or the {slots.numel()} slots")
+    rc = getattr(native.load(), kernel)(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), spans.data_ptr(), spans.shape[0], slots.data_ptr(),
+        out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots, scale, sliding_window or 0,
+        logits_soft_cap or 0.0, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("the cpu prefill attention kernel could not allocate its buffers")
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,

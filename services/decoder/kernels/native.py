@@ -31,14 +31,16 @@ import threading
 from functools import cache
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "lora_bgmv.c", "gemm.c", "norm_rope.c",
-                                                                   "decode_step.c", "quant_gemm.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "prefill_attention.c", "lora_bgmv.c",
+                                                                   "gemm.c", "norm_rope.c", "decode_step.c", "quant_gemm.c")]
 DTYPES = ("float32", "bfloat16")  # what every kernel computes
 VARIANT_ENV = "TESSERA_CPU_KERNELS"  # "portable": build without the AVX512-BF16 and AVX2 code; "avx2": as an AVX2 host
 AVX2_MARCH = "haswell"  # AVX2, FMA, F16C and no AVX-512: what -march=native gives on an AVX2-only x86 host
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _INT]
+# query, k_cache, v_cache, spans, num_spans, slots, out, heads, kv_heads, head_dim, num_slots, scale, window, cap, threads
+_PREFILL_ARGS = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _INT]
 _BGMV_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
 # x, x_stride, parts (bgmv_part_t [num_parts]), num_parts, rows, group_starts, group_slots, num_groups, in, shrunk, threads
 _BGMV_PARTS_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _INT]
@@ -52,6 +54,9 @@ _SIGNATURES = {
     "tessera_paged_decode_attention_f32": (_INT, _ATTENTION_ARGS),
     "tessera_paged_decode_attention_bf16": (_INT, _ATTENTION_ARGS),
     "tessera_paged_decode_attention_f32_bf16kv": (_INT, _ATTENTION_ARGS),
+    "tessera_paged_prefill_attention_f32": (_INT, _PREFILL_ARGS),
+    "tessera_paged_prefill_attention_bf16": (_INT, _PREFILL_ARGS),
+    "tessera_paged_prefill_attention_f32_bf16kv": (_INT, _PREFILL_ARGS),
     "tessera_lora_bgmv_f32": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_f32_bf16w": (None, _BGMV_ARGS),
