@@ -161,6 +161,19 @@ def decode_metadata(rows: list[int], block_tables: Sequence[Sequence[int]], cont
                              torch.tensor(context_lens, dtype=torch.int32), max(context_lens))
 
 
+def _attention_kernel(kernels: dict, what: str, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor) -> str:
+    """The name of the kernel in `kernels` for these dtypes; ValueError naming them when there is none
+    or a tensor is not contiguous."""
+    kernel = kernels.get((query.dtype, k_cache.dtype))
+    if (kernel is None or out.dtype != query.dtype or v_cache.dtype != k_cache.dtype
+            or not all(t.is_contiguous() for t in (query, k_cache, v_cache, out))):
+        raise ValueError(f"the cpu {what} kernel takes contiguous query, caches and output, all float32, all "
+                         f"bfloat16, or a float32 query over bfloat16 caches; got query {query.dtype}, caches "
+                         f"{k_cache.dtype}/{v_cache.dtype}, output {out.dtype}")
+    return kernel
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: CpuDecodeMetadata, block_size: int, scale: float, out: torch.Tensor,
                            sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
@@ -178,13 +191,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             trusted: `decode_metadata` takes them from the block manager.)
         RuntimeError: the kernel could not allocate its score buffers.
     """
-    tensors = (query, k_cache, v_cache, out)
-    kernel = _KERNELS.get((query.dtype, k_cache.dtype))
-    if (kernel is None or out.dtype != query.dtype or v_cache.dtype != k_cache.dtype
-            or not all(t.is_contiguous() for t in tensors)):
-        raise ValueError(f"the cpu attention kernel takes contiguous query, caches and output, all float32, all "
-                         f"bfloat16, or a float32 query over bfloat16 caches; got query {query.dtype}, caches "
-                         f"{k_cache.dtype}/{v_cache.dtype}, output {out.dtype}")
+    kernel = _attention_kernel(_KERNELS, "attention", query, k_cache, v_cache, out)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_slots, cache_head_dim = k_cache.shape
     rows, tables, lens = meta.rows, meta.block_tables, meta.context_lens
@@ -220,13 +227,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             a cache whose head_dim differs, or spans outside `query` or `slots`.
         RuntimeError: the kernel could not allocate its buffers.
     """
-    tensors = (query, k_cache, v_cache, out)
-    kernel = _PREFILL_KERNELS.get((query.dtype, k_cache.dtype))
-    if (kernel is None or out.dtype != query.dtype or v_cache.dtype != k_cache.dtype
-            or not all(t.is_contiguous() for t in tensors)):
-        raise ValueError(f"the cpu prefill attention kernel takes contiguous query, caches and output, all float32, "
-                         f"all bfloat16, or a float32 query over bfloat16 caches; got query {query.dtype}, caches "
-                         f"{k_cache.dtype}/{v_cache.dtype}, output {out.dtype}")
+    kernel = _attention_kernel(_PREFILL_KERNELS, "prefill attention", query, k_cache, v_cache, out)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_slots, cache_head_dim = k_cache.shape
     spans, slots = meta.spans, meta.slots
