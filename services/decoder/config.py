@@ -148,12 +148,14 @@ compiled grammars are kept (least recently used first out).
                                         flag="--prefix-caching")
     attention_backend: str = _flag(AUTO, "paged attention implementation: auto (triton on a GPU, cpu where its C "
                                          "kernel builds, else torch); triton needs a GPU (or TRITON_INTERPRET=1); "
-                                         "cpu: decode rows in a C kernel (needs a C compiler with OpenMP; float32, "
+                                         "cpu: decode rows and prefill spans in C kernels (needs a C compiler with OpenMP; float32, "
                                          "bfloat16)",
                                    choices=(AUTO, *ATTENTION_BACKENDS))
     linear_backend: str = _flag(AUTO, "dense projections, lm_head, RMSNorm, rotary and the MLP's SiLU gate: auto "
-                                      "(cpu on a CPU without AVX-512 where its C kernels build, else torch), torch "
-                                      "(MKL), cpu: a C GEMM on weights packed at load, every step (float32; "
+                                      "(cpu where its C kernels build unless torch's GEMM runs AVX-512 code for the "
+                                      "dtype here: MKL float32 on Intel, oneDNN bfloat16 with AVX512-BF16 or AMX; "
+                                      "then torch's GEMM with the C RMSNorm, rotary and SiLU gate), torch "
+                                      "(MKL / oneDNN and torch's elementwise ops), cpu: a C GEMM on weights packed at load, every step (float32; "
                                       "bfloat16 weights read directly), and C RMSNorm, rotary and SiLU-gate kernels, "
                                       "or triton: GGUF blocks through Triton dequantize-in-the-GEMM kernels (GPU or "
                                       "TRITON_INTERPRET=1), dense weights through torch",

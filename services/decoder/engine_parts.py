@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.decoder.attention import resolve_attention_backend
 from services.decoder.block_manager import BlockManager
-from services.decoder.config import DecoderConfig
+from services.decoder.config import AUTO, DecoderConfig
 from services.decoder.grammar import GrammarCompiler
 from services.decoder.kv_cache import KVCache
 from services.decoder.linear import resolve_linear_backend
@@ -45,16 +45,25 @@ class Backends:
     attention: str
     lora: str
     linear: str
+    pointwise: bool = False  # RMSNorm, rotary and the SiLU gate in the C kernels (kernels/pointwise.py)
 
 
 def resolve_backends(config: DecoderConfig) -> Backends:
     """`config`'s backends, each "auto" resolved to the fastest that runs on its device and dtype
     (the registries' `resolve_*_backend`: they build the C kernels when the cpu backends are
-    candidates, and log each automatic choice with its reason)."""
+    candidates, and log each automatic choice with its reason). The C RMSNorm, rotary and SiLU gate
+    come with the cpu linear backend, and with an automatic choice of torch's GEMM on a CPU where
+    the kernels build (torch's bfloat16 GEMM where it has AVX512-BF16 or AMX: its elementwise ops
+    still ran ~8% of a bf16 prefill step there, as separate passes over each activation)."""
     device, dtype = config.torch_device, config.dtype
+    linear = resolve_linear_backend(config.linear_backend, device, dtype, config.quantized)
+    pointwise = linear == "cpu"
+    if config.linear_backend == AUTO and linear == "torch" and device.type == "cpu":
+        from services.decoder.kernels import native
+
+        pointwise = native.unavailable(dtype) is None
     return Backends(resolve_attention_backend(config.attention_backend, device, dtype, config.block_size),
-                    resolve_lora_backend(config.lora_backend, device, dtype),
-                    resolve_linear_backend(config.linear_backend, device, dtype, config.quantized))
+                    resolve_lora_backend(config.lora_backend, device, dtype), linear, pointwise)
 
 
 @dataclass
@@ -110,7 +119,8 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     prompts = PromptBuilder(tokenizer, spec.vocab_size, spec.hidden_size, config.mrope_section, image_token_id,
                             vision.start if vision else None, vision.end if vision else None, compute_dtype=dtype)
     runner = ModelRunner(model, cache, block_manager, LoRAContext(bank, make_backend(backends.lora)),
-                         config.mrope_section is not None, backends.attention, backends.linear, config.decode_step)
+                         config.mrope_section is not None, backends.attention, backends.linear, config.decode_step,
+                         backends.pointwise)
     eos_token_ids = _eos_token_ids(config, model_config)
     grammars = GrammarCompiler(tokenizer, spec.vocab_size, [t for t in eos_token_ids if 0 <= t < spec.vocab_size],
                                config.structured_outputs_compile_timeout, config.structured_outputs_cache_size)

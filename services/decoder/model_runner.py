@@ -91,13 +91,15 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
                  lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch",
-                 linear_backend: str = "torch", decode_step: str = "modules") -> None:
+                 linear_backend: str = "torch", decode_step: str = "modules", pointwise: bool | None = None) -> None:
         """`attention_backend`: a name in services/decoder/attention's registry, constructed here;
         `linear_backend`: "torch", "cpu" (the C GEMM on weights packed here, services/decoder/linear.py,
         and the C RMSNorm, rotary and SiLU gate, kernels/pointwise.py) or "triton" (torch for dense
         weights, GGUF blocks moved to the cache's device for the Triton kernels, quantized_model.py
         `to_triton`); `decode_step`: "auto", "fused"
-        or "modules" (decode_step.py `attach_decode_step`; the resolved name is `self.decode_step`).
+        or "modules" (decode_step.py `attach_decode_step`; the resolved name is `self.decode_step`);
+        `pointwise`: the C RMSNorm, rotary and SiLU gate (kernels/pointwise.py) on the modules' path,
+        None: with the cpu linear backend only.
 
         Raises:
             ValueError: an unknown backend, or one that cannot run on this machine.
@@ -105,7 +107,7 @@ class ModelRunner:
         self.attention = make_attention_backend(attention_backend)
         self.model = model
         attach_gemm(model, make_linear_backend(linear_backend))
-        attach_pointwise(model, CpuPointwise() if linear_backend == "cpu" else None)
+        attach_pointwise(model, CpuPointwise() if (linear_backend == "cpu" if pointwise is None else pointwise) else None)
         if linear_backend == "triton":
             to_triton(model, cache.device, next(p.dtype for p in model.parameters() if p.is_floating_point()))
         self.cache = cache

@@ -224,7 +224,7 @@ def test_config_refuses_other_dtypes_and_a_missing_compiler(tiny_llama, monkeypa
     with pytest.raises(ValueError, match="built but could not be loaded"):
         make_attention_backend("cpu")
     backends = resolve_backends(DecoderConfig(model_dir=str(tiny_llama)))  # auto falls back to torch, naming why
-    assert (backends.attention, backends.lora) == ("torch", "torch")
+    assert (backends.attention, backends.lora, backends.linear, backends.pointwise) == ("torch", "torch", "torch", False)
 
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

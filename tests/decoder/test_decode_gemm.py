@@ -205,9 +205,12 @@ def test_the_linear_backend_auto_choice_and_refusals(tiny_llama):
     auto = DecoderConfig(model_dir=decoder_dir, dtype="float32")
     assert auto.linear_backend == "auto"  # building the config builds nothing; the engine resolves it at start
     assert resolve_backends(auto).linear == expected
+    assert resolve_backends(auto).pointwise  # the C RMSNorm, rotary and SiLU gate with either GEMM auto picks
+    bf16 = resolve_backends(DecoderConfig(model_dir=decoder_dir, dtype="bfloat16"))
+    assert (bf16.linear, bf16.pointwise) == ("torch" if native.cpu_has_bf16() else "cpu", True)
     for chosen in ("torch", "cpu"):
         config = DecoderConfig(model_dir=decoder_dir, dtype="float32", linear_backend=chosen)
-        assert resolve_backends(config).linear == chosen
+        assert (resolve_backends(config).linear, resolve_backends(config).pointwise) == (chosen, chosen == "cpu")
     with pytest.raises(ValueError, match="cpu linear backend computes float32 and bfloat16 only, got dtype 'float16'"):
         DecoderConfig(model_dir=decoder_dir, dtype="float16", linear_backend="cpu")
     with pytest.raises(ValueError, match="linear_backend must be one of"):

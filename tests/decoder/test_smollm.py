@@ -133,6 +133,26 @@ def test_each_linear_backend_with_chunked_prefill(smollm, linear_backend):
         engine.shutdown()
 
 
+def test_auto_torch_gemm_with_the_c_pointwise_kernels(smollm, monkeypatch):
+    """Where auto picks torch's GEMM (MKL's AVX-512 on Intel, oneDNN's bf16 with AVX512-BF16 or AMX)
+    the C RMSNorm, rotary and SiLU gate still run: weights stay row-major for torch, ids and logits
+    equal transformers'."""
+    from services.decoder import engine_parts
+
+    monkeypatch.setattr(engine_parts, "resolve_linear_backend", lambda *args: "torch")  # as on such a CPU
+    model_dir, _, prompts, _, refs = smollm
+    engine = _engine(model_dir, "cpu", max_num_batched_tokens=40)
+    try:
+        assert engine.parts.backends.linear == "torch" and engine.parts.backends.pointwise
+        layer = engine.parts.model.model.layers[0]
+        assert layer.mlp.down_proj.gemm is None and layer.mlp.down_proj.weight.numel() > 0
+        assert all(m.pointwise is not None for m in (layer.input_layernorm, layer.self_attn, layer.mlp,
+                                                     engine.parts.model.model.norm))
+        _check(engine, refs, prompts)
+    finally:
+        engine.shutdown()
+
+
 def test_chunked_prefill_every_prompt_chunked(smollm, attention_backend):
     model_dir, _, prompts, _, refs = smollm
     engine = _engine(model_dir, attention_backend, max_num_batched_tokens=16)
