@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,7 +68,17 @@ class PrefillSpan:
     token_end: int
     num_computed: int
     context_slots: torch.Tensor
-    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[query_len, context_len] bool, True where a query attends (causal with the earlier positions
+        as a prefix); None when plain causal (num_computed 0). Built on first use: the torch path's
+        SDPA reads it, the C prefill kernel (cpu backend) needs none."""
+        if self.num_computed == 0:
+            return None
+        context_len = int(self.context_slots.numel())
+        query_pos = torch.arange(self.num_computed, context_len)[:, None]  # [query_len, 1]
+        return torch.arange(context_len)[None, :] <= query_pos            # [query_len, context_len]
 
 
 @dataclass
@@ -103,14 +114,9 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 
 def prefill_span(token_start: int, num_computed: int, context_slots: torch.Tensor) -> PrefillSpan:
-    """Span for query positions [num_computed, len(context_slots)) with a causal-with-prefix mask."""
-    context_len = int(context_slots.numel())
-    query_len = context_len - num_computed
-    mask = None
-    if num_computed > 0:
-        query_pos = torch.arange(num_computed, context_len)[:, None]  # [query_len, 1]
-        mask = torch.arange(context_len)[None, :] <= query_pos         # [query_len, context_len]
-    return PrefillSpan(token_start, token_start + query_len, num_computed, context_slots, mask)
+    """Span for query positions [num_computed, len(context_slots)) (causal; `PrefillSpan.mask`)."""
+    query_len = int(context_slots.numel()) - num_computed
+    return PrefillSpan(token_start, token_start + query_len, num_computed, context_slots)
 
 
 def plan_decode(rows: list[int], block_tables: list[list[int]], context_lens: list[int], block_size: int,
