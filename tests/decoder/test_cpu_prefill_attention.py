@@ -179,9 +179,9 @@ def test_bad_inputs_are_refused():
         paged_prefill_attention(query[:, :3].contiguous(), k, v, meta, 0.25, out[:, :3].contiguous())
     with pytest.raises(ValueError, match="shapes do not fit"):  # the cache's head_dim differs
         paged_prefill_attention(query, k[..., :8].contiguous(), v[..., :8].contiguous(), meta, 0.25, out)
-    with pytest.raises(ValueError, match="outside the 4 query rows"):  # spans past the query rows
+    with pytest.raises(ValueError, match="reach row 9, past the 4 query rows"):  # spans past the query rows
         paged_prefill_attention(query[:4].contiguous(), k, v, meta, 0.25, out[:4].contiguous())
-    with pytest.raises(ValueError, match="or the 10 slots"):  # contexts past the slots
+    with pytest.raises(ValueError, match="outside their rows or the 10 slots"):  # contexts past the slots
         paged_prefill_attention(query, k, v, CpuPrefillMetadata(meta.spans, meta.slots[:10]), 0.25, out)
     with pytest.raises(ValueError, match="int64"):
         paged_prefill_attention(query, k, v, CpuPrefillMetadata(meta.spans.int(), meta.slots), 0.25, out)

@@ -75,6 +75,21 @@ class CpuPrefillMetadata:
 
     spans: torch.Tensor
     slots: torch.Tensor
+    rows_end: int = field(init=False)  # one past the last query row of any span
+
+    def __post_init__(self) -> None:
+        """The kernel trusts these; checked once per step (the backend's forward runs once per layer)."""
+        spans, slots = self.spans, self.slots
+        if (spans.dtype != torch.long or slots.dtype != torch.long or spans.dim() != 2 or spans.shape[1] != 4
+                or slots.dim() != 1 or not spans.is_contiguous() or not slots.is_contiguous()):
+            raise ValueError("CpuPrefillMetadata: spans int64 [n, 4] and slots int64 [total], contiguous")
+        self.rows_end = 0
+        if spans.numel():
+            starts, lengths, computed, offsets = spans.unbind(1)
+            if (int(starts.min()) < 0 or int(lengths.min()) < 1 or int(computed.min()) < 0 or int(offsets.min()) < 0
+                    or int((offsets + computed + lengths).max()) > slots.numel()):
+                raise ValueError(f"CpuPrefillMetadata: spans outside their rows or the {slots.numel()} slots")
+            self.rows_end = int((starts + lengths).max())
 
     @classmethod
     def of(cls, prefills: Sequence[PrefillSpan]) -> CpuPrefillMetadata:
@@ -224,7 +239,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     Raises:
         ValueError: another pairing of dtypes, a non-contiguous tensor, heads not a multiple of kv heads,
-            a cache whose head_dim differs, or spans outside `query` or `slots`.
+            a cache whose head_dim differs, or spans past `query`'s rows (`CpuPrefillMetadata` checks
+            them against its slots once per step).
         RuntimeError: the kernel could not allocate its buffers.
     """
     kernel = _attention_kernel(_PREFILL_KERNELS, "prefill attention", query, k_cache, v_cache, out)
@@ -233,14 +249,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     spans, slots = meta.spans, meta.slots
     if num_heads % num_kv_heads or cache_head_dim != head_dim or out.shape != query.shape or v_cache.shape != k_cache.shape:
         raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
-    if (spans.dtype != torch.long or slots.dtype != torch.long or spans.dim() != 2 or spans.shape[1] != 4
-            or not spans.is_contiguous() or not slots.is_contiguous()):
-        raise ValueError("CpuPrefillMetadata: spans int64 [n, 4] and slots int64 [total], contiguous")
-    if spans.numel():
-        starts, lengths, computed, offsets = spans.unbind(1)
-        if (int(starts.min()) < 0 or int(lengths.min()) < 1 or int(computed.min()) < 0 or int(offsets.min()) < 0
-                or int((starts + lengths).max()) > num_tokens or int((offsets + computed + lengths).max()) > slots.numel()):
-            raise ValueError(f"prefill spans outside the {num_tokens} query rows or the {slots.numel()} slots")
+    if meta.rows_end > num_tokens:
+        raise ValueError(f"prefill spans reach row {meta.rows_end}, past the {num_tokens} query rows")
     rc = getattr(native.load(), kernel)(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), spans.data_ptr(), spans.shape[0], slots.data_ptr(),
         out.data_ptr(), num_heads, num_kv_heads, head_dim, num_slots, scale, sliding_window or 0,
