@@ -22,6 +22,10 @@ transformers makes of the GGUF: its dequantized weights); the table goes to lora
 `--lora-dtype bfloat16` serves the factors in bfloat16 (half the bytes per decode step); its table
 goes to lora[-quantized]-lora-bfloat16.md.
 
+`--dtype bfloat16` serves the model in bf16 (the decoder's `--dtype`; the adapters' factors follow the
+model's dtype under `--lora-dtype auto`) and runs the PEFT anchor on a bf16 model; its table goes to
+lora[-lora-DTYPE]-bfloat16[-batch1].md.
+
 `--batch1` (issue 37's "8 adapters r16 >= 0.9x base at batch 1"): every mode sends its requests one at
 a time (each decode step holds one row; multi-LoRA still cycles the requests over the K adapters, so
 consecutive requests use different slots), the PEFT anchor generates one request at a time too; the
@@ -120,13 +124,15 @@ async def _grpc_run(address: str, work: list[tuple[list[int], str]], max_tokens:
         return sum(counts) / (time.perf_counter() - start)
 
 
-def peft_runner(model_dir: Path, root: Path, names: list[str], work, max_tokens: int, batch1: bool = False):
-    """PeftModel in process, loaded once; the returned callable runs, per adapter, one left-padded
-    greedy batch of its requests (`batch1`: each request alone, in the work's order) and returns tokens/s."""
+def peft_runner(model_dir: Path, root: Path, names: list[str], work, max_tokens: int, batch1: bool = False,
+                dtype: torch.dtype = torch.float32):
+    """PeftModel in process over the base model in `dtype`, loaded once; the returned callable runs, per
+    adapter, one left-padded greedy batch of its requests (`batch1`: each request alone, in the work's
+    order) and returns tokens/s."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval(),
                                       root / names[0],
                                       adapter_name=names[0])
     for name in names[1:]:
@@ -183,12 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="the decoder's --lora-dtype (default auto: the model's; bfloat16 on a float32 or "
                              "quantized model halves the factor bytes; results go to a file of their own)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype: the decoder's --dtype and the PEFT anchor's (default float32; "
+                             "bfloat16's results go to a file of their own)")
     parser.add_argument("--batch1", action="store_true",
                         help="send the requests one at a time (batch-1 decode); results go to a file of their own")
     args = parser.parse_args(argv)
     from services.decoder.model_llama import quantized_types
 
     quantized = sorted(set(quantized_types(args.model_dir).values()))
+    if quantized and args.dtype != "float32":
+        parser.error(f"--model-dir {args.model_dir} holds GGUF blocks, which run float32 activations: --dtype float32")
     if quantized and args.reference_model_dir is None:
         parser.error(f"--model-dir {args.model_dir} holds GGUF blocks ({'+'.join(quantized)}): give "
                      "--reference-model-dir, the float checkpoint transformers loads")
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             flags = ["--adapters-address", registry_address, "--adapter-slots", str(args.adapters),
                      "--max-lora-rank", str(args.rank), "--max-model-len", "1024", "--no-prefix-caching",
                      "--lora-backend", args.lora_backend, "--attention-backend", args.attention_backend,
-                     "--lora-dtype", args.lora_dtype]
+                     "--lora-dtype", args.lora_dtype, "--dtype", args.dtype]
             if quantized:
                 flags += ["--quant-mode", args.quant_mode]
             decoder, address = start_decoder(args.model_dir, flags, RESULTS / "lora-server.log")
@@ -214,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             # anchor (in this process, the decoder idle), base-only and multi-LoRA back to back; the
             # ratios are medians of the per-round ratios.
             try:
-                peft_run = peft_runner(reference, root, names, work, args.max_tokens, args.batch1)
+                peft_run = peft_runner(reference, root, names, work, args.max_tokens, args.batch1,
+                                       getattr(torch, args.dtype))
                 bases, multis, pefts = [], [], []
                 for round_ in range(ROUNDS):
                     pefts.append(peft_run())
@@ -237,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(f"base only (tessera, no adapter; rounds {runs(bases)})", base),
             (f"{args.adapters} adapters rank {args.rank} (tessera; rounds {runs(multis)})", multi),
             (f"PEFT in process, adapter switched per batch (anchor; rounds {runs(pefts)})", peft)]
-    precision = f"{'+'.join(quantized)} blocks, --quant-mode {args.quant_mode}" if quantized else "fp32"
+    precision = (f"{'+'.join(quantized)} blocks, --quant-mode {args.quant_mode}" if quantized
+                 else {"float32": "fp32", "bfloat16": "bf16"}[args.dtype])
     model = (f"model: {args.model_dir.name}, {precision}, lora backend {args.lora_backend}, "
              f"--lora-dtype {args.lora_dtype}, attention backend {args.attention_backend}")
     workload = (f"workload: {args.requests} {'requests one at a time' if args.batch1 else 'concurrent requests'}, "
@@ -253,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
               f"multi-LoRA / PEFT: {vs_peft:.2f}x ({'no target at batch 1' if args.batch1 else 'target >= 4x'})"]
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = ("" if args.lora_dtype == "auto" else f"-lora-{args.lora_dtype}") + ("-batch1" if args.batch1 else "")
+    suffix = (("" if args.lora_dtype == "auto" else f"-lora-{args.lora_dtype}")
+              + ("" if args.dtype == "float32" else f"-{args.dtype}") + ("-batch1" if args.batch1 else ""))
     (RESULTS / f"lora{'-quantized' if quantized else ''}{suffix}.md").write_text(text)
     return 0
 
