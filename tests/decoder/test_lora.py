@@ -138,6 +138,21 @@ def test_bank_leases_lru_and_slot_rewrite():
         bank.load(LoRAWeights("e", {"m.q": (torch.zeros(8, 4), torch.zeros(4, 8))}))
 
 
+def test_a_resident_digest_is_leased_from_its_slot_without_reading_the_weights_again():
+    """Every request's lease of a resident adapter goes through `load`: it returns the slot at once,
+    the factors in the slot stay those checked when they were loaded; a digest not resident is
+    still checked in full."""
+    shapes = {"m.q": (4, 4)}
+    bank = AdapterSlots(num_slots=1, max_rank=2, module_shapes=shapes)
+    assert bank.load(LoRAWeights("a", {"m.q": (torch.ones(2, 4), torch.ones(4, 2))})) == 0
+    again = LoRAWeights("a", {"m.q": (torch.full((2, 4), float("nan")), torch.ones(4, 2))})
+    assert bank.load_and_acquire(again, "a") == 0 and bank.num_leases(0) == 1
+    assert torch.equal(bank.factors("m.q")[0][0], torch.ones(2, 4))
+    bank.release(0, "a")
+    with pytest.raises(InvalidArgument, match="not finite"):
+        bank.load(LoRAWeights("b", {"m.q": (torch.full((2, 4), float("nan")), torch.ones(4, 2))}))
+    assert bank.slot_of("a") == 0
+
 def test_expert_targets_share_a_stacked_buffer_row_per_slot_and_expert():
     """Per-expert targets "<layer>.mlp.experts.<e>.<part>" live in one buffer per part, row
     slot * experts + e; reusing a slot zeroes all of its experts' rows."""
