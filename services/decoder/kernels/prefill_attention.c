@@ -56,7 +56,7 @@
 #else
 #define PREFILL_AVX2 0
 #endif
-#if defined(__AVX512F__) && !defined(TESSERA_PORTABLE) && !defined(PREFILL_NO_AVX512)
+#if defined(__AVX512F__) && !defined(TESSERA_PORTABLE)
 #define PREFILL_AVX512 1
 #else
 #define PREFILL_AVX512 0
