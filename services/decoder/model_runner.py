@@ -128,7 +128,10 @@ class ModelRunner:
         for item in out.scheduled:
             request, start, end = item.request, item.start, item.end
             ids.extend(request.token_ids(start, end))
-            positions.append(request.rope_positions(start, end, self.mrope))
+            if self.mrope:
+                positions.append(request.rope_positions(start, end, True))
+            else:  # ints, one tensor for the step (a decode row's arange cost more than its position)
+                positions.extend(request.rope_range(start, end))
             if item.num_new_tokens == 1:
                 decode_rows.append(row)
             offsets, blocks = request.image_rows(start, end)
@@ -153,7 +156,8 @@ class ModelRunner:
         device = self.cache.device
         return ModelInputs(
             input_ids=on_device(torch.tensor(ids, dtype=torch.long), device),
-            positions=on_device(torch.cat(positions, dim=-1), device),
+            positions=on_device(torch.cat(positions, dim=-1) if self.mrope else torch.tensor(positions, dtype=torch.long),
+                                device),
             meta=on_device(meta, device),
             decode_rows=on_device(torch.tensor(decode_rows, dtype=torch.long), device) if decode_rows else None,
             embed_rows=on_device(torch.tensor(embed_rows, dtype=torch.long), device) if embed_rows else None,

@@ -132,6 +132,12 @@ class Request:
         prompt = self.prompt.token_ids
         return prompt[start:end] + self.output_token_ids[max(0, start - len(prompt)):max(0, end - len(prompt))]
 
+    def rope_range(self, start: int, end: int) -> range:
+        """Rotary positions of [start, end) without M-RoPE: physical, shifted by longrope's
+        `position_offset` while its rows run on the long factors (rotary.py)."""
+        offset = self.long_rope.position_offset if self.uses_long_rope else 0
+        return range(start + offset, end + offset)
+
     def rope_positions(self, start: int, end: int, mrope: bool) -> torch.Tensor:
         """Rotary positions of [start, end): int64 [n], or [3, n] when `mrope`.
 
@@ -140,8 +146,8 @@ class Request:
         factors are shifted by its `position_offset` (rotary.py).
         """
         if not mrope:
-            offset = self.long_rope.position_offset if self.uses_long_rope else 0
-            return torch.arange(start + offset, end + offset)
+            positions = self.rope_range(start, end)
+            return torch.arange(positions.start, positions.stop)
         table = self.prompt.mrope_positions
         split = min(max(start, self.num_prompt_tokens), end)
         tail = (torch.arange(split, end) + self.prompt.rope_delta).expand(3, -1)

@@ -56,3 +56,33 @@ def test_float32_queries_over_a_bfloat16_cache(name, options):
 def test_bad_window_or_cap_is_refused(name, options):
     with pytest.raises(ValueError, match="sliding_window must be >= 1|logits_soft_cap must be > 0"):
         backend_case(name, **options)
+
+
+def test_split_batch_slots_equal_cache_slots_row_by_row():
+    """The slot mapping split_batch builds (decode rows' slots without tensors, gathered between
+    prefill spans) is cache_slots' row for row; a decode position past its table is refused; padded
+    block tables hold each table then block 0."""
+    from types import SimpleNamespace
+
+    from services.decoder.attention.backend import cache_slots
+    from services.decoder.attention.torch_backend import split_batch
+    from services.decoder.block_manager import padded_block_tables
+    from services.decoder.scheduler import ScheduledRequest
+
+    def item(start, num_new_tokens):
+        return ScheduledRequest(SimpleNamespace(num_computed_tokens=start, num_tokens=start + num_new_tokens),
+                                num_new_tokens)
+
+    tables = [[7, 3, 9], [2, 5], [4], [8, 1, 6, 0], [11, 12]]
+    for batch in ([item(9, 1), item(2, 5), item(0, 1), item(13, 1), item(0, 6)],  # decode, prefill, decode x2, prefill
+                  [item(9, 1), item(6, 1), item(3, 1)]):
+        split = split_batch(batch, tables[:len(batch)], 4)
+        want = torch.cat([cache_slots(t, it.start, it.end, 4) for it, t in zip(batch, tables)])
+        assert split.slot_mapping.dtype == torch.long and torch.equal(split.slot_mapping, want)
+        rows = [sum(it.num_new_tokens for it in batch[:i]) for i, it in enumerate(batch) if it.num_new_tokens == 1]
+        assert split.decode_rows == rows
+    assert split.slot_mapping.tolist() == [9 * 4 + 1, 5 * 4 + 2, 4 * 4 + 3]
+    with pytest.raises(ValueError, match="a block table of 2 blocks of 4 does not cover positions up to 9"):
+        split_batch([item(8, 1)], [[2, 5]], 4)
+    padded = padded_block_tables([[7, 3, 9], [2], [4, 6]])
+    assert padded.dtype == torch.int32 and padded.tolist() == [[7, 3, 9], [2, 0, 0], [4, 6, 0]]

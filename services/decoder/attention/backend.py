@@ -118,3 +118,16 @@ def cache_slots(block_table: Sequence[int], start: int, end: int, block_size: in
     positions = torch.arange(start, end)
     blocks = torch.tensor(block_table, dtype=torch.long)
     return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def cache_slot(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The cache slot of one position under `block_table` (`cache_slots` of [position, position + 1]
+    without tensors: a decode row's, once per row and step).
+
+    Raises:
+        ValueError: the table does not cover the position.
+    """
+    if len(block_table) * block_size <= position:
+        raise ValueError(f"a block table of {len(block_table)} blocks of {block_size} does not cover "
+                         f"positions up to {position + 1}")
+    return block_table[position // block_size] * block_size + position % block_size

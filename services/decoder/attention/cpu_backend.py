@@ -138,7 +138,8 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
                        cache: KVCache) -> CpuAttentionMetadata:
         batch = split_batch(scheduled, block_tables, cache.block_size)
         slots = batch.slot_mapping
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= cache.num_slots):  # the C write trusts them
+        bounds = torch.aminmax(slots) if slots.numel() else None  # one op: the C write trusts the slots
+        if bounds is not None and (int(bounds.min) < 0 or int(bounds.max) >= cache.num_slots):
             raise ValueError(f"slot mapping outside the cache's {cache.num_slots} slots")
         meta = CpuAttentionMetadata(slot_mapping=slots, prefills=batch.prefills)  # write_kv reads the slots
         if batch.prefills:
