@@ -129,7 +129,7 @@ class ModelRunner:
             request, start, end = item.request, item.start, item.end
             ids.extend(request.token_ids(start, end))
             if self.mrope:
-                positions.append(request.rope_positions(start, end, True))
+                positions.append(request.mrope_positions(start, end))
             else:  # ints, one tensor for the step (a decode row's arange cost more than its position)
                 positions.extend(request.rope_range(start, end))
             if item.num_new_tokens == 1:

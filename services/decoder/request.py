@@ -138,16 +138,13 @@ class Request:
         offset = self.long_rope.position_offset if self.uses_long_rope else 0
         return range(start + offset, end + offset)
 
-    def rope_positions(self, start: int, end: int, mrope: bool) -> torch.Tensor:
-        """Rotary positions of [start, end): int64 [n], or [3, n] when `mrope`.
+    def mrope_positions(self, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions of [start, end): int64 [3, n] (t, h, w); `rope_range` gives a model
+        without M-RoPE its positions.
 
         Prompt positions come from the M-RoPE table; later ones are physical + rope delta
-        (as in transformers' Qwen2-VL get_rope_index / decode path). Rows on longrope's long
-        factors are shifted by its `position_offset` (rotary.py).
+        (as in transformers' Qwen2-VL get_rope_index / decode path).
         """
-        if not mrope:
-            positions = self.rope_range(start, end)
-            return torch.arange(positions.start, positions.stop)
         table = self.prompt.mrope_positions
         split = min(max(start, self.num_prompt_tokens), end)
         tail = (torch.arange(split, end) + self.prompt.rope_delta).expand(3, -1)
