@@ -112,9 +112,7 @@ def cache_slots(block_table: Sequence[int], start: int, end: int, block_size: in
     Raises:
         ValueError: the table does not cover `end` positions.
     """
-    if len(block_table) * block_size < end:
-        raise ValueError(f"a block table of {len(block_table)} blocks of {block_size} does not cover "
-                         f"positions up to {end}")
+    _check_covers(block_table, end, block_size)
     positions = torch.arange(start, end)
     blocks = torch.tensor(block_table, dtype=torch.long)
     return blocks[positions // block_size] * block_size + positions % block_size
@@ -127,7 +125,11 @@ def cache_slot(block_table: Sequence[int], position: int, block_size: int) -> in
     Raises:
         ValueError: the table does not cover the position.
     """
-    if len(block_table) * block_size <= position:
-        raise ValueError(f"a block table of {len(block_table)} blocks of {block_size} does not cover "
-                         f"positions up to {position + 1}")
+    _check_covers(block_table, position + 1, block_size)
     return block_table[position // block_size] * block_size + position % block_size
+
+
+def _check_covers(block_table: Sequence[int], end: int, block_size: int) -> None:
+    if len(block_table) * block_size < end:
+        raise ValueError(f"a block table of {len(block_table)} blocks of {block_size} does not cover "
+                         f"positions up to {end}")
