@@ -29,7 +29,8 @@
  * (<= MAX_ROWS, in L1/L2) are summed from it in registers: decode at small batch is bound by
  * reading the weights. float32: AVX-512 (16 lanes, one accumulator per row, rows four at a time)
  * or `omp simd` elsewhere; bfloat16 x and W: VDPBF16PS where the CPU has AVX512-BF16 (tiles of
- * four W rows x four x rows, so past a few rows the VDPBF16PS, not the loads, set the pace), widened
+ * four W rows x four x rows, so past a few rows the VDPBF16PS, not the loads, set the pace; eight W
+ * rows at one x row, so eight streams and eight sums per reduction keep the loads in flight), widened
  * float32 FMAs elsewhere; sums in float32, rounded once. The order of the sum depends on neither the
  * row's place in the batch nor the thread count.
  */
@@ -37,6 +38,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "reduce16.h"
 
 #if defined(__AVX512F__) && !defined(TESSERA_PORTABLE)
 #include <immintrin.h>
@@ -55,6 +57,12 @@
    weights stream at twice the bytes, and the float32 path here is gemm.c's panels anyway). */
 #define GEMV_COLS 4
 #define TILE_COLS(bf16) ((bf16) ? GEMV_COLS : 1)
+/* W rows per tile of a bfloat16 GEMV with one x row (batch-1 decode, VDPBF16PS): eight accumulators,
+   eight streams, one transposed reduction for eight sums (the four-row tile's loop at one row reduced
+   once per four). SmolLM2-135M's 30 layers of projections at one row, 2-core AMD EPYC (Zen 5) VM,
+   80 interleaved rounds, share of torch's sum of the same bytes (per-round medians): the 4 x 4 tile
+   0.79-0.84, this loop with 4 columns 0.93, 8: 0.98-1.03, 12: 1.01, 16: 0.93. */
+#define GEMV1_COLS 8
 /* The weight stream is prefetched PF_BYTES ahead, a cache line per vector step: SmolLM2-135M's 30
    layers of projections at one row, 2-core AVX-512 host, interleaved medians, GB/s float32 / bf16:
    a row's lines asked for at once 2 rows ahead 17.8 / 17.2; a line at a time 4 KB ahead 20.9 / 19.1,
@@ -167,28 +175,6 @@ typedef struct {
 
 #define ELEMENT(bf16) ((bf16) ? sizeof(bf16_t) : sizeof(float))
 #define AT(p, e, bf16) ((void *)((char *)(p) + (size_t)(e) * ELEMENT(bf16)))
-
-#if GEMV_AVX512
-/* the sums of 16 vectors acc[4 r + c] in one: lane 4 c + r. Each vector's lanes are added in the tree
-   of _mm512_reduce_add_ps (lane i + lane i + 8, then i + 4, then i + 2, then i + 1), transposed: 15
-   additions and 30 shuffles serve all 16, where 16 reductions took 64 additions and 64 extracts or
-   shuffles. Lanes of different vectors never meet, so a vector's sum is the same whichever others
-   share the call. */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 acc[16])
-{
-    __m512 pair[8], quad[4], oct[2];
-    for (int i = 0; i < 8; i++)  /* [a lanes 0-7 + 8-15 | b's]: quarters 0,1 of each + quarters 2,3 */
-        pair[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
-                                _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)  /* quarter j: vector 4 i + j's lanes 0-3 + 4-7 */
-        quad[i] = _mm512_add_ps(_mm512_shuffle_f32x4(pair[2 * i], pair[2 * i + 1], 0x88),
-                                _mm512_shuffle_f32x4(pair[2 * i], pair[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)  /* quarter j: [vector 8 i + j's 0 + 2, 1 + 3, vector 8 i + 4 + j's 0 + 2, 1 + 3] */
-        oct[i] = _mm512_add_ps(_mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], 0x44),
-                               _mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(oct[0], oct[1], 0x88), _mm512_shuffle_ps(oct[0], oct[1], 0xDD));
-}
-#endif
 
 /* outputs [o0, o0 + nc) of rows [m0, m0 + nr), nc, nr <= 4: sums[4 c + r] = W row o0 + c . x row m0 + r.
    In the vector loops a tile of nc W rows and nr x rows takes nc + nr loads per k step for nc * nr
@@ -303,6 +289,58 @@ static inline __attribute__((always_inline)) void gemv_tile(
     }
 }
 
+#if GEMV_AVX512 && TESSERA_DPBF16
+/* one bfloat16 x row against W rows [o0, o0 + nc), nc <= GEMV1_COLS: sums[c] = W row o0 + c . x. Each
+   sum is summed as in gemv_tile (lane-wise in increasing k, then reduce16's tree of its lanes), so a
+   row's outputs are the same bits whether it decodes alone or in a batch. */
+static inline __attribute__((always_inline)) void gemv1_tile(
+    const bf16_t *x, int64_t k_features, const bf16_t *weight, int64_t o0, const int nc, float *sums)
+{
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++)
+        acc[i] = _mm512_setzero_ps();
+    const bf16_t *w[GEMV1_COLS];
+    for (int c = 0; c < nc; c++)
+        w[c] = weight + (o0 + c) * k_features;
+    int64_t k = 0;
+    for (; k + 32 <= k_features; k += 32) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+        for (int c = 0; c < nc; c++) {
+            __builtin_prefetch((const char *)(w[c] + k) + PF_BYTES, 0, PF_LOCALITY);
+            acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(w[c] + k), xv);
+        }
+    }
+    if (k < k_features) {  /* masked-off lanes load zeros and add nothing */
+        const __mmask32 mask = (__mmask32)((1u << (k_features - k)) - 1u);
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+        for (int c = 0; c < nc; c++)
+            acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_maskz_loadu_epi16(mask, w[c] + k), xv);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, reduce16(acc));  /* acc[i]'s sum is lane 4 (i % 4) + i / 4 */
+    for (int c = 0; c < nc; c++)
+        sums[c] = lanes[4 * (c % 4) + c / 4];
+}
+
+/* gemv's one-row bfloat16 case: tiles of GEMV1_COLS outputs, threads splitting them */
+static void gemv1_bf16(const bf16_t *x, int64_t k_features, const bf16_t *weight, const bf16_t *bias, bf16_t *y,
+                       int64_t n_features, int num_threads)
+{
+    const int64_t tiles = (n_features + GEMV1_COLS - 1) / GEMV1_COLS;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t o0 = t * GEMV1_COLS, nc = n_features - o0 < GEMV1_COLS ? n_features - o0 : GEMV1_COLS;
+        float sums[GEMV1_COLS];
+        if (nc == GEMV1_COLS)  /* the loop over columns unrolled */
+            gemv1_tile(x, k_features, weight, o0, GEMV1_COLS, sums);
+        else
+            gemv1_tile(x, k_features, weight, o0, (int)nc, sums);
+        for (int64_t c = 0; c < nc; c++)
+            y[o0 + c] = f32_to_bf16(sums[c] + (bias != NULL ? bf16_to_f32(bias[o0 + c]) : 0.f));
+    }
+}
+#endif
+
 /* a tile with constant nc and nr (the vector loops compute only the rows and columns there are) */
 #define GEMV_TILE_NR(nc, nr) gemv_tile(x, m0, nr, k_features, weight, o0, nc, sums, bf16)
 #define GEMV_TILE_NC(nc)                                         \
@@ -317,6 +355,12 @@ static inline __attribute__((always_inline)) void gemv(
     const void *x, int64_t m_rows, int64_t k_features, const void *weight, const void *bias, void *y,
     int64_t n_features, int num_threads, const int bf16)
 {
+#if GEMV_AVX512 && TESSERA_DPBF16
+    if (bf16 && m_rows == 1) {
+        gemv1_bf16(x, k_features, weight, bias, y, n_features, num_threads);
+        return;
+    }
+#endif
     const int64_t row_bytes = k_features * (int64_t)ELEMENT(bf16), cols = TILE_COLS(bf16),
                   tiles = (n_features + cols - 1) / cols;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
