@@ -62,6 +62,7 @@ def _bf16_case(num_heads, num_kv_heads, head_dim, block_size, lengths):
     (8, 2, 24, 4),    # GQA 4, head_dim not a multiple of 32 (the AVX512-BF16 tail)
     (6, 3, 80, 32),
     (2, 2, 8, 1),
+    (4, 2, 12, 8),    # head_dim not a multiple of 8: the V sums' scalar loops
 ])
 @pytest.mark.parametrize("options", WINDOW_AND_CAP, ids=str)
 def test_bf16_decode_rows_equal_torch_path_and_float64(variant, num_heads, num_kv_heads, head_dim, block_size,

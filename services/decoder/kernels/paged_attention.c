@@ -58,6 +58,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "reduce16.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(TESSERA_PORTABLE)
 #include <immintrin.h>
@@ -321,6 +322,111 @@ static inline __attribute__((always_inline)) void item_values_avx2(
 }
 #endif
 
+#if TESSERA_DPBF16 && ATTENTION_AVX2
+/* item_scores on the VDPBF16PS path for 16 positions at a time: sixteen independent accumulators (one
+   per position) and one transposed reduction (reduce16, _mm512_reduce_add_ps's tree), where a dot
+   product at a time was a chain of dependent VDPBF16PS and a horizontal sum per position: each score
+   has the bits of dot_bf16(q, k) * scale. Lanes past the block repeat its first position (computed,
+   never stored); K is prefetched two blocks ahead as in item_scores_avx2. With item_values_dp, one
+   SmolLM2-135M layer at one decode row (9 heads, 3 kv heads, head_dim 64, 2 threads, 2-core AMD EPYC
+   Zen 5 VM), microseconds a call from Python, caches hot: 64 positions 5.6 -> 4.3, 192 10.3 -> 6.7,
+   512 21.7 -> 12.2; in the engine's fused step (cycles counted around the call, 30 layers, caches
+   cold): 0.42 -> 0.33 ms a token at 128-256 positions, 2.3 -> 1.3 ms at 1536-1664. Outputs identical
+   to the dot-at-a-time loops (300 random shapes, windows and caps). */
+static inline __attribute__((always_inline)) void item_scores_dp(
+    const bf16_t *q, const bf16_t *k_plane, const int32_t *table, int64_t lo, int64_t len, int64_t rep,
+    int64_t head_dim, int64_t block_size, int64_t max_context, float scale, float *scores, float *maxes)
+{
+    for (int64_t r = 0; r < rep; r++)
+        maxes[r] = -INFINITY;
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    const int64_t lo_block = lo - lo % block_size;
+    for (int64_t start = lo_block; start < len; start += block_size) {
+        const int64_t count = len - start < block_size ? len - start : block_size;
+        const int64_t begin = start < lo ? lo - start : 0, groups = (count - begin + 15) / 16;
+        const bf16_t *k = k_plane + (int64_t)table[start / block_size] * block_size * head_dim;
+        /* K two blocks ahead, a part per 16 positions (and the second block with the first), as item_scores_avx2 */
+        if (start == lo_block)
+            prefetch_block(k_plane, table, start / block_size + 1, len, head_dim, block_size, 0, 1, 1);
+        for (int64_t t0 = begin; t0 < count; t0 += 16) {
+            const int64_t n = count - t0 < 16 ? count - t0 : 16;
+            prefetch_block(k_plane, table, start / block_size + 2, len, head_dim, block_size, (t0 - begin) / 16, groups,
+                           1);
+            const bf16_t *rows[16];  /* position j's K row in accumulator 4 (j % 4) + j / 4: reduce16's lane j */
+            for (int j = 0; j < 16; j++)
+                rows[4 * (j % 4) + j / 4] = k + (t0 + (j < n ? j : 0)) * head_dim;
+            for (int64_t r = 0; r < rep; r++) {
+                const bf16_t *qr = q + r * head_dim;
+                __m512 acc[16];
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_setzero_ps();
+                int64_t d = 0;
+                for (; d + 32 <= head_dim; d += 32) {
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
+                    for (int j = 0; j < 16; j++)
+                        acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(rows[j] + d));
+                }
+                if (d < head_dim) {  /* masked-off lanes load zeros and add nothing */
+                    const __mmask32 mask = (__mmask32)((1u << (head_dim - d)) - 1u);
+                    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mask, qr + d);
+                    for (int j = 0; j < 16; j++)
+                        acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[j] + d));
+                }
+                float *s = scores + r * max_context + start + t0;
+                _mm512_mask_storeu_ps(s, (__mmask16)((1u << n) - 1u), _mm512_mul_ps(reduce16(acc), scale_v));
+                for (int64_t j = 0; j < n; j++)  /* a NaN score is passed over for the max, as in item_scores */
+                    maxes[r] = s[j] > maxes[r] ? s[j] : maxes[r];
+            }
+        }
+    }
+}
+/* item_values for bf16 V blocks and head_dim a multiple of 16, in AVX-512: 64 (then 16) columns of
+   one query head at a time held in registers across a block's positions, each V row widened in
+   registers (no `wide` copy). Each accumulator lane is the same chain of fused multiply-adds, in the
+   same order, as item_values_avx2's: the same bits. */
+static inline __attribute__((always_inline)) void item_values_dp(
+    const float *scores, const float *inv, const bf16_t *v_plane, const int32_t *table, int64_t lo, int64_t len,
+    int64_t rep, int64_t head_dim, int64_t block_size, int64_t max_context, float *acc)
+{
+    for (int64_t x = 0; x < rep * head_dim; x++)
+        acc[x] = 0.f;
+    for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
+        const int64_t count = len - start < block_size ? len - start : block_size;
+        const int64_t begin = start < lo ? lo - start : 0;
+        const bf16_t *v = v_plane + (int64_t)table[start / block_size] * block_size * head_dim;
+        for (int64_t r = 0; r < rep; r++) {
+            /* V one block ahead, a part per query head */
+            prefetch_block(v_plane, table, start / block_size + 1, len, head_dim, block_size, r, rep, 1);
+            const float *p = scores + r * max_context + start, ir = inv[r];
+            float *a = acc + r * head_dim;
+#define WIDEN16(at) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at))), 16))
+            int64_t d = 0;
+            for (; d + 64 <= head_dim; d += 64) {
+                __m512 a0 = _mm512_loadu_ps(a + d), a1 = _mm512_loadu_ps(a + d + 16);
+                __m512 a2 = _mm512_loadu_ps(a + d + 32), a3 = _mm512_loadu_ps(a + d + 48);
+                for (int64_t t = begin; t < count; t++) {
+                    const __m512 w = _mm512_set1_ps(p[t] * ir);
+                    const bf16_t *vt = v + t * head_dim + d;
+                    a0 = _mm512_fmadd_ps(w, WIDEN16(vt), a0);
+                    a1 = _mm512_fmadd_ps(w, WIDEN16(vt + 16), a1);
+                    a2 = _mm512_fmadd_ps(w, WIDEN16(vt + 32), a2);
+                    a3 = _mm512_fmadd_ps(w, WIDEN16(vt + 48), a3);
+                }
+                _mm512_storeu_ps(a + d, a0), _mm512_storeu_ps(a + d + 16, a1);
+                _mm512_storeu_ps(a + d + 32, a2), _mm512_storeu_ps(a + d + 48, a3);
+            }
+            for (; d < head_dim; d += 16) {
+                __m512 a0 = _mm512_loadu_ps(a + d);
+                for (int64_t t = begin; t < count; t++)
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[t] * ir), WIDEN16(v + t * head_dim + d), a0);
+                _mm512_storeu_ps(a + d, a0);
+            }
+#undef WIDEN16
+        }
+    }
+}
+#endif
+
 /* the kernel, for a float32 (q_bf16 = 0) or bfloat16 (q_bf16 = 1) query and output over a float32 (kv_bf16 = 0)
    or bfloat16 (kv_bf16 = 1) cache; see the exported functions */
 static inline __attribute__((always_inline)) int paged_decode_attention(
@@ -359,10 +465,25 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
             const int32_t *table = block_tables + i * table_width;
             const int64_t q_first = (rows[i] * num_heads + h * rep) * head_dim;
             const char *q_raw = (const char *)query + q_first * element;
-            for (int64_t x = 0; x < rep * head_dim; x++)  /* scaled first, as the torch path: (q * scale) . k */
+            for (int64_t x = 0; x < rep * head_dim && !dp; x++)  /* scaled first, as the torch path: (q * scale) . k */
                 q[x] = (q_bf16 ? bf16_to_f32(((const bf16_t *)q_raw)[x]) : ((const float *)q_raw)[x]) * scale;
             const char *k_plane = (const char *)k_cache + (size_t)(h * num_slots * head_dim) * kv_element;
             const char *v_plane = (const char *)v_cache + (size_t)(h * num_slots * head_dim) * kv_element;
+#if TESSERA_DPBF16 && ATTENTION_AVX2
+            if (dp) {
+                item_scores_dp(q_raw, k_plane, table, lo, len, rep, head_dim, block_size, max_context, scale,
+                               scores, maxes);
+                item_softmax(scores + lo, len - lo, rep, max_context, maxes, inv, soft_cap);
+                if (head_dim % 16 == 0)
+                    item_values_dp(scores, inv, (const bf16_t *)v_plane, table, lo, len, rep, head_dim, block_size,
+                                   max_context, acc);
+                else if (head_dim % 8 == 0)
+                    item_values_avx2(scores, inv, v_plane, table, lo, len, rep, head_dim, block_size, max_context,
+                                     acc, wide, 1);
+                else
+                    item_values(scores, inv, v_plane, table, lo, len, rep, head_dim, block_size, max_context, acc, 1);
+            } else
+#endif
 #if ATTENTION_AVX2
             if (head_dim % 8 == 0 && !dp) {
                 item_scores_avx2(q, k_plane, table, lo, len, rep, head_dim, block_size, max_context, scores, wide,
