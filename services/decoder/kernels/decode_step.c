@@ -29,8 +29,8 @@
  * (<= MAX_ROWS, in L1/L2) are summed from it in registers: decode at small batch is bound by
  * reading the weights. float32: AVX-512 (16 lanes, one accumulator per row, rows four at a time)
  * or `omp simd` elsewhere; bfloat16 x and W: VDPBF16PS where the CPU has AVX512-BF16 (tiles of
- * four W rows x four x rows, so past a few rows the VDPBF16PS, not the loads, set the pace; eight W
- * rows at one x row, so eight streams and eight sums per reduction keep the loads in flight), widened
+ * four W rows x four x rows, so past a few rows the VDPBF16PS, not the loads, set the pace; up to 8
+ * x rows, tiles of eight W rows read one after another, front to back: one stream), widened
  * float32 FMAs elsewhere; sums in float32, rounded once. The order of the sum depends on neither the
  * row's place in the batch nor the thread count.
  */
@@ -57,12 +57,18 @@
    weights stream at twice the bytes, and the float32 path here is gemm.c's panels anyway). */
 #define GEMV_COLS 4
 #define TILE_COLS(bf16) ((bf16) ? GEMV_COLS : 1)
-/* W rows per tile of a bfloat16 GEMV with one x row (batch-1 decode, VDPBF16PS): eight accumulators,
-   eight streams, one transposed reduction for eight sums (the four-row tile's loop at one row reduced
-   once per four). SmolLM2-135M's 30 layers of projections at one row, 2-core AMD EPYC (Zen 5) VM,
-   80 interleaved rounds, share of torch's sum of the same bytes (per-round medians): the 4 x 4 tile
-   0.79-0.84, this loop with 4 columns 0.93, 8: 0.98-1.03, 12: 1.01, 16: 0.93. */
-#define GEMV1_COLS 8
+/* The bfloat16 GEMV for up to STREAM_MAX_ROWS x rows (VDPBF16PS; gemv_stream_tile): tiles of STREAM_COLS
+   W rows, each W row read front to back, eight sums per transposed reduction. SmolLM2-135M's 30
+   layers of projections, 2-core AMD EPYC (Zen 5) VM, interleaved rounds in one process, share of
+   torch's sum of the same bytes (per-round medians; the VM's bandwidth moves between ~45 and ~60
+   GB/s phases): at one row the 4 x 4 tile of gemv_tile 0.76-0.88; tiles of 4 / 8 / 12 / 16 W rows
+   interleaved over k 0.93 / 0.97-1.03 / 1.01 / 0.93; 8 W rows one after another 0.98-1.17 (+15-17%
+   on the interleaved 8; 16 the same; prefetching 4 / 16 KB ahead or into L1 within the noise). By x
+   rows, the 4 x 4 tile -> this one: 2 rows 0.72 -> 1.07, 3 0.57 -> 0.91, 4 0.70 -> 1.06, 8 0.73 ->
+   0.80; at 16 and 32 rows the 4 x 4 tile is 7-10% ahead (its W vector feeds four rows' VDPBF16PS for
+   one load, and past 8 rows the VDPBF16PS, not the stream, set the pace). */
+#define STREAM_COLS 8
+#define STREAM_MAX_ROWS 8
 /* The weight stream is prefetched PF_BYTES ahead, a cache line per vector step: SmolLM2-135M's 30
    layers of projections at one row, 2-core AVX-512 host, interleaved medians, GB/s float32 / bf16:
    a row's lines asked for at once 2 rows ahead 17.8 / 17.2; a line at a time 4 KB ahead 20.9 / 19.1,
@@ -290,53 +296,76 @@ static inline __attribute__((always_inline)) void gemv_tile(
 }
 
 #if GEMV_AVX512 && TESSERA_DPBF16
-/* one bfloat16 x row against W rows [o0, o0 + nc), nc <= GEMV1_COLS: sums[c] = W row o0 + c . x. Each
-   sum is summed as in gemv_tile (lane-wise in increasing k, then reduce16's tree of its lanes), so a
-   row's outputs are the same bits whether it decodes alone or in a batch. */
-static inline __attribute__((always_inline)) void gemv1_tile(
-    const bf16_t *x, int64_t k_features, const bf16_t *weight, int64_t o0, const int nc, float *sums)
+/* bfloat16 x rows [m0, m0 + nr) against W rows [o0, o0 + nc), nr <= GEMV_ROWS, nc <= STREAM_COLS:
+   sums[STREAM_COLS r + c] = W row o0 + c . x row m0 + r. The W rows are read one after another, front
+   to back (the tile's bytes in address order: the hardware prefetcher sees one stream, where the
+   k-interleaved loop of gemv_tile showed it nc), each W vector feeding the nr rows' VDPBF16PS; a W
+   row's chains are short (K / 32 steps) against its time from memory. Each sum is summed as in
+   gemv_tile (lane-wise in increasing k, then reduce16's tree of its lanes), so a row's outputs are
+   the same bits whether it decodes alone or in a batch. */
+static inline __attribute__((always_inline)) void gemv_stream_tile(
+    const bf16_t *x, int64_t m0, const int nr, int64_t k_features, const bf16_t *weight, int64_t o0, const int nc,
+    float *sums)
 {
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++)
-        acc[i] = _mm512_setzero_ps();
-    const bf16_t *w[GEMV1_COLS];
-    for (int c = 0; c < nc; c++)
-        w[c] = weight + (o0 + c) * k_features;
-    int64_t k = 0;
-    for (; k + 32 <= k_features; k += 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-        for (int c = 0; c < nc; c++) {
-            __builtin_prefetch((const char *)(w[c] + k) + PF_BYTES, 0, PF_LOCALITY);
-            acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(w[c] + k), xv);
+    __m512 acc[GEMV_ROWS][16];
+    const bf16_t *xr[GEMV_ROWS];
+    for (int r = 0; r < nr; r++) {
+        xr[r] = x + (m0 + r) * k_features;
+        for (int c = nc; c < 16; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < nc; c++) {
+        const bf16_t *w = weight + (o0 + c) * k_features;
+        __m512 a[GEMV_ROWS];
+        for (int r = 0; r < nr; r++)
+            a[r] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 32 <= k_features; k += 32) {
+            __builtin_prefetch((const char *)(w + k) + PF_BYTES, 0, PF_LOCALITY);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+            for (int r = 0; r < nr; r++)
+                a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_loadu_si512(xr[r] + k));
         }
+        if (k < k_features) {  /* masked-off lanes load zeros and add nothing */
+            const __mmask32 mask = (__mmask32)((1u << (k_features - k)) - 1u);
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+            for (int r = 0; r < nr; r++)
+                a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[r] + k));
+        }
+        for (int r = 0; r < nr; r++)
+            acc[r][c] = a[r];
     }
-    if (k < k_features) {  /* masked-off lanes load zeros and add nothing */
-        const __mmask32 mask = (__mmask32)((1u << (k_features - k)) - 1u);
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+    for (int r = 0; r < nr; r++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, reduce16(acc[r]));  /* acc[r][i]'s sum is lane 4 (i % 4) + i / 4 */
         for (int c = 0; c < nc; c++)
-            acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_maskz_loadu_epi16(mask, w[c] + k), xv);
+            sums[STREAM_COLS * r + c] = lanes[4 * (c % 4) + c / 4];
     }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, reduce16(acc));  /* acc[i]'s sum is lane 4 (i % 4) + i / 4 */
-    for (int c = 0; c < nc; c++)
-        sums[c] = lanes[4 * (c % 4) + c / 4];
 }
 
-/* gemv's one-row bfloat16 case: tiles of GEMV1_COLS outputs, threads splitting them */
-static void gemv1_bf16(const bf16_t *x, int64_t k_features, const bf16_t *weight, const bf16_t *bias, bf16_t *y,
-                       int64_t n_features, int num_threads)
+/* gemv's bfloat16 case for a few rows (m_rows <= STREAM_MAX_ROWS): tiles of STREAM_COLS outputs,
+   threads splitting them, rows GEMV_ROWS at a time (a tile's W rows read again from L1 past four) */
+static void gemv_stream_bf16(const bf16_t *x, int64_t m_rows, int64_t k_features, const bf16_t *weight,
+                             const bf16_t *bias, bf16_t *y, int64_t n_features, int num_threads)
 {
-    const int64_t tiles = (n_features + GEMV1_COLS - 1) / GEMV1_COLS;
+    const int64_t tiles = (n_features + STREAM_COLS - 1) / STREAM_COLS;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t o0 = t * GEMV1_COLS, nc = n_features - o0 < GEMV1_COLS ? n_features - o0 : GEMV1_COLS;
-        float sums[GEMV1_COLS];
-        if (nc == GEMV1_COLS)  /* the loop over columns unrolled */
-            gemv1_tile(x, k_features, weight, o0, GEMV1_COLS, sums);
-        else
-            gemv1_tile(x, k_features, weight, o0, (int)nc, sums);
-        for (int64_t c = 0; c < nc; c++)
-            y[o0 + c] = f32_to_bf16(sums[c] + (bias != NULL ? bf16_to_f32(bias[o0 + c]) : 0.f));
+        const int64_t o0 = t * STREAM_COLS, nc = n_features - o0 < STREAM_COLS ? n_features - o0 : STREAM_COLS;
+        for (int64_t m0 = 0; m0 < m_rows; m0 += GEMV_ROWS) {
+            const int nr = m_rows - m0 < GEMV_ROWS ? (int)(m_rows - m0) : GEMV_ROWS;
+            float sums[GEMV_ROWS * STREAM_COLS];
+            if (nc == STREAM_COLS && nr == 1)  /* batch 1: the loops unrolled */
+                gemv_stream_tile(x, m0, 1, k_features, weight, o0, STREAM_COLS, sums);
+            else if (nc == STREAM_COLS && nr == GEMV_ROWS)
+                gemv_stream_tile(x, m0, GEMV_ROWS, k_features, weight, o0, STREAM_COLS, sums);
+            else
+                gemv_stream_tile(x, m0, nr, k_features, weight, o0, (int)nc, sums);
+            for (int r = 0; r < nr; r++)
+                for (int64_t c = 0; c < nc; c++)
+                    y[(m0 + r) * n_features + o0 + c] =
+                        f32_to_bf16(sums[STREAM_COLS * r + c] + (bias != NULL ? bf16_to_f32(bias[o0 + c]) : 0.f));
+        }
     }
 }
 #endif
@@ -356,8 +385,8 @@ static inline __attribute__((always_inline)) void gemv(
     int64_t n_features, int num_threads, const int bf16)
 {
 #if GEMV_AVX512 && TESSERA_DPBF16
-    if (bf16 && m_rows == 1) {
-        gemv1_bf16(x, k_features, weight, bias, y, n_features, num_threads);
+    if (bf16 && m_rows <= STREAM_MAX_ROWS) {
+        gemv_stream_bf16(x, m_rows, k_features, weight, bias, y, n_features, num_threads);
         return;
     }
 #endif
