@@ -17,7 +17,10 @@ llama.cpp" builds one offline); without it this prints how to build one and exit
      the time to the first token (TTFT: the 128-token prompt), tok/s of the whole request (128 over
      its wall time) and decode-only tok/s (the 127 tokens after the first over their time). Beside
      them, the batch-1 roofline: the bytes of weights each token reads (every projection and the
-     lm_head at the precision) over the read bandwidth measured in the same run (bench/_flops.py).
+     lm_head at the precision) over the read bandwidth measured in the same run (bench/_flops.py):
+     probed before and after each server's batch-1 run, each run's decode set against the mean of
+     its two probes, the median of those ratios reported (a shared VM's bandwidth moves by tens of
+     percent between minutes: one probe at the start of the run misstated it by up to 1.7x).
 Prefix caching is off on both sides (tessera `--no-prefix-caching`, llama.cpp
 `cache_prompt: false`). Writes bench/results/peer.md. Never a test assertion.
 """
@@ -204,17 +207,22 @@ def compare_precision(args, outtype: str, gguf_path: Path, work) -> dict:
         try:
             agree = [tessera_greedy(address, p, CHECK_TOKENS) == llama_complete(url, p, CHECK_TOKENS)
                      for p in CHECK_PROMPTS]
-            tessera_rates, llama_rates, batch1 = [], [], {"tessera": [], "llama": []}
+            tessera_rates, llama_rates, batch1, probes = [], [], {"tessera": [], "llama": []}, []
             streams = {"tessera": lambda p, n: tessera_stream(address, p, n), "llama": lambda p, n: llama_stream(url, p, n)}
             for round_index in range(args.rounds if "batch1" in args.modes else 0):
                 for name in ("tessera", "llama") if round_index % 2 == 0 else ("llama", "tessera"):
+                    before = probes[-1] if probes else read_bandwidth()  # GB/s, both servers idle
                     # the same prompts for both servers in a round, new ones each round (no cache hit)
                     rows = batch1_round(streams[name], 200 + round_index, args.batch1_requests)
+                    probes += [before, read_bandwidth()] if not probes else [read_bandwidth()]
+                    for row in rows:
+                        row["bandwidth"] = (before + probes[-1]) / 2
                     batch1[name] += rows
                     print(f"[peer] {outtype} batch-1 round {round_index + 1}: {name} "
                           f"{statistics.median(r['request'] for r in rows):.1f} tok/s per request, decode "
                           f"{statistics.median(r['decode'] for r in rows):.1f} tok/s, TTFT "
-                          f"{statistics.median(r['ttft_ms'] for r in rows):.0f} ms", flush=True)
+                          f"{statistics.median(r['ttft_ms'] for r in rows):.0f} ms; read bandwidth "
+                          f"{before:.1f} GB/s before, {probes[-1]:.1f} after", flush=True)
             for round_index in range(args.rounds if "p1" in args.modes else 0):
                 round_work = fresh_tokens(work, seed=100 + round_index)
                 runs = [("tessera", lambda w=round_work: asyncio.run(_grpc_run(address, w))),
@@ -227,7 +235,8 @@ def compare_precision(args, outtype: str, gguf_path: Path, work) -> dict:
             stop(decoder)
     finally:
         stop(llama)
-    return {"outtype": outtype, "agree": agree, "tessera": tessera_rates, "llama": llama_rates, "batch1": batch1}
+    return {"outtype": outtype, "agree": agree, "tessera": tessera_rates, "llama": llama_rates, "batch1": batch1,
+            "bandwidth": probes}
 
 
 def report(results: list[dict], args) -> str:
@@ -247,20 +256,26 @@ def report(results: list[dict], args) -> str:
         lines = [f"Batch 1: one request at a time, prompt {BATCH1_PROMPT} tokens, {BATCH1_TOKENS} generated, greedy, "
                  f"EOS ignored; {args.batch1_requests} requests per server per round, {args.rounds} rounds "
                  f"interleaved; medians over all requests. Roofline: weight bytes per token "
-                 f"({args.weight_mb:.0f} MB at F32) over the read bandwidth measured in this run, "
-                 f"{args.bandwidth:.1f} GB/s.", "",
+                 f"({args.weight_mb:.0f} MB at F32) over the read bandwidth probed before and after each "
+                 f"server's run, each request's decode against the mean of its run's two probes, the median "
+                 f"ratio and roofline shown (probes in order, GB/s: "
+                 + "; ".join(f"{r['outtype'].upper()} " + ", ".join(f"{b:.1f}" for b in r["bandwidth"])
+                             for r in results) + ").", "",
                  "| precision | server | tok/s per request | decode tok/s | TTFT ms | tessera / llama.cpp (request, decode) "
                  "| decode / roofline |", "|---|---|---|---|---|---|---|"]
         for r in results:
             med = {name: {key: statistics.median(row[key] for row in rows) for key in ("request", "decode", "ttft_ms")}
                    for name, rows in r["batch1"].items()}
-            roofline = args.bandwidth * 1e9 / (args.weight_mb * 1e6 * BYTES_BY_OUTTYPE[r["outtype"]] / 4)
+            token_bytes = args.weight_mb * 1e6 * BYTES_BY_OUTTYPE[r["outtype"]] / 4
+            share = {name: statistics.median(row["decode"] / (row["bandwidth"] * 1e9 / token_bytes) for row in rows)
+                     for name, rows in r["batch1"].items()}
+            roofline = statistics.median(row["bandwidth"] for row in r["batch1"]["tessera"]) * 1e9 / token_bytes
             t, ll = med["tessera"], med["llama"]
             lines.append(f"| {r['outtype'].upper()} | tessera ({_flags(r['outtype'], args)}) | {t['request']:.1f} | {t['decode']:.1f} | "
                          f"{t['ttft_ms']:.0f} | {t['request'] / ll['request']:.2f}x, {t['decode'] / ll['decode']:.2f}x | "
-                         f"{t['decode'] / roofline:.2f} of {roofline:.1f} tok/s |")
+                         f"{share['tessera']:.2f} (roofline {roofline:.1f} tok/s) |")
             lines.append(f"| {r['outtype'].upper()} | llama-server | {ll['request']:.1f} | {ll['decode']:.1f} | "
-                         f"{ll['ttft_ms']:.0f} | | {ll['decode'] / roofline:.2f} |")
+                         f"{ll['ttft_ms']:.0f} | | {share['llama']:.2f} |")
         sections.append("\n".join(lines))
     return "\n\n".join(sections)
 
