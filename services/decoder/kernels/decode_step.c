@@ -69,6 +69,10 @@
    one load, and past 8 rows the VDPBF16PS, not the stream, set the pace). */
 #define STREAM_COLS 8
 #define STREAM_MAX_ROWS 8
+/* how far ahead gemv_stream_tile prefetches its one stream: at one row, 3 interleaved runs of 24
+   rounds, GB/s 8 / 16 / 24 / 32 KB ahead: 57.7 / 64.0 / 66.7 / 68.5 (the VM's fast phase), 45.3 /
+   47.6 / 48.8 / 49.1, 42.0 / 44.4 / 45.1 / 45.1; into L1 (locality 3) 32 / 64 KB: 1-5% behind L2 */
+#define STREAM_PF_BYTES 32768
 /* The weight stream is prefetched PF_BYTES ahead, a cache line per vector step: SmolLM2-135M's 30
    layers of projections at one row, 2-core AVX-512 host, interleaved medians, GB/s float32 / bf16:
    a row's lines asked for at once 2 rows ahead 17.8 / 17.2; a line at a time 4 KB ahead 20.9 / 19.1,
@@ -321,7 +325,7 @@ static inline __attribute__((always_inline)) void gemv_stream_tile(
             a[r] = _mm512_setzero_ps();
         int64_t k = 0;
         for (; k + 32 <= k_features; k += 32) {
-            __builtin_prefetch((const char *)(w + k) + PF_BYTES, 0, PF_LOCALITY);
+            __builtin_prefetch((const char *)(w + k) + STREAM_PF_BYTES, 0, PF_LOCALITY);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
             for (int r = 0; r < nr; r++)
                 a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_loadu_si512(xr[r] + k));
