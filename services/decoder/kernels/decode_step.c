@@ -63,8 +63,8 @@
    torch's sum of the same bytes (per-round medians; the VM's bandwidth moves between ~45 and ~60
    GB/s phases): at one row the 4 x 4 tile of gemv_tile 0.76-0.88; tiles of 4 / 8 / 12 / 16 W rows
    interleaved over k 0.93 / 0.97-1.03 / 1.01 / 0.93; 8 W rows one after another 0.98-1.17 (+15-17%
-   on the interleaved 8; 16 the same; prefetching 4 / 16 KB ahead or into L1 within the noise). By x
-   rows, the 4 x 4 tile -> this one: 2 rows 0.72 -> 1.07, 3 0.57 -> 0.91, 4 0.70 -> 1.06, 8 0.73 ->
+   on the interleaved 8; 16 the same; two W rows interleaved 10% behind one; all prefetching 8 KB
+   ahead, see STREAM_PF_BYTES). By x rows, the 4 x 4 tile -> this one: 2 rows 0.72 -> 1.07, 3 0.57 -> 0.91, 4 0.70 -> 1.06, 8 0.73 ->
    0.80; at 16 and 32 rows the 4 x 4 tile is 7-10% ahead (its W vector feeds four rows' VDPBF16PS for
    one load, and past 8 rows the VDPBF16PS, not the stream, set the pace). */
 #define STREAM_COLS 8
