@@ -380,6 +380,7 @@ static inline __attribute__((always_inline)) void item_scores_dp(
         }
     }
 }
+
 /* item_values for bf16 V blocks and head_dim a multiple of 16, in AVX-512: 64 (then 16) columns of
    one query head at a time held in registers across a block's positions, each V row widened in
    registers (no `wide` copy). Each accumulator lane is the same chain of fused multiply-adds, in the
