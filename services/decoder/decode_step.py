@@ -189,6 +189,9 @@ class FusedDecode:
             except ValueError:
                 pass
         self._head_rows = self._row_major_rows if head.gemm is None else MAX_ROWS
+        self._head_out: torch.Tensor | None = None  # bf16 [head_rows, vocab]: `logits`' head output, made on first use
+        self._finite = (ctypes.c_uint8 * MAX_ROWS)()  # `logits`' per-row flags
+        self._greedy = (ctypes.c_int64 * MAX_ROWS)()  # and each row's argmax
         self._resolved: set[int] = set()  # LoRA parts (index into layers x parts) whose factors are set
         self._cache, self._norm_eps = cache, model.model.layers[0].input_layernorm.eps
         h, kv, d, hidden, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size
@@ -257,14 +260,16 @@ class FusedDecode:
                    torch.get_num_threads())
         return y
 
-    def logits(self, model: LlamaForCausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, list[bool]] | None:
+    def logits(self, model: LlamaForCausalLM,
+               hidden: torch.Tensor) -> tuple[torch.Tensor, list[bool], list[int]] | None:
         """`model.compute_logits(hidden)` for residual rows [rows, hidden] in one C call (the final norm,
         the head as the step projects (GEMV, packed panels or GGUF blocks), widening to float32;
         kernels/decode_step.c `decode_logits`) with `model_runner.ModelRunner.logits`'s rule applied
-        (a row whose float32 statistic sum(x^2) / hidden is not finite is NaN throughout) and each
-        row's finiteness: float32 logits [rows, vocab] and a bool per row. None where it does not
-        apply (a family with its own compute_logits, an adapted head, more rows than the head's kernel
-        takes here): the caller computes them itself."""
+        (a row whose float32 statistic sum(x^2) / hidden is not finite is NaN throughout), each
+        row's finiteness and its greedy token (the first index of its largest logit, torch.max's;
+        -1 for a row not finite): float32 logits [rows, vocab], a bool and an int per row. None where
+        it does not apply (a family with its own compute_logits, an adapted head, more rows than the
+        head's kernel takes here): the caller computes them itself."""
         rows = hidden.shape[0]
         if (self._head is None or type(model).compute_logits is not LlamaForCausalLM.compute_logits
                 or not 0 < rows <= self._head_rows or hidden.dtype != self.dtype):
@@ -272,17 +277,20 @@ class FusedDecode:
         norm = model.model.norm
         hidden = hidden.contiguous()
         logits = torch.empty(rows, model.lm_head.out_features, dtype=torch.float32)
-        finite = torch.empty(rows, dtype=torch.uint8)
+        # the flags in a ctypes array and the bf16 head's output in a buffer kept for the model's life: the
+        # torch ops that allocated and read them ran cold after the weights streamed (~10-30 us each)
+        finite, greedy = self._finite, self._greedy
         normed = self._scratch["h"].data_ptr()
         if self.dtype == torch.float32:
             self._logits(ctypes.byref(self._head), hidden.data_ptr(), rows, norm.weight.data_ptr(), norm.eps, normed,
-                         logits.data_ptr(), finite.data_ptr(), torch.get_num_threads())
+                         logits.data_ptr(), ctypes.addressof(finite), ctypes.addressof(greedy), torch.get_num_threads())
         else:
-            head_out = torch.empty(rows, model.lm_head.out_features, dtype=self.dtype)  # alive through the call
+            if self._head_out is None:
+                self._head_out = torch.empty(self._head_rows, model.lm_head.out_features, dtype=self.dtype)
             self._logits(ctypes.byref(self._head), hidden.data_ptr(), rows, norm.weight.data_ptr(), norm.eps, normed,
-                         head_out.data_ptr(), logits.data_ptr(), finite.data_ptr(), self._scratch["widened"].data_ptr(),
-                         torch.get_num_threads())
-        return logits, [bool(f) for f in finite.tolist()]
+                         self._head_out.data_ptr(), logits.data_ptr(), ctypes.addressof(finite),
+                         ctypes.addressof(greedy), self._scratch["widened"].data_ptr(), torch.get_num_threads())
+        return logits, [bool(f) for f in finite[:rows]], greedy[:rows]
 
     def _lora_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """This step's adapter rows grouped by slot (rows, group starts, group slots), or None; the

@@ -30,6 +30,7 @@ from services.decoder.model_runner import ModelRunner
 from services.decoder.models import load_model, model_sliding_window
 from services.decoder.multimodal import PromptBuilder
 from services.decoder.quantized_model import quantization
+from services.decoder.rotary import RotaryEmbedding
 from services.decoder.scheduler import Scheduler
 from services.decoder.token_text import TokenTexts
 from services.decoder.tokens import check_chat_template
@@ -102,6 +103,8 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     model = load_model(config.checkpoint, dtype, config.mrope_section, config.model_impl,
                        config.quant_mode).to(device)
     model.rotary.to(device)  # a plain table, not a module buffer: model.to() leaves it
+    if isinstance(model.rotary, RotaryEmbedding):
+        model.rotary.use_table(config.max_model_len)
     spec = model.spec
     cache = KVCache(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
                     config.kv_cache_torch_dtype, device)

@@ -179,9 +179,10 @@ class ModelRunner:
             return self._forward(inputs)
 
     @torch.inference_mode()
-    def logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    def logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, list[bool], list[int] | None]:
         """Float32 logits [num_sampled, vocab] for the sampled requests' last rows of `hidden`
-        [num_tokens, hidden], and whether each row's logits are all finite.
+        [num_tokens, hidden], whether each row's logits are all finite, and each row's greedy token
+        (argmax, the first of equal maxima) where the fused step's logits call found it, else None.
 
         A row whose hidden state left float32's range reads as NaN: RMSNorm's statistic
         mean(x^2) overflows to inf for finite |x| past ~1e19 and then scales the row to zeros,
@@ -197,7 +198,7 @@ class ModelRunner:
         logits = self.model.compute_logits(residual)  # [num_sampled, vocab]
         overflow = ~torch.isfinite(residual.float().pow(2).mean(-1))  # [num_sampled], as RMSNorm computes it
         logits.masked_fill_(overflow[:, None], float("nan"))
-        return logits, torch.isfinite(logits).all(dim=-1).tolist()
+        return logits, torch.isfinite(logits).all(dim=-1).tolist(), None
 
     @torch.inference_mode()
     def prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
@@ -263,7 +264,7 @@ class ModelRunner:
         result = RunnerOutput(prompt_logprobs=self.prompt_logprobs(inputs, hidden))
         if not inputs.sampled:
             return result
-        logits, finite = self.logits(inputs, hidden)
+        logits, finite, greedy = self.logits(inputs, hidden)
         grammar_mask = None
         if masks is not None:
             *grammar_mask, result.mask_seconds = masks.result()
@@ -271,12 +272,13 @@ class ModelRunner:
         if len(kept) < len(requests):
             keep = [i for i, ok in enumerate(finite) if ok]
             logits = logits[keep]
+            greedy = None if greedy is None else [greedy[i] for i in keep]
             if grammar_mask is not None:
                 bitmask, rows_with = grammar_mask
                 position = {old: new for new, old in enumerate(keep)}
                 grammar_mask = (bitmask[keep], [position[i] for i in rows_with if i in position])
         rows = [SamplingRow(r.sampling, r.generator, r.prompt.token_ids, r.output_token_ids) for r in kept]
-        result.samples.update((r.key, s) for r, s in zip(kept, sample(logits, rows, grammar_mask)))
+        result.samples.update((r.key, s) for r, s in zip(kept, sample(logits, rows, grammar_mask, greedy)))
         result.samples.update((r.key, _non_finite(r)) for r, ok in zip(requests, finite) if not ok)
         return result
 

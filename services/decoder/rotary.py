@@ -128,6 +128,8 @@ class RotaryEmbedding:
                                  f"head_dim {head_dim} rotates {head_dim // 2} pairs")
             self.inv_freq = torch.tensor(scaling.inv_freq, dtype=torch.float32, device="cpu")  # [head_dim / 2]
             self.attention_scaling = scaling.attention_scaling
+        self.table_positions = 0  # 1-D positions below this come from `_tables` (`use_table`)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin [table_positions, head_dim]
 
     def to(self, device: torch.device | str) -> RotaryEmbedding:
         """Keep the frequency table on `device`, where the positions arrive (this is no nn.Module,
@@ -135,7 +137,19 @@ class RotaryEmbedding:
         self.inv_freq = self.inv_freq.to(device)
         if self.long_inv_freq is not None:
             self.long_inv_freq = self.long_inv_freq.to(device)
+        self._tables.clear()
         return self
+
+    def use_table(self, num_positions: int) -> None:
+        """Serve RoPE positions [N] below `num_positions` (the decoder's max_model_len, which bounds
+        every position it computes) from cos and sin tables per dtype, built on their first use with this
+        class's own arithmetic over arange(num_positions): two index ops a step where the angles took
+        seven (vLLM's cos_sin_cache). After the weights stream through the caches each op runs cold
+        (10-70 us on a 2-core AMD EPYC at batch 1); the table's rows are the values `cos_sin`
+        computes for those positions. longrope (its long rows sit past max_position_embeddings) and
+        M-RoPE ([3, N]) keep computing; so does every position with `num_positions` 0."""
+        self.table_positions = 0 if self.long_rope is not None else num_positions
+        self._tables.clear()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (cos, sin), each [num_tokens, head_dim] in `dtype` (angles in float32). With
@@ -144,7 +158,17 @@ class RotaryEmbedding:
 
         Raises:
             ValueError: [3, N] positions on a model without M-RoPE sections, or bad rank.
+            IndexError: with `use_table`, a position at or past its `num_positions`.
         """
+        if positions.ndim == 1 and self.table_positions:
+            tables = self._tables.get(dtype)
+            if tables is None:
+                every = torch.arange(self.table_positions, device=self.inv_freq.device)
+                tables = self._tables[dtype] = self._computed(every, dtype)  # [table_positions, head_dim] each
+            return tables[0][positions], tables[1][positions]  # contiguous, as the C kernels read them
+        return self._computed(positions, dtype)
+
+    def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.ndim == 1 and self.long_rope is not None:
             long = positions >= self.long_rope.position_offset  # [N] bool
             positions = positions - long * self.long_rope.position_offset  # int64: exact

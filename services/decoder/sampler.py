@@ -70,9 +70,13 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> list[Sample | InvalidArgument]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+           greedy_ids: list[int] | None = None) -> list[Sample | InvalidArgument]:
     """Pick one token per row of float32 `logits` [rows, vocab] (finite: model_runner drops the rest).
+
+    `greedy_ids`, where the caller has them (the fused decode step's logits call), are each row's
+    argmax of `logits`, the first of equal maxima as torch.max(dim=-1) returns it: used for the
+    greedy rows when no mask or token control changed the scores, instead of a max over them.
 
     `grammar_mask` (bitmask int32 [rows, ceil(vocab / 32)], the constrained rows' indices;
     services/decoder/grammar.py) sets the tokens a row's grammar does not allow next to -inf first,
@@ -87,11 +91,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         # masked in place unless a row's logprobs need the raw logits afterwards
         scores = apply_bitmask(logits, bitmask, constrained, copy=any(row.params.logprobs for row in rows))
     scores = adjusted_scores(scores, rows)  # [rows, vocab]; unchanged when no row asks for a control
-    best, greedy = scores.max(dim=-1)
-    greedy_ids = greedy.tolist()
     # only an allow-list or a grammar can mask a whole row (bad words and min_tokens ban a few ids each):
     # such a row's best score is -inf
     allowing = sorted({i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None} | set(constrained))
+    # the caller's argmax holds while the scores are the logits it was taken over (a grammar masks in place)
+    if greedy_ids is None or grammar_mask is not None or allowing or scores is not logits:
+        best, greedy = scores.max(dim=-1)
+        greedy_ids = greedy.tolist()
     exhausted = set()
     if allowing:
         alive = (best[allowing] > float("-inf")).tolist()  # [num_allowing]

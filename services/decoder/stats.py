@@ -143,6 +143,8 @@ class DecoderStats(Collector):
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                        self.e2e, self.queue_time, *self._per_request):
             metric.labels(model_name)
+        # the children `on_token` updates every token, looked up once (labels() takes a lock and a dict)
+        self._generation_tokens, self._itl = self.generation_tokens.labels(model_name), self.itl.labels(model_name)
 
     # ---- hooks (engine thread; the grammar ones from the loop and compile threads) -------------
     def on_constrained(self, kind: str) -> None:
@@ -178,7 +180,7 @@ class DecoderStats(Collector):
     def on_token(self, request) -> None:
         """`request` generated one token."""
         now = self.clock()
-        self.generation_tokens.labels(self.model_name).inc()
+        self._generation_tokens.inc()
         timing = self._timings.get(request.key)
         if timing is None:
             return
@@ -187,7 +189,7 @@ class DecoderStats(Collector):
             self.prompt_tokens.labels(self.model_name).inc(request.num_prompt_tokens)
             timing.first_token_s = now
         else:
-            self.itl.labels(self.model_name).observe(now - timing.last_token_s)
+            self._itl.observe(now - timing.last_token_s)
         timing.last_token_s = now
         timing.num_tokens += 1
 

@@ -144,10 +144,10 @@ def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
     compute = engine.parts.runner.logits
 
     def recording(inputs, *args):
-        logits, finite = compute(inputs, *args)
+        logits, *rest = compute(inputs, *args)
         for item, row in zip(inputs.sampled, logits):
             rows.setdefault(item.request.request_id, []).append(row.clone())
-        return logits, finite
+        return logits, *rest
 
     engine.parts.runner.logits = recording
     return rows

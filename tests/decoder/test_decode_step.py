@@ -267,11 +267,14 @@ def test_decode_logits_equal_norm_then_head(library, dtype):
                 projection = Projection((panels if packed else w).data_ptr(), None, packed, hidden, vocab)
                 logits = torch.full((rows, vocab), -1.0)
                 finite = torch.full((rows,), 7, dtype=torch.uint8)
+                greedy = torch.full((rows,), -7, dtype=torch.long)
                 normed = torch.empty(rows, hidden, dtype=dtype)
                 head_out, widened = torch.empty(rows, vocab, dtype=dtype), torch.empty(rows, hidden)
                 extra = [] if f32 else [head_out.data_ptr()]
                 kernel(ctypes.byref(projection), x.data_ptr(), rows, weight.data_ptr(), eps, normed.data_ptr(), *extra,
-                       logits.data_ptr(), finite.data_ptr(), *([] if f32 else [widened.data_ptr()]), 2)
+                       logits.data_ptr(), finite.data_ptr(), greedy.data_ptr(),
+                       *([] if f32 else [widened.data_ptr()]), 2)
+                assert greedy.tolist() == [int(logits[r].argmax()) if finite[r] else -1 for r in range(rows)]
 
                 if packed:
                     expected = torch.empty(rows, vocab, dtype=dtype)
@@ -293,3 +296,40 @@ def test_decode_logits_equal_norm_then_head(library, dtype):
                 torch_logits = torch.nn.functional.linear(norm(x[ok]), w).float()
                 tolerance = 1e-5 if f32 else 5e-2
                 torch.testing.assert_close(logits[ok], torch_logits, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_logits_greedy_is_the_first_of_equal_maxima(library, dtype):
+    """The logits call's greedy token is torch.max(dim=-1)'s index: the first of equal largest logits,
+    wherever they sit (one vector lane, two lanes, the vector part and the scalar tail), at vocab
+    sizes with and without a tail (tied logits come from duplicated head rows: the same dot product)."""
+    from services.decoder.decode_step import Projection
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = 24
+    f32 = dtype == torch.float32
+    kernel = library.tessera_decode_logits_f32 if f32 else library.tessera_decode_logits_bf16
+    weight = torch.ones(hidden, dtype=dtype)
+    for vocab in (7, 16, 1000, 1003):
+        x = torch.randn(2, hidden, generator=gen).to(dtype)
+        base = torch.randn(vocab, hidden, generator=gen).to(dtype)
+        cases = [base, torch.zeros(vocab, hidden, dtype=dtype)]  # every logit tied: token 0
+        for first, second in ((3, 5), (2, 18), (1, vocab - 1), (vocab - 2, vocab - 1), (0, vocab // 2)):
+            if second >= vocab or first >= second:
+                continue
+            head = base.clone()
+            head[first] = head[second] = base[0] * 0 + x[0] * 8  # the largest logit of row 0, twice
+            cases.append(head)
+        for head in cases:
+            logits = torch.empty(2, vocab)
+            finite, greedy = torch.empty(2, dtype=torch.uint8), torch.full((2,), -7, dtype=torch.long)
+            normed, head_out, widened = torch.empty(2, hidden, dtype=dtype), torch.empty(2, vocab, dtype=dtype), \
+                torch.empty(2, hidden)
+            kernel(ctypes.byref(Projection(head.data_ptr(), None, 0, hidden, vocab)), x.data_ptr(), 2,
+                   weight.data_ptr(), 1e-6, normed.data_ptr(), *([] if f32 else [head_out.data_ptr()]),
+                   logits.data_ptr(), finite.data_ptr(), greedy.data_ptr(),
+                   *([] if f32 else [widened.data_ptr()]), 2)
+            assert finite.tolist() == [1, 1]
+            assert greedy.tolist() == logits.max(dim=-1).indices.tolist(), (vocab, dtype)
+            if head is not base and head.abs().sum():
+                assert logits[0].eq(logits[0].max()).sum() >= 2  # the tie is really there

@@ -110,3 +110,21 @@ def test_cancelled_task_aborts_and_frees_blocks(engine):
         return False
 
     assert asyncio.run(main())
+
+
+def test_the_callers_greedy_ids_serve_only_unchanged_scores():
+    """sample() takes the fused logits call's argmax for greedy rows whose scores are the logits as
+    they came (they are its argmax: taken as given here, a deliberately different id shows it was
+    used); a row's logit_bias, allow-list or bad word changes the scores, and then the argmax is
+    taken afresh over what the controls left, for every row of that step."""
+    from services.decoder.sampler import SamplingRow, sample
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0], [3.0, 0.0, 1.0, 2.0]])
+    plain = SamplingRow(SamplingParams(temperature=0.0))
+    assert [s.token_id for s in sample(logits, [plain, plain], greedy_ids=[2, 3])] == [2, 3]
+    assert [s.token_id for s in sample(logits, [plain, plain])] == [1, 0]
+    for controlled in (SamplingParams(temperature=0.0, logit_bias={3: 2.0}),
+                       SamplingParams(temperature=0.0, allowed_token_ids=[0, 3]),
+                       SamplingParams(temperature=0.0, bad_words_token_ids=((1,),))):
+        got = sample(logits, [SamplingRow(controlled), plain], greedy_ids=[2, 3])
+        assert [s.token_id for s in got] == [3, 0], controlled

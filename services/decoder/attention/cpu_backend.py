@@ -18,7 +18,7 @@ AVX512-BF16 dot products where the CPU has them), or a float32 model over a bflo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,8 +54,10 @@ class CpuDecodeMetadata:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     max_context: int
+    # (least, greatest) of context_lens where the caller built them from ints: checked without tensor ops
+    lens_bounds: InitVar[tuple[int, int] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, lens_bounds: tuple[int, int] | None) -> None:
         """The kernel trusts these (it sizes its score buffers by max_context); checked once per step."""
         n = self.rows.numel()
         if (self.rows.dtype != torch.long or self.block_tables.dtype != torch.int32
@@ -63,7 +65,9 @@ class CpuDecodeMetadata:
                 or self.block_tables.shape[0] != n or self.context_lens.shape != (n,)):
             raise ValueError("CpuDecodeMetadata: rows int64 [n], block_tables int32 [n, width] contiguous, "
                              "context_lens int32 [n]")
-        if n and (int(self.context_lens.min()) < 1 or int(self.context_lens.max()) > self.max_context):
+        if n and lens_bounds is None:
+            lens_bounds = int(self.context_lens.min()), int(self.context_lens.max())
+        if n and (lens_bounds[0] < 1 or lens_bounds[1] > self.max_context):
             raise ValueError(f"CpuDecodeMetadata: context_lens must lie in [1, max_context={self.max_context}]")
 
 
@@ -138,8 +142,11 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
                        cache: KVCache) -> CpuAttentionMetadata:
         batch = split_batch(scheduled, block_tables, cache.block_size)
         slots = batch.slot_mapping
-        bounds = torch.aminmax(slots) if slots.numel() else None  # one op: the C write trusts the slots
-        if bounds is not None and (int(bounds.min) < 0 or int(bounds.max) >= cache.num_slots):
+        bounds = batch.slot_bounds  # the C write trusts the slots: a decode step's from its ints, else one op
+        if bounds is None and slots.numel():
+            least, greatest = torch.aminmax(slots)
+            bounds = int(least), int(greatest)
+        if bounds is not None and (bounds[0] < 0 or bounds[1] >= cache.num_slots):
             raise ValueError(f"slot mapping outside the cache's {cache.num_slots} slots")
         meta = CpuAttentionMetadata(slot_mapping=slots, prefills=batch.prefills)  # write_kv reads the slots
         if batch.prefills:
@@ -174,7 +181,8 @@ def decode_metadata(rows: list[int], block_tables: Sequence[Sequence[int]], cont
     `block_tables[i]` (at least ceil(len / block_size) ids each)."""
     tables = padded_block_tables([table[:-(-n // block_size)] for table, n in zip(block_tables, context_lens)])
     return CpuDecodeMetadata(torch.tensor(rows, dtype=torch.long), tables,
-                             torch.tensor(context_lens, dtype=torch.int32), max(context_lens))
+                             torch.tensor(context_lens, dtype=torch.int32), max(context_lens),
+                             (min(context_lens), max(context_lens)))
 
 
 def _attention_kernel(kernels: dict, what: str, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

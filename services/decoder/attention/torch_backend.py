@@ -185,6 +185,8 @@ class BatchSplit:
     decode_rows: list[int]
     decode_tables: list[Sequence[int]]
     decode_lens: list[int]
+    # (least, greatest) slot of slot_mapping when every row decodes (from the ints, no tensor op), else None
+    slot_bounds: tuple[int, int] | None = None
 
 
 def split_batch(scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]],
@@ -209,10 +211,11 @@ def split_batch(scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Se
             pieces.append(context[item.start:])
             prefills.append(prefill_span(row, item.start, context))
         row += item.num_new_tokens
+    bounds = (min(pending), max(pending)) if pending and not pieces else None
     if pending or not pieces:
         pieces.append(torch.tensor(pending, dtype=torch.long))
     slot_mapping = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return BatchSplit(slot_mapping, prefills, decode_rows, decode_tables, decode_lens)
+    return BatchSplit(slot_mapping, prefills, decode_rows, decode_tables, decode_lens, bounds)
 
 
 class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):

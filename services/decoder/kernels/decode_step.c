@@ -695,14 +695,46 @@ void tessera_panel_gemv_f32(const float *x, int64_t m_rows, int64_t k_features, 
        logits = float32(y)                           widened, as `.float()`
    then per row: NaN over the whole row where the residual's float32 statistic sum(x^2) / hidden is not
    finite (RMSNorm would scale such a row to zeros and give flat, finite logits: model_runner.logits),
-   and finite[r] = 1 where every logit of the row is finite, else 0. x [rows, hidden], rows <= MAX_ROWS;
-   normed [rows, hidden] and y [rows, vocab] (bf16 only) scratch of the model's dtype, widened float32
-   [rows, hidden] (a packed bf16 head), logits float32 [rows, vocab], finite uint8 [rows]. After the
-   weights stream through the caches, the ten torch ops this replaces ran cold: ~0.3 ms a token at
-   batch 1 on a 2-core AMD EPYC (an op 10-80 us where it takes 1-10 us warm). */
+   and finite[r] = 1 where every logit of the row is finite, else 0; greedy[r] the index of the row's
+   largest logit, the first of equal ones (torch.max(dim=-1)'s index; -1 for a row not finite). x [rows,
+   hidden], rows <= MAX_ROWS; normed [rows, hidden] and y [rows, vocab] (bf16 only) scratch of the model's
+   dtype, widened float32 [rows, hidden] (a packed bf16 head), logits float32 [rows, vocab], finite uint8
+   [rows], greedy int64 [rows]. After the weights stream through the caches, the ten torch ops this
+   replaces ran cold: ~0.3 ms a token at batch 1 on a 2-core AMD EPYC (an op 10-80 us where it takes 1-10
+   us warm); the sampler's max over the logits another 30-50 us. */
+static int64_t first_argmax(const float *row, int64_t n)
+{
+    int64_t v = 0, best_index = 0;
+    float best = row[0];
+#if GEMV_AVX512
+    if (n >= 16) {  /* per lane: its largest value and the first index holding it; then the first lane's */
+        __m512 lane_best = _mm512_loadu_ps(row);
+        __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i index = lane_index;
+        const __m512i step = _mm512_set1_epi32(16);
+        for (v = 16; v + 16 <= n && v <= INT32_MAX - 16; v += 16) {
+            index = _mm512_add_epi32(index, step);
+            const __m512 values = _mm512_loadu_ps(row + v);
+            const __mmask16 larger = _mm512_cmp_ps_mask(values, lane_best, _CMP_GT_OQ);
+            lane_best = _mm512_mask_mov_ps(lane_best, larger, values);
+            lane_index = _mm512_mask_mov_epi32(lane_index, larger, index);
+        }
+        best = _mm512_reduce_max_ps(lane_best);
+        const __mmask16 holding = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        best_index = _mm512_mask_reduce_min_epi32(holding, lane_index);
+    }
+#endif
+    for (; v < n; v++)
+        if (row[v] > best) {
+            best = row[v];
+            best_index = v;
+        }
+    return best_index;
+}
+
 static inline __attribute__((always_inline)) void decode_logits(
     const projection_t *head, const void *x, int64_t rows, const void *norm_weight, float eps, void *normed,
-    void *y, float *logits, uint8_t *finite, float *widened, int num_threads, const int bf16)
+    void *y, float *logits, uint8_t *finite, int64_t *greedy, float *widened, int num_threads, const int bf16)
 {
     const int64_t hidden = head->in_features, vocab = head->out_features;
     if (bf16)
@@ -722,6 +754,7 @@ static inline __attribute__((always_inline)) void decode_logits(
             for (int64_t v = 0; v < vocab; v++)
                 row[v] = NAN;
             finite[r] = 0;
+            greedy[r] = -1;
             continue;
         }
         int all = 1;
@@ -736,20 +769,22 @@ static inline __attribute__((always_inline)) void decode_logits(
                 all &= isfinite(row[v]) != 0;
         }
         finite[r] = (uint8_t)all;
+        greedy[r] = all ? first_argmax(row, vocab) : -1;
     }
 }
 
 void tessera_decode_logits_f32(const projection_t *head, const float *x, int64_t rows, const float *norm_weight,
-                               float eps, float *normed, float *logits, uint8_t *finite, int num_threads)
+                               float eps, float *normed, float *logits, uint8_t *finite, int64_t *greedy,
+                               int num_threads)
 {
-    decode_logits(head, x, rows, norm_weight, eps, normed, NULL, logits, finite, NULL, num_threads, 0);
+    decode_logits(head, x, rows, norm_weight, eps, normed, NULL, logits, finite, greedy, NULL, num_threads, 0);
 }
 
 void tessera_decode_logits_bf16(const projection_t *head, const bf16_t *x, int64_t rows, const bf16_t *norm_weight,
-                                float eps, bf16_t *normed, bf16_t *y, float *logits, uint8_t *finite, float *widened,
-                                int num_threads)
+                                float eps, bf16_t *normed, bf16_t *y, float *logits, uint8_t *finite, int64_t *greedy,
+                                float *widened, int num_threads)
 {
-    decode_logits(head, x, rows, norm_weight, eps, normed, y, logits, finite, widened, num_threads, 1);
+    decode_logits(head, x, rows, norm_weight, eps, normed, y, logits, finite, greedy, widened, num_threads, 1);
 }
 
 int64_t tessera_decode_max_rows(void) { return MAX_ROWS; }
