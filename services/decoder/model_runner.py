@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,19 @@ class ModelInputs:
     prompt_spans: list[PromptRows] = field(default_factory=list)  # prompt_rows by request, in row order
 
 
+def in_inference_mode(fn):
+    """`fn` under torch.inference_mode(), entered only where the caller is not in it already: inside
+    `ModelRunner.execute` (itself under it) its steps skip the context manager's enter and exit, which
+    ran cold after the weights streamed through the caches (~10 us apiece at batch 1)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, block_manager: BlockManager,
                  lora: LoRAContext | None, mrope: bool, attention_backend: str = "torch",
@@ -154,23 +168,27 @@ class ModelRunner:
         token_slots = (torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts))
                        if any(slot != BASE_SLOT for slot in slots) else None)
         device = self.cache.device
+        # the step's int64 vectors as slices of one tensor: one op where four ran, each cold at batch 1
+        # (after the weights stream through the caches a tensor's creation took 10-30 us)
+        num_ids, num_decode = len(ids), len(decode_rows)
+        flat = torch.tensor(ids + ([] if self.mrope else positions) + decode_rows + sample_rows, dtype=torch.long)
+        at = num_ids if self.mrope else 2 * num_ids  # where decode_rows begin
         return ModelInputs(
-            input_ids=on_device(torch.tensor(ids, dtype=torch.long), device),
-            positions=on_device(torch.cat(positions, dim=-1) if self.mrope else torch.tensor(positions, dtype=torch.long),
-                                device),
+            input_ids=on_device(flat[:num_ids], device),
+            positions=on_device(torch.cat(positions, dim=-1) if self.mrope else flat[num_ids:at], device),
             meta=on_device(meta, device),
-            decode_rows=on_device(torch.tensor(decode_rows, dtype=torch.long), device) if decode_rows else None,
+            decode_rows=on_device(flat[at:at + num_decode], device) if decode_rows else None,
             embed_rows=on_device(torch.tensor(embed_rows, dtype=torch.long), device) if embed_rows else None,
             embed_values=on_device(torch.cat(embed_values), device) if embed_values else None,
             token_slots=None if token_slots is None else on_device(token_slots, device),
-            sample_rows=on_device(torch.tensor(sample_rows, dtype=torch.long), device),
+            sample_rows=on_device(flat[at + num_decode:], device),
             sampled=sampled,
             prompt_rows=on_device(torch.tensor(prompt_rows, dtype=torch.long), device) if prompt_rows else None,
             prompt_targets=on_device(torch.tensor(prompt_targets, dtype=torch.long), device) if prompt_rows else None,
             prompt_spans=prompt_spans,
         )
 
-    @torch.inference_mode()
+    @in_inference_mode
     def hidden(self, inputs: ModelInputs) -> torch.Tensor:
         """The forward under this step's adapters: the last layer's residual stream [num_tokens, hidden]."""
         if self.lora is None:
@@ -178,7 +196,7 @@ class ModelRunner:
         with self.lora.step(inputs.token_slots, inputs.decode_rows):
             return self._forward(inputs)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, list[bool], list[int] | None]:
         """Float32 logits [num_sampled, vocab] for the sampled requests' last rows of `hidden`
         [num_tokens, hidden], whether each row's logits are all finite, and each row's greedy token
@@ -200,7 +218,7 @@ class ModelRunner:
         logits.masked_fill_(overflow[:, None], float("nan"))
         return logits, torch.isfinite(logits).all(dim=-1).tolist(), None
 
-    @torch.inference_mode()
+    @in_inference_mode
     def prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
         """Prompt logprobs of `inputs.prompt_rows` of `hidden` [num_tokens, hidden], by request key:
         log_softmax of the float32 logits (the raw model distribution, as the sampled logprobs),
