@@ -36,6 +36,7 @@ from services.decoder.model_llama import LlamaAttention, LlamaDecoderLayer, Llam
 from services.decoder.model_qwen3 import Qwen3Attention
 from services.decoder.quant import GGUF_QTYPES, QuantizedWeight
 from services.decoder.quantized_model import QuantizedParts
+from services.decoder.rotary import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,9 @@ class Step(ctypes.Structure):
                 ("lora_groups", _I64), ("lora_rows", _P), ("lora_starts", _P), ("lora_slots", _P), ("lora_bf16", _I64),
                 ("kv_bf16", _I64),
                 ("h", _P), ("qkv", _P), ("qk", _P), ("q", _P), ("k", _P), ("attention", _P), ("out", _P),
-                ("gate_up", _P), ("act", _P), ("widened", _P), ("shrunk", _P), ("num_threads", ctypes.c_int)]
+                ("gate_up", _P), ("act", _P), ("widened", _P), ("shrunk", _P), ("num_threads", ctypes.c_int),
+                ("ids", _P), ("positions", _P), ("embedding", _P), ("cos_table", _P), ("sin_table", _P),
+                ("vocab", _I64), ("table_positions", _I64)]
 
 
 def why_not(model: torch.nn.Module, attention_backend: str) -> str | None:
@@ -208,6 +211,25 @@ class FusedDecode:
         self._scratch["shrunk"] = torch.empty(3 * MAX_ROWS, rank, dtype=torch.float32)  # q, k, v in one call
         for name, tensor in self._scratch.items():
             setattr(self._step, name, tensor.data_ptr())
+        self.gathers = self._gather_from(model)
+
+    def _gather_from(self, model: LlamaForCausalLM) -> bool:
+        """Point the step at the embedding and the RoPE tables `run_ids` gathers from; whether it can:
+        a plain embedding of the model's dtype, the family's own `embed`, RoPE served from tables as
+        wide as the head (rotary.py `use_table`: the engine turns it on)."""
+        embedding, rotary = model.model.embed_tokens, model.rotary
+        tables = rotary.tables(self.dtype) if isinstance(rotary, RotaryEmbedding) else None
+        if (tables is None or type(embedding) is not torch.nn.Embedding or type(model).embed is not LlamaForCausalLM.embed
+                or embedding.weight.dtype != self.dtype or not embedding.weight.is_contiguous()
+                or tables[0].shape[1] != model.spec.head_dim or tables[0].device.type != "cpu"):
+            return False
+        self._tables = tables  # alive while the step points at them
+        step = self._step
+        step.embedding, step.vocab = embedding.weight.data_ptr(), embedding.weight.shape[0]
+        step.cos_table, step.sin_table, step.table_positions = tables[0].data_ptr(), tables[1].data_ptr(), tables[0].shape[0]
+        width = model.spec.head_dim
+        self._angles = torch.empty(2, MAX_ROWS, width, dtype=self.dtype)  # the gathered cos and sin rows
+        return True
 
     def accepts(self, meta, num_tokens: int) -> bool:
         """Whether this step is one the fused call runs: all `num_tokens` rows decode (cpu attention
@@ -227,9 +249,31 @@ class FusedDecode:
         Raises:
             RuntimeError: the attention kernel could not allocate its score buffers.
         """
-        decode, step = meta.decode, self._step
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        step.rows, step.x, step.cos, step.sin = x.shape[0], x.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        step = self._step
+        step.ids = step.positions = None
+        step.x, step.cos, step.sin = x.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        return self._run(x, meta)
+
+    def run_ids(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: CpuAttentionMetadata) -> torch.Tensor:
+        """`__call__` from the step's token ids and RoPE positions, int64 [rows] each (where `gathers`):
+        the embedding rows and the cos/sin table rows are copied in the same C call (kernels/decode_step.c
+        `gather_inputs`), the bits of the module path's lookups. Returns the residual stream [rows, hidden].
+
+        Raises:
+            RuntimeError: an id outside the embedding or a position outside the RoPE table (-3), or as
+                `__call__`.
+        """
+        x = torch.empty(input_ids.shape[0], self._step.hidden, dtype=self.dtype)
+        input_ids, positions = input_ids.contiguous(), positions.contiguous()
+        step = self._step
+        step.ids, step.positions = input_ids.data_ptr(), positions.data_ptr()
+        step.x, step.cos, step.sin = x.data_ptr(), self._angles[0].data_ptr(), self._angles[1].data_ptr()
+        return self._run(x, meta)
+
+    def _run(self, x: torch.Tensor, meta: CpuAttentionMetadata) -> torch.Tensor:
+        decode, step = meta.decode, self._step
+        step.rows = x.shape[0]
         step.slot_mapping, step.attention_rows = meta.slot_mapping.data_ptr(), decode.rows.data_ptr()
         step.block_tables, step.context_lens = decode.block_tables.data_ptr(), decode.context_lens.data_ptr()
         step.table_width, step.max_context = decode.block_tables.shape[1], decode.max_context
@@ -239,6 +283,9 @@ class FusedDecode:
         if groups is not None:
             step.lora_rows, step.lora_starts, step.lora_slots = (t.data_ptr() for t in groups)
         rc = self._kernel(self._layers, len(self._layers), ctypes.byref(step))
+        if rc == -3:
+            raise RuntimeError(f"the fused decode step was given a token id outside the {step.vocab} embeddings or a "
+                               f"position outside the {step.table_positions} RoPE table rows")
         if rc != 0:
             raise RuntimeError("the fused decode step could not allocate the attention's score buffers"
                                if rc == -1 else f"the fused decode step failed ({rc})")

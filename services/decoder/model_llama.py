@@ -308,12 +308,16 @@ class LlamaForCausalLM(nn.Module):
             the residual stream after the last layer [num_tokens, hidden]; `compute_logits` applies
             the final norm, to the rows it projects only.
         """
+        fused = self.fused_decode
+        if (fused is not None and fused.gathers and embed_rows is None and positions.ndim == 1
+                and fused.accepts(meta, input_ids.shape[0])):
+            return fused.run_ids(input_ids, positions, meta)  # the lookups below in the same C call
         x = self.embed(input_ids)  # [num_tokens, hidden]
         if embed_rows is not None and embed_rows.numel():
             x[embed_rows] = embed_values.to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.rotary_dtype or x.dtype)  # [num_tokens, head_dim]
-        if self.fused_decode is not None and self.fused_decode.accepts(meta, x.shape[0]):
-            return self.fused_decode(x, cos, sin, meta)
+        if fused is not None and fused.accepts(meta, x.shape[0]):
+            return fused(x, cos, sin, meta)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, attention, meta)
         return x

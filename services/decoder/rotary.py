@@ -151,6 +151,17 @@ class RotaryEmbedding:
         self.table_positions = 0 if self.long_rope is not None else num_positions
         self._tables.clear()
 
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos and sin tables [table_positions, head_dim] of `dtype` that `cos_sin` indexes (built
+        now if this is their first use), or None without `use_table`."""
+        if not self.table_positions:
+            return None
+        tables = self._tables.get(dtype)
+        if tables is None:
+            every = torch.arange(self.table_positions, device=self.inv_freq.device)
+            tables = self._tables[dtype] = self._computed(every, dtype)  # [table_positions, head_dim] each
+        return tables
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (cos, sin), each [num_tokens, head_dim] in `dtype` (angles in float32). With
         longrope, a position >= `long_rope.position_offset` is a row on the long factors at
@@ -161,11 +172,8 @@ class RotaryEmbedding:
             IndexError: with `use_table`, a position at or past its `num_positions`.
         """
         if positions.ndim == 1 and self.table_positions:
-            tables = self._tables.get(dtype)
-            if tables is None:
-                every = torch.arange(self.table_positions, device=self.inv_freq.device)
-                tables = self._tables[dtype] = self._computed(every, dtype)  # [table_positions, head_dim] each
-            return tables[0][positions], tables[1][positions]  # contiguous, as the C kernels read them
+            cos, sin = self.tables(dtype)
+            return cos[positions], sin[positions]  # contiguous, as the C kernels read them
         return self._computed(positions, dtype)
 
     def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

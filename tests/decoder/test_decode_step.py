@@ -27,13 +27,13 @@ FAMILIES = {  # family -> make_tiny_llama overrides: q/k/v bias (qwen2), q/k nor
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[tuple[int, bool]]:
     """(rows, whether adapter rows were in the step) of every fused decode call while the test runs."""
-    calls, call = [], FusedDecode.__call__
+    calls, call = [], FusedDecode._run
 
-    def counting(self, x, cos, sin, meta):
+    def counting(self, x, meta):
         calls.append((x.shape[0], self._lora is not None and self._lora.batch is not None))
-        return call(self, x, cos, sin, meta)
+        return call(self, x, meta)
 
-    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    monkeypatch.setattr(FusedDecode, "_run", counting)
     return calls
 
 
@@ -108,6 +108,45 @@ def test_fused_step_bf16_equals_module_path(models, linear, fused_calls):
     limit = MAX_ROWS if linear == "cpu" else row_major_max_rows(torch.bfloat16, native.cpu_flags())
     assert max(rows) == min(len(prompts), limit), "the concurrent decode steps were meant to be fused"
     assert outputs["fused"] == outputs["modules"]
+
+
+def test_gathered_inputs_equal_the_module_lookups(models, monkeypatch):
+    """The fused step's own lookups (run_ids: the embedding row and the RoPE table's cos/sin rows copied
+    in C) give the logits, bit for bit, of the step fed by torch's embedding and cos_sin, alone and
+    concurrent; an id outside the embedding or a position outside the table is refused, not read."""
+    from decoder_testing import capture_logits
+
+    from services.decoder.attention.cpu_backend import CpuAttentionMetadata, decode_metadata
+
+    path, _ = models["llama"]
+    gathered, logits = [], {}
+    run_ids, gather_from = FusedDecode.run_ids, FusedDecode._gather_from
+    monkeypatch.setattr(FusedDecode, "run_ids", lambda self, *a: (gathered.append(a[0].shape[0]), run_ids(self, *a))[1])
+    for gathers in (True, False):
+        monkeypatch.setattr(FusedDecode, "_gather_from", gather_from if gathers else lambda self, model: False)
+        engine = start_engine(DecoderConfig(model_dir=str(path), max_model_len=256, num_blocks=64,
+                                            linear_backend="cpu", decode_step="fused"))
+        try:
+            rows = capture_logits(engine)
+            _generate(engine, PROMPTS, 24)
+            _generate(engine, PROMPTS[:1], 24)
+            logits[gathers] = rows
+            fused = engine.parts.runner.model.fused_decode
+            assert fused.gathers == gathers
+            if gathers:
+                meta = CpuAttentionMetadata(slot_mapping=torch.tensor([0]), decode=decode_metadata([0], [[0]], [1], 16))
+                for ids, positions in (([fused._step.vocab], [0]), ([-1], [0]), ([3], [256])):
+                    with pytest.raises(RuntimeError, match="outside the"):
+                        fused.run_ids(torch.tensor(ids), torch.tensor(positions), meta)
+        finally:
+            engine.shutdown()
+    assert gathered.count(1) >= 20 and max(gathered) == len(PROMPTS)
+    given = list(logits[False].values())  # by request (the ids differ between the runs: matched by their logits)
+    assert len(logits[True]) == len(given) == len(PROMPTS) + 1
+    for rows in logits[True].values():
+        same = [i for i, other in enumerate(given) if len(other) == len(rows) and all(map(torch.equal, rows, other))]
+        assert same, "a request's logits differ between the gathered and the given inputs"
+        del given[same[0]]
 
 
 def test_row_major_rows_per_cpu():

@@ -73,8 +73,8 @@ def test_bfloat16_cache_equals_transformers_rounding_cache(model, attention, dec
     step ran where asked (the kernels' float32-query / bfloat16-cache variants), every block freed."""
     path, rounded, _ = model
     calls = []
-    call = FusedDecode.__call__
-    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: (calls.append(self), call(self, *a))[1])
+    call = FusedDecode._run
+    monkeypatch.setattr(FusedDecode, "_run", lambda self, *a: (calls.append(self), call(self, *a))[1])
     check_regime(path, rounded, regime, new_tokens=NEW_TOKENS, rtol=RTOL, kv_cache_dtype="bfloat16", dtype="float32",
                  attention_backend=attention, decode_step=decode_step, linear_backend="torch")
     assert bool(calls) == (decode_step == "fused")

@@ -36,6 +36,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "reduce16.h"
@@ -160,7 +161,7 @@ typedef struct {
     int64_t num_slots, block_size, max_context, table_width;
     float eps, scale;
     void *x;                               /* [rows, hidden] residual stream, in and out */
-    const void *cos, *sin;                 /* [rows, head_dim] */
+    void *cos, *sin;                       /* [rows, head_dim]: given, or gathered (ids) */
     const int64_t *slot_mapping;           /* [rows] */
     const int64_t *attention_rows;         /* [rows]: 0..rows-1 */
     const int32_t *block_tables;           /* [rows, table_width] */
@@ -181,6 +182,11 @@ typedef struct {
     float *widened;                        /* float32 [max(hidden, heads head_dim, intermediate)] */
     float *shrunk;                         /* float32 [3, MAX_ROWS, max rank]: q, k, v at once */
     int num_threads;
+    /* ids != NULL: the step gathers its inputs first (`gather_inputs`) */
+    const int64_t *ids, *positions;        /* [rows] token ids and RoPE positions */
+    const void *embedding;                 /* [vocab, hidden] */
+    const void *cos_table, *sin_table;     /* [table_positions, head_dim] */
+    int64_t vocab, table_positions;
 } step_t;
 
 #define ELEMENT(bf16) ((bf16) ? sizeof(bf16_t) : sizeof(float))
@@ -640,11 +646,36 @@ static inline __attribute__((always_inline)) int decode_layer(const step_t *s, c
     return 0;
 }
 
+/* A step's inputs from its token ids and positions (decode_step.py FusedDecode.run_ids): x[r] =
+   embedding[ids[r]] (the embedding lookup), cos/sin[r] = cos_table/sin_table[positions[r]] (rotary.py's
+   table rows, its cos_sin values). Copies, so the bits are the torch path's. At batch 1 the torch ops
+   this replaces ran cold after the weights streamed through the caches (~60-120 us a token on a 2-core
+   AMD EPYC). Returns 0, or -3 for an id outside [0, vocab) or a position outside [0, table_positions). */
+static int gather_inputs(const step_t *s, const int bf16)
+{
+    const size_t element = bf16 ? sizeof(bf16_t) : sizeof(float);
+    const size_t row = (size_t)s->hidden * element, angles = (size_t)s->head_dim * element;
+    for (int64_t r = 0; r < s->rows; r++) {
+        const int64_t id = s->ids[r], position = s->positions[r];
+        if (id < 0 || id >= s->vocab || position < 0 || position >= s->table_positions)
+            return -3;
+        memcpy((char *)s->x + r * row, (const char *)s->embedding + id * row, row);
+        memcpy((char *)s->cos + r * angles, (const char *)s->cos_table + position * angles, angles);
+        memcpy((char *)s->sin + r * angles, (const char *)s->sin_table + position * angles, angles);
+    }
+    return 0;
+}
+
 static inline __attribute__((always_inline)) int decode_step(const layer_t *layers, int64_t num_layers,
                                                               const step_t *step, const int bf16)
 {
     if (step->rows > MAX_ROWS)
         return -2;
+    if (step->ids != NULL) {
+        const int rc = gather_inputs(step, bf16);
+        if (rc != 0)
+            return rc;
+    }
     for (int64_t i = 0; i < num_layers; i++) {
         const int rc = decode_layer(step, &layers[i], bf16);
         if (rc != 0)
@@ -653,8 +684,9 @@ static inline __attribute__((always_inline)) int decode_step(const layer_t *laye
     return 0;
 }
 
-/* Every layer of `layers` in order over step->x. Returns 0, -1 when the attention kernel could not
-   allocate its score buffers, -2 for more than MAX_ROWS rows (the caller checks both first). */
+/* Every layer of `layers` in order over step->x (gathered first where step->ids is set). Returns 0, -1
+   when the attention kernel could not allocate its score buffers, -2 for more than MAX_ROWS rows (the
+   caller checks both first), -3 for an id or position outside the tables (`gather_inputs`). */
 int tessera_decode_step_f32(const layer_t *layers, int64_t num_layers, const step_t *step)
 {
     return decode_step(layers, num_layers, step, 0);
