@@ -267,12 +267,25 @@ async def serve(name: str, listen: Listen | str, register: Callable[[grpc.aio.Se
     log.info("%s: draining", name)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
+    await _rpc_tasks_finished()
     if gave_up.is_set():
         logging.shutdown()  # flush the log handlers: exit_process skips interpreter shutdown
         exit_process(EXIT_UNHEALTHY)
         return
     await lifecycle.stop()
     log.info("%s stopped", name)
+
+
+async def _rpc_tasks_finished(timeout_s: float = 1.0) -> None:
+    """Wait (at most `timeout_s`) for the RPC handler tasks grpc.aio still has after `server.stop`:
+    a stream the stop ended (a health Watch answered NOT_SERVING) is sometimes still unwinding when
+    stop returns, and a task left at the loop's close is cancelled there and logged by grpc as
+    "Exception not handled ... CancelledError" (tests/common/test_health.py). grpc names those tasks
+    "rpc_task" and "HandleExceptions[<method>]"; nothing else is waited for."""
+    pending = [task for task in asyncio.all_tasks() if not task.done()
+               and (task.get_name() == "rpc_task" or task.get_name().startswith("HandleExceptions["))]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
 
 
 def _build(name: str, listen: Listen, register: Callable[[grpc.aio.Server], Iterable[str]],
