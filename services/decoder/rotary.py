@@ -146,8 +146,8 @@ class RotaryEmbedding:
         class's own arithmetic over arange(num_positions): two index ops a step where the angles took
         seven (vLLM's cos_sin_cache). After the weights stream through the caches each op runs cold
         (10-70 us on a 2-core AMD EPYC at batch 1); the table's rows are the values `cos_sin`
-        computes for those positions. A table holds num_positions x head_dim values twice (cos, sin):
-        2 MB for SmolLM2's 8192 x 64 in float32, 64 MB for 131072 x 128 in bfloat16. longrope (its long
+        computes for those positions. The cos and sin tables hold num_positions x head_dim values each:
+        4 MB for SmolLM2's 8192 x 64 in float32, 64 MB for 131072 x 128 in bfloat16. longrope (its long
         rows sit past max_position_embeddings) and M-RoPE ([3, N]) keep computing; so does every
         position with `num_positions` 0."""
         self.table_positions = 0 if self.long_rope is not None else num_positions
