@@ -148,9 +148,10 @@ class RotaryEmbedding:
         (10-70 us on a 2-core AMD EPYC at batch 1); the table's rows are the values `cos_sin`
         computes for those positions. The cos and sin tables hold num_positions x head_dim values each:
         4 MB for SmolLM2's 8192 x 64 in float32, 64 MB for 131072 x 128 in bfloat16. longrope (its long
-        rows sit past max_position_embeddings) and M-RoPE ([3, N]) keep computing; so does every
-        position with `num_positions` 0."""
-        self.table_positions = 0 if self.long_rope is not None else num_positions
+        rows sit past max_position_embeddings) and M-RoPE models (their positions are [3, N]) keep
+        computing and build no table; so does every position with `num_positions` 0."""
+        computes = self.long_rope is not None or self.mrope_section is not None
+        self.table_positions = 0 if computes else num_positions
         self._tables.clear()
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -49,6 +49,12 @@ def test_a_position_past_the_table_is_an_error_not_a_wrong_row():
         tabled.cos_sin(torch.tensor([NUM_POSITIONS]), torch.float32)
 
 
+def test_an_mrope_model_builds_no_table():
+    rope = RotaryEmbedding(16, 10000.0, mrope_section=(2, 3, 3))
+    rope.use_table(NUM_POSITIONS)
+    assert rope.table_positions == 0 and rope.tables(torch.float32) is None
+
+
 def test_longrope_keeps_computing():
     """A longrope row's position carries the long set's offset, past any table: no table is used."""
     inv = tuple([1.0] * 8)
