@@ -265,9 +265,14 @@ class FusedDecode:
         `gather_inputs`), the bits of the module path's lookups. Returns the residual stream [rows, hidden].
 
         Raises:
+            ValueError: ids or positions not int64 [rows] of one length (the C call reads them so).
             RuntimeError: an id outside the embedding or a position outside the RoPE table (-3), or as
                 `__call__`.
         """
+        if (input_ids.dtype != torch.long or positions.dtype != torch.long or input_ids.dim() != 1
+                or positions.shape != input_ids.shape):
+            raise ValueError(f"run_ids takes int64 ids and positions [rows] of one length, got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)} and {positions.dtype} {tuple(positions.shape)}")
         x = torch.empty(input_ids.shape[0], self._step.hidden, dtype=self.dtype)
         input_ids, positions = input_ids.contiguous(), positions.contiguous()
         step = self._step

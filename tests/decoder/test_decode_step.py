@@ -138,6 +138,10 @@ def test_gathered_inputs_equal_the_module_lookups(models, monkeypatch):
                 for ids, positions in (([fused._step.vocab], [0]), ([-1], [0]), ([3], [256])):
                     with pytest.raises(RuntimeError, match="outside the"):
                         fused.run_ids(torch.tensor(ids), torch.tensor(positions), meta)
+                for ids, positions in ((torch.tensor([3], dtype=torch.int32), torch.tensor([0])),
+                                       (torch.tensor([3]), torch.tensor([0, 1]))):
+                    with pytest.raises(ValueError, match="int64 ids and positions"):
+                        fused.run_ids(ids, positions, meta)
         finally:
             engine.shutdown()
     assert gathered.count(1) >= 20 and max(gathered) == len(PROMPTS)
