@@ -200,6 +200,7 @@ class FusedDecode:
         self._finite = (ctypes.c_uint8 * MAX_ROWS)()  # `logits`' per-row flags
         self._greedy = (ctypes.c_int64 * MAX_ROWS)()  # and each row's argmax
         self._resolved: set[int] = set()  # LoRA parts (index into layers x parts) whose factors are set
+        self._resolved_buffers = 0  # the slots' num_buffers when the parts were last looked up
         self._cache, self._norm_eps = cache, model.model.layers[0].input_layernorm.eps
         h, kv, d, hidden, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size
         self._step = Step(hidden=hidden, num_heads=h, num_kv_heads=kv, head_dim=d, intermediate=inter,
@@ -355,6 +356,9 @@ class FusedDecode:
         if batch is None:
             return None
         slots = self._lora.slots
+        if slots.num_buffers == self._resolved_buffers:  # no module gained buffers since the last look
+            return batch.decode_groups
+        self._resolved_buffers = slots.num_buffers
         for i, layer in enumerate(self._layers):
             for j, part in enumerate(layer.lora):
                 key = i * len(LORA_PARTS) + j

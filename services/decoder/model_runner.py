@@ -164,15 +164,21 @@ class ModelRunner:
             row += item.num_new_tokens
         block_tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
         meta = self.attention.build_metadata(out.scheduled, block_tables, self.cache)
-        # each token's adapter slot, None when every row is the base model's (no tensor work then)
+        # each token's adapter slot, None when every row is the base model's (no tensor work then); in
+        # the step's tensor below when every request brings one token
+        adapters = any(slot != BASE_SLOT for slot in slots)
+        one_token_each = len(ids) == len(slots)
         token_slots = (torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts))
-                       if any(slot != BASE_SLOT for slot in slots) else None)
+                       if adapters and not one_token_each else None)
         device = self.cache.device
         # the step's int64 vectors as slices of one tensor: one op where four ran, each cold at batch 1
         # (after the weights stream through the caches a tensor's creation took 10-30 us)
-        num_ids, num_decode = len(ids), len(decode_rows)
-        flat = torch.tensor(ids + ([] if self.mrope else positions) + decode_rows + sample_rows, dtype=torch.long)
+        num_ids, num_decode, num_sampled = len(ids), len(decode_rows), len(sample_rows)
+        flat = torch.tensor(ids + ([] if self.mrope else positions) + decode_rows + sample_rows
+                            + (slots if adapters and one_token_each else []), dtype=torch.long)
         at = num_ids if self.mrope else 2 * num_ids  # where decode_rows begin
+        if adapters and one_token_each:
+            token_slots = flat[at + num_decode + num_sampled:]
         return ModelInputs(
             input_ids=on_device(flat[:num_ids], device),
             positions=on_device(torch.cat(positions, dim=-1) if self.mrope else flat[num_ids:at], device),
@@ -181,7 +187,7 @@ class ModelRunner:
             embed_rows=on_device(torch.tensor(embed_rows, dtype=torch.long), device) if embed_rows else None,
             embed_values=on_device(torch.cat(embed_values), device) if embed_values else None,
             token_slots=None if token_slots is None else on_device(token_slots, device),
-            sample_rows=on_device(flat[at + num_decode:], device),
+            sample_rows=on_device(flat[at + num_decode:at + num_decode + num_sampled], device),
             sampled=sampled,
             prompt_rows=on_device(torch.tensor(prompt_rows, dtype=torch.long), device) if prompt_rows else None,
             prompt_targets=on_device(torch.tensor(prompt_targets, dtype=torch.long), device) if prompt_rows else None,

@@ -269,3 +269,84 @@ def test_bgmv_parts_call_equals_one_call_per_part(dtypes, groups):
     assert (fused.double() - expected).abs().max() < tolerance
     assert torch.equal(fused[num_rows:], y0[num_rows:]) and torch.equal(fused[:, :1], y0[:, :1])
     assert (expected - y0.double()).abs().max() > 0.1  # the corrections are not negligible
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+def bgmv_library(request):
+    """The kernel library as this machine builds it (AVX-512 / AVX512-BF16 where it has them), as an
+    AVX2 + FMA host without AVX-512 builds it, and portable."""
+    from services.decoder.kernels import native
+
+    if request.param == "avx2":
+        if not {"avx2", "fma"} <= native.cpu_flags():
+            pytest.fail("this x86 test machine has no AVX2 + FMA: the avx2 build cannot run here")
+        return native.build(march=native.AVX2_MARCH)
+    return native.load() if request.param == "native" else native.build(portable=True)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["f32", "f32-bf16w", "bf16"])
+@pytest.mark.parametrize("in_f", [131, 576])
+def test_a_rows_correction_is_the_same_bits_alone_and_in_a_group(bgmv_library, dtypes, in_f):
+    """A row alone (batch 1: the one-row shrink and expand) gets the bits it gets as one of a group's
+    four rows or as a group's fifth (its tail), for parts of odd widths and ranks (3 to 16, rank 5 not
+    a multiple of the one-row shrink's four), at 1 and 2 threads, in each build of the kernels."""
+    act, factor = dtypes
+    suffix = {(torch.float32, torch.float32): "f32", (torch.float32, torch.bfloat16): "f32_bf16w",
+              (torch.bfloat16, torch.bfloat16): "bf16"}[dtypes]
+    library = bgmv_library
+    torch.manual_seed(in_f)
+    widths, ranks = (300, 70, 2100), (16, 5, 3)  # 2100: past the streamed expand's 2048 outputs
+    x = torch.randn(6, in_f).to(act)
+    y0 = torch.randn(6, sum(widths)).to(act)
+    factors = [((torch.randn(3, r, in_f) / 12).to(factor), torch.randn(3, r, w).to(factor))
+               for w, r in zip(widths, ranks)]
+    columns = [sum(widths[:i]) for i in range(3)]
+
+    def call(rows, starts, slots, threads):
+        y = y0.clone()
+        parts = (_Part * 3)(*(_Part(a.data_ptr(), bt.data_ptr(), y[:, c:].data_ptr(), y.stride(0), w, r)
+                              for (a, bt), c, w, r in zip(factors, columns, widths, ranks)))
+        rows, starts, slots = (torch.tensor(v, dtype=torch.long) for v in (rows, starts, slots))
+        shrunk = torch.empty(3, rows.numel(), max(ranks))
+        getattr(library, f"tessera_lora_bgmv_parts_{suffix}")(
+            x.data_ptr(), in_f, parts, 3, rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f,
+            shrunk.data_ptr(), threads)
+        # x . A, float32 (a bf16 y rounds most differences away): part p's rows at p * rows * max rank, each rank long
+        return y, [shrunk[p].flatten()[:rows.numel() * r].view(rows.numel(), r) for p, r in enumerate(ranks)]
+
+    for threads in (1, 2):
+        grouped, grouped_shrunk = call([0, 1, 2, 3, 4, 5], [0, 5, 6], [2, 0], threads)  # rows 0-3, row 4 the tail
+        for row, slot in ((0, 2), (3, 2), (4, 2), (5, 0)):
+            alone, alone_shrunk = call([row], [0, 1], [slot], threads)
+            assert torch.equal(alone[row], grouped[row]), (threads, row)
+            assert not torch.equal(alone[row], y0[row])
+            for part in range(len(ranks)):
+                assert torch.equal(alone_shrunk[part][0], grouped_shrunk[part][row]), (threads, row, part)
+
+
+def test_a_step_whose_every_row_decodes_gets_the_metadata_of_the_tensor_ops():
+    """`LoRABatch.build` computes an all-decode CPU step's metadata on the slots' ints: every field,
+    and the BGMV's decode groups, equal to what the tensor ops make of the same step."""
+    import random
+
+    rng = random.Random(0)
+    cases = [[3], [-1], [-1, -1], [0, -1, 0], [2, 2, 0, -1, 1, 0, 2]] + [
+        [rng.choice([-1, 0, 1, 5, 7]) for _ in range(rng.randrange(1, 40))] for _ in range(30)]
+    for slots in cases:
+        token_slots = torch.tensor(slots)
+        rows = torch.arange(len(slots))
+        fast, ops = LoRABatch.build(token_slots, rows), LoRABatch._from_ops(token_slots, rows)
+        if all(slot == -1 for slot in slots):
+            assert fast is None and ops is None
+            continue
+        assert "decode_groups" in vars(fast)  # the int path ran: it sets decode_groups up front
+        assert "decode_groups" not in vars(ops)
+        for name in ("token_slots", "decode_rows", "decode_slots", "prefill_perm", "seg_starts", "seg_lens",
+                     "seg_slots"):
+            assert torch.equal(getattr(fast, name), getattr(ops, name)), (slots, name)
+            assert getattr(fast, name).dtype == torch.long
+        assert fast.max_seg_len == ops.max_seg_len == 0 and fast.num_segments == 0
+        assert [s for s, _ in fast.slot_rows] == [s for s, _ in ops.slot_rows]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fast.slot_rows, ops.slot_rows))
+        assert all(torch.equal(a, b) for a, b in zip(fast.decode_groups, ops.decode_groups)), slots

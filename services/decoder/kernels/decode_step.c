@@ -33,8 +33,14 @@
  * x rows, tiles of eight W rows read one after another, front to back: one stream), widened
  * float32 FMAs elsewhere; sums in float32, rounded once. The order of the sum depends on neither the
  * row's place in the batch nor the thread count.
+ *
+ * A projection an adapter targets adds its LoRA parts (lora_bgmv.c's team body) in the GEMV's own
+ * parallel region: the GEMV's tiles without a barrier, the shrink (which reads only x), its barrier,
+ * then the expand into y: one fork and two barriers where the GEMV and a BGMV call of its own took
+ * two forks and three, 120 times a token at batch 1 for SmolLM2 (the same operations: the same bits).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -126,6 +132,12 @@ void tessera_lora_bgmv_parts_bf16(const bf16_t *, int64_t, const bgmv_part_t *, 
                                   const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
 void tessera_lora_bgmv_parts_f32_bf16w(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
                                        const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
+void tessera_lora_bgmv_parts_team_f32(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
+                                      const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
+void tessera_lora_bgmv_parts_team_bf16(const bf16_t *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
+                                       const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
+void tessera_lora_bgmv_parts_team_f32_bf16w(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
+                                            const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
 
 /* One projection: W [out, in] row-major (packed = 0), gemm.c's panels (packed = 1), or GGUF blocks
    (qtype != 0: the GGML type id, quant_gemm.c; float32 models only; fast: its int8-activation mode);
@@ -188,6 +200,33 @@ typedef struct {
     const void *cos_table, *sin_table;     /* [table_positions, head_dim] */
     int64_t vocab, table_positions;
 } step_t;
+
+/* A projection's LoRA parts (project_lora's), for its GEMV to add inside its own parallel region */
+typedef struct {
+    const step_t *s;
+    const bgmv_part_t *parts;
+    int64_t num_parts, in_features;
+} lora_call_t;
+
+/* lora's parts added to y by every thread of the caller's parallel region, x [rows, in_features]: the
+   BGMV's team body (lora_bgmv.c), whose loops bind to that region and end with a barrier */
+static inline __attribute__((always_inline)) void lora_in_region(const lora_call_t *lora, const void *x, const int bf16)
+{
+    const step_t *s = lora->s;
+    const int threads = omp_get_num_threads();
+    if (bf16)
+        tessera_lora_bgmv_parts_team_bf16(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows,
+                                          s->lora_starts, s->lora_slots, s->lora_groups, lora->in_features, s->shrunk,
+                                          threads);
+    else if (s->lora_bf16)
+        tessera_lora_bgmv_parts_team_f32_bf16w(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows,
+                                               s->lora_starts, s->lora_slots, s->lora_groups, lora->in_features,
+                                               s->shrunk, threads);
+    else
+        tessera_lora_bgmv_parts_team_f32(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows,
+                                         s->lora_starts, s->lora_slots, s->lora_groups, lora->in_features, s->shrunk,
+                                         threads);
+}
 
 #define ELEMENT(bf16) ((bf16) ? sizeof(bf16_t) : sizeof(float))
 #define AT(p, e, bf16) ((void *)((char *)(p) + (size_t)(e) * ELEMENT(bf16)))
@@ -356,10 +395,13 @@ static inline __attribute__((always_inline)) void gemv_stream_tile(
 /* gemv's bfloat16 case for a few rows (m_rows <= STREAM_MAX_ROWS): tiles of STREAM_COLS outputs,
    threads splitting them, rows GEMV_ROWS at a time (a tile's W rows read again from L1 past four) */
 static void gemv_stream_bf16(const bf16_t *x, int64_t m_rows, int64_t k_features, const bf16_t *weight,
-                             const bf16_t *bias, bf16_t *y, int64_t n_features, int num_threads)
+                             const bf16_t *bias, bf16_t *y, int64_t n_features, int num_threads,
+                             const lora_call_t *lora)
 {
     const int64_t tiles = (n_features + STREAM_COLS - 1) / STREAM_COLS;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    #pragma omp parallel num_threads(num_threads)
+    {
+    #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t o0 = t * STREAM_COLS, nc = n_features - o0 < STREAM_COLS ? n_features - o0 : STREAM_COLS;
         for (int64_t m0 = 0; m0 < m_rows; m0 += GEMV_ROWS) {
@@ -377,6 +419,9 @@ static void gemv_stream_bf16(const bf16_t *x, int64_t m_rows, int64_t k_features
                         f32_to_bf16(sums[STREAM_COLS * r + c] + (bias != NULL ? bf16_to_f32(bias[o0 + c]) : 0.f));
         }
     }
+    if (lora != NULL)  /* its expand adds to y after the shrink's barrier, so after every tile */
+        lora_in_region(lora, x, 1);
+    }
 }
 #endif
 
@@ -392,17 +437,19 @@ static void gemv_stream_bf16(const bf16_t *x, int64_t m_rows, int64_t k_features
 
 static inline __attribute__((always_inline)) void gemv(
     const void *x, int64_t m_rows, int64_t k_features, const void *weight, const void *bias, void *y,
-    int64_t n_features, int num_threads, const int bf16)
+    int64_t n_features, int num_threads, const lora_call_t *lora, const int bf16)
 {
 #if GEMV_AVX512 && TESSERA_DPBF16
     if (bf16 && m_rows <= STREAM_MAX_ROWS) {
-        gemv_stream_bf16(x, m_rows, k_features, weight, bias, y, n_features, num_threads);
+        gemv_stream_bf16(x, m_rows, k_features, weight, bias, y, n_features, num_threads, lora);
         return;
     }
 #endif
     const int64_t row_bytes = k_features * (int64_t)ELEMENT(bf16), cols = TILE_COLS(bf16),
                   tiles = (n_features + cols - 1) / cols;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    #pragma omp parallel num_threads(num_threads)
+    {
+    #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t o0 = t * cols, nc = n_features - o0 < cols ? n_features - o0 : cols;
         if (!STREAMS(bf16))  /* the omp simd loop: the tile's lines PF_BYTES ahead, asked for now */
@@ -429,6 +476,9 @@ static inline __attribute__((always_inline)) void gemv(
                         ((float *)y)[at] = sums[4 * c + r] + b[c];
                 }
         }
+    }
+    if (lora != NULL)
+        lora_in_region(lora, x, bf16);
     }
 }
 #undef GEMV_TILE_NC
@@ -501,13 +551,14 @@ static void panel_gemv(const float *x, int64_t m_rows, int64_t k_features, const
 
 /* y [rows, out] = x [rows, in] W^T (+ b): the packed GEMM (x widened to float32 for a bf16 model) or gemv */
 static inline __attribute__((always_inline)) void project(
-    const step_t *s, const projection_t *p, const void *x, void *y, const int bf16)
+    const step_t *s, const projection_t *p, const void *x, void *y, const lora_call_t *lora, const int bf16)
 {
     if (p->qtype && !bf16) {
         tessera_qgemm(x, s->rows, p->in_features, p->weight, p->qtype, p->bias, y, p->out_features, p->fast,
                       s->num_threads);
     } else if (!p->packed) {
-        gemv(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads, bf16);
+        gemv(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads, lora, bf16);
+        return;  /* lora's parts added in gemv's region */
     } else if (!bf16) {
         panel_gemv(x, s->rows, p->in_features, p->weight, p->bias, y, p->out_features, s->num_threads);
     } else {
@@ -517,33 +568,35 @@ static inline __attribute__((always_inline)) void project(
         tessera_gemm_bf16(s->widened, s->rows, p->in_features, p->weight, p->bias, y, p->out_features,
                           s->num_threads);
     }
+    if (lora == NULL)
+        return;
+    if (bf16)  /* the other paths: the parts in a call of their own */
+        tessera_lora_bgmv_parts_bf16(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows, s->lora_starts,
+                                     s->lora_slots, s->lora_groups, lora->in_features, s->shrunk, s->num_threads);
+    else if (s->lora_bf16)
+        tessera_lora_bgmv_parts_f32_bf16w(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows,
+                                          s->lora_starts, s->lora_slots, s->lora_groups, lora->in_features, s->shrunk,
+                                          s->num_threads);
+    else
+        tessera_lora_bgmv_parts_f32(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows, s->lora_starts,
+                                    s->lora_slots, s->lora_groups, lora->in_features, s->shrunk, s->num_threads);
 }
 
-/* y[:, part columns] += LoRA(x) for each adapter group and each of the `count` parts from `first`
-   (x [rows, in], y [rows, y_stride]), one kernel call for all of them */
-static inline __attribute__((always_inline)) void add_lora(
-    const step_t *s, const layer_t *l, int first, int count, const void *x, int64_t in_features, void *y,
-    int64_t y_stride, const int bf16)
+/* y[:, part columns] = x W^T (+ b) + LoRA(x) for each adapter group and each of the `count` LoRA parts
+   from `first` (x [rows, in], y [rows, y_stride = the projection's out]): the projection, and the
+   parts an adapter targets in the same parallel region where project's gemv runs it */
+static inline __attribute__((always_inline)) void project_lora(
+    const step_t *s, const layer_t *l, const projection_t *p, int first, int count, const void *x, void *y,
+    const int bf16)
 {
-    if (s->lora_groups == 0)
-        return;
     bgmv_part_t parts[3];
     int64_t n = 0;
-    for (int i = first; i < first + count; i++)
+    for (int i = first; s->lora_groups != 0 && i < first + count; i++)
         if (l->lora[i].a != NULL)
-            parts[n++] = (bgmv_part_t){l->lora[i].a, l->lora[i].bt, AT(y, l->lora[i].start, bf16), y_stride,
+            parts[n++] = (bgmv_part_t){l->lora[i].a, l->lora[i].bt, AT(y, l->lora[i].start, bf16), p->out_features,
                                        l->lora[i].out_features, l->lora[i].rank};
-    if (n == 0)
-        return;
-    if (bf16)
-        tessera_lora_bgmv_parts_bf16(x, in_features, parts, n, s->lora_rows, s->lora_starts, s->lora_slots,
-                                     s->lora_groups, in_features, s->shrunk, s->num_threads);
-    else if (s->lora_bf16)
-        tessera_lora_bgmv_parts_f32_bf16w(x, in_features, parts, n, s->lora_rows, s->lora_starts, s->lora_slots,
-                                          s->lora_groups, in_features, s->shrunk, s->num_threads);
-    else
-        tessera_lora_bgmv_parts_f32(x, in_features, parts, n, s->lora_rows, s->lora_starts, s->lora_slots,
-                                    s->lora_groups, in_features, s->shrunk, s->num_threads);
+    const lora_call_t lora = {s, parts, n, p->in_features};
+    project(s, p, x, y, n == 0 ? NULL : &lora, bf16);
 }
 
 /* x += y over n values, each sum rounded to the dtype once */
@@ -587,8 +640,7 @@ static inline __attribute__((always_inline)) int decode_layer(const step_t *s, c
     const int64_t q_width = s->num_heads * d, kv_width = s->num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
 
     rms_norm(s, s->x, l->input_norm, s->h, rows, hidden, bf16);
-    project(s, &l->qkv, s->h, s->qkv, bf16);
-    add_lora(s, l, 0, 3, s->h, hidden, s->qkv, qkv_width, bf16);  /* q, k, v */
+    project_lora(s, l, &l->qkv, 0, 3, s->h, s->qkv, bf16);  /* LoRA: q, k, v */
     const void *q = s->qkv, *k = AT(s->qkv, q_width, bf16);
     int64_t q_stride = qkv_width, k_stride = qkv_width;
     if (l->q_norm != NULL) {  /* per head, over head_dim: each token's heads are contiguous rows */
@@ -629,19 +681,16 @@ static inline __attribute__((always_inline)) int decode_layer(const step_t *s, c
     }
     if (rc != 0)
         return rc;
-    project(s, &l->o, s->attention, s->out, bf16);
-    add_lora(s, l, 3, 1, s->attention, q_width, s->out, hidden, bf16);
+    project_lora(s, l, &l->o, 3, 1, s->attention, s->out, bf16);
     residual_add(s->x, s->out, rows * hidden, bf16);
 
     rms_norm(s, s->x, l->post_norm, s->h, rows, hidden, bf16);
-    project(s, &l->gate_up, s->h, s->gate_up, bf16);
-    add_lora(s, l, 4, 2, s->h, hidden, s->gate_up, 2 * inter, bf16);  /* gate, up */
+    project_lora(s, l, &l->gate_up, 4, 2, s->h, s->gate_up, bf16);  /* LoRA: gate, up */
     if (bf16)
         tessera_silu_mul_bf16(s->gate_up, 2 * inter, s->act, rows, inter, s->num_threads);
     else
         tessera_silu_mul_f32(s->gate_up, 2 * inter, s->act, rows, inter, s->num_threads);
-    project(s, &l->down, s->act, s->out, bf16);
-    add_lora(s, l, 6, 1, s->act, inter, s->out, hidden, bf16);
+    project_lora(s, l, &l->down, 6, 1, s->act, s->out, bf16);
     residual_add(s->x, s->out, rows * hidden, bf16);
     return 0;
 }
@@ -703,13 +752,13 @@ int tessera_decode_step_bf16(const layer_t *layers, int64_t num_layers, const st
 void tessera_gemv_f32(const float *x, int64_t m_rows, int64_t k_features, const float *weight, const float *bias,
                       float *y, int64_t n_features, int num_threads)
 {
-    gemv(x, m_rows, k_features, weight, bias, y, n_features, num_threads, 0);
+    gemv(x, m_rows, k_features, weight, bias, y, n_features, num_threads, NULL, 0);
 }
 
 void tessera_gemv_bf16(const bf16_t *x, int64_t m_rows, int64_t k_features, const bf16_t *weight,
                        const bf16_t *bias, bf16_t *y, int64_t n_features, int num_threads)
 {
-    gemv(x, m_rows, k_features, weight, bias, y, n_features, num_threads, 1);
+    gemv(x, m_rows, k_features, weight, bias, y, n_features, num_threads, NULL, 1);
 }
 
 /* the fused step's float32 projection over packed panels (panel_gemv): for tests and benchmarks */
@@ -774,7 +823,7 @@ static inline __attribute__((always_inline)) void decode_logits(
     else
         tessera_rms_norm_f32(x, norm_weight, normed, rows, hidden, eps, 1);
     const step_t s = {.rows = rows, .widened = widened, .num_threads = num_threads};
-    project(&s, head, normed, bf16 ? y : (void *)logits, bf16);
+    project(&s, head, normed, bf16 ? y : (void *)logits, NULL, bf16);
     for (int64_t r = 0; r < rows; r++) {
         float sum = 0.f;
         for (int64_t d = 0; d < hidden; d++) {

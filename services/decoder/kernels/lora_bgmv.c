@@ -27,6 +27,22 @@
  * so one call takes all of them, one parallel region and two barriers where a call per projection
  * took three each (SmolLM2's 30 layers at batch 1 make 120 calls a token instead of 210).
  *
+ * A row computed alone (an adapter's one decode row at batch 1, or a group's fifth) skips the three
+ * padding rows of the ROWS-wide loops: its shrink sums four A rows at a time (bf16: four VDPBF16PS
+ * chains, each dot_bf16's operations), its expand holds 64 outputs in four AVX-512 registers across
+ * the rank rows, the block two ahead asked for (expand_one_row; elsewhere sums in L1 over B^T's rows,
+ * STREAM_OUTS outputs at a time). Each value comes from the same operations in the same order, so a
+ * row gets the same bits alone or in a group (tests/decoder/test_lora_kernels.py). Both loops split
+ * one adapter's items round-robin (schedule(static, 1)): the dynamic schedule's calls into libgomp
+ * cost more than the imbalance they saved at these sizes. The fused decode step runs the `_parts_team` body in
+ * the parallel region of the projection's own GEMV (decode_step.c), one region where there were two.
+ * SmolLM2-135M bf16, one adapter row, rank 16, the 120 calls of a token on a 2-core AMD EPYC (Zen 5)
+ * VM, five interleaved runs of 30 tokens, medians, factors cold (256 MB read before each token): 859
+ * -> 584 us (dynamic schedule and the four-row loops -> the above); with the factors in L3, 510 -> 250
+ * us. One thread for a one-row call (no fork, no barriers) ran 1.29x slower cold: one core reads the
+ * factors at half the rate. Prefetching a call's factors at the start of its GEMV's region measured
+ * 0.9% slower in the engine.
+ *
  * Each exported function holds its own parallel region around the always-inlined team body, called
  * with a literal dtype: GCC outlines a parallel region before it inlines, so one region shared by
  * both dtypes read the dtype at run time inside every loop, and the loops ran 1.5-4.5x slower
@@ -46,7 +62,31 @@
 #define LOAD(p, e) (bf16 ? bf16_to_f32(((const bf16_t *)(p))[e]) : ((const float *)(p))[e])
 #define WLOAD(p, e) (wbf16 ? bf16_to_f32(((const bf16_t *)(p))[e]) : ((const float *)(p))[e])
 
-/* s[r][k] = x[rows[r]] . a_slot[k] for r < nr <= ROWS and k0 <= k < k1 (x: row stride x_stride elements) */
+#if TESSERA_DPBF16
+/* out[j] = dot_bf16(x, a + j * n, n) for j < 4, the four chains interleaved (one chain's VDPBF16PS
+   latency, not the loads, set the pace of one row's shrink): the same operations per sum, the same bits */
+static inline __attribute__((always_inline)) void dot4_bf16(const bf16_t *x, const bf16_t *a, int64_t n, float *out)
+{
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t d = 0;
+    for (; d + 32 <= n; d += 32) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + d);
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(a + j * n + d));
+    }
+    if (d < n) {
+        const __mmask32 mask = (__mmask32)((1u << (n - d)) - 1u);
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + d);
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, a + j * n + d));
+    }
+    for (int j = 0; j < 4; j++)
+        out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
+/* s[r][k] = x[rows[r]] . a_slot[k] for r < nr <= ROWS and k0 <= k < k1 (x: row stride x_stride elements);
+   with nr = 1 only s[0][k] is written */
 static inline __attribute__((always_inline)) void shrink_rows(
     const void *x, int64_t x_stride, const int64_t *rows, int64_t nr, const void *a_slot, int64_t in_features,
     int64_t rank, int64_t k0, int64_t k1, float *s, const int bf16, const int wbf16)
@@ -60,6 +100,22 @@ static inline __attribute__((always_inline)) void shrink_rows(
     const char *first = (const char *)a_slot + (size_t)k0 * row_bytes;
     for (size_t at = 0; at < 2 * row_bytes && at < (size_t)(k1 - k0) * row_bytes; at += 64)
         __builtin_prefetch(first + at, 0, 1);  /* the first two rows */
+#if TESSERA_DPBF16
+    if (bf16 && wbf16 && nr == 1) {  /* one row: four A rows at a time, each dot_bf16's own chain and sum */
+        int64_t k = k0;
+        for (; k + 4 <= k1; k += 4) {
+            const char *ak = (const char *)a_slot + (size_t)(k * in_features) * welement;
+            const size_t ahead = (size_t)(k1 - k - 4 < 4 ? k1 - k - 4 : 4) * row_bytes;  /* the next rows, */
+            for (size_t at = 0; at < ahead; at += 64)                                    /* up to four */
+                __builtin_prefetch(ak + 4 * row_bytes + at, 0, 1);
+            dot4_bf16((const bf16_t *)x0, (const bf16_t *)ak, in_features, s + k);
+        }
+        for (; k < k1; k++)
+            s[k] = dot_bf16((const bf16_t *)x0, (const bf16_t *)((const char *)a_slot + (size_t)(k * in_features) * welement),
+                            in_features);
+        return;
+    }
+#endif
     for (int64_t k = k0; k < k1; k++) {
         const char *ak = (const char *)a_slot + (size_t)(k * in_features) * welement;
         /* the factor stream is short (one slot's rank rows) and each starts cold: row k + 2 is
@@ -140,6 +196,84 @@ static inline __attribute__((always_inline)) void expand_rows(
     }
 }
 
+/* expand_rows for one row over outputs [first, last): B^T's rows read STREAM_OUTS outputs at a time
+   (long runs the hardware prefetcher follows, where CHUNK-wide pieces of rank rows were rank short
+   streams), each output's sum the same FMAs in the same order (zero, then k = 0 .. rank - 1) */
+#define STREAM_OUTS 2048
+#if defined(__AVX512F__) && !defined(TESSERA_PORTABLE)
+#include <immintrin.h>
+#define EXPAND_AVX512 1
+#else
+#define EXPAND_AVX512 0
+#endif
+static inline __attribute__((always_inline)) void expand_one_row(
+    void *y, int64_t y_stride, int64_t row, const float *s, const void *b_slot, int64_t out_features, int64_t rank,
+    int64_t first, int64_t last, const int bf16, const int wbf16)
+{
+    const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
+    float acc[STREAM_OUTS];
+#if EXPAND_AVX512
+    /* 64 outputs at a time in four registers across the rank rows (no sums through memory), the
+       block two ahead asked for meanwhile; the last < 64 outputs by the loop below */
+#define W16(p) (wbf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(                     \
+                            _mm256_loadu_si256((const __m256i *)(p))), 16))                            \
+                      : _mm512_loadu_ps((const float *)(p)))
+    for (; first + 64 <= last; first += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        for (int64_t k = 0; k < rank; k++) {
+            const char *bk = (const char *)b_slot + (size_t)(k * out_features + first) * welement;
+            if (first + 192 <= last)
+                for (size_t at = 0; at < 64 * welement; at += 64)
+                    __builtin_prefetch(bk + 128 * welement + at, 0, 1);
+            const __m512 c = _mm512_set1_ps(s[k]);
+            a0 = _mm512_fmadd_ps(c, W16(bk), a0);
+            a1 = _mm512_fmadd_ps(c, W16(bk + 16 * welement), a1);
+            a2 = _mm512_fmadd_ps(c, W16(bk + 32 * welement), a2);
+            a3 = _mm512_fmadd_ps(c, W16(bk + 48 * welement), a3);
+        }
+        _mm512_storeu_ps(acc, a0), _mm512_storeu_ps(acc + 16, a1);
+        _mm512_storeu_ps(acc + 32, a2), _mm512_storeu_ps(acc + 48, a3);
+        const size_t at = (size_t)(row * y_stride + first);
+        if (bf16) {
+            bf16_t *yr = (bf16_t *)y + at;
+            #pragma omp simd
+            for (int64_t o = 0; o < 64; o++)
+                yr[o] = f32_to_bf16(bf16_to_f32(yr[o]) + acc[o]);
+        } else {
+            float *yr = (float *)y + at;
+            #pragma omp simd
+            for (int64_t o = 0; o < 64; o++)
+                yr[o] += acc[o];
+        }
+    }
+#undef W16
+#endif
+    for (int64_t o0 = first; o0 < last; o0 += STREAM_OUTS) {
+        const int64_t width = last - o0 < STREAM_OUTS ? last - o0 : STREAM_OUTS;
+        for (int64_t o = 0; o < width; o++)
+            acc[o] = 0.f;
+        for (int64_t k = 0; k < rank; k++) {
+            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
+            const float c = s[k];
+            #pragma omp simd
+            for (int64_t o = 0; o < width; o++)
+                acc[o] += c * WLOAD(bk, o);
+        }
+        const size_t at = (size_t)(row * y_stride + o0);
+        if (bf16) {
+            bf16_t *yr = (bf16_t *)y + at;
+            #pragma omp simd
+            for (int64_t o = 0; o < width; o++)
+                yr[o] = f32_to_bf16(bf16_to_f32(yr[o]) + acc[o]);
+        } else {
+            float *yr = (float *)y + at;
+            #pragma omp simd
+            for (int64_t o = 0; o < width; o++)
+                yr[o] += acc[o];
+        }
+    }
+}
+
 /* One projection of a call over the projections that read the same x (q, k and v; gate and up):
    a [num_slots, rank, in] and bt [num_slots, rank, out] (B^T) contiguous; y its first output column
    of a [num_tokens, y_stride] output. Mirrored by decode_step.c. */
@@ -149,61 +283,97 @@ typedef struct {
     int64_t y_stride, out_features, rank;
 } bgmv_part_t;
 
+/* the shrink of work item `item` (one unit's piece of rank rows) of lora_bgmv_team */
+static inline __attribute__((always_inline)) void shrink_item(
+    int64_t item, int64_t pieces, const void *x, int64_t x_stride, const bgmv_part_t *parts, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features,
+    float *shrunk, int64_t max_rank, const int bf16, const int wbf16)
+{
+    const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
+    const int64_t unit = item / pieces, piece = item % pieces, g = unit % num_groups, num_rows = group_starts[num_groups];
+    const bgmv_part_t *part = &parts[unit / num_groups];
+    const int64_t rank = part->rank, k0 = rank * piece / pieces, k1 = rank * (piece + 1) / pieces;
+    if (k0 == k1)
+        return;
+    float *out = shrunk + (size_t)((unit / num_groups) * num_rows * max_rank);
+    const char *a_slot = (const char *)part->a + (size_t)(group_slots[g] * rank * in_features) * welement;
+    for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
+        const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
+        float local[ROWS * rank];  /* all ROWS rows are computed; only nr are this group's */
+        shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, k0, k1, local, bf16, wbf16);
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t k = k0; k < k1; k++)
+                out[(i + r) * rank + k] = local[r * rank + k];
+    }
+}
+
+/* the expand of work item `item` (one unit's piece of outputs) of lora_bgmv_team */
+static inline __attribute__((always_inline)) void expand_item(
+    int64_t item, int64_t pieces, const bgmv_part_t *parts, const int64_t *rows, const int64_t *group_starts,
+    const int64_t *group_slots, int64_t num_groups, const float *shrunk, int64_t max_rank, const int bf16,
+    const int wbf16)
+{
+    const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
+    const int64_t unit = item / pieces, piece = item % pieces, g = unit % num_groups, num_rows = group_starts[num_groups];
+    const bgmv_part_t *part = &parts[unit / num_groups];
+    const int64_t rank = part->rank, out_features = part->out_features;
+    const int64_t chunks = (out_features + CHUNK - 1) / CHUNK, cuts = pieces < chunks ? pieces : chunks;
+    const int64_t span = (chunks + cuts - 1) / cuts * CHUNK, first = piece * span;
+    if (piece >= cuts || first >= out_features)
+        return;
+    const int64_t last = first + span < out_features ? first + span : out_features;
+    const float *in = shrunk + (size_t)((unit / num_groups) * num_rows * max_rank);
+    const char *b_slot = (const char *)part->bt + (size_t)(group_slots[g] * rank * out_features) * welement;
+    for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
+        const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
+        float s[ROWS * rank];
+        for (int64_t r = 0; r < ROWS; r++)
+            for (int64_t k = 0; k < rank; k++)
+                s[r * rank + k] = r < nr ? in[(i + r) * rank + k] : 0.f;
+        if (nr == 1) {
+            expand_one_row(part->y, part->y_stride, rows[i], s, b_slot, out_features, rank, first, last, bf16, wbf16);
+            continue;
+        }
+        for (int64_t o0 = first; o0 < last; o0 += CHUNK)
+            expand_rows(part->y, part->y_stride, rows + i, nr, s, b_slot, out_features, rank, o0,
+                        last - o0 < CHUNK ? last - o0 : CHUNK, bf16, wbf16);
+    }
+}
+
 /* one thread's share of the kernel, called inside the exported functions' parallel regions (its
    worksharing loops bind to them), for float32 (bf16 = 0) or bfloat16 (bf16 = 1) x and y, and
    float32 (wbf16 = 0) or bfloat16 (wbf16 = 1) factors. A unit is one (part, group): its shrink reads
    the slot's A once, its expand the slot's B^T once. With fewer units than twice the threads (one
    adapter at batch 1), each unit's rank rows of A and its outputs are cut into pieces, so no thread
-   idles while another streams a whole slot alone; shrunk holds [num_parts, rows, max_rank]. */
+   idles while another streams a whole slot alone; shrunk holds [num_parts, rows, max_rank]. One
+   group's items are alike and go round-robin (schedule(static, 1)); several groups' (rows per slot
+   differ) are handed out as threads come free. */
 static inline __attribute__((always_inline)) void lora_bgmv_team(
     const void *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
     const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features,
     float *shrunk, int64_t max_rank, int num_threads, const int bf16, const int wbf16)
 {
-    const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
-    const int64_t units = num_parts * num_groups, num_rows = group_starts[num_groups];
+    const int64_t units = num_parts * num_groups;
     const int64_t pieces = units >= 2 * num_threads ? 1 : (2 * num_threads + units - 1) / units;
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < units * pieces; item++) {
-        const int64_t unit = item / pieces, piece = item % pieces, g = unit % num_groups;
-        const bgmv_part_t *part = &parts[unit / num_groups];
-        const int64_t rank = part->rank, k0 = rank * piece / pieces, k1 = rank * (piece + 1) / pieces;
-        if (k0 == k1)
-            continue;
-        float *out = shrunk + (size_t)((unit / num_groups) * num_rows * max_rank);
-        const char *a_slot = (const char *)part->a + (size_t)(group_slots[g] * rank * in_features) * welement;
-        for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
-            const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
-            float local[ROWS * rank];  /* all ROWS rows are computed; only nr are this group's */
-            shrink_rows(x, x_stride, rows + i, nr, a_slot, in_features, rank, k0, k1, local, bf16, wbf16);
-            for (int64_t r = 0; r < nr; r++)
-                for (int64_t k = k0; k < k1; k++)
-                    out[(i + r) * rank + k] = local[r * rank + k];
-        }
-    }
-    /* implicit barrier: every shrunk row is complete */
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < units * pieces; item++) {
-        const int64_t unit = item / pieces, piece = item % pieces, g = unit % num_groups;
-        const bgmv_part_t *part = &parts[unit / num_groups];
-        const int64_t rank = part->rank, out_features = part->out_features;
-        const int64_t chunks = (out_features + CHUNK - 1) / CHUNK, cuts = pieces < chunks ? pieces : chunks;
-        const int64_t span = (chunks + cuts - 1) / cuts * CHUNK, first = piece * span;
-        if (piece >= cuts || first >= out_features)
-            continue;
-        const int64_t last = first + span < out_features ? first + span : out_features;
-        const float *in = shrunk + (size_t)((unit / num_groups) * num_rows * max_rank);
-        const char *b_slot = (const char *)part->bt + (size_t)(group_slots[g] * rank * out_features) * welement;
-        for (int64_t i = group_starts[g]; i < group_starts[g + 1]; i += ROWS) {
-            const int64_t nr = group_starts[g + 1] - i < ROWS ? group_starts[g + 1] - i : ROWS;
-            float s[ROWS * rank];
-            for (int64_t r = 0; r < ROWS; r++)
-                for (int64_t k = 0; k < rank; k++)
-                    s[r * rank + k] = r < nr ? in[(i + r) * rank + k] : 0.f;
-            for (int64_t o0 = first; o0 < last; o0 += CHUNK)
-                expand_rows(part->y, part->y_stride, rows + i, nr, s, b_slot, out_features, rank, o0,
-                            last - o0 < CHUNK ? last - o0 : CHUNK, bf16, wbf16);
-        }
+    if (num_groups == 1) {
+        #pragma omp for schedule(static, 1)
+        for (int64_t item = 0; item < units * pieces; item++)
+            shrink_item(item, pieces, x, x_stride, parts, rows, group_starts, group_slots, num_groups, in_features,
+                        shrunk, max_rank, bf16, wbf16);
+        /* implicit barrier: every shrunk row is complete */
+        #pragma omp for schedule(static, 1)
+        for (int64_t item = 0; item < units * pieces; item++)
+            expand_item(item, pieces, parts, rows, group_starts, group_slots, num_groups, shrunk, max_rank, bf16,
+                        wbf16);
+    } else {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < units * pieces; item++)
+            shrink_item(item, pieces, x, x_stride, parts, rows, group_starts, group_slots, num_groups, in_features,
+                        shrunk, max_rank, bf16, wbf16);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < units * pieces; item++)
+            expand_item(item, pieces, parts, rows, group_starts, group_slots, num_groups, shrunk, max_rank, bf16,
+                        wbf16);
     }
 }
 
@@ -250,6 +420,37 @@ void tessera_lora_bgmv_parts_f32_bf16w(
     #pragma omp parallel num_threads(num_threads)
     lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
                    max_rank, num_threads, 0, 1);
+}
+
+/* The `_parts` functions' work for a thread of a parallel region the caller opened (the fused decode
+   step's GEMV of the same x: one region for the projection and its LoRA): every thread of the region
+   calls it; its loops bind to that region and end with a barrier, so it returns once every part is
+   added; `num_threads` is the region's. The same work and results as the `_parts` call. */
+void tessera_lora_bgmv_parts_team_f32(
+    const float *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
+    int num_threads)
+{
+    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
+                   max_rank_of(parts, num_parts), num_threads, 0, 0);
+}
+
+void tessera_lora_bgmv_parts_team_bf16(
+    const bf16_t *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
+    int num_threads)
+{
+    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
+                   max_rank_of(parts, num_parts), num_threads, 1, 1);
+}
+
+void tessera_lora_bgmv_parts_team_f32_bf16w(
+    const float *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
+    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
+    int num_threads)
+{
+    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
+                   max_rank_of(parts, num_parts), num_threads, 0, 1);
 }
 
 /* x [num_tokens, in] (row stride x_stride elements), y [num_tokens, out] (row stride y_stride),

@@ -252,6 +252,12 @@ class AdapterSlots:
         a = self._a.get(name)
         return None if a is None else (a, self._b[name])
 
+    @property
+    def num_buffers(self) -> int:
+        """How many modules (buffer keys) have factor buffers: it grows as adapters first target
+        modules and never shrinks (a caller that caches `factors` re-reads them when it changes)."""
+        return len(self._a)
+
     def _zero(self, slot: int) -> None:
         for key, a in self._a.items():
             rows = slice(slot * self._rows_per_slot[key], (slot + 1) * self._rows_per_slot[key])
