@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from services.decoder.lora.batch import LoRABatch
+from services.decoder.lora.cpu_backend import CpuLoRABackend
 from services.decoder.lora.registry import make_backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -350,3 +351,46 @@ def test_a_step_whose_every_row_decodes_gets_the_metadata_of_the_tensor_ops():
         assert [s for s, _ in fast.slot_rows] == [s for s, _ in ops.slot_rows]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fast.slot_rows, ops.slot_rows))
         assert all(torch.equal(a, b) for a, b in zip(fast.decode_groups, ops.decode_groups)), slots
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["f32", "f32-bf16w", "bf16"])
+def test_cpu_backend_parts_call_equals_a_call_per_part(dtypes):
+    """A fused projection's parts (q, k, v: LoRALinear.lora_slices) in one `add_lora_parts` call get
+    the bits of an `add_lora` per part, for decode and prefill rows of three adapters and base rows,
+    four parts (past one call's three), and a part whose factors are refused: nothing is added."""
+    from services.decoder.lora.context import LoRAContext
+
+    act, factor = dtypes
+    torch.manual_seed(7)
+    in_f, widths, rank = 96, (64, 16, 16, 40), 8
+    slots = torch.tensor([0, 2, -1, 1, 1, 1, 0, 0, -1, 2])  # rows 0, 1, 2 decode; 3.. prefill
+    batch = LoRABatch.build(slots, torch.tensor([0, 1, 2]))
+    x = torch.randn(slots.numel(), in_f).to(act)
+    y0 = torch.randn(slots.numel(), sum(widths)).to(act)
+    factors = [((torch.randn(3, rank, in_f) / 8).to(factor), torch.randn(3, w, rank).to(factor)) for w in widths]
+    bounds = [(sum(widths[:i]), sum(widths[:i + 1])) for i in range(len(widths))]
+    backend = CpuLoRABackend()
+    one_each = y0.clone()
+    for (a, b), (start, end) in zip(factors, bounds):
+        backend.add_lora(one_each[:, start:end], x, a, b, batch)
+    parts = y0.clone()
+    backend.add_lora_parts(parts, x, [(a, b, start, end) for (a, b), (start, end) in zip(factors, bounds)], batch)
+    assert torch.equal(parts, one_each) and not torch.equal(parts, y0)
+    assert torch.equal(parts[[2, 8]], y0[[2, 8]])  # base rows
+
+    class Slots:  # LoRAContext reads factors by module name
+        def factors(self, name):
+            return factors[int(name)]
+
+    context = LoRAContext(Slots(), backend)
+    with context.step(slots, torch.tensor([0, 1, 2])):
+        through = y0.clone()
+        context.apply_slices(tuple((str(i), start, end) for i, (start, end) in enumerate(bounds)), x, through)
+    assert torch.equal(through, one_each)
+    wrong = y0.clone()
+    bad = [(a, b, start, end) for (a, b), (start, end) in zip(factors, bounds)]
+    bad[2] = (bad[2][0][:, :, :5], bad[2][1], *bounds[2])  # A of the wrong in_features
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        backend.add_lora_parts(wrong, x, bad, batch)
+    assert torch.equal(wrong, y0)

@@ -55,6 +55,25 @@ class LoRAContext:
         """This step's LoRA metadata while a step with at least one adapter row runs, else None."""
         return self._batch
 
+    def apply_slices(self, slices: tuple[tuple[str, int, int], ...], x: torch.Tensor, y: torch.Tensor) -> None:
+        """`apply` for each (module name, first column, end column) of `y` [rows, out] (a projection
+        fused at load: q/k/v, gate/up), in one backend call where the backend takes several parts
+        (`add_lora_parts`): each part gets what its own `apply` would add."""
+        batch = self._batch
+        if batch is None:
+            return
+        parts = []
+        for name, start, end in slices:
+            factors = self.slots.factors(name)
+            if factors is not None:
+                parts.append((factors[0], factors[1], start, end))
+        add_parts = getattr(self.backend, "add_lora_parts", None)
+        if add_parts is not None and len(parts) > 1:
+            add_parts(y, x, parts, batch)
+            return
+        for a, b, start, end in parts:
+            self.backend.add_lora(y[:, start:end], x, a, b, batch)  # a column view: updated in place
+
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch | None = None) -> None:
         """Add the LoRA correction of module `name` to `y` [rows, out] in place (x: [rows, in]).
 

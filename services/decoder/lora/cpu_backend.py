@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from services.decoder.kernels import native
 from services.decoder.lora.backend import LoRABackend
 from services.decoder.lora.batch import LoRABatch
+
+
+class BgmvPart(ctypes.Structure):
+    """lora_bgmv.c's bgmv_part_t: one projection of a `_parts` call."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
+                ("out_features", ctypes.c_int64), ("rank", ctypes.c_int64)]
 
 
 class CpuLoRABackend(LoRABackend):
@@ -33,9 +42,58 @@ class CpuLoRABackend(LoRABackend):
                          (torch.bfloat16, torch.bfloat16): library.tessera_lora_bgmv_bf16,
                          (torch.float32, torch.bfloat16): library.tessera_lora_bgmv_f32_bf16w}
         self._step: tuple[LoRABatch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        # id(b) -> (b, B^T contiguous): the slots' buffers never move, so each factor's B^T view is
+        # made once (b held here, so its id stays its own); a prompt's 210 calls made 210 views a step
+        self._transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._shrunk = torch.empty(0, dtype=torch.float32)  # the kernel's scratch, grown as needed
+        self._parts_kernels = {(torch.float32, torch.float32): library.tessera_lora_bgmv_parts_f32,
+                               (torch.bfloat16, torch.bfloat16): library.tessera_lora_bgmv_parts_bf16,
+                               (torch.float32, torch.bfloat16): library.tessera_lora_bgmv_parts_f32_bf16w}
+        self._c_parts = (BgmvPart * 3)()  # the `_parts` call's part array, refilled per call
 
     def add_lora(self, y, x, a, b, batch):
         kernel = self._kernels.get((y.dtype, a.dtype))
+        a, bt = self._checked(kernel, y, x, a, b)
+        rows, starts, slots = self._groups(batch)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rank = a.shape[1]
+        kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
+               rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), a.shape[2], bt.shape[2], rank,
+               self._scratch(rows.numel() * rank), torch.get_num_threads())
+
+    def add_lora_parts(self, y: torch.Tensor, x: torch.Tensor,
+                       parts: list[tuple[torch.Tensor, torch.Tensor, int, int]], batch: LoRABatch) -> None:
+        """`add_lora` of each part (a, b, first column, end column) into its columns of
+        `y` [rows, out], all reading `x`, in one kernel call (lora_bgmv.c's `_parts`: one parallel region
+        for a fused projection's q, k and v, or gate and up, where a call per part made one each): each
+        part's columns get the bits its own `add_lora` gives (tests/decoder/test_lora_kernels.py).
+
+        Raises:
+            ValueError: as `add_lora`, for any part, before anything is added.
+        """
+        kernel = self._parts_kernels.get((y.dtype, parts[0][0].dtype))
+        if len({a.dtype for a, _, _, _ in parts}) > 1:
+            raise ValueError(f"LoRA parts of one call share a factor dtype, got {[a.dtype for a, _, _, _ in parts]}")
+        checked = [self._checked(kernel, y[:, start:end], x, a, b) for a, b, start, end in parts]
+        for first in range(len(self._c_parts), len(parts), len(self._c_parts)):  # more than a call takes
+            self.add_lora_parts(y, x, parts[first:first + len(self._c_parts)], batch)
+        parts, checked = parts[:len(self._c_parts)], checked[:len(self._c_parts)]
+        rows, starts, slots = self._groups(batch)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        c_parts, max_rank = self._c_parts, max(a.shape[1] for a, _ in checked)
+        for part, (a, bt), (_, _, start, end) in zip(c_parts, checked, parts):
+            part.a, part.bt, part.y = a.data_ptr(), bt.data_ptr(), y.data_ptr() + start * y.element_size()
+            part.y_stride, part.out_features, part.rank = y.stride(0), end - start, a.shape[1]
+        kernel(x.data_ptr(), x.stride(0), c_parts, len(parts), rows.data_ptr(), starts.data_ptr(), slots.data_ptr(),
+               slots.numel(), x.shape[1], self._scratch(len(parts) * rows.numel() * max_rank),
+               torch.get_num_threads())
+
+    def _checked(self, kernel, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A contiguous, B^T contiguous) for a kernel call adding x's correction to y; ValueError naming
+        what does not fit (kernel None: no kernel for the dtypes)."""
         if kernel is None or x.dtype != y.dtype or b.dtype != a.dtype:
             raise ValueError(f"the cpu LoRA backend computes float32 or bfloat16 (x, y one dtype, a, b one dtype, "
                              f"bfloat16 factors on float32 activations allowed), got {x.dtype}, {y.dtype}, "
@@ -46,14 +104,18 @@ class CpuLoRABackend(LoRABackend):
         if b.shape != (num_slots, y.shape[1], rank) or x.shape[1] != in_f or x.shape[0] != y.shape[0]:
             raise ValueError(f"LoRA shapes do not fit: x {tuple(x.shape)}, y {tuple(y.shape)}, "
                              f"a {tuple(a.shape)}, b {tuple(b.shape)}")
-        rows, starts, slots = self._groups(batch)
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        a, bt = a.contiguous(), b.transpose(1, 2).contiguous()  # no copies for AdapterSlots' layout
-        shrunk = torch.empty(rows.numel(), rank, dtype=torch.float32)
-        kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
-               rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f, bt.shape[2], rank,
-               shrunk.data_ptr(), torch.get_num_threads())
+        held = self._transposed.get(id(b))
+        if held is None or held[0] is not b:
+            held = (b, b.transpose(1, 2).contiguous())  # no copy for AdapterSlots' layout
+            if held[1].data_ptr() == b.data_ptr():  # a view of b's buffer: kept (another layout is copied per call)
+                self._transposed[id(b)] = held
+        return (a if a.is_contiguous() else a.contiguous()), held[1]
+
+    def _scratch(self, values: int) -> int:
+        """The address of a float32 scratch of at least `values` values (the kernel's shrunk rows)."""
+        if self._shrunk.numel() < values:
+            self._shrunk = torch.empty(values, dtype=torch.float32)
+        return self._shrunk.data_ptr()
 
     def end_step(self) -> None:
         self._step = None

@@ -31,8 +31,7 @@ class LoRALinear(Linear):
             if len(self.lora_slices) == 1:
                 self.lora_context.apply(self.lora_slices[0][0], x, y)
             else:
-                for name, start, end in self.lora_slices:
-                    self.lora_context.apply(name, x, y[:, start:end])  # a column view: updated in place
+                self.lora_context.apply_slices(self.lora_slices, x, y)
         return y
 
 
