@@ -355,26 +355,19 @@ static inline __attribute__((always_inline)) void lora_bgmv_team(
 {
     const int64_t units = num_parts * num_groups;
     const int64_t pieces = units >= 2 * num_threads ? 1 : (2 * num_threads + units - 1) / units;
+    /* the shrink, its loop's implicit barrier (every shrunk row complete), the expand */
+#define TEAM_LOOPS(omp_for)                                                                                   \
+    _Pragma(omp_for) for (int64_t item = 0; item < units * pieces; item++)                                    \
+        shrink_item(item, pieces, x, x_stride, parts, rows, group_starts, group_slots, num_groups, in_features, \
+                    shrunk, max_rank, bf16, wbf16);                                                           \
+    _Pragma(omp_for) for (int64_t item = 0; item < units * pieces; item++)                                    \
+        expand_item(item, pieces, parts, rows, group_starts, group_slots, num_groups, shrunk, max_rank, bf16, wbf16);
     if (num_groups == 1) {
-        #pragma omp for schedule(static, 1)
-        for (int64_t item = 0; item < units * pieces; item++)
-            shrink_item(item, pieces, x, x_stride, parts, rows, group_starts, group_slots, num_groups, in_features,
-                        shrunk, max_rank, bf16, wbf16);
-        /* implicit barrier: every shrunk row is complete */
-        #pragma omp for schedule(static, 1)
-        for (int64_t item = 0; item < units * pieces; item++)
-            expand_item(item, pieces, parts, rows, group_starts, group_slots, num_groups, shrunk, max_rank, bf16,
-                        wbf16);
+        TEAM_LOOPS("omp for schedule(static, 1)")
     } else {
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < units * pieces; item++)
-            shrink_item(item, pieces, x, x_stride, parts, rows, group_starts, group_slots, num_groups, in_features,
-                        shrunk, max_rank, bf16, wbf16);
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < units * pieces; item++)
-            expand_item(item, pieces, parts, rows, group_starts, group_slots, num_groups, shrunk, max_rank, bf16,
-                        wbf16);
+        TEAM_LOOPS("omp for schedule(dynamic, 1)")
     }
+#undef TEAM_LOOPS
 }
 
 /* the largest rank of `parts` (the stride of each part's block of shrunk) */
@@ -426,32 +419,19 @@ void tessera_lora_bgmv_parts_f32_bf16w(
    step's GEMV of the same x: one region for the projection and its LoRA): every thread of the region
    calls it; its loops bind to that region and end with a barrier, so it returns once every part is
    added; `num_threads` is the region's. The same work and results as the `_parts` call. */
-void tessera_lora_bgmv_parts_team_f32(
-    const float *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
-    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
-    int num_threads)
-{
-    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
-                   max_rank_of(parts, num_parts), num_threads, 0, 0);
-}
-
-void tessera_lora_bgmv_parts_team_bf16(
-    const bf16_t *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
-    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
-    int num_threads)
-{
-    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
-                   max_rank_of(parts, num_parts), num_threads, 1, 1);
-}
-
-void tessera_lora_bgmv_parts_team_f32_bf16w(
-    const float *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
-    const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
-    int num_threads)
-{
-    lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, shrunk,
-                   max_rank_of(parts, num_parts), num_threads, 0, 1);
-}
+#define PARTS_TEAM(suffix, x_type, bf16, wbf16)                                                              \
+    void tessera_lora_bgmv_parts_team_##suffix(                                                              \
+        const x_type *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,  \
+        const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features,     \
+        float *shrunk, int num_threads)                                                                       \
+    {                                                                                                         \
+        lora_bgmv_team(x, x_stride, parts, num_parts, rows, group_starts, group_slots, num_groups, in_features, \
+                       shrunk, max_rank_of(parts, num_parts), num_threads, bf16, wbf16);                      \
+    }
+PARTS_TEAM(f32, float, 0, 0)
+PARTS_TEAM(bf16, bf16_t, 1, 1)
+PARTS_TEAM(f32_bf16w, float, 0, 1)
+#undef PARTS_TEAM
 
 /* x [num_tokens, in] (row stride x_stride elements), y [num_tokens, out] (row stride y_stride),
    a [num_slots, rank, in] and bt [num_slots, rank, out] contiguous; rows [num_rows] grouped by slot,
