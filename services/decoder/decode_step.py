@@ -356,9 +356,9 @@ class FusedDecode:
         if batch is None:
             return None
         slots = self._lora.slots
-        if slots.num_buffers == self._resolved_buffers:  # no module gained buffers since the last look
+        buffers = slots.num_buffers  # read first: a buffer added during the look is looked up next step
+        if buffers == self._resolved_buffers:  # no module gained buffers since the last look
             return batch.decode_groups
-        self._resolved_buffers = slots.num_buffers
         for i, layer in enumerate(self._layers):
             for j, part in enumerate(layer.lora):
                 key = i * len(LORA_PARTS) + j
@@ -372,6 +372,7 @@ class FusedDecode:
                         raise RuntimeError("adapter slots no longer store A [slots, rank, in] and B^T contiguous")
                     part.a, part.bt, part.rank = a.data_ptr(), bt.data_ptr(), a.shape[1]
                     self._resolved.add(key)
+        self._resolved_buffers = buffers
         return batch.decode_groups
 
 

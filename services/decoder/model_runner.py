@@ -167,7 +167,7 @@ class ModelRunner:
         # each token's adapter slot, None when every row is the base model's (no tensor work then); in
         # the step's tensor below when every request brings one token
         adapters = any(slot != BASE_SLOT for slot in slots)
-        one_token_each = len(ids) == len(slots)
+        one_token_each = all(count == 1 for count in counts)
         token_slots = (torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts))
                        if adapters and not one_token_each else None)
         device = self.cache.device

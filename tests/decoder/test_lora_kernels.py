@@ -393,4 +393,8 @@ def test_cpu_backend_parts_call_equals_a_call_per_part(dtypes):
     bad[2] = (bad[2][0][:, :, :5], bad[2][1], *bounds[2])  # A of the wrong in_features
     with pytest.raises(ValueError, match="shapes do not fit"):
         backend.add_lora_parts(wrong, x, bad, batch)
+    past = [(a, b, start, end) for (a, b), (start, end) in zip(factors, bounds)]
+    past[3] = (*past[3][:2], sum(widths) - 10, sum(widths) + 30)  # columns past y's: its slice is 10 wide
+    with pytest.raises(ValueError, match=r"columns \[126, 166\) are not within y's 136"):
+        backend.add_lora_parts(wrong, x, past, batch)
     assert torch.equal(wrong, y0)

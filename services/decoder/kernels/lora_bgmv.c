@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void dot4_bf16(const bf16_t *x, con
 #endif
 
 /* s[r][k] = x[rows[r]] . a_slot[k] for r < nr <= ROWS and k0 <= k < k1 (x: row stride x_stride elements);
-   with nr = 1 only s[0][k] is written */
+   with nr = 1 on the VDPBF16PS path only s[0][k] is written (elsewhere every row, the missing ones row 0's) */
 static inline __attribute__((always_inline)) void shrink_rows(
     const void *x, int64_t x_stride, const int64_t *rows, int64_t nr, const void *a_slot, int64_t in_features,
     int64_t rank, int64_t k0, int64_t k1, float *s, const int bf16, const int wbf16)

@@ -73,6 +73,9 @@ class CpuLoRABackend(LoRABackend):
             ValueError: as `add_lora`, for any part, before anything is added.
         """
         kernel = self._parts_kernels.get((y.dtype, parts[0][0].dtype))
+        for _, _, start, end in parts:
+            if not 0 <= start < end <= y.shape[1]:
+                raise ValueError(f"LoRA part columns [{start}, {end}) are not within y's {y.shape[1]}")
         if len({a.dtype for a, _, _, _ in parts}) > 1:
             raise ValueError(f"LoRA parts of one call share a factor dtype, got {[a.dtype for a, _, _, _ in parts]}")
         checked = [self._checked(kernel, y[:, start:end], x, a, b) for a, b, start, end in parts]
@@ -83,9 +86,9 @@ class CpuLoRABackend(LoRABackend):
         if x.stride(-1) != 1:
             x = x.contiguous()
         c_parts, max_rank = self._c_parts, max(a.shape[1] for a, _ in checked)
-        for part, (a, bt), (_, _, start, end) in zip(c_parts, checked, parts):
+        for part, (a, bt), (_, _, start, _) in zip(c_parts, checked, parts):
             part.a, part.bt, part.y = a.data_ptr(), bt.data_ptr(), y.data_ptr() + start * y.element_size()
-            part.y_stride, part.out_features, part.rank = y.stride(0), end - start, a.shape[1]
+            part.y_stride, part.out_features, part.rank = y.stride(0), bt.shape[2], a.shape[1]  # the checked width
         kernel(x.data_ptr(), x.stride(0), c_parts, len(parts), rows.data_ptr(), starts.data_ptr(), slots.data_ptr(),
                slots.numel(), x.shape[1], self._scratch(len(parts) * rows.numel() * max_rank),
                torch.get_num_threads())
