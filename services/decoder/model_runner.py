@@ -164,12 +164,8 @@ class ModelRunner:
             row += item.num_new_tokens
         block_tables = [self.block_manager.block_table(item.request.key) for item in out.scheduled]
         meta = self.attention.build_metadata(out.scheduled, block_tables, self.cache)
-        # each token's adapter slot, None when every row is the base model's (no tensor work then); in
-        # the step's tensor below when every request brings one token
         adapters = any(slot != BASE_SLOT for slot in slots)
-        one_token_each = all(count == 1 for count in counts)
-        token_slots = (torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts))
-                       if adapters and not one_token_each else None)
+        one_token_each = all(count == 1 for count in counts)  # then the token slots are the requests'
         device = self.cache.device
         # the step's int64 vectors as slices of one tensor: one op where four ran, each cold at batch 1
         # (after the weights stream through the caches a tensor's creation took 10-30 us)
@@ -177,8 +173,11 @@ class ModelRunner:
         flat = torch.tensor(ids + ([] if self.mrope else positions) + decode_rows + sample_rows
                             + (slots if adapters and one_token_each else []), dtype=torch.long)
         at = num_ids if self.mrope else 2 * num_ids  # where decode_rows begin
-        if adapters and one_token_each:
-            token_slots = flat[at + num_decode + num_sampled:]
+        # each token's adapter slot, None when every row is the base model's (no tensor work then)
+        token_slots = None
+        if adapters:
+            token_slots = (flat[at + num_decode + num_sampled:] if one_token_each
+                           else torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts)))
         return ModelInputs(
             input_ids=on_device(flat[:num_ids], device),
             positions=on_device(torch.cat(positions, dim=-1) if self.mrope else flat[num_ids:at], device),
