@@ -196,9 +196,10 @@ static inline __attribute__((always_inline)) void expand_rows(
     }
 }
 
-/* expand_rows for one row over outputs [first, last): B^T's rows read STREAM_OUTS outputs at a time
-   (long runs the hardware prefetcher follows, where CHUNK-wide pieces of rank rows were rank short
-   streams), each output's sum the same FMAs in the same order (zero, then k = 0 .. rank - 1) */
+/* expand_rows for one row over outputs [first, last): with AVX-512, 64 outputs at a time held in
+   registers; elsewhere (and past the last 64) sums in L1 over B^T's rows read STREAM_OUTS outputs at a
+   time (long runs the hardware prefetcher follows); each output's sum the same FMAs in the same order
+   (zero, then k = 0 .. rank - 1), so the bits of the padded 4-row loop */
 #define STREAM_OUTS 2048
 #if defined(__AVX512F__) && !defined(TESSERA_PORTABLE)
 #include <immintrin.h>
