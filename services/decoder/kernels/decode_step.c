@@ -126,12 +126,6 @@ typedef struct {
     void *y;
     int64_t y_stride, out_features, rank;
 } bgmv_part_t;
-void tessera_lora_bgmv_parts_f32(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
-                                 const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
-void tessera_lora_bgmv_parts_bf16(const bf16_t *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
-                                  const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
-void tessera_lora_bgmv_parts_f32_bf16w(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
-                                       const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
 void tessera_lora_bgmv_parts_team_f32(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
                                       const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
 void tessera_lora_bgmv_parts_team_bf16(const bf16_t *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
@@ -568,18 +562,9 @@ static inline __attribute__((always_inline)) void project(
         tessera_gemm_bf16(s->widened, s->rows, p->in_features, p->weight, p->bias, y, p->out_features,
                           s->num_threads);
     }
-    if (lora == NULL)
-        return;
-    if (bf16)  /* the other paths: the parts in a call of their own */
-        tessera_lora_bgmv_parts_bf16(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows, s->lora_starts,
-                                     s->lora_slots, s->lora_groups, lora->in_features, s->shrunk, s->num_threads);
-    else if (s->lora_bf16)
-        tessera_lora_bgmv_parts_f32_bf16w(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows,
-                                          s->lora_starts, s->lora_slots, s->lora_groups, lora->in_features, s->shrunk,
-                                          s->num_threads);
-    else
-        tessera_lora_bgmv_parts_f32(x, lora->in_features, lora->parts, lora->num_parts, s->lora_rows, s->lora_starts,
-                                    s->lora_slots, s->lora_groups, lora->in_features, s->shrunk, s->num_threads);
+    if (lora != NULL)  /* the other paths: the parts in a region of their own */
+        #pragma omp parallel num_threads(s->num_threads)
+        lora_in_region(lora, x, bf16);
 }
 
 /* y[:, part columns] = x W^T (+ b) + LoRA(x) for each adapter group and each of the `count` LoRA parts
