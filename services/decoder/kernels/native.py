@@ -17,7 +17,7 @@ otherwise (`gemm_variant()`); the decode attention (paged_attention.c) has AVX2 
 the same condition (for head_dim a multiple of 8). TESSERA_CPU_KERNELS=portable forces the portable
 code of all of them on any machine; TESSERA_CPU_KERNELS=avx2 builds for an AVX2 + FMA host without
 AVX-512 (-march=haswell), so an AVX-512 machine can run, test and measure what such a host runs
-(with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own kernels: bench peer --as-avx2).
+(with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own kernels: bench precision --as-avx2).
 """
 
 from __future__ import annotations
