@@ -39,8 +39,9 @@ class RegistryConfig:
             leases no longer count, nor block a drain).
         drain_poll_s: how often a draining unload/replace re-checks the decoders' reports.
         lease_confirm_s: reports are periodic, so a lease count may belong to a request that has
-            just finished; a non-draining unload/replace waits up to this long for a report newer
-            than the call from each decoder still showing leases before it refuses.
+            just finished; a non-draining unload/replace waits up to this long for a count taken
+            after the call from each decoder (its second report after the call: LeaseTable) still
+            showing leases before it refuses.
         max_path_chars: characters of LoadAdapter's path (checked before it is resolved).
         max_name_chars: characters of a name, digest or decoder id in any request (adapter names
             have their own, tighter rule: services/common/names.py).
@@ -63,7 +64,7 @@ class RegistryConfig:
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted, per target module"})
     report_ttl_s: float = 10.0
     drain_poll_s: float = 0.05
-    lease_confirm_s: float = 3.0  # decoders report every second
+    lease_confirm_s: float = 3.0  # decoders report every second; a fresh count takes two
     max_path_chars: int = field(default=4096, metadata={"help": "characters of LoadAdapter's path"})
     max_name_chars: int = field(default=256, metadata={"help": "characters of a name, digest or decoder id"})
     max_report_entries: int = field(default=4096, metadata={"help": "entries of each list of a ResidencyReport"})

@@ -148,8 +148,9 @@ class AdapterRegistry:
             self.leases.end_drain(_ref(record))
 
     async def _confirm_unleased(self, record: AdapterRecord) -> None:
-        """Decide on reports newer than this call: every live decoder reports within
-        `lease_confirm_s`; refuse (FailedPrecondition) if one then shows leases."""
+        """Decide on counts taken after this call (LeaseTable.reported_since: each live decoder's
+        second report after it), waiting up to `lease_confirm_s` for them; refuse
+        (FailedPrecondition) if one then shows leases."""
         since = time.monotonic()
         deadline = since + self.config.lease_confirm_s
         while True:

@@ -13,6 +13,15 @@ acknowledged it and reports zero leases for it:
     decoder:        report -> ack{ref} | refuse admissions | report(acked={ref}, leases[ref]=0)
 
 Reports older than `ttl_s` are ignored (that decoder is gone). Thread-safe.
+
+A decoder takes a report's snapshot after the answer to its previous report has arrived (its
+reports are sequential), but the snapshot is older than the report's arrival here by the time the
+report spends in flight. So a count is known to be taken after an instant only when the decoder's
+*previous* report arrived after it: the first report to arrive after an unload call may carry a
+count from before it (a lease released since, or an admission missed), the second may not:
+
+    registry:  ...report n arrives ... unload call ... report n+1 arrives ... report n+2 arrives
+    decoder:   snapshot n+1 (before the call) ........ answer n+1 -> snapshot n+2 (after it)
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ class DecoderReport:
     leases: dict[AdapterRef, int]         # (name, digest) -> leases of requests admitted as that name
     draining_acked: frozenset[AdapterRef]
     at: float = field(default_factory=time.monotonic)
+    previous_at: float | None = None      # arrival of the decoder's previous report: its snapshot is newer
 
 
 class LeaseTable:
@@ -43,7 +53,9 @@ class LeaseTable:
                draining_acked: set[AdapterRef]) -> list[AdapterRef]:
         """Record one decoder's report; returns the (name, digest) pairs being drained."""
         with self._lock:
-            self._reports[decoder_id] = DecoderReport(dict(resident), dict(leases), frozenset(draining_acked))
+            previous = self._reports.get(decoder_id)
+            self._reports[decoder_id] = DecoderReport(dict(resident), dict(leases), frozenset(draining_acked),
+                                                      previous_at=previous.at if previous else None)
             return sorted(self._draining)
 
     def residency(self, ref: AdapterRef) -> list[tuple[str, int]]:
@@ -52,10 +64,11 @@ class LeaseTable:
             return sorted((d, r.leases.get(ref, 0)) for d, r in self._live() if ref[1] in r.resident)
 
     def reported_since(self, since: float) -> bool:
-        """Whether every live decoder has reported after `since` (time.monotonic()): an older count
+        """Whether every live decoder's last report was counted after `since` (time.monotonic()),
+        i.e. its previous report arrived after `since` (see the module docstring): an older count
         may be from a request that has finished since, and may miss one admitted since."""
         with self._lock:
-            return all(r.at > since for _, r in self._live())
+            return all(r.previous_at is not None and r.previous_at > since for _, r in self._live())
 
     def is_draining(self, ref: AdapterRef) -> bool:
         with self._lock:

@@ -8,8 +8,10 @@ leased the admission waits for a release. Leases are released by the engine when
 finishes or is aborted (kept through preemption).
 
 A background task reports `{digest: leases}`, split by the name each request was admitted
-under, to the registry every `report_interval_s` (the lease protocol of ARCHITECTURE.md). The
-answer lists the (name, digest) pairs being drained; admissions of such a name resolving to such
+under, to the registry every `report_interval_s` (the lease protocol of ARCHITECTURE.md). Reports
+are sequential, each counted after the answer to the previous one arrived: the registry takes a
+count as newer than an unload call only when the report before it arrived after the call
+(services/adapters/leases.py). The answer lists the (name, digest) pairs being drained; admissions of such a name resolving to such
 weights are refused from then on, and the next report acknowledges them, which lets the registry
 finish an unload or replace once every decoder reports zero leases for that pair; it also lists
 the names it registers for the digests reported resident, which are the decoder's
@@ -70,6 +72,7 @@ class RegistryAdapterSource(AdapterSource):
         self._channel: grpc.aio.Channel | None = None
         self._stub = None
         self._reporter: asyncio.Task | None = None
+        self._report_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # per event loop
         self.host_cache = HostAdapterCache(host_cache_bytes, pin_host_cache)  # digest -> weights, for swap-ins
         self.num_weight_fetches = 0                # weight downloads from the registry
         self._fetching: dict[tuple[str, str], asyncio.Task] = {}  # (name, digest) -> the fetch in flight
@@ -195,7 +198,15 @@ class RegistryAdapterSource(AdapterSource):
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def report_once(self) -> None:
-        """Send {digest: leases by name} and the acknowledged drains; adopt the registry's draining pairs."""
+        """Send {digest: leases by name} and the acknowledged drains; adopt the registry's draining
+        pairs. A call waits for one in flight: the counts are taken after its answer arrives."""
+        loop = asyncio.get_running_loop()
+        if self._report_lock is None or self._report_lock[0] is not loop:
+            self._report_lock = (loop, asyncio.Lock())
+        async with self._report_lock[1]:
+            await self._report()
+
+    async def _report(self) -> None:
         acked = sorted(self.draining)  # taken before the residency snapshot
         with self.slots.lock:  # one consistent snapshot of both views
             residency, by_name = self.slots.residency(), self.slots.leases_by_name()

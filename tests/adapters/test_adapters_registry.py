@@ -100,34 +100,41 @@ def test_config_validation(root):
     assert RegistryConfig(root=root).db_path == root / "registry.sqlite3"
 
 
-def test_unload_waits_for_a_fresh_report_before_refusing(config, adapter_in_root):
-    """Lease counts arrive periodically: a count from a request that has just finished must not
-    refuse an unload; a count a decoder confirms after the call does."""
+def test_unload_decides_on_counts_taken_after_the_call(config, adapter_in_root):
+    """Lease counts arrive periodically, each counted before it was sent: the first report to
+    arrive after an unload call may still show a request that finished before the call (deciding
+    on it refused unloads wrongly under load), so the registry decides on the report after it,
+    which the decoder counted once the first one's answer had arrived."""
     import asyncio
     import dataclasses
 
-    registry = AdapterRegistry(dataclasses.replace(config, lease_confirm_s=2.0, drain_poll_s=0.01))
+    registry = AdapterRegistry(dataclasses.replace(config, lease_confirm_s=30.0, drain_poll_s=0.01))
     try:
         digest = registry.load("a", adapter_in_root.name).digest
-        registry.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())  # stale: the request ends right after
+        leased = ({digest: 1}, {("a", digest): 1}, set())
+        registry.report_residency("decoder-1", *leased)
 
         async def finished_meanwhile():
             unload = asyncio.ensure_future(registry.unload_async("a"))
-            await asyncio.sleep(0.2)
-            registry.report_residency("decoder-1", {digest: 0}, {}, set())
-            await unload
+            await asyncio.sleep(0.1)
+            registry.report_residency("decoder-1", *leased)  # counted before the call, arriving after it
+            await asyncio.sleep(0.1)
+            assert not unload.done()
+            registry.report_residency("decoder-1", {digest: 0}, {}, set())  # counted after the call
+            await asyncio.wait_for(unload, 10)
 
         asyncio.run(finished_meanwhile())
         assert [r.name for r in registry.list()] == []
 
         registry.load("a", adapter_in_root.name)
-        registry.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())
+        registry.report_residency("decoder-1", *leased)
 
         async def still_leased():
             unload = asyncio.ensure_future(registry.unload_async("a"))
-            await asyncio.sleep(0.2)
-            registry.report_residency("decoder-1", {digest: 1}, {("a", digest): 1}, set())  # confirmed after the call
-            await unload
+            for _ in range(2):
+                await asyncio.sleep(0.1)
+                registry.report_residency("decoder-1", *leased)  # the second is counted after the call
+            await asyncio.wait_for(unload, 10)                   # decided then, not at lease_confirm_s
 
         with pytest.raises(FailedPrecondition, match="leased by 1 running request"):
             asyncio.run(still_leased())

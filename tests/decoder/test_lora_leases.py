@@ -200,3 +200,40 @@ def test_an_unloaded_adapter_leaves_resident_adapters(tiny_llama, registry):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_reports_are_sequential_so_the_registry_can_date_their_counts(tiny_llama, registry):
+    """The registry takes a report's counts as newer than an unload call only when the report
+    before it arrived after the call (services/adapters/leases.py), which holds when a decoder
+    counts after its previous report's answer: report_once calls and the periodic reports never
+    overlap."""
+    address, _ = registry
+    engine = _engine(tiny_llama, address)
+    source, call = engine.adapters, engine.adapters._call
+    in_flight, most, sent = 0, 0, 0
+
+    async def counted(method, request):
+        nonlocal in_flight, most, sent
+        if method != "ReportResidency":
+            return await call(method, request)
+        in_flight, sent = in_flight + 1, sent + 1
+        most = max(most, in_flight)
+        try:
+            await asyncio.sleep(0.01)  # a report in flight long enough for the next one to start
+            return await call(method, request)
+        finally:
+            in_flight -= 1
+
+    source._call = counted
+
+    async def main():
+        source.start_reporting()                      # every 50 ms
+        await asyncio.gather(*(source.report_once() for _ in range(4)))
+        await asyncio.sleep(0.2)
+        await source.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sent >= 5 and most == 1
