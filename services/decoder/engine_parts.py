@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from services.common.memory import back_with_huge_pages
 from services.decoder.attention import resolve_attention_backend
 from services.decoder.block_manager import BlockManager
 from services.decoder.config import AUTO, DecoderConfig
@@ -131,7 +133,26 @@ def build_parts(config: DecoderConfig) -> EngineParts:
                         cache, block_manager, scheduler, bank, image_token_id, prompts, runner, grammars,
                         f"{types} {config.quant_mode}" if (types := quantization(model)) else "")
     warm_up_parts(config, parts)
+    _huge_pages(parts)
     return parts
+
+
+def _huge_pages(parts: EngineParts) -> None:
+    """Back the weights a decode step streams (row-major, packed panels or GGUF blocks) with huge
+    pages (services/common/memory.py; the LoRA slots' factors follow when allocated, slots.py). The
+    KV cache is left in 4 KiB pages: a step reads only its rows' blocks of it, and collapsing its
+    default size took seconds at start. SmolLM2-135M bf16 on a 2-core AMD EPYC VM: one captured
+    decode step replayed, 4 KiB -> 2 MiB pages, 32 rows 31.2 -> 29.1 ms, one row 6.38 -> 5.96 ms;
+    the bf16 GEMV alone over the 30 layers' projections with half their bytes collapsed, one row
+    0.96x and 32 rows 0.93x the time; P1 in the engine (32 requests of 32 + 32 tokens) base-only
+    1.04x and 8 adapters 1.05x the tok/s (the same run without collapsing: 1.00x, 1.02x)."""
+    model, started = parts.model, time.monotonic()
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        gemm = getattr(module, "gemm", None)
+        tensors += [t for t in vars(gemm).values() if isinstance(t, torch.Tensor)] if gemm is not None else []
+    if collapsed := back_with_huge_pages(tensors):
+        log.info("weights: %d MiB in huge pages (%.2f s)", collapsed >> 20, time.monotonic() - started)
 
 
 def warm_up_parts(config: DecoderConfig, parts: EngineParts) -> None:

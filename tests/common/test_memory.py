@@ -1,12 +1,17 @@
-"""`release_file_pages` (services/common/memory.py): the file pages of checkpoint tensors a loader
-copied and dropped leave the resident set; anything that is not such a tensor is left alone."""
+"""services/common/memory.py: `release_file_pages` (the file pages of checkpoint tensors a loader
+copied and dropped leave the resident set; anything that is not such a tensor is left alone) and
+`back_with_huge_pages` (a tensor's bytes move into huge pages with their values; nothing outside
+the tensors is touched)."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.memory import release_file_pages
+from services.common.memory import THP_ENABLED, THP_SIZE, back_with_huge_pages, release_file_pages
 
 MIB = 1 << 20
 
@@ -43,3 +48,55 @@ def test_tensors_that_are_not_whole_file_views_are_left_alone():
     parent = torch.ones(4 * MIB // 4)
     assert release_file_pages([anonymous, parent[MIB // 4:]]) == 0  # not a file mapping; a view of a storage
     assert bool((anonymous == 1).all()) and bool((parent == 1).all())
+
+
+def _collapses_here() -> bool:
+    """Linux >= 6.1 (MADV_COLLAPSE) with transparent huge pages not "never"."""
+    if not sys.platform.startswith("linux") or not THP_ENABLED.exists() or "[never]" in THP_ENABLED.read_text():
+        return False
+    major, minor = (int(v) for v in os.uname().release.split(".")[:2])
+    return (major, minor) >= (6, 1)
+
+
+def _kb(low: int, high: int, field: str) -> int:
+    """`field` (Rss:, AnonHugePages:) of the mappings overlapping [low, high), in KiB (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                start, end = (int(v, 16) for v in fields[0].split("-"))
+                inside = start < high and low < end
+            elif inside and fields[0] == field:
+                total += int(fields[1])
+    return total
+
+
+def test_a_tensor_moves_into_huge_pages_with_its_values():
+    tensor = torch.arange(16 * MIB // 4, dtype=torch.float32)
+    expected = tensor.clone()
+    low, high = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    huge = int(THP_SIZE.read_text()) if THP_SIZE.exists() else 2 * MIB
+    blocks = (high // huge) - (-(-low // huge))  # whole huge pages inside the tensor's bytes
+    collapsed = back_with_huge_pages([tensor])
+    if not _collapses_here():
+        assert collapsed == 0
+        return
+    assert collapsed == blocks * huge >= 14 * MIB
+    assert _kb(low, high, "AnonHugePages:") >= collapsed // 1024
+    assert torch.equal(tensor, expected)
+    assert back_with_huge_pages([tensor]) == collapsed  # again: nothing to copy, the same blocks
+
+
+def test_only_the_tensors_own_bytes_are_backed():
+    """A view of part of a storage: the rest of the storage, never written, gains no resident page."""
+    storage = torch.empty(64 * MIB, dtype=torch.uint8)  # not written: its pages are not present
+    view = storage[8 * MIB:16 * MIB]
+    view.fill_(7)
+    resident = _kb(storage.data_ptr(), storage.data_ptr() + storage.nbytes, "Rss:")
+    assert resident < 12 * 1024
+    collapsed = back_with_huge_pages([view])
+    assert collapsed <= 8 * MIB and (collapsed >= 6 * MIB or not _collapses_here())
+    assert _kb(storage.data_ptr(), storage.data_ptr() + storage.nbytes, "Rss:") <= resident + 64
+    assert bool((view == 7).all())
+    assert back_with_huge_pages([torch.ones(3, device="meta")]) == 0  # not CPU memory: left alone

@@ -25,6 +25,7 @@ import torch
 
 from services.common.errors import InvalidArgument, ResourceExhausted
 from services.common.lora_names import expert_target
+from services.common.memory import back_with_huge_pages
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,11 @@ class AdapterSlots:
             slot = self.slot_of(weights.digest)  # loaded by another thread meanwhile
             if slot is not None:
                 return slot
+            buffers = len(self._a)
             for name in weights.modules:  # every buffer first: one that cannot be allocated evicts nothing
                 self._buffers(self._place[name][0], name)
+            if len(self._a) != buffers and self.device.type == "cpu":  # each step reads the slots' factors
+                back_with_huge_pages([*self._a.values(), *self._b.values()])
             slot = self._free_slot()
             if slot is None:
                 return None
