@@ -114,6 +114,32 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     return low, low + (last + 1) * tensor.element_size()
 
 
+def _huge_page_bytes() -> int:
+    """The transparent huge page size (2 MiB on x86-64); 0 where there are none (off Linux, THP "never")."""
+    if not sys.platform.startswith("linux") or not THP_ENABLED.exists() or "[never]" in THP_ENABLED.read_text():
+        return 0
+    return int(THP_SIZE.read_text()) if THP_SIZE.exists() else 2 << 20
+
+
+def _madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> int:
+    """Mark the whole huge-page blocks inside a CPU tensor's bytes MADV_HUGEPAGE before they are first
+    written: the page faults that then populate them take huge pages (no copy, unlike
+    `back_with_huge_pages`, and a quarter of the 4 KiB faults' time for 256 MiB on a 2-core VM).
+    Returns the bytes marked (0 off Linux, with THP "never", or for another device)."""
+    huge = _huge_page_bytes()
+    if not huge or tensor.device.type != "cpu" or not tensor.numel():
+        return 0
+    start, end = _extent(tensor)
+    first, last = -(-start // huge) * huge, end // huge * huge
+    return max(last - first, 0) if last > first and _madvise()(first, last - first, MADV_HUGEPAGE) == 0 else 0
+
+
 def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Back the CPU tensors' memory with transparent huge pages (2 MiB on x86-64) where the kernel
     allows it; returns the bytes now in huge pages (0 off Linux, with THP "never", or before Linux
@@ -132,18 +158,16 @@ def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     block the kernel refuses (no free huge page, a mapping boundary) stays as it is; nothing raises.
     Collapsing copies each block and may compact memory first: ~0.4-3 GB/s on a 2-core VM.
     """
-    if not sys.platform.startswith("linux") or not THP_ENABLED.exists() or "[never]" in THP_ENABLED.read_text():
+    huge = _huge_page_bytes()
+    if not huge:
         return 0
-    huge = int(THP_SIZE.read_text()) if THP_SIZE.exists() else 2 << 20
     spans: list[list[int]] = []
     for start, end in sorted(_extent(t) for t in tensors if t.device.type == "cpu" and t.numel()):
         if spans and start - spans[-1][1] < SPAN_GAP_BYTES:
             spans[-1][1] = max(spans[-1][1], end)
         else:
             spans.append([start, end])
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    mappings, collapsed = _anonymous_mappings(), 0
+    madvise, mappings, collapsed = _madvise(), _anonymous_mappings(), 0
     for start, end in spans:
         for low, high in mappings:
             first, last = -(-max(start, low) // huge) * huge, min(end, high) // huge * huge

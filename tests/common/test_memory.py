@@ -1,7 +1,8 @@
 """services/common/memory.py: `release_file_pages` (the file pages of checkpoint tensors a loader
 copied and dropped leave the resident set; anything that is not such a tensor is left alone) and
 `back_with_huge_pages` (a tensor's bytes move into huge pages with their values; nothing outside
-the tensors is touched)."""
+the tensors is touched) and `advise_huge_pages` (memory marked before it is written faults in as
+huge pages)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.memory import THP_ENABLED, THP_SIZE, back_with_huge_pages, release_file_pages
+from services.common.memory import (
+    THP_ENABLED,
+    THP_SIZE,
+    advise_huge_pages,
+    back_with_huge_pages,
+    release_file_pages,
+)
 
 MIB = 1 << 20
 
@@ -100,3 +107,16 @@ def test_only_the_tensors_own_bytes_are_backed():
     assert _kb(storage.data_ptr(), storage.data_ptr() + storage.nbytes, "Rss:") <= resident + 64
     assert bool((view == 7).all())
     assert back_with_huge_pages([torch.ones(3, device="meta")]) == 0  # not CPU memory: left alone
+
+
+def test_memory_advised_before_it_is_written_faults_in_as_huge_pages():
+    tensor = torch.empty(16 * MIB, dtype=torch.uint8)
+    low, high = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    advised = advise_huge_pages(tensor)
+    tensor.fill_(1)
+    if not sys.platform.startswith("linux") or "[never]" in THP_ENABLED.read_text():
+        assert advised == 0
+        return
+    assert advised >= 14 * MIB
+    assert _kb(low, high, "AnonHugePages:") >= 12 * 1024  # a fault may still fall back to 4 KiB pages
+    assert advise_huge_pages(torch.ones(3, device="meta")) == 0

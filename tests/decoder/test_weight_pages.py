@@ -11,8 +11,10 @@ from decoder_testing import tiny_llama  # noqa: F401  (fixture)
 
 import services.decoder.engine_parts as engine_parts
 import services.decoder.lora.slots as slots_module
+from services.common.memory import THP_ENABLED
 from services.decoder.config import DecoderConfig
 from services.decoder.engine_parts import build_parts
+from services.decoder.kv_cache import KVCache
 from services.decoder.lora.slots import LoRAWeights
 
 
@@ -41,3 +43,17 @@ def test_every_weight_and_the_slots_are_handed_to_huge_pages(tiny_llama, monkeyp
     slots.clear()
     parts.bank.load(LoRAWeights("other", {second: (torch.randn(4, in_features), torch.randn(out_features, 4))}))
     assert not slots  # its buffers exist: nothing new to back
+
+
+def test_the_kv_cache_is_one_zeroed_allocation_in_huge_pages():
+    from tests.common.test_memory import _kb
+
+    cache = KVCache(2, 1024, 16, 2, 64, torch.float32)  # 4 pools of 8 MiB
+    pools = cache.key + cache.value
+    assert all(p.shape == (2, 1024 * 16, 64) and p.is_contiguous() and not p.any() for p in pools)
+    assert len({p.untyped_storage().data_ptr() for p in pools}) == 1
+    low = min(p.data_ptr() for p in pools)
+    high = max(p.data_ptr() + p.nbytes for p in pools)
+    assert high - low == 32 * 1024 * 1024
+    huge = _kb(low, high, "AnonHugePages:")
+    assert huge >= 24 * 1024 or "[never]" in THP_ENABLED.read_text()
