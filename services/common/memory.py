@@ -91,7 +91,7 @@ MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 MADV_COLLAPSE = 25  # Linux 6.1
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
-SPAN_GAP_BYTES = 1 << 16  # storages closer than this are one span (allocator headers and page tails between)
+SPAN_GAP_BYTES = 1 << 16  # tensors closer than this are one span (allocator headers and page tails between)
 
 
 def _anonymous_mappings() -> list[tuple[int, int]]:
@@ -151,12 +151,13 @@ def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     own 4 KiB-aligned mapping and the usual THP mode ("madvise") leaves them in 4 KiB pages, so each
     huge-page-sized block wholly inside a span of the tensors (the bytes each covers; tensors less
     than SPAN_GAP_BYTES apart are one span) and inside an anonymous private mapping is marked
-    MADV_HUGEPAGE and collapsed at once (MADV_COLLAPSE: the contents are copied into a huge page,
-    and a page not present is added, so only the tensors' own spans, whose pages are theirs).
+    MADV_HUGEPAGE and collapsed at once (MADV_COLLAPSE copies the contents into a huge page and
+    populates any page of the block not present, so only blocks inside the tensors' own bytes).
     Memory outside the spans is left alone (the rest of a storage a view covers part of, an idle
     thread's stack), and so are file mappings (a checkpoint tensor still a view of its file). A
-    block the kernel refuses (no free huge page, a mapping boundary) stays as it is; nothing raises.
-    Collapsing copies each block and may compact memory first: ~0.4-3 GB/s on a 2-core VM.
+    block the kernel refuses (no free huge page, a mapping boundary; before 6.1 khugepaged may
+    collapse the marked blocks later) stays as it is; nothing raises. Collapsing copies each block
+    and may compact memory first: 0.4-3 GB/s on a 2-core VM.
     """
     huge = _huge_page_bytes()
     if not huge:

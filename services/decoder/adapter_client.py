@@ -11,11 +11,12 @@ A background task reports `{digest: leases}`, split by the name each request was
 under, to the registry every `report_interval_s` (the lease protocol of ARCHITECTURE.md). Reports
 are sequential, each counted after the answer to the previous one arrived: the registry takes a
 count as newer than an unload call only when the report before it arrived after the call
-(services/adapters/leases.py). The answer lists the (name, digest) pairs being drained; admissions of such a name resolving to such
-weights are refused from then on, and the next report acknowledges them, which lets the registry
-finish an unload or replace once every decoder reports zero leases for that pair; it also lists
-the names it registers for the digests reported resident, which are the decoder's
-`resident_names` (DecoderInfo.resident_adapters, read by the gateway's adapter affinity). Two names
+(services/adapters/leases.py). The answer lists the (name, digest) pairs being drained;
+admissions of such a name resolving to such weights are refused from then on, and the next
+report acknowledges them, which lets the registry finish an unload or replace once every decoder
+reports zero leases for that pair; it also lists the names it registers for the digests reported
+resident, which are the decoder's `resident_names` (DecoderInfo.resident_adapters, read by the
+gateway's adapter affinity). Two names
 loaded from the same files share a slot but never each other's drains. While the registry is
 unreachable, names resolved before keep working if their weights are still resident; a name the
 registry answered NOT_FOUND for (unloaded) is forgotten, so it is not served from memory then.

@@ -139,13 +139,11 @@ def build_parts(config: DecoderConfig) -> EngineParts:
 
 def _huge_pages(parts: EngineParts) -> None:
     """Back the weights a decode step streams (row-major, packed panels or GGUF blocks) with huge
-    pages (services/common/memory.py; the LoRA slots' factors follow when allocated, slots.py). The
-    KV cache is left in 4 KiB pages: a step reads only its rows' blocks of it, and collapsing its
-    default size took seconds at start. SmolLM2-135M bf16 on a 2-core AMD EPYC VM: one captured
-    decode step replayed, 4 KiB -> 2 MiB pages, 32 rows 31.2 -> 29.1 ms, one row 6.38 -> 5.96 ms;
-    the bf16 GEMV alone over the 30 layers' projections with half their bytes collapsed, one row
-    0.96x and 32 rows 0.93x the time; P1 in the engine (32 requests of 32 + 32 tokens) base-only
-    1.04x and 8 adapters 1.05x the tok/s (the same run without collapsing: 1.00x, 1.02x)."""
+    pages (services/common/memory.py; the LoRA slots' factors follow when allocated, slots.py, and
+    the KV cache is marked for them before it is zeroed, kv_cache.py). SmolLM2-135M bf16 on a 2-core
+    AMD EPYC VM: one captured decode step replayed, 4 KiB -> 2 MiB pages, 32 rows 31.2 -> 29.1 ms,
+    one row 6.38 -> 5.96 ms; two engines in one process (4 KiB vs huge pages), P1 rounds of 32
+    requests (32 + 32 tokens) alternating, 8 pairs: base-only 1.04x, 8 adapters r16 1.03x the tok/s."""
     model, started = parts.model, time.monotonic()
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():

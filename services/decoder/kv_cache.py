@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.memory import advise_huge_pages
+from services.common.memory import advise_huge_pages, back_with_huge_pages
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,13 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)  # where the model runner builds each step's inputs
-        # one allocation, in huge pages on the CPU (a step reads each row's blocks of every layer:
-        # with 4 KiB pages nearly every block of a head is a TLB miss), zeroed once marked
+        # one allocation in huge pages on the CPU (a step reads each row's blocks of every layer:
+        # with 4 KiB pages nearly every block of a head is a TLB miss): marked before it is zeroed,
+        # so fresh memory faults in huge; memory malloc reused (already in 4 KiB pages) is collapsed
         pools = torch.empty(2, num_layers, *shape, dtype=dtype, device=device)
         advise_huge_pages(pools)
         pools.zero_()
+        back_with_huge_pages([pools])
         self.key, self.value = list(pools[0].unbind(0)), list(pools[1].unbind(0))
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

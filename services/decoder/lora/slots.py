@@ -186,23 +186,30 @@ class AdapterSlots:
             buffers = len(self._a)
             for name in weights.modules:  # every buffer first: one that cannot be allocated evicts nothing
                 self._buffers(self._place[name][0], name)
-            if len(self._a) != buffers and self.device.type == "cpu":  # each step reads the slots' factors
-                back_with_huge_pages([*self._a.values(), *self._b.values()])
-            slot = self._free_slot()
-            if slot is None:
-                return None
-            self._zero(slot)
-            for name, (a, b) in weights.modules.items():
-                key, expert = self._place[name]
-                row, rank = slot * self._rows_per_slot[key] + expert, a.shape[0]
-                # from pinned host memory (HostAdapterCache on CUDA) the copy runs asynchronously,
-                # ordered before the next step's kernels on the device's stream
-                self._a[key][row, :rank].copy_(a, non_blocking=True)
-                self._b[key][row, :, :rank].copy_(b, non_blocking=True)
-            self._digests[slot] = weights.digest
-            self.num_swaps += 1
-            self._idle[slot] = None
-            return slot
+            grown = [*self._a.values(), *self._b.values()] if len(self._a) != buffers else []
+            slot = self._swap_in(weights)
+        if grown and self.device.type == "cpu":  # each step reads the slots' factors: in huge pages
+            back_with_huge_pages(grown)  # (services/common/memory.py); steps meanwhile read the same values
+        return slot
+
+    def _swap_in(self, weights: LoRAWeights) -> int | None:
+        """Copy `weights` into a free slot (zeroed first; lock held, buffers allocated); None if
+        every slot is leased."""
+        slot = self._free_slot()
+        if slot is None:
+            return None
+        self._zero(slot)
+        for name, (a, b) in weights.modules.items():
+            key, expert = self._place[name]
+            row, rank = slot * self._rows_per_slot[key] + expert, a.shape[0]
+            # from pinned host memory (HostAdapterCache on CUDA) the copy runs asynchronously,
+            # ordered before the next step's kernels on the device's stream
+            self._a[key][row, :rank].copy_(a, non_blocking=True)
+            self._b[key][row, :, :rank].copy_(b, non_blocking=True)
+        self._digests[slot] = weights.digest
+        self.num_swaps += 1
+        self._idle[slot] = None
+        return slot
 
     def unload(self, digest: str) -> None:
         """Empty the slot holding `digest` (zeroed, taken first by the next load); nothing when it
