@@ -7,6 +7,7 @@ huge pages)."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 
@@ -111,7 +112,8 @@ def _resident(low: int, high: int) -> int:
 
 def test_only_the_tensors_own_bytes_are_backed():
     """A view of part of a storage: the rest of the storage, never written, gains no resident page."""
-    storage = torch.empty(64 * MIB, dtype=torch.uint8)  # not written: its pages are not present
+    fresh = mmap.mmap(-1, 64 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a new mapping (malloc may hand back memory written before)
+    storage = torch.frombuffer(fresh, dtype=torch.uint8)  # not written: its pages are not present
     view = storage[8 * MIB:16 * MIB]
     view.fill_(7)
     low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes
