@@ -45,16 +45,21 @@ def unmap_large_buffers(threshold_bytes: int = DEFAULT_THRESHOLD_BYTES) -> bool:
 MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """[(start, end)] of this process's memory mappings backed by a file (/proc/self/maps)."""
+def _mappings(keep) -> list[tuple[int, int]]:
+    """[(start, end)] of this process's memory mappings whose /proc/self/maps fields `keep` accepts."""
     spans = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/") and int(fields[4]):  # an inode: a file
+            if keep(fields):
                 start, end = fields[0].split("-")
                 spans.append((int(start, 16), int(end, 16)))
     return spans
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """[(start, end)] of this process's memory mappings backed by a file (/proc/self/maps)."""
+    return _mappings(lambda f: len(f) == 6 and f[5].startswith("/") and int(f[4]))  # an inode: a file
 
 
 def release_file_pages(tensors: Iterable[torch.Tensor]) -> int:
@@ -97,14 +102,7 @@ SPAN_GAP_BYTES = 1 << 16  # tensors closer than this are one span (allocator hea
 
 def _anonymous_mappings() -> list[tuple[int, int]]:
     """[(start, end)] of this process's private writable mappings backed by no file (/proc/self/maps)."""
-    spans = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if fields[1].startswith("rw") and fields[1][3] == "p" and (len(fields) < 6 or fields[5].strip() == "[heap]"):
-                start, end = fields[0].split("-")
-                spans.append((int(start, 16), int(end, 16)))
-    return spans
+    return _mappings(lambda f: f[1].startswith("rw") and f[1][3] == "p" and (len(f) < 6 or f[5].strip() == "[heap]"))
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
