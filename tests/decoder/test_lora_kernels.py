@@ -290,16 +290,17 @@ def bgmv_library(request):
 @pytest.mark.parametrize("in_f", [131, 576])
 def test_a_rows_correction_is_the_same_bits_alone_and_in_a_group(bgmv_library, dtypes, in_f):
     """A row alone (batch 1: the one-row shrink and expand) gets the bits it gets as one of a group's
-    four rows or as a group's fifth (its tail), for parts of odd widths and ranks (3 to 16, rank 5 not
-    a multiple of the one-row shrink's four), at 1 and 2 threads, in each build of the kernels."""
+    eight rows (a prompt's), four rows, or as a group's last (its tail), for parts of odd widths and
+    ranks (3 to 16, rank 5 not a multiple of the one-row shrink's four), at 1 and 2 threads, in each
+    build of the kernels."""
     act, factor = dtypes
     suffix = {(torch.float32, torch.float32): "f32", (torch.float32, torch.bfloat16): "f32_bf16w",
               (torch.bfloat16, torch.bfloat16): "bf16"}[dtypes]
     library = bgmv_library
     torch.manual_seed(in_f)
     widths, ranks = (300, 70, 2100), (16, 5, 3)  # 2100: past the streamed expand's 2048 outputs
-    x = torch.randn(6, in_f).to(act)
-    y0 = torch.randn(6, sum(widths)).to(act)
+    x = torch.randn(14, in_f).to(act)
+    y0 = torch.randn(14, sum(widths)).to(act)
     factors = [((torch.randn(3, r, in_f) / 12).to(factor), torch.randn(3, r, w).to(factor))
                for w, r in zip(widths, ranks)]
     columns = [sum(widths[:i]) for i in range(3)]
@@ -317,13 +318,37 @@ def test_a_rows_correction_is_the_same_bits_alone_and_in_a_group(bgmv_library, d
         return y, [shrunk[p].flatten()[:rows.numel() * r].view(rows.numel(), r) for p, r in enumerate(ranks)]
 
     for threads in (1, 2):
-        grouped, grouped_shrunk = call([0, 1, 2, 3, 4, 5], [0, 5, 6], [2, 0], threads)  # rows 0-3, row 4 the tail
-        for row, slot in ((0, 2), (3, 2), (4, 2), (5, 0)):
+        # slot 2: rows 0-7 eight at a time, 8-11 four, 12 the tail; slot 0: row 13 alone
+        grouped, grouped_shrunk = call(list(range(14)), [0, 13, 14], [2, 0], threads)
+        for row, slot in ((0, 2), (7, 2), (8, 2), (11, 2), (12, 2), (13, 0)):
             alone, alone_shrunk = call([row], [0, 1], [slot], threads)
             assert torch.equal(alone[row], grouped[row]), (threads, row)
             assert not torch.equal(alone[row], y0[row])
             for part in range(len(ranks)):
                 assert torch.equal(alone_shrunk[part][0], grouped_shrunk[part][row]), (threads, row, part)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_a_bfloat16_sum_below_the_normal_range_is_rounded_not_flushed(bgmv_library, rows):
+    """y + correction rounded to bf16 as torch rounds: a sum in float32's denormal range keeps its
+    value (VCVTNEPS2BF16 alone flushes it to zero); x . A = 1 and B^T = 2^-130 make the correction
+    exactly 2^-130 (a bf16 denormal) on y = 0; every other column sums to 2^-130 * 1.5 the same way."""
+    width = 150  # two 64-output chunks (four 32-output ones) and a tail
+    x = torch.ones(rows, 40, dtype=torch.bfloat16)
+    a = torch.zeros(1, 1, 40, dtype=torch.bfloat16)
+    a[0, 0, 0] = 1
+    bt = torch.full((1, 1, width), 2.0 ** -130).to(torch.bfloat16)
+    bt[0, 0, 1::2] = torch.tensor(2.0 ** -130 * 1.5 + 2.0 ** -133).to(torch.bfloat16)  # exact in bf16: 2^-130 (1 + 1/2 + 1/8)
+    y = torch.zeros(rows, width, dtype=torch.bfloat16)
+    y[:, 1::2] = torch.tensor(-(2.0 ** -133)).to(torch.bfloat16)  # the sums 2^-130 (1 + 1/2): exact
+    expected = (y.float() + bt[0].float()).to(torch.bfloat16)  # each exact in float32: torch's rounding
+    assert expected.float().abs().min() > 0  # every sum is a denormal that survives
+    parts = (_Part * 1)(_Part(a.data_ptr(), bt.data_ptr(), y.data_ptr(), width, width, 1))
+    indices, starts, slots = (torch.tensor(v, dtype=torch.long) for v in (list(range(rows)), [0, rows], [0]))
+    shrunk = torch.empty(rows, 1)
+    bgmv_library.tessera_lora_bgmv_parts_bf16(x.data_ptr(), 40, parts, 1, indices.data_ptr(), starts.data_ptr(),
+                                              slots.data_ptr(), 1, 40, shrunk.data_ptr(), 2)
+    assert torch.equal(y, expected)
 
 
 def test_a_step_whose_every_row_decodes_gets_the_metadata_of_the_tensor_ops():
