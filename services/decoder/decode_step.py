@@ -81,7 +81,7 @@ class Projection(ctypes.Structure):
 class LoRAPart(ctypes.Structure):
     """decode_step.c's lora_part_t (a = NULL: no resident adapter has targeted the module)."""
 
-    _fields_ = [("a", _P), ("bt", _P), ("start", _I64), ("out_features", _I64), ("rank", _I64)]
+    _fields_ = [("a", _P), ("bt", _P), ("start", _I64), ("out_features", _I64), ("rank", _I64), ("tiled", _I64)]
 
 
 class Layer(ctypes.Structure):
@@ -367,10 +367,10 @@ class FusedDecode:
                 factors = slots.factors(f"model.layers.{i}.{LORA_PARTS[j]}")
                 if factors is not None:
                     a, b = factors
-                    bt = b.transpose(1, 2)
+                    bt = b if b.dim() == 2 else b.transpose(1, 2)  # tiled B^T (slots.py b_views), or [rank, out] rows
                     if not (a.is_contiguous() and bt.is_contiguous()):
                         raise RuntimeError("adapter slots no longer store A [slots, rank, in] and B^T contiguous")
-                    part.a, part.bt, part.rank = a.data_ptr(), bt.data_ptr(), a.shape[1]
+                    part.a, part.bt, part.rank, part.tiled = a.data_ptr(), bt.data_ptr(), a.shape[1], b.dim() == 2
                     self._resolved.add(key)
         self._resolved_buffers = buffers
         return batch.decode_groups

@@ -117,13 +117,14 @@ def build_parts(config: DecoderConfig) -> EngineParts:
     if lora_dtype != dtype and backends.lora == "triton":
         raise ValueError(f"the triton LoRA backend computes factors of the model's dtype, not lora_dtype "
                          f"{config.lora_dtype!r} on dtype {config.dtype!r} (--lora-backend cpu or torch)")
+    lora_backend = make_backend(backends.lora)
     bank = AdapterSlots(config.adapter_slots, config.max_lora_rank, target_shapes(model), lora_dtype, device,
-                        expert_parts(model))
+                        expert_parts(model), tiled_bt=lora_backend.tiled_bt)
     image_token_id = _image_token_id(config, model_config, tokenizer)
     vision = VisionTokens.from_config(model_config) if is_qwen2_vl(model_config) else None
     prompts = PromptBuilder(tokenizer, spec.vocab_size, spec.hidden_size, config.mrope_section, image_token_id,
                             vision.start if vision else None, vision.end if vision else None, compute_dtype=dtype)
-    runner = ModelRunner(model, cache, block_manager, LoRAContext(bank, make_backend(backends.lora)),
+    runner = ModelRunner(model, cache, block_manager, LoRAContext(bank, lora_backend),
                          config.mrope_section is not None, backends.attention, backends.linear, config.decode_step,
                          backends.pointwise)
     eos_token_ids = _eos_token_ids(config, model_config)

@@ -172,6 +172,39 @@ def test_expert_targets_share_a_stacked_buffer_row_per_slot_and_expert():
     assert float(bank.factors("m.experts.down_proj")[0][3].abs().sum()) == 18.0  # slot 1's untouched
 
 
+def test_tiled_slots_hold_the_factors_of_the_row_layout():
+    """`tiled_bt` (the cpu backend's layout) stores each slot's B^T in 64-output tiles then the tail:
+    read back as B it equals the [out, rank] view a bank without tiles holds, through loads of
+    ranks below the max, stacked experts, a slot reused and an unload (values distinct per element,
+    so a misplaced one shows)."""
+    from services.decoder.lora.slots import untile_b
+
+    shapes = {"m.q": (5, 131), "m.v": (5, 64), "m.k": (5, 7)} | {f"m.experts.{e}.down_proj": (3, 70) for e in range(2)}
+    banks = [AdapterSlots(num_slots=2, max_rank=4, module_shapes=shapes, expert_parts={"m.experts.down_proj": 2},
+                          tiled_bt=tiled) for tiled in (False, True)]
+    torch.manual_seed(3)
+
+    def weights(digest, rank, names):
+        return LoRAWeights(digest, {n: (torch.randn(rank, shapes[n][0]), torch.randn(shapes[n][1], rank)) for n in names})
+
+    loads = [weights("a", 3, ["m.q", "m.k", "m.experts.1.down_proj"]), weights("b", 4, list(shapes)),
+             weights("c", 1, ["m.v", "m.experts.0.down_proj"])]
+    for step, w in enumerate(loads):
+        for bank in banks:
+            if step == 2:
+                bank.unload("a")
+            assert bank.load(w) == [0, 1, 0][step]
+        for key, out in (("m.q", 131), ("m.v", 64), ("m.k", 7), ("m.experts.down_proj", 70)):
+            rows, tiled = banks[0].factors(key), banks[1].factors(key)
+            if rows is None:  # no adapter has targeted it yet
+                assert tiled is None and step == 0
+                continue
+            assert torch.equal(rows[0], tiled[0])
+            assert tiled[1].shape == (rows[1].shape[0], 4 * out) and tiled[1].is_contiguous()
+            assert torch.equal(untile_b(tiled[1], out), rows[1]), (step, key)
+    assert float(banks[1].factors("m.q")[1][0].abs().sum()) == 0.0  # c does not target m.q: slot 0 rewritten
+
+
 def test_a_slot_buffer_the_device_cannot_hold_is_refused_and_evicts_nothing():
     """Stacked expert buffers hold slots x experts x max_rank x (in + out) values, allocated on the
     first expert adapter: past the device, that load is refused naming the size; resident

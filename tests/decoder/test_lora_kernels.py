@@ -98,10 +98,12 @@ def test_torch_backend_padded_groups_equal_per_slot_loop_and_float64():
 
 @pytest.mark.parametrize("index", range(5))
 def test_cpu_backend_equals_torch_and_float64(index):
-    """The cpu backend (C BGMV for decode rows, torch for prefill rows) on the Triton cases' odd
-    sizes, ranks 1..64 padded to the max rank, slot -1 mixed in; B in the bank's layout (the
-    transposed view of [slots, rank, out]) and plain contiguous."""
+    """The cpu backend (C BGMV for decode and prefill rows) on the Triton cases' odd sizes, ranks
+    1..64 padded to the max rank, slot -1 mixed in; B in the bank's layouts (the transposed view of
+    [slots, rank, out], and tiled B^T: the same bits) and plain contiguous."""
     from lora_kernel_cases import CASES, make_case, reference
+
+    from services.decoder.lora.slots import tile_b
 
     x, y0, a, b, slots, decode = make_case(index, *CASES[index])
     ref = reference(x, y0, a, b, slots)
@@ -111,13 +113,16 @@ def test_cpu_backend_equals_torch_and_float64(index):
     make_backend("torch").add_lora(expected, x, a, b, batch)
     bank_layout = b.transpose(1, 2).contiguous().transpose(1, 2)
     backend = make_backend("cpu")
-    for factors in (bank_layout, b):
+    results = []
+    for factors in (bank_layout, b, tile_b(b)):
         y = y0.clone()
         backend.add_lora(y, x, a, factors, batch)
         backend.end_step()
         assert (y.double() - ref).abs().max() < 1e-4
         assert (y - expected).abs().max() < 1e-4
         assert torch.equal(y[base], y0[base])
+        results.append(y)
+    assert torch.equal(results[0], results[2])  # tiled: the same sums in the same order
     assert (ref - y0.double()).abs().max() > 0.1  # the correction is not negligible
 
 
@@ -212,7 +217,7 @@ class _Part(ctypes.Structure):
     """lora_bgmv.c's bgmv_part_t."""
 
     _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
-                ("out_features", ctypes.c_int64), ("rank", ctypes.c_int64)]
+                ("out_features", ctypes.c_int64), ("rank", ctypes.c_int64), ("tiled", ctypes.c_int64)]
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
@@ -221,7 +226,10 @@ class _Part(ctypes.Structure):
 def test_bgmv_parts_call_equals_one_call_per_part(dtypes, groups):
     """The fused decode step's one call over the projections that read the same x (q, k, v at
     their columns of one output): each part bit for bit its own single-part call's result, at 2
-    threads and at 1, and the float64 product; parts of odd widths and ranks (1 to 16)."""
+    threads and at 1, with B^T tiled (AdapterSlots' layout for the cpu backend) or [rank, out] rows,
+    and the float64 product; parts of odd widths and ranks (1 to 16)."""
+    from services.decoder.lora.slots import tile_b
+
     from services.decoder.kernels import native
 
     act, factor = dtypes
@@ -240,27 +248,27 @@ def test_bgmv_parts_call_equals_one_call_per_part(dtypes, groups):
     slots = torch.tensor([slot for slot, _ in groups])
     columns = [sum(widths[:i]) + 1 for i in range(3)]
 
-    def parts_call(threads):
-        y = y0.clone()
-        parts = (_Part * 3)(*(_Part(a.data_ptr(), bt.data_ptr(), y[:, c:].data_ptr(), y.stride(0), w, r)
-                              for (a, bt), c, w, r in zip(factors, columns, widths, ranks)))
-        shrunk = torch.empty(3, num_rows, max(ranks))
+    tiles = [tile_b(bt.transpose(1, 2)) for _, bt in factors]  # [slots, rank * out]
+
+    def call(y, which, threads, tiled):
+        parts = (_Part * len(which))(*(
+            _Part(factors[p][0].data_ptr(), (tiles[p] if tiled else factors[p][1]).data_ptr(),
+                  y[:, columns[p]:].data_ptr(), y.stride(0), widths[p], ranks[p], tiled) for p in which))
+        shrunk = torch.empty(len(which), num_rows, max(ranks[p] for p in which))
         getattr(library, f"tessera_lora_bgmv_parts_{suffix}")(
-            x.data_ptr(), in_f, parts, 3, rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f,
-            shrunk.data_ptr(), threads)
+            x.data_ptr(), in_f, parts, len(which), rows.data_ptr(), starts.data_ptr(), slots.data_ptr(), slots.numel(),
+            in_f, shrunk.data_ptr(), threads)
         return y
 
-    def single_calls():
+    def single_calls(tiled):
         y = y0.clone()
-        for (a, bt), c, w, r in zip(factors, columns, widths, ranks):
-            shrunk = torch.empty(num_rows, r)
-            getattr(library, f"tessera_lora_bgmv_{suffix}")(
-                x.data_ptr(), in_f, y[:, c:].data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(), rows.data_ptr(),
-                starts.data_ptr(), slots.data_ptr(), slots.numel(), in_f, w, r, shrunk.data_ptr(), 2)
+        for p in range(3):
+            call(y, [p], 2, tiled)
         return y
 
-    fused, alone, one_thread = parts_call(2), single_calls(), parts_call(1)
+    fused, alone, one_thread = call(y0.clone(), [0, 1, 2], 2, 0), single_calls(0), call(y0.clone(), [0, 1, 2], 1, 0)
     assert torch.equal(fused, alone) and torch.equal(fused, one_thread)
+    assert torch.equal(fused, call(y0.clone(), [0, 1, 2], 2, 1)) and torch.equal(fused, single_calls(1))
     expected = y0.double()
     for g, (slot, _) in enumerate(groups):
         for t in rows[starts[g]:starts[g + 1]].tolist():
@@ -292,7 +300,9 @@ def test_a_rows_correction_is_the_same_bits_alone_and_in_a_group(bgmv_library, d
     """A row alone (batch 1: the one-row shrink and expand) gets the bits it gets as one of a group's
     eight rows (a prompt's), four rows, or as a group's last (its tail), for parts of odd widths and
     ranks (3 to 16, rank 5 not a multiple of the one-row shrink's four), at 1 and 2 threads, in each
-    build of the kernels."""
+    build of the kernels, from B^T tiled or in [rank, out] rows."""
+    from services.decoder.lora.slots import tile_b
+
     act, factor = dtypes
     suffix = {(torch.float32, torch.float32): "f32", (torch.float32, torch.bfloat16): "f32_bf16w",
               (torch.bfloat16, torch.bfloat16): "bf16"}[dtypes]
@@ -305,10 +315,13 @@ def test_a_rows_correction_is_the_same_bits_alone_and_in_a_group(bgmv_library, d
                for w, r in zip(widths, ranks)]
     columns = [sum(widths[:i]) for i in range(3)]
 
-    def call(rows, starts, slots, threads):
+    tiles = [tile_b(bt.transpose(1, 2)) for _, bt in factors]  # [slots, rank * out]
+
+    def call(rows, starts, slots, threads, tiled=0):
         y = y0.clone()
-        parts = (_Part * 3)(*(_Part(a.data_ptr(), bt.data_ptr(), y[:, c:].data_ptr(), y.stride(0), w, r)
-                              for (a, bt), c, w, r in zip(factors, columns, widths, ranks)))
+        parts = (_Part * 3)(*(_Part(a.data_ptr(), (t if tiled else bt).data_ptr(), y[:, c:].data_ptr(), y.stride(0),
+                                    w, r, tiled)
+                              for (a, bt), t, c, w, r in zip(factors, tiles, columns, widths, ranks)))
         rows, starts, slots = (torch.tensor(v, dtype=torch.long) for v in (rows, starts, slots))
         shrunk = torch.empty(3, rows.numel(), max(ranks))
         getattr(library, f"tessera_lora_bgmv_parts_{suffix}")(
@@ -320,9 +333,11 @@ def test_a_rows_correction_is_the_same_bits_alone_and_in_a_group(bgmv_library, d
     for threads in (1, 2):
         # slot 2: rows 0-7 eight at a time, 8-11 four, 12 the tail; slot 0: row 13 alone
         grouped, grouped_shrunk = call(list(range(14)), [0, 13, 14], [2, 0], threads)
+        assert torch.equal(grouped, call(list(range(14)), [0, 13, 14], [2, 0], threads, tiled=1)[0])
         for row, slot in ((0, 2), (7, 2), (8, 2), (11, 2), (12, 2), (13, 0)):
             alone, alone_shrunk = call([row], [0, 1], [slot], threads)
             assert torch.equal(alone[row], grouped[row]), (threads, row)
+            assert torch.equal(alone[row], call([row], [0, 1], [slot], threads, tiled=1)[0][row]), (threads, row)
             assert not torch.equal(alone[row], y0[row])
             for part in range(len(ranks)):
                 assert torch.equal(alone_shrunk[part][0], grouped_shrunk[part][row]), (threads, row, part)
@@ -343,7 +358,7 @@ def test_a_bfloat16_sum_below_the_normal_range_is_rounded_not_flushed(bgmv_libra
     y[:, 1::2] = torch.tensor(-(2.0 ** -133)).to(torch.bfloat16)  # the sums 2^-130 (1 + 1/2): exact
     expected = (y.float() + bt[0].float()).to(torch.bfloat16)  # each exact in float32: torch's rounding
     assert expected.float().abs().min() > 0  # every sum is a denormal that survives
-    parts = (_Part * 1)(_Part(a.data_ptr(), bt.data_ptr(), y.data_ptr(), width, width, 1))
+    parts = (_Part * 1)(_Part(a.data_ptr(), bt.data_ptr(), y.data_ptr(), width, width, 1, 0))
     indices, starts, slots = (torch.tensor(v, dtype=torch.long) for v in (list(range(rows)), [0, rows], [0]))
     shrunk = torch.empty(rows, 1)
     bgmv_library.tessera_lora_bgmv_parts_bf16(x.data_ptr(), 40, parts, 1, indices.data_ptr(), starts.data_ptr(),

@@ -124,7 +124,7 @@ void tessera_qgemm(const float *, int64_t, int64_t, const uint8_t *, int64_t, co
 typedef struct {
     const void *a, *bt;
     void *y;
-    int64_t y_stride, out_features, rank;
+    int64_t y_stride, out_features, rank, tiled;
 } bgmv_part_t;
 void tessera_lora_bgmv_parts_team_f32(const float *, int64_t, const bgmv_part_t *, int64_t, const int64_t *,
                                       const int64_t *, const int64_t *, int64_t, int64_t, float *, int);
@@ -143,11 +143,12 @@ typedef struct {
 } projection_t;
 
 /* One LoRA target of a projection: its columns [start, start + out) of the projection's output;
-   a [slots, rank, in], bt [slots, rank, out] (B^T) contiguous, or a = NULL (no adapter targets it). */
+   a [slots, rank, in], bt [slots, rank, out] (B^T; tiled = 1: in lora_bgmv.c's tiles) contiguous, or
+   a = NULL (no adapter targets it). */
 typedef struct {
     const void *a;
     const void *bt;
-    int64_t start, out_features, rank;
+    int64_t start, out_features, rank, tiled;
 } lora_part_t;
 
 /* One decoder layer's weights and cache (decode_step.py's Layer). */
@@ -579,7 +580,7 @@ static inline __attribute__((always_inline)) void project_lora(
     for (int i = first; s->lora_groups != 0 && i < first + count; i++)
         if (l->lora[i].a != NULL)
             parts[n++] = (bgmv_part_t){l->lora[i].a, l->lora[i].bt, AT(y, l->lora[i].start, bf16), p->out_features,
-                                       l->lora[i].out_features, l->lora[i].rank};
+                                       l->lora[i].out_features, l->lora[i].rank, l->lora[i].tiled};
     const lora_call_t lora = {s, parts, n, p->in_features};
     project(s, p, x, y, n == 0 ? NULL : &lora, bf16);
 }

@@ -9,6 +9,9 @@
  *     shrink   s[i][k] = x[row_i] . a[slot][k]                     k < rank      (a: [rank, in])
  *     expand   y[row_i][o] += sum_k s[i][k] * bt[slot][k][o]                     (bt: [rank, out], B^T)
  *
+ * bt is [rank, out] rows, or tiled (bgmv_part_t.tiled, AdapterSlots' layout for the cpu backend: see
+ * bt_run), one part per projection of a `_parts` call.
+ *
  * The expand sums its rank terms in a zeroed accumulator and adds it to y once, as the torch
  * backend adds its delta. Work is split over groups for the shrink and over groups for the expand
  * (with fewer groups than twice the threads, each group's rank rows of A and its outputs in pieces),
@@ -252,27 +255,57 @@ static inline __attribute__((always_inline)) void ask_y(void *y, int64_t y_strid
     }
 }
 
+/* Where the expand reads B^T's outputs o0, o0 + 1, ... of rank row k: at + k * k_stride bytes, and the
+   same outputs one CHUNK on at + tile_stride. Two layouts of a slot's B^T (bgmv_part_t.tiled):
+     0  [rank, out] rows (the torch backend's view of AdapterSlots' buffer);
+     1  tiled: out's whole CHUNK-output tiles, each [rank, CHUNK], then the last out % CHUNK outputs as
+        [rank, out % CHUNK] (AdapterSlots' buffer for the cpu backend), so a group's expand reads its
+        factors front to back, one stream, where [rank, out] rows are rank streams of CHUNK outputs
+        each; SmolLM2's 32-row step, 8 adapters, bf16: 34.75 -> 34.07 ms, the same bits.
+   The run is within one tile (or the tail): o0 + width <= the tile's end. */
+typedef struct {
+    const char *at;
+    size_t k_stride, tile_stride;
+} bt_run_t;
+
+static inline __attribute__((always_inline)) bt_run_t bt_run(const void *b_slot, int64_t rank, int64_t out_features,
+                                                             int64_t o0, int tiled, size_t welement)
+{
+    const char *b = (const char *)b_slot;
+    if (!tiled)
+        return (bt_run_t){b + (size_t)o0 * welement, (size_t)out_features * welement, CHUNK * welement};
+    const int64_t whole = out_features / CHUNK * CHUNK;
+    if (o0 < whole)
+        return (bt_run_t){b + (size_t)((o0 / CHUNK) * rank * CHUNK + o0 % CHUNK) * welement, CHUNK * welement,
+                          (size_t)(rank * CHUNK) * welement};
+    return (bt_run_t){b + (size_t)(whole * rank + o0 - whole) * welement, (size_t)(out_features - whole) * welement,
+                      0};
+}
+
 /* chunks between the one a row group's expand sums and the one whose B^T rows it asks for: a chunk
    is rank short runs (128 or 256 bytes each), too short for the hardware prefetcher. SmolLM2's 120
    calls of a 32-row step in 8 groups of 4, bf16, rank 16 (78 MB of factors), 2-core AMD EPYC (Zen 5)
    VM, medians, ms, 1 / 2 / 3 / 4 ahead: 3.95 / 3.51 / 3.48 / 3.48 (built for AVX2: 5.9 / 5.3 / 5.4) */
 #define EXPAND_AHEAD 2
 
-/* B^T row k's part EXPAND_AHEAD chunks past the chunk at o0 (bk: row k at o0) asked for, where there is one */
-static inline __attribute__((always_inline)) void ask_ahead(const char *bk, int64_t o0, int64_t out_features,
-                                                             size_t welement)
+/* B^T row k's part EXPAND_AHEAD chunks past the chunk at o0 (bk: row k at o0, tile_stride: bt_run's)
+   asked for, where there is one */
+static inline __attribute__((always_inline)) void ask_ahead(const char *bk, size_t tile_stride, int64_t o0,
+                                                             int64_t out_features, size_t welement)
 {
     if (o0 + (EXPAND_AHEAD + 1) * CHUNK <= out_features)
         for (size_t at = 0; at < CHUNK * welement; at += 64)
-            __builtin_prefetch(bk + EXPAND_AHEAD * CHUNK * welement + at, 0, 1);
+            __builtin_prefetch(bk + EXPAND_AHEAD * tile_stride + at, 0, 1);
 }
 
-/* y[rows[r]][o0:o0+width] += sum_k s[r][k] * b_slot[k][o0:o0+width], r < ROWS (s rows past nr are 0) */
+/* y[rows[r]][o0:o0+width] += sum_k s[r][k] * b_slot[k][o0:o0+width], r < ROWS (s rows past nr are 0);
+   o0 a multiple of CHUNK, b_slot in layout `tiled` (bt_run) */
 static inline __attribute__((always_inline)) void expand_rows(
     void *y, int64_t y_stride, const int64_t *rows, int64_t nr, const float *s, const void *b_slot,
-    int64_t out_features, int64_t rank, int64_t o0, int64_t width, const int bf16, const int wbf16)
+    int64_t out_features, int64_t rank, int tiled, int64_t o0, int64_t width, const int bf16, const int wbf16)
 {
     const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
+    const bt_run_t run = bt_run(b_slot, rank, out_features, o0, tiled, welement);
     float acc[ROWS][CHUNK];
     ask_y(y, y_stride, rows, nr, o0, CHUNK, out_features, bf16);
     if (width == CHUNK) {  /* the four rows' 64 sums in registers across the rank rows */
@@ -282,8 +315,8 @@ static inline __attribute__((always_inline)) void expand_rows(
             for (int v = 0; v < 4; v++)
                 a[r][v] = _mm512_setzero_ps();
         for (int64_t k = 0; k < rank; k++) {
-            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
-            ask_ahead(bk, o0, out_features, welement);
+            const char *bk = run.at + k * run.k_stride;
+            ask_ahead(bk, run.tile_stride, o0, out_features, welement);
             __m512 c[ROWS];
             for (int r = 0; r < ROWS; r++)
                 c[r] = _mm512_set1_ps(s[r * rank + k]);
@@ -309,9 +342,9 @@ static inline __attribute__((always_inline)) void expand_rows(
             for (int64_t o = 0; o < CHUNK; o++)
                 acc[r][o] = 0.f;
         for (int64_t k = 0; k < rank; k++) {
-            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
+            const char *bk = run.at + k * run.k_stride;
             const float c0 = s[0 * rank + k], c1 = s[1 * rank + k], c2 = s[2 * rank + k], c3 = s[3 * rank + k];
-            ask_ahead(bk, o0, out_features, welement);
+            ask_ahead(bk, run.tile_stride, o0, out_features, welement);
             #pragma omp simd
             for (int64_t o = 0; o < CHUNK; o++) {
                 const float bv = WLOAD(bk, o);
@@ -327,7 +360,7 @@ static inline __attribute__((always_inline)) void expand_rows(
             for (int64_t o = 0; o < width; o++)
                 acc[r][o] = 0.f;
         for (int64_t k = 0; k < rank; k++) {
-            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
+            const char *bk = run.at + k * run.k_stride;
             for (int64_t r = 0; r < ROWS; r++) {
                 const float c = s[r * rank + k];
                 #pragma omp simd
@@ -362,17 +395,18 @@ static inline __attribute__((always_inline)) void expand_rows(
    120 calls: 32.0 -> 30.6 ms */
 static inline __attribute__((always_inline)) void expand_rows8(
     void *y, int64_t y_stride, const int64_t *rows, const float *s, const void *b_slot, int64_t out_features,
-    int64_t rank, int64_t o0, const int bf16, const int wbf16)
+    int64_t rank, int tiled, int64_t o0, const int bf16, const int wbf16)
 {
     const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
+    const bt_run_t run = bt_run(b_slot, rank, out_features, o0, tiled, welement);
     ask_y(y, y_stride, rows, ROWS8, o0, CHUNK8, out_features, bf16);
     __m512 a[ROWS8][2];
     for (int r = 0; r < ROWS8; r++)
         a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < rank; k++) {
-        const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
+        const char *bk = run.at + k * run.k_stride;
         if (o0 % CHUNK == 0)
-            ask_ahead(bk, o0, out_features, welement);
+            ask_ahead(bk, run.tile_stride, o0, out_features, welement);
         const __m512 b0 = W16(bk), b1 = W16(bk + 16 * welement);
         for (int r = 0; r < ROWS8; r++) {
             const __m512 c = _mm512_set1_ps(s[r * rank + k]);
@@ -408,7 +442,7 @@ static inline __attribute__((always_inline)) void expand_rows8(
 #define STREAM_OUTS 2048
 static inline __attribute__((always_inline)) void expand_one_row(
     void *y, int64_t y_stride, int64_t row, const float *s, const void *b_slot, int64_t out_features, int64_t rank,
-    int64_t first, int64_t last, const int bf16, const int wbf16)
+    int tiled, int64_t first, int64_t last, const int bf16, const int wbf16)
 {
     const size_t welement = wbf16 ? sizeof(bf16_t) : sizeof(float);
     float acc[STREAM_OUTS];
@@ -417,11 +451,12 @@ static inline __attribute__((always_inline)) void expand_one_row(
        block two ahead asked for meanwhile; the last < 64 outputs by the loop below */
     for (; first + 64 <= last; first += 64) {
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        const bt_run_t run = bt_run(b_slot, rank, out_features, first, tiled, welement);
         for (int64_t k = 0; k < rank; k++) {
-            const char *bk = (const char *)b_slot + (size_t)(k * out_features + first) * welement;
+            const char *bk = run.at + k * run.k_stride;
             if (first + 192 <= last)
                 for (size_t at = 0; at < 64 * welement; at += 64)
-                    __builtin_prefetch(bk + 128 * welement + at, 0, 1);
+                    __builtin_prefetch(bk + 2 * run.tile_stride + at, 0, 1);
             const __m512 c = _mm512_set1_ps(s[k]);
             a0 = _mm512_fmadd_ps(c, W16(bk), a0);
             a1 = _mm512_fmadd_ps(c, W16(bk + 16 * welement), a1);
@@ -452,12 +487,14 @@ static inline __attribute__((always_inline)) void expand_one_row(
         }
     }
 #endif
-    for (int64_t o0 = first; o0 < last; o0 += STREAM_OUTS) {
-        const int64_t width = last - o0 < STREAM_OUTS ? last - o0 : STREAM_OUTS;
+    const int64_t runs = tiled ? CHUNK : STREAM_OUTS;  /* tiled: a tile's rows at a time */
+    for (int64_t o0 = first; o0 < last; o0 += runs) {
+        const int64_t width = last - o0 < runs ? last - o0 : runs;
+        const bt_run_t run = bt_run(b_slot, rank, out_features, o0, tiled, welement);
         for (int64_t o = 0; o < width; o++)
             acc[o] = 0.f;
         for (int64_t k = 0; k < rank; k++) {
-            const char *bk = (const char *)b_slot + (size_t)(k * out_features + o0) * welement;
+            const char *bk = run.at + k * run.k_stride;
             const float c = s[k];
             #pragma omp simd
             for (int64_t o = 0; o < width; o++)
@@ -484,7 +521,7 @@ static inline __attribute__((always_inline)) void expand_one_row(
 typedef struct {
     const void *a, *bt;
     void *y;
-    int64_t y_stride, out_features, rank;
+    int64_t y_stride, out_features, rank, tiled;
 } bgmv_part_t;
 
 /* the shrink of work item `item` (one unit's piece of rank rows) of lora_bgmv_team */
@@ -528,16 +565,17 @@ static inline __attribute__((always_inline)) void expand_item(
     const int64_t last = first + span < out_features ? first + span : out_features;
     const float *in = shrunk + (size_t)((unit / num_groups) * num_rows * max_rank);
     const char *b_slot = (const char *)part->bt + (size_t)(group_slots[g] * rank * out_features) * welement;
+    const int tiled = part->tiled != 0;
     int64_t i = group_starts[g];
 #if EXPAND_AVX512
     for (; i + ROWS8 <= group_starts[g + 1]; i += ROWS8) {  /* eight rows at a time while there are */
         const float *s = in + i * rank;
         int64_t o0 = first;
         for (; o0 + CHUNK8 <= last; o0 += CHUNK8)
-            expand_rows8(part->y, part->y_stride, rows + i, s, b_slot, out_features, rank, o0, bf16, wbf16);
+            expand_rows8(part->y, part->y_stride, rows + i, s, b_slot, out_features, rank, tiled, o0, bf16, wbf16);
         for (int64_t h = 0; h < ROWS8 && o0 < last; h += ROWS)  /* the outputs past the last CHUNK8 */
-            expand_rows(part->y, part->y_stride, rows + i + h, ROWS, s + h * rank, b_slot, out_features, rank, o0,
-                        last - o0, bf16, wbf16);
+            expand_rows(part->y, part->y_stride, rows + i + h, ROWS, s + h * rank, b_slot, out_features, rank, tiled,
+                        o0, last - o0, bf16, wbf16);
     }
 #endif
     for (; i < group_starts[g + 1]; i += ROWS) {
@@ -547,11 +585,12 @@ static inline __attribute__((always_inline)) void expand_item(
             for (int64_t k = 0; k < rank; k++)
                 s[r * rank + k] = r < nr ? in[(i + r) * rank + k] : 0.f;
         if (nr == 1) {
-            expand_one_row(part->y, part->y_stride, rows[i], s, b_slot, out_features, rank, first, last, bf16, wbf16);
+            expand_one_row(part->y, part->y_stride, rows[i], s, b_slot, out_features, rank, tiled, first, last, bf16,
+                           wbf16);
             continue;
         }
         for (int64_t o0 = first; o0 < last; o0 += CHUNK)
-            expand_rows(part->y, part->y_stride, rows + i, nr, s, b_slot, out_features, rank, o0,
+            expand_rows(part->y, part->y_stride, rows + i, nr, s, b_slot, out_features, rank, tiled, o0,
                         last - o0 < CHUNK ? last - o0 : CHUNK, bf16, wbf16);
     }
 }
@@ -595,9 +634,15 @@ static int64_t max_rank_of(const bgmv_part_t *parts, int64_t num_parts)
     return rank;
 }
 
-/* Several projections reading the same x in one parallel region (the fused decode step's q, k, v and
+/* x [num_tokens, in] (row stride x_stride elements); each part's y [num_tokens, out] (row stride
+   y_stride), a [num_slots, rank, in] and bt [num_slots, rank, out] (tiled or not) contiguous; rows
+   [num_rows] grouped by slot, group_starts [num_groups + 1], group_slots [num_groups]. Several
+   projections reading the same x in one parallel region (the fused decode step's q, k, v and
    gate, up: one fork and two barriers where one call per projection took three each); each part's
-   results are those of its own single-part call. shrunk: [num_parts, num_rows, max rank] float32. */
+   results are those of its own single-part call. shrunk: [num_parts, num_rows, max rank] float32.
+   float32 x, y and factors; _bf16: bfloat16 x, y, a and bt (raw bits, uint16), shrunk float32;
+   _f32_bf16w: float32 x and y with bfloat16 factors (--lora-dtype bfloat16 on a float32 model), each
+   factor value widened exactly. */
 void tessera_lora_bgmv_parts_f32(
     const float *x, int64_t x_stride, const bgmv_part_t *parts, int64_t num_parts, const int64_t *rows,
     const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups, int64_t in_features, float *shrunk,
@@ -648,40 +693,3 @@ PARTS_TEAM(f32, float, 0, 0)
 PARTS_TEAM(bf16, bf16_t, 1, 1)
 PARTS_TEAM(f32_bf16w, float, 0, 1)
 #undef PARTS_TEAM
-
-/* x [num_tokens, in] (row stride x_stride elements), y [num_tokens, out] (row stride y_stride),
-   a [num_slots, rank, in] and bt [num_slots, rank, out] contiguous; rows [num_rows] grouped by slot,
-   group_starts [num_groups + 1], group_slots [num_groups]; shrunk [num_rows, rank] float32 scratch.
-   One part of the `_parts` functions below. */
-void tessera_lora_bgmv_f32(
-    const float *x, int64_t x_stride, float *y, int64_t y_stride, const float *a, const float *bt,
-    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
-    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
-{
-    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
-    tessera_lora_bgmv_parts_f32(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features,
-                                shrunk, num_threads);
-}
-
-/* the same over bfloat16 x, y, a and bt (raw bits, uint16); shrunk stays float32 */
-void tessera_lora_bgmv_bf16(
-    const bf16_t *x, int64_t x_stride, bf16_t *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
-    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
-    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
-{
-    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
-    tessera_lora_bgmv_parts_bf16(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups, in_features,
-                                 shrunk, num_threads);
-}
-
-/* float32 x and y with bfloat16 factors (--lora-dtype bfloat16 on a float32 model: half the bytes the
-   kernel streams); each factor value widened exactly, the sums as tessera_lora_bgmv_f32's */
-void tessera_lora_bgmv_f32_bf16w(
-    const float *x, int64_t x_stride, float *y, int64_t y_stride, const bf16_t *a, const bf16_t *bt,
-    const int64_t *rows, const int64_t *group_starts, const int64_t *group_slots, int64_t num_groups,
-    int64_t in_features, int64_t out_features, int64_t rank, float *shrunk, int num_threads)
-{
-    const bgmv_part_t part = {a, bt, y, y_stride, out_features, rank};
-    tessera_lora_bgmv_parts_f32_bf16w(x, x_stride, &part, 1, rows, group_starts, group_slots, num_groups,
-                                      in_features, shrunk, num_threads);
-}

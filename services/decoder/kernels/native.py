@@ -41,7 +41,6 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _INT]
 # query, k_cache, v_cache, spans, num_spans, slots, out, heads, kv_heads, head_dim, num_slots, scale, window, cap, threads
 _PREFILL_ARGS = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _INT]
-_BGMV_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
 # x, x_stride, parts (bgmv_part_t [num_parts]), num_parts, rows, group_starts, group_slots, num_groups, in, shrunk, threads
 _BGMV_PARTS_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _INT]
 _GEMM_ARGS = [_P, _I64, _I64, _P, _P, _P, _I64, _INT]
@@ -57,9 +56,6 @@ _SIGNATURES = {
     "tessera_paged_prefill_attention_f32": (_INT, _PREFILL_ARGS),
     "tessera_paged_prefill_attention_bf16": (_INT, _PREFILL_ARGS),
     "tessera_paged_prefill_attention_f32_bf16kv": (_INT, _PREFILL_ARGS),
-    "tessera_lora_bgmv_f32": (None, _BGMV_ARGS),
-    "tessera_lora_bgmv_bf16": (None, _BGMV_ARGS),
-    "tessera_lora_bgmv_f32_bf16w": (None, _BGMV_ARGS),
     "tessera_lora_bgmv_parts_f32": (None, _BGMV_PARTS_ARGS),
     "tessera_lora_bgmv_parts_bf16": (None, _BGMV_PARTS_ARGS),
     "tessera_lora_bgmv_parts_f32_bf16w": (None, _BGMV_PARTS_ARGS),

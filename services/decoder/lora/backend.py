@@ -10,7 +10,9 @@ is not -1,  y[t] += (x[t] @ a[s].T) @ b[s].T ; base rows of `y` are left untouch
     y: [num_tokens, out_features]     updated in place, same dtype as x
     a: [num_slots, max_rank, in]      shrink factors, zero-padded past each adapter's rank
     b: [num_slots, out, max_rank]     expand factors, LoRA scale already folded in; AdapterSlots stores
-                                      them as the transposed view of [num_slots, max_rank, out]
+                                      them as the transposed view of [num_slots, max_rank, out], or for
+                                      a backend whose `tiled_bt` is True as B^T in lora_bgmv.c's tiles,
+                                      [num_slots, max_rank * out] (slots.py `b_views`)
 
 Accumulation is float32 (at least), then cast to y's dtype once.
 """
@@ -33,6 +35,7 @@ class LoRABackend(ABC):
     """
 
     name: str = ""
+    tiled_bt: bool = False  # whether AdapterSlots should store B as tiled B^T for this backend (module docstring)
 
     @abstractmethod
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -28,6 +28,38 @@ from services.common.lora_names import expert_target
 from services.common.memory import back_with_huge_pages
 
 
+EXPAND_TILE = 64  # lora_bgmv.c's CHUNK: outputs per tile of a tiled B^T
+
+
+def b_views(bt: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiled B^T [rows, rank * out] (lora_bgmv.c's `bt_run`: out's whole EXPAND_TILE-output tiles, each
+    [rank, EXPAND_TILE], then the last out % EXPAND_TILE outputs as [rank, out % EXPAND_TILE]) seen as B:
+    (tiles [rows, out // EXPAND_TILE, EXPAND_TILE, rank], tail [rows, out % EXPAND_TILE, rank]), views
+    of its storage (writing them writes it)."""
+    rows, tiles = bt.shape[0], out_features // EXPAND_TILE
+    rank, whole = bt.shape[1] // out_features, out_features // EXPAND_TILE * EXPAND_TILE
+    head = bt[:, :whole * rank].view(rows, tiles, rank, EXPAND_TILE).transpose(2, 3)
+    tail = bt[:, whole * rank:].view(rows, rank, out_features - whole).transpose(1, 2)
+    return head, tail
+
+
+def tile_b(b: torch.Tensor) -> torch.Tensor:
+    """B [rows, out, rank] as a tiled B^T [rows, rank * out] (a copy; `b_views`)."""
+    rows, out_features, rank = b.shape
+    bt = torch.empty(rows, rank * out_features, dtype=b.dtype, device=b.device)
+    head, tail = b_views(bt, out_features)
+    whole = head.shape[1] * EXPAND_TILE
+    head.copy_(b[:, :whole].view(rows, head.shape[1], EXPAND_TILE, rank))
+    tail.copy_(b[:, whole:])
+    return bt
+
+
+def untile_b(bt: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A tiled B^T [rows, rank * out] as B [rows, out, rank] (a copy; `b_views`)."""
+    head, tail = b_views(bt, out_features)
+    return torch.cat([head.reshape(bt.shape[0], -1, head.shape[3]), tail], dim=1)
+
+
 @dataclass(frozen=True)
 class LoRAWeights:
     """One adapter's factors by module name (e.g. "model.layers.0.self_attn.q_proj").
@@ -57,10 +89,12 @@ class AdapterSlots:
 
     def __init__(self, num_slots: int, max_rank: int, module_shapes: dict[str, tuple[int, int]],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 expert_parts: dict[str, int] | None = None) -> None:
+                 expert_parts: dict[str, int] | None = None, tiled_bt: bool = False) -> None:
         """`module_shapes`: module name -> (in_features, out_features), per-expert names included;
         `expert_parts`: "<layer>.mlp.experts.<part>" -> number of experts, for the parts whose
-        per-expert modules share a stacked buffer (module docstring; `layers.target_shapes`)."""
+        per-expert modules share a stacked buffer (module docstring; `layers.target_shapes`);
+        `tiled_bt`: B stored as tiled B^T (`b_views`), the layout the cpu backend reads front to back."""
+        self.tiled_bt = tiled_bt
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.module_shapes = module_shapes  # name -> (in_features, out_features)
@@ -77,7 +111,8 @@ class AdapterSlots:
             self._place[name] = (key, expert)
             self._rows_per_slot[key] = expert_parts.get(key, 1)
         self._a: dict[str, torch.Tensor] = {}  # key -> [slots * rows per slot, max_rank, in]
-        self._b: dict[str, torch.Tensor] = {}  # key -> [slots * rows, out, max_rank], a view of [.., max_rank, out]
+        # key -> [slots * rows, out, max_rank], a view of [.., max_rank, out]; tiled: [slots * rows, max_rank * out]
+        self._b: dict[str, torch.Tensor] = {}
         self._digests: list[str | None] = [None] * num_slots
         self._leases = [0] * num_slots
         self._named: list[Counter[str]] = [Counter() for _ in range(num_slots)]  # slot -> leases by name
@@ -205,7 +240,13 @@ class AdapterSlots:
             # from pinned host memory (HostAdapterCache on CUDA) the copy runs asynchronously,
             # ordered before the next step's kernels on the device's stream
             self._a[key][row, :rank].copy_(a, non_blocking=True)
-            self._b[key][row, :, :rank].copy_(b, non_blocking=True)
+            if self.tiled_bt:
+                head, tail = b_views(self._b[key], b.shape[0])
+                whole = head.shape[1] * EXPAND_TILE
+                head[row, :, :, :rank].copy_(b[:whole].view(head.shape[1], EXPAND_TILE, rank))
+                tail[row, :, :rank].copy_(b[whole:])
+            else:
+                self._b[key][row, :, :rank].copy_(b, non_blocking=True)
         self._digests[slot] = weights.digest
         self.num_swaps += 1
         self._idle[slot] = None
@@ -256,7 +297,8 @@ class AdapterSlots:
                                       "(NaN, inf, or past its range)")
 
     def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A [slots, max_rank, in], B [slots, out, max_rank]) of module `name`; None while no
+        """(A [slots, max_rank, in], B [slots, out, max_rank]) of module `name`, or with `tiled_bt`
+        (A, B^T tiled [slots, max_rank * out]: `b_views`, `untile_b`); None while no
         resident adapter has ever targeted it. For a stacked expert part "<layer>.mlp.experts.<part>"
         the first dimension is slots * experts, row slot * experts + expert (module docstring).
         Lock-free: called per projection of every step."""
@@ -286,9 +328,10 @@ class AdapterSlots:
             in_f, out_f = self.module_shapes[name]
             rows = self.num_slots * self._rows_per_slot[key]
             try:
-                # B^T of each slot contiguous: the expand reads [rank, out] rows (cpu and torch backends).
-                # B before A: `factors` reads without the lock and finds B wherever it finds A.
-                b = torch.zeros(rows, self.max_rank, out_f, dtype=self.dtype, device=self.device).transpose(1, 2)
+                # B^T of each slot contiguous: the expand reads [rank, out] rows (torch backend) or tiles
+                # (cpu backend). B before A: `factors` reads without the lock and finds B wherever it finds A.
+                b = torch.zeros(rows, self.max_rank, out_f, dtype=self.dtype, device=self.device)
+                b = b.view(rows, -1) if self.tiled_bt else b.transpose(1, 2)
                 a = torch.zeros(rows, self.max_rank, in_f, dtype=self.dtype, device=self.device)
             except RuntimeError as error:  # torch.OutOfMemoryError, or the host's allocator
                 size = rows * self.max_rank * (in_f + out_f) * torch.tensor([], dtype=self.dtype).element_size()
