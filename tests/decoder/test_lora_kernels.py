@@ -228,9 +228,8 @@ def test_bgmv_parts_call_equals_one_call_per_part(dtypes, groups):
     their columns of one output): each part bit for bit its own single-part call's result, at 2
     threads and at 1, with B^T tiled (AdapterSlots' layout for the cpu backend) or [rank, out] rows,
     and the float64 product; parts of odd widths and ranks (1 to 16)."""
-    from services.decoder.lora.slots import tile_b
-
     from services.decoder.kernels import native
+    from services.decoder.lora.slots import tile_b
 
     act, factor = dtypes
     suffix = {(torch.float32, torch.float32): "f32", (torch.float32, torch.bfloat16): "f32_bf16w",

@@ -27,7 +27,6 @@ from services.common.errors import InvalidArgument, ResourceExhausted
 from services.common.lora_names import expert_target
 from services.common.memory import back_with_huge_pages
 
-
 EXPAND_TILE = 64  # lora_bgmv.c's CHUNK: outputs per tile of a tiled B^T
 
 
