@@ -299,7 +299,7 @@ static inline __attribute__((always_inline)) void ask_ahead(const char *bk, size
 }
 
 /* y[rows[r]][o0:o0+width] += sum_k s[r][k] * b_slot[k][o0:o0+width], r < ROWS (s rows past nr are 0);
-   o0 a multiple of CHUNK, b_slot in layout `tiled` (bt_run) */
+   b_slot in layout `tiled`, the outputs within one of its tiles or its tail (bt_run) */
 static inline __attribute__((always_inline)) void expand_rows(
     void *y, int64_t y_stride, const int64_t *rows, int64_t nr, const float *s, const void *b_slot,
     int64_t out_features, int64_t rank, int tiled, int64_t o0, int64_t width, const int bf16, const int wbf16)
