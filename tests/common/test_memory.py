@@ -112,7 +112,7 @@ def _resident(low: int, high: int) -> int:
 
 def test_only_the_tensors_own_bytes_are_backed():
     """A view of part of a storage: the rest of the storage, never written, gains no resident page."""
-    fresh = mmap.mmap(-1, 64 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a new mapping (malloc may hand back memory written before)
+    fresh = mmap.mmap(-1, 64 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a new mapping, as below
     storage = torch.frombuffer(fresh, dtype=torch.uint8)  # not written: its pages are not present
     view = storage[8 * MIB:16 * MIB]
     view.fill_(7)
@@ -127,7 +127,10 @@ def test_only_the_tensors_own_bytes_are_backed():
 
 
 def test_memory_advised_before_it_is_written_faults_in_as_huge_pages():
-    tensor = torch.empty(64 * MIB, dtype=torch.uint8)  # past glibc's largest mmap threshold: a fresh mapping
+    # a new mapping: malloc may serve even 64 MB from memory freed earlier in the process, already
+    # faulted in 4 KiB pages (a clean-clone .ci/run's pytest process did: AnonHugePages 0 kB)
+    fresh = mmap.mmap(-1, 64 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(fresh, dtype=torch.uint8)
     low, high = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
     advised = advise_huge_pages(tensor)
     tensor.fill_(1)
