@@ -42,14 +42,21 @@ def b_views(bt: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Te
     return head, tail
 
 
+def write_b(bt: torch.Tensor, b: torch.Tensor, rows: int | None = None) -> None:
+    """Write B (one row's [out, r], or every row's [rows, out, r] where `rows` is None; r <= the buffer's
+    rank) into the first r ranks of tiled B^T `bt`'s row `rows`, or of all its rows (`b_views`)."""
+    rows = slice(None) if rows is None else rows
+    head, tail = b_views(bt, b.shape[-2])
+    whole, rank = head.shape[1] * EXPAND_TILE, b.shape[-1]
+    head[rows, ..., :rank].copy_(b[..., :whole, :].unflatten(-2, (head.shape[1], EXPAND_TILE)))
+    tail[rows, ..., :rank].copy_(b[..., whole:, :])
+
+
 def tile_b(b: torch.Tensor) -> torch.Tensor:
     """B [rows, out, rank] as a tiled B^T [rows, rank * out] (a copy; `b_views`)."""
     rows, out_features, rank = b.shape
     bt = torch.empty(rows, rank * out_features, dtype=b.dtype, device=b.device)
-    head, tail = b_views(bt, out_features)
-    whole = head.shape[1] * EXPAND_TILE
-    head.copy_(b[:, :whole].view(rows, head.shape[1], EXPAND_TILE, rank))
-    tail.copy_(b[:, whole:])
+    write_b(bt, b)
     return bt
 
 
@@ -240,10 +247,7 @@ class AdapterSlots:
             # ordered before the next step's kernels on the device's stream
             self._a[key][row, :rank].copy_(a, non_blocking=True)
             if self.tiled_bt:
-                head, tail = b_views(self._b[key], b.shape[0])
-                whole = head.shape[1] * EXPAND_TILE
-                head[row, :, :, :rank].copy_(b[:whole].view(head.shape[1], EXPAND_TILE, rank))
-                tail[row, :, :rank].copy_(b[whole:])
+                write_b(self._b[key], b, row)
             else:
                 self._b[key][row, :, :rank].copy_(b, non_blocking=True)
         self._digests[slot] = weights.digest
